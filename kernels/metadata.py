@@ -1,0 +1,41 @@
+"""Per-step attention metadata: built once per engine step by the model runner, read by every layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """A flattened batch of T new tokens from S sequences.
+
+    Sequence i owns query rows `[query_start_loc[i], query_start_loc[i+1])`; its new tokens sit at the last
+    positions of its context of `seq_lens[i]` tokens, whose KV lives in the blocks of its block table.
+    """
+
+    query_start_loc: list[int]  # [S+1] host ints
+    seq_lens: list[int]  # [S] context length including the new tokens
+    block_runs: list[list[tuple[int, int]]]  # per sequence: (first_block, num_blocks) runs of consecutive ids
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with -1 (device kernels read this)
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def contiguous_runs(block_table: list[int], num_blocks: int) -> list[tuple[int, int]]:
+    """Split the first `num_blocks` ids of a block table into runs of consecutive ids.
+
+    The CPU attention path views each run of the pool as one `[run_len * block_size, Hkv, D]` tensor (no
+    copy), so a context in few runs costs few matmuls.
+    """
+    runs: list[tuple[int, int]] = []
+    for block in block_table[:num_blocks]:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs

@@ -1,0 +1,120 @@
+"""Torch reference twins of tsterm's kernels: the CPU path, and the oracle the Triton kernels are tested against.
+
+Contracts (shapes, dtypes, what is mutated) are documented here once; device kernels keep the same signatures.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tsterm_kernels.metadata import AttentionMetadata
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of `x` (+ `residual` first, when given). Returns (normed, new_residual).
+
+    x, residual: [T, H]; weight: [H]. The residual sum is what the next layer adds onto.
+    """
+    if residual is not None:
+        x = x + residual  # [T, H]
+        residual = x
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [T, H]
+    return weight * xf.to(dtype), residual
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the new tokens' K/V into their slots of the paged pool, in place.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64.
+    """
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole context, read in place from the pool.
+
+    q: [T, Hq, D] (new tokens, flattened over sequences); k_cache, v_cache: [num_blocks, B, Hkv, D], already
+    holding the new tokens' K/V. Returns [T, Hq, D].
+
+    The context is never gathered into a new buffer: each run of consecutive blocks is a view of the pool,
+    attended separately, and the partial results are merged with an online softmax (log-sum-exp).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(meta.seq_lens):
+        q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        num_q = q_end - q_start
+        # [Hkv, G * nq, D]: rows of one KV head's query group; small (new tokens only), so this copy is cheap.
+        qh = q[q_start:q_end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qh = qh.reshape(num_kv_heads, group * num_q, head_dim).float() * scale
+        q_pos = torch.arange(seq_len - num_q, seq_len).repeat(group)  # [G * nq] position of each query row
+        acc = torch.zeros(num_kv_heads, group * num_q, head_dim)  # running sum of p @ v
+        run_max = torch.full((num_kv_heads, group * num_q, 1), float("-inf"))
+        run_sum = torch.zeros(num_kv_heads, group * num_q, 1)
+        pos = 0
+        for first_block, num_blocks in meta.block_runs[i]:
+            n = min(num_blocks * block_size, seq_len - pos)
+            k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D] view
+            v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
+            scores = torch.matmul(qh, k.permute(1, 2, 0).float())  # [Hkv, G*nq, n]
+            k_pos = torch.arange(pos, pos + n)
+            if int(k_pos[-1]) > seq_len - num_q:  # some keys lie after some queries: causal mask
+                scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))  # [Hkv, G*nq, 1]
+            correction = torch.exp(run_max - new_max)
+            p = torch.exp(scores - new_max)  # [Hkv, G*nq, n]
+            run_sum = run_sum * correction + p.sum(-1, keepdim=True)
+            acc = acc * correction + torch.matmul(p, v.permute(1, 0, 2).float())  # [Hkv, G*nq, D]
+            run_max = new_max
+            pos += n
+        o = (acc / run_sum).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [nq, Hkv, G, D]
+        out[q_start:q_end] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax -> top-k -> optional renormalisation. router_logits: [T, E].
+
+    Returns (weights [T, k] float32, expert_ids [T, k] int64). Stays on the device.
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, expert_ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              expert_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out += sum_k weights[:, k] * expert_{ids[:, k]}(x), with SwiGLU experts, accumulated in place.
+
+    x: [T, H]; w13: [E, 2I, H] (gate rows then up rows, [out, in] layout); w2: [E, H, I]; weights: [T, k];
+    expert_ids: [T, k]; out: [T, H]. Only the experts that received tokens are touched.
+    """
+    num_tokens, top_k = expert_ids.shape
+    inter = w2.shape[2]
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)  # token/expert pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: CPU path only
+    token_of_pair = order // top_k  # [T*k]
+    weight_of_pair = weights.reshape(-1)[order]  # [T*k]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of_pair[start:start + count]  # [n]
+        h = F.linear(x[tokens], w13[expert])  # [n, 2I]
+        h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
+        y = F.linear(h, w2[expert])  # [n, H]
+        out.index_add_(0, tokens, y * weight_of_pair[start:start + count, None].to(y.dtype))
+        start += count
+    return out

@@ -1,0 +1,259 @@
+"""Validated configuration dataclasses: sampling, engine, and the model's own HF config.json."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from tsterm.errors import ConfigError, ModelLoadError
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling. `temperature=0` is greedy; every field is checked in `__post_init__`."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled token's)
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1,
+               f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be a positive integer, got {self.max_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty: {self.stop}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers: {self.stop_token_ids}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be None or in [0, 20], got {self.logprobs}")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be a positive integer, got {self.n}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What the engine is asked to be: model, dtype, device and KV-cache geometry."""
+
+    model: str
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available else cpu
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free device memory
+    kv_cache_fraction: float = 0.5  # CUDA only: fraction of free memory after weights
+    num_kv_blocks: int | None = None  # exact pool size (overrides the memory budget); tests use it
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+               f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
+               f"block_size must be in [1, 1024], got {self.block_size}")
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+               f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        _check(0.0 < self.kv_cache_fraction <= 0.95, f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+               f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        _check(self.max_model_len is None or self.max_model_len >= 2,
+               f"max_model_len must be >= 2, got {self.max_model_len}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1,
+               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            import difflib
+            hints = [difflib.get_close_matches(k, names, n=1) for k in unknown]
+            detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints))
+            raise ConfigError(f"unknown engine option {detail}")
+        return cls(model=model, **options)
+
+
+# --------------------------------------------------------------------------------------------------
+# The model's config.json
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of an HF config.json that the engine uses, both spellings of the ones that vary."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (dense layers and dense models)
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_experts: int = 0  # 0: dense model
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+    clip_qkv: float | None = None
+    hidden_act: str = "silu"
+    eos_token_ids: tuple[int, ...] = ()
+    source: str = "config.json"
+
+    @cached_property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if self.num_experts == 0 or layer in self.mlp_only_layers:
+            return False
+        return (layer + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{model_dir}: no config.json (expected an HF-format model directory)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        from tsterm.model.arch import ARCHITECTURES
+
+        model_type = raw.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ModelLoadError(f"{source}: model_type {model_type!r} is not supported "
+                                 f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+
+        def need(key: str, *alts: str) -> Any:
+            for k in (key, *alts):
+                if raw.get(k) is not None:
+                    return raw[k]
+            raise ModelLoadError(f"{source}: missing field {key!r}")
+
+        if raw.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(raw.get("intermediate_size") or 0),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(raw, head_dim, source),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            num_experts=num_experts,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", ARCHITECTURES[model_type].norm_topk_prob_default)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+            clip_qkv=raw.get("clip_qkv"),
+            eos_token_ids=eos_ids,
+            source=source,
+        )
+
+
+def _parse_rope(raw: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (with rope_theta inside); older configs use `rope_theta` +
+    # `rope_scaling`. Read both.
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{source}: rope type {rope_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        attention_factor=params.get("attention_factor"),
+    )

@@ -1,0 +1,262 @@
+"""The engine: requests in, one `step()` at a time (schedule -> run -> postprocess), outputs out."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tsterm.config import EngineConfig, ModelConfig, SamplingParams
+from tsterm.engine.block_pool import BlockPool
+from tsterm.engine.kv_manager import KVCacheManager
+from tsterm.engine.model_runner import ModelRunner, ScheduledBatch, kv_bytes_per_block
+from tsterm.engine.sampler import Sampler, SamplingRow, seeded_generator
+from tsterm.engine.scheduler import Scheduler
+from tsterm.engine.sequence import Sequence
+from tsterm.errors import ModelLoadError, RequestError
+from tsterm.model.loader import ProgressFn, load_weights
+from tsterm.outputs import CompletionOutput, RequestOutput
+from tsterm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    generators: list[torch.Generator | None]
+    emitted_text: list[int] = field(default_factory=list)  # chars of text already streamed, per sample
+    emitted_tokens: list[int] = field(default_factory=list)
+    text_end: list[int | None] = field(default_factory=list)  # where a stop string cut the text, per sample
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine (use --device cpu)")
+    return torch.device(name)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: ProgressFn | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
+            torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model directory {config.model!r} does not exist")
+        self.model_config = cfg = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        if self.tokenizer.vocab_size > cfg.vocab_size:
+            raise ModelLoadError(f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but the "
+                                 f"embedding (config.json vocab_size) has only {cfg.vocab_size} rows")
+        weights = load_weights(model_dir, cfg, self.dtype, self.device, progress)
+        block_size = config.block_size
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(cfg, block_size)
+        # A sequence never outgrows the pool, so one request alone always fits (no self-preemption loop).
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * block_size)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
+        pool = BlockPool(num_blocks, block_size, fingerprint=f"{model_dir.resolve()}:{self.dtype}",
+                         enable_prefix_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(pool)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(cfg, weights, num_blocks, block_size, self.max_model_len, self.dtype, self.device)
+        self.sampler = Sampler(seed=config.seed)
+        self.requests: dict[str, _Request] = {}
+        self._next_id = 0
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_prefill_tokens = 0
+
+    def _num_blocks_from_budget(self, cfg: ModelConfig, block_size: int) -> int:
+        per_block = kv_bytes_per_block(cfg, block_size, self.dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.kv_cache_fraction)
+            else:
+                budget = CPU_DEFAULT_KV_BYTES
+        return max(2, budget // per_block)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # requests
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
+                               "(prompt + at least one generated token); shorten it or raise max_model_len / the KV budget")
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(prompt_ids, params, request_id=request_id)
+        req = _Request(request_id, prompt_ids, params, [seq], [self._detokenizer(prompt_ids)],
+                       [self._generator(params, 0)], [0], [0], [None])
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+        return request_id
+
+    def _detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        return None if params.seed is None else seeded_generator(params.seed + index, self.device)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks. Returns False if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # the step
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.run(batch)
+        return self._postprocess(batch, logits)
+
+    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        now = time.time()
+        sampling: list[Sequence] = []
+        for seq, n, sample in zip(batch.seqs, batch.num_new, batch.sample_mask()):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+            if seq.num_output_tokens == 0:
+                self.num_prefill_tokens += n
+            if sample:
+                sampling.append(seq)
+        logits, sampling = self._fork_new_samples(logits, sampling)
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._req(s).generators[self._index(s)])
+                for s in sampling]
+        result = self.sampler(logits, rows) if sampling else None
+        touched: dict[str, _Request] = {}
+        for i, seq in enumerate(sampling):
+            token = result.token_ids[i]
+            seq.token_ids.append(token)
+            if result.logprobs[i] is not None:
+                seq.logprobs.append(result.logprobs[i])
+            m = seq.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            else:
+                m.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
+            m.num_generated_tokens += 1
+            self.num_generated_tokens += 1
+            req = self._req(seq)
+            req.detokenizers[self._index(seq)].add([token])
+            self._check_stop(req, seq, token)
+            touched[req.request_id] = req
+        self.num_steps += 1
+        outputs = [self._output(req) for req in touched.values()]
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        return outputs
+
+    def _fork_new_samples(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """n > 1: when a prompt's prefill completes, fork it into n sequences sharing every KV block."""
+        extra_rows: list[int] = []
+        for row, seq in enumerate(list(sampling)):
+            req = self._req(seq)
+            if seq.num_output_tokens or req.params.n == 1 or len(req.seqs) > 1:
+                continue
+            for index in range(1, req.params.n):
+                child = Sequence(seq.token_ids, seq.params, request_id=seq.request_id)
+                child.metrics.arrival_time = seq.metrics.arrival_time
+                child.metrics.first_scheduled_time = seq.metrics.first_scheduled_time
+                child.num_cached_tokens = child.metrics.num_cached_tokens = seq.num_cached_tokens
+                self.kv.fork(seq, child)
+                child.status = seq.status
+                self.scheduler.running.append(child)
+                req.seqs.append(child)
+                req.detokenizers.append(self._detokenizer(req.prompt_token_ids))
+                req.generators.append(self._generator(req.params, index))
+                req.emitted_text.append(0)
+                req.emitted_tokens.append(0)
+                req.text_end.append(None)
+                sampling.append(child)
+                extra_rows.append(row)
+        if extra_rows:
+            logits = torch.cat([logits, logits[torch.tensor(extra_rows, device=logits.device)]])
+        return logits, sampling
+
+    def _req(self, seq: Sequence) -> _Request:
+        return self.requests[seq.request_id]
+
+    def _index(self, seq: Sequence) -> int:
+        return self._req(seq).seqs.index(seq)
+
+    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> None:
+        params, index = seq.params, self._index(seq)
+        if params.stop:
+            text = req.detokenizers[index].text
+            cut = find_stop(text, params.stop, req.emitted_text[index])
+            if cut is not None:
+                req.text_end[index] = cut
+                return self._finish(seq, "stop")
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return self._finish(seq, "stop")
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for i, (seq, detok) in enumerate(zip(req.seqs, req.detokenizers)):
+            text = detok.text[:req.text_end[i]]
+            # While unfinished, hold back a tail that could still become a stop string.
+            hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+            visible = max(req.emitted_text[i], len(text) - hold)
+            out_ids = seq.output_token_ids
+            completions.append(CompletionOutput(
+                index=i, token_ids=list(out_ids), text=text[:visible],
+                finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                delta_text=text[req.emitted_text[i]:visible], delta_token_ids=out_ids[req.emitted_tokens[i]:]))
+            req.emitted_text[i], req.emitted_tokens[i] = visible, len(out_ids)
+        head = req.seqs[0]
+        return RequestOutput(req.request_id, req.prompt_token_ids, completions, head.num_cached_tokens, head.metrics,
+                             finished=all(s.is_finished for s in req.seqs))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # stats
+
+    def stats(self) -> dict[str, int | float]:
+        s = dict(self.kv.stats())
+        s.update(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.num_preemptions, steps=self.num_steps,
+            generated_tokens=self.num_generated_tokens, prefill_tokens=self.num_prefill_tokens,
+            cow_bytes=self.runner.cow_bytes, block_size=self.config.block_size,
+            kv_bytes_per_block=kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype),
+        )
+        return s

@@ -1,0 +1,21 @@
+"""Errors a user can cause. The CLI prints these as one line and exits non-zero, without a traceback."""
+
+
+class TstermError(Exception):
+    """Base of every user-facing error: the message names the file/field/value and what would fix it."""
+
+    exit_code = 1
+
+
+class ConfigError(TstermError, ValueError):
+    """A bad option, profile or sampling parameter (exit code 2: usage/config)."""
+
+    exit_code = 2
+
+
+class ModelLoadError(TstermError):
+    """A model directory that cannot be loaded: missing/extra tensors, bad shapes, unknown model_type."""
+
+
+class RequestError(TstermError, ValueError):
+    """A request that cannot be served as given (prompt too long, can never fit in the KV cache)."""

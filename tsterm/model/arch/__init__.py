@@ -1,0 +1,28 @@
+"""Architecture registry: each supported HF `model_type` maps to the small spec that says how its checkpoint
+names and wires the parts of the one generic decoder (`tsterm.model.decoder`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    model_type: str
+    qk_norm: str = "none"  # "none"; "head": RMSNorm over head_dim per head (Qwen3); "full": over the projection (OLMoE)
+    qkv_bias: bool | None = None  # True: q/k/v always have biases (Qwen2); None: follow config.attention_bias
+    o_bias_from_config: bool = False  # o_proj has a bias when config.attention_bias (Llama)
+    moe_prefix: str = "mlp"  # where the sparse block lives: model.layers.N.<moe_prefix>
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
+    shared_expert: bool = False  # Qwen2-MoE: a dense shared expert with a sigmoid gate
+    norm_topk_prob_default: bool = True  # when config.json does not say
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {}
+
+
+def register(spec: ArchSpec) -> ArchSpec:
+    ARCHITECTURES[spec.model_type] = spec
+    return spec
+
+
+from tsterm.model.arch import llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe  # noqa: E402,F401

@@ -1,0 +1,138 @@
+"""The one decoder every supported architecture runs through: embed -> [attention over paged KV | MoE] x L -> norm.
+
+Per-step attention metadata is set once per step with `forward_context(meta)`, so layers take only
+`(positions, hidden)`. Weights are the packed tensors from `tsterm.model.loader`; nothing here copies one.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from tsterm.config import ModelConfig
+from tsterm.model.arch import ARCHITECTURES
+from tsterm.model.rope import RotaryEmbedding
+from tsterm_kernels.dispatch import ops
+from tsterm_kernels.metadata import AttentionMetadata
+
+_current_meta: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[None]:
+    global _current_meta
+    _current_meta = meta
+    try:
+        yield
+    finally:
+        _current_meta = None
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, rotary: RotaryEmbedding,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor):
+        spec = ARCHITECTURES[cfg.model_type]
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv, self.qkv_bias = w[prefix + "qkv"], w.get(prefix + "qkv_bias")
+        self.o_proj, self.o_bias = w[prefix + "o_proj"], w.get(prefix + "o_bias")
+        self.qk_norm = spec.qk_norm
+        self.q_norm, self.k_norm = w.get(prefix + "q_norm"), w.get(prefix + "k_norm")
+        self.eps, self.clip = cfg.rms_norm_eps, cfg.clip_qkv
+        self.scale = self.head_dim ** -0.5
+        self.rotary = rotary
+        self.k_cache, self.v_cache = k_cache, v_cache  # [num_blocks, block_size, Hkv, D] views of the pool
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q, _ = ops.rms_norm(q, self.q_norm, self.eps)
+            k, _ = ops.rms_norm(k, self.k_norm, self.eps)
+        q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm == "head":  # Qwen3: per head, over head_dim
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view(T, self.num_heads, -1)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view(T, self.num_kv_heads, -1)
+        q, k = self.rotary.apply(positions, q, k)
+        meta = _current_meta
+        ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
+        o = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
+        return F.linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]
+
+
+class SparseMoE:
+    """Routed experts (+ optional gated shared expert). A dense MLP is the one-expert case with no router."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+        self.w13, self.w2 = w[prefix + "w13"], w[prefix + "w2"]  # [E, 2I, H], [E, H, I]
+        self.router = w.get(prefix + "router")  # [E, H] or None (dense)
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.shared_w13, self.shared_w2 = w.get(prefix + "shared_w13"), w.get(prefix + "shared_w2")
+        self.shared_gate = w.get(prefix + "shared_gate")  # [1, H]
+        self.expert_load: torch.Tensor | None = None  # [E] tokens routed per expert, accumulated on the device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)  # [T, H]: every expert's weighted output is accumulated into it in place
+        T = x.shape[0]
+        if self.router is None:
+            weights = torch.ones((T, 1), dtype=torch.float32, device=x.device)  # [T, 1]
+            expert_ids = torch.zeros((T, 1), dtype=torch.int64, device=x.device)  # [T, 1]
+        else:
+            logits = F.linear(x, self.router)  # [T, E]
+            weights, expert_ids = ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
+            if self.expert_load is not None:
+                self.expert_load.index_add_(0, expert_ids.reshape(-1),
+                                            torch.ones_like(expert_ids.reshape(-1), dtype=self.expert_load.dtype))
+        ops.fused_moe(x, self.w13, self.w2, weights, expert_ids, out)
+        if self.shared_w13 is not None:
+            gate = torch.sigmoid(F.linear(x, self.shared_gate))  # [T, 1]
+            shared = torch.zeros_like(x)
+            ops.fused_moe(x, self.shared_w13, self.shared_w2, gate.float(), expert_ids[:, :1] * 0, shared)
+            out += shared
+        return out
+
+
+class DecoderModel:
+    """Token ids -> final hidden states over a flattened batch; `logits` maps chosen rows to the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], kv_cache: torch.Tensor,
+                 max_positions: int):
+        """kv_cache: [L, 2, num_blocks, block_size, Hkv, D], the whole paged pool."""
+        self.cfg = cfg
+        device = weights["embed"].device
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings, device)
+        self.embed, self.final_norm, self.lm_head = weights["embed"], weights["final_norm"], weights["lm_head"]
+        self.eps = cfg.rms_norm_eps
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"layers.{i}."
+            self.layers.append((weights[p + "input_norm"], Attention(cfg, weights, p, rotary, kv_cache[i, 0], kv_cache[i, 1]),
+                                weights[p + "post_attn_norm"], SparseMoE(cfg, weights, p)))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed)  # [T, H]
+        residual = None
+        for input_norm, attn, post_norm, mlp in self.layers:
+            if residual is None:
+                residual = hidden
+                x, _ = ops.rms_norm(hidden, input_norm, self.eps)
+            else:
+                x, residual = ops.rms_norm(hidden, input_norm, self.eps, residual)
+            hidden = attn(positions, x)
+            x, residual = ops.rms_norm(hidden, post_norm, self.eps, residual)
+            hidden = mlp(x)
+        hidden, _ = ops.rms_norm(hidden, self.final_norm, self.eps, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()  # [S, V]

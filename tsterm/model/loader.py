@@ -1,0 +1,166 @@
+"""Loads an HF model directory into the decoder's packed weights.
+
+Tensors are views of memory-mapped safetensors files; a tensor already in the target dtype on the CPU is used
+in place. Only what the layout needs is materialised, once, at load: fused q/k/v rows and the stacked expert
+tensors `w13 [E, 2I, H]` / `w2 [E, H, I]`.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tsterm.config import ModelConfig
+from tsterm.errors import ModelLoadError
+from tsterm.model.arch import ARCHITECTURES
+from tsterm.model.safetensors_mmap import SafetensorsFile
+
+ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def find_weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} lists shard(s) that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+    if pickles:
+        raise ModelLoadError(f"{model_dir}: only pickle checkpoints found ({', '.join(pickles)}); tsterm never "
+                             "unpickles weights. Convert them to safetensors first.")
+    raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+
+
+class WeightSource:
+    """Name -> tensor over all shards, tracking which names were used so leftovers can be reported."""
+
+    def __init__(self, files: list[Path], dtype: torch.dtype, device: torch.device, progress: ProgressFn | None):
+        self.dtype, self.device, self.progress = dtype, device, progress
+        self.where: dict[str, SafetensorsFile] = {}
+        for path in files:
+            shard = SafetensorsFile(path)
+            for name in shard.keys():
+                self.where[name] = shard
+        self.unused = {n for n in self.where if not n.endswith(IGNORED_SUFFIXES)}
+        self.total_bytes = sum(s.nbytes(n) for n, s in self.where.items())
+        self.done_bytes = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, shape: tuple[int, ...], convert: bool = True) -> torch.Tensor:
+        shard = self.where.get(name)
+        if shard is None:
+            raise ModelLoadError(f"missing tensor {name!r} (looked in {', '.join(sorted({s.path.name for s in self.where.values()}))})")
+        tensor = shard.tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise ModelLoadError(f"{shard.path.name}: tensor {name!r} has shape {list(tensor.shape)}, "
+                                 f"expected {list(shape)} from config.json")
+        self.unused.discard(name)
+        self.done_bytes += shard.nbytes(name)
+        if self.progress:
+            self.progress(self.done_bytes, self.total_bytes, name)
+        return self.to_target(tensor) if convert else tensor
+
+    def to_target(self, tensor: torch.Tensor) -> torch.Tensor:
+        # A no-op (still the mmap view) when dtype and device already match.
+        return tensor.to(device=self.device, dtype=self.dtype)
+
+    def stack(self, names: list[str], shape: tuple[int, ...]) -> torch.Tensor:
+        """Pack several same-shape tensors into one new [N, *shape] tensor in the target dtype/device."""
+        out = torch.empty((len(names), *shape), dtype=self.dtype, device=self.device)
+        for i, name in enumerate(names):
+            out[i].copy_(self.get(name, shape, convert=False))
+        return out
+
+    def check_all_used(self) -> None:
+        if self.unused:
+            extra = sorted(self.unused)
+            more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+            raise ModelLoadError(f"unexpected tensor(s) in the checkpoint: {', '.join(extra[:5])}{more} "
+                                 "(does config.json match these weights?)")
+
+
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 progress: ProgressFn | None = None) -> dict[str, torch.Tensor]:
+    """Returns the decoder's weights by canonical name (see `tsterm.model.decoder`)."""
+    model_dir = Path(model_dir)
+    spec = ARCHITECTURES[cfg.model_type]
+    src = WeightSource(find_weight_files(model_dir), dtype, device, progress)
+    H, D = cfg.hidden_size, cfg.head_dim
+    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    w: dict[str, torch.Tensor] = {}
+    w["embed"] = src.get("model.embed_tokens.weight", (cfg.vocab_size, H))
+    w["final_norm"] = src.get("model.norm.weight", (H,))
+    if cfg.tie_word_embeddings:
+        src.unused.discard("lm_head.weight")
+        w["lm_head"] = w["embed"]
+    else:
+        w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H))
+
+    qkv_bias = cfg.attention_bias if spec.qkv_bias is None else spec.qkv_bias
+    for i in range(cfg.num_hidden_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        w[o + "input_norm"] = src.get(p + "input_layernorm.weight", (H,))
+        w[o + "post_attn_norm"] = src.get(p + "post_attention_layernorm.weight", (H,))
+        a = p + "self_attn."
+        w[o + "qkv"] = torch.cat([src.get(a + "q_proj.weight", (Hq * D, H)), src.get(a + "k_proj.weight", (Hkv * D, H)),
+                                  src.get(a + "v_proj.weight", (Hkv * D, H))])  # [(Hq + 2 Hkv) D, H]
+        if qkv_bias:
+            w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,)), src.get(a + "k_proj.bias", (Hkv * D,)),
+                                           src.get(a + "v_proj.bias", (Hkv * D,))])
+        w[o + "o_proj"] = src.get(a + "o_proj.weight", (H, Hq * D))
+        if spec.o_bias_from_config and cfg.attention_bias:
+            w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
+        if spec.qk_norm == "head":
+            w[o + "q_norm"] = src.get(a + "q_norm.weight", (D,))
+            w[o + "k_norm"] = src.get(a + "k_norm.weight", (D,))
+        elif spec.qk_norm == "full":
+            w[o + "q_norm"] = src.get(a + "q_norm.weight", (Hq * D,))
+            w[o + "k_norm"] = src.get(a + "k_norm.weight", (Hkv * D,))
+        if cfg.is_moe_layer(i):
+            _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w)
+        else:
+            _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w)
+    src.check_all_used()
+    return w
+
+
+def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: dict[str, torch.Tensor]) -> None:
+    # A dense MLP is the trivial MoE: one expert, always on, weight 1.
+    gate_up = torch.cat([src.get(p + "gate_proj.weight", (inter, H)), src.get(p + "up_proj.weight", (inter, H))])
+    w[o + "w13"] = gate_up[None]  # [1, 2I, H]
+    w[o + "w2"] = src.get(p + "down_proj.weight", (H, inter))[None]  # [1, H, I]
+
+
+def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor]) -> None:
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gate, up, down = spec.expert_names
+    w[o + "router"] = src.get(p + "gate.weight", (E, H))
+    if src.has(p + "experts.gate_up_proj"):  # transformers-5 fused layout, already stacked
+        w[o + "w13"] = src.get(p + "experts.gate_up_proj", (E, 2 * inter, H))
+        w[o + "w2"] = src.get(p + "experts.down_proj", (E, H, inter))
+    else:
+        e = p + "experts."
+        w13 = torch.empty((E, 2 * inter, H), dtype=src.dtype, device=src.device)
+        for x in range(E):
+            w13[x, :inter].copy_(src.get(f"{e}{x}.{gate}.weight", (inter, H), convert=False))
+            w13[x, inter:].copy_(src.get(f"{e}{x}.{up}.weight", (inter, H), convert=False))
+        w[o + "w13"] = w13  # [E, 2I, H]
+        w[o + "w2"] = src.stack([f"{e}{x}.{down}.weight" for x in range(E)], (H, inter))  # [E, H, I]
+    if spec.shared_expert and cfg.shared_expert_intermediate_size:
+        _load_dense_mlp(src, cfg.shared_expert_intermediate_size, H, p + "shared_expert.", o + "shared_", w)
+        w[o + "shared_gate"] = src.get(p + "shared_expert_gate.weight", (1, H))

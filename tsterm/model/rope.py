@@ -1,0 +1,74 @@
+"""Rotary position embeddings, with the scaling types the supported checkpoints ship (default, linear, yarn, llama3)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tsterm.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [D/2] float32, attention_factor that scales cos and sin)."""
+    base_inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    original_max = rope.original_max_position_embeddings or max_position_embeddings
+    if rope.rope_type == "default":
+        return base_inv, 1.0
+    if rope.rope_type == "linear":
+        return base_inv / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        low_wavelen = original_max / rope.low_freq_factor
+        high_wavelen = original_max / rope.high_freq_factor
+        wavelen = 2 * math.pi / base_inv
+        scaled = torch.where(wavelen > low_wavelen, base_inv / rope.factor, base_inv)
+        smooth = (original_max / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(rope, head_dim, original_max)
+    raise ValueError(f"unsupported rope type {rope.rope_type!r}")  # ModelConfig validated it already
+
+
+def _yarn(rope: RopeConfig, dim: int, original_max: int) -> tuple[torch.Tensor, float]:
+    factor = rope.factor
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # share of each frequency kept as trained
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables for every position; `apply` rotates q and k (rotate-half layout) in place."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, max_position_embeddings: int,
+                 device: torch.device):
+        inv_freq, scale = inverse_frequencies(rope, head_dim, max_position_embeddings)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+        self.cos = (freqs.cos() * scale).to(device)  # [P, D/2] float32
+        self.sin = (freqs.sin() * scale).to(device)
+
+    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]. Returns rotated (q, k) in the input dtype."""
+        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
+        sin = self.sin[positions][:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
