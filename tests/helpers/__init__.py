@@ -1,0 +1,1 @@
+"""Shared fixture builders for tests (tokenizer directories, tiny checkpoints)."""
