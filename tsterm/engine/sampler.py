@@ -1,0 +1,232 @@
+"""Sampler: one next token per row of a logits batch, with penalties, truncation, seeds and logprobs.
+
+Order of the stages (what vLLM / OpenAI users expect):
+  1. penalties on the raw logits: repetition (HF-style, over prompt + output tokens), then presence and
+     frequency (OpenAI-style, over output tokens only);
+  2. logprobs: log_softmax of the *penalised* logits, before temperature and truncation, so a request's
+     logprobs do not change with its temperature / top-k / top-p / min-p;
+  3. greedy rows (temperature 0) take argmax of the penalised logits (ties -> lowest id);
+  4. sampled rows: temperature, top-k, top-p (nucleus, keeps at least one token), min-p (relative to
+     the most likely token), then an exponential race: argmax(probs / Exponential(1) noise).
+
+Everything stays a tensor op on the logits' device; `_to_host` is the only place that reads back.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tsterm.config import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the logits batch: the request's params and the token history its penalties read.
+
+    `generator` is the request's own RNG, set by the engine when `params.seed` is given (see
+    `seeded_generator`; it must live on the logits' device). Seeded once, it is advanced by exactly one
+    [V] noise draw per sampled token, so a seeded request draws the same tokens wherever it sits in
+    whichever batch. None: the row draws from the Sampler's shared generator.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row, on the host
+    # per row: None, or {"token_id": int, "logprob": float, "top": [(token_id, logprob), ...]} with
+    # len(top) == params.logprobs, sorted by logprob, highest first
+    logprobs: list[dict | None]
+
+
+def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own generator: create once per request, keep it for the request's lifetime."""
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}  # one per device, made on first use
+        self.last_stages: tuple[str, ...] = ()  # stages the last call ran (tests and stats read it)
+
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._shared:
+            self._shared[device] = seeded_generator(self.seed, device)
+        return self._shared[device]
+
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        params = [row.params for row in rows]
+        greedy = [p.greedy for p in params]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        sample_rows = [i for i, g in enumerate(greedy) if not g]
+        stages: list[str] = []
+        if not sample_rows and not logprob_rows and not any(_penalised(p) for p in params):
+            # the common case: all greedy, nothing to penalise -> one argmax, no copies, no extra tensors
+            self.last_stages = ("argmax",)
+            return _to_host(logits.argmax(dim=-1), None, [], params)
+
+        scores = self.apply_penalties(logits, rows, stages)  # [B, V] float32
+        if sample_rows:
+            stages.append("sample")
+            sampled = self._sample(scores, rows, sample_rows)  # [S]
+            if len(sample_rows) == len(rows):
+                token_ids = sampled
+            else:
+                index = torch.tensor(sample_rows, device=logits.device)
+                token_ids = scores.argmax(dim=-1).index_copy(0, index, sampled)  # [B]
+        else:
+            stages.append("argmax")
+            token_ids = scores.argmax(dim=-1)  # [B]
+
+        logprobs = None
+        if logprob_rows:
+            stages.append("logprobs")
+            logprobs = self._logprobs(scores, token_ids, logprob_rows, params)
+        self.last_stages = tuple(stages)
+        return _to_host(token_ids, logprobs, logprob_rows, params)
+
+    # ---- penalties ---------------------------------------------------------------------------------
+
+    def apply_penalties(self, logits: Tensor, rows: list[SamplingRow],
+                        stages: list[str] | None = None) -> Tensor:
+        """Penalised logits, float32 [B, V]; the input is never modified.
+
+        With no penalty in the batch this is `logits.float()` (the input itself when already float32).
+        """
+        params = [row.params for row in rows]
+        scores = logits.float()
+        if any(p.repetition_penalty != 1.0 for p in params):
+            if stages is not None:
+                stages.append("repetition_penalty")
+            history = [row.prompt_token_ids + row.output_token_ids if row.params.repetition_penalty != 1.0
+                       else [] for row in rows]
+            seen = self._token_counts(history, scores.shape[1], scores.device) > 0  # [B, V]
+            penalty = _column([p.repetition_penalty for p in params], scores.device)  # [B, 1]
+            penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
+            scores = torch.where(seen, penalised, scores)
+        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+            if stages is not None:
+                stages.append("presence_frequency_penalty")
+            outputs = [row.output_token_ids if row.params.presence_penalty != 0.0
+                       or row.params.frequency_penalty != 0.0 else [] for row in rows]
+            counts = self._token_counts(outputs, scores.shape[1], scores.device)  # [B, V]
+            frequency = _column([p.frequency_penalty for p in params], scores.device)  # [B, 1]
+            presence = _column([p.presence_penalty for p in params], scores.device)  # [B, 1]
+            scores = scores - counts * frequency - (counts > 0).float() * presence
+        return scores
+
+    @staticmethod
+    def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
+        """How often each vocab id occurs in each row's list: float32 [B, V], by one scatter_add."""
+        longest = max(len(ids) for ids in token_lists)
+        counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)  # [B, V+1]
+        if longest:
+            # pad with the spare id V: its counts land in the extra column, dropped below
+            padded = torch.tensor([ids + [vocab_size] * (longest - len(ids)) for ids in token_lists],
+                                  dtype=torch.long).to(device)  # [B, L]
+            counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+        return counts[:, :vocab_size]
+
+    # ---- sampling ----------------------------------------------------------------------------------
+
+    def _sample(self, scores: Tensor, rows: list[SamplingRow], sample_rows: list[int]) -> Tensor:
+        device, vocab_size = scores.device, scores.shape[1]
+        params = [rows[i].params for i in sample_rows]
+        if len(sample_rows) < len(rows):
+            scores = scores.index_select(0, torch.tensor(sample_rows, device=device))  # [S, V]
+        scores = scores / _column([p.temperature for p in params], device)  # [S, V]
+
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        # top_p == 1 is "off"; inf keeps float rounding in the cumulative sum from dropping tail tokens
+        top_p = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
+        use_top_p = any(p < 1.0 for p in top_p)
+        if use_top_p or any(k < vocab_size for k in top_k):
+            scores = _top_k_top_p(scores, _column(top_k, device, torch.long), _column(top_p, device), use_top_p)
+        if any(p.min_p > 0.0 for p in params):
+            # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); min_p = 0 -> -inf, keeps all
+            floor = scores.amax(dim=-1, keepdim=True) + _column([p.min_p for p in params], device).log()
+            scores = scores.masked_fill(scores < floor, -math.inf)
+        probs = scores.softmax(dim=-1)  # [S, V]
+
+        # exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) draws token i with probability p_i
+        unseeded = [j for j, i in enumerate(sample_rows) if rows[i].generator is None]
+        shared = self.shared_generator(device) if unseeded else None
+        if len(unseeded) == len(sample_rows):
+            noise = torch.empty_like(probs).exponential_(generator=shared)  # [S, V]
+        else:
+            noise = torch.empty_like(probs)
+            if unseeded:
+                draws = torch.empty(len(unseeded), vocab_size, device=device).exponential_(generator=shared)
+                noise[torch.tensor(unseeded, device=device)] = draws
+            for j, i in enumerate(sample_rows):
+                if rows[i].generator is not None:
+                    noise[j].exponential_(generator=rows[i].generator)  # exactly V draws, any batch
+        # a zero draw would make 0/0 = nan on an excluded token; tiny keeps excluded tokens at score 0
+        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)  # [S]
+
+    # ---- logprobs ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _logprobs(scores: Tensor, token_ids: Tensor, logprob_rows: list[int],
+                  params: list[SamplingParams]) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        index = torch.tensor(logprob_rows, device=scores.device)
+        logprobs = scores.index_select(0, index).log_softmax(dim=-1)  # [N, V]
+        chosen = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)  # [N]
+        num_top = max(params[i].logprobs for i in logprob_rows)
+        if num_top == 0:
+            return chosen, None, None
+        top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)  # [N, K] sorted
+        return chosen, top_values, top_ids
+
+
+def _top_k_top_p(scores: Tensor, top_k: Tensor, top_p: Tensor, use_top_p: bool) -> Tensor:
+    """Mask to -inf what top-k ([S, 1] long) and then top-p ([S, 1], inf = off) exclude.
+
+    Works in sorted order (stable: among equal logits the lower id ranks first), so top_k = 1 keeps
+    exactly the argmax token, and the most likely token always survives top-p.
+    """
+    sorted_scores, order = scores.sort(dim=-1, descending=True, stable=True)  # [S, V]
+    rank = torch.arange(scores.shape[1], device=scores.device)  # [V]
+    keep = rank < top_k  # [S, V]
+    if use_top_p:
+        probs = sorted_scores.masked_fill(~keep, -math.inf).softmax(dim=-1)  # [S, V]
+        mass_before = probs.cumsum(dim=-1) - probs  # [S, V]; 0 at rank 0
+        keep &= mass_before < top_p
+    keep_vocab = torch.empty_like(keep).scatter_(1, order, keep)  # back to vocab order
+    return scores.masked_fill(~keep_vocab, -math.inf)
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _column(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.tensor(values, dtype=dtype).to(device).unsqueeze(1)  # [B, 1]
+
+
+def _to_host(token_ids: Tensor, logprobs: tuple[Tensor, Tensor | None, Tensor | None] | None,
+             logprob_rows: list[int], params: list[SamplingParams]) -> SamplerOutput:
+    # ---- the one device -> host read of the step: sampled ids (and the requested logprobs) ----
+    ids = token_ids.tolist()
+    per_row: list[dict | None] = [None] * len(ids)
+    if logprobs is not None:
+        chosen, top_values, top_ids = logprobs
+        chosen_list = chosen.tolist()
+        values = top_values.tolist() if top_values is not None else None
+        top_id_list = top_ids.tolist() if top_ids is not None else None
+        for n, i in enumerate(logprob_rows):
+            k = params[i].logprobs
+            top = list(zip(top_id_list[n][:k], values[n][:k])) if k else []
+            per_row[i] = {"token_id": ids[i], "logprob": chosen_list[n], "top": top}
+    return SamplerOutput(token_ids=ids, logprobs=per_row)
