@@ -228,6 +228,7 @@ class Engine:
             return self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._req(seq).detokenizers[self._index(seq)].flush()  # release any held-back partial character
         self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:

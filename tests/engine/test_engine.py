@@ -1,0 +1,167 @@
+"""Engine behaviour against from-scratch recomputes: multi-turn reuse, batching, pressure, fork, abort, streaming."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from tsterm import LLM, SamplingParams
+from tsterm.engine.async_engine import AsyncEngine
+from tsterm.errors import RequestError
+
+from tests.helpers.checkpoints import make_checkpoint
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, model = make_checkpoint(tmp_path_factory.mktemp("engine") / "qwen3moe", "qwen3_moe",
+                                  dict(num_experts=5, num_experts_per_tok=2, num_hidden_layers=2))
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def fresh(checkpoint):
+    """A reference engine that never reuses anything: every request computes its whole prompt."""
+    return LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256,
+               enable_prefix_caching=False)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(8, 380) for _ in range(n)]
+
+
+def test_multi_turn_reuses_every_full_block_and_matches_recompute(checkpoint, fresh):
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256)
+    rng = random.Random(0)
+    history = random_ids(rng, 21)
+    previous_full = None
+    for turn in range(6):
+        out = llm.generate(history, greedy(7))[0]
+        ref = fresh.generate(history, greedy(7))[0]
+        assert out.token_ids == ref.token_ids, f"turn {turn}"
+        assert ref.num_cached_tokens == 0
+        if previous_full is not None:
+            # Every full block of the previous turn (its generated tokens included) is served from the cache.
+            # The last sampled token was never fed to the model, so the KV that exists covers len - 1 tokens.
+            assert out.num_cached_tokens == (len(previous_full) - 1) // BLOCK * BLOCK
+        previous_full = history + out.token_ids
+        history = previous_full + random_ids(rng, rng.randrange(3, 9))
+    stats = llm.stats()
+    assert stats["prefix_hit_tokens"] > 0 and stats["used"] == 0
+
+
+def test_batch_of_16_mixed_lengths_equals_solo(checkpoint, fresh):
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256,
+              max_num_batched_tokens=48)  # forces chunked prefill mixed with decodes
+    rng = random.Random(1)
+    prompts = [random_ids(rng, rng.randrange(1, 40)) for _ in range(16)]
+    params = [greedy(rng.randrange(1, 12)) for _ in prompts]
+    batched = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, batched):
+        assert out.token_ids == fresh.generate(prompt, p)[0].token_ids
+        assert len(out.token_ids) == p.max_tokens and out.finish_reason == "length"
+
+
+def test_pressure_64_requests_through_a_pool_for_about_4(checkpoint, fresh):
+    # each request needs ceil((20 + 12) / 4) = 8 blocks; 34 blocks hold about 4 at once
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=34)
+    rng = random.Random(2)
+    prompts = [random_ids(rng, 20) for _ in range(64)]
+    outs = llm.generate(prompts, greedy(12))
+    stats = llm.stats()
+    assert stats["preemptions"] > 0 or stats["used"] == 0
+    assert [o.request_id for o in outs] == sorted({o.request_id for o in outs}, key=lambda r: int(r.split("-")[1]))
+    for prompt, out in zip(prompts[:16], outs[:16]):
+        assert out.token_ids == fresh.generate(prompt, greedy(12))[0].token_ids
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert stats["used"] == 0  # nothing leaked
+
+
+def test_request_that_can_never_fit_is_refused(checkpoint):
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=4)
+    with pytest.raises(RequestError, match="context holds 16"):
+        llm.generate(list(range(10, 30)), greedy(4))
+    assert llm.stats()["used"] == 0
+
+
+def test_fork_shares_blocks_and_each_branch_equals_its_recompute(checkpoint):
+    path, hf_model = checkpoint
+    llm = LLM(str(path), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64)
+    prompt = random_ids(random.Random(3), 10)  # 2 full blocks + a partial one
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=8, ignore_eos=True, logprobs=0))
+    max_shared, final = 0, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out
+        max_shared = max(max_shared, engine.stats()["shared"])
+    assert max_shared >= 2  # both full prompt blocks are referenced by both branches
+    assert engine.stats()["cow_copies"] == 1  # only the partial last block was copied, once
+    branches = [c.token_ids for c in final.outputs]
+    assert branches[0] != branches[1]
+    for completion in final.outputs:
+        ids = prompt + completion.token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+        expected = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(completion.token_ids)]
+        got = [lp["logprob"] for lp in completion.logprobs]
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+def test_abort_frees_blocks_immediately(checkpoint):
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64)
+    engine = llm.engine
+    rid = engine.add_request(list(range(10, 40)), greedy(50))
+    engine.step()
+    engine.step()
+    assert engine.stats()["used"] > 0
+    assert engine.abort(rid)
+    assert engine.stats()["used"] == 0 and not engine.has_unfinished()
+    assert not engine.abort(rid)
+
+
+def test_stop_strings_and_stop_tokens(checkpoint, fresh):
+    prompt = list(range(50, 62))
+    full = fresh.generate(prompt, greedy(12))[0]
+    stop_token = full.token_ids[5]
+    out = fresh.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
+    text = full.text
+    if len(text.strip()) >= 4:
+        stop = text.strip()[1:3]
+        out = fresh.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0]
+        assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
+
+
+async def test_async_stream_deltas_add_up_and_early_exit_aborts(checkpoint):
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64)
+    engine = AsyncEngine(llm.engine)
+    try:
+        async def run(prompt):
+            deltas, last = [], None
+            async for out in engine.generate(prompt, greedy(10)):
+                deltas.append(out.outputs[0].delta_text)
+                last = out
+            return "".join(deltas), last
+
+        (text_a, last_a), (text_b, last_b) = await asyncio.gather(run(list(range(20, 33))), run(list(range(40, 45))))
+        assert text_a == last_a.text and text_b == last_b.text
+        assert last_a.finished and len(last_a.token_ids) == 10
+
+        async for _ in engine.generate(list(range(20, 60)), greedy(200)):
+            break  # leaving early aborts the request
+        for _ in range(50):
+            if engine.stats()["used"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.stats()["used"] == 0
+    finally:
+        engine.shutdown()
