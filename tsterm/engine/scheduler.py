@@ -28,6 +28,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [], [], [])
         budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
 
         # decode (and unfinished prefill chunks of admitted sequences), oldest first
         i = 0
@@ -45,7 +46,9 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # prefill: admit waiting sequences in arrival order while blocks, slots and budget allow
+        # prefill: admit waiting sequences in arrival order while blocks, slots and budget allow (not in a step
+        # that had to preempt: the pool is full, and re-admitting the victim at once would only thrash)
+        preempted = self.num_preemptions > preemptions_before
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             first_admission = seq.metrics.first_scheduled_time is None
@@ -54,15 +57,15 @@ class Scheduler:
             if not first_admission:  # a preempted request keeps its first admission's cache report
                 seq.num_cached_tokens = cached_before
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv.can_append(seq, n):
+            if preempted or not self.kv.can_append(seq, n):
                 self.kv.free(seq)
-                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if first_admission:
                 seq.metrics.first_scheduled_time = time.time()
                 seq.metrics.num_cached_tokens = seq.num_cached_tokens
+                self.kv.record_prefix_query(seq)
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
@@ -78,7 +81,6 @@ class Scheduler:
         """Free the blocks of `seq` and requeue it first; it recomputes later (mostly from the prefix cache)."""
         self.running.remove(seq)
         self.kv.free(seq)
-        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,0 +1,206 @@
+"""Stateful property test of BlockPool + KVCacheManager under random interleavings of admission (with shared
+prefixes), prefill chunks, decode appends, commit, fork, preemption, free and eviction pressure.
+
+A shadow KV store records, per slot, the full token context whose KV was written there; copy-on-write pairs
+copy it. If blocks were ever shared, evicted or reused wrongly, some sequence would read a wrong context.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tsterm.config import SamplingParams
+from tsterm.engine.block_pool import BlockPool, NoFreeBlocksError
+from tsterm.engine.kv_manager import KVCacheManager
+from tsterm.engine.sequence import Sequence
+
+MAX_LIVE = 6
+MAX_LEN = 24
+tokens = st.lists(st.integers(0, 2), max_size=6)  # a tiny vocabulary: prefixes are shared often
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(2, 14),
+                caching=st.sampled_from((True, True, True, False)))
+    def setup(self, block_size, num_blocks, caching):
+        self.B = block_size
+        self.pool = BlockPool(num_blocks, block_size, fingerprint="m", enable_prefix_caching=caching)
+        self.kv = KVCacheManager(self.pool)
+        self.live: list[Sequence] = []
+        self.history: list[list[int]] = []  # token ids of freed sequences, to build shared prefixes from
+        self.kv_data: dict[int, tuple[int, ...]] = {}  # slot -> token context whose KV was written there
+
+    def _pick(self, i: int) -> Sequence:
+        return self.live[i % len(self.live)]
+
+    def _snapshot(self, seq: Sequence):
+        pool = self.pool
+        return (list(pool._free), list(pool._cached), dict(pool._hash_to_block),
+                [(b.ref_cnt, b.block_hash) for b in pool.blocks], self.kv.stats(),
+                list(seq.block_table), seq.num_computed_tokens)
+
+    def _admit(self, seq: Sequence) -> None:
+        hit = self.kv.match_prefix(seq)
+        B = self.B
+        assert hit % B == 0 and hit <= (len(seq) - 1) // B * B
+        assert seq.num_computed_tokens == seq.num_cached_tokens == hit == len(seq.block_table) * B
+        for i, block_id in enumerate(seq.block_table):  # every hit holds exactly the request's tokens
+            block = self.pool.blocks[block_id]
+            assert block.token_ids == tuple(seq.token_ids[i * B:(i + 1) * B])
+            assert self.kv_data[block_id * B + B - 1] == tuple(seq.token_ids[:(i + 1) * B])
+        if not self.pool.enable_prefix_caching:
+            assert hit == 0
+
+    # ---- rules
+
+    @precondition(lambda self: len(self.live) < MAX_LIVE)
+    @rule(data=st.data(), tail=tokens, prefill=st.booleans())
+    def new_sequence(self, data, tail, prefill):
+        prompt = []
+        sources = self.history + [s.token_ids for s in self.live]
+        if sources and data.draw(st.booleans()):
+            base = data.draw(st.sampled_from(sources))
+            prompt = list(base[:data.draw(st.integers(0, len(base)))])
+        prompt = (prompt + tail)[:MAX_LEN] or [0]
+        seq = Sequence(prompt, SamplingParams())
+        self._admit(seq)
+        self.live.append(seq)
+        if prefill:  # the whole prompt in one step, committed: what most admissions look like
+            self._compute(seq, seq.num_uncomputed_tokens, commit=True)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), n=st.integers(1, 8), token=st.integers(0, 2), commit=st.booleans())
+    def step(self, i, n, token, commit):
+        """One scheduler step for a sequence: a prefill chunk, or a decode of a freshly sampled token."""
+        seq = self._pick(i)
+        if seq.num_uncomputed_tokens == 0:
+            if len(seq) >= MAX_LEN:
+                return
+            seq.token_ids.append(token)
+        self._compute(seq, min(n, seq.num_uncomputed_tokens), commit)
+
+    def _compute(self, seq: Sequence, n: int, commit: bool) -> None:
+        """allocate_slots + what the model runner does (copy CoW blocks, write KV) + optional commit."""
+        B, start = self.B, seq.num_computed_tokens
+        fits = self.kv.can_append(seq, n)
+        before = self._snapshot(seq)
+        try:
+            copies = self.kv.allocate_slots(seq, n)
+        except NoFreeBlocksError:
+            assert not fits
+            assert self._snapshot(seq) == before
+            return
+        assert fits
+        for src, dst in copies:
+            assert self.pool.blocks[dst].ref_cnt == 1 and self.pool.blocks[src].ref_cnt >= 1
+            for j in range(B):
+                if src * B + j in self.kv_data:
+                    self.kv_data[dst * B + j] = self.kv_data[src * B + j]
+        for p, slot in zip(range(start, start + n), self.kv.slot_mapping(seq, start, start + n)):
+            block = self.pool.blocks[slot // B]
+            assert block.ref_cnt == 1 and block.block_hash is None, block  # only private blocks are written
+            self.kv_data[slot] = tuple(seq.token_ids[:p + 1])
+        seq.num_computed_tokens += n
+        if commit:
+            self.kv.commit(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99))
+    def commit(self, i):
+        self.kv.commit(self._pick(i))
+
+    @precondition(lambda self: self.live and len(self.live) < MAX_LIVE)
+    @rule(i=st.integers(0, 99))
+    def fork(self, i):
+        parent = self._pick(i)
+        child = Sequence(list(parent.token_ids), SamplingParams())
+        self.kv.fork(parent, child)
+        assert child.block_table == parent.block_table
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99))
+    def free(self, i):
+        seq = self._pick(i)
+        self.kv.free(seq)
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        self.live.remove(seq)
+        self.history = (self.history + [list(seq.token_ids)])[-8:]
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99))
+    def preempt_and_readmit(self, i):
+        seq = self._pick(i)
+        self.kv.free(seq)
+        self._admit(seq)
+
+    @rule(n=st.integers(1, 14))
+    def eviction_pressure(self, n):
+        """Someone takes blocks (evicting cached ones LRU) and gives them back."""
+        n = min(n, self.pool.num_free)
+        taken = [self.pool.allocate() for _ in range(n)]
+        for block_id in taken:
+            assert self.pool.blocks[block_id].block_hash is None
+            self.pool.release(block_id)
+
+    # ---- invariants
+
+    @invariant()
+    def pool_consistent(self):
+        if not hasattr(self, "pool"):
+            return
+        pool = self.pool
+        pool.check_invariants()
+        s = pool.stats()
+        assert s["free"] + s["used"] + s["cached"] == pool.num_blocks
+        assert pool.num_free == s["free"] + s["cached"]
+
+    @invariant()
+    def ref_cnt_equals_table_count(self):
+        if not hasattr(self, "pool"):
+            return
+        holders = Counter(b for seq in self.live for b in seq.block_table)
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), block
+
+    @invariant()
+    def sequences_read_their_own_context(self):
+        if not hasattr(self, "pool"):
+            return
+        B = self.B
+        for seq in self.live:
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // B)
+            for p, slot in enumerate(self.kv.slot_mapping(seq, 0, seq.num_computed_tokens)):
+                assert self.kv_data.get(slot) == tuple(seq.token_ids[:p + 1]), (seq, p)
+
+    @invariant()
+    def registered_blocks_hold_their_content(self):
+        if not hasattr(self, "pool"):
+            return
+        B, pool = self.B, self.pool
+        for block in pool.blocks:
+            if block.block_hash is None:
+                continue
+            context = self.kv_data[block.block_id * B + B - 1]
+            assert context[-B:] == block.token_ids
+            chain = None
+            for k in range(0, len(context), B):
+                chain = pool.hash_block(chain, context[k:k + B])
+            assert chain == block.block_hash
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        for seq in list(self.live):
+            self.kv.free(seq)
+        self.pool.check_invariants()
+        s = self.pool.stats()
+        assert s["used"] == 0 and s["shared"] == 0 and s["free"] + s["cached"] == self.pool.num_blocks
+
+
+TestKVCacheStateful = KVCacheMachine.TestCase
+TestKVCacheStateful.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
+                                        suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,250 @@
+"""Unit tests of KVCacheManager + BlockPool: prefix hits, commit of generated tokens, fork/CoW, LRU, errors."""
+from __future__ import annotations
+
+import pytest
+
+from tsterm.config import SamplingParams
+from tsterm.engine.block_pool import BlockPool, NoFreeBlocksError
+from tsterm.engine.kv_manager import KVCacheManager
+from tsterm.engine.sequence import Sequence
+
+B = 4
+
+
+def make(num_blocks: int = 16, **kw) -> tuple[BlockPool, KVCacheManager]:
+    pool = BlockPool(num_blocks, B, fingerprint="test-model", **kw)
+    return pool, KVCacheManager(pool)
+
+
+def new_seq(tokens) -> Sequence:
+    return Sequence(list(tokens), SamplingParams())
+
+
+def run(kv: KVCacheManager, seq: Sequence, num_tokens: int | None = None) -> list[tuple[int, int]]:
+    """What the scheduler + runner do for one step: allocate, 'compute', commit."""
+    n = seq.num_uncomputed_tokens if num_tokens is None else num_tokens
+    copies = kv.allocate_slots(seq, n)
+    seq.num_computed_tokens += n
+    kv.commit(seq)
+    return copies
+
+
+def admit(kv: KVCacheManager, tokens) -> tuple[Sequence, int]:
+    seq = new_seq(tokens)
+    hit = kv.match_prefix(seq)
+    kv.record_prefix_query(seq)  # what the scheduler does once the admission succeeds
+    run(kv, seq)
+    return seq, hit
+
+
+def snapshot(pool: BlockPool, kv: KVCacheManager, *seqs: Sequence):
+    return (list(pool._free), list(pool._cached), dict(pool._hash_to_block),
+            [(b.ref_cnt, b.block_hash) for b in pool.blocks], kv.stats(),
+            [(list(s.block_table), s.num_computed_tokens) for s in seqs])
+
+
+def test_fresh_sequence_gets_consecutive_blocks():
+    pool, kv = make()
+    a, _ = admit(kv, range(10))
+    b, _ = admit(kv, range(100, 118))
+    assert a.block_table == [0, 1, 2]
+    assert b.block_table == [3, 4, 5, 6, 7]
+    assert kv.slot_mapping(a, 3, 6) == [3, 4 * 1 + 0, 4 * 1 + 1]
+    assert kv.slot_mapping(b, 0, 2) == [12, 13]
+
+
+def test_consecutive_after_evicting_tail_first():
+    pool, kv = make(num_blocks=4)
+    a, _ = admit(kv, range(16))  # 4 full blocks, all committed
+    kv.free(a)
+    b, _ = admit(kv, range(100, 116))  # evicts a's cached blocks (tail first), sorted in one call
+    assert b.block_table == [0, 1, 2, 3]
+
+
+def test_shared_prefix_of_two_and_a_half_blocks_hits_two_blocks():
+    pool, kv = make()
+    prefix = list(range(10))  # 2.5 blocks
+    a, hit_a = admit(kv, prefix + [50, 51, 52])
+    assert hit_a == 0
+    b, hit_b = admit(kv, prefix + [60, 61])
+    assert hit_b == 8 and b.num_cached_tokens == 8 and b.num_computed_tokens == 10 + 2
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert pool.stats()["shared"] == 2
+    # still hits once `a` is gone: its blocks are cached, not freed
+    kv.free(a)
+    kv.free(b)
+    c, hit_c = admit(kv, prefix + [70])
+    assert hit_c == 8
+    s = kv.stats()
+    assert s["prefix_hit_tokens"] == 16 and s["prefix_query_tokens"] == 13 + 12 + 11
+
+
+def test_last_token_never_served_from_cache():
+    pool, kv = make()
+    tokens = list(range(12))  # exactly 3 blocks
+    a, _ = admit(kv, tokens)
+    b = new_seq(tokens)
+    assert kv.match_prefix(b) == 8  # len/B - 1 blocks
+    assert b.num_uncomputed_tokens == 4
+    assert kv.allocate_slots(b, 4) == []
+    assert len(b.block_table) == 3 and b.block_table[2] != a.block_table[2]
+
+
+def test_generated_tokens_become_cacheable_after_commit():
+    pool, kv = make()
+    seq, _ = admit(kv, range(6))
+    for t in range(100, 107):  # decode: append the sampled token, compute it next step
+        seq.token_ids.append(t)
+        copies = kv.allocate_slots(seq, 1)
+        assert copies == []
+        seq.num_computed_tokens += 1
+        if t < 105:
+            kv.commit(seq)
+    history = list(seq.token_ids)  # 13 tokens, all computed; blocks 0-1 committed, block 2 full but not yet
+    probe = new_seq(history + [7])
+    assert kv.match_prefix(probe) == 8  # block 2 (tokens 8..11) computed but not committed yet
+    kv.free(probe)
+    kv.commit(seq)
+    kv.free(seq)
+    next_turn = new_seq(history + [1, 2, 3])
+    assert kv.match_prefix(next_turn) == 12
+
+
+def test_fork_shares_blocks_and_cows_the_partial_block_once_per_branch():
+    pool, kv = make()
+    parent, _ = admit(kv, range(10))  # blocks: full, full, partial (2 of 4)
+    children = [new_seq(parent.token_ids) for _ in range(2)]
+    for child in children:
+        kv.fork(parent, child)
+        assert child.block_table == parent.block_table
+        assert child.num_computed_tokens == 10
+    assert pool.stats()["shared"] == 3 and pool.blocks[parent.block_table[2]].ref_cnt == 3
+    partial = parent.block_table[2]
+    branches = [parent, *children]
+    for k, seq in enumerate(branches):
+        seq.token_ids.append(200 + k)
+        copies = kv.allocate_slots(seq, 1)
+        if k < 2:  # the block is still shared: copy it
+            assert copies == [(partial, seq.block_table[2])] and seq.block_table[2] != partial
+        else:  # the last holder now owns it alone: write in place
+            assert copies == [] and seq.block_table[2] == partial
+        assert seq.block_table[:2] == branches[0].block_table[:2]
+        seq.num_computed_tokens += 1
+    assert kv.cow_copies == 2
+    for seq in branches:  # a later append on any branch never copies again
+        seq.token_ids.append(300)
+        assert kv.allocate_slots(seq, 1) == []
+        seq.num_computed_tokens += 1
+    assert len({s.block_table[2] for s in branches}) == 3
+    assert kv.stats()["cow_copies"] == 2 and pool.stats()["shared"] == 2
+    for seq in branches:
+        kv.free(seq)
+    pool.check_invariants()
+    assert pool.stats()["used"] == 0
+
+
+def test_forged_hash_with_other_tokens_is_a_miss():
+    pool, kv = make()
+    a, _ = admit(kv, range(9))
+    h0 = pool.blocks[a.block_table[0]].block_hash
+    assert pool.lookup(h0, [0, 1, 2, 3]) == a.block_table[0]
+    assert pool.lookup(h0, [0, 1, 2, 99]) is None
+    assert pool.lookup(h0, [0, 1, 2, 3], parent_hash=12345) is None
+
+
+def test_hash_collisions_never_serve_wrong_blocks(monkeypatch):
+    pool, kv = make()
+    monkeypatch.setattr(pool, "hash_block", lambda parent, token_ids: 42)  # every block collides
+    a, _ = admit(kv, [1, 2, 3, 4] * 3 + [9])  # equal token ids in every block, different parents
+    assert len(pool._hash_to_block) == 1  # the first registration is kept
+    b = new_seq([5, 6, 7, 8] * 2 + [9])
+    assert kv.match_prefix(b) == 0  # same hash, other tokens: miss
+    c = new_seq([1, 2, 3, 4] * 3 + [9])
+    assert kv.match_prefix(c) == 4  # block 1 has the same hash and tokens but another parent: miss
+    assert c.block_table == a.block_table[:1]
+    for s in (a, b, c):
+        kv.free(s)
+    pool.check_invariants()
+
+
+def test_eviction_is_lru():
+    pool, kv = make(num_blocks=6)
+    seqs = [admit(kv, [k] * 4 + [k])[0] for k in range(3)]  # each: 1 full (hashed) + 1 partial block
+    full = [s.block_table[0] for s in seqs]
+    for s in seqs:
+        kv.free(s)
+    assert list(pool._cached) == full and pool.stats()["cached"] == 3 and pool.stats()["free"] == 3
+    touch = new_seq([0] * 4 + [0])  # a hit on seq 0's block makes it the most recent
+    assert kv.match_prefix(touch) == 4
+    kv.free(touch)
+    assert list(pool._cached) == [full[1], full[2], full[0]]
+    taken = [pool.allocate() for _ in range(4)]  # 3 free, then the LRU cached block
+    assert taken[3] == full[1] and pool.stats()["evictions"] == 1
+    assert kv.match_prefix(new_seq([1] * 4 + [1])) == 0
+    assert kv.match_prefix(new_seq([2] * 4 + [2])) == 4
+    pool.check_invariants()
+
+
+def test_sequence_tail_evicted_before_head():
+    pool, kv = make(num_blocks=4)
+    s, _ = admit(kv, range(12))  # 3 full blocks, all committed
+    table = list(s.block_table)
+    kv.free(s)
+    assert list(pool._cached) == table[::-1]
+    extra = [pool.allocate() for _ in range(2)]  # 1 free block, then the tail block is evicted
+    assert extra == [3, table[2]]
+    assert kv.match_prefix(new_seq(range(13))) == 8
+
+
+def test_no_free_blocks_leaves_state_untouched():
+    pool, kv = make(num_blocks=4)
+    a, _ = admit(kv, range(6))  # 2 blocks
+    b = new_seq(range(100, 112))  # needs 3 blocks, 2 available
+    kv.match_prefix(b)
+    before = snapshot(pool, kv, a, b)
+    assert not kv.can_append(b, 12)
+    with pytest.raises(NoFreeBlocksError):
+        kv.allocate_slots(b, 12)
+    assert snapshot(pool, kv, a, b) == before
+    # copy-on-write that cannot get its block: also all or nothing
+    child = new_seq(a.token_ids)
+    kv.fork(a, child)
+    filler = [pool.allocate() for _ in range(2)]
+    before = snapshot(pool, kv, a, child)
+    a.token_ids.append(7)
+    assert not kv.can_append(a, 1)
+    with pytest.raises(NoFreeBlocksError):
+        kv.allocate_slots(a, 1)
+    assert snapshot(pool, kv, a, child) == before
+    for block_id in filler:
+        pool.release(block_id)
+    assert kv.can_append(a, 1)
+    assert len(kv.allocate_slots(a, 1)) == 1
+    pool.check_invariants()
+
+
+def test_prefix_caching_disabled():
+    pool, kv = make(enable_prefix_caching=False)
+    a, _ = admit(kv, range(12))
+    kv.free(a)
+    b, hit = admit(kv, range(12))
+    assert hit == 0 and pool.stats()["cached"] == 0
+    kv.free(b)
+    assert pool.stats()["free"] == 16
+    pool.check_invariants()
+
+
+def test_fingerprint_separates_models():
+    assert BlockPool(4, B, "model-a").hash_block(None, [1, 2, 3, 4]) != \
+        BlockPool(4, B, "model-b").hash_block(None, [1, 2, 3, 4])
+    pool = BlockPool(4, B, "model-a")
+    assert pool.hash_block(None, [1, 2, 3, 4]) == BlockPool(4, B, "model-a").hash_block(None, [1, 2, 3, 4])
+    assert pool.hash_block(None, [1, 2, 3, 4]) != pool.hash_block(7, [1, 2, 3, 4])
+
+
+def test_release_below_zero_asserts():
+    pool = BlockPool(2, B)
+    block_id = pool.allocate()
+    pool.release(block_id)
+    with pytest.raises(AssertionError):
+        pool.release(block_id)

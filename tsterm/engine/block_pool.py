@@ -1,0 +1,183 @@
+"""Bookkeeping of KV block ids: ref counts, a content-addressed prefix cache, LRU eviction. No tensors here."""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+_HASH_BYTES = 16  # 128-bit chain hashes: a collision is not a practical concern, and token ids are re-checked
+_HASH_MASK = (1 << (8 * _HASH_BYTES)) - 1
+_ANY = object()  # lookup(): do not check the parent hash
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Not enough free or evictable blocks. The scheduler catches it (wait / preempt); nothing was changed."""
+
+
+class Block:
+    """One KV block id and what the pool knows about it.
+
+    States (exactly one at any time):
+      free        ref_cnt == 0, block_hash is None, in the pool's free list
+      referenced  ref_cnt > 0 (hashed or not), in at least one block table
+      cached      ref_cnt == 0, block_hash set, in the pool's LRU of evictable blocks
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id  # fixed for life: the index into every layer's KV pool
+        self.ref_cnt = 0  # number of block tables holding this block; only BlockPool changes ref_cnt
+        # Set only while the block is the registered one for its hash (pool._hash_to_block[block_hash] is
+        # this block); None otherwise. token_ids / parent_hash are set and cleared together with it.
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None  # the B token ids it holds, re-checked on every hit
+        self.parent_hash: int | None = None  # chain hash of the previous block; None for a sequence's first
+
+    def __repr__(self) -> str:
+        h = None if self.block_hash is None else f"{self.block_hash:032x}"[:8]
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class BlockPool:
+    """`num_blocks` KV block ids of `block_size` slots each.
+
+    `allocate` takes a free block (lowest ids first, so a fresh sequence usually gets a consecutive run) or,
+    when none is free, evicts the least recently released cached block. A referenced block is never evicted.
+    `fingerprint` names the model (and anything else that changes KV for equal token ids): it seeds the root
+    of every hash chain, so two models never share blocks.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True):
+        assert num_blocks >= 1 and block_size >= 1, (num_blocks, block_size)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # popleft to allocate, append on release
+        self._cached: OrderedDict[int, None] = OrderedDict()  # evictable, least recently released first
+        self._hash_to_block: dict[int, int] = {}
+        self._root_hash = int.from_bytes(hashlib.blake2b(fingerprint.encode(), digest_size=_HASH_BYTES).digest(),
+                                         "little")
+        self._num_shared = 0  # blocks with ref_cnt > 1, kept up to date so stats() is O(1)
+        self.num_evictions = 0
+
+    # ---- hashing and lookup
+
+    def hash_block(self, parent_hash: int | None, token_ids: Sequence[int]) -> int:
+        """Chain hash of a full block: its parent's hash (the model fingerprint for the first) + its token ids."""
+        h = hashlib.blake2b(digest_size=_HASH_BYTES)
+        parent = self._root_hash if parent_hash is None else parent_hash & _HASH_MASK
+        h.update(parent.to_bytes(_HASH_BYTES, "little"))
+        h.update(array("q", token_ids).tobytes())
+        return int.from_bytes(h.digest(), "little")
+
+    def lookup(self, block_hash: int, token_ids: Sequence[int], parent_hash: int | None | object = _ANY) -> int | None:
+        """The cached or referenced block registered under `block_hash` holding exactly `token_ids` (and, when
+        given, chained to `parent_hash`); None on a miss, a mismatch included. Does not acquire it."""
+        if not self.enable_prefix_caching:
+            return None
+        block_id = self._hash_to_block.get(block_hash)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != tuple(token_ids) or (parent_hash is not _ANY and block.parent_hash != parent_hash):
+            return None
+        return block_id
+
+    # ---- allocation and ref counts
+
+    @property
+    def num_free(self) -> int:
+        """Blocks `allocate` can hand out now: free + evictable cached."""
+        return len(self._free) + len(self._cached)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free
+
+    def allocate(self) -> int:
+        """A fresh block with ref_cnt 1: the lowest free id, else the least recently used cached block."""
+        if self._free:
+            block_id = self._free.popleft()
+        elif self._cached:
+            block_id, _ = self._cached.popitem(last=False)
+            self._unregister(self.blocks[block_id])
+            self.num_evictions += 1
+        else:
+            raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are referenced")
+        self.blocks[block_id].ref_cnt = 1
+        return block_id
+
+    def acquire(self, block_id: int) -> None:
+        """One more block table holds `block_id` (a cached block leaves the LRU)."""
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            assert block.block_hash is not None, f"acquire of free block {block_id}: use allocate()"
+            del self._cached[block_id]
+        elif block.ref_cnt == 1:
+            self._num_shared += 1
+        block.ref_cnt += 1
+
+    def release(self, block_id: int) -> None:
+        """One block table fewer holds `block_id`; at 0 it becomes cached (most recent) if hashed, else free."""
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0, f"release of unreferenced block {block_id}"
+        block.ref_cnt -= 1
+        if block.ref_cnt == 1:
+            self._num_shared -= 1
+        elif block.ref_cnt == 0:
+            if block.block_hash is not None:
+                self._cached[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    def register(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> int:
+        """Make a full, referenced block content-addressed and return its chain hash. If another block is
+        already registered under that hash, that registration stays and this block remains unhashed."""
+        block_hash = self.hash_block(parent_hash, token_ids)
+        block = self.blocks[block_id]
+        assert block.ref_cnt > 0 and len(token_ids) == self.block_size, (block, len(token_ids))
+        if not self.enable_prefix_caching or block.block_hash == block_hash or block_hash in self._hash_to_block:
+            return block_hash
+        assert block.block_hash is None, f"block {block_id} re-registered with different content"
+        block.block_hash, block.token_ids, block.parent_hash = block_hash, tuple(token_ids), parent_hash
+        self._hash_to_block[block_hash] = block_id
+        return block_hash
+
+    def _unregister(self, block: Block) -> None:
+        del self._hash_to_block[block.block_hash]
+        block.block_hash = block.token_ids = block.parent_hash = None
+
+    # ---- introspection
+
+    def stats(self) -> dict[str, int]:
+        free, cached = len(self._free), len(self._cached)
+        return {"num_blocks": self.num_blocks, "free": free, "used": self.num_blocks - free - cached,
+                "cached": cached, "shared": self._num_shared, "evictions": self.num_evictions}
+
+    def check_invariants(self) -> None:
+        """O(num_blocks) consistency check for tests."""
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free), "duplicate id in the free list"
+        assert not free & cached
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, block
+            hashed = block.block_hash is not None
+            assert hashed == (block.token_ids is not None), block
+            if hashed:
+                assert self._hash_to_block.get(block.block_hash) == block.block_id, block
+                assert len(block.token_ids) == self.block_size, block
+            else:
+                assert block.parent_hash is None, block
+            if block.ref_cnt > 0:
+                assert block.block_id not in free and block.block_id not in cached, block
+            elif hashed:
+                assert block.block_id in cached and block.block_id not in free, block
+            else:
+                assert block.block_id in free and block.block_id not in cached, block
+        assert len(self._hash_to_block) == sum(b.block_hash is not None for b in self.blocks)
+        assert self._num_shared == sum(b.ref_cnt > 1 for b in self.blocks)
+        if not self.enable_prefix_caching:
+            assert not self._hash_to_block and not self._cached

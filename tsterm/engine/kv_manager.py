@@ -1,0 +1,123 @@
+"""Sequence-level block tables on top of a BlockPool: prefix matching, slot allocation, copy-on-write, fork."""
+from __future__ import annotations
+
+from tsterm.engine.block_pool import BlockPool, NoFreeBlocksError
+from tsterm.engine.sequence import Sequence
+
+
+class KVCacheManager:
+    """Owns every `Sequence.block_table`. Block i of a table holds the KV of positions `[i*B, (i+1)*B)`.
+
+    Per sequence it keeps the chain hashes of its committed full blocks, so `commit` only hashes the blocks
+    filled since the last call (one hash per B decoded tokens).
+    """
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._chain: dict[int, list[int]] = {}  # seq_id -> chain hash of each committed full block
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.cow_copies = 0
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Take the longest cached run of full blocks that prefixes `seq.token_ids` (by reference) and mark it
+        computed. The block holding the last token is never taken: its logits must be computed. Returns the
+        number of cached tokens."""
+        assert not seq.block_table, f"match_prefix on {seq}: it already holds blocks"
+        B, pool, tokens = self.block_size, self.pool, seq.token_ids
+        chain: list[int] = []
+        if pool.enable_prefix_caching:
+            parent = None
+            for i in range((len(tokens) - 1) // B):
+                block_tokens = tokens[i * B:(i + 1) * B]
+                block_hash = pool.hash_block(parent, block_tokens)
+                block_id = pool.lookup(block_hash, block_tokens, parent)
+                if block_id is None:
+                    break
+                pool.acquire(block_id)
+                seq.block_table.append(block_id)
+                chain.append(block_hash)
+                parent = block_hash
+        self._chain[seq.seq_id] = chain
+        num_cached = len(chain) * B
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        return num_cached
+
+    def record_prefix_query(self, seq: Sequence) -> None:
+        """Count one admission's prefix lookup (the scheduler calls it once per admitted request, not per retry)."""
+        self.prefix_query_tokens += len(seq.token_ids)
+        self.prefix_hit_tokens += seq.num_cached_tokens
+
+    def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
+        """(new blocks to allocate, table indices to copy-on-write) for writing the next num_new_tokens."""
+        B, table = self.block_size, seq.block_table
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        num_blocks = -(-end // B)
+        # Blocks of the table that this write touches and that another table also holds (after a fork).
+        # Normally only the partial last block; full blocks below num_computed_tokens are never written.
+        cow = [i for i in range(start // B, min(len(table), num_blocks)) if self.pool.blocks[table[i]].ref_cnt > 1]
+        return max(0, num_blocks - len(table)), cow
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        num_new, cow = self._plan(seq, num_new_tokens)
+        return self.pool.can_allocate(num_new + len(cow))
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make room for the KV of tokens `[num_computed_tokens, num_computed_tokens + num_new_tokens)`.
+
+        Returns the (src_block, dst_block) pairs whose computed KV the runner must copy before writing
+        (copy-on-write of a shared partial block). All or nothing: raises NoFreeBlocksError unchanged."""
+        pool, table = self.pool, seq.block_table
+        num_new, cow = self._plan(seq, num_new_tokens)
+        if not pool.can_allocate(num_new + len(cow)):
+            raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {num_new + len(cow)} KV blocks, "
+                                    f"{pool.num_free} free or evictable")
+        copies = []
+        for i in cow:
+            src, dst = table[i], pool.allocate()
+            table[i] = dst
+            pool.release(src)  # still referenced by the other branch: ref_cnt was > 1
+            if i * self.block_size < seq.num_computed_tokens:  # a block with no computed slot needs no copy
+                copies.append((src, dst))
+        self.cow_copies += len(copies)
+        # Sorted so that blocks taken in one call form a consecutive run whenever the ids allow it
+        # (evicted cached blocks come out tail-first).
+        table.extend(sorted(pool.allocate() for _ in range(num_new)))
+        return copies
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Flat KV slot of each position in [start, end): block_table[p // B] * B + p % B."""
+        B, table = self.block_size, seq.block_table
+        return [table[p // B] * B + p % B for p in range(start, end)]
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks filled (computed) since the last commit, generated tokens included."""
+        if not self.pool.enable_prefix_caching:
+            return
+        B, chain = self.block_size, self._chain.setdefault(seq.seq_id, [])
+        for i in range(len(chain), seq.num_computed_tokens // B):
+            parent = chain[-1] if chain else None
+            chain.append(self.pool.register(seq.block_table[i], parent, seq.token_ids[i * B:(i + 1) * B]))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` (already holding parent's token ids) every block of `parent` by reference."""
+        assert not child.block_table and len(child.token_ids) >= parent.num_computed_tokens
+        for block_id in parent.block_table:
+            self.pool.acquire(block_id)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._chain[child.seq_id] = list(self._chain.get(parent.seq_id, ()))
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq` and reset it to nothing computed (e.g. for re-admission)."""
+        for block_id in reversed(seq.block_table):  # tail blocks become least recent: evicted first
+            self.pool.release(block_id)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self._chain.pop(seq.seq_id, None)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens, "cow_copies": self.cow_copies}
