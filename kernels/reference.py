@@ -55,7 +55,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_q = q_end - q_start
         # [Hkv, G * nq, D]: rows of one KV head's query group; small (new tokens only), so this copy is cheap.
         qh = q[q_start:q_end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qh = qh.reshape(num_kv_heads, group * num_q, head_dim).float() * scale
+        qh = qh.reshape(num_kv_heads, group * num_q, head_dim) * scale
         q_pos = torch.arange(seq_len - num_q, seq_len).repeat(group)  # [G * nq] position of each query row
         acc = torch.zeros(num_kv_heads, group * num_q, head_dim)  # running sum of p @ v
         run_max = torch.full((num_kv_heads, group * num_q, 1), float("-inf"))
@@ -65,7 +65,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             n = min(num_blocks * block_size, seq_len - pos)
             k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D] view
             v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
-            scores = torch.matmul(qh, k.permute(1, 2, 0).float())  # [Hkv, G*nq, n]
+            # Matmuls run in the cache dtype: converting the context to float32 first would copy it every step.
+            scores = torch.matmul(qh, k.permute(1, 2, 0)).float()  # [Hkv, G*nq, n]
             k_pos = torch.arange(pos, pos + n)
             if int(k_pos[-1]) > seq_len - num_q:  # some keys lie after some queries: causal mask
                 scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
@@ -73,7 +74,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             correction = torch.exp(run_max - new_max)
             p = torch.exp(scores - new_max)  # [Hkv, G*nq, n]
             run_sum = run_sum * correction + p.sum(-1, keepdim=True)
-            acc = acc * correction + torch.matmul(p, v.permute(1, 0, 2).float())  # [Hkv, G*nq, D]
+            acc = acc * correction + torch.matmul(p.to(v.dtype), v.permute(1, 0, 2)).float()  # [Hkv, G*nq, D]
             run_max = new_max
             pos += n
         o = (acc / run_sum).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [nq, Hkv, G, D]
