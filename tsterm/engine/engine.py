@@ -1,6 +1,7 @@
 """The engine: requests in, one `step()` at a time (schedule -> run -> postprocess), outputs out."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,11 +10,13 @@ import torch
 
 from tsterm.config import EngineConfig, ModelConfig, SamplingParams
 from tsterm.engine.block_pool import BlockPool
+from tsterm.engine.copy_audit import CopyAudit
 from tsterm.engine.kv_manager import KVCacheManager
 from tsterm.engine.model_runner import ModelRunner, ScheduledBatch, kv_bytes_per_block
 from tsterm.engine.sampler import Sampler, SamplingRow, seeded_generator
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
+from tsterm.engine.stats import EngineMetrics
 from tsterm.errors import ModelLoadError, RequestError
 from tsterm.model.loader import ProgressFn, load_weights
 from tsterm.outputs import CompletionOutput, RequestOutput
@@ -75,6 +78,11 @@ class Engine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
+        self.metrics = EngineMetrics()
+        self.audit: CopyAudit | None = None  # off by default: `enable_copy_audit`
+        self.moe_layers = [mlp for *_, mlp in self.runner.model.layers if mlp.router is not None]
+        for mlp in self.moe_layers:  # tokens routed per expert, accumulated on the device, read rarely
+            mlp.expert_load = torch.zeros(mlp.w13.shape[0], dtype=torch.int64, device=self.device)
 
     def _num_blocks_from_budget(self, cfg: ModelConfig, block_size: int) -> int:
         per_block = kv_bytes_per_block(cfg, block_size, self.dtype)
@@ -127,6 +135,7 @@ class Engine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+                self.metrics.on_finished(seq.metrics, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -139,19 +148,31 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        logits = self.runner.run(batch)
-        return self._postprocess(batch, logits)
+        generated_before = self.num_generated_tokens
+        with self.audit.step(self.num_steps) if self.audit else contextlib.nullcontext(False) as audited:
+            logits = self.runner.run(batch)
+            outputs = self._postprocess(batch, logits)
+        if audited:
+            self.audit.audited_tokens += self.num_generated_tokens - generated_before
+        return outputs
+
+    def enable_copy_audit(self, every_n_steps: int = 1) -> CopyAudit:
+        """Count copy bytes and host syncs of every Nth step from now on (see `tsterm.engine.copy_audit`)."""
+        self.audit = CopyAudit(every_n_steps)
+        return self.audit
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
         now = time.time()
         sampling: list[Sequence] = []
+        prefill_tokens = 0
         for seq, n, sample in zip(batch.seqs, batch.num_new, batch.sample_mask()):
             seq.num_computed_tokens += n
             self.kv.commit(seq)
             if seq.num_output_tokens == 0:
-                self.num_prefill_tokens += n
+                prefill_tokens += n
             if sample:
                 sampling.append(seq)
+        self.num_prefill_tokens += prefill_tokens
         logits, sampling = self._fork_new_samples(logits, sampling)
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._req(s).generators[self._index(s)])
                 for s in sampling]
@@ -167,6 +188,7 @@ class Engine:
                 m.first_token_time = now
             else:
                 m.inter_token_latencies.append(now - m.last_token_time)
+                self.metrics.on_token_latency(now - m.last_token_time)
             m.last_token_time = now
             m.num_generated_tokens += 1
             self.num_generated_tokens += 1
@@ -175,6 +197,7 @@ class Engine:
             self._check_stop(req, seq, token)
             touched[req.request_id] = req
         self.num_steps += 1
+        self.metrics.on_step(prefill_tokens, len(sampling), now)
         outputs = [self._output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
@@ -230,6 +253,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._req(seq).detokenizers[self._index(seq)].flush()  # release any held-back partial character
         self.scheduler.finish(seq, reason)
+        self.metrics.on_finished(seq.metrics, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
         completions = []
@@ -260,4 +284,16 @@ class Engine:
             cow_bytes=self.runner.cow_bytes, block_size=self.config.block_size,
             kv_bytes_per_block=kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype),
         )
+        # The other side of the copy ledger: KV taken by reference. A design that deep-copies the prefix each
+        # turn would have moved exactly these bytes.
+        s["kv_reused_bytes"] = s["prefix_hit_tokens"] * s["kv_bytes_per_block"] // self.config.block_size
         return s
+
+    def expert_load(self) -> list[list[int]]:
+        """Tokens routed to each expert, per MoE layer, since start (one host read for all layers)."""
+        if not self.moe_layers:
+            return []
+        return torch.stack([mlp.expert_load for mlp in self.moe_layers]).tolist()
+
+    def prometheus(self) -> str:
+        return self.metrics.prometheus(self.stats())

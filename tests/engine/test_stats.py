@@ -1,0 +1,68 @@
+"""Engine metrics: Prometheus exposition, histograms, rolling rates, MoE expert load."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tsterm import LLM, SamplingParams
+from tsterm.engine.stats import Histogram, RateWindow
+
+from tests.helpers.checkpoints import make_checkpoint
+
+SAMPLE = re.compile(r'^(tsterm:[a-z0-9_]+)(\{[^}]*\})? (-?[0-9.e+-]+|inf)$')
+
+
+def test_histogram_buckets_are_cumulative():
+    h = Histogram((0.1, 1.0))
+    for v in (0.05, 0.5, 0.7, 3.0):
+        h.observe(v)
+    assert h.lines("x") == ['x_bucket{le="0.1"} 1', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 4',
+                            "x_sum 4.25", "x_count 4"]
+
+
+def test_rate_window_expires_old_events():
+    w = RateWindow(seconds=2.0)
+    w.add(10, now=100.0)
+    w.add(10, now=101.0)
+    assert w.rate(now=101.0) == pytest.approx(20.0)
+    assert w.rate(now=110.0) == 0.0
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("stats") / "m", "qwen3_moe",
+                              dict(num_experts=5, num_experts_per_tok=2, num_hidden_layers=2))
+    return LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+
+
+def test_prometheus_exposition_after_two_turns(llm):
+    prompt = list(range(10, 40))
+    first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    llm.generate(prompt + first.token_ids + [7, 8], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    text = llm.engine.prometheus()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) tsterm:[a-z0-9_]+ ", line), line
+            continue
+        m = SAMPLE.match(line)
+        assert m, line
+        values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    assert values["tsterm:prefix_cache_hits"] == 32 and values["tsterm:prefix_cache_queries"] == 30 + 37
+    assert values["tsterm:generation_tokens"] == 10
+    assert values['tsterm:request_success{finished_reason="length"}'] == 2
+    assert values['tsterm:time_to_first_token_seconds_bucket{le="+Inf"}'] == 2
+    assert values["tsterm:inter_token_latency_seconds_count"] == 8
+    assert 0 <= values["tsterm:kv_cache_usage_perc"] <= 1
+
+
+def test_expert_load_counts_every_routed_token(llm):
+    before = llm.engine.expert_load()
+    llm.generate(list(range(50, 61)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    after = llm.engine.expert_load()
+    cfg = llm.engine.model_config
+    computed_tokens = 11 + 3  # the prompt, then one decode step per generated token but the last
+    for layer_before, layer_after in zip(before, after):
+        assert len(layer_after) == cfg.num_experts
+        assert sum(layer_after) - sum(layer_before) == computed_tokens * cfg.num_experts_per_tok
