@@ -1,0 +1,120 @@
+"""`tsterm bench`: an agent-trace replay against transformers, plus the zero-copy and roofline measurements.
+
+Every figure is a ratio against a baseline measured in the same run on the same machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tsterm.bench.measure import bytes_read_per_token, copy_bandwidth, copy_bytes_per_token, decode_rate
+from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers
+from tsterm.bench.report import format_table, write_plot
+from tsterm.bench.trace import TraceSpec, make_trace
+from tsterm.errors import ConfigError
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("bench", help="replay a multi-turn agent trace; report reuse, copies, roofline, speedup")
+    p.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile (default: bench)")
+    p.add_argument("--model", help="HF-format model directory (overrides the profile's)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.add_argument("--sessions", type=int, default=1, help="parallel agent sessions (P)")
+    p.add_argument("--turns", type=int, default=8)
+    p.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt + tool schemas")
+    p.add_argument("--task-tokens", type=int, default=64)
+    p.add_argument("--turn-tokens", type=int, default=256, help="new tokens per later turn")
+    p.add_argument("--output-tokens", type=int, default=32, help="fixed reply length")
+    p.add_argument("--baseline", choices=["transformers", "none"], default="none")
+    p.add_argument("--no-prefix-cache", action="store_true", help="also replay with the prefix cache off (ablation)")
+    p.add_argument("--micro-context", type=int, default=256, help="short context of the copy/roofline measurements")
+    p.add_argument("--parallel", type=int, default=8, help="concurrent requests for the parallel decode measurement")
+    p.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
+    p.add_argument("--plot", help="draw TTFT per turn to this .svg (or .png with matplotlib installed)")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def _progress(message: str) -> None:
+    sys.stderr.write(f"\r\033[K[bench] {message}" if sys.stderr.isatty() else f"[bench] {message}\n")
+    sys.stderr.flush()
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from tsterm.cli import engine_from_args
+
+    if not getattr(args, "profile", None) and not args.model:
+        args.profile = "bench"
+    spec = TraceSpec(args.sessions, args.turns, args.system_tokens, args.task_tokens, args.turn_tokens,
+                     args.output_tokens)
+    if args.parallel < 1 or args.micro_context < 2:
+        raise ConfigError("--parallel must be >= 1 and --micro-context >= 2")
+    llm = engine_from_args(args)
+    results = run_bench(llm, spec, baseline=args.baseline, ablation=args.no_prefix_cache,
+                        micro_context=args.micro_context, parallel=args.parallel, progress=_progress)
+    sys.stderr.write("\n")
+    print(format_table(results))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(results, indent=2))
+    if args.plot:
+        write_plot(results, args.plot)
+    return 0
+
+
+def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = False, micro_context: int = 256,
+              parallel: int = 8, progress=None) -> dict:
+    engine = llm.engine
+    cfg = engine.model_config
+    trace = make_trace(spec, cfg.vocab_size)
+    replays: dict[str, ReplayResult] = {"tsterm": replay_tsterm(engine, trace, spec, "tsterm", progress)}
+    if ablation:
+        engine.kv.pool.enable_prefix_caching = False
+        try:
+            replays["no_prefix_cache"] = replay_tsterm(engine, trace, spec, "nocache", progress)
+        finally:
+            engine.kv.pool.enable_prefix_caching = True
+    if baseline == "transformers":
+        replays["transformers"] = replay_transformers(engine.config.model, engine.dtype, trace, spec, progress)
+
+    if progress:
+        progress("measuring bandwidth, copies and decode rates")
+    bandwidth = copy_bandwidth(engine.device)
+    short = copy_bytes_per_token(engine, micro_context, salt=1)
+    long = copy_bytes_per_token(engine, 8 * micro_context, salt=2)
+    single = decode_rate(engine, 1, micro_context, salt=3)
+    batched = decode_rate(engine, parallel, micro_context, salt=4)
+    read_per_token = bytes_read_per_token(cfg, engine.dtype.itemsize, micro_context)
+    roofline_tps = bandwidth / read_per_token
+
+    ours = replays["tsterm"]
+    ttft = ours.ttft_by_turn()
+    summary = {
+        "speedup_vs_baseline": (replays["transformers"].wall_s / ours.wall_s) if "transformers" in replays else None,
+        "ttft_last_over_turn2": ttft[-1] / ttft[1],
+        "hit_rate_vs_theoretical": ours.hit_rate_vs_theoretical(),
+        "copy_bytes_per_token_long_over_short": (long["copy_bytes_per_token"] / short["copy_bytes_per_token"]
+                                                 if short["copy_bytes_per_token"] else None),
+        "roofline_fraction": single / roofline_tps,
+        "parallel_speedup": batched / single,
+    }
+    stats = engine.stats()
+    return {
+        **summary,
+        "model": engine.config.model, "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device),
+        "trace": spec.__dict__,
+        "replays": {name: {"wall_s": r.wall_s, "ttft_by_turn_s": r.ttft_by_turn(),
+                           "decode_tokens_per_s": r.generated_tokens(spec.output_tokens) / r.wall_s,
+                           "hit_rate_vs_theoretical": r.hit_rate_vs_theoretical(),
+                           "turns": [t.__dict__ for t in r.turns]} for name, r in replays.items()},
+        "copy_audit": {"context_short": micro_context, "context_long": 8 * micro_context, "short": short, "long": long},
+        "decode": {"context": micro_context, "batch1_tokens_per_s": single, f"batch{parallel}_tokens_per_s": batched,
+                   "parallel": parallel},
+        "roofline": {"copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_token": read_per_token,
+                     "roofline_tokens_per_s": roofline_tps,
+                     "achieved_bandwidth_bytes_per_s": single * read_per_token},
+        "engine_stats": stats,
+    }

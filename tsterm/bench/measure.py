@@ -1,0 +1,80 @@
+"""Micro-measurements for the bench: memory bandwidth, bytes read per decoded token, decode rates, copy audit."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tsterm.config import ModelConfig, SamplingParams
+from tsterm.engine.engine import Engine
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large device copy (read + write counted), best of `repeats`."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def bytes_read_per_token(cfg: ModelConfig, dtype_bytes: int, context: int) -> int:
+    """Bytes a batch-1 decode step must read: the active weights (top-k experts only) plus the KV of the context."""
+    H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    attention = H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D + cfg.num_attention_heads * D * H
+    total = 0
+    for layer in range(cfg.num_hidden_layers):
+        total += attention + 2 * H
+        if cfg.is_moe_layer(layer):
+            total += cfg.num_experts * H + cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
+            if cfg.shared_expert_intermediate_size:
+                total += 3 * H * cfg.shared_expert_intermediate_size + H
+        else:
+            total += 3 * H * cfg.intermediate_size
+    total += V * H + H + H  # lm_head, the embedding row, final norm
+    kv = context * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * D
+    return (total + kv) * dtype_bytes
+
+
+def _prefilled(engine: Engine, batch: int, context: int, max_tokens: int, salt: int) -> list[str]:
+    """Adds `batch` requests of `context` distinct tokens each and steps until all have finished prefill."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request([(17 + salt * 7919 + b * 104729 + i * 31) % (vocab - 16) + 16 for i in range(context)],
+                              params) for b in range(batch)]
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    return ids
+
+
+def decode_rate(engine: Engine, batch: int, context: int, steps: int = 16, salt: int = 0) -> float:
+    """Aggregate decode tokens/s of `batch` concurrent requests at `context` tokens (prefill excluded)."""
+    ids = _prefilled(engine, batch, context, steps + 2, salt)
+    engine.step()  # warm-up decode
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort(rid)
+    return batch * steps / elapsed
+
+
+def copy_bytes_per_token(engine: Engine, context: int, steps: int = 8, salt: int = 0) -> dict:
+    """Copy-audit summary of `steps` batch-1 decode steps at `context` tokens."""
+    ids = _prefilled(engine, 1, context, steps + 1, salt)
+    previous = engine.audit
+    audit = engine.enable_copy_audit()
+    for _ in range(steps):
+        engine.step()
+    engine.audit = previous
+    for rid in ids:
+        engine.abort(rid)
+    return audit.summary()

@@ -1,0 +1,94 @@
+"""Bench output: the summary table (stdout) and the TTFT-per-turn plot (SVG, or PNG through matplotlib)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tsterm.errors import ConfigError
+
+TARGETS = {  # key -> (comparison, target): the project's stated goals, printed next to each figure
+    "speedup_vs_baseline": (">=", 5.0),
+    "ttft_last_over_turn2": ("<=", 1.5),
+    "hit_rate_vs_theoretical": (">=", 0.98),
+    "copy_bytes_per_token_long_over_short": ("<=", 1.1),
+    "roofline_fraction": (">=", 0.5),
+    "parallel_speedup": (">=", 4.0),
+}
+
+
+def format_table(r: dict) -> str:
+    rows = [("metric", "value", "target", "met")]
+    for key, (op, target) in TARGETS.items():
+        value = r.get(key)
+        if value is None:
+            rows.append((key, "n/a", f"{op} {target}", "-"))
+            continue
+        met = value >= target if op == ">=" else value <= target
+        rows.append((key, f"{value:.3f}", f"{op} {target}", "yes" if met else "NO"))
+    roof, dec = r["roofline"], r["decode"]
+    lines = [f"model {r['model']} ({r['dtype']}, {r['device']})",
+             f"bandwidth {roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (copy); "
+             f"{roof['bytes_read_per_token'] / 1e6:.1f} MB read per token at {dec['context']} tokens; "
+             f"batch-1 decode {dec['batch1_tokens_per_s']:.1f} tok/s = "
+             f"{roof['achieved_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s of a {roof['roofline_tokens_per_s']:.1f} tok/s roofline"]
+    for name, rep in r["replays"].items():
+        ttft = rep["ttft_by_turn_s"]
+        lines.append(f"{name:>16}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms, turn2 "
+                     f"{ttft[1] * 1e3:.0f} ms, last {ttft[-1] * 1e3:.0f} ms")
+    width = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, width)) for row in rows]
+    return "\n".join(lines)
+
+
+def write_plot(r: dict, path: str) -> None:
+    series = {name: rep["ttft_by_turn_s"] for name, rep in r["replays"].items()}
+    if path.endswith(".svg"):
+        Path(path).write_text(_svg(series))
+    elif path.endswith(".png"):
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ConfigError("--plot .png needs matplotlib (pip install matplotlib); or write an .svg") from None
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, values in series.items():
+            ax.plot(range(1, len(values) + 1), [v * 1e3 for v in values], marker="o", label=name)
+        ax.set_xlabel("turn")
+        ax.set_ylabel("TTFT (ms)")
+        ax.legend()
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+    else:
+        raise ConfigError(f"--plot {path!r}: use a .svg or .png file name")
+
+
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
+
+
+def _svg(series: dict[str, list[float]], width: int = 640, height: int = 360) -> str:
+    left, right, top, bottom = 60, 20, 20, 50
+    turns = max(len(v) for v in series.values())
+    peak = max(max(v) for v in series.values()) * 1e3 or 1.0
+
+    def x(i: int) -> float:
+        return left + (width - left - right) * (i / max(turns - 1, 1))
+
+    def y(ms: float) -> float:
+        return height - bottom - (height - top - bottom) * ms / peak
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             f'font-size="12"><rect width="100%" height="100%" fill="white"/>',
+             f'<line x1="{left}" y1="{height - bottom}" x2="{width - right}" y2="{height - bottom}" stroke="black"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{height - bottom}" stroke="black"/>',
+             f'<text x="{width / 2}" y="{height - 12}" text-anchor="middle">turn</text>',
+             f'<text x="14" y="{height / 2}" transform="rotate(-90 14 {height / 2})" text-anchor="middle">TTFT (ms)</text>']
+    for i in range(turns):
+        parts.append(f'<text x="{x(i):.1f}" y="{height - bottom + 16}" text-anchor="middle">{i + 1}</text>')
+    for frac in (0.0, 0.5, 1.0):
+        parts.append(f'<text x="{left - 6}" y="{y(peak * frac) + 4:.1f}" text-anchor="end">{peak * frac:.0f}</text>')
+    for k, (name, values) in enumerate(series.items()):
+        color = COLORS[k % len(COLORS)]
+        points = " ".join(f"{x(i):.1f},{y(v * 1e3):.1f}" for i, v in enumerate(values))
+        parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{points}"/>')
+        parts.append(f'<text x="{left + 10}" y="{top + 14 * (k + 1)}" fill="{color}">{name}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
