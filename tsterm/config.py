@@ -117,7 +117,8 @@ class EngineConfig:
 # --------------------------------------------------------------------------------------------------
 # The model's config.json
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# "dynamic" (NTK) is not implemented in tsterm.model.rope, so it is refused here, not at the first forward.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,9 +179,11 @@ class ModelConfig:
         if not path.is_file():
             raise ModelLoadError(f"{model_dir}: no config.json (expected an HF-format model directory)")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
@@ -188,72 +191,120 @@ class ModelConfig:
         from tsterm.model.arch import ARCHITECTURES
 
         model_type = raw.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if model_type is None:
+            raise ModelLoadError(f"{source}: no `model_type` field (supported: {', '.join(sorted(ARCHITECTURES))})")
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ModelLoadError(f"{source}: model_type {model_type!r} is not supported "
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
 
-        def need(key: str, *alts: str) -> Any:
+        def get(key: str, default: Any = None, *alts: str, convert: Any = int, required: bool = False) -> Any:
+            """The first non-null of key/alts, converted; a wrong type or missing field names the key."""
             for k in (key, *alts):
                 if raw.get(k) is not None:
-                    return raw[k]
-            raise ModelLoadError(f"{source}: missing field {key!r}")
+                    value = raw[k]
+                    try:
+                        if convert is int and (isinstance(value, bool) or int(value) != value):
+                            raise ValueError
+                        return convert(value)
+                    except (TypeError, ValueError):
+                        raise ModelLoadError(f"{source}: field {k!r} has invalid value {value!r}") from None
+            if required:
+                raise ModelLoadError(f"{source}: missing field {key!r}")
+            return default
 
         if raw.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ModelLoadError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        hidden = get("hidden_size", required=True)
+        heads = get("num_attention_heads", required=True)
+        kv_heads = get("num_key_value_heads", heads)
+        for key, value in (("hidden_size", hidden), ("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if value < 1:
+                raise ModelLoadError(f"{source}: {key} must be positive, got {value}")
+        if heads % kv_heads:
+            raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                                 f"num_key_value_heads ({kv_heads})")
+        head_dim = get("head_dim") or hidden // heads
+        num_experts = get("num_experts") or get("num_local_experts", 0)
+        top_k = get("num_experts_per_tok", 1)
+        if num_experts and not 1 <= top_k <= num_experts:
+            raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids):
+            raise ModelLoadError(f"{source}: field 'eos_token_id' has invalid value {eos!r}")
+        config = cls(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=get("vocab_size", required=True),
             hidden_size=hidden,
-            num_hidden_layers=int(need("num_hidden_layers")),
+            num_hidden_layers=get("num_hidden_layers", required=True),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=int(raw.get("intermediate_size") or 0),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            intermediate_size=get("intermediate_size", 0),
+            rms_norm_eps=get("rms_norm_eps", 1e-6, convert=float),
             rope=_parse_rope(raw, head_dim, source),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            max_position_embeddings=get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             num_experts=num_experts,
-            num_experts_per_tok=int(raw.get("num_experts_per_tok", 1)),
-            moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0),
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=get("moe_intermediate_size") or get("intermediate_size", 0),
             norm_topk_prob=bool(raw.get("norm_topk_prob", ARCHITECTURES[model_type].norm_topk_prob_default)),
-            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+            decoder_sparse_step=get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
-            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
-            clip_qkv=raw.get("clip_qkv"),
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0),
+            clip_qkv=get("clip_qkv", convert=float),
             eos_token_ids=eos_ids,
             source=source,
         )
+        for key in ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
+            if getattr(config, key) < 1:
+                raise ModelLoadError(f"{source}: {key} must be positive, got {getattr(config, key)}")
+        return config
 
 
 def _parse_rope(raw: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (with rope_theta inside); older configs use `rope_theta` +
     # `rope_scaling`. Read both.
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    params: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = raw.get(key) or {}
+        if not isinstance(value, dict):
+            raise ModelLoadError(f"{source}: field {key!r} must be an object, got {value!r}")
+        params.update(value)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"{source}: rope type {rope_type!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+
+    def num(key: str, default: float | None, *fallbacks: dict[str, Any]) -> float | None:
+        for where in (params, *fallbacks):
+            if where.get(key) is not None:
+                value = where[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ModelLoadError(f"{source}: rope field {key!r} has invalid value {value!r}")
+                return float(value)
+        return default
+
+    partial = num("partial_rotary_factor", 1.0, raw)
     if partial != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
-    return RopeConfig(
-        theta=float(theta),
+    theta, factor = num("rope_theta", 10000.0, raw), num("factor", 1.0)
+    if theta <= 0 or factor <= 0:
+        raise ModelLoadError(f"{source}: rope_theta and the rope factor must be positive (got {theta}, {factor})")
+    original_max = num("original_max_position_embeddings", None)
+    rope = RopeConfig(
+        theta=theta,
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        attention_factor=params.get("attention_factor"),
+        factor=factor,
+        original_max_position_embeddings=None if original_max is None else int(original_max),
+        low_freq_factor=num("low_freq_factor", 1.0),
+        high_freq_factor=num("high_freq_factor", 4.0),
+        beta_fast=num("beta_fast", 32.0),
+        beta_slow=num("beta_slow", 1.0),
+        attention_factor=num("attention_factor", None),
     )
+    if rope_type == "llama3" and rope.high_freq_factor == rope.low_freq_factor:
+        raise ModelLoadError(f"{source}: llama3 rope needs high_freq_factor != low_freq_factor "
+                             f"(both are {rope.low_freq_factor})")
+    return rope

@@ -26,13 +26,17 @@ def find_weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (ValueError, AttributeError) as e:
             raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: not a valid safetensors index (needs a \"weight_map\" of "
+                                 "tensor name -> shard file name)")
         files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise ModelLoadError(f"{index} lists shard(s) that are missing: {', '.join(missing)}")
+            raise ModelLoadError(f"{index} lists shard(s) that are missing from {model_dir}: {', '.join(missing)} "
+                                 "(an incomplete download?)")
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
@@ -53,9 +57,13 @@ class WeightSource:
         for path in files:
             shard = SafetensorsFile(path)
             for name in shard.keys():
+                if name in self.where:
+                    raise ModelLoadError(f"tensor {name!r} is in both {self.where[name].path.name} and {path.name}")
                 self.where[name] = shard
+        # Invariant: `unused` shrinks only through get()/skip(), which count the bytes, so a load that passes
+        # check_all_used() has reported done == total.
         self.unused = {n for n in self.where if not n.endswith(IGNORED_SUFFIXES)}
-        self.total_bytes = sum(s.nbytes(n) for n, s in self.where.items())
+        self.total_bytes = sum(self.where[n].nbytes(n) for n in self.unused)
         self.done_bytes = 0
 
     def has(self, name: str) -> bool:
@@ -69,11 +77,19 @@ class WeightSource:
         if tuple(tensor.shape) != tuple(shape):
             raise ModelLoadError(f"{shard.path.name}: tensor {name!r} has shape {list(tensor.shape)}, "
                                  f"expected {list(shape)} from config.json")
-        self.unused.discard(name)
-        self.done_bytes += shard.nbytes(name)
-        if self.progress:
-            self.progress(self.done_bytes, self.total_bytes, name)
+        self._mark_used(name)
         return self.to_target(tensor) if convert else tensor
+
+    def skip(self, name: str) -> None:
+        """Accept a tensor the model does not read (a tied lm_head saved anyway)."""
+        self._mark_used(name)
+
+    def _mark_used(self, name: str) -> None:
+        if name in self.unused:
+            self.unused.discard(name)
+            self.done_bytes += self.where[name].nbytes(name)
+            if self.progress:
+                self.progress(self.done_bytes, self.total_bytes, name)
 
     def to_target(self, tensor: torch.Tensor) -> torch.Tensor:
         # A no-op (still the mmap view) when dtype and device already match.
@@ -90,7 +106,8 @@ class WeightSource:
         if self.unused:
             extra = sorted(self.unused)
             more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-            raise ModelLoadError(f"unexpected tensor(s) in the checkpoint: {', '.join(extra[:5])}{more} "
+            files = ", ".join(sorted({self.where[n].path.name for n in extra}))
+            raise ModelLoadError(f"unexpected tensor(s) in {files}: {', '.join(extra[:5])}{more} "
                                  "(does config.json match these weights?)")
 
 
@@ -106,7 +123,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     w["embed"] = src.get("model.embed_tokens.weight", (cfg.vocab_size, H))
     w["final_norm"] = src.get("model.norm.weight", (H,))
     if cfg.tie_word_embeddings:
-        src.unused.discard("lm_head.weight")
+        src.skip("lm_head.weight")
         w["lm_head"] = w["embed"]
     else:
         w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H))
