@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -37,6 +38,16 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+                   f"{name} must be a number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in ("top_k", "max_tokens", "n"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
+        _check(isinstance(self.stop, (str, list, tuple)), f"stop must be a string or a list of strings, got {self.stop!r}")
+        _check(isinstance(self.stop_token_ids, (list, tuple)), f"stop_token_ids must be a list, got {self.stop_token_ids!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -87,7 +98,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+        _check(isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
                f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         _check(isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
                f"block_size must be in [1, 1024], got {self.block_size}")

@@ -30,9 +30,11 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        try:
+        try:  # a bad prompt anywhere in the batch leaves nothing of the batch queued
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.engine.add_request(prompt, sp))
             while len(final) < len(ids):
                 for out in self.engine.step():
                     if on_output is not None:

@@ -236,7 +236,8 @@ def test_prompt_longer_than_context(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 1  # the context ends the generation
 
 
-@pytest.mark.parametrize("prompt,bad", [([1, 2, VOCAB], VOCAB), ([1, -1], -1), ([10**9], 10**9)])
+@pytest.mark.parametrize("prompt,bad", [([1, 2, VOCAB], VOCAB), ([1, -1], -1), ([10**9], 10**9), ([1, 1.5], 1.5),
+                                        ([True, 2], True)])
 def test_token_ids_outside_the_vocabulary(llm, prompt, bad):
     with pytest.raises(RequestError, match=rf"{bad} is outside the vocabulary \[0, {VOCAB}\)"):
         llm.generate(prompt, SamplingParams(max_tokens=1))
@@ -252,6 +253,7 @@ def test_empty_prompt(llm):
     ("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.5), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -2.5),
     ("max_tokens", 0), ("n", 0), ("logprobs", 21), ("stop", [""]), ("stop_token_ids", [-3]),
+    ("temperature", "0.5"), ("max_tokens", 2.5), ("top_k", True), ("stop", 5),
 ])
 def test_invalid_sampling_params(field, value):
     with pytest.raises(ConfigError, match=field):
@@ -322,3 +324,10 @@ def test_load_progress_is_monotonic_and_ends_at_total(base_dir, tmp_path):
         assert len(totals) == 1 and dones[-1] == totals.pop(), f"progress ended at {calls[-1]}"
         assert all(a < b for a, b in zip(dones, dones[1:])), "progress went backwards or stalled"
         assert len(calls) >= 60 and all(isinstance(what, str) and what for _, _, what in calls)
+
+
+def test_a_bad_prompt_in_a_batch_leaves_nothing_queued(llm):
+    with pytest.raises(RequestError):
+        llm.generate([[1, 2, 3], [4, 5], [VOCAB]], SamplingParams(max_tokens=2))
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    assert llm.stats()["used"] == 0

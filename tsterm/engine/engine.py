@@ -42,8 +42,12 @@ class _Request:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine (use --device cpu)")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {name!r} requested but CUDA is not available on this machine (use --device cpu)")
+        index = torch.device(name).index or 0
+        if index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return torch.device(name)
 
 
@@ -55,7 +59,8 @@ class Engine:
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
-            raise ModelLoadError(f"model directory {config.model!r} does not exist")
+            what = "is a file, not a model directory" if model_dir.exists() else "does not exist"
+            raise ModelLoadError(f"model directory {config.model!r} {what}")
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         if self.tokenizer.vocab_size > cfg.vocab_size:
@@ -104,9 +109,10 @@ class Engine:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab]  # noqa: E721 (bool is no id)
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab}) of integer ids")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
                                "(prompt + at least one generated token); shorten it or raise max_model_len / the KV budget")
