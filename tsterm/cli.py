@@ -49,6 +49,14 @@ def _engine_options(args: argparse.Namespace) -> tuple[str, dict[str, Any], Any]
     return model, options, profile
 
 
+def engine_from_args(args: argparse.Namespace):
+    """An LLM for --model/--profile (+ --dtype/--device), showing load progress on stderr."""
+    from tsterm.llm import LLM
+
+    model, options, _ = _engine_options(args)
+    return LLM(model, progress=_progress_printer("loading"), **options)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from tsterm.config import SamplingParams
     from tsterm.llm import LLM
@@ -106,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="auto, cpu or cuda[:N]")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics) instead")
     run.set_defaults(func=cmd_run)
+
+    from tsterm.bench import add_parser as add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

@@ -69,15 +69,16 @@ SPECS: dict[str, RandomMoESpec] = {
     "tiny": RandomMoESpec(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                           moe_intermediate_size=64),
-    # Qwen3-30B-A3B's shape (48 layers, H 2048, 32/4 heads of 128, 128 experts top-8, I 768) scaled down to
-    # 64 experts top-8 and H 1024, I 512, 7 layers, in bfloat16 (2 bytes per parameter):
-    #   attention per layer: q 2048x1024 + k, v 512x1024 + o 1024x2048 = 5.24 M params = 10.5 MB
-    #   one expert: 3 x 1024 x 512 = 1.57 M params = 3.1 MB; router 64 x 1024 = 0.13 MB
-    #   read per token: 7 x (10.5 + 8 x 3.1 + 0.13) MB + lm_head 1024 x 1024 (2.1 MB) = ~253 MB
-    #   whole checkpoint: 7 x (10.5 + 64 x 3.1 + 0.13) MB + embed + lm_head (4.2 MB) = ~1.49 GB (3 shards)
-    "bench": RandomMoESpec(vocab_size=1024, hidden_size=1024, num_hidden_layers=7, num_attention_heads=16,
-                           num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
-                           moe_intermediate_size=512, max_position_embeddings=32768, dtype="bfloat16"),
+    # Qwen3-30B-A3B's layout (32/4 heads, q/k norms, top-k softmax experts) scaled down to 8 layers, H 1024,
+    # 16/4 heads of 64, 16 experts top-4, I 512, in float32: on these CPUs bfloat16 matmuls are compute-bound
+    # (about half float32's bytes/s), so only float32 makes the model memory-bound, as a GPU model would be.
+    #   attention per layer: q 1024x1024 + k, v 256x1024 + o 1024x1024 = 2.62 M params = 10.5 MB
+    #   one expert: 3 x 1024 x 512 = 1.57 M params = 6.3 MB; router 16 x 1024 = 0.07 MB
+    #   read per token: 8 x (10.5 + 4 x 6.3 + 0.07) MB + lm_head 1024 x 1024 (4.2 MB) = ~290 MB
+    #   whole checkpoint: 8 x (10.5 + 16 x 6.3 + 0.07) MB + embed + lm_head (8.4 MB) = ~0.9 GB (2 shards)
+    "bench": RandomMoESpec(vocab_size=1024, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                           num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
+                           moe_intermediate_size=512, max_position_embeddings=32768, dtype="float32"),
 }
 
 

@@ -118,11 +118,30 @@ def _env(name: str, path: Path) -> str:
     return os.environ[name]
 
 
+def _demo_progress(name: str):
+    """One line on stderr while a demo checkpoint is generated (the bench model takes a while)."""
+    import sys
+
+    state = {"last": -1}
+
+    def progress(done: int, total: int, what: str) -> None:
+        pct = int(100 * done / max(total, 1))
+        if pct // 10 != state["last"] // 10:
+            state["last"] = pct
+            sys.stderr.write(f"generating demo:{name} (first use only): {pct}%\n")
+            sys.stderr.flush()
+
+    return progress
+
+
 def resolve_model(model: str, profile_path: Path | None = None) -> str:
     """`demo:NAME` -> tsterm's generated demo checkpoint; a relative path is relative to the profile file."""
     if model.startswith("demo:"):
-        from tsterm.demo import ensure_demo_model
-        return str(ensure_demo_model(model.split(":", 1)[1]))
+        from tsterm.demo import SPECS, ensure_demo_model
+        name = model.split(":", 1)[1]
+        if name not in SPECS:
+            raise ConfigError(f"unknown demo model {model!r} (have: {', '.join('demo:' + n for n in SPECS)})")
+        return str(ensure_demo_model(name, progress=_demo_progress(name)))
     path = Path(os.path.expanduser(model))
     if not path.is_absolute() and profile_path is not None and not path.exists():
         path = profile_path.parent / path
