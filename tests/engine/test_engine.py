@@ -165,3 +165,25 @@ async def test_async_stream_deltas_add_up_and_early_exit_aborts(checkpoint):
         assert engine.stats()["used"] == 0
     finally:
         engine.shutdown()
+
+
+def test_long_prefill_is_chunked_and_never_stalls_running_decodes(checkpoint, fresh):
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256,
+              max_num_batched_tokens=16)
+    engine = llm.engine
+    short = engine.add_request(list(range(10, 15)), greedy(12))
+    engine.step()  # the short request is decoding now
+    long_prompt = [10 + i % 300 for i in range(240)]
+    long = engine.add_request(long_prompt, greedy(3))
+    progress = []
+    while engine.has_unfinished():
+        outs = {o.request_id: o for o in engine.step()}
+        progress.append(short in outs)
+        if short in outs and outs[short].finished:
+            break
+    assert all(progress)  # the decode made a token every step while the 240-token prompt was chunked in
+    assert engine.scheduler.running and engine.scheduler.running[0].request_id == long
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                assert out.token_ids == fresh.generate(long_prompt, greedy(3))[0].token_ids
