@@ -7,14 +7,16 @@ treats as "not installed".
 """
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
 from tsterm_kernels import reference
 
 OP_NAMES = ("rms_norm", "store_kv", "paged_attention", "moe_route", "fused_moe")
 
-# name -> module providing every op in OP_NAMES. Triton kernels register here when they exist.
-_IMPLEMENTATIONS: dict[str, object] = {"torch": reference}
+# name -> module providing every op in OP_NAMES, or its import path: imported on first `use`, so that importing
+# this package never imports triton (nor needs a GPU).
+_IMPLEMENTATIONS: dict[str, object] = {"torch": reference, "triton": "tsterm_kernels.triton_ops"}
 
 ops = SimpleNamespace()
 
@@ -24,6 +26,8 @@ def use(name: str) -> None:
     if name not in _IMPLEMENTATIONS:
         raise ValueError(f"unknown kernel implementation {name!r} (have: {', '.join(_IMPLEMENTATIONS)})")
     impl = _IMPLEMENTATIONS[name]
+    if isinstance(impl, str):
+        impl = _IMPLEMENTATIONS[name] = importlib.import_module(impl)
     for op in OP_NAMES:
         setattr(ops, op, getattr(impl, op))
     ops.name = name

@@ -20,6 +20,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * block_size + offset) of each new token
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with -1 (device kernels read this)
     block_size: int
+    # Device copies of the host lists, for device kernels. Optional: a launcher that needs them and finds None
+    # builds them once and stores them here, so the layers of one step share them.
+    query_start_loc_device: torch.Tensor | None = None  # [S+1] int32, on the KV pool's device
+    seq_lens_device: torch.Tensor | None = None  # [S] int32, on the KV pool's device
 
     @property
     def num_seqs(self) -> int:

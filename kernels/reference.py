@@ -56,10 +56,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # [Hkv, G * nq, D]: rows of one KV head's query group; small (new tokens only), so this copy is cheap.
         qh = q[q_start:q_end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qh = qh.reshape(num_kv_heads, group * num_q, head_dim) * scale
-        q_pos = torch.arange(seq_len - num_q, seq_len).repeat(group)  # [G * nq] position of each query row
-        acc = torch.zeros(num_kv_heads, group * num_q, head_dim)  # running sum of p @ v
-        run_max = torch.full((num_kv_heads, group * num_q, 1), float("-inf"))
-        run_sum = torch.zeros(num_kv_heads, group * num_q, 1)
+        device = q.device
+        q_pos = torch.arange(seq_len - num_q, seq_len, device=device).repeat(group)  # [G * nq] position of each query row
+        acc = torch.zeros(num_kv_heads, group * num_q, head_dim, device=device)  # running sum of p @ v
+        run_max = torch.full((num_kv_heads, group * num_q, 1), float("-inf"), device=device)
+        run_sum = torch.zeros(num_kv_heads, group * num_q, 1, device=device)
         pos = 0
         for first_block, num_blocks in meta.block_runs[i]:
             n = min(num_blocks * block_size, seq_len - pos)
@@ -67,8 +68,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
             # Matmuls run in the cache dtype: converting the context to float32 first would copy it every step.
             scores = torch.matmul(qh, k.permute(1, 2, 0)).float()  # [Hkv, G*nq, n]
-            k_pos = torch.arange(pos, pos + n)
-            if int(k_pos[-1]) > seq_len - num_q:  # some keys lie after some queries: causal mask
+            if pos + n - 1 > seq_len - num_q:  # some keys lie after some queries: causal mask
+                k_pos = torch.arange(pos, pos + n, device=device)
                 scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
             new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))  # [Hkv, G*nq, 1]
             correction = torch.exp(run_max - new_max)

@@ -21,6 +21,7 @@ from tsterm.errors import ModelLoadError, RequestError
 from tsterm.model.loader import ProgressFn, load_weights
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from tsterm_kernels import dispatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -66,6 +67,8 @@ class Engine:
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ModelLoadError(f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but the "
                                  f"embedding (config.json vocab_size) has only {cfg.vocab_size} rows")
+        # One kernel implementation per process, chosen once (tsterm_kernels.dispatch).
+        dispatch.use(config.kernels if config.kernels != "auto" else ("triton" if self.device.type == "cuda" else "torch"))
         weights = load_weights(model_dir, cfg, self.dtype, self.device, progress)
         block_size = config.block_size
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(cfg, block_size)

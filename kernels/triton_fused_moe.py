@@ -1,0 +1,188 @@
+"""Fused MoE: grouped GEMMs over expert-aligned token tiles, SwiGLU fused into the first, the routing weight
+and the combine fused into the second, which atomically adds straight into `out` (no [T, k, H] temporary).
+
+Twin: `tsterm_kernels.reference.fused_moe`. Tile sizes come from `moe_tiles.json` (device name x M bucket).
+The only temporary is the SwiGLU activation, [T*k, I] in the activation dtype. Rounding follows the twin: the
+projections and the activation are rounded to the storage dtype where the twin's F.linear would round them.
+Loads are cast to float32 at once; dot operands go back to the storage dtype (tensor cores for bf16/fp16), and
+float32 dots are exact ("ieee", not tf32), as the twin's float32 matmuls are.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from tsterm_kernels.triton_moe_align import moe_align
+
+TILES_FILE = Path(__file__).with_name("moe_tiles.json")
+
+
+@triton.jit
+def _gate_up_kernel(
+    # pointers
+    x_ptr, w13_ptr, sorted_pairs_ptr, tile_experts_ptr, act_ptr,
+    # sizes and strides (the reduction dimension is unit-stride)
+    num_pairs, top_k, hidden_size, inter_size,
+    stride_x_token, stride_w13_expert, stride_w13_row, stride_act_pair,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    n_tile = tl.program_id(1)
+
+    # ---- this tile's expert and token rows (spare tiles of the upper bound leave at once)
+    expert = tl.load(tile_experts_ptr + tile)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    row_valid = pairs < num_pairs
+    tokens = tl.where(row_valid, pairs // top_k, 0).to(tl.int64)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the gate (and, +I, the up) projection
+    col_valid = cols < inter_size
+    ks = tl.arange(0, BLOCK_K)
+
+    # ---- gate and up projections over the hidden dimension
+    x_ptrs = x_ptr + tokens[:, None] * stride_x_token + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    gate_ptrs = (w13_ptr + expert.to(tl.int64) * stride_w13_expert
+                 + cols[None, :].to(tl.int64) * stride_w13_row + ks[:, None])  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + inter_size * stride_w13_row
+    dot_dtype = w13_ptr.dtype.element_ty
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        k_valid = k0 + ks < hidden_size
+        x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
+        w_mask = k_valid[:, None] & col_valid[None, :]
+        w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        gate = tl.dot(x.to(dot_dtype), w_gate.to(dot_dtype), gate, input_precision="ieee")
+        up = tl.dot(x.to(dot_dtype), w_up.to(dot_dtype), up, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+
+    # ---- SwiGLU, one row per pair
+    act_dtype = act_ptr.dtype.element_ty
+    gate = gate.to(act_dtype).to(tl.float32)
+    up = up.to(act_dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(act_dtype).to(tl.float32) * up
+    tl.store(act_ptr + pairs[:, None].to(tl.int64) * stride_act_pair + cols[None, :], act.to(act_dtype),
+             mask=row_valid[:, None] & col_valid[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    # pointers
+    act_ptr, w2_ptr, sorted_pairs_ptr, tile_experts_ptr, weights_ptr, out_ptr,
+    # sizes and strides (the reduction dimension is unit-stride)
+    num_pairs, top_k, hidden_size, inter_size,
+    stride_act_pair, stride_w2_expert, stride_w2_row, stride_weights_token, stride_weights_slot, stride_out_token,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    n_tile = tl.program_id(1)
+
+    # ---- this tile's expert and pair rows
+    expert = tl.load(tile_experts_ptr + tile)
+    if expert < 0:
+        return
+    pairs = tl.load(sorted_pairs_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    row_valid = pairs < num_pairs
+    safe_pairs = tl.where(row_valid, pairs, 0).to(tl.int64)
+    tokens = safe_pairs // top_k
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+    col_valid = cols < hidden_size
+    ks = tl.arange(0, BLOCK_K)
+
+    # ---- down projection over the intermediate dimension
+    act_ptrs = act_ptr + safe_pairs[:, None] * stride_act_pair + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = (w2_ptr + expert.to(tl.int64) * stride_w2_expert
+              + cols[None, :].to(tl.int64) * stride_w2_row + ks[:, None])  # [BLOCK_K, BLOCK_N]
+    dot_dtype = w2_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        k_valid = k0 + ks < inter_size
+        act = tl.load(act_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(act.to(dot_dtype), w.to(dot_dtype), acc, input_precision="ieee")
+        act_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    # ---- weight by the routing probability and add into the token's output row
+    # (a token picks an expert at most once, so the rows of one tile never hit the same address)
+    out_dtype = out_ptr.dtype.element_ty
+    routing = tl.load(weights_ptr + tokens * stride_weights_token + (safe_pairs % top_k) * stride_weights_slot,
+                      mask=row_valid, other=0.0).to(tl.float32)  # [BLOCK_M]
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * routing.to(act_ptr.dtype.element_ty).to(tl.float32)[:, None]
+    tl.atomic_add(out_ptr + tokens[:, None] * stride_out_token + cols[None, :], y.to(out_dtype),
+                  mask=row_valid[:, None] & col_valid[None, :], sem="relaxed")
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_table() -> dict:
+    if not TILES_FILE.is_file():
+        raise FileNotFoundError(f"{TILES_FILE} is missing: it ships with the kernels (package data of tsterm_kernels); "
+                                "reinstall, or copy it from the repository's kernels/ directory")
+    return json.loads(TILES_FILE.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def tile_config(device: torch.device, num_tokens: int) -> dict[str, int]:
+    """Tile sizes for `num_tokens` on `device`: the smallest M bucket >= num_tokens, else the largest."""
+    table = _tile_table()
+    buckets = table.get(_device_name(device), table["default"])
+    sizes = sorted(int(m) for m in buckets)
+    chosen = next((m for m in sizes if m >= num_tokens), sizes[-1])
+    return buckets[str(chosen)]
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              expert_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, H] with unit last stride, got {x.stride()}"
+    num_tokens, hidden_size = x.shape
+    assert w13.dim() == 3 and w13.shape[2] == hidden_size and w13.shape[1] % 2 == 0 and w13.stride(2) == 1, \
+        f"w13 must be [E, 2I, {hidden_size}] with unit last stride, got {tuple(w13.shape)} {w13.stride()}"
+    num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
+    assert w2.shape == (num_experts, hidden_size, inter_size) and w2.stride(2) == 1, \
+        f"w2 must be [{num_experts}, {hidden_size}, {inter_size}] with unit last stride, got {tuple(w2.shape)}"
+    assert expert_ids.dim() == 2 and expert_ids.shape[0] == num_tokens, f"expert_ids must be [T, k], got {tuple(expert_ids.shape)}"
+    assert expert_ids.dtype in (torch.int32, torch.int64), f"expert_ids dtype {expert_ids.dtype}"
+    top_k = expert_ids.shape[1]
+    assert weights.shape == expert_ids.shape and weights.is_floating_point(), \
+        f"weights must be [T, {top_k}] float, got {tuple(weights.shape)} {weights.dtype}"
+    assert out.shape == x.shape and out.stride(1) == 1, f"out must be [T, H] with unit last stride, got {tuple(out.shape)}"
+    assert x.dtype == w13.dtype == w2.dtype == out.dtype, \
+        f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}, out {out.dtype}"
+    assert x.device == w13.device == w2.device == weights.device == expert_ids.device == out.device
+    if num_tokens == 0:
+        return out
+    tiles = tile_config(x.device, num_tokens)
+    block_m = tiles["BLOCK_M"]
+    launch = dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+
+    sorted_pairs, tile_experts = moe_align(expert_ids.contiguous(), num_experts, block_m)
+    num_pairs, num_tiles = expert_ids.numel(), tile_experts.numel()
+    act = torch.empty((num_pairs, inter_size), dtype=x.dtype, device=x.device)  # [T*k, I]
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter_size, tiles["BLOCK_N"]))](
+        x, w13, sorted_pairs, tile_experts, act,
+        num_pairs, top_k, hidden_size, inter_size,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], **launch,
+    )
+    _down_kernel[(num_tiles, triton.cdiv(hidden_size, tiles["BLOCK_N"]))](
+        act, w2, sorted_pairs, tile_experts, weights, out,
+        num_pairs, top_k, hidden_size, inter_size,
+        act.stride(0), w2.stride(0), w2.stride(1), weights.stride(0), weights.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], **launch,
+    )
+    return out

@@ -1,0 +1,145 @@
+"""Compile every Triton kernel for Hopper (sm_90) without a GPU, through the real launchers at real sizes.
+
+Run as a script in a process WITHOUT TRITON_INTERPRET (test_triton_compile.py does). The launchers are called on
+`meta` tensors (shapes, strides and dtypes only); each kernel launch is intercepted, specialised exactly as the
+JIT would specialise it (16-divisible ints and pointers), compiled to a cubin with the ptxas bundled in the
+triton wheel, and checked by `ptxas -v` for register spills. Device-dependent choices (tile table row, SM count)
+are those of an H200. Prints one line per compiled variant; exits 1 on any failure or spill.
+
+This relies on triton internals (`create_function_from_signature`, `JITFunction._pack_args`) of the pinned
+triton; it answers "does it compile, does it spill", never "is it right" (the GPU tests do that).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET: the kernels must be JIT functions"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from tsterm_kernels import triton_fused_moe, triton_paged_attention  # noqa: E402
+from tsterm_kernels.metadata import AttentionMetadata  # noqa: E402
+from tsterm_kernels.triton_ops import fused_moe, moe_route, paged_attention, rms_norm, store_kv  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+META = torch.device("meta")
+BF16 = torch.bfloat16
+
+seen: set[str] = set()
+failures: list[str] = []
+
+
+def _compile_launch(kernel: JITFunction, args, kwargs) -> None:
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    consts = {kernel.arg_names[path[0]]: value for path, value in constexprs.items()
+              if signature[kernel.arg_names[path[0]]] == "constexpr"}
+    label = f"{kernel.__name__} {consts} warps={options.num_warps} stages={options.num_stages}"
+    key = f"{label} {signature} {attrs}"
+    if key in seen:
+        return
+    seen.add(key)
+    start = time.time()
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                                  options=options.__dict__)
+    except Exception as error:  # noqa: BLE001 - report every kernel, then fail
+        failures.append(f"{label}: {type(error).__name__}: {str(error)[:400]}")
+        print(f"FAIL {label}\n     {error}", flush=True)
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    info = subprocess.run([PTXAS, "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", info.stderr)
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", info.stderr))
+    line = (f"{label}  regs={regs.group(1) if regs else '?'} spill_bytes={spills} "
+            f"shared={compiled.metadata.shared} ({time.time() - start:.1f}s)")
+    print(("SPILL " if spills else "ok   ") + line, flush=True)
+    if spills:
+        failures.append(line)
+
+
+def _intercept_launches() -> None:
+    """Make `kernel[grid](...)` compile instead of run, for every kernel the launchers use."""
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("tsterm_kernels.triton_"):
+            continue
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                value.run = (lambda k: lambda *args, grid, warmup=False, **kwargs: _compile_launch(k, args, kwargs))(value)
+
+
+def _as_h200() -> None:
+    triton_fused_moe._device_name = lambda device: "NVIDIA H200"
+    triton_paged_attention._num_sms = lambda device: 132
+    tiles, splits = triton_paged_attention._tiles, triton_paged_attention.num_kv_splits
+    cuda = torch.device("cuda")
+    triton_paged_attention._tiles = lambda device, *rest: tiles(cuda, *rest)
+    triton_paged_attention.num_kv_splits = lambda programs, max_len, device: splits(programs, max_len, cuda)
+
+
+def _attention_batch(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int):
+    block_size, head_dim = 16, 128
+    blocks = [-(-n // block_size) for n in seq_lens]
+    k_cache = torch.empty((sum(blocks) + 8, block_size, num_kv_heads, head_dim), dtype=BF16, device=META)
+    query_start_loc = [0]
+    for n in query_lens:
+        query_start_loc.append(query_start_loc[-1] + n)
+    meta = AttentionMetadata(query_start_loc, seq_lens, [], torch.empty(sum(query_lens), dtype=torch.int64, device=META),
+                             torch.empty((len(seq_lens), max(blocks)), dtype=torch.int32, device=META), block_size)
+    q = torch.empty((sum(query_lens), num_heads, head_dim), dtype=BF16, device=META)
+    return q, k_cache, torch.empty_like(k_cache), meta
+
+
+def main() -> int:
+    _intercept_launches()
+    _as_h200()
+    hidden, inter, experts, top_k = 2048, 768, 128, 8  # Qwen3-30B-A3B layer shapes
+
+    x = torch.empty((64, hidden), dtype=BF16, device=META)
+    rms_norm(x, torch.empty(hidden, dtype=BF16, device=META), 1e-6, torch.empty_like(x))
+    rms_norm(torch.empty((64 * 32, 128), dtype=BF16, device=META), torch.empty(128, dtype=BF16, device=META), 1e-6)
+
+    for num_heads, num_kv_heads in [(32, 4), (16, 16)]:
+        q, k_cache, v_cache, meta = _attention_batch([4096, 300, 4100], [1, 1, 1], num_heads, num_kv_heads)
+        kv = torch.empty((3, 3 * num_kv_heads * 128), dtype=BF16, device=META)
+        k = kv[:, :num_kv_heads * 128].view(3, num_kv_heads, 128)
+        store_kv(k, k, k_cache, v_cache, meta.slot_mapping)
+        paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)  # decode: split-K + merge
+        q, k_cache, v_cache, meta = _attention_batch([2048, 700, 90], [512, 200, 1], num_heads, num_kv_heads)
+        paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)  # prefill / extend: one split
+
+    w13 = torch.empty((experts, 2 * inter, hidden), dtype=BF16, device=META)
+    w2 = torch.empty((experts, hidden, inter), dtype=BF16, device=META)
+    for num_tokens in (1, 8, 64, 512, 4096):  # one per M bucket of the H200 tile table
+        x = torch.empty((num_tokens, hidden), dtype=BF16, device=META)
+        weights, expert_ids = moe_route(torch.empty((num_tokens, experts), dtype=BF16, device=META), top_k, True)
+        fused_moe(x, w13, w2, weights, expert_ids, torch.empty_like(x))
+    # a gated shared expert / dense MLP: one expert, top-1 (Qwen1.5-MoE-A2.7B's shared expert size)
+    x = torch.empty((8, hidden), dtype=BF16, device=META)
+    shared_w13 = torch.empty((1, 2 * 5632, hidden), dtype=BF16, device=META)
+    shared_w2 = torch.empty((1, hidden, 5632), dtype=BF16, device=META)
+    fused_moe(x, shared_w13, shared_w2, torch.empty((8, 1), device=META),
+              torch.zeros((8, 1), dtype=torch.int64, device=META), torch.empty_like(x))
+
+    print(f"{len(seen)} kernel variants compiled for sm_90, {len(failures)} failures")
+    for failure in failures:
+        print("FAILED:", failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Triton MoE routing, token/expert alignment and fused experts against the torch twins."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsterm_kernels import reference
+from tsterm_kernels.triton_moe_align import moe_align, num_aligned_tiles
+
+
+def distinct_logits(num_tokens: int, num_experts: int, gen: torch.Generator) -> torch.Tensor:
+    """Router logits without ties in any row (a tie makes top-k order implementation-defined); exact in fp16."""
+    ranks = torch.stack([torch.randperm(num_experts, generator=gen) for _ in range(num_tokens)])  # [T, E]
+    return ranks.float() * (8.0 / num_experts) - 4.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [
+    (1, 6, 1), (5, 6, 2), (3, 10, 3), (33, 7, 4), (4, 64, 8), (2, 8, 8),
+])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_route_matches_twin(triton_ops, poison, dtype, num_tokens, num_experts, top_k, renormalize):
+    gen = torch.Generator().manual_seed(num_tokens * num_experts + top_k)
+    logits = distinct_logits(num_tokens, num_experts, gen).to(dtype)
+
+    weights, expert_ids = triton_ops.moe_route(logits, top_k, renormalize)
+    want_weights, want_ids = reference.moe_route(logits, top_k, renormalize)
+
+    assert weights.dtype == torch.float32 and expert_ids.dtype == torch.int64
+    torch.testing.assert_close(expert_ids, want_ids, atol=0, rtol=0)
+    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+
+
+def expected_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
+    """Pairs stably sorted by expert, each expert's segment padded with the sentinel to a multiple of block_m."""
+    flat = expert_ids.reshape(-1).tolist()
+    sorted_pairs, tile_experts = [], []
+    for expert in range(num_experts):
+        segment = [pair for pair, e in enumerate(flat) if e == expert]
+        padded = -(-len(segment) // block_m) * block_m
+        sorted_pairs += segment + [len(flat)] * (padded - len(segment))
+        tile_experts += [expert] * (padded // block_m)
+    return sorted_pairs, tile_experts
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m", [
+    (1, 1, 1, 16), (1, 8, 128, 16), (7, 2, 5, 4), (40, 3, 9, 16), (300, 8, 128, 16), (90, 4, 6, 32),
+])
+def test_moe_align_sorts_and_pads_segments(poison, num_tokens, top_k, num_experts, block_m):
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    # some experts left empty on purpose: ids drawn from a subset
+    used = torch.randperm(num_experts, generator=gen)[:max(1, (2 * num_experts) // 3)]
+    expert_ids = used[torch.randint(0, len(used), (num_tokens, top_k), generator=gen)]
+
+    sorted_pairs, tile_experts = moe_align(expert_ids, num_experts, block_m)
+
+    want_pairs, want_tiles = expected_alignment(expert_ids, num_experts, block_m)
+    num_tiles = num_aligned_tiles(expert_ids.numel(), num_experts, block_m)
+    assert len(want_tiles) <= num_tiles == tile_experts.numel() and sorted_pairs.numel() == num_tiles * block_m
+    assert sorted_pairs[:len(want_pairs)].tolist() == want_pairs
+    assert tile_experts[:len(want_tiles)].tolist() == want_tiles
+    assert (tile_experts[len(want_tiles):] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens, hidden, inter, num_experts, top_k", [
+    (1, 32, 16, 6, 2),  # decode: one token, M-tile mostly padding
+    (5, 40, 24, 7, 3),  # hidden/inter not multiples of the tiles
+    (19, 32, 40, 10, 8),  # top-8, several tiles for the busier experts
+    (6, 48, 16, 1, 1),  # dense MLP / shared expert: one expert, weight = gate
+])
+def test_fused_moe_matches_twin(triton_ops, poison, dtype, num_tokens, hidden, inter, num_experts, top_k):
+    gen = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
+    x = torch.randn(num_tokens, hidden + 8, generator=gen).to(dtype)[:, 8:]  # a strided view, as after a split
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
+    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    start = torch.randn(num_tokens, hidden, generator=gen).to(dtype)  # accumulation target: out += ...
+    out, want = start.clone(), start.clone()
+
+    result = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, out)
+    reference.fused_moe(x, w13, w2, weights, expert_ids, want)
+
+    assert result is out
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-3, rtol=6e-3)
+    torch.testing.assert_close(out, want, **tol)
+

@@ -1,0 +1,37 @@
+"""Triton KV store against its torch twin: scattered slots of a poisoned pool, strided k/v views."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsterm_kernels import reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens, num_kv_heads, head_dim", [(1, 1, 16), (9, 2, 32), (5, 4, 24)])
+def test_store_kv_matches_twin(triton_ops, dtype, num_tokens, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(num_tokens + 10 * num_kv_heads)
+    num_blocks, block_size = 6, 4
+    kv_size = num_kv_heads * head_dim
+    # k and v are column slices of one fused projection, as the model produces them
+    fused = torch.randn(num_tokens, 3 * kv_size, generator=gen).to(dtype)
+    k = fused[:, kv_size:2 * kv_size].view(num_tokens, num_kv_heads, head_dim)
+    v = fused[:, 2 * kv_size:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, 1e4)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+
+    triton_ops.store_kv(k, v, k_cache, v_cache, slots)
+    reference.store_kv(k, v, want_k, want_v, slots)
+
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+
+
+def test_store_kv_skips_negative_slots(triton_ops):
+    k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    triton_ops.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1]))
+    assert torch.equal(k_cache.view(-1, 16)[5], k[0, 0])
+    assert torch.count_nonzero(k_cache.view(-1, 16).abs().sum(-1)) == 1
