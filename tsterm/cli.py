@@ -94,6 +94,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_gguf(rest: list[str]) -> int:
+    from tsterm.gguf_import import cli_main
+    return cli_main(rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tsterm", description="A terminal workstation for local MoE language models.")
     parser.add_argument("--profile", help="profile name or YAML path (default: default)")
@@ -117,10 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tsterm.bench import add_parser as add_bench_parser
     add_bench_parser(sub)
+
+    gguf = sub.add_parser("import-gguf", help="convert a GGUF file into an HF-format model directory", add_help=False)
+    gguf.set_defaults(func=lambda args: _import_gguf(args.rest))
+    gguf.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["import-gguf"]:  # its own parser (tsterm.gguf_import.cli_main) owns every option, --help too
+        return _import_gguf(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

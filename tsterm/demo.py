@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tsterm.errors import ConfigError
+from tsterm.paths import default_cache_dir, replace_dir
 
 ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
 
@@ -366,30 +366,15 @@ def make_random_moe(out_dir: str | Path, spec: RandomMoESpec, progress: Progress
                                                      "eos_token_id": [eos_id, endoftext_id]})
         _write_weights(tmp, spec, progress)
         _write_json(tmp / MARKER, {"spec": dataclasses.asdict(spec)})
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
 
 
-def _replace_dir(new: Path, target: Path) -> None:
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-        os.replace(target, old / target.name)
-        os.replace(new, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, target)
 
 
-def default_cache_dir() -> Path:
-    """$TSTERM_CACHE_DIR, else $XDG_CACHE_HOME/tsterm, else ~/.cache/tsterm."""
-    if os.environ.get("TSTERM_CACHE_DIR"):
-        return Path(os.environ["TSTERM_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tsterm"
-    return Path.home() / ".cache" / "tsterm"
 
 
 def is_complete(model_dir: Path, spec: RandomMoESpec) -> bool:

@@ -118,7 +118,16 @@ def _env(name: str, path: Path) -> str:
     return os.environ[name]
 
 
-def _demo_progress(name: str):
+def _smollm2() -> Path:
+    from tsterm.gguf_import import ensure_default_model
+    return ensure_default_model(progress=_demo_progress("smollm2-135m-instruct", "importing"))
+
+
+# Shipped model names a profile may use instead of a path: imported into the user cache on first use.
+SHIPPED_MODELS = {"smollm2-135m-instruct": _smollm2}
+
+
+def _demo_progress(name: str, verb: str = "generating demo:"):
     """One line on stderr while a demo checkpoint is generated (the bench model takes a while)."""
     import sys
 
@@ -128,7 +137,7 @@ def _demo_progress(name: str):
         pct = int(100 * done / max(total, 1))
         if pct // 10 != state["last"] // 10:
             state["last"] = pct
-            sys.stderr.write(f"generating demo:{name} (first use only): {pct}%\n")
+            sys.stderr.write(f"{verb}{' ' if not verb.endswith(':') else ''}{name} (first use only): {pct}%\n")
             sys.stderr.flush()
 
     return progress
@@ -136,6 +145,8 @@ def _demo_progress(name: str):
 
 def resolve_model(model: str, profile_path: Path | None = None) -> str:
     """`demo:NAME` -> tsterm's generated demo checkpoint; a relative path is relative to the profile file."""
+    if model in SHIPPED_MODELS:
+        return str(SHIPPED_MODELS[model]())
     if model.startswith("demo:"):
         from tsterm.demo import SPECS, ensure_demo_model
         name = model.split(":", 1)[1]

