@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tsterm.bench.measure import bytes_read_per_token, copy_bandwidth, copy_bytes_per_token, decode_rate
-from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers
+from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers, warm_up
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, make_trace
 from tsterm.errors import ConfigError
@@ -70,6 +70,7 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
     engine = llm.engine
     cfg = engine.model_config
     trace = make_trace(spec, cfg.vocab_size)
+    warm_up(engine)
     replays: dict[str, ReplayResult] = {"tsterm": replay_tsterm(engine, trace, spec, "tsterm", progress)}
     if ablation:
         engine.kv.pool.enable_prefix_caching = False
