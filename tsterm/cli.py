@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         return _import_gguf(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    if args.command is None:  # bare `tsterm` (or `tsterm --profile X`): the workstation
+        from tsterm.tui import main as tui
+        return tui(args.profile or "default")
     try:
         return args.func(args)
     except TstermError as e:

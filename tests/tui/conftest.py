@@ -1,0 +1,35 @@
+"""A tiny real Qwen3-MoE checkpoint (built once) and profiles that point the TUI at it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("tui") / "qwen3moe", "qwen3_moe",
+                              dict(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                   max_position_embeddings=2048))
+    return path
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("TSTERM_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def make_profile(tmp_path, tiny_checkpoint):
+    def make(max_tokens: int = 12, name: str = "tiny", **extra) -> str:
+        lines = [f"model: {tiny_checkpoint}", "device: cpu", "dtype: float32", "block_size: 4",
+                 "num_kv_blocks: 1024", "system_prompt: you are a test", "sampling:", "  temperature: 0",
+                 f"  max_tokens: {max_tokens}", "  ignore_eos: true"]
+        lines += [f"{k}: {v}" for k, v in extra.items()]
+        path = tmp_path / f"{name}.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        return str(path)
+    return make

@@ -1,0 +1,156 @@
+"""Session bookkeeping without Textual: exact token-id reuse, miss detection, persistence, corrupt files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.tokenizers import make_tokenizer_dir
+from tsterm.tokenizer import Tokenizer
+from tsterm.tui.session import (
+    PromptPlan,
+    Session,
+    SessionStore,
+    TurnStats,
+    default_data_dir,
+    first_divergence,
+    plan_prompt,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def render_with(tokenizer):
+    return lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+
+def stats(plan: PromptPlan, generated: int) -> TurnStats:
+    return TurnStats(len(plan.token_ids), 0, plan.kept_tokens, generated, plan.miss, plan.diverged_at)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+
+def test_plan_keeps_exact_ids_and_appends_the_rendered_tail():
+    assert plan_prompt([], [5, 6]) == PromptPlan([5, 6], 0)
+    plan = plan_prompt([1, 2, 3], [1, 2, 3, 4, 5])
+    assert plan == PromptPlan([1, 2, 3, 4, 5], 3, miss=False, diverged_at=None)
+    miss = plan_prompt([1, 2, 3, 9], [1, 2, 7, 4, 5])
+    assert miss.miss and miss.diverged_at == 2 and miss.token_ids == [1, 2, 7, 4, 5] and miss.kept_tokens == 0
+
+
+def test_second_turn_prompt_is_previous_prompt_plus_generated_plus_tail(tokenizer):
+    render = render_with(tokenizer)
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    session = Session(id="s")
+    session.set_system_prompt("be brief")
+    session.add_user("What is the weather in Paris today?")
+    first = session.plan(render)
+    assert not first.miss and first.kept_tokens == 0
+    reply = "It is sunny, with a light breeze."
+    generated = tokenizer.encode(reply) + [im_end]  # what an engine that stopped at EOS hands back
+    session.record_reply(first, reply, generated, stats(first, len(generated)))
+    assert session.token_ids == first.token_ids + generated
+
+    session.add_user("And tomorrow?")
+    second = session.plan(render)
+    assert not second.miss
+    assert second.kept_tokens == len(first.token_ids) + len(generated)
+    assert second.token_ids[:second.kept_tokens] == first.token_ids + generated
+    assert second.token_ids == render(session.messages)
+
+
+def test_history_rewrite_is_a_miss_with_the_first_divergent_position(tokenizer):
+    render = render_with(tokenizer)
+    session = Session(id="s")
+    session.add_user("hello")
+    first = session.plan(render)
+    session.record_reply(first, "hi", tokenizer.encode("hi") + [tokenizer.token_to_id("<|im_end|>")],
+                         stats(first, 2))
+    kept = list(session.token_ids)
+    session.set_system_prompt("you are terse")  # changes the start of the conversation
+    session.add_user("again")
+    plan = session.plan(render)
+    assert plan.miss and plan.kept_tokens == 0
+    assert plan.diverged_at == first_divergence(kept, render(session.messages))
+    assert plan.diverged_at is not None and plan.diverged_at < 5
+    assert plan.token_ids == render(session.messages)  # fell back to the full rendering
+
+
+def test_generated_ids_that_retokenise_differently_are_a_miss(tokenizer):
+    render = render_with(tokenizer)
+    session = Session(id="s")
+    session.add_user("hello")
+    first = session.plan(render)
+    text = "the cat"
+    odd = [tokenizer.token_to_id(c) for c in "the"] + tokenizer.encode(" cat")  # same text, other ids
+    assert odd != tokenizer.encode(text)
+    session.record_reply(first, text, odd, stats(first, len(odd)))
+    session.add_user("more")
+    plan = session.plan(render)
+    assert plan.miss and plan.diverged_at == len(first.token_ids) + first_divergence(odd, tokenizer.encode(text))
+
+
+def test_fork_keeps_a_prefix_of_the_parent_ids():
+    parent = Session(id="p", title="t", messages=[{"role": "user", "content": "a"}], token_ids=[1, 2, 3], model="m")
+    child = parent.fork("c")
+    assert child.token_ids == parent.token_ids and child.parent_id == "p" and child.model == "m"
+    child.messages.append({"role": "user", "content": "b"})
+    assert len(parent.messages) == 1  # a deep enough copy
+
+
+def test_bind_model_drops_ids_from_another_model():
+    s = Session(id="s", token_ids=[1, 2], model="a")
+    assert not s.bind_model("a") and s.token_ids == [1, 2]
+    assert s.bind_model("b") and s.token_ids == [] and s.model == "b"
+
+
+def test_clear_keeps_the_system_prompt():
+    s = Session(id="s", token_ids=[1])
+    s.set_system_prompt("sys")
+    s.add_user("x")
+    s.clear()
+    assert s.messages == [{"role": "system", "content": "sys"}] and s.token_ids == [] and s.turns == []
+
+
+def test_store_round_trip_is_exact(tmp_path):
+    store = SessionStore(tmp_path)
+    s = Session(id="abc", title="t", messages=[{"role": "user", "content": "héllo"}], token_ids=[0, 5, 70000],
+                turns=[TurnStats(10, 4, 0, 3, True, 7, 0.1, 0.01, "stop")], parent_id="p", model="m")
+    store.save(s)
+    assert [p.name for p in tmp_path.iterdir()] == ["abc.json"]  # no temporary file left behind
+    loaded, errors = store.load_all()
+    assert errors == [] and loaded == [s]
+
+
+def test_corrupt_files_are_reported_and_moved_aside(tmp_path):
+    store = SessionStore(tmp_path)
+    store.save(Session(id="good"))
+    (tmp_path / "broken.json").write_text('{"id": "broken", "messages": [')
+    (tmp_path / "wrong.json").write_text(json.dumps({"id": "wrong", "token_ids": ["x"]}))
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    loaded, errors = store.load_all()
+    assert [s.id for s in loaded] == ["good"]
+    assert len(errors) == 3
+    assert any("broken.json" in e and "not valid JSON" in e and "line 1" in e for e in errors)
+    assert any("wrong.json" in e and "token_ids" in e for e in errors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "binary.json.corrupt", "broken.json.corrupt", "good.json", "wrong.json.corrupt"]
+    (tmp_path / "broken.json").write_text("nope")  # broken again: a second quarantine does not clobber the first
+    _, errors = store.load_all()
+    assert len(errors) == 1 and len(list(tmp_path.glob("broken.json*.corrupt"))) == 2
+
+
+def test_data_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TSTERM_DATA_DIR", str(tmp_path / "d"))
+    assert default_data_dir() == tmp_path / "d" / "sessions"
+    monkeypatch.delenv("TSTERM_DATA_DIR")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "x"))
+    assert default_data_dir() == tmp_path / "x" / "tsterm" / "sessions"

@@ -1,0 +1,111 @@
+"""Widgets on their own (no engine): streamed thinking blocks, the KV bar, the reuse table, prompt history."""
+from __future__ import annotations
+
+from textual.app import App, ComposeResult
+from textual.widgets import Collapsible, Markdown
+
+from tsterm.tui.session import Session, TurnStats
+from tsterm.tui.widgets.chat_log import ChatLog, ReplyView
+from tsterm.tui.widgets.dashboard import Dashboard
+from tsterm.tui.widgets.kv_bar import KVBar
+from tsterm.tui.widgets.prompt_input import PromptHistory, PromptInput
+
+
+class Harness(App):
+    def __init__(self, *widgets):
+        super().__init__()
+        self.widgets = widgets
+
+    def compose(self) -> ComposeResult:
+        yield from self.widgets
+
+
+async def test_reply_streams_a_thinking_block_into_a_collapsible():
+    reply = ReplyView()
+    app = Harness(ChatLog(reply))
+    async with app.run_test(size=(80, 24)) as pilot:
+        box = reply.query_one(Collapsible)
+        assert not box.display
+        text = ""
+        for delta in ["<th", "ink>\nLet me ", "think</th", "ink>\n\nThe ", "answer is **42**."]:
+            text += delta
+            await reply.show(text)
+            await pilot.pause()
+            if delta == "ink>\nLet me ":
+                assert box.display and not box.collapsed  # open while the model thinks
+        await reply.finish("prompt 3 · cached 0")
+        await pilot.pause()
+        assert box.collapsed and box.title == "thinking"
+        assert reply.query_one("#thinking-md", Markdown).source == "Let me think"
+        assert reply.query_one("#answer-md", Markdown).source == "The answer is **42**."
+        assert "-live" not in reply.classes
+
+
+async def test_reply_rerenders_when_the_split_moves():
+    reply = ReplyView()
+    app = Harness(ChatLog(reply))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await reply.show("reasoning without an opening tag")
+        await reply.show("reasoning without an opening tag</think>answer")  # Qwen3-style: the prompt opened it
+        await reply.finish("")
+        await pilot.pause()
+        assert reply.query_one("#answer-md", Markdown).source == "answer"
+        assert reply.query_one("#thinking-md", Markdown).source == "reasoning without an opening tag"
+
+
+async def test_kv_bar_and_reuse_table():
+    bar, dashboard = KVBar(), Dashboard("cpu float32")
+    app = Harness(bar, dashboard)
+    async with app.run_test(size=(60, 40)) as pilot:
+        bar.set_counts({"used": 12, "shared": 2, "cached": 20, "free": 68})
+        await pilot.pause()
+        cells = str(bar.render())
+        assert len(cells) == 60 and cells.count("░") == 41 and cells.count("▓") == 12 and cells.count("█") == 7
+        bar.set_counts({"used": 1, "shared": 1, "cached": 0, "free": 9999})
+        cells = str(bar.render())
+        assert len(cells) == 60 and cells.count("█") == 1  # one shared block in a big pool is still drawn
+        session = Session(id="s", turns=[TurnStats(20, 0, 0, 5), TurnStats(40, 24, 25, 5, miss=True, diverged_at=22)])
+        dashboard.show_turns(session)
+        dashboard.update_stats({"generated_tokens": 0, "prefill_tokens": 0, "num_blocks": 100}, {"kind": "cpu"}, 1.0)
+        dashboard.update_stats({"generated_tokens": 50, "prefill_tokens": 10, "num_blocks": 100, "shared": 2},
+                               {"kind": "cpu", "rss": 1 << 20}, 1.5)
+        await pilot.pause()
+        assert dashboard.decode_rates[-1] == 100.0 and dashboard.prefill_rates[-1] == 20.0
+        reuse = str(dashboard.query_one("#reuse").render())
+        assert "miss@22" in reuse and "cached 24/60" in reuse
+        assert dashboard.last_turn is session.turns[-1]
+
+
+async def test_prompt_history_walks_and_persists(tmp_path):
+    path = tmp_path / "history.json"
+    prompt = PromptInput(PromptHistory(path))
+    async with Harness(prompt).run_test() as pilot:
+        prompt.remember("one")
+        prompt.remember("two")
+        prompt.value = "draft"
+        await pilot.press("up")
+        assert prompt.value == "two"
+        await pilot.press("up", "up")
+        assert prompt.value == "one"
+        await pilot.press("down", "down")
+        assert prompt.value == "draft"
+    assert PromptHistory(path).entries == ["one", "two"]
+    path.write_text("{broken")
+    assert PromptHistory(path).entries == []  # a broken history file costs only the history
+
+
+async def test_a_reply_removed_mid_stream_is_harmless():
+    reply = ReplyView()
+    log = ChatLog(reply)
+    app = Harness(log)
+    async with app.run_test(size=(80, 24)) as pilot:
+        text = ""
+        for i in range(30):
+            text += f"word {i} " + ("\n\n" if i % 5 == 4 else "")
+            await reply.show(text)
+        await log.remove_children()  # e.g. the user switched sessions while it streamed
+        await reply.show(text + "more")
+        await reply.finish("done")
+        await pilot.pause(0.2)
+        assert not reply.is_attached
+    assert app.return_code in (None, 0)

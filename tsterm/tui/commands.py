@@ -1,0 +1,74 @@
+"""Slash commands typed in the prompt, parsed without any UI (the chat screen executes them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class CommandError(ValueError):
+    """A slash command the user mistyped; the message says what would be accepted."""
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    name: str
+    usage: str
+    help: str
+    needs_arg: bool = False
+
+
+COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (
+    CommandSpec("new", "/new [TITLE]", "start a new session"),
+    CommandSpec("fork", "/fork", "branch this session from its last message (shares its KV blocks)"),
+    CommandSpec("rename", "/rename TITLE", "rename this session", needs_arg=True),
+    CommandSpec("delete", "/delete", "delete this session"),
+    CommandSpec("system", "/system [TEXT]", "set this session's system prompt (empty: show it)"),
+    CommandSpec("clear", "/clear", "clear this session's conversation (keeps the system prompt)"),
+    CommandSpec("save", "/save", "save every session now"),
+    CommandSpec("export", "/export md|json PATH", "export this session as Markdown or JSON", needs_arg=True),
+    CommandSpec("stats", "/stats", "show or hide the dashboard"),
+    CommandSpec("help", "/help", "list commands and keys"),
+)}
+
+EXPORT_FORMATS = ("md", "json")
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    arg: str = ""
+
+
+def parse_command(text: str) -> Command | None:
+    """`/name arg...` -> Command; plain text -> None; `//text` sends "/text" as a message."""
+    text = text.strip()
+    if not text.startswith("/") or text.startswith("//"):
+        return None
+    name, _, arg = text[1:].partition(" ")
+    name, arg = name.lower(), arg.strip()
+    spec = COMMANDS.get(name)
+    if spec is None:
+        matches = [n for n in COMMANDS if n.startswith(name)] if name else []
+        if len(matches) == 1:
+            spec = COMMANDS[matches[0]]
+        else:
+            raise CommandError(f"unknown command /{name}; try /help (commands: "
+                               + ", ".join(f"/{n}" for n in COMMANDS) + ")")
+    if spec.needs_arg and not arg:
+        raise CommandError(f"usage: {spec.usage}")
+    if spec.name == "export":
+        fmt, _, path = arg.partition(" ")
+        if fmt not in EXPORT_FORMATS or not path.strip():
+            raise CommandError(f"usage: {spec.usage} (got {arg!r})")
+    return Command(spec.name, arg)
+
+
+def unescape_message(text: str) -> str:
+    """A message starting with `//` is sent with one slash."""
+    return text[1:] if text.lstrip().startswith("//") else text
+
+
+def help_text(keys: list[tuple[str, str]]) -> str:
+    """Markdown help: the commands, then (key, what) pairs."""
+    lines = ["**commands**", ""] + [f"- `{spec.usage}` {spec.help}" for spec in COMMANDS.values()]
+    lines += ["", "**keys**", ""] + [f"- `{key}` {what}" for key, what in keys]
+    return "\n".join(lines) + "\n\nStart a message with `//` to send a literal `/`."

@@ -1,0 +1,154 @@
+"""The engine side of the TUI: load it (profile or injected factory), stream turns, poll its counters.
+
+Nothing here touches a widget: results leave as Messages through a `post` callable (`Screen.post_message`, which
+is thread-safe). The engine steps on AsyncEngine's own thread; a turn is an asyncio consumer of its stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from textual.message import Message
+
+from tsterm.config import SamplingParams
+from tsterm.engine.async_engine import AsyncEngine
+from tsterm.engine.engine import Engine
+from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
+from tsterm.tui.session import PromptPlan, TurnStats
+
+ProgressFn = Callable[[int, int, str], None]
+EngineFactory = Callable[..., Any]  # (progress) or () -> LLM | Engine
+Post = Callable[[Message], Any]
+
+
+@dataclass
+class EngineHost:
+    engine: Engine
+    sampling: SamplingParams
+    system_prompt: str | None = None
+    profile_name: str = ""
+    async_engine: AsyncEngine = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.async_engine = AsyncEngine(self.engine)
+        self._stop_stats = threading.Event()
+        self._stats_thread: threading.Thread | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_key(self) -> str:
+        """Names the tokenizer that made a session's ids (ids from another model are meaningless)."""
+        return str(Path(self.engine.config.model).resolve())
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.engine.config.model).name
+
+    @property
+    def device(self) -> str:
+        return f"{self.engine.device} {str(self.engine.dtype).removeprefix('torch.')}"
+
+    def render(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+    # ---- turns
+    async def stream_turn(self, session_id: str, plan: PromptPlan, request_id: str, post: Post) -> None:
+        """Stream one reply; always ends with a TurnFinished (cancellation = abort: the request is freed)."""
+        text, token_ids, last, error, aborted = "", [], None, None, False
+        try:
+            async for out in self.async_engine.generate(plan.token_ids, self.sampling, request_id=request_id):
+                last, text, token_ids = out, out.outputs[0].text, out.outputs[0].token_ids
+                post(TurnProgress(session_id, request_id, text, token_ids, out.num_cached_tokens))
+        except asyncio.CancelledError:
+            aborted = True
+            self.async_engine.abort(request_id)  # also covers a cancel that landed before the stream began
+        except Exception as e:  # noqa: BLE001 - a failed turn is reported, the session is left intact
+            error = f"{type(e).__name__}: {e}"
+        stats = None
+        if last is not None or aborted:
+            m = last.metrics if last is not None else None
+            stats = TurnStats(prompt_tokens=len(plan.token_ids), cached_tokens=last.num_cached_tokens if last else 0,
+                              kept_tokens=plan.kept_tokens, generated_tokens=len(token_ids), miss=plan.miss,
+                              diverged_at=plan.diverged_at, ttft=m.ttft if m else None,
+                              mean_itl=m.mean_itl if m else None,
+                              finish_reason="abort" if aborted else last.finish_reason)
+        post(TurnFinished(session_id, request_id, plan, text, list(token_ids), stats, error))
+
+    # ---- counters
+    def start_stats(self, post: Post, interval: float = 0.25) -> None:
+        """Poll `stats()` on a daemon thread; the engine answers between two steps, so decoding is not slowed."""
+        if self._stats_thread is not None:
+            return
+
+        def poll() -> None:
+            while not self._stop_stats.wait(interval):
+                try:
+                    stats = self.async_engine.stats()
+                except Exception:  # noqa: BLE001 - a failed poll is skipped, the next one may work
+                    continue
+                if not self._stop_stats.is_set():
+                    post(StatsUpdate(stats, memory_info(self.engine), time.monotonic()))
+
+        self._stats_thread = threading.Thread(target=poll, name="tsterm-stats", daemon=True)
+        self._stats_thread.start()
+
+    def stop_stats(self) -> None:
+        self._stop_stats.set()
+
+    def shutdown(self) -> None:
+        self.stop_stats()
+        self.async_engine.shutdown()
+
+
+def memory_info(engine: Engine) -> dict[str, Any]:
+    """Device memory in bytes: the CUDA allocator's numbers, or the process RSS on the CPU."""
+    device = engine.device
+    if device.type == "cuda":
+        import torch
+
+        return {"kind": "cuda", "allocated": torch.cuda.memory_allocated(device),
+                "reserved": torch.cuda.memory_reserved(device),
+                "total": torch.cuda.get_device_properties(device).total_memory}
+    rss = None
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"kind": "cpu", "rss": rss}
+
+
+def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, progress: ProgressFn,
+              status: Callable[[str], None] = lambda _: None) -> EngineHost:
+    """Blocking: run it on a thread. Raises TstermError (bad profile, missing weights) for the UI to show."""
+    from tsterm.profiles import load_profile
+
+    status(f"reading profile {profile_name_or_path}")
+    profile = load_profile(profile_name_or_path)
+    if engine_factory is not None:
+        status("building the engine")
+        wants_progress = bool(inspect.signature(engine_factory).parameters)
+        built = engine_factory(progress) if wants_progress else engine_factory()
+        engine = getattr(built, "engine", built)  # an LLM or a bare Engine
+    else:
+        model = str(profile.engine.get("model", ""))
+        if model.startswith("demo:"):
+            from tsterm.demo import SPECS, ensure_demo_model
+
+            if model[5:] in SPECS:
+                status(f"preparing {model} (generated on first use)")
+                ensure_demo_model(model[5:], progress=progress)
+        config = profile.engine_config()
+        status(f"loading {config.model}")
+        engine = Engine(config, progress=progress)
+    return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name)

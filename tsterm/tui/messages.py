@@ -1,0 +1,68 @@
+"""Everything the engine side tells the UI, as dataclass Messages. High-rate ones define `can_replace`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from textual.message import Message
+
+if TYPE_CHECKING:
+    from tsterm.tui.engine_host import EngineHost
+    from tsterm.tui.session import PromptPlan, TurnStats
+
+
+@dataclass
+class LoadProgress(Message):
+    done: int
+    total: int
+    what: str
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, LoadProgress)
+
+
+@dataclass
+class EngineReady(Message):
+    host: EngineHost
+
+
+@dataclass
+class EngineFailed(Message):
+    error: str
+
+
+@dataclass
+class StatsUpdate(Message):
+    """One poll of the engine counters (`Engine.stats()`) plus process/device memory."""
+
+    stats: dict[str, Any]
+    memory: dict[str, Any]
+    polled_at: float = 0.0  # time.monotonic() of the poll
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, StatsUpdate)
+
+
+@dataclass
+class TurnProgress(Message):
+    """The reply text so far (cumulative, so a newer one can replace an unhandled older one)."""
+
+    session_id: str
+    request_id: str
+    text: str
+    token_ids: list[int]  # the output's own list (the engine builds a fresh one per output): no copy here
+    num_cached_tokens: int
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, TurnProgress) and message.request_id == self.request_id
+
+
+@dataclass
+class TurnFinished(Message):
+    session_id: str
+    request_id: str
+    plan: PromptPlan
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    stats: TurnStats | None = None
+    error: str | None = None  # the turn failed: the session is left as before it

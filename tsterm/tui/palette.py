@@ -1,0 +1,38 @@
+"""Command palette entries for the chat screen: the same actions as the slash commands and keys."""
+from __future__ import annotations
+
+from functools import partial
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+# (title, chat-screen action, help)
+ACTIONS = (
+    ("New session", "new_session", "start an empty conversation  (/new, ctrl+n)"),
+    ("Fork session", "fork_session", "branch from the last message, sharing its KV blocks  (/fork, ctrl+b)"),
+    ("Rename session", "rename_session", "give this session a title  (/rename, ctrl+r)"),
+    ("Delete session", "delete_session", "delete this session  (/delete, f8)"),
+    ("Clear conversation", "clear_session", "forget the messages, keep the system prompt  (/clear)"),
+    ("Set system prompt", "edit_system", "change this session's system prompt  (/system TEXT)"),
+    ("Abort generation", "abort", "stop this session's reply and free its KV blocks  (esc)"),
+    ("Toggle dashboard", "toggle_dashboard", "tokens/s, latency, KV blocks, prefix reuse  (/stats, ctrl+t)"),
+    ("Save sessions", "save", "write every session to the data dir  (/save)"),
+    ("Export as Markdown", "export('md')", "write this session to the exports folder  (/export md PATH)"),
+    ("Export as JSON", "export('json')", "write this session with its token ids  (/export json PATH)"),
+    ("Help", "help", "list commands and keys  (/help)"),
+)
+
+
+class ChatCommands(Provider):
+    async def _run(self, action: str) -> None:
+        await self.screen.run_action(action)
+
+    async def discover(self) -> Hits:
+        for title, action, help_text in ACTIONS:
+            yield DiscoveryHit(title, partial(self._run, action), help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for title, action, help_text in ACTIONS:
+            score = matcher.match(title)
+            if score > 0:
+                yield Hit(score, matcher.highlight(title), partial(self._run, action), help=help_text)

@@ -1,0 +1,154 @@
+"""Slash commands and session actions of the chat screen (new, fork, rename, delete, system, clear, save,
+export, dashboard, help).
+
+A mixin only to keep chat.py about the conversation itself; it relies on the ChatScreen attributes
+(`sessions`, `current_id`, `turns`, `store`, `host`, `show_session`, `notice`, ...).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tsterm.tui.commands import Command, help_text
+from tsterm.tui.screens.dialogs import Confirm, TextPrompt
+from tsterm.tui.session import Session, atomic_write, new_session_id
+
+
+class SessionActions:
+    async def run_command(self, command: Command) -> None:
+        arg = command.arg
+        if command.name == "new":
+            await self.action_new_session(arg or None)
+        elif command.name == "rename":
+            self.rename(arg)
+        elif command.name == "system" and arg:
+            await self.set_system(arg)
+        elif command.name == "system":
+            await self.notice(f"system prompt: {self.session.system_prompt or '(none)'}")
+        elif command.name == "export":
+            fmt, _, path = arg.partition(" ")
+            self.action_export(fmt, path.strip())
+        elif command.name == "help":
+            await self.action_help()
+        else:
+            action = {"fork": "fork_session", "delete": "delete_session", "clear": "clear_session",
+                      "save": "save", "stats": "toggle_dashboard"}[command.name]
+            await self.run_action(action)
+
+    async def action_help(self) -> None:
+        keys = [(b.key, b.description) for b in self.BINDINGS] + [
+            ("up/down", "prompt history"), ("ctrl+p", "command palette"), ("ctrl+q", "quit")]
+        await self.notice(help_text(keys))
+
+    def new_session(self, title: str | None = None) -> Session:
+        session = Session(id=new_session_id(), title=title or "new chat", model=self.host.model_key)
+        session.set_system_prompt(self.host.system_prompt)
+        return session
+
+    def add_session(self, session: Session) -> None:
+        self.sessions[session.id] = session
+        self.save(session)
+
+    def save(self, session: Session, quiet: bool = False) -> bool:
+        try:
+            self.store.save(session)
+            return True
+        except OSError as e:
+            if not quiet:
+                self.notify(f"could not save {session.title}: {e}", severity="error")
+            return False
+
+    def _idle(self, what: str) -> bool:
+        if self.current_id in self.turns:
+            self.notify(f"wait for the reply (or press esc) before you {what}", severity="warning")
+            return False
+        return True
+
+    async def action_new_session(self, title: str | None = None) -> None:
+        session = self.new_session(title)
+        self.add_session(session)
+        await self.show_session(session.id)
+
+    async def action_fork_session(self) -> None:
+        if not self._idle("fork"):
+            return
+        child = self.session.fork(new_session_id())
+        self.add_session(child)
+        await self.show_session(child.id)
+        self.notify(f"forked with {len(child.token_ids)} tokens shared with the parent")
+
+    def action_rename_session(self) -> None:
+        self.app.push_screen(TextPrompt("rename session", self.session.title),
+                             lambda title: self.rename(title) if title else None)
+
+    def rename(self, title: str) -> None:
+        self.session.title = title
+        self.session.touch()
+        self.save(self.session)
+        self.refresh_sidebar()
+        self.refresh_status()
+
+    def action_delete_session(self) -> None:
+        session_id = self.current_id
+
+        async def done(yes: bool | None) -> None:
+            if yes:
+                await self.delete(session_id)
+
+        self.app.push_screen(Confirm(f"delete session {self.session.title!r}?"), done)
+
+    async def delete(self, session_id: str) -> None:
+        if session_id in self.turns:
+            self.turns.pop(session_id).worker.cancel()
+        self.sessions.pop(session_id, None)
+        try:
+            self.store.delete(session_id)
+        except OSError as e:
+            self.notify(f"could not delete the session file: {e}", severity="error")
+        if not self.sessions:
+            self.add_session(self.new_session())
+        if session_id == self.current_id or self.current_id not in self.sessions:
+            await self.show_session(max(self.sessions.values(), key=lambda s: s.updated).id)
+        else:
+            self.refresh_sidebar()
+
+    def action_edit_system(self) -> None:
+        async def done(text: str | None) -> None:
+            if text is not None:
+                await self.set_system(text)
+
+        self.app.push_screen(TextPrompt("system prompt", self.session.system_prompt or ""), done)
+
+    async def set_system(self, text: str) -> None:
+        if not self._idle("change the system prompt"):
+            return
+        self.session.set_system_prompt(text)
+        self.save(self.session)
+        await self.show_session(self.current_id)
+
+    async def action_clear_session(self) -> None:
+        if not self._idle("clear"):
+            return
+        self.session.clear()
+        self.save(self.session)
+        await self.show_session(self.current_id)
+
+    def action_save(self) -> None:
+        saved = sum(self.save(s) for s in self.sessions.values())
+        self.notify(f"saved {saved} session(s) to {self.store.directory}")
+
+    def action_export(self, fmt: str, path: str = "") -> None:
+        session = self.session
+        target = Path(path).expanduser() if path else self.store.directory.parent / "exports" / f"{session.id}.{fmt}"
+        text = session.to_markdown() if fmt == "md" else json.dumps(session.to_dict(), ensure_ascii=False, indent=1)
+        try:
+            atomic_write(target, text)
+        except OSError as e:
+            self.notify(f"could not export to {target}: {e}", severity="error")
+            return
+        self.notify(f"exported {session.title!r} to {target}")
+
+    def action_toggle_dashboard(self) -> None:
+        self.toggle_class("-dashboard")
+        self.dashboard.redraw()
+        self.dashboard.show_turns(self.session)

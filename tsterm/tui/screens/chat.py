@@ -1,0 +1,291 @@
+"""The chat screen: sessions sidebar, streaming conversation, prompt, and the dashboard panel."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Label, OptionList, Static
+from textual.worker import Worker
+
+from tsterm.errors import TstermError
+from tsterm.tui.commands import CommandError, parse_command, unescape_message
+from tsterm.tui.engine_host import EngineHost
+from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
+from tsterm.tui.palette import ChatCommands
+from tsterm.tui.screens.actions import SessionActions
+from tsterm.tui.session import PromptPlan, Session, SessionStore, TurnStats
+from tsterm.tui.widgets.chat_log import ChatLog, MessageView, ReplyView, turn_summary
+from tsterm.tui.widgets.dashboard import Dashboard
+from tsterm.tui.widgets.prompt_input import PromptHistory, PromptInput
+from tsterm.tui.widgets.session_list import SessionList
+
+NARROW = 110  # below this many columns the dashboard replaces the sidebar
+WIDE = 150  # from this many columns the dashboard starts open
+WELCOME = ("Type a message and press enter. /help lists the commands; ctrl+p opens the palette; "
+           "ctrl+t shows the dashboard.")
+
+
+@dataclass
+class InFlight:
+    worker: Worker
+    request_id: str
+    plan: PromptPlan
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    def partial_stats(self) -> TurnStats:
+        return TurnStats(len(self.plan.token_ids), self.num_cached_tokens, self.plan.kept_tokens,
+                         len(self.token_ids), self.plan.miss, self.plan.diverged_at, finish_reason="abort")
+
+
+class ChatScreen(SessionActions, Screen):
+    CSS_PATH = "chat.tcss"
+    COMMANDS = {ChatCommands}
+    AUTO_FOCUS = "#prompt"
+    BINDINGS = [
+        Binding("ctrl+n", "new_session", "New"),
+        Binding("ctrl+b", "fork_session", "Fork"),
+        Binding("ctrl+r", "rename_session", "Rename"),
+        Binding("f8", "delete_session", "Delete"),
+        Binding("ctrl+t", "toggle_dashboard", "Dashboard"),
+        Binding("escape", "abort", "Abort"),
+    ]
+
+    def __init__(self, host: EngineHost, store: SessionStore):
+        super().__init__()
+        self.host, self.store = host, store
+        self.sessions: dict[str, Session] = {}
+        self.current_id = ""
+        self.turns: dict[str, InFlight] = {}  # session id -> its reply being generated
+        self.live_reply: ReplyView | None = None
+        self._request_ids = itertools.count()
+        # Key bindings and palette commands run in the app's task, message handlers in this screen's: whatever
+        # rebuilds or appends to the chat log holds this lock, so a streaming reply never writes to a removed view.
+        self._log_lock = asyncio.Lock()
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            with Vertical(id="sidebar"):
+                yield Label("sessions", classes="pane-title")
+                yield SessionList(id="sessions")
+            with Vertical(id="chat"):
+                yield ChatLog(id="log")
+                yield Static("", id="status", markup=False)
+                yield PromptInput(PromptHistory(self.store.directory.parent / "prompt_history.json"), id="prompt",
+                                  placeholder="message, or /help")
+            yield Dashboard(self.host.device, id="dashboard")
+        yield Footer(compact=True)
+
+    # ---- lifecycle
+    async def on_mount(self) -> None:
+        sessions, errors = self.store.load_all()
+        for error in errors:
+            self.notify(error, title="session file", severity="error", timeout=15)
+        for session in sessions:
+            if session.bind_model(self.host.model_key):
+                self.notify(f"{session.title}: made with another model; its history will be re-tokenised",
+                            severity="warning")
+            self.sessions[session.id] = session
+        self.set_class(self.app.size.width >= WIDE, "-dashboard")
+        self.set_class(self.app.size.width < NARROW, "-narrow")
+        if not self.sessions:
+            self.add_session(self.new_session())
+        await self.show_session(max(self.sessions.values(), key=lambda s: s.updated).id)
+        self.host.start_stats(self.post_message)
+
+    def on_unmount(self) -> None:
+        self.host.stop_stats()
+        for session_id, state in self.turns.items():  # a reply cut by quitting is kept, as aborted
+            if session_id in self.sessions:
+                self.sessions[session_id].record_reply(state.plan, state.text, state.token_ids, state.partial_stats())
+        self.turns.clear()
+        for session in self.sessions.values():
+            self.save(session, quiet=True)
+
+    def on_resize(self) -> None:
+        self.set_class(self.size.width < NARROW, "-narrow")
+
+    # ---- accessors
+    @property
+    def session(self) -> Session:
+        return self.sessions[self.current_id]
+
+    @property
+    def chat_log(self) -> ChatLog:
+        return self.query_one("#log", ChatLog)
+
+    @property
+    def dashboard(self) -> Dashboard:
+        return self.query_one(Dashboard)
+
+    # ---- showing
+    async def show_session(self, session_id: str) -> None:
+        async with self._log_lock:
+            await self._show_session(session_id)
+
+    async def _show_session(self, session_id: str) -> None:
+        self.current_id = session_id
+        session = self.session
+        views, turns = [], iter(session.turns)
+        for m in session.messages:
+            if m["role"] == "assistant":
+                stats = next(turns, None)
+                views.append(MessageView("assistant", m["content"], turn_summary(stats) if stats else "",
+                                         miss=bool(stats and stats.miss)))
+            else:
+                views.append(MessageView(m["role"], m["content"]))
+        if not any(m["role"] != "system" for m in session.messages) and session.id not in self.turns:
+            views.append(Static(WELCOME, classes="welcome"))
+        self.live_reply = None
+        in_flight = self.turns.get(session_id)
+        if in_flight is not None:
+            self.live_reply = live = ReplyView()
+            views.append(live)
+        await self.chat_log.show_messages(views)
+        if in_flight is not None and live.is_attached:
+            await live.show(in_flight.text)
+        self.dashboard.show_turns(session)
+        self.refresh_sidebar()
+        self.refresh_status()
+
+    def refresh_sidebar(self) -> None:
+        self.query_one(SessionList).show(self.sessions.values(), self.current_id, set(self.turns))
+        self.refresh_bindings()  # "esc Abort" is live only while this session generates
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "abort":
+            return True if self.current_id in self.turns else None
+        return True
+
+    def refresh_status(self) -> None:
+        s = self.dashboard.latest
+        kv = f" · KV {s.get('used', 0)}/{s.get('num_blocks', 0)} used, {s.get('shared', 0)} shared" if s else ""
+        busy = f" · {len(self.turns)} generating" if self.turns else ""
+        self.query_one("#status", Static).update(
+            f"{self.session.title} · {self.host.model_name} · {self.host.device}{busy}{kv}")
+
+    async def notice(self, text: str, role: str = "notice") -> None:
+        async with self._log_lock:
+            await self.chat_log.add(MessageView(role, text))
+
+    # ---- input
+    @on(Input.Submitted, "#prompt")
+    async def submitted(self, event: Input.Submitted) -> None:
+        text = event.value
+        if not text.strip():
+            return
+        prompt = self.query_one(PromptInput)
+        prompt.remember(text)
+        prompt.value = ""
+        try:
+            command = parse_command(text)
+        except CommandError as e:
+            await self.notice(str(e), "error")
+            return
+        if command is not None:
+            await self.run_command(command)
+        else:
+            await self.send(unescape_message(text))
+
+    # ---- turns
+    async def send(self, text: str) -> None:
+        session = self.session
+        if session.id in self.turns:
+            self.notify("this session is still replying: wait, or press esc to abort it", severity="warning")
+            return
+        session.add_user(text)
+        try:
+            plan = session.plan(self.host.render)
+        except TstermError as e:
+            session.drop_last_user()
+            await self.notice(str(e), "error")
+            return
+        if plan.miss and not session.num_misses:  # the first one per session; the turn line shows every one
+            self.notify(f"the chat template re-rendered this history differently from token {plan.diverged_at}: "
+                        "reuse stops there", title="prefix miss", severity="warning")
+        async with self._log_lock:
+            await self.chat_log.add(MessageView("user", text))
+            self.live_reply = ReplyView()
+            await self.chat_log.add(self.live_reply)
+        request_id = f"{session.id}/{len(session.turns)}/{next(self._request_ids)}"
+        worker = self.run_worker(self.host.stream_turn(session.id, plan, request_id, self.post_message),
+                                 name=f"turn {request_id}", group="turns", exit_on_error=False)
+        self.turns[session.id] = InFlight(worker, request_id, plan)
+        self.refresh_sidebar()
+        self.refresh_status()
+
+    async def on_turn_progress(self, message: TurnProgress) -> None:
+        state = self.turns.get(message.session_id)
+        if state is None or state.request_id != message.request_id:
+            return
+        state.text, state.token_ids = message.text, message.token_ids
+        state.num_cached_tokens = message.num_cached_tokens
+        async with self._log_lock:
+            if message.session_id == self.current_id and self.live_reply is not None:
+                with contextlib.suppress(NoMatches):  # the screen is being taken down
+                    await self.live_reply.show(message.text)
+
+    async def on_turn_finished(self, message: TurnFinished) -> None:
+        state = self.turns.get(message.session_id)
+        if state is None or state.request_id != message.request_id:
+            return
+        del self.turns[message.session_id]
+        session = self.sessions.get(message.session_id)
+        failed = message.error is not None or message.stats is None
+        if session is not None and failed:
+            session.drop_last_user()
+        elif session is not None:
+            session.record_reply(message.plan, message.text, message.token_ids, message.stats)
+            self.save(session)
+        with contextlib.suppress(NoMatches):  # the screen is being taken down: the session is saved already
+            await self._show_finished(message, session, failed)
+            self.refresh_sidebar()
+            self.refresh_status()
+
+    async def _show_finished(self, message: TurnFinished, session: Session | None, failed: bool) -> None:
+        if session is not None and not failed:
+            self.dashboard.record_turn(message.stats)
+        async with self._log_lock:
+            live = self.live_reply if message.session_id == self.current_id else None
+            self.live_reply = None if live is not None else self.live_reply
+            if session is not None and failed and live is not None:
+                await self._show_session(session.id)
+                await self.chat_log.add(MessageView("error", f"the turn failed: {message.error}"))
+            elif session is not None and failed:
+                self.notify(f"{session.title}: the turn failed: {message.error}", severity="error")
+            elif session is not None and live is not None:
+                stats = message.stats
+                await live.show(message.text)
+                await live.finish(turn_summary(stats), stats.miss,
+                                  note="aborted" if stats.finish_reason == "abort" else None)
+                self.dashboard.show_turns(session)
+
+    def action_abort(self) -> None:
+        state = self.turns.get(self.current_id)
+        if state is None:
+            self.notify("nothing is generating in this session")
+            return
+        state.worker.cancel()  # the turn's stream closes, which aborts the request and frees its blocks
+
+    # ---- sidebar / counters
+    @on(OptionList.OptionSelected, "#sessions")
+    async def session_selected(self, event: OptionList.OptionSelected) -> None:
+        if event.option.id and event.option.id != self.current_id:
+            await self.show_session(event.option.id)
+        self.query_one(PromptInput).focus()
+
+    def on_stats_update(self, message: StatsUpdate) -> None:
+        try:
+            self.dashboard.update_stats(message.stats, message.memory, message.polled_at)
+            self.refresh_status()
+        except NoMatches:  # a last poll while the screen is being taken down
+            pass

@@ -1,0 +1,262 @@
+"""Chat sessions: messages plus the exact token ids the engine saw and produced, persisted as JSON.
+
+No Textual here. The prompt of turn k+1 is the kept ids (turn k's prompt + its generated ids) followed by the ids
+of the newly rendered tail. The tail comes from rendering the whole conversation with the chat template; when that
+rendering does not start with the kept ids (the template rewrote history, or generated ids re-tokenise
+differently) the turn is a miss: it falls back to the full rendering and records where the two first differ
+(DESIGN.md rule 7).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+Render = Callable[[list[dict]], list[int]]  # messages -> prompt ids (template + generation prompt)
+
+
+class SessionFileError(ValueError):
+    """A session file that cannot be read back (not JSON, or not a session)."""
+
+
+def default_data_dir() -> Path:
+    """Where sessions live: `$TSTERM_DATA_DIR/sessions`, else `$XDG_DATA_HOME/tsterm/sessions`."""
+    if os.environ.get("TSTERM_DATA_DIR"):
+        return Path(os.environ["TSTERM_DATA_DIR"]).expanduser() / "sessions"
+    xdg = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(xdg).expanduser() / "tsterm" / "sessions"
+
+
+def new_session_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """First index where `a` and `b` differ, counting a shorter list ending early; None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass
+class PromptPlan:
+    """The ids to send for a turn and how they relate to what the session kept."""
+
+    token_ids: list[int]
+    kept_tokens: int  # leading ids taken verbatim from the session's kept ids
+    miss: bool = False  # the fresh rendering did not start with the kept ids
+    diverged_at: int | None = None  # on a miss: first position where rendering and kept ids differ
+
+
+def plan_prompt(kept: list[int], rendered: list[int]) -> PromptPlan:
+    """kept + the rendered tail when `rendered` starts with `kept`; otherwise the full rendering (a miss)."""
+    if not kept:
+        return PromptPlan(list(rendered), 0)
+    if len(rendered) >= len(kept) and rendered[:len(kept)] == kept:
+        return PromptPlan(list(kept) + list(rendered[len(kept):]), len(kept))
+    return PromptPlan(list(rendered), 0, miss=True, diverged_at=first_divergence(kept, rendered))
+
+
+@dataclass
+class TurnStats:
+    """What one turn cost and reused. `cached_tokens` is the engine's num_cached_tokens (prefix-cache hits)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    kept_tokens: int
+    generated_tokens: int
+    miss: bool = False
+    diverged_at: int | None = None
+    ttft: float | None = None
+    mean_itl: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def new_tokens(self) -> int:
+        """Prompt tokens the engine had to prefill."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass
+class Session:
+    id: str
+    title: str = "new chat"
+    messages: list[dict] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # exact ids: last prompt + its generated ids
+    turns: list[TurnStats] = field(default_factory=list)
+    parent_id: str | None = None
+    model: str | None = None  # the ids are only meaningful for the model (tokenizer) that made them
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+
+    # ---- conversation
+    @property
+    def system_prompt(self) -> str | None:
+        if self.messages and self.messages[0].get("role") == "system":
+            return self.messages[0]["content"]
+        return None
+
+    def set_system_prompt(self, text: str | None) -> None:
+        """Changing the system prompt rewrites the start of the conversation: the next turn is a miss at ~0."""
+        if self.system_prompt is not None:
+            self.messages.pop(0)
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+        self.touch()
+
+    def add_user(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+        if self.title == "new chat":
+            self.title = " ".join(text.split())[:40] or self.title
+        self.touch()
+
+    def plan(self, render: Render) -> PromptPlan:
+        return plan_prompt(self.token_ids, render(self.messages))
+
+    def record_reply(self, plan: PromptPlan, text: str, generated_ids: list[int], stats: TurnStats) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self.token_ids = list(plan.token_ids) + list(generated_ids)
+        self.turns.append(stats)
+        self.touch()
+
+    def drop_last_user(self) -> None:
+        """Undo `add_user` after a failed turn, so the session is as it was."""
+        if self.messages and self.messages[-1].get("role") == "user":
+            self.messages.pop()
+            self.touch()
+
+    def clear(self) -> None:
+        """Forget the conversation, keeping the system prompt."""
+        system = self.system_prompt
+        self.messages, self.token_ids, self.turns = [], [], []
+        self.set_system_prompt(system)
+
+    def fork(self, new_id: str | None = None) -> Session:
+        """A branch from the last message: same messages, same kept ids (so the engine shares their blocks)."""
+        return Session(id=new_id or new_session_id(), title=f"{self.title} (fork)",
+                       messages=[dict(m) for m in self.messages], token_ids=list(self.token_ids),
+                       parent_id=self.id, model=self.model)
+
+    def bind_model(self, model: str) -> bool:
+        """Ids made by another model are meaningless here: drop them (the next turn re-renders). True if dropped."""
+        if self.model == model:
+            return False
+        dropped = bool(self.token_ids)
+        self.model, self.token_ids = model, []
+        return dropped
+
+    def touch(self) -> None:
+        self.updated = time.time()
+
+    @property
+    def num_misses(self) -> int:
+        return sum(t.miss for t in self.turns)
+
+    # ---- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["version"] = FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Session:
+        if not isinstance(d, dict):
+            raise SessionFileError("the top level is not an object")
+        if not isinstance(d.get("id"), str) or not d["id"]:
+            raise SessionFileError("missing or invalid 'id'")
+        messages = d.get("messages", [])
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise SessionFileError("'messages' must be a list of {role, content} objects with string values")
+        token_ids = d.get("token_ids", [])
+        if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):  # noqa: E721
+            raise SessionFileError("'token_ids' must be a list of non-negative integers")
+        known = {f.name for f in fields(TurnStats)}
+        try:
+            turns = [TurnStats(**{k: v for k, v in t.items() if k in known}) for t in d.get("turns", [])]
+        except (TypeError, AttributeError) as e:
+            raise SessionFileError(f"bad 'turns' entry ({e})") from None
+        return cls(id=d["id"], title=str(d.get("title", "chat")), messages=messages, token_ids=token_ids,
+                   turns=turns, parent_id=d.get("parent_id"), model=d.get("model"),
+                   created=float(d.get("created", 0.0)), updated=float(d.get("updated", 0.0)))
+
+    def to_markdown(self) -> str:
+        lines = [f"# {self.title}", ""]
+        for m in self.messages:
+            lines += [f"## {m['role']}", "", m["content"], ""]
+        return "\n".join(lines)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder + rename: a crash leaves the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class SessionStore:
+    """One `<id>.json` per session in `directory`. Unreadable files are moved aside and reported, never fatal."""
+
+    def __init__(self, directory: Path | str | None = None):
+        self.directory = Path(directory) if directory is not None else default_data_dir()
+
+    def path_for(self, session_id: str) -> Path:
+        return self.directory / f"{session_id}.json"
+
+    def save(self, session: Session) -> Path:
+        path = self.path_for(session.id)
+        atomic_write(path, json.dumps(session.to_dict(), ensure_ascii=False))
+        return path
+
+    def delete(self, session_id: str) -> None:
+        self.path_for(session_id).unlink(missing_ok=True)
+
+    def load_all(self) -> tuple[list[Session], list[str]]:
+        """(sessions oldest first, one error line per file that could not be read)."""
+        sessions, errors = [], []
+        if not self.directory.is_dir():
+            return sessions, errors
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                sessions.append(self._load(path))
+            except (SessionFileError, OSError) as e:
+                errors.append(self._quarantine(path, e))
+        sessions.sort(key=lambda s: s.created)
+        return sessions, errors
+
+    def _load(self, path: Path) -> Session:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise SessionFileError(f"not UTF-8 text ({e.reason})") from None
+        except json.JSONDecodeError as e:
+            raise SessionFileError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        return Session.from_dict(data)
+
+    def _quarantine(self, path: Path, error: Exception) -> str:
+        target = path.with_name(path.name + ".corrupt")
+        if target.exists():
+            target = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.corrupt")
+        try:
+            os.replace(path, target)
+            where = f"moved aside to {target.name}"
+        except OSError as e:
+            where = f"could not move it aside ({e.strerror}); it is ignored"
+        return f"session file {path}: {error}; {where}"

@@ -1,0 +1,147 @@
+"""Live engine counters: throughput sparklines, latency, KV block map, prefix reuse per turn, copies, memory."""
+from __future__ import annotations
+
+from collections import deque
+
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Label, Sparkline, Static
+
+from tsterm.tui.session import Session, TurnStats
+from tsterm.tui.widgets.kv_bar import KVBar
+
+HISTORY = 60  # samples kept for the sparklines (15 s at 4 Hz)
+TURN_ROWS = 6
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+class Dashboard(VerticalScroll):
+    can_focus = False
+
+    def __init__(self, device: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.device = device
+        self.decode_rates: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
+        self.prefill_rates: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
+        self.latest: dict = {}
+        self.memory: dict = {}
+        self.last_turn: TurnStats | None = None
+        self._prev: tuple[float, int, int] | None = None
+        self._ttfts: deque[float] = deque(maxlen=50)
+        self._itls: deque[float] = deque(maxlen=50)
+
+    def compose(self) -> ComposeResult:
+        yield Label("decode tok/s", id="decode-label", classes="dash-title")
+        yield Sparkline(list(self.decode_rates), id="decode-spark")
+        yield Label("prefill tok/s", id="prefill-label", classes="dash-title")
+        yield Sparkline(list(self.prefill_rates), id="prefill-spark")
+        yield Static("", id="latency", markup=False)
+        yield Label("KV blocks", classes="dash-title")
+        yield KVBar(id="kv-bar")
+        yield Label("[$secondary]█[/] shared [$warning]█[/] used [$accent]▓[/] cached [$foreground-muted]░[/] free",
+                    id="kv-legend")
+        yield Static("", id="kv-counts", markup=False)
+        yield Label("prefix reuse (this session)", classes="dash-title")
+        yield Static("no turns yet", id="reuse", markup=False)
+        yield Label("copies", classes="dash-title")
+        yield Static("", id="copies", markup=False)
+        yield Label("engine", classes="dash-title")
+        yield Static("", id="engine", markup=False)
+
+    # ---- inputs
+    def update_stats(self, stats: dict, memory: dict, now: float) -> None:
+        gen, prefill = stats.get("generated_tokens", 0), stats.get("prefill_tokens", 0)
+        if self._prev is not None and now > self._prev[0]:
+            dt = now - self._prev[0]
+            self.decode_rates.append((gen - self._prev[1]) / dt)
+            self.prefill_rates.append((prefill - self._prev[2]) / dt)
+        self._prev = (now, gen, prefill)
+        self.latest, self.memory = stats, memory
+        if not self.display:
+            return  # keep sampling the history while hidden; draw only what is seen
+        self._draw(stats, memory)
+
+    def record_turn(self, stats: TurnStats) -> None:
+        self.last_turn = stats
+        if stats.ttft is not None:
+            self._ttfts.append(stats.ttft)
+        if stats.mean_itl is not None:
+            self._itls.append(stats.mean_itl)
+        self._draw_latency()
+
+    def show_turns(self, session: Session) -> None:
+        if self.last_turn is None and session.turns:
+            self.last_turn = session.turns[-1]
+            self._draw_latency()
+        turns = session.turns[-TURN_ROWS:]
+        if not turns:
+            self.query_one("#reuse", Static).update("no turns yet")
+            return
+        first = len(session.turns) - len(turns) + 1
+        lines = [f"{'turn':>4} {'prompt':>6} {'cached':>6} {'new':>5}  kept"]
+        for i, t in enumerate(turns, first):
+            tail = f"miss@{t.diverged_at}" if t.miss else str(t.kept_tokens)
+            lines.append(f"{i:>4} {t.prompt_tokens:>6} {t.cached_tokens:>6} {t.new_tokens:>5}  {tail}")
+        hits = sum(t.cached_tokens for t in session.turns)
+        total = sum(t.prompt_tokens for t in session.turns)
+        lines.append(f"cached {hits}/{total} prompt tok · {session.num_misses} miss(es)")
+        self.query_one("#reuse", Static).update("\n".join(lines))
+
+    def redraw(self) -> None:
+        if self.latest:
+            self._draw(self.latest, self.memory)
+
+    # ---- drawing
+    def _draw(self, s: dict, memory: dict) -> None:
+        decode, prefill = self.decode_rates[-1], self.prefill_rates[-1]
+        self.query_one("#decode-label", Label).update(
+            f"decode  {decode:6.1f} tok/s  (peak {max(self.decode_rates):.0f})")
+        self.query_one("#prefill-label", Label).update(
+            f"prefill {prefill:6.1f} tok/s  (peak {max(self.prefill_rates):.0f})")
+        self.query_one("#decode-spark", Sparkline).data = list(self.decode_rates)
+        self.query_one("#prefill-spark", Sparkline).data = list(self.prefill_rates)
+        self.query_one("#kv-bar", KVBar).set_counts(s)
+        self.query_one("#kv-counts", Static).update(
+            f"{s.get('num_blocks', 0)} blocks × {s.get('block_size', 0)} tok\n"
+            f"used {s.get('used', 0)}  shared {s.get('shared', 0)}\n"
+            f"cached {s.get('cached', 0)}  free {s.get('free', 0)}\n"
+            f"evictions {s.get('evictions', 0)}  preemptions {s.get('preemptions', 0)}")
+        reused = s.get("kv_reused_bytes")
+        if reused is None and s.get("block_size"):
+            reused = s.get("prefix_hit_tokens", 0) * s.get("kv_bytes_per_block", 0) // s["block_size"]
+        self.query_one("#copies", Static).update(
+            f"CoW copied   {human_bytes(s.get('cow_bytes', 0))} ({s.get('cow_copies', 0)} blocks)\n"
+            f"by reference {human_bytes(reused)} ({s.get('prefix_hit_tokens', 0)} cached tok)")
+        if memory.get("kind") == "cuda":
+            mem = (f"{human_bytes(memory['allocated'])} alloc / {human_bytes(memory['reserved'])} reserved / "
+                   f"{human_bytes(memory['total'])}")
+        else:
+            mem = f"RSS {human_bytes(memory.get('rss'))}"
+        pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0)
+        self.query_one("#engine", Static).update(
+            f"{self.device}\n{mem}  KV pool {human_bytes(pool)}\n"
+            f"running {s.get('running', 0)}  waiting {s.get('waiting', 0)}  steps {s.get('steps', 0)}")
+
+    def _draw_latency(self) -> None:
+        t = self.last_turn
+        mean_ttft = sum(self._ttfts) / len(self._ttfts) if self._ttfts else None
+        mean_itl = sum(self._itls) / len(self._itls) if self._itls else None
+        self.query_one("#latency", Static).update(
+            f"TTFT  last {ms(t.ttft if t else None)}  avg {ms(mean_ttft)}\n"
+            f"ITL   last {ms(t.mean_itl if t else None)}  avg {ms(mean_itl)}")
+
+    def on_mount(self) -> None:
+        self._draw_latency()
