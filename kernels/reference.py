@@ -44,43 +44,67 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     holding the new tokens' K/V. Returns [T, Hq, D].
 
     The context is never gathered into a new buffer: each run of consecutive blocks is a view of the pool,
-    attended separately, and the partial results are merged with an online softmax (log-sum-exp).
+    attended separately, and the partial results are merged by their log-sum-exp.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    device = q.device
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         num_q = q_end - q_start
-        # [Hkv, G * nq, D]: rows of one KV head's query group; small (new tokens only), so this copy is cheap.
+        # [Hkv, G * nq, D]: one KV head's query group as rows; small (new tokens only), so this copy is cheap.
         qh = q[q_start:q_end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qh = qh.reshape(num_kv_heads, group * num_q, head_dim) * scale
-        device = q.device
-        q_pos = torch.arange(seq_len - num_q, seq_len, device=device).repeat(group)  # [G * nq] position of each query row
-        acc = torch.zeros(num_kv_heads, group * num_q, head_dim, device=device)  # running sum of p @ v
-        run_max = torch.full((num_kv_heads, group * num_q, 1), float("-inf"), device=device)
-        run_sum = torch.zeros(num_kv_heads, group * num_q, 1, device=device)
+        qh = qh.reshape(num_kv_heads, group * num_q, head_dim)
+        q_pos = torch.arange(seq_len - num_q, seq_len, device=device).repeat(group)  # [G*nq] position of each row
+        acc = torch.zeros(num_kv_heads, group * num_q, head_dim, device=device)  # merged output so far
+        lse = torch.full((num_kv_heads, group * num_q), float("-inf"), device=device)  # its log-sum-exp
         pos = 0
         for first_block, num_blocks in meta.block_runs[i]:
             n = min(num_blocks * block_size, seq_len - pos)
             k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D] view
             v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
-            # Matmuls run in the cache dtype: converting the context to float32 first would copy it every step.
-            scores = torch.matmul(qh, k.permute(1, 2, 0)).float()  # [Hkv, G*nq, n]
+            mask = None
             if pos + n - 1 > seq_len - num_q:  # some keys lie after some queries: causal mask
                 k_pos = torch.arange(pos, pos + n, device=device)
-                scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            new_max = torch.maximum(run_max, scores.amax(-1, keepdim=True))  # [Hkv, G*nq, 1]
-            correction = torch.exp(run_max - new_max)
-            p = torch.exp(scores - new_max)  # [Hkv, G*nq, n]
-            run_sum = run_sum * correction + p.sum(-1, keepdim=True)
-            acc = acc * correction + torch.matmul(p.to(v.dtype), v.permute(1, 0, 2)).float()  # [Hkv, G*nq, D]
-            run_max = new_max
+                mask = k_pos[None, :] <= q_pos[:, None]  # [G*nq, n]
+            o_run, lse_run = _attend(qh, k.permute(1, 0, 2), v.permute(1, 0, 2), mask, scale)
+            new_lse = torch.logaddexp(lse, lse_run)  # [Hkv, G*nq]
+            seen = torch.isfinite(lse_run)[..., None]  # rows with no visible key in this run add nothing
+            acc = acc * torch.exp(lse - new_lse).nan_to_num(0.0)[..., None] + \
+                torch.where(seen, o_run * torch.exp(lse_run - new_lse)[..., None], 0.0)
+            lse = new_lse
             pos += n
-        o = (acc / run_sum).view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [nq, Hkv, G, D]
+        o = acc.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [nq, Hkv, G, D]
         out[q_start:q_end] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
     return out
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [Hkv, R, D] over views k, v [Hkv, n, D] with an optional boolean mask [R, n] (True: visible).
+
+    Returns (out [Hkv, R, D] float32, log-sum-exp [Hkv, R] float32). On the CPU this is torch's fused flash
+    kernel, which reads the strided views of the pool as they are (no copy, no [R, n] score matrix in memory).
+    """
+    if q.device.type == "cpu" and _FLASH_CPU is not None:
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        out, lse = _FLASH_CPU(q[None], k[None], v[None], 0.0, False, attn_mask=bias, scale=scale)[:2]
+        lse = lse[0].float()
+        if mask is not None:  # the kernel reports 0, not -inf, for a row that sees no key
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+        return out[0].float(), lse
+    # Matmuls run in the cache dtype: converting the context to float32 first would copy it every step.
+    scores = torch.matmul(q * scale, k.transpose(1, 2)).float()  # [Hkv, R, n]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, R]
+    p = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return torch.matmul(p.to(v.dtype), v).float(), lse
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

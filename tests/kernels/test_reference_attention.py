@@ -1,0 +1,37 @@
+"""The torch twin of paged attention (the CPU path) against dense causal attention over a gathered context."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsterm_kernels import reference
+from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
+
+
+def dense_reference(q, k_cache, v_cache, table, seq_len, scale):
+    k = torch.cat([k_cache[b] for b in table])[:seq_len]  # [n, Hkv, D] (a copy: fine for an oracle)
+    v = torch.cat([v_cache[b] for b in table])[:seq_len]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    q_pos = torch.arange(seq_len - q.shape[0], seq_len)
+    scores.masked_fill_(torch.arange(seq_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["flash-kernel", "matmul"])
+@pytest.mark.parametrize("num_q", [1, 4, 9, 27])  # decode, extend, extend over several runs, whole prefill
+def test_runs_merged_by_lse_equal_dense_attention(monkeypatch, flash, num_q):
+    if not flash:
+        monkeypatch.setattr(reference, "_FLASH_CPU", None)
+    torch.manual_seed(num_q)
+    block, kv_heads, group, dim = 4, 2, 3, 16
+    k_cache, v_cache = torch.randn(32, block, kv_heads, dim), torch.randn(32, block, kv_heads, dim)
+    table = [5, 6, 9, 10, 11, 2, 3]  # three runs of consecutive blocks, out of order
+    seq_len = 27  # the last block is partial
+    q = torch.randn(num_q, kv_heads * group, dim)
+    meta = AttentionMetadata([0, num_q], [seq_len], [contiguous_runs(table, len(table))],
+                             torch.zeros(num_q, dtype=torch.int64), torch.tensor([table], dtype=torch.int32), block)
+    out = reference.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    torch.testing.assert_close(out, dense_reference(q, k_cache, v_cache, table, seq_len, dim ** -0.5),
+                               atol=2e-5, rtol=1e-4)
