@@ -36,17 +36,27 @@ def _engine_options(args: argparse.Namespace) -> tuple[str, dict[str, Any], Any]
     options: dict[str, Any] = {}
     if args.profile:
         profile = load_profile(args.profile)
-        config = profile.engine_config()
-        model = config.model
-        options = {k: v for k, v in profile.engine.items() if k != "model"}
+        options = profile.engine_options()
     if args.model:
         model = resolve_model(args.model)
-    elif not args.profile:
+    elif profile is not None:
+        model = profile.engine_config().model
+    else:
         raise ConfigError("give --model DIR or --profile NAME")
     for key in ("dtype", "device"):
-        if getattr(args, key):
+        if getattr(args, key, None):
             options[key] = getattr(args, key)
     return model, options, profile
+
+
+def _sampling_params(args: argparse.Namespace, profile: Any):
+    from tsterm.config import SamplingParams
+
+    sampling = dict(profile.sampling) if profile else {}
+    for key in ("temperature", "max_tokens", "top_p", "top_k", "seed"):
+        if getattr(args, key, None) is not None:
+            sampling[key] = getattr(args, key)
+    return SamplingParams(**sampling)
 
 
 def engine_from_args(args: argparse.Namespace):
@@ -58,16 +68,10 @@ def engine_from_args(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tsterm.config import SamplingParams
     from tsterm.llm import LLM
 
     model, options, profile = _engine_options(args)
-    # Validate the sampling options before the (possibly long) model load.
-    sampling = dict(profile.sampling) if profile else {}
-    for key in ("temperature", "max_tokens", "top_p", "top_k", "seed"):
-        if getattr(args, key) is not None:
-            sampling[key] = getattr(args, key)
-    params = SamplingParams(**sampling)
+    params = _sampling_params(args, profile)  # validated before the (possibly long) model load
     llm = LLM(model, progress=_progress_printer("loading"), **options)
     if args.raw:
         prompt: Any = args.prompt
@@ -91,6 +95,71 @@ def cmd_run(args: argparse.Namespace) -> int:
                    "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
                    "ttft_s": m.ttft, "e2e_s": m.e2e, "mean_itl_s": m.mean_itl}, sys.stdout)
     sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Line-mode chat on a pipe or with --plain (keeping the exact token ids between turns); else the TUI."""
+    if not args.plain and not args.model and sys.stdin.isatty():
+        from tsterm.tui import main as tui
+        return tui(args.profile or "default")
+    from tsterm.errors import RequestError
+    from tsterm.llm import LLM
+    from tsterm.tui.session import plan_prompt
+
+    if not args.model and not args.profile:
+        args.profile = "default"
+    model, options, profile = _engine_options(args)
+    params = _sampling_params(args, profile)
+    llm = LLM(model, progress=_progress_printer("loading"), **options)
+    system = args.system if args.system is not None else (profile.system_prompt if profile else None)
+    messages: list[dict] = [{"role": "system", "content": system}] if system else []
+    kept: list[int] = []  # the previous prompt's ids + its generated ids, exactly as the engine saw them
+
+    def stream(out) -> None:
+        if out.outputs[0].delta_text:
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+
+    while (line := sys.stdin.readline()):
+        text = line.rstrip("\n")
+        if text.strip() == "/exit":
+            break
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        plan = plan_prompt(kept, llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        try:
+            out = llm.generate(plan.token_ids, params, on_output=stream)[0]
+        except RequestError as e:  # e.g. the conversation outgrew the context: report it, keep the chat as it was
+            messages.pop()
+            print(f"tsterm: error: {e}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": out.text})
+        kept = list(plan.token_ids) + list(out.token_ids)
+        print(f"[cached {out.num_cached_tokens}/{len(plan.token_ids)} tokens]", file=sys.stderr, flush=True)
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from tsterm.profiles import list_profiles, load_profile
+
+    if args.action == "list":
+        rows = list_profiles()
+        width = max((len(name) for name, _, _ in rows), default=0)
+        for name, description, path in rows:
+            print(f"{name:<{width}}  {description}  ({path})")
+    elif args.action == "show":
+        profile = load_profile(args.profile_name)
+        print(f"# {profile.path}")
+        sys.stdout.write(profile.to_yaml())
+    else:
+        profile = load_profile(args.profile_name)
+        profile.check_model()
+        profile.sampling_params()
+        print(f"ok: {profile.path}")
     return 0
 
 
@@ -119,6 +188,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", help="auto, cpu or cuda[:N]")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics) instead")
     run.set_defaults(func=cmd_run)
+
+    chat = sub.add_parser("chat", help="multi-turn chat: the TUI on a terminal, line mode on a pipe or with --plain")
+    chat.add_argument("--model", help="HF-format model directory (or demo:tiny)")
+    chat.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
+    chat.add_argument("--plain", action="store_true", help="line mode even on a terminal")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--max-tokens", type=int, dest="max_tokens")
+    chat.add_argument("--temperature", type=float)
+    chat.add_argument("--seed", type=int)
+    chat.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    chat.add_argument("--device", help="auto, cpu or cuda[:N]")
+    chat.set_defaults(func=cmd_chat)
+
+    profiles = sub.add_parser("profiles", help="list, show or check YAML profiles")
+    actions = profiles.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="every profile on the search path (./profiles, user config, shipped)")
+    for action, help_text in (("show", "the resolved profile as YAML"), ("check", "validate only (loads no model)")):
+        p = actions.add_parser(action, help=help_text)
+        p.add_argument("profile_name", metavar="NAME|PATH")
+    profiles.set_defaults(func=cmd_profiles)
 
     from tsterm.bench import add_parser as add_bench_parser
     add_bench_parser(sub)

@@ -5,6 +5,8 @@ import dataclasses
 import difflib
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,21 +31,78 @@ class Profile:
     sampling: dict[str, Any] = field(default_factory=dict)
     system_prompt: str | None = None
     description: str = ""
+    # key -> (file, line) that set it (sampling keys as "sampling.KEY"): errors found later still point there
+    origins: dict[str, tuple[Path, int]] = field(default_factory=dict)
+
+    def where(self, key: str) -> str:
+        path, line = self.origins.get(key, (self.path, 1))
+        return f"{path or self.name}:{line}"
+
+    def engine_options(self) -> dict[str, Any]:
+        """The engine options without `model` (already validated by `load_profile`)."""
+        return {k: v for k, v in self.engine.items() if k != "model"}
+
+    def model(self) -> str:
+        if self.engine.get("model") is None:
+            raise ConfigError(f"{self.path or self.name}:1: no `model` set (add `model: DIR` or `extends: PROFILE`)")
+        return self.engine["model"]
+
+    def check_model(self) -> None:
+        """Validate `model` without generating, importing or downloading anything."""
+        model = self.model()
+        if model in SHIPPED_MODELS:
+            return
+        if model.startswith("demo:"):
+            from tsterm.demo import SPECS
+            if model.split(":", 1)[1] not in SPECS:
+                raise ConfigError(f"{self.where('model')}: unknown demo model {model!r} "
+                                  f"(have: {', '.join('demo:' + n for n in SPECS)})")
+            return
+        base = self.origins.get("model", (self.path, 1))[0]
+        path = model_path(model, base)
+        if not path.exists():
+            raise ConfigError(f"{self.where('model')}: model {model!r} does not exist (looked for {path})")
 
     def engine_config(self) -> EngineConfig:
-        options = dict(self.engine)
-        model = options.pop("model", None)
-        if model is None:
-            raise ConfigError(f"{self.path or self.name}: no `model` set")
-        return EngineConfig.from_options(resolve_model(model, self.path), **options)
+        base = self.origins.get("model", (self.path, 1))[0]
+        return EngineConfig.from_options(resolve_model(self.model(), base), **self.engine_options())
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.sampling, **{k: v for k, v in overrides.items() if v is not None}})
+
+    def to_yaml(self) -> str:
+        """The resolved profile (after `extends` and `${ENV}`), `model` as written."""
+        data: dict[str, Any] = {"description": self.description, **self.engine}
+        if self.sampling:
+            data["sampling"] = dict(self.sampling)
+        if self.system_prompt is not None:
+            data["system_prompt"] = self.system_prompt
+        return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=float("inf"))
 
 
 def search_path() -> list[Path]:
     user = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "tsterm" / "profiles"
     return [Path.cwd() / "profiles", user, SHIPPED_DIR]
+
+
+def list_profiles() -> list[tuple[str, str, Path]]:
+    """(name, description, path) of every profile on the search path; an earlier folder shadows a later one."""
+    found: dict[str, tuple[str, str, Path]] = {}
+    for folder in search_path():
+        if not folder.is_dir():
+            continue
+        for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+            if path.stem not in found:
+                found[path.stem] = (path.stem, _description(path), path)
+    return sorted(found.values())
+
+
+def _description(path: Path) -> str:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return "(unreadable)"
+    return str(raw.get("description", "")) if isinstance(raw, dict) else "(not a mapping)"
 
 
 def find_profile(name_or_path: str) -> Path:
@@ -64,57 +123,132 @@ def find_profile(name_or_path: str) -> Path:
 
 def load_profile(name_or_path: str, _seen: tuple[Path, ...] = ()) -> Profile:
     path = find_profile(name_or_path).resolve()
-    if path in _seen:
-        raise ConfigError(f"{path}: `extends` forms a cycle ({' -> '.join(p.name for p in (*_seen, path))})")
+    return _load(path, _seen)
+
+
+def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
     raw, lines = _read_yaml(path)
+    at = lambda key: f"{path}:{lines.get(str(key), 1)}"
     for key in raw:
         if key not in TOP_KEYS:
-            hint = difflib.get_close_matches(key, TOP_KEYS, n=1)
-            raise ConfigError(f"{path}:{lines.get(key, '?')}: unknown key {key!r}"
-                              + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-    base = load_profile(str(raw["extends"]), (*_seen, path)) if "extends" in raw else None
+            raise ConfigError(f"{at(key)}: unknown key {key!r}{_did_you_mean(key, TOP_KEYS)}")
+    for key in ("extends", "description", "system_prompt"):
+        if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
+            raise ConfigError(f"{at(key)}: {key} must be a string, got {raw[key]!r}")
+    sampling_raw = raw.get("sampling") or {}
+    if not isinstance(sampling_raw, dict):
+        raise ConfigError(f"{at('sampling')}: `sampling` must be a mapping")
+    for key, value in sampling_raw.items():
+        if key not in SAMPLING_KEYS:
+            raise ConfigError(f"{at('sampling.' + str(key))}: unknown sampling key {key!r}"
+                              f"{_did_you_mean(str(key), SAMPLING_KEYS)}")
+        _validate(SamplingParams, key, value, at("sampling." + key))
+    for key, value in raw.items():
+        if key in ENGINE_KEYS and key != "model":
+            _validate(EngineConfig, key, value, at(key))
+    if "model" in raw and (raw["model"] is None or isinstance(raw["model"], (dict, list))):
+        raise ConfigError(f"{at('model')}: model must be a directory, `demo:NAME` or a shipped model name")
+
+    base = None
+    if "extends" in raw:
+        chain = (*seen, path)
+        try:
+            target = find_profile(raw["extends"]).resolve()
+        except ConfigError as e:
+            raise ConfigError(f"{at('extends')}: extends target not found: {e}") from None
+        if target in chain:
+            cycle = " -> ".join(p.name for p in (*chain, target))
+            raise ConfigError(f"{at('extends')}: `extends` forms a cycle ({cycle})")
+        base = _load(target, chain)
     engine = dict(base.engine) if base else {}
     sampling = dict(base.sampling) if base else {}
+    origins = dict(base.origins) if base else {}
     engine.update({k: v for k, v in raw.items() if k in ENGINE_KEYS})
     if "model" in raw:
         engine["model"] = str(raw["model"])
-    sampling_raw = raw.get("sampling") or {}
-    if not isinstance(sampling_raw, dict):
-        raise ConfigError(f"{path}:{lines.get('sampling', '?')}: `sampling` must be a mapping")
-    for key in sampling_raw:
-        if key not in SAMPLING_KEYS:
-            hint = difflib.get_close_matches(key, SAMPLING_KEYS, n=1)
-            raise ConfigError(f"{path}:{lines.get('sampling', '?')}: unknown sampling key {key!r}"
-                              + (f" (did you mean {hint[0]!r}?)" if hint else ""))
     sampling.update(sampling_raw)
-    profile = Profile(path.stem, path, engine, sampling, raw.get("system_prompt", base.system_prompt if base else None),
-                      raw.get("description", base.description if base else ""))
-    try:  # validate now, so errors point at the profile rather than surfacing later
-        EngineConfig.from_options("<model>", **{k: v for k, v in engine.items() if k != "model"})
-        profile.sampling_params()
+    origins.update({k: (path, line) for k, line in lines.items()})
+    return Profile(path.stem, path, engine, sampling,
+                   raw.get("system_prompt", base.system_prompt if base else None),
+                   raw.get("description", base.description if base else ""), origins)
+
+
+def _did_you_mean(key: str, choices: set[str]) -> str:
+    hint = difflib.get_close_matches(key, sorted(choices), n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+def _validate(cls: type, key: str, value: Any, where: str) -> None:
+    """One option checked alone (type, then the dataclass's own range checks), so the error has its line."""
+    try:
+        hint = typing.get_type_hints(cls)[key]
+        if not _type_ok(value, hint):
+            raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r}")
+        cls(**({"model": "<model>"} if cls is EngineConfig else {}), **{key: value})
     except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{path}: {e}") from None
-    return profile
+        raise ConfigError(f"{where}: {e}" if key in str(e) else f"{where}: {key}: {e}") from None
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    if origin is not None:  # list[...]: the dataclass checks the contents (and accepts a lone string for `stop`)
+        return True
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        return isinstance(value, (int, hint)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    text = _ENV.sub(lambda m: _env(m.group(1), path), path.read_text())
+    """(the mapping, key -> line); `${VAR}` is expanded in values only (not in comments or keys)."""
     try:
-        node = yaml.compose(text)
-        raw = yaml.safe_load(text) or {}
+        node = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a profile must be a mapping of keys to values")
-    lines = {k.value: k.start_mark.line + 1 for k, _ in node.value} if node is not None else {}
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', None) or e})") from None
+    if node is None:
+        return {}, {}
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError(f"{path}:{node.start_mark.line + 1}: a profile must be a mapping of keys to values")
+    _expand_env(node, path)
+    raw = yaml.SafeLoader("").construct_document(node)
+    lines: dict[str, int] = {}
+    for key, value in node.value:
+        lines[str(key.value)] = key.start_mark.line + 1
+        if key.value == "sampling" and isinstance(value, yaml.MappingNode):
+            lines.update({f"sampling.{k.value}": k.start_mark.line + 1 for k, _ in value.value})
     return raw, lines
 
 
-def _env(name: str, path: Path) -> str:
+def _expand_env(node: yaml.Node, path: Path) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for _, value in node.value:
+            _expand_env(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _expand_env(item, path)
+    elif isinstance(node, yaml.ScalarNode) and _ENV.search(node.value):
+        line = node.start_mark.line + 1
+        node.value = _ENV.sub(lambda m: _env(m.group(1), f"{path}:{line}"), node.value)
+        if node.style is None:  # a plain scalar: `${N}` set to 16 is the integer 16
+            node.tag = yaml.SafeLoader("").resolve(yaml.ScalarNode, node.value, (True, False))
+
+
+def _env(name: str, where: str) -> str:
     if name not in os.environ:
-        raise ConfigError(f"{path}: environment variable ${{{name}}} is not set")
+        raise ConfigError(f"{where}: environment variable ${{{name}}} is not set")
     return os.environ[name]
 
 
@@ -153,7 +287,12 @@ def resolve_model(model: str, profile_path: Path | None = None) -> str:
         if name not in SPECS:
             raise ConfigError(f"unknown demo model {model!r} (have: {', '.join('demo:' + n for n in SPECS)})")
         return str(ensure_demo_model(name, progress=_demo_progress(name)))
+    return str(model_path(model, profile_path))
+
+
+def model_path(model: str, profile_path: Path | None = None) -> Path:
+    """A plain model path: as given if it exists, else (when relative) relative to the profile file."""
     path = Path(os.path.expanduser(model))
     if not path.is_absolute() and profile_path is not None and not path.exists():
         path = profile_path.parent / path
-    return str(path)
+    return path

@@ -1,0 +1,76 @@
+"""`tsterm chat --plain`: line-mode multi-turn chat that keeps the exact token ids between turns."""
+from __future__ import annotations
+
+import io
+import re
+import sys
+
+import pytest
+
+from tests.helpers.checkpoints import make_checkpoint
+from tsterm.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("chat") / "qwen3_moe", "qwen3_moe",
+                              {"num_experts": 4, "num_experts_per_tok": 2})
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def small_kv_pool(monkeypatch):
+    monkeypatch.setattr("tsterm.engine.engine.CPU_DEFAULT_KV_BYTES", 8 << 20)
+
+
+def chat(model_dir: str, stdin: str, monkeypatch, capsys, *extra: str) -> tuple[int, list[str], list[tuple[int, int]]]:
+    """(exit code, reply lines, (cached, prompt) per turn)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = main(["chat", "--plain", "--model", model_dir, "--max-tokens", "6", "--temperature", "0", *extra])
+    out, err = capsys.readouterr()
+    turns = [(int(a), int(b)) for a, b in re.findall(r"^\[cached (\d+)/(\d+) tokens\]$", err, re.MULTILINE)]
+    return code, out.splitlines(), turns
+
+
+def test_two_turns_reuse_the_first_turns_tokens(model_dir, monkeypatch, capsys):
+    code, replies, turns = chat(model_dir, "hello there\nand what about tomorrow?\n", monkeypatch, capsys)
+    assert code == 0
+    assert len(replies) == 2 and len(turns) == 2
+    (cached_1, prompt_1), (cached_2, prompt_2) = turns
+    assert cached_1 == 0
+    assert prompt_2 > prompt_1 and cached_2 > 0
+
+
+def test_next_prompt_is_the_kept_ids_plus_the_tail_or_the_full_rendering(model_dir, monkeypatch, capsys):
+    from tsterm.llm import LLM
+    calls: list[tuple[LLM, list[int], object]] = []
+    generate = LLM.generate
+
+    def recording(self, prompt, *args, **kwargs):
+        out = generate(self, prompt, *args, **kwargs)[0]
+        calls.append((self, list(prompt), out))
+        return [out]
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    code, _, _ = chat(model_dir, "hi\nmore\n", monkeypatch, capsys, "--system", "Be brief.")
+    assert code == 0 and len(calls) == 2
+    (llm, prompt_1, out_1), (_, prompt_2, _) = calls
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert prompt_1 == llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    messages += [{"role": "assistant", "content": out_1.text}, {"role": "user", "content": "more"}]
+    rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    kept = prompt_1 + list(out_1.token_ids)
+    if rendered[:len(kept)] == kept:
+        assert prompt_2 == kept + rendered[len(kept):]
+    else:  # the template rewrote the reply (a random model does not end its turn): the full rendering
+        assert prompt_2 == rendered
+
+
+def test_exit_command_ends_the_chat(model_dir, monkeypatch, capsys):
+    code, replies, turns = chat(model_dir, "hi\n/exit\nnever answered\n", monkeypatch, capsys)
+    assert code == 0 and len(replies) == 1 and len(turns) == 1
+
+
+def test_eof_ends_the_chat(model_dir, monkeypatch, capsys):
+    code, replies, turns = chat(model_dir, "", monkeypatch, capsys)
+    assert (code, replies, turns) == (0, [], [])

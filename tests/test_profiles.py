@@ -1,0 +1,222 @@
+"""Profiles: errors name the file, line and key; `extends`, `${ENV}`, the search path; `tsterm profiles`."""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tsterm import profiles
+from tsterm.cli import main
+from tsterm.errors import ConfigError
+from tsterm.profiles import SHIPPED_DIR, list_profiles, load_profile
+
+
+@pytest.fixture(autouse=True)
+def isolated_search_path(tmp_path, monkeypatch):
+    """cwd and the user config dir point into tmp_path, so only the shipped profiles are found by default."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("checking a profile must not load, import or download a model")
+
+    monkeypatch.setattr(profiles, "resolve_model", refuse)
+    monkeypatch.setattr("tsterm.demo.ensure_demo_model", refuse)
+    monkeypatch.setattr("tsterm.gguf_import.ensure_default_model", refuse)
+    monkeypatch.setitem(profiles.SHIPPED_MODELS, "smollm2-135m-instruct", refuse)
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text).lstrip("\n"))
+    return path
+
+
+def error_of(path: Path | str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_profile(str(path))
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------------------------------
+# errors: file, line, key
+
+@pytest.mark.parametrize("text,line,parts", [
+    ("model: m\nblok_size: 16\n", 2, ["unknown key 'blok_size'", "did you mean 'block_size'?"]),
+    ("model: m\nsampling:\n  temperature: 0\n  top_q: 0.9\n", 4, ["unknown sampling key 'top_q'", "'top_p'"]),
+    ("model: m\nblock_size: big\n", 2, ["block_size", "'big'"]),
+    ("model: m\n\nblock_size: 0\n", 3, ["block_size", "[1, 1024]"]),
+    ("model: m\nsampling: {top_p: 0.5, temperature: -1}\n", 2, ["temperature", ">= 0"]),
+    ("model: m\nsampling:\n  max_tokens: 12\n  temperature: -1\n", 4, ["temperature", "-1"]),
+    ("model: m\nsampling:\n  max_tokens: lots\n", 3, ["max_tokens", "integer", "'lots'"]),
+    ("model: m\nmax_num_seqs: 2.5\n", 2, ["max_num_seqs", "integer"]),
+    ("model: m\nenable_prefix_caching: maybe\n", 2, ["enable_prefix_caching", "true or false"]),
+    ("model: m\nsampling: [1, 2]\n", 2, ["sampling", "mapping"]),
+    ("model: m\ndevice: tpu\n", 2, ["device", "'tpu'"]),
+    ("model: m\nsystem_prompt: [a]\n", 2, ["system_prompt", "string"]),
+    ("model: m\nblock_size: [16\n", 3, ["invalid YAML"]),
+    ("model: m\n  bad: indent\n", 2, ["invalid YAML"]),
+    ("- model: m\n", 1, ["must be a mapping"]),
+    ("# a comment\n\njust text\n", 3, ["must be a mapping"]),
+])
+def test_errors_name_file_line_and_key(tmp_path, text, line, parts):
+    path = write(tmp_path / "bad.yaml", text)
+    message = error_of(path)
+    assert message.startswith(f"{path.resolve()}:{line}: "), message
+    for part in parts:
+        assert part in message, message
+
+
+def test_unset_env_var_names_its_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("TSTERM_TEST_UNSET", raising=False)
+    path = write(tmp_path / "env.yaml", "# ${NOT_EXPANDED_IN_COMMENTS}\ndtype: float32\nmodel: ${TSTERM_TEST_UNSET}/m\n")
+    assert error_of(path) == f"{path.resolve()}:3: environment variable ${{TSTERM_TEST_UNSET}} is not set"
+
+
+def test_extends_cycle(tmp_path):
+    write(tmp_path / "profiles" / "a.yaml", "extends: b\nmodel: m\n")
+    write(tmp_path / "profiles" / "b.yaml", "dtype: float32\nextends: a\n")
+    message = error_of("a")
+    assert message.startswith(f"{(tmp_path / 'profiles' / 'b.yaml').resolve()}:2: ")
+    assert "cycle" in message and "a.yaml -> b.yaml -> a.yaml" in message
+
+
+def test_extends_self_is_a_cycle(tmp_path):
+    path = write(tmp_path / "self.yaml", "model: m\nextends: ./self.yaml\n")
+    message = error_of(path)
+    assert message.startswith(f"{path.resolve()}:2: ") and "cycle" in message
+
+
+def test_missing_extends_target(tmp_path):
+    path = write(tmp_path / "child.yaml", "model: m\n\nextends: no-such-profile\n")
+    message = error_of(path)
+    assert message.startswith(f"{path.resolve()}:3: ") and "no-such-profile" in message
+
+
+def test_error_in_a_base_points_at_the_base(tmp_path):
+    write(tmp_path / "profiles" / "base.yaml", "model: m\nsampling:\n  temperature: -2\n")
+    write(tmp_path / "profiles" / "child.yaml", "extends: base\n")
+    assert error_of("child").startswith(f"{(tmp_path / 'profiles' / 'base.yaml').resolve()}:3: ")
+
+
+# --------------------------------------------------------------------------------------------------
+# extends, ${ENV}, search path
+
+def test_extends_inherits_and_overrides(tmp_path):
+    write(tmp_path / "profiles" / "base.yaml", """
+        description: base
+        model: demo:tiny
+        dtype: float32
+        block_size: 16
+        sampling: {temperature: 0.7, max_tokens: 64}
+        system_prompt: Be kind.
+    """)
+    write(tmp_path / "profiles" / "child.yaml", """
+        extends: base
+        block_size: 32
+        sampling:
+          temperature: 0
+    """)
+    child = load_profile("child")
+    assert child.engine == {"model": "demo:tiny", "dtype": "float32", "block_size": 32}
+    assert child.sampling == {"temperature": 0, "max_tokens": 64}
+    assert child.system_prompt == "Be kind." and child.description == "base"
+    assert child.sampling_params().greedy
+
+
+def test_env_expansion_keeps_types(tmp_path, monkeypatch):
+    monkeypatch.setenv("TSTERM_TEST_DIR", str(tmp_path / "weights"))
+    monkeypatch.setenv("TSTERM_TEST_BLOCK", "32")
+    path = write(tmp_path / "env.yaml", "model: ${TSTERM_TEST_DIR}/x\nblock_size: ${TSTERM_TEST_BLOCK}\n"
+                                        "system_prompt: 'dir ${TSTERM_TEST_BLOCK}'\n")
+    profile = load_profile(str(path))
+    assert profile.engine["model"] == f"{tmp_path}/weights/x"
+    assert profile.engine["block_size"] == 32
+    assert profile.system_prompt == "dir 32"
+
+
+def test_search_path_precedence(tmp_path):
+    write(tmp_path / "config" / "tsterm" / "profiles" / "default.yaml", "description: user\nmodel: m\n")
+    write(tmp_path / "config" / "tsterm" / "profiles" / "mine.yaml", "description: user mine\nmodel: m\n")
+    assert load_profile("default").description == "user"
+    write(tmp_path / "profiles" / "mine.yaml", "description: local mine\nmodel: m\n")
+    assert load_profile("mine").description == "local mine"
+    rows = {name: (description, path) for name, description, path in list_profiles()}
+    assert rows["mine"] == ("local mine", tmp_path / "profiles" / "mine.yaml")
+    assert rows["default"][0] == "user"
+    assert rows["moe-demo"][1] == SHIPPED_DIR / "moe-demo.yaml"
+    assert [name for name, _, _ in list_profiles()].count("default") == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# check: no model is loaded
+
+def test_shipped_profiles_pass_check_without_loading(no_model_loading, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QWEN3_30B_A3B_DIR", str(tmp_path))
+    for path in sorted(SHIPPED_DIR.glob("*.yaml")):
+        assert main(["profiles", "check", str(path)]) == 0
+        out, err = capsys.readouterr()
+        assert out == f"ok: {path.resolve()}\n" and err == ""
+
+
+def test_check_reports_a_missing_model_relative_to_the_profile(no_model_loading, tmp_path, capsys):
+    path = write(tmp_path / "sub" / "p.yaml", "dtype: float32\nmodel: weights/qwen\n")
+    assert main(["profiles", "check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"tsterm: error: {path.resolve()}:2: ")
+    assert str(tmp_path / "sub" / "weights" / "qwen") in err
+    (tmp_path / "sub" / "weights" / "qwen").mkdir(parents=True)
+    assert main(["profiles", "check", str(path)]) == 0
+
+
+def test_check_unknown_demo_and_missing_model(no_model_loading, tmp_path, capsys):
+    path = write(tmp_path / "p.yaml", "model: demo:huge\n")
+    assert main(["profiles", "check", str(path)]) == 2
+    assert "demo:huge" in capsys.readouterr().err
+    empty = write(tmp_path / "empty.yaml", "description: nothing\n")
+    assert main(["profiles", "check", str(empty)]) == 2
+    assert f"{empty.resolve()}:1: no `model` set" in capsys.readouterr().err
+
+
+def test_check_error_is_one_line_exit_2(tmp_path, capsys):
+    path = write(tmp_path / "p.yaml", "model: m\nsampling:\n  temprature: 1\n")
+    assert main(["profiles", "check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"tsterm: error: {path.resolve()}:3: unknown sampling key 'temprature' "
+                                 "(did you mean 'temperature'?)\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# list / show
+
+def test_profiles_list(tmp_path, capsys):
+    write(tmp_path / "profiles" / "default.yaml", "description: my own default\nmodel: m\n")
+    assert main(["profiles", "list"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()] == ["bench", "default", "moe-demo", "qwen3-30b-a3b"]
+    assert "my own default" in out and str(tmp_path / "profiles" / "default.yaml") in out
+    assert str(SHIPPED_DIR / "default.yaml") not in out
+
+
+def test_profiles_show_is_resolved_yaml_without_loading(no_model_loading, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TSTERM_TEST_DIR", "/models")
+    write(tmp_path / "profiles" / "child.yaml", "extends: moe-demo\nmodel: ${TSTERM_TEST_DIR}/q\nblock_size: 32\n")
+    assert main(["profiles", "show", "child"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["model"] == "/models/q" and shown["block_size"] == 32
+    assert shown["sampling"] == {"temperature": 0.7, "max_tokens": 128}
+    assert shown["description"] == "tiny random-weight Qwen3-MoE generated by tsterm" and "extends" not in shown
+    assert main(["profiles", "show", "default"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"] == "smollm2-135m-instruct"
+
+
+def test_profiles_show_unknown_name_exit_2(capsys):
+    assert main(["profiles", "show", "nope"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("tsterm: error: no profile named 'nope'")
