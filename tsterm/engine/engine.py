@@ -28,16 +28,24 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass
+class _Sample:
+    """One of a request's n samples: its sequence and its streaming state."""
+
+    index: int
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    emitted_text: int = 0  # chars of text already streamed
+    emitted_tokens: int = 0
+    text_end: int | None = None  # where a stop string cut the text
+
+
+@dataclass
 class _Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
-    generators: list[torch.Generator | None]
-    emitted_text: list[int] = field(default_factory=list)  # chars of text already streamed, per sample
-    emitted_tokens: list[int] = field(default_factory=list)
-    text_end: list[int | None] = field(default_factory=list)  # where a stop string cut the text, per sample
+    samples: list[_Sample] = field(default_factory=list)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -82,6 +90,7 @@ class Engine:
         self.runner = ModelRunner(cfg, weights, num_blocks, block_size, self.max_model_len, self.dtype, self.device)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _Request] = {}
+        self._samples: dict[int, _Sample] = {}  # seq_id -> its sample (live requests only)
         self._next_id = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -124,24 +133,25 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_ids, params, request_id=request_id)
-        req = _Request(request_id, prompt_ids, params, [seq], [self._detokenizer(prompt_ids)],
-                       [self._generator(params, 0)], [0], [0], [None])
+        req = _Request(request_id, prompt_ids, params)
+        self._add_sample(req, seq)
         self.requests[request_id] = req
         self.scheduler.add(seq)
         return request_id
 
-    def _detokenizer(self, prompt_ids: list[int]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids)
-
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
-        return None if params.seed is None else seeded_generator(params.seed + index, self.device)
+    def _add_sample(self, req: _Request, seq: Sequence) -> None:
+        index = len(req.samples)
+        generator = None if req.params.seed is None else seeded_generator(req.params.seed + index, self.device)
+        sample = _Sample(index, seq, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids), generator)
+        req.samples.append(sample)
+        self._samples[seq.seq_id] = sample
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already finished."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
-        for seq in req.seqs:
+        for seq in self._forget(req):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 self.metrics.on_finished(seq.metrics, "abort")
@@ -183,7 +193,7 @@ class Engine:
                 sampling.append(seq)
         self.num_prefill_tokens += prefill_tokens
         logits, sampling = self._fork_new_samples(logits, sampling)
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._req(s).generators[self._index(s)])
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._samples[s.seq_id].generator)
                 for s in sampling]
         result = self.sampler(logits, rows) if sampling else None
         touched: dict[str, _Request] = {}
@@ -201,24 +211,24 @@ class Engine:
             m.last_token_time = now
             m.num_generated_tokens += 1
             self.num_generated_tokens += 1
-            req = self._req(seq)
-            req.detokenizers[self._index(seq)].add([token])
-            self._check_stop(req, seq, token)
+            req = self.requests[seq.request_id]
+            self._samples[seq.seq_id].detokenizer.add([token])
+            self._check_stop(seq, token)
             touched[req.request_id] = req
         self.num_steps += 1
         self.metrics.on_step(prefill_tokens, len(sampling), now)
         outputs = [self._output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
-                self.requests.pop(out.request_id, None)
+                self._forget(self.requests.pop(out.request_id))
         return outputs
 
     def _fork_new_samples(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """n > 1: when a prompt's prefill completes, fork it into n sequences sharing every KV block."""
         extra_rows: list[int] = []
         for row, seq in enumerate(list(sampling)):
-            req = self._req(seq)
-            if seq.num_output_tokens or req.params.n == 1 or len(req.seqs) > 1:
+            req = self.requests[seq.request_id]
+            if seq.num_output_tokens or req.params.n == 1 or len(req.samples) > 1:
                 continue
             for index in range(1, req.params.n):
                 child = Sequence(seq.token_ids, seq.params, request_id=seq.request_id)
@@ -228,31 +238,24 @@ class Engine:
                 self.kv.fork(seq, child)
                 child.status = seq.status
                 self.scheduler.running.append(child)
-                req.seqs.append(child)
-                req.detokenizers.append(self._detokenizer(req.prompt_token_ids))
-                req.generators.append(self._generator(req.params, index))
-                req.emitted_text.append(0)
-                req.emitted_tokens.append(0)
-                req.text_end.append(None)
+                self._add_sample(req, child)
                 sampling.append(child)
                 extra_rows.append(row)
         if extra_rows:
             logits = torch.cat([logits, logits[torch.tensor(extra_rows, device=logits.device)]])
         return logits, sampling
 
-    def _req(self, seq: Sequence) -> _Request:
-        return self.requests[seq.request_id]
+    def _forget(self, req: _Request) -> list[Sequence]:
+        for sample in req.samples:
+            self._samples.pop(sample.seq.seq_id, None)
+        return [sample.seq for sample in req.samples]
 
-    def _index(self, seq: Sequence) -> int:
-        return self._req(seq).seqs.index(seq)
-
-    def _check_stop(self, req: _Request, seq: Sequence, token: int) -> None:
-        params, index = seq.params, self._index(seq)
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params, sample = seq.params, self._samples[seq.seq_id]
         if params.stop:
-            text = req.detokenizers[index].text
-            cut = find_stop(text, params.stop, req.emitted_text[index])
+            cut = find_stop(sample.detokenizer.text, params.stop, sample.emitted_text)
             if cut is not None:
-                req.text_end[index] = cut
+                sample.text_end = cut
                 return self._finish(seq, "stop")
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return self._finish(seq, "stop")
@@ -260,26 +263,27 @@ class Engine:
             return self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self._req(seq).detokenizers[self._index(seq)].flush()  # release any held-back partial character
+        self._samples[seq.seq_id].detokenizer.flush()  # release any held-back partial character
         self.scheduler.finish(seq, reason)
         self.metrics.on_finished(seq.metrics, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
         completions = []
-        for i, (seq, detok) in enumerate(zip(req.seqs, req.detokenizers)):
-            text = detok.text[:req.text_end[i]]
+        for sample in req.samples:
+            seq = sample.seq
+            text = sample.detokenizer.text[:sample.text_end]
             # While unfinished, hold back a tail that could still become a stop string.
             hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-            visible = max(req.emitted_text[i], len(text) - hold)
+            visible = max(sample.emitted_text, len(text) - hold)
             out_ids = seq.output_token_ids
             completions.append(CompletionOutput(
-                index=i, token_ids=list(out_ids), text=text[:visible],
+                index=sample.index, token_ids=list(out_ids), text=text[:visible],
                 finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                delta_text=text[req.emitted_text[i]:visible], delta_token_ids=out_ids[req.emitted_tokens[i]:]))
-            req.emitted_text[i], req.emitted_tokens[i] = visible, len(out_ids)
-        head = req.seqs[0]
+                delta_text=text[sample.emitted_text:visible], delta_token_ids=out_ids[sample.emitted_tokens:]))
+            sample.emitted_text, sample.emitted_tokens = visible, len(out_ids)
+        head = req.samples[0].seq
         return RequestOutput(req.request_id, req.prompt_token_ids, completions, head.num_cached_tokens, head.metrics,
-                             finished=all(s.is_finished for s in req.seqs))
+                             finished=all(sample.seq.is_finished for sample in req.samples))
 
     # ---------------------------------------------------------------------------------------------------------
     # stats
