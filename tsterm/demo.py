@@ -164,14 +164,14 @@ def _write_weights(out: Path, spec: RandomMoESpec, progress: ProgressFn | None) 
         del tensors
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_json(out / "model.safetensors.index.json", index)
+        write_json(out / "model.safetensors.index.json", index)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _model_config(spec: RandomMoESpec, eos_id: int, bos_id: int) -> dict:
+def model_config_dict(spec: RandomMoESpec, eos_id: int, bos_id: int) -> dict:
     # Both spellings where transformers versions differ (num_experts / num_local_experts, rope_theta /
     # rope_parameters), so any transformers 4.5x/5.x and tsterm read the same model.
     return {
@@ -334,7 +334,7 @@ def _write_tokenizer(out: Path, spec: RandomMoESpec) -> tuple[int, int]:
     """Writes tokenizer.json, tokenizer_config.json; returns the ids of <|im_end|> (eos) and <|endoftext|>."""
     tok = train_tokenizer(spec.vocab_size)
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", {
+    write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": "<|im_end|>",
@@ -361,11 +361,11 @@ def make_random_moe(out_dir: str | Path, spec: RandomMoESpec, progress: Progress
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         eos_id, endoftext_id = _write_tokenizer(tmp, spec)
-        _write_json(tmp / "config.json", _model_config(spec, eos_id, endoftext_id))
-        _write_json(tmp / "generation_config.json", {"bos_token_id": endoftext_id, "pad_token_id": endoftext_id,
+        write_json(tmp / "config.json", model_config_dict(spec, eos_id, endoftext_id))
+        write_json(tmp / "generation_config.json", {"bos_token_id": endoftext_id, "pad_token_id": endoftext_id,
                                                      "eos_token_id": [eos_id, endoftext_id]})
         _write_weights(tmp, spec, progress)
-        _write_json(tmp / MARKER, {"spec": dataclasses.asdict(spec)})
+        write_json(tmp / MARKER, {"spec": dataclasses.asdict(spec)})
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
