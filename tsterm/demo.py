@@ -11,7 +11,7 @@ import dataclasses
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,18 +312,19 @@ CHAT_TEMPLATE = """\
 """
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE on CORPUS with exactly `vocab_size` tokens (deterministic: same size, same merges).
+def train_tokenizer(vocab_size: int, texts: Iterable[str] | None = None, min_frequency: int = 1) -> Tokenizer:
+    """Byte-level BPE on `texts` (default: CORPUS) with exactly `vocab_size` tokens (deterministic: same size,
+    same merges): special tokens at ids 0-2, added tokens last.
 
-    Should the corpus run out of merges, the rest is filled with `<|reserved_N|>` special tokens, as real
+    Should the texts run out of merges, the rest is filled with `<|reserved_N|>` special tokens, as real
     vocabularies pad theirs."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(ADDED_TOKENS), special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=min_frequency,
                                   show_progress=False)
-    tok.train_from_iterator(CORPUS.splitlines(), trainer)
+    tok.train_from_iterator(CORPUS.splitlines() if texts is None else texts, trainer)
     missing = vocab_size - len(ADDED_TOKENS) - tok.get_vocab_size(with_added_tokens=True)
     tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
     tok.add_tokens(list(ADDED_TOKENS))
