@@ -93,10 +93,10 @@ class SparseMoE:
                                             torch.ones_like(expert_ids.reshape(-1), dtype=self.expert_load.dtype))
         ops.fused_moe(x, self.w13, self.w2, weights, expert_ids, out)
         if self.shared_w13 is not None:
+            # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
+            # like the routed ones (no second [T, H] buffer).
             gate = torch.sigmoid(F.linear(x, self.shared_gate))  # [T, 1]
-            shared = torch.zeros_like(x)
-            ops.fused_moe(x, self.shared_w13, self.shared_w2, gate.float(), expert_ids[:, :1] * 0, shared)
-            out += shared
+            ops.fused_moe(x, self.shared_w13, self.shared_w2, gate.float(), torch.zeros_like(expert_ids[:, :1]), out)
         return out
 
 
