@@ -10,6 +10,31 @@ import torch.nn.functional as F
 from tsterm_kernels.metadata import AttentionMetadata
 
 
+# Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory
+# bandwidth two cores can stream, and that is all of batch-1 decode. Viewing W's rows as S stacked blocks
+# (`W.view(S, O/S, I)`, no copy) and multiplying all blocks in one `bmm` spreads the weight stream over the
+# cores: measured 2x on the bench model's 2-6 MB projections at M = 1 (2 cores, float32).
+_SPLIT_MAX_ROWS = 32
+_SPLITS = 4
+_FEW_PAIRS = 64  # fused_moe groups at most this many (token, expert) pairs on the host
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); x: [M, I], weight: [O, I] -> [M, O]. On the CPU, small M runs as a row-split bmm."""
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    if (x.device.type != "cpu" or rows > _SPLIT_MAX_ROWS or x.dim() != 2 or out_features % _SPLITS
+            or not weight.is_contiguous()):
+        return F.linear(x, weight, bias)
+    blocks = weight.view(_SPLITS, out_features // _SPLITS, in_features)  # [S, O/S, I] view
+    if rows <= 2:  # weight-stationary: [S, O/S, I] @ [S, I, M] -> [S, O/S, M]
+        y = torch.bmm(blocks, x.t().expand(_SPLITS, in_features, rows))
+        y = y.view(1, out_features) if rows == 1 else y.permute(2, 0, 1).contiguous().view(rows, out_features)
+    else:  # [S, M, I] @ [S, I, O/S] -> [S, M, O/S]
+        y = torch.bmm(x.expand(_SPLITS, rows, in_features), blocks.transpose(1, 2))
+        y = y.transpose(0, 1).reshape(rows, out_features)  # [M, O]: a copy of the small output only
+    return y if bias is None else y + bias
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm of `x` (+ `residual` first, when given). Returns (normed, new_residual).
@@ -57,9 +82,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # [Hkv, G * nq, D]: one KV head's query group as rows; small (new tokens only), so this copy is cheap.
         qh = q[q_start:q_end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qh = qh.reshape(num_kv_heads, group * num_q, head_dim)
-        q_pos = torch.arange(seq_len - num_q, seq_len, device=device).repeat(group)  # [G*nq] position of each row
-        acc = torch.zeros(num_kv_heads, group * num_q, head_dim, device=device)  # merged output so far
-        lse = torch.full((num_kv_heads, group * num_q), float("-inf"), device=device)  # its log-sum-exp
+        q_pos = None  # [G*nq] position of each row, built when a run needs the causal mask
+        acc = lse = None  # merged output so far [Hkv, G*nq, D] and its log-sum-exp [Hkv, G*nq]
         pos = 0
         for first_block, num_blocks in meta.block_runs[i]:
             n = min(num_blocks * block_size, seq_len - pos)
@@ -67,14 +91,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
             mask = None
             if pos + n - 1 > seq_len - num_q:  # some keys lie after some queries: causal mask
+                if q_pos is None:
+                    q_pos = torch.arange(seq_len - num_q, seq_len, device=device).repeat(group)
                 k_pos = torch.arange(pos, pos + n, device=device)
                 mask = k_pos[None, :] <= q_pos[:, None]  # [G*nq, n]
             o_run, lse_run = _attend(qh, k.permute(1, 0, 2), v.permute(1, 0, 2), mask, scale)
-            new_lse = torch.logaddexp(lse, lse_run)  # [Hkv, G*nq]
-            seen = torch.isfinite(lse_run)[..., None]  # rows with no visible key in this run add nothing
-            acc = acc * torch.exp(lse - new_lse).nan_to_num(0.0)[..., None] + \
-                torch.where(seen, o_run * torch.exp(lse_run - new_lse)[..., None], 0.0)
-            lse = new_lse
+            if acc is None:  # the first run holds position 0, which every row sees: nothing to merge yet
+                acc, lse = o_run, lse_run
+            else:
+                new_lse = torch.logaddexp(lse, lse_run)  # [Hkv, G*nq]
+                seen = torch.isfinite(lse_run)[..., None]  # rows with no visible key in this run add nothing
+                acc = acc * torch.exp(lse - new_lse)[..., None] + \
+                    torch.where(seen, o_run * torch.exp(lse_run - new_lse)[..., None], 0.0)
+                lse = new_lse
             pos += n
         o = acc.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [nq, Hkv, G, D]
         out[q_start:q_end] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
@@ -128,6 +157,27 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """
     num_tokens, top_k = expert_ids.shape
     inter = w2.shape[2]
+    if num_tokens * top_k <= _FEW_PAIRS and x.device.type == "cpu":
+        # Decode: a handful of (token, expert) pairs, grouped on the host (the ids are already in host memory);
+        # a single token reads its row of x as a view, and its weighted output is added into its row in place.
+        by_expert: dict[int, list[tuple[int, float]]] = {}
+        for token, (ids, ws) in enumerate(zip(expert_ids.tolist(), weights.tolist())):
+            for expert, weight in zip(ids, ws):
+                by_expert.setdefault(expert, []).append((token, weight))
+        for expert, pairs in by_expert.items():
+            if len(pairs) == 1:
+                token, weight = pairs[0]
+                h = linear(x[token:token + 1], w13[expert])  # [1, 2I]
+                h = F.silu(h[:, :inter]) * h[:, inter:]  # [1, I]
+                out[token:token + 1].add_(linear(h, w2[expert]), alpha=weight)
+                continue
+            tokens = torch.tensor([t for t, _ in pairs], device=x.device)
+            h = linear(x[tokens], w13[expert])  # [n, 2I]
+            h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
+            y = linear(h, w2[expert])  # [n, H]
+            scale = torch.tensor([w for _, w in pairs], dtype=y.dtype, device=x.device)
+            out.index_add_(0, tokens, y * scale[:, None])
+        return out
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # token/expert pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: CPU path only
@@ -138,9 +188,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         if count == 0:
             continue
         tokens = token_of_pair[start:start + count]  # [n]
-        h = F.linear(x[tokens], w13[expert])  # [n, 2I]
+        h = linear(x[tokens], w13[expert])  # [n, 2I]
         h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
-        y = F.linear(h, w2[expert])  # [n, H]
+        y = linear(h, w2[expert])  # [n, H]
         out.index_add_(0, tokens, y * weight_of_pair[start:start + count, None].to(y.dtype))
         start += count
     return out

@@ -16,6 +16,7 @@ from tsterm.model.arch import ARCHITECTURES
 from tsterm.model.rope import RotaryEmbedding
 from tsterm_kernels.dispatch import ops
 from tsterm_kernels.metadata import AttentionMetadata
+from tsterm_kernels.reference import linear
 
 _current_meta: AttentionMetadata | None = None
 
@@ -47,7 +48,7 @@ class Attention:
 
     def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
         if self.clip is not None:
             qkv = qkv.clamp(-self.clip, self.clip)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -64,7 +65,7 @@ class Attention:
         meta = _current_meta
         ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
         o = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
-        return F.linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]
+        return linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]
 
 
 class SparseMoE:
@@ -86,7 +87,7 @@ class SparseMoE:
             weights = torch.ones((T, 1), dtype=torch.float32, device=x.device)  # [T, 1]
             expert_ids = torch.zeros((T, 1), dtype=torch.int64, device=x.device)  # [T, 1]
         else:
-            logits = F.linear(x, self.router)  # [T, E]
+            logits = linear(x, self.router)  # [T, E]
             weights, expert_ids = ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
             if self.expert_load is not None:
                 self.expert_load.index_add_(0, expert_ids.reshape(-1),
@@ -95,7 +96,7 @@ class SparseMoE:
         if self.shared_w13 is not None:
             # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
             # like the routed ones (no second [T, H] buffer).
-            gate = torch.sigmoid(F.linear(x, self.shared_gate))  # [T, 1]
+            gate = torch.sigmoid(linear(x, self.shared_gate))  # [T, 1]
             ops.fused_moe(x, self.shared_w13, self.shared_w2, gate.float(), torch.zeros_like(expert_ids[:, :1]), out)
         return out
 
@@ -135,4 +136,4 @@ class DecoderModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()  # [S, V]
+        return linear(hidden, self.lm_head).float()  # [S, V]

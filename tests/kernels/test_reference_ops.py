@@ -1,0 +1,57 @@
+"""The CPU fast paths of the reference twins equal the plain torch computation they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tsterm_kernels import reference
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33])
+@pytest.mark.parametrize("out_features", [96, 30])  # 30: not a multiple of the split count, plain F.linear
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(rows, out_features, bias):
+    gen = torch.Generator().manual_seed(rows * 100 + out_features)
+    x = torch.randn(rows, 48, generator=gen)
+    w = torch.randn(out_features, 48, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    y = reference.linear(x, w, b)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert y.is_contiguous()  # callers split and view the projection's columns
+
+
+def test_linear_on_a_non_contiguous_weight_falls_back():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen).t()  # [64, 48], transposed view
+    x = torch.randn(1, 48, generator=gen)
+    torch.testing.assert_close(reference.linear(x, w), F.linear(x, w))
+
+
+def dense_moe(x, w13, w2, weights, expert_ids):
+    """Every (token, slot) pair computed on its own, in float64."""
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, slot])
+            h = w13[e].double() @ x[t].double()
+            out[t] += float(weights[t, slot]) * (w2[e].double() @ (F.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 40])  # 40 x 2 pairs: past the host-grouped decode path
+def test_fused_moe_accumulates_every_pair(num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden, inter, experts, top_k = 32, 24, 5, 2
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    weights, expert_ids = reference.moe_route(torch.randn(num_tokens, experts, generator=gen), top_k, True)
+    if num_tokens >= 3:
+        expert_ids[0], expert_ids[1] = expert_ids[1].clone(), expert_ids[1].clone()  # shared experts in one step
+    start = torch.randn(num_tokens, hidden, generator=gen)
+    out = start.clone()
+    assert reference.fused_moe(x, w13, w2, weights, expert_ids, out) is out
+    torch.testing.assert_close(out.double(), start.double() + dense_moe(x, w13, w2, weights, expert_ids),
+                               rtol=1e-5, atol=1e-5)
