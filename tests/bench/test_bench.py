@@ -5,6 +5,7 @@ import pytest
 
 from tsterm import LLM
 from tsterm.bench import run_bench
+from tsterm.bench.measure import bytes_read_per_token, parallel_ceiling
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, make_trace, theoretical_cached
 from tsterm.errors import ConfigError
@@ -54,3 +55,16 @@ def test_bench_reports_every_figure(llm, tmp_path):
     with pytest.raises(ConfigError):
         write_plot(r, str(tmp_path / "ttft.gif"))
     assert llm.stats()["used"] == 0
+
+
+def test_parallel_ceiling_counts_the_experts_a_batch_touches(llm):
+    cfg = llm.engine.model_config
+    E, k, L = cfg.num_experts, cfg.num_experts_per_tok, cfg.num_hidden_layers
+    assert parallel_ceiling(cfg, 4, 16, 1) == pytest.approx(1.0)
+    one = bytes_read_per_token(cfg, 4, 16)
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    kv = 16 * 2 * L * cfg.num_key_value_heads * cfg.head_dim * 4
+    # Two tokens touch k + k (E - k) / E experts on average: the second token's picks miss the first's w.p. (E-k)/E.
+    two = one + L * (k * (E - k) / E) * expert + kv
+    assert parallel_ceiling(cfg, 4, 16, 2) == pytest.approx(2 * one / two)
+    assert 1.0 < parallel_ceiling(cfg, 4, 16, 8) < 8.0

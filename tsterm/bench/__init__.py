@@ -10,7 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tsterm.bench.measure import bytes_read_per_token, copy_bandwidth, copy_bytes_per_token, decode_rate
+from tsterm.bench.measure import (
+    bytes_read_per_token,
+    copy_bandwidth,
+    copy_bytes_per_token,
+    decode_rate,
+    parallel_ceiling,
+)
 from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers, warm_up
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, make_trace
@@ -113,7 +119,8 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
                            "turns": [t.__dict__ for t in r.turns]} for name, r in replays.items()},
         "copy_audit": {"context_short": micro_context, "context_long": 8 * micro_context, "short": short, "long": long},
         "decode": {"context": micro_context, "batch1_tokens_per_s": single, f"batch{parallel}_tokens_per_s": batched,
-                   "parallel": parallel},
+                   "parallel": parallel,
+                   "parallel_ceiling": parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel)},
         "roofline": {"copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_token": read_per_token,
                      "roofline_tokens_per_s": roofline_tps,
                      "achieved_bandwidth_bytes_per_s": single * read_per_token},

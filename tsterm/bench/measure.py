@@ -43,6 +43,26 @@ def bytes_read_per_token(cfg: ModelConfig, dtype_bytes: int, context: int) -> in
     return (total + kv) * dtype_bytes
 
 
+def parallel_ceiling(cfg: ModelConfig, dtype_bytes: int, context: int, batch: int) -> float:
+    """Memory-bound ceiling of batch-`batch` decode over batch-1 decode, in aggregate tokens/s.
+
+    A batch step reads the dense weights once, every KV context, and each expert that at least one of its tokens
+    routes to: with top-k of E experts chosen uniformly, E * (1 - (1 - k/E)^batch) of them per layer, against k
+    at batch 1. The ceiling is batch x (batch-1 bytes) / (batch-step bytes).
+    """
+    one = bytes_read_per_token(cfg, dtype_bytes, context)
+    if not cfg.num_experts:
+        return batch * one / (one + (batch - 1) * context * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
+                              * cfg.head_dim * dtype_bytes)
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
+    moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers))
+    touched = E * (1 - (1 - k / E) ** batch)
+    kv = context * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    step = one + moe_layers * (touched - k) * expert + (batch - 1) * kv
+    return batch * one / step
+
+
 def _prefilled(engine: Engine, batch: int, context: int, max_tokens: int, salt: int) -> list[str]:
     """Adds `batch` requests of `context` distinct tokens each and steps until all have finished prefill."""
     vocab = engine.model_config.vocab_size

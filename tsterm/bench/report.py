@@ -25,11 +25,14 @@ def format_table(r: dict) -> str:
         met = value >= target if op == ">=" else value <= target
         rows.append((key, f"{value:.3f}", f"{op} {target}", "yes" if met else "NO"))
     roof, dec = r["roofline"], r["decode"]
+    batched = dec[f"batch{dec['parallel']}_tokens_per_s"]
     lines = [f"model {r['model']} ({r['dtype']}, {r['device']})",
              f"bandwidth {roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (copy); "
              f"{roof['bytes_read_per_token'] / 1e6:.1f} MB read per token at {dec['context']} tokens; "
              f"batch-1 decode {dec['batch1_tokens_per_s']:.1f} tok/s = "
-             f"{roof['achieved_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s of a {roof['roofline_tokens_per_s']:.1f} tok/s roofline"]
+             f"{roof['achieved_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s of a {roof['roofline_tokens_per_s']:.1f} tok/s roofline",
+             (f"batch-{dec['parallel']} decode {batched:.1f} tok/s; its memory-bound ceiling over batch 1 "
+              f"(uniform routing: every touched expert read once) is {dec['parallel_ceiling']:.2f}x")]
     for name, rep in r["replays"].items():
         ttft = rep["ttft_by_turn_s"]
         lines.append(f"{name:>16}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms, turn2 "
