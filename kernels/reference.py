@@ -31,7 +31,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = y.view(1, out_features) if rows == 1 else y.permute(2, 0, 1).contiguous().view(rows, out_features)
     else:  # [S, M, I] @ [S, I, O/S] -> [S, M, O/S]
         y = torch.bmm(x.expand(_SPLITS, rows, in_features), blocks.transpose(1, 2))
-        y = y.transpose(0, 1).reshape(rows, out_features)  # [M, O]: a copy of the small output only
+        y = y.transpose(0, 1).contiguous().view(rows, out_features)  # [M, O]: a copy of the small output only
     return y if bias is None else y + bias
 
 

@@ -9,7 +9,7 @@ from tsterm_kernels import reference
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33])
-@pytest.mark.parametrize("out_features", [96, 30])  # 30: not a multiple of the split count, plain F.linear
+@pytest.mark.parametrize("out_features", [96, 30, 4])  # 30: not a multiple of the split count, plain F.linear
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear(rows, out_features, bias):
     gen = torch.Generator().manual_seed(rows * 100 + out_features)
