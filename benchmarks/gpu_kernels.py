@@ -10,6 +10,7 @@ Ends with a summary table. Needs CUDA and compiled kernels (TRITON_INTERPRET uns
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -83,12 +84,12 @@ def moe_rows(tokens_list: list[int], rep_ms: int, with_twin: bool, copy_gbps: fl
         x = torch.randn(num_tokens, HIDDEN, device=DEVICE, generator=gen).to(BF16)
         logits = torch.randn(num_tokens, EXPERTS, device=DEVICE, generator=gen).to(BF16)
         out = torch.zeros_like(x)
-        weights, expert_ids = moe_route(logits, TOP_K, True)
+        _weights, expert_ids = moe_route(logits, TOP_K, True)
         active = expert_ids.unique().numel()
         touched = active * expert_bytes
         tiles = tile_config(x.device, num_tokens)
 
-        def step():
+        def step(x=x, logits=logits, out=out):  # bound now: timed within this iteration
             w, ids = moe_route(logits, TOP_K, True)
             fused_moe(x, w13, w2, w, ids, out)
 
@@ -97,12 +98,14 @@ def moe_rows(tokens_list: list[int], rep_ms: int, with_twin: bool, copy_gbps: fl
         note = f"{active} experts, tiles M{tiles['BLOCK_M']} N{tiles['BLOCK_N']} K{tiles['BLOCK_K']}"
         if with_twin:
             twin_out = torch.zeros_like(x)
-            twin = bench(lambda: reference.fused_moe(x, w13, w2, *reference.moe_route(logits, TOP_K, True), twin_out),
-                         rep_ms)
+            def twin_step(x=x, logits=logits, twin_out=twin_out):
+                reference.fused_moe(x, w13, w2, *reference.moe_route(logits, TOP_K, True), twin_out)
+
+            twin = bench(twin_step, rep_ms)
             note += f", torch twin {twin:.0f} us ({twin / micros:.1f}x)"
         rows.append(Row("moe_route + fused_moe", f"M={num_tokens}", micros, gbps,
                         note + f", {100 * gbps / copy_gbps:.0f}% of copy"))
-        align = bench(lambda: moe_align(expert_ids, EXPERTS, tiles["BLOCK_M"]), rep_ms)
+        align = bench(functools.partial(moe_align, expert_ids, EXPERTS, tiles["BLOCK_M"]), rep_ms)
         rows.append(Row("  of which moe_align", f"M={num_tokens}", align))
     return rows
 
@@ -124,7 +127,7 @@ def attention_rows(contexts: list[int], batches: list[int], rep_ms: int, copy_gb
                                      torch.zeros(num_seqs, dtype=torch.int64, device=DEVICE), tables, BLOCK)
             device_metadata(meta, k_cache.device)  # built once per step by the first layer
             q = torch.randn(num_seqs, HEADS, HEAD_DIM, device=DEVICE).to(BF16)
-            micros = bench(lambda: paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5), rep_ms)
+            micros = bench(functools.partial(paged_attention, q, k_cache, v_cache, meta, HEAD_DIM ** -0.5), rep_ms)
             kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
             gbps = kv_bytes / micros / 1e3
             rows.append(Row("paged decode attention", f"ctx={context} S={num_seqs}", micros, gbps,

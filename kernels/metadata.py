@@ -15,13 +15,15 @@ class AttentionMetadata:
     """
 
     query_start_loc: list[int]  # [S+1] host ints
-    seq_lens: list[int]  # [S] context length including the new tokens
+    seq_lens: list[int]  # [S] context length including the new tokens (a decode graph's padding rows: 0 on the device)
     block_runs: list[list[tuple[int, int]]]  # per sequence: (first_block, num_blocks) runs of consecutive ids
-    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * block_size + offset) of each new token
+    slot_mapping: torch.Tensor  # [T] int64: flat KV slot (block * block_size + offset) of each new token; -1: none
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with -1 (device kernels read this)
     block_size: int
-    # Device copies of the host lists, for device kernels. Optional: a launcher that needs them and finds None
-    # builds them once and stores them here, so the layers of one step share them.
+    # Device copies of the host lists, for device kernels. The model runner sets them (views of its step buffers;
+    # in a captured decode graph the host lists describe the graph's bucket while these hold the real values).
+    # Elsewhere optional: a launcher that needs them and finds None builds them once and stores them here, so the
+    # layers of one step share them.
     query_start_loc_device: torch.Tensor | None = None  # [S+1] int32, on the KV pool's device
     seq_lens_device: torch.Tensor | None = None  # [S] int32, on the KV pool's device
 

@@ -23,7 +23,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
 from tsterm_kernels.metadata import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
@@ -165,7 +164,7 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -187,8 +186,14 @@ def _tiles(device: torch.device, group_pad: int, max_query_len: int) -> tuple[in
 
 
 def device_metadata(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """query_start_loc and seq_lens as int32 device tensors, built once per step and kept on `meta`."""
+    """query_start_loc and seq_lens as int32 device tensors, built once per step and kept on `meta`.
+
+    The model runner sets both from its step buffers; building them here (callers that pass host lists only) is
+    an upload from a temporary pinned tensor, which a CUDA graph must not capture.
+    """
     if meta.query_start_loc_device is None or meta.seq_lens_device is None:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+            "a captured step needs meta.query_start_loc_device and meta.seq_lens_device set in static buffers"
         host = torch.tensor(list(meta.query_start_loc) + list(meta.seq_lens), dtype=torch.int32)
         if device.type == "cuda":  # pinned + non_blocking: no wait on the kernels already queued
             host = host.pin_memory()

@@ -1,39 +1,62 @@
 #!/usr/bin/env bash
-# One prepared GPU session (one call, well under 8 minutes): the kernel tests compiled on the device, then the
-# kernel microbenchmarks; a summary table prints last. Usage, from anywhere: bash scripts/gpu_check.sh
+# One prepared GPU session (one call, well under 8 minutes): the GPU tests (kernels compiled on the device, the CUDA
+# decode path: no host syncs, graph replay = eager, greedy output = CPU reference), the kernel microbenchmarks, then
+# batch-1 decode of a Qwen3-30B-A3B-shaped model, eager vs CUDA graphs, against its roofline; a summary table
+# prints last. Usage, from anywhere: bash scripts/gpu_check.sh
 # Works without installing anything: uses $PYTHON (default python3, the GPU machine's own interpreter) and, when
 # tsterm_kernels is not installed, reaches the kernels/ directory through a symlink on PYTHONPATH.
-# Exit status: non-zero when the GPU tests or the benchmarks fail.
+# Time: every phase runs under `timeout`, sized from one deadline ($GPU_CHECK_SECONDS, default 400) so that the
+# whole script ends within it, each later phase keeping a reserve.
+# Exit status: non-zero when the GPU tests or a benchmark fail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+DEADLINE=${GPU_CHECK_SECONDS:-400}
 unset TRITON_INTERPRET  # compiled kernels; the CPU suite's conftest would set it, hence --noconftest below
+export PYTHONUNBUFFERED=1  # a phase killed at its time limit still shows what it printed
 
 if ! "$PYTHON" -c "import tsterm_kernels" 2>/dev/null; then
   shim=$(mktemp -d)
   ln -s "$PWD/kernels" "$shim/tsterm_kernels"
   export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # `tests.kernels.cases`
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # `tsterm`, `tests.kernels.cases`, `tests.helpers`
+
+# seconds left for a phase: what remains of the deadline minus the reserve ($1) of the phases after it, >= 30
+limit() { local left=$((DEADLINE - SECONDS - $1)); echo $((left < 30 ? 30 : left)); }
 
 echo "== environment =="
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: n/a"
 "$PYTHON" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 
-echo; echo "== GPU kernel tests (bf16, real sizes) =="
+GPU_TESTS=(tests/kernels/test_triton_gpu.py tests/engine/test_decode_graphs_gpu.py)
+echo; echo "== GPU tests: kernels in bf16 at real sizes, the CUDA decode path (${GPU_TESTS[*]}) =="
 test_log=$(mktemp)
-timeout 270 "$PYTHON" -m pytest --noconftest -q -rs -p no:cacheprovider tests/kernels/test_triton_gpu.py 2>&1 | tee "$test_log"
+timeout "$(limit 190)" "$PYTHON" -m pytest --noconftest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 | tee "$test_log"
 tests_rc=${PIPESTATUS[0]}
 tests_line=$(grep -E "passed|failed|error|skipped" "$test_log" | tail -n 1)
 
 echo; echo "== kernel microbenchmarks =="
-summary=$(mktemp)
-timeout 180 "$PYTHON" benchmarks/gpu_kernels.py --summary-file "$summary"
-bench_rc=$?
+kernel_summary=$(mktemp)
+timeout "$(limit 110)" "$PYTHON" benchmarks/gpu_kernels.py --summary-file "$kernel_summary"
+kernel_rc=$?
 
+echo; echo "== batch-1 decode: Qwen3-30B-A3B shape, eager vs CUDA graphs =="
+decode_summary=$(mktemp)
+timeout "$(limit 0)" "$PYTHON" benchmarks/gpu_decode.py --summary-file "$decode_summary"
+decode_rc=$?
+
+status() { [ "$1" = 0 ] && echo ok || { [ "$1" = 124 ] && echo "TIMEOUT" || echo FAILED; }; }
 echo; echo "================================ summary ================================"
-printf '%-26s rc=%-3s %s\n' "GPU kernel tests" "$tests_rc" "${tests_line:-no result (timeout?)}"
-printf '%-26s rc=%-3s %s\n' "kernel microbenchmarks" "$bench_rc" "$( [ "$bench_rc" = 0 ] && echo ok || echo FAILED)"
-[ -s "$summary" ] && cat "$summary"
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then cp "$test_log" "$OUT/gpu_tests.log"; [ -s "$summary" ] && cp "$summary" "$OUT/gpu_bench_summary.txt"; fi
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+printf '%-26s rc=%-3s %s\n' "GPU tests" "$tests_rc" "${tests_line:-no result (timeout?)}"
+printf '%-26s rc=%-3s %s\n' "kernel microbenchmarks" "$kernel_rc" "$(status "$kernel_rc")"
+printf '%-26s rc=%-3s %s\n' "decode benchmark" "$decode_rc" "$(status "$decode_rc")"
+printf '%-26s %ss of %ss\n' "wall time" "$SECONDS" "$DEADLINE"
+[ -s "$kernel_summary" ] && { echo; cat "$kernel_summary"; }
+[ -s "$decode_summary" ] && { echo; cat "$decode_summary"; }
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  cp "$test_log" "$OUT/gpu_tests.log"
+  [ -s "$kernel_summary" ] && cp "$kernel_summary" "$OUT/gpu_bench_summary.txt"
+  [ -s "$decode_summary" ] && cp "$decode_summary" "$OUT/gpu_decode_summary.txt"
+fi
+[ "$tests_rc" = 0 ] && [ "$kernel_rc" = 0 ] && [ "$decode_rc" = 0 ]

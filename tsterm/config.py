@@ -95,6 +95,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     kernels: str = "auto"  # auto: Triton on CUDA, the torch twins on the CPU; or force "torch" / "triton"
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA with the Triton kernels; ignored elsewhere)
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -111,6 +112,7 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.kernels in ("auto", "torch", "triton"), f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

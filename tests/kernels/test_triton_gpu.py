@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 from tsterm_kernels import dispatch, reference, triton_ops
 from tsterm_kernels.triton_paged_attention import launch_paged_attention
 
@@ -140,7 +139,7 @@ def test_forward_ops_never_sync_the_host():
 
     def step() -> None:
         meta.query_start_loc_device = meta.seq_lens_device = None  # rebuilt from the host lists, as each step
-        normed, residual = triton_ops.rms_norm(x, norm_weight, 1e-6, x)
+        normed, _residual = triton_ops.rms_norm(x, norm_weight, 1e-6, x)
         triton_ops.store_kv(kv, kv, k_cache, v_cache, meta.slot_mapping)
         triton_ops.paged_attention(q, k_cache, v_cache, meta, 0.1)
         weights, expert_ids = triton_ops.moe_route(logits, TOP_K, True)

@@ -109,6 +109,9 @@ class AsyncEngine:
     def stats(self) -> dict:
         return self._call(self.engine.stats)
 
+    def expert_load(self) -> list[list[int]]:
+        return self._call(self.engine.expert_load)
+
     def shutdown(self) -> None:
         def stop() -> None:
             self._stopped = True

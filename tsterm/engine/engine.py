@@ -87,7 +87,8 @@ class Engine:
                          enable_prefix_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(pool)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(cfg, weights, num_blocks, block_size, self.max_model_len, self.dtype, self.device)
+        self.runner = ModelRunner(cfg, weights, num_blocks, block_size, self.max_model_len, self.dtype, self.device,
+                                  max_num_seqs=config.max_num_seqs, cuda_graphs=config.cuda_graphs)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _Request] = {}
         self._samples: dict[int, _Sample] = {}  # seq_id -> its sample (live requests only)

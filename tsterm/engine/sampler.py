@@ -9,7 +9,9 @@ Order of the stages (what vLLM / OpenAI users expect):
   4. sampled rows: temperature, top-k, top-p (nucleus, keeps at least one token), min-p (relative to
      the most likely token), then an exponential race: argmax(probs / Exponential(1) noise).
 
-Everything stays a tensor op on the logits' device; `_to_host` is the only place that reads back.
+Everything stays a tensor op on the logits' device. On CUDA, host lists reach the device through pinned memory
+without waiting (`_to_device`), and `_read_back` is the one place that waits: for the sampled ids (and requested
+logprobs), through pinned memory and an event.
 """
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ class Sampler:
             if len(sample_rows) == len(rows):
                 token_ids = sampled
             else:
-                index = torch.tensor(sample_rows, device=logits.device)
+                index = _to_device(torch.tensor(sample_rows), logits.device)
                 token_ids = scores.argmax(dim=-1).index_copy(0, index, sampled)  # [B]
         else:
             stages.append("argmax")
@@ -133,8 +135,8 @@ class Sampler:
         counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)  # [B, V+1]
         if longest:
             # pad with the spare id V: its counts land in the extra column, dropped below
-            padded = torch.tensor([ids + [vocab_size] * (longest - len(ids)) for ids in token_lists],
-                                  dtype=torch.long).to(device)  # [B, L]
+            padded = _to_device(torch.tensor([ids + [vocab_size] * (longest - len(ids)) for ids in token_lists],
+                                             dtype=torch.long), device)  # [B, L]
             counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
         return counts[:, :vocab_size]
 
@@ -144,7 +146,7 @@ class Sampler:
         device, vocab_size = scores.device, scores.shape[1]
         params = [rows[i].params for i in sample_rows]
         if len(sample_rows) < len(rows):
-            scores = scores.index_select(0, torch.tensor(sample_rows, device=device))  # [S, V]
+            scores = scores.index_select(0, _to_device(torch.tensor(sample_rows), device))  # [S, V]
         scores = scores / _column([p.temperature for p in params], device)  # [S, V]
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -168,7 +170,7 @@ class Sampler:
             noise = torch.empty_like(probs)
             if unseeded:
                 draws = torch.empty(len(unseeded), vocab_size, device=device).exponential_(generator=shared)
-                noise[torch.tensor(unseeded, device=device)] = draws
+                noise[_to_device(torch.tensor(unseeded), device)] = draws
             for j, i in enumerate(sample_rows):
                 if rows[i].generator is not None:
                     noise[j].exponential_(generator=rows[i].generator)  # exactly V draws, any batch
@@ -180,7 +182,7 @@ class Sampler:
     @staticmethod
     def _logprobs(scores: Tensor, token_ids: Tensor, logprob_rows: list[int],
                   params: list[SamplingParams]) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        index = torch.tensor(logprob_rows, device=scores.device)
+        index = _to_device(torch.tensor(logprob_rows), scores.device)
         logprobs = scores.index_select(0, index).log_softmax(dim=-1)  # [N, V]
         chosen = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)  # [N]
         num_top = max(params[i].logprobs for i in logprob_rows)
@@ -212,19 +214,43 @@ def _penalised(p: SamplingParams) -> bool:
 
 
 def _column(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
-    return torch.tensor(values, dtype=dtype).to(device).unsqueeze(1)  # [B, 1]
+    return _to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(1)  # [B, 1]
+
+
+def _to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on `device`. On CUDA through pinned memory, copied in stream order without waiting
+    (a pageable copy would block until the device has finished all queued work)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _read_back(*tensors: Tensor | None) -> list[list | None]:
+    """The step's one wait for the device: `tensors` as host lists (None stays None).
+
+    On CUDA every tensor is copied into pinned memory asynchronously and one event is waited for, so nothing
+    queued before (the forward, the sampling) waits; only this final wait does.
+    """
+    present = [t for t in tensors if t is not None]
+    if not present or present[0].device.type != "cuda":
+        return [None if t is None else t.tolist() for t in tensors]
+    hosts = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, t in zip(hosts, tensors):
+        if t is not None:
+            host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(present[0].device))
+    done.synchronize()
+    return [None if host is None else host.tolist() for host in hosts]
 
 
 def _to_host(token_ids: Tensor, logprobs: tuple[Tensor, Tensor | None, Tensor | None] | None,
              logprob_rows: list[int], params: list[SamplingParams]) -> SamplerOutput:
     # ---- the one device -> host read of the step: sampled ids (and the requested logprobs) ----
-    ids = token_ids.tolist()
+    chosen, top_values, top_ids = logprobs if logprobs is not None else (None, None, None)
+    ids, chosen_list, values, top_id_list = _read_back(token_ids, chosen, top_values, top_ids)
     per_row: list[dict | None] = [None] * len(ids)
     if logprobs is not None:
-        chosen, top_values, top_ids = logprobs
-        chosen_list = chosen.tolist()
-        values = top_values.tolist() if top_values is not None else None
-        top_id_list = top_ids.tolist() if top_ids is not None else None
         for n, i in enumerate(logprob_rows):
             k = params[i].logprobs
             top = list(zip(top_id_list[n][:k], values[n][:k])) if k else []

@@ -1,0 +1,254 @@
+"""The step buffers and the decode-graph machinery, exercised for real on the CPU.
+
+A `DecodeGraph` runs eagerly (`run_eager`) exactly what a CUDA graph captures: the batch padded to its bucket,
+the block table at its tier's width, launcher decisions taken from the bucket's shape. With the Triton kernels
+under the interpreter, that padded step must give the unpadded step's logits, write KV only into the real rows'
+slots, and count only the real rows' routed tokens.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tsterm_kernels import dispatch
+
+from tests.helpers.checkpoints import make_checkpoint
+from tsterm import LLM, SamplingParams
+from tsterm.config import EngineConfig
+from tsterm.engine import cuda_graphs
+from tsterm.engine.cuda_graphs import DecodeGraph, DecodeGraphs, batch_buckets
+from tsterm.engine.model_runner import ScheduledBatch
+from tsterm.engine.sequence import Sequence
+from tsterm.engine.step_inputs import HostStep
+from tsterm.errors import ConfigError
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("graphs") / "m", "qwen3_moe",
+                              {"num_experts": 5, "num_experts_per_tok": 2, "num_hidden_layers": 2})
+    return path
+
+
+@pytest.fixture
+def triton_engine(checkpoint):
+    llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48, kernels="triton")
+    yield llm.engine
+    dispatch.use("torch")
+
+
+def decode_batch(engine, prompt_lens: list[int]) -> ScheduledBatch:
+    """Prefill one greedy request per prompt length, then schedule the decode step of all of them."""
+    gen = torch.Generator().manual_seed(len(prompt_lens))
+    vocab = engine.model_config.vocab_size
+    for n in prompt_lens:
+        engine.add_request(torch.randint(0, vocab, (n,), generator=gen).tolist(),
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert batch.num_new == [1] * len(prompt_lens)
+    return batch
+
+
+def slot_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_slots, L * 2 * Hkv * D]: everything stored in each KV slot, over layers, K and V."""
+    layers, _, num_blocks, block_size = kv_cache.shape[:4]
+    return kv_cache.reshape(layers, 2, num_blocks * block_size, -1).permute(2, 0, 1, 3).reshape(num_blocks * block_size, -1)
+
+
+def expert_loads(engine) -> torch.Tensor:
+    return torch.stack([mlp.expert_load for mlp in engine.runner.moe_layers]).clone()  # [L_moe, E]
+
+
+@pytest.mark.parametrize("batch_size,extra_width", [(4, 0), (8, 3)], ids=["bucket4", "bucket8-wide-table"])
+def test_padded_decode_step_matches_the_unpadded_step(triton_engine, batch_size, extra_width):
+    engine = triton_engine
+    runner = engine.runner
+    batch = decode_batch(engine, [5, 10, 3])
+    real_slots = sorted(slot for slots in batch.slot_mappings for slot in slots)
+    kv_before = runner.kv_cache.clone()
+    load_before = expert_loads(engine)
+
+    want = runner.run(batch).clone()  # the eager, unpadded step (no graphs on the CPU)
+    assert runner.graph_steps == 0 and runner.eager_steps > 0
+    kv_eager = runner.kv_cache.clone()
+    load_eager = expert_loads(engine)
+    runner.kv_cache.copy_(kv_before)
+
+    graph = DecodeGraph(runner, batch_size, DecodeGraphs(runner, 64).shape_for(batch)[1] + extra_width)
+    got = graph.run_eager(batch)
+
+    assert got.shape == want.shape == (3, engine.model_config.vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    # KV: only the real rows' slots changed, to what the unpadded step wrote there
+    changed = (slot_view(runner.kv_cache) != slot_view(kv_before)).any(dim=1).nonzero().flatten().tolist()
+    assert changed == real_slots
+    torch.testing.assert_close(runner.kv_cache, kv_eager, atol=1e-5, rtol=1e-5)
+    # expert load: the real rows' tokens only, the same count as the unpadded step
+    top_k = engine.model_config.num_experts_per_tok
+    assert ((expert_loads(engine) - load_eager).sum(dim=1) == 3 * top_k).all()
+    assert ((load_eager - load_before).sum(dim=1) == 3 * top_k).all()
+    assert dispatch.ops.moe_route.__name__ == "moe_route"  # the counting wrapper is gone
+    assert all(mlp.expert_load is not None for mlp in runner.moe_layers)
+
+
+def test_count_real_rows_restores_the_routing_op_after_an_error(triton_engine):
+    runner = triton_engine.runner
+    graph = DecodeGraph(runner, 2, 4)
+    route = dispatch.ops.moe_route
+    loads = [mlp.expert_load for mlp in runner.moe_layers]
+    def failing_forward(input_ids, positions):
+        assert dispatch.ops.moe_route is not route and all(mlp.expert_load is None for mlp in runner.moe_layers)
+        raise RuntimeError("boom")
+
+    runner.model.forward = failing_forward
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            graph.forward()
+    finally:
+        del runner.model.forward  # back to the class's method
+    assert dispatch.ops.moe_route is route
+    assert [mlp.expert_load for mlp in runner.moe_layers] == loads
+
+
+def test_generation_through_the_step_buffers_matches_the_torch_path(checkpoint):
+    """Steps of changing shapes (prefill chunks, decodes, finished requests) reuse the same buffers."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (13, 4, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=0) for m in (5, 2, 4)]
+
+    def generate(kernels: str):
+        llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48,
+                  max_num_batched_tokens=8, kernels=kernels)
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            dispatch.use("torch")
+
+    want, got = generate("torch"), generate("triton")
+    for ours, theirs in zip(got, want):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+
+
+def test_prepare_packs_the_step_into_the_buffers(checkpoint):
+    llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48)
+    runner = llm.engine.runner
+    params = SamplingParams(temperature=0)
+    prefill = Sequence(list(range(10, 21)), params)  # 11 tokens, 6 cached: a chunk of 5, then done
+    prefill.num_computed_tokens, prefill.block_table = 6, [7, 8, 2]
+    decode = Sequence(list(range(30, 39)), params)  # 9 tokens, 8 computed
+    decode.num_computed_tokens, decode.block_table = 8, [4, 5, 9]
+    chunk = Sequence(list(range(40, 60)), params)  # 20 tokens, 4 computed, a chunk of 3: samples nothing
+    chunk.num_computed_tokens, chunk.block_table = 4, [11, 12]
+    batch = ScheduledBatch([prefill, decode, chunk], [5, 1, 3], [[26, 27, 32, 33, 34], [36], [44, 45, 46]], [])
+
+    inputs = runner.prepare(batch)
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == list(range(16, 21)) + [38] + [44, 45, 46]
+    assert inputs.positions.tolist() == list(range(6, 11)) + [8] + [4, 5, 6]
+    assert meta.slot_mapping.tolist() == [26, 27, 32, 33, 34, 36, 44, 45, 46]
+    assert meta.query_start_loc == meta.query_start_loc_device.tolist() == [0, 5, 6, 9]
+    assert meta.seq_lens == meta.seq_lens_device.tolist() == [11, 9, 7]
+    assert meta.block_tables.tolist() == [[7, 8, 2], [4, 5, 9], [11, 12, -1]]
+    assert meta.block_runs == [[(7, 2), (2, 1)], [(4, 2), (9, 1)], [(11, 2)]]
+    assert inputs.sample_rows.tolist() == [4, 5]
+
+    small = ScheduledBatch([decode], [1], [[36]], [])  # a smaller step after a larger one: nothing stale
+    inputs = runner.prepare(small)
+    assert inputs.input_ids.tolist() == [38] and inputs.positions.tolist() == [8]
+    assert inputs.meta.block_tables.tolist() == [[4, 5, 9]] and inputs.meta.seq_lens_device.tolist() == [9]
+    assert inputs.sample_rows.tolist() == [0]
+    assert runner.graphs is None  # CPU: no graphs, whatever cuda_graphs says
+
+
+def fake_runner(max_positions: int) -> SimpleNamespace:
+    return SimpleNamespace(block_size=BLOCK, max_blocks_per_seq=-(-max_positions // BLOCK))
+
+
+def decoding(context_lens: list[int]) -> ScheduledBatch:
+    seqs = []
+    for n in context_lens:
+        seq = Sequence(list(range(n)), SamplingParams())
+        seq.num_computed_tokens = n - 1
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [1] * len(seqs), [[0]] * len(seqs), [])
+
+
+def test_batch_buckets_are_capped_by_max_num_seqs():
+    assert batch_buckets(64) == (1, 2, 4, 8, 12, 16, 24, 32)
+    assert batch_buckets(6) == (1, 2, 4, 6)
+    assert batch_buckets(1) == (1,)
+
+
+def test_graph_shapes_bucket_the_batch_and_tier_the_context(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_CONTEXT", 32)  # tiers of 8, 16, 32... blocks of 4 tokens
+    graphs = DecodeGraphs(fake_runner(max_positions=200), max_num_seqs=12)
+    assert graphs.shape_for(decoding([5])) == (1, 8)
+    assert graphs.shape_for(decoding([5, 3, 9])) == (4, 8)
+    assert graphs.shape_for(decoding([33])) == (1, 16)  # 33 tokens: 9 blocks -> the 16-block tier
+    assert graphs.shape_for(decoding([64, 65])) == (2, 32)
+    assert graphs.shape_for(decoding([199])) == (1, 50)  # the last tier stops at the longest context
+    assert graphs.shape_for(decoding([4] * 12)) == (12, 8)
+    assert graphs.shape_for(decoding([4] * 13)) is None  # larger than the largest bucket: eager
+    prefill = decoding([5, 6])
+    prefill.num_new[1], prefill.seqs[1].num_computed_tokens = 2, 4
+    assert graphs.shape_for(prefill) is None  # not a pure decode step: eager
+    chunk = decoding([5])
+    chunk.seqs[0].token_ids.append(1)  # one token computed, more to come: samples nothing
+    assert graphs.shape_for(chunk) is None
+
+
+def test_cuda_graphs_option_is_validated():
+    assert EngineConfig(model="m").cuda_graphs is True
+    assert EngineConfig(model="m", cuda_graphs=False).cuda_graphs is False
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        EngineConfig(model="m", cuda_graphs="no")
+
+
+def test_engine_decodes_through_graph_replays(checkpoint, monkeypatch):
+    """The runner's graph path end to end (bucketing, tiers, capture on first use, upload, replay, the logits
+    view), with a CPU stand-in for the CUDA graph: its replay re-runs the forward that capture would record."""
+    def capture_on_cpu(self, pool, stream):
+        self._upload(HostStep(), 0)
+        self.logits = self.forward()
+
+        def replay():
+            with torch.inference_mode():
+                self.logits.copy_(self.forward())
+
+        self.graph = SimpleNamespace(replay=replay)
+
+    monkeypatch.setattr(DecodeGraph, "capture", capture_on_cpu)
+    monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_CONTEXT", 8)  # tiers of 2, 4, 8 blocks of 4 tokens
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 6, 2, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=0) for m in (20, 2, 5, 3)]
+
+    def generate(graphs: bool):
+        llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48,
+                  kernels="triton", max_num_seqs=4)
+        if graphs:
+            llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, 4)
+            llm.engine.runner.graphs.pool = ()  # no CUDA memory pool or capture stream on the CPU
+        try:
+            return llm, llm.generate(prompts, params)
+        finally:
+            dispatch.use("torch")
+
+    eager, want = generate(graphs=False)
+    graphed, got = generate(graphs=True)
+    runner = graphed.engine.runner
+    assert eager.engine.runner.graph_steps == 0 and runner.graph_steps == 19  # every decode step
+    assert sorted(runner.graphs.graphs) == [(1, 2), (1, 4), (1, 8), (2, 2), (4, 2)]  # buckets 4, 2, 1; three tiers
+    for ours, theirs in zip(got, want):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+    assert graphed.engine.expert_load() == eager.engine.expert_load()

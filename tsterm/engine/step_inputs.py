@@ -1,0 +1,183 @@
+"""A step's model inputs in persistent buffers: written on the host, uploaded with one asynchronous copy per dtype.
+
+The integer inputs of a step (token ids, positions, KV slots, rows to sample; query offsets, context lengths,
+block tables) are packed into two flat buffers, int64 and int32, at offsets that depend only on the step's shape
+(`StepLayout`). The host side (`HostStaging`) is pinned memory on CUDA, written through numpy views (no torch op,
+so no copy to count and nothing queued); `upload` copies the used prefix of each buffer to its device twin with
+`non_blocking=True`, in stream order. Nothing here reads device memory, so preparing a step never waits for the
+device, except for the one case spelled out in `HostStaging._writable`.
+
+On the CPU the staging buffers are the inputs themselves: nothing is copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tsterm_kernels.metadata import AttentionMetadata
+
+ALIGN = 16  # elements: every region starts on a 64/128-byte boundary (vector loads, Triton's pointer specialisation)
+
+
+def _pack(sizes: dict[str, int]) -> tuple[dict[str, tuple[int, int]], int]:
+    """name -> (start, size) of consecutive aligned regions, and the total length."""
+    regions, offset = {}, 0
+    for name, size in sizes.items():
+        regions[name] = (offset, size)
+        offset += -(-size // ALIGN) * ALIGN
+    return regions, offset
+
+
+class StepLayout:
+    """Where each input of a step of this shape lives in the flat int64 and int32 buffers.
+
+    `table_width` is the row stride of the block table; `num_pairs` > 0 only for a padded decode step, whose
+    (token, expert) pairs carry a weight in the expert-load count (1 for a real row, 0 for padding).
+    """
+
+    def __init__(self, num_tokens: int, num_seqs: int, table_width: int, num_samples: int, num_pairs: int = 0):
+        self.num_tokens, self.num_seqs, self.table_width = num_tokens, num_seqs, table_width
+        self.num_samples, self.num_pairs = num_samples, num_pairs
+        self.i64, self.i64_size = _pack({"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
+                                         "sample_rows": num_samples, "pair_weights": num_pairs})
+        self.i32, self.i32_size = _pack({"query_start_loc": num_seqs + 1, "seq_lens": num_seqs,
+                                         "block_tables": num_seqs * table_width})
+
+
+@dataclass(slots=True)
+class HostStep:
+    """A step's inputs as host lists, as the scheduler describes them (real rows first, then any padding)."""
+
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    positions: list[int] = field(default_factory=list)  # [T]
+    slot_mapping: list[int] = field(default_factory=list)  # [T]; -1: a padding token, written nowhere
+    query_start_loc: list[int] = field(default_factory=lambda: [0])  # [S+1]
+    seq_lens: list[int] = field(default_factory=list)  # [S]; 0: a padding row, which attends to nothing
+    block_tables: list[list[int]] = field(default_factory=list)  # [S][<= width], the blocks the context uses
+    block_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # [S] (torch twin only; else empty)
+    sample_rows: list[int] = field(default_factory=list)  # rows of the hidden states that the sampler reads
+
+    @property
+    def table_width(self) -> int:
+        return max((len(t) for t in self.block_tables), default=0)
+
+    def pad_decode(self, batch_size: int) -> None:
+        """Append padding rows up to `batch_size`: token 0 at position 0, KV slot -1, context length 0."""
+        for _ in range(batch_size - len(self.seq_lens)):
+            self.input_ids.append(0)
+            self.positions.append(0)
+            self.slot_mapping.append(-1)
+            self.query_start_loc.append(self.query_start_loc[-1] + 1)
+            self.seq_lens.append(0)
+            self.block_tables.append([])
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Views of one step's inputs in a device buffer pair, and the attention metadata over them."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    sample_rows: torch.Tensor  # [N] int64
+    pair_weights: torch.Tensor  # [P] int64 (empty unless the layout has pairs)
+    meta: AttentionMetadata
+
+
+class HostStaging:
+    """The pinned host side of the step buffers, shared by every upload target (eager buffers, captured graphs)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.i64 = self.i32 = torch.empty(0)
+        self._i64_np = self._i32_np = np.empty(0)
+        self._uploaded: torch.cuda.Event | None = None  # recorded after the last upload
+
+    def _writable(self, layout: StepLayout) -> tuple[np.ndarray, np.ndarray]:
+        """The staging buffers as numpy arrays, grown for `layout` and safe to overwrite.
+
+        An upload reads its staging buffer when the stream reaches it. Before overwriting it we wait for the last
+        upload's event; in the engine loop the previous step's token read-back has already waited for more than
+        that, so this returns at once (it can block only after a step that sampled nothing).
+        """
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        if self.i64.numel() < layout.i64_size:
+            self.i64 = torch.empty(max(layout.i64_size, 2 * self.i64.numel()), dtype=torch.int64, pin_memory=self.pinned)
+            self._i64_np = self.i64.numpy()
+        if self.i32.numel() < layout.i32_size:
+            self.i32 = torch.empty(max(layout.i32_size, 2 * self.i32.numel()), dtype=torch.int32, pin_memory=self.pinned)
+            self._i32_np = self.i32.numpy()
+        return self._i64_np, self._i32_np
+
+    def write(self, layout: StepLayout, step: HostStep, pair_weights: list[int] | None = None) -> None:
+        i64, i32 = self._writable(layout)
+        _put(i64, layout.i64["input_ids"], step.input_ids)
+        _put(i64, layout.i64["positions"], step.positions)
+        _put(i64, layout.i64["slot_mapping"], step.slot_mapping)
+        _put(i64, layout.i64["sample_rows"], step.sample_rows)
+        _put(i64, layout.i64["pair_weights"], pair_weights or [])
+        _put(i32, layout.i32["query_start_loc"], step.query_start_loc)
+        _put(i32, layout.i32["seq_lens"], step.seq_lens)
+        start, size = layout.i32["block_tables"]
+        tables = i32[start:start + size].reshape(layout.num_seqs, layout.table_width)
+        tables.fill(-1)
+        for row, table in zip(tables, step.block_tables):
+            row[:len(table)] = table
+
+    def upload(self, layout: StepLayout, i64: torch.Tensor, i32: torch.Tensor) -> None:
+        """Copy what `write` staged into the device buffers `i64`, `i32` (no-op when they are the staging itself)."""
+        if i64 is self.i64:
+            return
+        i64[:layout.i64_size].copy_(self.i64[:layout.i64_size], non_blocking=True)
+        i32[:layout.i32_size].copy_(self.i32[:layout.i32_size], non_blocking=True)
+        if self.device.type == "cuda":
+            if self._uploaded is None:
+                self._uploaded = torch.cuda.Event()
+            self._uploaded.record(torch.cuda.current_stream(self.device))
+
+
+def _put(buffer: np.ndarray, region: tuple[int, int], values: list[int]) -> None:
+    start, size = region
+    assert len(values) == size, f"step input of {len(values)} values for a region of {size}"
+    buffer[start:start + size] = values
+
+
+class DeviceBuffers:
+    """The eager steps' device buffers, grown on demand (graphs own fixed ones). On the CPU: the staging itself."""
+
+    def __init__(self, staging: HostStaging):
+        self.staging = staging
+        self.i64 = torch.empty(0, dtype=torch.int64, device=staging.device)
+        self.i32 = torch.empty(0, dtype=torch.int32, device=staging.device)
+
+    def reserve(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.staging.device.type == "cpu":
+            return self.staging.i64, self.staging.i32
+        # Growing drops the old buffer while queued kernels may still read it: the caching allocator reuses its
+        # memory only for work queued after them on the same stream, so that is safe.
+        if self.i64.numel() < layout.i64_size:
+            self.i64 = torch.empty(max(layout.i64_size, 2 * self.i64.numel()), dtype=torch.int64, device=self.i64.device)
+        if self.i32.numel() < layout.i32_size:
+            self.i32 = torch.empty(max(layout.i32_size, 2 * self.i32.numel()), dtype=torch.int32, device=self.i32.device)
+        return self.i64, self.i32
+
+
+def step_inputs(layout: StepLayout, i64: torch.Tensor, i32: torch.Tensor, step: HostStep, block_size: int) -> StepInputs:
+    """The views of `layout` in the buffers, with attention metadata whose host lists are `step`'s."""
+    def view64(name: str) -> torch.Tensor:
+        start, size = layout.i64[name]
+        return i64[start:start + size]
+
+    def view32(name: str) -> torch.Tensor:
+        start, size = layout.i32[name]
+        return i32[start:start + size]
+
+    meta = AttentionMetadata(
+        query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_runs=step.block_runs,
+        slot_mapping=view64("slot_mapping"),
+        block_tables=view32("block_tables").view(layout.num_seqs, layout.table_width), block_size=block_size,
+        query_start_loc_device=view32("query_start_loc"), seq_lens_device=view32("seq_lens"),
+    )
+    return StepInputs(view64("input_ids"), view64("positions"), view64("sample_rows"), view64("pair_weights"), meta)
