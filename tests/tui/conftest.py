@@ -1,4 +1,4 @@
-"""A tiny real Qwen3-MoE checkpoint (built once) and profiles that point the TUI at it."""
+"""A tiny real Qwen3-MoE checkpoint (built once), profiles that point the TUI at it, and the snapshot fixture."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,13 +6,29 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.tui.snapshots import assert_snapshot, update_requested
+
+
+def pytest_addoption(parser):
+    parser.addoption("--snapshot-update", action="store_true", dest="snapshot_update",
+                     help="rewrite the TUI snapshots in tests/tui/snapshots/ instead of comparing with them")
+
+
+@pytest.fixture
+def snapshot(request, tmp_path):
+    """`snapshot(app, name, title)`: compare the screen with tests/tui/snapshots/NAME.txt (see snapshots.py)."""
+    update = update_requested(request.config)
+
+    def check(app, name: str, title: str) -> None:
+        assert_snapshot(app, name, title, tmp_path=tmp_path, update=update)
+    return check
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     path, _ = make_checkpoint(tmp_path_factory.mktemp("tui") / "qwen3moe", "qwen3_moe",
-                              dict(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-                                   max_position_embeddings=2048))
+                              {"num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                               "max_position_embeddings": 2048})
     return path
 
 

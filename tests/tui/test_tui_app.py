@@ -4,10 +4,16 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.tui.helpers import engine_stats, wait_until
+from tests.tui.helpers import (
+    chat_screen,
+    engine_stats,
+    say,
+    text_of,
+    turns_done,
+    wait_until,
+)
 from tsterm import LLM
 from tsterm.tui import TstermApp
-from tsterm.tui.screens.chat import ChatScreen
 from tsterm.tui.screens.dialogs import Confirm, TextPrompt
 from tsterm.tui.screens.loading import LoadingScreen
 from tsterm.tui.thinking import split_thinking
@@ -16,40 +22,6 @@ from tsterm.tui.widgets.prompt_input import PromptInput
 from tsterm.tui.widgets.session_list import SessionList
 
 SIZE = (120, 40)
-
-
-async def chat_screen(pilot) -> ChatScreen:
-    screen = await wait_until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen) and pilot.app.screen,
-                              what="the chat screen")
-    await wait_until(pilot, lambda: screen.current_id and screen.live_reply is None, what="the session shown")
-    return screen
-
-
-async def say(pilot, text: str, wait_turn: bool = True) -> None:
-    """Submit `text`; for a message, return once its turn has started (or already ended)."""
-    screen = pilot.app.screen
-    session, done_before = screen.session, len(screen.session.turns)
-    prompt = screen.query_one(PromptInput)
-    prompt.focus()
-    prompt.value = text
-    # Submit without pilot.press: a key press waits for the process to go idle, i.e. for the whole reply.
-    await prompt.action_submit()
-    await wait_until(pilot, lambda: prompt.value == "", what=f"{text!r} submitted")
-    if text.startswith("/"):
-        await pilot.pause()  # until idle: the command's effects (new views, a switched session) are in place
-    elif wait_turn:
-        await wait_until(pilot, lambda: session.id in screen.turns or len(session.turns) > done_before,
-                         what=f"the turn of {text!r}")
-
-
-async def turns_done(pilot, session, n: int, timeout: float = 30.0) -> None:
-    screen = pilot.app.screen
-    await wait_until(pilot, lambda: len(session.turns) >= n and session.id not in screen.turns
-                     and not screen.query(".-live"), timeout, what=f"turn {n} of {session.title!r}")
-
-
-def text_of(widget) -> str:
-    return str(widget.render())
 
 
 async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, make_profile, data_dir):
@@ -147,9 +119,10 @@ async def test_fork_shares_blocks_and_two_sessions_generate_at_once(make_profile
         await screen.show_session(fork.id)
         screen.action_abort()
         await turns_done(pilot, parent, 2)
-        await turns_done(pilot, fork, 1)
-        assert fork.turns[0].cached_tokens > 0  # the fork's first turn hit the parent's prefix
-        assert fork.turns[0].generated_tokens > 0 and parent.turns[1].generated_tokens > 0
+        await turns_done(pilot, fork, 2)  # the fork carries its parent's first turn with that reply
+        assert fork.turns[0] == parent.turns[0] and fork.turns[0] is not parent.turns[0]
+        assert fork.turns[1].cached_tokens > 0  # the fork's own first turn hit the parent's prefix
+        assert fork.turns[1].generated_tokens > 0 and parent.turns[1].generated_tokens > 0
         for _ in range(100):
             stats = await engine_stats(app)
             if stats["used"] == 0:
@@ -266,7 +239,7 @@ async def test_commands_palette_and_dialogs(make_profile, data_dir, tmp_path):
         screen = await chat_screen(pilot)
         session = screen.session
         await say(pilot, "/help")
-        assert "/export md|json PATH" in screen.query(MessageView).last().text
+        assert "/export md|json [PATH]" in screen.query(MessageView).last().text
         await say(pilot, "/bogus")
         assert screen.query(MessageView).last().role == "error"
         await say(pilot, "/system be terse")
@@ -277,6 +250,8 @@ async def test_commands_palette_and_dialogs(make_profile, data_dir, tmp_path):
         await say(pilot, f"/export json {tmp_path / 'out.json'}")
         assert "## user\n\nhi" in (tmp_path / "out.md").read_text()
         assert json.loads((tmp_path / "out.json").read_text())["token_ids"] == session.token_ids
+        await say(pilot, "/export md")  # no path: the exports folder of the data dir
+        assert (data_dir / "exports" / f"{session.id}.md").read_text() == (tmp_path / "out.md").read_text()
         was_open = screen.has_class("-dashboard")
         await say(pilot, "/stats")
         assert screen.has_class("-dashboard") != was_open
@@ -337,9 +312,10 @@ async def test_layout_fits_80x24_and_200x60(make_profile, data_dir):
             region = widget.region
             return widget.display and region.width > 0 and region.height > 0 and screen.region.contains_region(region)
 
-        def footer_fits() -> bool:
-            keys = list(screen.query("FooterKey"))
-            return len(keys) >= 7 and all(k.region.right <= screen.region.right and k.region.width > 0 for k in keys)
+        def footer_fits() -> bool:  # every key on screen, none scrolled out of the footer's view
+            keys, footer = list(screen.query("FooterKey")), screen.query_one("Footer")
+            return (len(keys) >= 9 and footer.max_scroll_x == 0
+                    and all(k.region.right <= screen.region.right and k.region.width > 0 for k in keys))
 
         await say(pilot, "hi")
         await turns_done(pilot, screen.session, 1)

@@ -10,12 +10,11 @@ from tsterm.tokenizer import Tokenizer
 from tsterm.tui.session import (
     PromptPlan,
     Session,
-    SessionStore,
     TurnStats,
-    default_data_dir,
     first_divergence,
     plan_prompt,
 )
+from tsterm.tui.store import SessionStore, default_data_dir
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +103,68 @@ def test_fork_keeps_a_prefix_of_the_parent_ids():
     assert child.token_ids == parent.token_ids and child.parent_id == "p" and child.model == "m"
     child.messages.append({"role": "user", "content": "b"})
     assert len(parent.messages) == 1  # a deep enough copy
+
+
+def three_turns(tokenizer) -> Session:
+    """A session with three real (tokenised, template-rendered) turns whose kept ids are all hits."""
+    render = render_with(tokenizer)
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    session = Session(id="p", title="t", model="m")
+    session.set_system_prompt("be brief")
+    for question, answer in [("one?", "first."), ("two?", "second."), ("three?", "third.")]:
+        session.add_user(question)
+        plan = session.plan(render)
+        generated = tokenizer.encode(answer) + [im_end]
+        session.record_reply(plan, answer, generated, stats(plan, len(generated)))
+    assert not session.num_misses
+    return session
+
+
+def test_fork_from_an_earlier_message_keeps_the_exact_ids_of_that_prefix(tokenizer):
+    render = render_with(tokenizer)
+    parent = three_turns(tokenizer)
+    assert [parent.number_of(i) for i in range(len(parent.messages))] == [None, 1, 2, 3, 4, 5, 6]
+    assert parent.index_of(4) == 4 and parent.messages[4] == {"role": "assistant", "content": "second."}
+    with pytest.raises(ValueError, match=r"no message #7 .*#1-#6"):
+        parent.index_of(7)
+
+    child = parent.fork("c", parent.index_of(4))  # after the second reply
+    second = parent.turns[1]
+    assert child.messages == parent.messages[:5] and child.parent_id == "p" and child.model == "m"
+    assert child.token_ids == parent.token_ids[:second.prompt_tokens + second.generated_tokens]
+    assert child.turns == parent.turns[:2] and child.turns[0] is not parent.turns[0]
+    child.add_user("a different third?")
+    plan = child.plan(render)  # the branch's next prompt starts with the parent's ids: its KV blocks are shared
+    assert not plan.miss and plan.kept_tokens == len(child.token_ids)
+    assert plan.token_ids[:plan.kept_tokens] == parent.token_ids[:plan.kept_tokens]
+
+    at_question = parent.fork("q", parent.index_of(3))  # a user message: ids through the reply before it
+    assert at_question.messages == parent.messages[:4] and at_question.turns == parent.turns[:1]
+    first = parent.turns[0]
+    assert at_question.token_ids == parent.token_ids[:first.prompt_tokens + first.generated_tokens]
+    assert parent.fork("s", 0).token_ids == [] and parent.fork("s", 0).messages == parent.messages[:1]
+    with pytest.raises(ValueError):
+        parent.fork("x", len(parent.messages))
+
+
+def test_fork_after_a_rerendered_history_lets_the_next_turn_render_it(tokenizer):
+    parent = three_turns(tokenizer)
+    parent.turns[2].kept_tokens = 0  # as if turn 3 had been a template miss: ids before it were re-rendered
+    assert parent.fork("c", parent.index_of(4)).token_ids == []
+    assert parent.fork("c", parent.index_of(6)).token_ids == parent.token_ids  # the whole session: as it is
+    parent.token_ids = []  # dropped (another model)
+    assert parent.ids_through_reply(1) == []
+
+
+def test_reply_stats_align_with_the_latest_replies():
+    """A session forked by an older tsterm has its parent's replies but only its own turns."""
+    turn = TurnStats(30, 20, 25, 5)
+    old_fork = Session(id="f", messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                         {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}],
+                       token_ids=list(range(35)), turns=[turn])
+    assert old_fork.reply_stats() == [None, turn]
+    assert old_fork.ids_through_reply(1) == [] and old_fork.ids_through_reply(2) == list(range(35))
+    assert old_fork.fork("g", 1).turns == [] and old_fork.fork("g", 3).turns == [turn]
 
 
 def test_bind_model_drops_ids_from_another_model():

@@ -1,4 +1,5 @@
-"""Widgets on their own (no engine): streamed thinking blocks, the KV bar, the reuse table, prompt history."""
+"""Widgets on their own (no engine): streamed thinking blocks, the KV bar, the reuse table, the expert heatmap,
+prompt history."""
 from __future__ import annotations
 
 from textual.app import App, ComposeResult
@@ -7,6 +8,7 @@ from textual.widgets import Collapsible, Markdown
 from tsterm.tui.session import Session, TurnStats
 from tsterm.tui.widgets.chat_log import ChatLog, ReplyView
 from tsterm.tui.widgets.dashboard import Dashboard
+from tsterm.tui.widgets.expert_heatmap import ExpertHeatmap
 from tsterm.tui.widgets.kv_bar import KVBar
 from tsterm.tui.widgets.prompt_input import PromptHistory, PromptInput
 
@@ -109,3 +111,25 @@ async def test_a_reply_removed_mid_stream_is_harmless():
         await pilot.pause(0.2)
         assert not reply.is_attached
     assert app.return_code in (None, 0)
+
+
+async def test_expert_heatmap_shades_each_layer_against_its_busiest_expert():
+    heatmap = ExpertHeatmap()
+    async with Harness(heatmap).run_test(size=(40, 10)) as pilot:
+        heatmap.set_load([[10, 0, 5, 5], [3, 3, 3, 3]])
+        await pilot.pause()
+        lines = str(heatmap.render()).splitlines()
+        cell = 3  # few experts: up to 3 columns each
+        assert lines[0] == "L0 " + "█" * cell + "·" * cell + "▒" * cell + "▒" * cell
+        assert lines[1] == "L1 " + "█" * 4 * cell  # balanced: every expert as busy as the busiest
+        assert lines[2] == "max/mean 1.50, worst 2.00"  # layer 0: 10 / mean 5; layer 1: 1.0
+        assert heatmap.region.height == 3
+
+        deep = [[(layer + expert) % 7 for expert in range(128)] for layer in range(48)]
+        heatmap.set_load(deep)  # Qwen3-30B-A3B's shape: 48 layers x 128 experts in 38 columns
+        await pilot.pause()
+        lines = str(heatmap.render()).splitlines()
+        assert len(lines) == 17 and lines[0].startswith("L0-2 ") and lines[15].startswith("L45-47 ")
+        assert all(len(line) <= heatmap.size.width for line in lines) and lines[-1].endswith(" per col")
+        heatmap.set_load([])
+        assert str(heatmap.render()) == "no MoE layers"

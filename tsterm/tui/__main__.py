@@ -1,4 +1,4 @@
-"""`python -m tsterm.tui [--profile NAME|PATH]` until the CLI wires the bare `tsterm`."""
+"""`python -m tsterm.tui [--profile NAME|PATH]`: the TUI without the CLI (`tsterm [--profile ...]` is the same)."""
 from __future__ import annotations
 
 import argparse

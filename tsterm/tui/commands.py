@@ -14,17 +14,23 @@ class CommandSpec:
     usage: str
     help: str
     needs_arg: bool = False
+    number_arg: bool = False  # the optional argument is a message number (shown as #N next to each message)
 
 
 COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (
     CommandSpec("new", "/new [TITLE]", "start a new session"),
-    CommandSpec("fork", "/fork", "branch this session from its last message (shares its KV blocks)"),
+    CommandSpec("fork", "/fork [N]", "branch this session after message #N (default: the last one); the branch "
+                "shares its KV blocks", number_arg=True),
+    CommandSpec("copy", "/copy [N]", "copy message #N (default: the last reply) to the clipboard", number_arg=True),
     CommandSpec("rename", "/rename TITLE", "rename this session", needs_arg=True),
     CommandSpec("delete", "/delete", "delete this session"),
     CommandSpec("system", "/system [TEXT]", "set this session's system prompt (empty: show it)"),
+    CommandSpec("profile", "/profile NAME|PATH", "reload the engine with another profile (sessions are kept)",
+                needs_arg=True),
     CommandSpec("clear", "/clear", "clear this session's conversation (keeps the system prompt)"),
     CommandSpec("save", "/save", "save every session now"),
-    CommandSpec("export", "/export md|json PATH", "export this session as Markdown or JSON", needs_arg=True),
+    CommandSpec("export", "/export md|json [PATH]", "export this session as Markdown or JSON (default: the exports "
+                "folder of the data dir)", needs_arg=True),
     CommandSpec("stats", "/stats", "show or hide the dashboard"),
     CommandSpec("help", "/help", "list commands and keys"),
 )}
@@ -55,10 +61,10 @@ def parse_command(text: str) -> Command | None:
                                + ", ".join(f"/{n}" for n in COMMANDS) + ")")
     if spec.needs_arg and not arg:
         raise CommandError(f"usage: {spec.usage}")
-    if spec.name == "export":
-        fmt, _, path = arg.partition(" ")
-        if fmt not in EXPORT_FORMATS or not path.strip():
-            raise CommandError(f"usage: {spec.usage} (got {arg!r})")
+    if spec.name == "export" and arg.partition(" ")[0] not in EXPORT_FORMATS:
+        raise CommandError(f"usage: {spec.usage} (got {arg!r})")
+    if spec.number_arg and arg and not (arg.isdigit() and int(arg) > 0):
+        raise CommandError(f"usage: {spec.usage}: N is a message number, as shown next to its role (got {arg!r})")
     return Command(spec.name, arg)
 
 

@@ -86,7 +86,8 @@ class EngineHost:
 
     # ---- counters
     def start_stats(self, post: Post, interval: float = 0.25) -> None:
-        """Poll `stats()` on a daemon thread; the engine answers between two steps, so decoding is not slowed."""
+        """Poll `stats()` and the per-expert routing counts on a daemon thread; the engine answers between two steps,
+        so decoding is not slowed."""
         if self._stats_thread is not None:
             return
 
@@ -94,16 +95,20 @@ class EngineHost:
             while not self._stop_stats.wait(interval):
                 try:
                     stats = self.async_engine.stats()
-                except Exception:  # noqa: BLE001 - a failed poll is skipped, the next one may work
+                    experts = self.async_engine.expert_load()
+                except Exception:  # noqa: BLE001, S112 - a failed poll is skipped, the next one may work
                     continue
                 if not self._stop_stats.is_set():
-                    post(StatsUpdate(stats, memory_info(self.engine), time.monotonic()))
+                    post(StatsUpdate(stats, memory_info(self.engine), time.monotonic(), experts))
 
         self._stats_thread = threading.Thread(target=poll, name="tsterm-stats", daemon=True)
         self._stats_thread.start()
 
-    def stop_stats(self) -> None:
+    def stop_stats(self, wait: bool = False) -> None:
+        """Stop polling; with `wait`, return once the poller has ended (it posts nothing after that)."""
         self._stop_stats.set()
+        if wait and self._stats_thread is not None and self._stats_thread is not threading.current_thread():
+            self._stats_thread.join()
 
     def shutdown(self) -> None:
         self.stop_stats()

@@ -24,20 +24,23 @@ class LoadProgress(Message):
 @dataclass
 class EngineReady(Message):
     host: EngineHost
+    profile: str = ""  # the profile name or path that was asked for
 
 
 @dataclass
 class EngineFailed(Message):
     error: str
+    profile: str = ""
 
 
 @dataclass
 class StatsUpdate(Message):
-    """One poll of the engine counters (`Engine.stats()`) plus process/device memory."""
+    """One poll of the engine counters (`Engine.stats()`, `Engine.expert_load()`) plus process/device memory."""
 
     stats: dict[str, Any]
     memory: dict[str, Any]
     polled_at: float = 0.0  # time.monotonic() of the poll
+    experts: list[list[int]] = field(default_factory=list)  # tokens routed per expert, per MoE layer, since start
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, StatsUpdate)

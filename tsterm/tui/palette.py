@@ -8,7 +8,11 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 # (title, chat-screen action, help)
 ACTIONS = (
     ("New session", "new_session", "start an empty conversation  (/new, ctrl+n)"),
-    ("Fork session", "fork_session", "branch from the last message, sharing its KV blocks  (/fork, ctrl+b)"),
+    ("Fork session", "fork_session", ("branch after the selected (or last) message, sharing its KV blocks  "
+                                      "(/fork [N], ctrl+b)")),
+    ("Select message", "select_message", "pick a message to fork from or copy: up/down, f, c, enter  (ctrl+up)"),
+    ("Copy message", "copy_message", "copy the selected message, or the last reply  (/copy [N], ctrl+y)"),
+    ("Switch profile", "pick_profile", "reload the engine with another profile  (/profile NAME|PATH)"),
     ("Rename session", "rename_session", "give this session a title  (/rename, ctrl+r)"),
     ("Delete session", "delete_session", "delete this session  (/delete, f8)"),
     ("Clear conversation", "clear_session", "forget the messages, keep the system prompt  (/clear)"),
@@ -16,8 +20,8 @@ ACTIONS = (
     ("Abort generation", "abort", "stop this session's reply and free its KV blocks  (esc)"),
     ("Toggle dashboard", "toggle_dashboard", "tokens/s, latency, KV blocks, prefix reuse  (/stats, ctrl+t)"),
     ("Save sessions", "save", "write every session to the data dir  (/save)"),
-    ("Export as Markdown", "export('md')", "write this session to the exports folder  (/export md PATH)"),
-    ("Export as JSON", "export('json')", "write this session with its token ids  (/export json PATH)"),
+    ("Export as Markdown", "export('md')", "write this session to the exports folder  (/export md [PATH])"),
+    ("Export as JSON", "export('json')", "write this session with its token ids  (/export json [PATH])"),
     ("Help", "help", "list commands and keys  (/help)"),
 )
 

@@ -1,4 +1,4 @@
-"""Chat sessions: messages plus the exact token ids the engine saw and produced, persisted as JSON.
+"""Chat sessions: messages plus the exact token ids the engine saw and produced (persisted by store.py).
 
 No Textual here. The prompt of turn k+1 is the kept ids (turn k's prompt + its generated ids) followed by the ids
 of the newly rendered tail. The tail comes from rendering the whole conversation with the chat template; when that
@@ -8,14 +8,10 @@ differently) the turn is a miss: it falls back to the full rendering and records
 """
 from __future__ import annotations
 
-import json
-import os
 import secrets
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -24,14 +20,6 @@ Render = Callable[[list[dict]], list[int]]  # messages -> prompt ids (template +
 
 class SessionFileError(ValueError):
     """A session file that cannot be read back (not JSON, or not a session)."""
-
-
-def default_data_dir() -> Path:
-    """Where sessions live: `$TSTERM_DATA_DIR/sessions`, else `$XDG_DATA_HOME/tsterm/sessions`."""
-    if os.environ.get("TSTERM_DATA_DIR"):
-        return Path(os.environ["TSTERM_DATA_DIR"]).expanduser() / "sessions"
-    xdg = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
-    return Path(xdg).expanduser() / "tsterm" / "sessions"
 
 
 def new_session_id() -> str:
@@ -139,11 +127,55 @@ class Session:
         self.messages, self.token_ids, self.turns = [], [], []
         self.set_system_prompt(system)
 
-    def fork(self, new_id: str | None = None) -> Session:
-        """A branch from the last message: same messages, same kept ids (so the engine shares their blocks)."""
-        return Session(id=new_id or new_session_id(), title=f"{self.title} (fork)",
-                       messages=[dict(m) for m in self.messages], token_ids=list(self.token_ids),
-                       parent_id=self.id, model=self.model)
+    # ---- numbering: what the chat log shows next to each message (a leading system prompt has no number)
+    def number_of(self, index: int) -> int | None:
+        first = 1 if self.system_prompt is not None else 0
+        return None if index < first else index - first + 1
+
+    def index_of(self, number: int) -> int:
+        """messages index of message `number`; ValueError naming the valid range when there is no such message."""
+        first = 1 if self.system_prompt is not None else 0
+        count = len(self.messages) - first
+        if not 1 <= number <= count:
+            raise ValueError(f"no message #{number} in this session (it has "
+                             + (f"messages #1-#{count})" if count else "no messages yet)"))
+        return number - 1 + first
+
+    def reply_stats(self) -> list[TurnStats | None]:
+        """One entry per assistant message. `turns` belong to the latest replies (a session forked by an older
+        tsterm holds its parent's replies without their stats): align from the end."""
+        replies = sum(m.get("role") == "assistant" for m in self.messages)
+        turns = self.turns[-replies:] if replies else []
+        return [None] * (replies - len(turns)) + list(turns)
+
+    def ids_through_reply(self, replies: int) -> list[int]:
+        """The exact ids the engine held right after assistant reply number `replies` (1-based), if they are still
+        the start of `token_ids`: every later turn kept them verbatim. [] when unknown (a later turn re-rendered
+        the history, or the ids were dropped): the next turn then renders it, and the prefix cache still serves
+        whatever blocks that rendering shares with the parent."""
+        stats = self.reply_stats()
+        if not 0 < replies <= len(stats) or stats[replies - 1] is None:
+            return []
+        turn = stats[replies - 1]
+        end = turn.prompt_tokens + turn.generated_tokens
+        later = self.turns[len(self.turns) - (len(stats) - replies):]
+        if len(self.token_ids) < end or any(t.kept_tokens < end for t in later):
+            return []
+        return self.token_ids[:end]
+
+    def fork(self, new_id: str | None = None, upto: int | None = None) -> Session:
+        """A branch holding `messages[:upto + 1]` (default: all). Its kept ids are the exact ids of that prefix
+        (through the last reply it contains), so its next turn takes the parent's KV blocks by reference. The
+        replies' turn stats come along; the ids are never re-rendered here."""
+        end = len(self.messages) if upto is None else upto + 1
+        if not 0 < end <= len(self.messages):
+            raise ValueError(f"cannot fork at message index {upto}: the session has {len(self.messages)}")
+        messages = [dict(m) for m in self.messages[:end]]
+        replies = sum(m["role"] == "assistant" for m in messages)
+        kept = list(self.token_ids) if end == len(self.messages) else self.ids_through_reply(replies)
+        turns = [replace(t) for t in self.reply_stats()[:replies] if t is not None]
+        return Session(id=new_id or new_session_id(), title=f"{self.title} (fork)", messages=messages,
+                       token_ids=kept, turns=turns, parent_id=self.id, model=self.model)
 
     def bind_model(self, model: str) -> bool:
         """Ids made by another model are meaningless here: drop them (the next turn re-renders). True if dropped."""
@@ -178,7 +210,7 @@ class Session:
                 for m in messages):
             raise SessionFileError("'messages' must be a list of {role, content} objects with string values")
         token_ids = d.get("token_ids", [])
-        if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):  # noqa: E721
+        if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):
             raise SessionFileError("'token_ids' must be a list of non-negative integers")
         known = {f.name for f in fields(TurnStats)}
         try:
@@ -194,69 +226,3 @@ class Session:
         for m in self.messages:
             lines += [f"## {m['role']}", "", m["content"], ""]
         return "\n".join(lines)
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder + rename: a crash leaves the old file or the new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class SessionStore:
-    """One `<id>.json` per session in `directory`. Unreadable files are moved aside and reported, never fatal."""
-
-    def __init__(self, directory: Path | str | None = None):
-        self.directory = Path(directory) if directory is not None else default_data_dir()
-
-    def path_for(self, session_id: str) -> Path:
-        return self.directory / f"{session_id}.json"
-
-    def save(self, session: Session) -> Path:
-        path = self.path_for(session.id)
-        atomic_write(path, json.dumps(session.to_dict(), ensure_ascii=False))
-        return path
-
-    def delete(self, session_id: str) -> None:
-        self.path_for(session_id).unlink(missing_ok=True)
-
-    def load_all(self) -> tuple[list[Session], list[str]]:
-        """(sessions oldest first, one error line per file that could not be read)."""
-        sessions, errors = [], []
-        if not self.directory.is_dir():
-            return sessions, errors
-        for path in sorted(self.directory.glob("*.json")):
-            try:
-                sessions.append(self._load(path))
-            except (SessionFileError, OSError) as e:
-                errors.append(self._quarantine(path, e))
-        sessions.sort(key=lambda s: s.created)
-        return sessions, errors
-
-    def _load(self, path: Path) -> Session:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            raise SessionFileError(f"not UTF-8 text ({e.reason})") from None
-        except json.JSONDecodeError as e:
-            raise SessionFileError(f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-        return Session.from_dict(data)
-
-    def _quarantine(self, path: Path, error: Exception) -> str:
-        target = path.with_name(path.name + ".corrupt")
-        if target.exists():
-            target = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.corrupt")
-        try:
-            os.replace(path, target)
-            where = f"moved aside to {target.name}"
-        except OSError as e:
-            where = f"could not move it aside ({e.strerror}); it is ignored"
-        return f"session file {path}: {error}; {where}"

@@ -1,5 +1,5 @@
-"""Slash commands and session actions of the chat screen (new, fork, rename, delete, system, clear, save,
-export, dashboard, help).
+"""Slash commands and session actions of the chat screen (new, fork, copy, rename, delete, system, profile, clear,
+save, export, dashboard, help).
 
 A mixin only to keep chat.py about the conversation itself; it relies on the ChatScreen attributes
 (`sessions`, `current_id`, `turns`, `store`, `host`, `show_session`, `notice`, ...).
@@ -11,7 +11,9 @@ from pathlib import Path
 
 from tsterm.tui.commands import Command, help_text
 from tsterm.tui.screens.dialogs import Confirm, TextPrompt
-from tsterm.tui.session import Session, atomic_write, new_session_id
+from tsterm.tui.session import Session, new_session_id
+from tsterm.tui.store import atomic_write
+from tsterm.tui.thinking import split_thinking
 
 
 class SessionActions:
@@ -19,6 +21,15 @@ class SessionActions:
         arg = command.arg
         if command.name == "new":
             await self.action_new_session(arg or None)
+        elif command.name in ("fork", "copy") and arg:
+            try:
+                index = self.session.index_of(int(arg))
+            except ValueError as e:
+                await self.notice(str(e), "error")
+                return
+            await (self.action_fork_session(index) if command.name == "fork" else self.action_copy_message(index))
+        elif command.name == "profile":
+            self.switch_profile(arg)
         elif command.name == "rename":
             self.rename(arg)
         elif command.name == "system" and arg:
@@ -31,13 +42,15 @@ class SessionActions:
         elif command.name == "help":
             await self.action_help()
         else:
-            action = {"fork": "fork_session", "delete": "delete_session", "clear": "clear_session",
-                      "save": "save", "stats": "toggle_dashboard"}[command.name]
+            action = {"fork": "fork_session", "copy": "copy_message", "delete": "delete_session",
+                      "clear": "clear_session", "save": "save", "stats": "toggle_dashboard"}[command.name]
             await self.run_action(action)
 
     async def action_help(self) -> None:
         keys = [(b.key, b.description) for b in self.BINDINGS] + [
-            ("up/down", "prompt history"), ("ctrl+p", "command palette"), ("ctrl+q", "quit")]
+            ("up/down", "prompt history"), ("shift+tab", "select a message, like ctrl+up"),
+            ("up/down, f, c, enter", "on a selected message: move, fork there, copy it, back to the prompt"),
+            ("ctrl+p", "command palette"), ("ctrl+q", "quit")]
         await self.notice(help_text(keys))
 
     def new_session(self, title: str | None = None) -> Session:
@@ -69,13 +82,52 @@ class SessionActions:
         self.add_session(session)
         await self.show_session(session.id)
 
-    async def action_fork_session(self) -> None:
-        if not self._idle("fork"):
+    async def action_fork_session(self, index: int | None = None) -> None:
+        """Branch after message `index` (default: the selected message, else the last one). The branch keeps the
+        exact ids of that prefix, so its next turn takes the parent's KV blocks by reference (zero copy)."""
+        if index is None:
+            index = self.selected_index()
+        if index is None and not self._idle("fork"):
             return
-        child = self.session.fork(new_session_id())
+        parent = self.session
+        child = parent.fork(new_session_id(), index)
         self.add_session(child)
         await self.show_session(child.id)
-        self.notify(f"forked with {len(child.token_ids)} tokens shared with the parent")
+        self.query_one("#prompt").focus()
+        at = "" if index is None else f" after #{parent.number_of(index) or 0}"
+        self.notify(f"forked{at}: {len(child.token_ids)} tokens kept, KV blocks shared with the parent")
+
+    async def action_copy_message(self, index: int | None = None) -> None:
+        """Copy message `index` (default: the selected message, else the last reply): a reply without its
+        thinking block, through the terminal's clipboard (OSC 52)."""
+        messages = self.session.messages
+        if index is None:
+            index = self.selected_index()
+        if index is None:
+            index = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), None)
+        if index is None:
+            self.notify("no reply to copy yet: select a message (shift+tab) or use /copy N", severity="warning")
+            return
+        message = messages[index]
+        text = message["content"]
+        if message["role"] == "assistant":
+            text = split_thinking(text).answer or text
+        self.app.copy_to_clipboard(text)
+        number = self.session.number_of(index)
+        self.notify(f"copied {'the system prompt' if number is None else f'message #{number}'} ({len(text)} chars)")
+
+    def action_pick_profile(self) -> None:
+        self.app.push_screen(TextPrompt("profile name or YAML path", self.host.profile_name),
+                             lambda profile: self.switch_profile(profile) if profile else None)
+
+    def switch_profile(self, profile: str) -> None:
+        if self.turns:
+            self.notify("wait for the replies to finish (or press esc in each) before switching profiles",
+                        severity="warning")
+            return
+        for session in self.sessions.values():
+            self.save(session)
+        self.app.switch_profile(profile, self.current_id)
 
     def action_rename_session(self) -> None:
         self.app.push_screen(TextPrompt("rename session", self.session.title),

@@ -5,10 +5,12 @@ import asyncio
 import contextlib
 import itertools
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from textual import on
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
+from textual.command import Provider
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.screen import Screen
@@ -21,8 +23,15 @@ from tsterm.tui.engine_host import EngineHost
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 from tsterm.tui.palette import ChatCommands
 from tsterm.tui.screens.actions import SessionActions
-from tsterm.tui.session import PromptPlan, Session, SessionStore, TurnStats
-from tsterm.tui.widgets.chat_log import ChatLog, MessageView, ReplyView, turn_summary
+from tsterm.tui.session import PromptPlan, Session, TurnStats
+from tsterm.tui.store import SessionStore
+from tsterm.tui.widgets.chat_log import (
+    ChatLog,
+    MessageView,
+    ReplyView,
+    Selectable,
+    turn_summary,
+)
 from tsterm.tui.widgets.dashboard import Dashboard
 from tsterm.tui.widgets.prompt_input import PromptHistory, PromptInput
 from tsterm.tui.widgets.session_list import SessionList
@@ -49,22 +58,25 @@ class InFlight:
 
 class ChatScreen(SessionActions, Screen):
     CSS_PATH = "chat.tcss"
-    COMMANDS = {ChatCommands}
+    COMMANDS: ClassVar[set[type[Provider]]] = {ChatCommands}
     AUTO_FOCUS = "#prompt"
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+n", "new_session", "New"),
         Binding("ctrl+b", "fork_session", "Fork"),
         Binding("ctrl+r", "rename_session", "Rename"),
         Binding("f8", "delete_session", "Delete"),
-        Binding("ctrl+t", "toggle_dashboard", "Dashboard"),
-        Binding("escape", "abort", "Abort"),
+        Binding("ctrl+y", "copy_message", "Copy"),
+        Binding("ctrl+t", "toggle_dashboard", "Stats"),
+        Binding("escape", "abort", "Stop"),
+        Binding("ctrl+up", "select_message", "Select message", show=False),
     ]
 
-    def __init__(self, host: EngineHost, store: SessionStore):
+    def __init__(self, host: EngineHost, store: SessionStore, current_id: str | None = None):
+        """`current_id`: the session to show first (default: the most recently touched one)."""
         super().__init__()
         self.host, self.store = host, store
         self.sessions: dict[str, Session] = {}
-        self.current_id = ""
+        self.current_id = current_id or ""
         self.turns: dict[str, InFlight] = {}  # session id -> its reply being generated
         self.live_reply: ReplyView | None = None
         self._request_ids = itertools.count()
@@ -83,7 +95,7 @@ class ChatScreen(SessionActions, Screen):
                 yield PromptInput(PromptHistory(self.store.directory.parent / "prompt_history.json"), id="prompt",
                                   placeholder="message, or /help")
             yield Dashboard(self.host.device, id="dashboard")
-        yield Footer(compact=True)
+        yield Footer(compact=True, show_command_palette=False)
 
     # ---- lifecycle
     async def on_mount(self) -> None:
@@ -99,7 +111,9 @@ class ChatScreen(SessionActions, Screen):
         self.set_class(self.app.size.width < NARROW, "-narrow")
         if not self.sessions:
             self.add_session(self.new_session())
-        await self.show_session(max(self.sessions.values(), key=lambda s: s.updated).id)
+        if self.current_id not in self.sessions:
+            self.current_id = max(self.sessions.values(), key=lambda s: s.updated).id
+        await self.show_session(self.current_id)
         self.host.start_stats(self.post_message)
 
     def on_unmount(self) -> None:
@@ -135,14 +149,15 @@ class ChatScreen(SessionActions, Screen):
     async def _show_session(self, session_id: str) -> None:
         self.current_id = session_id
         session = self.session
-        views, turns = [], iter(session.turns)
-        for m in session.messages:
+        views, replies = [], iter(session.reply_stats())
+        for index, m in enumerate(session.messages):
+            number = session.number_of(index)
             if m["role"] == "assistant":
-                stats = next(turns, None)
+                stats = next(replies, None)
                 views.append(MessageView("assistant", m["content"], turn_summary(stats) if stats else "",
-                                         miss=bool(stats and stats.miss)))
+                                         miss=bool(stats and stats.miss), index=index, number=number))
             else:
-                views.append(MessageView(m["role"], m["content"]))
+                views.append(MessageView(m["role"], m["content"], index=index, number=number))
         if not any(m["role"] != "system" for m in session.messages) and session.id not in self.turns:
             views.append(Static(WELCOME, classes="welcome"))
         self.live_reply = None
@@ -159,7 +174,7 @@ class ChatScreen(SessionActions, Screen):
 
     def refresh_sidebar(self) -> None:
         self.query_one(SessionList).show(self.sessions.values(), self.current_id, set(self.turns))
-        self.refresh_bindings()  # "esc Abort" is live only while this session generates
+        self.refresh_bindings()  # "esc Stop" is live only while this session generates
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "abort":
@@ -172,6 +187,26 @@ class ChatScreen(SessionActions, Screen):
         busy = f" · {len(self.turns)} generating" if self.turns else ""
         self.query_one("#status", Static).update(
             f"{self.session.title} · {self.host.model_name} · {self.host.device}{busy}{kv}")
+
+    def selected_index(self) -> int | None:
+        """The index (in the current session) of the focused message, if a message has the focus."""
+        focused = self.focused
+        if isinstance(focused, Selectable) and focused.index is not None and focused in self.chat_log.children:
+            return focused.index
+        return None
+
+    def action_select_message(self) -> None:
+        """From the prompt: focus the last message (then up/down walk the log, f forks, c copies, enter returns)."""
+        views = [v for v in self.chat_log.query_children(Selectable) if v.can_focus]
+        if not views:
+            self.notify("no messages to select yet")
+            return
+        at = views.index(self.focused) - 1 if self.focused in views else len(views) - 1
+        views[max(0, at)].focus()
+
+    def action_focus_prompt(self) -> None:
+        self.query_one(PromptInput).focus()
+        self.chat_log.anchor()  # follow the stream again
 
     async def notice(self, text: str, role: str = "notice") -> None:
         async with self._log_lock:
@@ -212,8 +247,9 @@ class ChatScreen(SessionActions, Screen):
         if plan.miss and not session.num_misses:  # the first one per session; the turn line shows every one
             self.notify(f"the chat template re-rendered this history differently from token {plan.diverged_at}: "
                         "reuse stops there", title="prefix miss", severity="warning")
+        index = len(session.messages) - 1
         async with self._log_lock:
-            await self.chat_log.add(MessageView("user", text))
+            await self.chat_log.add(MessageView("user", text, index=index, number=session.number_of(index)))
             self.live_reply = ReplyView()
             await self.chat_log.add(self.live_reply)
         request_id = f"{session.id}/{len(session.turns)}/{next(self._request_ids)}"
@@ -265,8 +301,10 @@ class ChatScreen(SessionActions, Screen):
             elif session is not None and live is not None:
                 stats = message.stats
                 await live.show(message.text)
+                index = len(session.messages) - 1
                 await live.finish(turn_summary(stats), stats.miss,
-                                  note="aborted" if stats.finish_reason == "abort" else None)
+                                  note="aborted" if stats.finish_reason == "abort" else None, index=index,
+                                  number=session.number_of(index))
                 self.dashboard.show_turns(session)
 
     def action_abort(self) -> None:
@@ -285,7 +323,7 @@ class ChatScreen(SessionActions, Screen):
 
     def on_stats_update(self, message: StatsUpdate) -> None:
         try:
-            self.dashboard.update_stats(message.stats, message.memory, message.polled_at)
+            self.dashboard.update_stats(message.stats, message.memory, message.polled_at, message.experts)
             self.refresh_status()
         except NoMatches:  # a last poll while the screen is being taken down
             pass

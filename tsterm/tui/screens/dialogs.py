@@ -1,8 +1,10 @@
 """Small modal dialogs: ask for a line of text, or confirm. Each dismisses with its answer (None: cancelled)."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
@@ -10,7 +12,7 @@ from textual.widgets import Button, Input, Label
 
 class TextPrompt(ModalScreen[str | None]):
     CSS_PATH = "dialogs.tcss"
-    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(None)", "Cancel")]
 
     def __init__(self, question: str, value: str = ""):
         super().__init__()
@@ -29,7 +31,8 @@ class TextPrompt(ModalScreen[str | None]):
 
 class Confirm(ModalScreen[bool]):
     CSS_PATH = "dialogs.tcss"
-    BINDINGS = [Binding("escape", "dismiss(False)", "Cancel"), Binding("y", "dismiss(True)", "Yes")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(False)", "Cancel"),
+                                             Binding("y", "dismiss(True)", "Yes")]
 
     def __init__(self, question: str):
         super().__init__()

@@ -1,8 +1,10 @@
 """Shown while the model loads on a worker thread: a progress bar, the current step, or what went wrong."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar, Static
@@ -12,7 +14,7 @@ from tsterm.tui.messages import LoadProgress
 
 class LoadingScreen(Screen):
     CSS_PATH = "loading.tcss"
-    BINDINGS = [Binding("r", "retry", "Retry")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("r", "retry", "Retry")]
 
     def __init__(self, profile: str):
         super().__init__()
@@ -25,7 +27,7 @@ class LoadingScreen(Screen):
             yield ProgressBar(total=None, show_eta=False, id="loading-bar")
             yield Static("starting", id="loading-status", markup=False)
             yield Static("", id="loading-error", markup=False)
-        yield Footer()
+        yield Footer(show_command_palette=False)
 
     def on_load_progress(self, message: LoadProgress) -> None:
         bar = self.query_one(ProgressBar)

@@ -1,10 +1,18 @@
-"""The conversation: one MessageView per message; a ReplyView streams an assistant reply (with its thinking)."""
+"""The conversation: one MessageView per message; a ReplyView streams an assistant reply (with its thinking).
+
+A message of the session (not a notice) carries its index in `Session.messages` and the number shown next to its
+role; it can take the focus (shift+tab or ctrl+up from the prompt), then up/down walk the log and the screen's fork
+and copy actions apply to it.
+"""
 from __future__ import annotations
 
 import contextlib
+from typing import ClassVar
 
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
 from textual.widget import Widget
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
@@ -30,15 +38,51 @@ def turn_summary(stats: TurnStats) -> str:
     return " · ".join(parts)
 
 
-class MessageView(Vertical):
+def role_label(role: str, number: int | None, note: str | None = None) -> Content:
+    return Content.assemble(ROLE_LABELS.get(role, role) + (f" ({note})" if note else ""),
+                            (f"  #{number}" if number is not None else "", "not bold $foreground-muted"))
+
+
+class Selectable(Vertical):
+    """A message of the session, focusable once it has an index. Its keys (move, fork here, copy, back to the
+    prompt) stay out of the footer, which keeps room for the screen's; /help and the README list them."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("up,k", "step(-1)", "Previous message", show=False),
+        Binding("down,j", "step(1)", "Next message", show=False),
+        Binding("f", "screen.fork_session", "Fork here", show=False),
+        Binding("c,y", "screen.copy_message", "Copy", show=False),
+        Binding("enter,i", "screen.focus_prompt", "Back to prompt", show=False),
+    ]
+
+    def __init__(self, role: str, classes: str, index: int | None = None, number: int | None = None):
+        super().__init__(classes=classes)
+        self.role, self.index, self.number = role, index, number
+        self.can_focus = index is not None
+
+    def set_index(self, index: int, number: int | None) -> None:
+        self.index, self.number, self.can_focus = index, number, True
+
+    async def action_step(self, step: int) -> None:
+        """Move the focus to the previous/next message; past the last one, back to the prompt."""
+        views = [v for v in self.parent.query_children(Selectable) if v.can_focus] if self.parent else []
+        at = views.index(self) + step if self in views else -1
+        if at >= len(views):
+            await self.screen.run_action("focus_prompt")
+        elif at >= 0:
+            views[at].focus()
+
+
+class MessageView(Selectable):
     """A finished message: role label + Markdown. `role` also names the CSS class (-user, -assistant, ...)."""
 
-    def __init__(self, role: str, text: str, footer: str = "", miss: bool = False):
-        super().__init__(classes=f"message -{role}")
-        self.role, self.text, self.footer, self.miss = role, text, footer, miss
+    def __init__(self, role: str, text: str, footer: str = "", miss: bool = False, index: int | None = None,
+                 number: int | None = None):
+        super().__init__(role, f"message -{role}", index, number)
+        self.text, self.footer, self.miss = text, footer, miss
 
     def compose(self) -> ComposeResult:
-        yield Label(ROLE_LABELS.get(self.role, self.role), classes="role")
+        yield Label(role_label(self.role, self.number), classes="role")
         if self.role == "assistant":
             split = split_thinking(self.text)
             if split.thinking:
@@ -51,11 +95,12 @@ class MessageView(Vertical):
             yield Static(self.footer, classes="turn-stats -miss" if self.miss else "turn-stats", markup=False)
 
 
-class ReplyView(Vertical):
-    """An assistant reply while it streams. `show(text)` takes the whole text so far (messages may coalesce)."""
+class ReplyView(Selectable):
+    """An assistant reply while it streams. `show(text)` takes the whole text so far (messages may coalesce).
+    It becomes selectable when it finishes and the screen gives it its index."""
 
     def __init__(self) -> None:
-        super().__init__(classes="message -assistant -live")
+        super().__init__("assistant", "message -assistant -live")
         self._written = {"thinking": "", "answer": ""}
         self._streams: dict[str, MarkdownStream] = {}
         self.num_updates = 0
@@ -101,14 +146,17 @@ class ReplyView(Vertical):
             await self._streams.pop(part).stop()
         await markdown.update(new)
 
-    async def finish(self, footer: str, miss: bool = False, note: str | None = None) -> None:
+    async def finish(self, footer: str, miss: bool = False, note: str | None = None, index: int | None = None,
+                     number: int | None = None) -> None:
+        if index is not None:
+            self.set_index(index, number)
         if not self.is_attached:
             return
         for stream in self._streams.values():
             await stream.stop()
         self._streams.clear()
         self.remove_class("-live")
-        self.query_one(".role", Label).update("assistant" + (f" ({note})" if note else ""))
+        self.query_one(".role", Label).update(role_label("assistant", self.number, note))
         stats = self.query_one(".turn-stats", Static)
         stats.update(footer)
         stats.set_class(miss, "-miss")

@@ -1,4 +1,5 @@
-"""Live engine counters: throughput sparklines, latency, KV block map, prefix reuse per turn, copies, memory."""
+"""Live engine counters: throughput sparklines, latency, KV block map, prefix reuse per turn, copies, MoE expert
+load, memory."""
 from __future__ import annotations
 
 from collections import deque
@@ -8,6 +9,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Label, Sparkline, Static
 
 from tsterm.tui.session import Session, TurnStats
+from tsterm.tui.widgets.expert_heatmap import ExpertHeatmap
 from tsterm.tui.widgets.kv_bar import KVBar
 
 HISTORY = 60  # samples kept for the sparklines (15 s at 4 Hz)
@@ -38,10 +40,9 @@ class Dashboard(VerticalScroll):
         self.prefill_rates: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
         self.latest: dict = {}
         self.memory: dict = {}
-        self.last_turn: TurnStats | None = None
+        self.experts: list[list[int]] = []
+        self.recent_turns: deque[TurnStats] = deque(maxlen=50)  # any session's; the latency averages
         self._prev: tuple[float, int, int] | None = None
-        self._ttfts: deque[float] = deque(maxlen=50)
-        self._itls: deque[float] = deque(maxlen=50)
 
     def compose(self) -> ComposeResult:
         yield Label("decode tok/s", id="decode-label", classes="dash-title")
@@ -58,11 +59,17 @@ class Dashboard(VerticalScroll):
         yield Static("no turns yet", id="reuse", markup=False)
         yield Label("copies", classes="dash-title")
         yield Static("", id="copies", markup=False)
+        yield Label("MoE expert load per layer", id="experts-label", classes="dash-title")
+        yield ExpertHeatmap(id="experts")
         yield Label("engine", classes="dash-title")
         yield Static("", id="engine", markup=False)
 
     # ---- inputs
-    def update_stats(self, stats: dict, memory: dict, now: float) -> None:
+    @property
+    def last_turn(self) -> TurnStats | None:
+        return self.recent_turns[-1] if self.recent_turns else None
+
+    def update_stats(self, stats: dict, memory: dict, now: float, experts: list[list[int]] | None = None) -> None:
         gen, prefill = stats.get("generated_tokens", 0), stats.get("prefill_tokens", 0)
         if self._prev is not None and now > self._prev[0]:
             dt = now - self._prev[0]
@@ -70,21 +77,19 @@ class Dashboard(VerticalScroll):
             self.prefill_rates.append((prefill - self._prev[2]) / dt)
         self._prev = (now, gen, prefill)
         self.latest, self.memory = stats, memory
+        if experts is not None:
+            self.experts = experts
         if not self.display:
             return  # keep sampling the history while hidden; draw only what is seen
         self._draw(stats, memory)
 
     def record_turn(self, stats: TurnStats) -> None:
-        self.last_turn = stats
-        if stats.ttft is not None:
-            self._ttfts.append(stats.ttft)
-        if stats.mean_itl is not None:
-            self._itls.append(stats.mean_itl)
+        self.recent_turns.append(stats)
         self._draw_latency()
 
     def show_turns(self, session: Session) -> None:
-        if self.last_turn is None and session.turns:
-            self.last_turn = session.turns[-1]
+        if not self.recent_turns and session.turns:  # restored sessions: their last turn until a new one ends
+            self.recent_turns.append(session.turns[-1])
             self._draw_latency()
         turns = session.turns[-TURN_ROWS:]
         if not turns:
@@ -103,6 +108,7 @@ class Dashboard(VerticalScroll):
     def redraw(self) -> None:
         if self.latest:
             self._draw(self.latest, self.memory)
+        self._draw_latency()
 
     # ---- drawing
     def _draw(self, s: dict, memory: dict) -> None:
@@ -130,6 +136,7 @@ class Dashboard(VerticalScroll):
                    f"{human_bytes(memory['total'])}")
         else:
             mem = f"RSS {human_bytes(memory.get('rss'))}"
+        self.query_one(ExpertHeatmap).set_load(self.experts)
         pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0)
         self.query_one("#engine", Static).update(
             f"{self.device}\n{mem}  KV pool {human_bytes(pool)}\n"
@@ -137,8 +144,10 @@ class Dashboard(VerticalScroll):
 
     def _draw_latency(self) -> None:
         t = self.last_turn
-        mean_ttft = sum(self._ttfts) / len(self._ttfts) if self._ttfts else None
-        mean_itl = sum(self._itls) / len(self._itls) if self._itls else None
+        ttfts = [turn.ttft for turn in self.recent_turns if turn.ttft is not None]
+        itls = [turn.mean_itl for turn in self.recent_turns if turn.mean_itl is not None]
+        mean_ttft = sum(ttfts) / len(ttfts) if ttfts else None
+        mean_itl = sum(itls) / len(itls) if itls else None
         self.query_one("#latency", Static).update(
             f"TTFT  last {ms(t.ttft if t else None)}  avg {ms(mean_ttft)}\n"
             f"ITL   last {ms(t.mean_itl if t else None)}  avg {ms(mean_itl)}")

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.widgets import Input
 
-from tsterm.tui.session import atomic_write
+from tsterm.tui.store import atomic_write
 
 MAX_HISTORY = 500
 
@@ -36,7 +37,7 @@ class PromptHistory:
 
 
 class PromptInput(Input):
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("up", "history(-1)", "Previous prompt", show=False),
         Binding("down", "history(1)", "Next prompt", show=False),
     ]
