@@ -91,6 +91,7 @@ async def test_a_changed_screen_fails_with_a_readable_diff(make_profile, data_di
     async with app.run_test(size=(80, 24)) as pilot:
         screen = await chat_screen(pilot)
         screen.query_one(PromptInput).cursor_blink = False  # a blinking cursor is a change too
+        await asyncio.to_thread(app.host.stop_stats, True)  # no live poll may repaint the status line meanwhile
         await pilot.pause()
         before = render_snapshot(app, "before")
         assert compare(before, render_snapshot(app, "before"), "same") is None
@@ -101,7 +102,7 @@ async def test_a_changed_screen_fails_with_a_readable_diff(make_profile, data_di
         assert "- sessions" in report and "+ SESSIONS" in report and "expected text" in report
         title.update("sessions")
         await pilot.pause()
-        before = render_snapshot(app, "before")  # again: the status line may have changed meanwhile
+        before = render_snapshot(app, "before")
         title.styles.text_style = "italic"
         await pilot.pause()
         report = compare(before, render_snapshot(app, "before"), "style")
