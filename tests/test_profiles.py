@@ -57,6 +57,13 @@ def error_of(path: Path | str) -> str:
     ("model: m\nmax_num_seqs: 2.5\n", 2, ["max_num_seqs", "integer"]),
     ("model: m\nenable_prefix_caching: maybe\n", 2, ["enable_prefix_caching", "true or false"]),
     ("model: m\nsampling: [1, 2]\n", 2, ["sampling", "mapping"]),
+    ("model: m\nui:\n  theme: nordd\n", 3, ["theme 'nordd'", "did you mean 'nord'?"]),
+    ("model: m\nui:\n  theme: plain\n", 3, ["theme 'plain'", "textual-dark"]),
+    ("model: m\nui:\n  dashbord: shown\n", 3, ["unknown ui key 'dashbord'", "did you mean 'dashboard'?"]),
+    ("model: m\nui:\n  dashboard: true\n", 3, ["dashboard", "string", "True"]),
+    ("model: m\nui: {thinking: folded}\n", 2, ["thinking", "collapsed or expanded", "'folded'"]),
+    ("model: m\nui:\n  theme: nord\n  stats_interval: 0\n", 4, ["stats_interval", "[0.05, 10]"]),
+    ("model: m\nui: dark\n", 2, ["ui", "mapping"]),
     ("model: m\ndevice: tpu\n", 2, ["device", "'tpu'"]),
     ("model: m\nsystem_prompt: [a]\n", 2, ["system_prompt", "string"]),
     ("model: m\nblock_size: [16\n", 3, ["invalid YAML"]),
@@ -114,6 +121,7 @@ def test_extends_inherits_and_overrides(tmp_path):
         dtype: float32
         block_size: 16
         sampling: {temperature: 0.7, max_tokens: 64}
+        ui: {theme: nord, dashboard: hidden}
         system_prompt: Be kind.
     """)
     write(tmp_path / "profiles" / "child.yaml", """
@@ -121,12 +129,17 @@ def test_extends_inherits_and_overrides(tmp_path):
         block_size: 32
         sampling:
           temperature: 0
+        ui:
+          dashboard: shown
     """)
     child = load_profile("child")
     assert child.engine == {"model": "demo:tiny", "dtype": "float32", "block_size": 32}
     assert child.sampling == {"temperature": 0, "max_tokens": 64}
     assert child.system_prompt == "Be kind." and child.description == "base"
     assert child.sampling_params().greedy
+    ui = child.ui_options()
+    assert (ui.theme, ui.dashboard, ui.thinking, ui.stats_interval) == ("nord", "shown", "collapsed", 0.25)
+    assert "ui:\n  theme: nord\n  dashboard: shown\n" in child.to_yaml()
 
 
 def test_env_expansion_keeps_types(tmp_path, monkeypatch):

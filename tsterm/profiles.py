@@ -13,13 +13,14 @@ from typing import Any
 
 import yaml
 
-from tsterm.config import EngineConfig, SamplingParams
+from tsterm.config import EngineConfig, SamplingParams, UiOptions
 from tsterm.errors import ConfigError
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "profiles"
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)}
-TOP_KEYS = ENGINE_KEYS | {"extends", "sampling", "system_prompt", "description"}
+SECTIONS = {"sampling": SamplingParams, "ui": UiOptions}  # nested mappings, each checked by its dataclass
+SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
+TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -31,8 +32,9 @@ class Profile:
     sampling: dict[str, Any] = field(default_factory=dict)
     system_prompt: str | None = None
     description: str = ""
-    # key -> (file, line) that set it (sampling keys as "sampling.KEY"): errors found later still point there
+    # key -> (file, line) that set it (section keys as "sampling.KEY", "ui.KEY"): later errors still point there
     origins: dict[str, tuple[Path, int]] = field(default_factory=dict)
+    ui: dict[str, Any] = field(default_factory=dict)
 
     def where(self, key: str) -> str:
         path, line = self.origins.get(key, (self.path, 1))
@@ -70,11 +72,15 @@ class Profile:
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.sampling, **{k: v for k, v in overrides.items() if v is not None}})
 
+    def ui_options(self) -> UiOptions:
+        return UiOptions(**self.ui)
+
     def to_yaml(self) -> str:
         """The resolved profile (after `extends` and `${ENV}`), `model` as written."""
         data: dict[str, Any] = {"description": self.description, **self.engine}
-        if self.sampling:
-            data["sampling"] = dict(self.sampling)
+        for section in SECTIONS:
+            if getattr(self, section):
+                data[section] = dict(getattr(self, section))
         if self.system_prompt is not None:
             data["system_prompt"] = self.system_prompt
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=float("inf"))
@@ -135,14 +141,15 @@ def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
     for key in ("extends", "description", "system_prompt"):
         if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
             raise ConfigError(f"{at(key)}: {key} must be a string, got {raw[key]!r}")
-    sampling_raw = raw.get("sampling") or {}
-    if not isinstance(sampling_raw, dict):
-        raise ConfigError(f"{at('sampling')}: `sampling` must be a mapping")
-    for key, value in sampling_raw.items():
-        if key not in SAMPLING_KEYS:
-            raise ConfigError(f"{at('sampling.' + str(key))}: unknown sampling key {key!r}"
-                              f"{_did_you_mean(str(key), SAMPLING_KEYS)}")
-        _validate(SamplingParams, key, value, at("sampling." + key))
+    sections = {name: raw.get(name) or {} for name in SECTIONS}
+    for name, values in sections.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{at(name)}: `{name}` must be a mapping")
+        for key, value in values.items():
+            if key not in SECTION_KEYS[name]:
+                raise ConfigError(f"{at(f'{name}.{key}')}: unknown {name} key {key!r}"
+                                  f"{_did_you_mean(str(key), SECTION_KEYS[name])}")
+            _validate(SECTIONS[name], key, value, at(f"{name}.{key}"))
     for key, value in raw.items():
         if key in ENGINE_KEYS and key != "model":
             _validate(EngineConfig, key, value, at(key))
@@ -161,16 +168,16 @@ def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
             raise ConfigError(f"{at('extends')}: `extends` forms a cycle ({cycle})")
         base = _load(target, chain)
     engine = dict(base.engine) if base else {}
-    sampling = dict(base.sampling) if base else {}
+    sampling = {**(base.sampling if base else {}), **sections["sampling"]}
+    ui = {**(base.ui if base else {}), **sections["ui"]}
     origins = dict(base.origins) if base else {}
     engine.update({k: v for k, v in raw.items() if k in ENGINE_KEYS})
     if "model" in raw:
         engine["model"] = str(raw["model"])
-    sampling.update(sampling_raw)
     origins.update({k: (path, line) for k, line in lines.items()})
     return Profile(path.stem, path, engine, sampling,
                    raw.get("system_prompt", base.system_prompt if base else None),
-                   raw.get("description", base.description if base else ""), origins)
+                   raw.get("description", base.description if base else ""), origins, ui)
 
 
 def _did_you_mean(key: str, choices: set[str]) -> str:
@@ -227,8 +234,8 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     lines: dict[str, int] = {}
     for key, value in node.value:
         lines[str(key.value)] = key.start_mark.line + 1
-        if key.value == "sampling" and isinstance(value, yaml.MappingNode):
-            lines.update({f"sampling.{k.value}": k.start_mark.line + 1 for k, _ in value.value})
+        if key.value in SECTIONS and isinstance(value, yaml.MappingNode):
+            lines.update({f"{key.value}.{k.value}": k.start_mark.line + 1 for k, _ in value.value})
     return raw, lines
 
 

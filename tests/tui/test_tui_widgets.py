@@ -43,6 +43,17 @@ async def test_reply_streams_a_thinking_block_into_a_collapsible():
         assert "-live" not in reply.classes
 
 
+async def test_reply_keeps_the_thinking_block_open_when_the_profile_says_expanded():
+    reply = ReplyView(collapse_thinking=False)  # ui.thinking: expanded
+    app = Harness(ChatLog(reply))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await reply.show("<think>\nhmm</think>\n\nyes")
+        await reply.finish("")
+        await pilot.pause()
+        box = reply.query_one(Collapsible)
+        assert box.display and not box.collapsed and box.title == "thinking"
+
+
 async def test_reply_rerenders_when_the_split_moves():
     reply = ReplyView()
     app = Harness(ChatLog(reply))

@@ -5,6 +5,8 @@ import asyncio
 import dataclasses
 import json
 
+from textual.widgets import Collapsible
+
 from tests.tui.helpers import (
     chat_screen,
     engine_stats,
@@ -146,6 +148,32 @@ async def test_copy_a_message_to_the_clipboard(make_profile, data_dir):
         app.clear_notifications()
         await pilot.press("ctrl+y")  # nothing to copy: a notice, the clipboard unchanged
         assert app.clipboard == "why?" and any("no reply to copy" in n for n in notifications(app))
+
+
+async def test_profile_ui_options_set_theme_dashboard_thinking_and_poll_rate(make_profile, data_dir):
+    restored = {"id": "20250101-000000-abcdef", "title": "thinking", "messages": [
+        {"role": "system", "content": "you are a test"}, {"role": "user", "content": "why?"},
+        {"role": "assistant", "content": "<think>\nlet me see\n</think>\n\nbecause."}]}
+    (data_dir / "sessions").mkdir(parents=True)
+    (data_dir / "sessions" / f"{restored['id']}.json").write_text(json.dumps(restored))
+    ui = "{theme: nord, dashboard: hidden, thinking: expanded, stats_interval: 10}"
+    app = TstermApp(make_profile(max_tokens=4, ui=ui))
+    async with app.run_test(size=(200, 60)) as pilot:  # wide enough that `auto` would open the dashboard
+        screen = await chat_screen(pilot)
+        assert app.theme == "nord"
+        assert not screen.has_class("-dashboard") and not screen.query_one("#dashboard").display
+        box = screen.chat_log.query(MessageView).last().query_one(Collapsible)
+        assert not box.collapsed and box.title == "thinking"
+        await asyncio.sleep(1.0)  # the poller waits the profile's 10 s before its first poll (the default: 0.25 s)
+        await pilot.pause()
+        assert app.host.ui.stats_interval == 10 and screen.dashboard.latest == {}
+    default = TstermApp(make_profile(max_tokens=4, name="plain"))
+    async with default.run_test(size=(200, 60)) as pilot:
+        screen = await chat_screen(pilot)
+        assert default.theme == "textual-dark" and screen.query_one("#dashboard").display
+        box = screen.chat_log.query(MessageView).last().query_one(Collapsible)
+        assert box.collapsed
+        await wait_until(pilot, lambda: screen.dashboard.latest, what="a poll at the default rate")
 
 
 async def test_profile_switch_reloads_the_engine_and_keeps_the_sessions(make_profile, data_dir, tmp_path):

@@ -75,6 +75,7 @@ class TstermApp(App):
             message.host.shutdown()
             return
         old, self.host, self.profile, self.loading = self.host, message.host, message.profile, None
+        self.theme = self.host.ui.theme
         if old is None:
             await self.switch_screen(ChatScreen(self.host, self.store))
             return

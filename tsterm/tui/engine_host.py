@@ -17,7 +17,7 @@ from typing import Any
 
 from textual.message import Message
 
-from tsterm.config import SamplingParams
+from tsterm.config import SamplingParams, UiOptions
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.engine.engine import Engine
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
@@ -34,6 +34,7 @@ class EngineHost:
     sampling: SamplingParams
     system_prompt: str | None = None
     profile_name: str = ""
+    ui: UiOptions = field(default_factory=UiOptions)
     async_engine: AsyncEngine = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,11 +86,12 @@ class EngineHost:
         post(TurnFinished(session_id, request_id, plan, text, list(token_ids), stats, error))
 
     # ---- counters
-    def start_stats(self, post: Post, interval: float = 0.25) -> None:
+    def start_stats(self, post: Post, interval: float | None = None) -> None:
         """Poll `stats()` and the per-expert routing counts on a daemon thread; the engine answers between two steps,
         so decoding is not slowed."""
         if self._stats_thread is not None:
             return
+        interval = self.ui.stats_interval if interval is None else interval
 
         def poll() -> None:
             while not self._stop_stats.wait(interval):
@@ -156,4 +158,4 @@ def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, p
         config = profile.engine_config()
         status(f"loading {config.model}")
         engine = Engine(config, progress=progress)
-    return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name)
+    return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options())

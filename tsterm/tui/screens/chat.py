@@ -107,7 +107,8 @@ class ChatScreen(SessionActions, Screen):
                 self.notify(f"{session.title}: made with another model; its history will be re-tokenised",
                             severity="warning")
             self.sessions[session.id] = session
-        self.set_class(self.app.size.width >= WIDE, "-dashboard")
+        shown = {"auto": self.app.size.width >= WIDE, "shown": True, "hidden": False}[self.host.ui.dashboard]
+        self.set_class(shown, "-dashboard")
         self.set_class(self.app.size.width < NARROW, "-narrow")
         if not self.sessions:
             self.add_session(self.new_session())
@@ -129,6 +130,10 @@ class ChatScreen(SessionActions, Screen):
         self.set_class(self.size.width < NARROW, "-narrow")
 
     # ---- accessors
+    @property
+    def collapse_thinking(self) -> bool:
+        return self.host.ui.thinking == "collapsed"
+
     @property
     def session(self) -> Session:
         return self.sessions[self.current_id]
@@ -155,7 +160,8 @@ class ChatScreen(SessionActions, Screen):
             if m["role"] == "assistant":
                 stats = next(replies, None)
                 views.append(MessageView("assistant", m["content"], turn_summary(stats) if stats else "",
-                                         miss=bool(stats and stats.miss), index=index, number=number))
+                                         miss=bool(stats and stats.miss), index=index, number=number,
+                                         collapse_thinking=self.collapse_thinking))
             else:
                 views.append(MessageView(m["role"], m["content"], index=index, number=number))
         if not any(m["role"] != "system" for m in session.messages) and session.id not in self.turns:
@@ -163,7 +169,7 @@ class ChatScreen(SessionActions, Screen):
         self.live_reply = None
         in_flight = self.turns.get(session_id)
         if in_flight is not None:
-            self.live_reply = live = ReplyView()
+            self.live_reply = live = ReplyView(self.collapse_thinking)
             views.append(live)
         await self.chat_log.show_messages(views)
         if in_flight is not None and live.is_attached:
@@ -250,7 +256,7 @@ class ChatScreen(SessionActions, Screen):
         index = len(session.messages) - 1
         async with self._log_lock:
             await self.chat_log.add(MessageView("user", text, index=index, number=session.number_of(index)))
-            self.live_reply = ReplyView()
+            self.live_reply = ReplyView(self.collapse_thinking)
             await self.chat_log.add(self.live_reply)
         request_id = f"{session.id}/{len(session.turns)}/{next(self._request_ids)}"
         worker = self.run_worker(self.host.stream_turn(session.id, plan, request_id, self.post_message),

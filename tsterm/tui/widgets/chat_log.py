@@ -77,16 +77,17 @@ class MessageView(Selectable):
     """A finished message: role label + Markdown. `role` also names the CSS class (-user, -assistant, ...)."""
 
     def __init__(self, role: str, text: str, footer: str = "", miss: bool = False, index: int | None = None,
-                 number: int | None = None):
+                 number: int | None = None, collapse_thinking: bool = True):
         super().__init__(role, f"message -{role}", index, number)
         self.text, self.footer, self.miss = text, footer, miss
+        self.collapse_thinking = collapse_thinking
 
     def compose(self) -> ComposeResult:
         yield Label(role_label(self.role, self.number), classes="role")
         if self.role == "assistant":
             split = split_thinking(self.text)
             if split.thinking:
-                with Collapsible(title="thinking", collapsed=True, classes="thinking"):
+                with Collapsible(title="thinking", collapsed=self.collapse_thinking, classes="thinking"):
                     yield Markdown(split.thinking)
             yield Markdown(split.answer or ("*(empty reply)*" if not split.thinking else ""), classes="answer")
         else:
@@ -99,8 +100,10 @@ class ReplyView(Selectable):
     """An assistant reply while it streams. `show(text)` takes the whole text so far (messages may coalesce).
     It becomes selectable when it finishes and the screen gives it its index."""
 
-    def __init__(self) -> None:
+    def __init__(self, collapse_thinking: bool = True) -> None:
+        """`collapse_thinking`: fold the thinking block once the model has finished thinking."""
         super().__init__("assistant", "message -assistant -live")
+        self.collapse_thinking = collapse_thinking
         self._written = {"thinking": "", "answer": ""}
         self._streams: dict[str, MarkdownStream] = {}
         self.num_updates = 0
@@ -128,7 +131,7 @@ class ReplyView(Selectable):
             box = self.query_one(Collapsible)
             box.display = True
             if not split.thinking_open and box.title == "thinking…":
-                box.title, box.collapsed = "thinking", True
+                box.title, box.collapsed = "thinking", self.collapse_thinking
             await self._put("thinking", split.thinking)
         await self._put("answer", split.answer)
 
