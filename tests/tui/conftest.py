@@ -9,11 +9,6 @@ from tests.helpers.checkpoints import make_checkpoint
 from tests.tui.snapshots import assert_snapshot, update_requested
 
 
-def pytest_addoption(parser):
-    parser.addoption("--snapshot-update", action="store_true", dest="snapshot_update",
-                     help="rewrite the TUI snapshots in tests/tui/snapshots/ instead of comparing with them")
-
-
 @pytest.fixture
 def snapshot(request, tmp_path):
     """`snapshot(app, name, title)`: compare the screen with tests/tui/snapshots/NAME.txt (see snapshots.py)."""
