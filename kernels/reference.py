@@ -79,6 +79,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for i, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         num_q = q_end - q_start
+        if num_q >= _CAUSAL_MIN_QUERIES and device.type == "cpu" and _FLASH_CPU is not None:
+            _extend_attention(q[q_start:q_end], k_cache, v_cache, meta.block_runs[i], seq_len, scale,
+                              out[q_start:q_end])
+            continue
         # [Hkv, G * nq, D]: one KV head's query group as rows; small (new tokens only), so this copy is cheap.
         qh = q[q_start:q_end].view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qh = qh.reshape(num_kv_heads, group * num_q, head_dim)
@@ -111,6 +115,46 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CAUSAL_MIN_QUERIES = 8  # from this many new tokens, a sequence's attention runs as unmasked + causal pieces
+
+
+def _extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      runs: list[tuple[int, int]], seq_len: int, scale: float, out: torch.Tensor) -> None:
+    """Prefill/extend on the CPU: q [nq, Hq, D] are the last nq positions of a context of `seq_len`; writes out.
+
+    No mask is built. The keys before the first new token are seen by every query: an unmasked piece. A piece of
+    keys starting at position p >= first new position is causal for the queries from position p on, exactly the
+    kernel's top-left `is_causal` (query row i sees key i and before), and invisible to the queries before p.
+    The causal kernel skips the masked half of the work. GQA without a copy: the query group is the kernel's head
+    axis and each KV head is broadcast over it (stride 0). Pieces merge by log-sum-exp into their rows.
+    """
+    num_q, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    first_q = seq_len - num_q
+    qh = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, nq, D] view
+    acc = lse = None  # [Hkv, G, nq, D] float32, [Hkv, G, nq]
+    pos = 0
+    for first_block, num_blocks in runs:
+        n = min(num_blocks * block_size, seq_len - pos)
+        k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D] view
+        v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
+        split = min(max(first_q - pos, 0), n)  # keys [0, split) of this run precede every query
+        pieces = ([(0, split, 0, False)] if split else []) + ([(split, n, pos + split - first_q, True)]
+                                                              if split < n else [])
+        for a, c, row0, causal in pieces:
+            kp = k[a:c].permute(1, 0, 2)[:, None].expand(num_kv_heads, group, c - a, head_dim)
+            vp = v[a:c].permute(1, 0, 2)[:, None].expand(num_kv_heads, group, c - a, head_dim)
+            o, piece_lse = _FLASH_CPU(qh[:, :, row0:], kp, vp, 0.0, causal, scale=scale)[:2]
+            if acc is None:  # the piece holding position 0: it covers every row (row0 = 0)
+                acc, lse = o.float(), piece_lse
+                continue
+            rows_acc, rows_lse = acc[:, :, row0:], lse[:, :, row0:]  # every row of a piece sees >= 1 of its keys
+            new_lse = torch.logaddexp(rows_lse, piece_lse)
+            rows_acc.mul_(torch.exp(rows_lse - new_lse)[..., None]).add_(o * torch.exp(piece_lse - new_lse)[..., None])
+            rows_lse.copy_(new_lse)
+        pos += n
+    out.view(num_q, num_kv_heads, group, head_dim).copy_(acc.permute(2, 0, 1, 3))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

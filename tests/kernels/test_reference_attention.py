@@ -20,7 +20,7 @@ def dense_reference(q, k_cache, v_cache, table, seq_len, scale):
 
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash-kernel", "matmul"])
-@pytest.mark.parametrize("num_q", [1, 4, 9, 27])  # decode, extend, extend over several runs, whole prefill
+@pytest.mark.parametrize("num_q", [1, 4, 8, 9, 12, 20, 27])  # decode, extend (from 8: causal pieces), prefill
 def test_runs_merged_by_lse_equal_dense_attention(monkeypatch, flash, num_q):
     if not flash:
         monkeypatch.setattr(reference, "_FLASH_CPU", None)
