@@ -125,15 +125,16 @@ def _extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     No mask is built. The keys before the first new token are seen by every query: an unmasked piece. A piece of
     keys starting at position p >= first new position is causal for the queries from position p on, exactly the
     kernel's top-left `is_causal` (query row i sees key i and before), and invisible to the queries before p.
-    The causal kernel skips the masked half of the work. GQA without a copy: the query group is the kernel's head
-    axis and each KV head is broadcast over it (stride 0). Pieces merge by log-sum-exp into their rows.
+    The causal kernel skips the masked half of the work. GQA: an unmasked piece takes each KV head's whole query
+    group as rows (the keys are read once per row block); a causal piece takes the group as the kernel's head axis
+    with its KV head broadcast over it (stride 0, no copy). Pieces merge by log-sum-exp into their rows.
     """
     num_q, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     first_q = seq_len - num_q
     qh = q.view(num_q, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, nq, D] view
-    acc = lse = None  # [Hkv, G, nq, D] float32, [Hkv, G, nq]
+    acc = lse = q_rows = None  # [Hkv, G, nq, D] float32, [Hkv, G, nq]; q as one row block per KV head
     pos = 0
     for first_block, num_blocks in runs:
         n = min(num_blocks * block_size, seq_len - pos)
@@ -143,9 +144,16 @@ def _extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         pieces = ([(0, split, 0, False)] if split else []) + ([(split, n, pos + split - first_q, True)]
                                                               if split < n else [])
         for a, c, row0, causal in pieces:
-            kp = k[a:c].permute(1, 0, 2)[:, None].expand(num_kv_heads, group, c - a, head_dim)
-            vp = v[a:c].permute(1, 0, 2)[:, None].expand(num_kv_heads, group, c - a, head_dim)
-            o, piece_lse = _FLASH_CPU(qh[:, :, row0:], kp, vp, 0.0, causal, scale=scale)[:2]
+            kp, vp = k[a:c].permute(1, 0, 2), v[a:c].permute(1, 0, 2)  # [Hkv, n, D] views
+            if causal:
+                kp = kp[:, None].expand(num_kv_heads, group, c - a, head_dim)
+                vp = vp[:, None].expand(num_kv_heads, group, c - a, head_dim)
+                o, piece_lse = _FLASH_CPU(qh[:, :, row0:], kp, vp, 0.0, True, scale=scale)[:2]
+            else:  # the group's rows share one pass over the keys: a long prefix is read once per row block
+                if q_rows is None:
+                    q_rows = qh.reshape(num_kv_heads, group * num_q, head_dim)  # [Hkv, G*nq, D] (new tokens only)
+                o, piece_lse = _FLASH_CPU(q_rows[None], kp[None], vp[None], 0.0, False, scale=scale)[:2]
+                o, piece_lse = o[0].view(qh.shape), piece_lse[0].view(qh.shape[:3])
             if acc is None:  # the piece holding position 0: it covers every row (row0 = 0)
                 acc, lse = o.float(), piece_lse
                 continue
