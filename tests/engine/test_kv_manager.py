@@ -38,7 +38,7 @@ def admit(kv: KVCacheManager, tokens) -> tuple[Sequence, int]:
 
 
 def snapshot(pool: BlockPool, kv: KVCacheManager, *seqs: Sequence):
-    return (list(pool._free), list(pool._cached), dict(pool._hash_to_block),
+    return (sorted(pool._free), list(pool._cached), dict(pool._hash_to_block),
             [(b.ref_cnt, b.block_hash) for b in pool.blocks], kv.stats(),
             [(list(s.block_table), s.num_computed_tokens) for s in seqs])
 
@@ -59,6 +59,19 @@ def test_consecutive_after_evicting_tail_first():
     kv.free(a)
     b, _ = admit(kv, range(100, 116))  # evicts a's cached blocks (tail first), sorted in one call
     assert b.block_table == [0, 1, 2, 3]
+
+
+def test_a_growing_sequence_takes_the_block_after_its_last_one():
+    pool, kv = make()
+    a, _ = admit(kv, range(6))  # [0, 1], block 1 half full
+    b, _ = admit(kv, range(100, 104))  # [2]
+    kv.free(a)  # block 0 is cached (full), block 1 is free again: the lowest free id
+    b.token_ids.extend(range(104, 108))
+    run(kv, b)
+    assert b.block_table == [2, 3]  # one run, not [2, 1]
+    c, _ = admit(kv, range(200, 204))
+    assert c.block_table == [1]  # nothing to continue: the lowest free id
+    pool.check_invariants()
 
 
 def test_shared_prefix_of_two_and_a_half_blocks_hits_two_blocks():

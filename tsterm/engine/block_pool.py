@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 _HASH_BYTES = 16  # 128-bit chain hashes: a collision is not a practical concern, and token ids are re-checked
@@ -43,8 +44,8 @@ class Block:
 class BlockPool:
     """`num_blocks` KV block ids of `block_size` slots each.
 
-    `allocate` takes a free block (lowest ids first, so a fresh sequence usually gets a consecutive run) or,
-    when none is free, evicts the least recently released cached block. A referenced block is never evicted.
+    `allocate` takes a free block (the one asked for when it is free, else the lowest id, so that a sequence's
+    blocks form consecutive runs) or, when none is free, evicts the least recently released cached block. A referenced block is never evicted.
     `fingerprint` names the model (and anything else that changes KV for equal token ids): it seeds the root
     of every hash chain, so two models never share blocks.
     """
@@ -56,7 +57,8 @@ class BlockPool:
         self.fingerprint = fingerprint
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # popleft to allocate, append on release
+        self._free: set[int] = set(range(num_blocks))
+        self._free_heap: list[int] = list(range(num_blocks))  # min-heap over a superset of _free (lazy removal)
         self._cached: OrderedDict[int, None] = OrderedDict()  # evictable, least recently released first
         self._hash_to_block: dict[int, int] = {}
         self._root_hash = int.from_bytes(hashlib.blake2b(fingerprint.encode(), digest_size=_HASH_BYTES).digest(),
@@ -97,10 +99,18 @@ class BlockPool:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
 
-    def allocate(self) -> int:
-        """A fresh block with ref_cnt 1: the lowest free id, else the least recently used cached block."""
-        if self._free:
-            block_id = self._free.popleft()
+    def allocate(self, prefer: int | None = None) -> int:
+        """A fresh block with ref_cnt 1: `prefer` if it is free (a sequence asks for the id after its last block,
+        so its context stays one run of blocks), else the lowest free id, else the least recently used cached
+        block."""
+        if prefer in self._free:
+            block_id = prefer
+            self._free.remove(block_id)  # its heap entry goes stale and is skipped later
+        elif self._free:
+            block_id = heapq.heappop(self._free_heap)
+            while block_id not in self._free:
+                block_id = heapq.heappop(self._free_heap)
+            self._free.remove(block_id)
         elif self._cached:
             block_id, _ = self._cached.popitem(last=False)
             self._unregister(self.blocks[block_id])
@@ -131,7 +141,10 @@ class BlockPool:
             if block.block_hash is not None:
                 self._cached[block_id] = None
             else:
-                self._free.append(block_id)
+                self._free.add(block_id)
+                heapq.heappush(self._free_heap, block_id)
+                if len(self._free_heap) > 2 * self.num_blocks:  # too many stale entries: rebuild
+                    self._free_heap = sorted(self._free)
 
     def register(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> int:
         """Make a full, referenced block content-addressed and return its chain hash. If another block is
@@ -159,8 +172,8 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         """O(num_blocks) consistency check for tests."""
-        free, cached = set(self._free), set(self._cached)
-        assert len(free) == len(self._free), "duplicate id in the free list"
+        free, cached = self._free, set(self._cached)
+        assert free <= set(self._free_heap), "a free id missing from the allocation heap"
         assert not free & cached
         for block in self.blocks:
             assert block.ref_cnt >= 0, block

@@ -82,9 +82,14 @@ class KVCacheManager:
             if i * self.block_size < seq.num_computed_tokens:  # a block with no computed slot needs no copy
                 copies.append((src, dst))
         self.cow_copies += len(copies)
-        # Sorted so that blocks taken in one call form a consecutive run whenever the ids allow it
-        # (evicted cached blocks come out tail-first).
-        table.extend(sorted(pool.allocate() for _ in range(num_new)))
+        # Each new block asks for the id after the previous one: the context stays one run of blocks whenever the
+        # ids allow it, across turns too, and attention reads a run as one view of the pool. Sorted, for blocks
+        # that came from eviction (cached blocks come out tail-first).
+        new: list[int] = []
+        for _ in range(num_new):
+            last = new[-1] if new else table[-1] if table else None
+            new.append(pool.allocate(prefer=None if last is None else last + 1))
+        table.extend(sorted(new))
         return copies
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
