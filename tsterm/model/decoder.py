@@ -69,7 +69,7 @@ class Attention:
 
 
 class SparseMoE:
-    """Routed experts (+ optional gated shared expert). A dense MLP is the one-expert case with no router."""
+    """Routed experts (+ optional gated shared expert). A dense MLP is one expert with no router, run directly."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
         self.w13, self.w2 = w[prefix + "w13"], w[prefix + "w2"]  # [E, 2I, H], [E, H, I]
@@ -81,17 +81,16 @@ class SparseMoE:
         self.expert_load: torch.Tensor | None = None  # [E] tokens routed per expert, accumulated on the device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router is None:  # dense: the one expert's output is the result (no zeroed buffer, no routing)
+            h = linear(x, self.w13[0])  # [T, 2I]
+            inter = self.w2.shape[2]
+            return linear(F.silu(h[:, :inter]) * h[:, inter:], self.w2[0])  # [T, H]
         out = torch.zeros_like(x)  # [T, H]: every expert's weighted output is accumulated into it in place
-        T = x.shape[0]
-        if self.router is None:
-            weights = torch.ones((T, 1), dtype=torch.float32, device=x.device)  # [T, 1]
-            expert_ids = torch.zeros((T, 1), dtype=torch.int64, device=x.device)  # [T, 1]
-        else:
-            logits = linear(x, self.router)  # [T, E]
-            weights, expert_ids = ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
-            if self.expert_load is not None:
-                self.expert_load.index_add_(0, expert_ids.reshape(-1),
-                                            torch.ones_like(expert_ids.reshape(-1), dtype=self.expert_load.dtype))
+        logits = linear(x, self.router)  # [T, E]
+        weights, expert_ids = ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
+        if self.expert_load is not None:
+            self.expert_load.index_add_(0, expert_ids.reshape(-1),
+                                        torch.ones_like(expert_ids.reshape(-1), dtype=self.expert_load.dtype))
         ops.fused_moe(x, self.w13, self.w2, weights, expert_ids, out)
         if self.shared_w13 is not None:
             # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
