@@ -29,9 +29,11 @@ def test_store_kv_matches_twin(triton_ops, dtype, num_tokens, num_kv_heads, head
     torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
 
 
-def test_store_kv_skips_negative_slots(triton_ops):
-    k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+@pytest.mark.parametrize("twin", [False, True], ids=["triton", "torch-twin"])
+def test_store_kv_skips_negative_slots(triton_ops, twin):
+    store = reference.store_kv if twin else triton_ops.store_kv
+    k, v = torch.randn(3, 1, 16), torch.randn(3, 1, 16)
     k_cache, v_cache = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
-    triton_ops.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1]))
-    assert torch.equal(k_cache.view(-1, 16)[5], k[0, 0])
-    assert torch.count_nonzero(k_cache.view(-1, 16).abs().sum(-1)) == 1
+    store(k, v, k_cache, v_cache, torch.tensor([5, -1, 2]))
+    assert torch.equal(k_cache.view(-1, 16)[5], k[0, 0]) and torch.equal(v_cache.view(-1, 16)[2], v[2, 0])
+    assert torch.count_nonzero(k_cache.view(-1, 16).abs().sum(-1)) == 2

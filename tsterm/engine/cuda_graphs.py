@@ -11,22 +11,19 @@ What a replay relies on (see torch.cuda.graph):
   its bound. The torch twins read host lists per sequence, so graphs are used with the Triton ops only.
 - Padding. Rows past the real batch hold token 0 at position 0, KV slot -1 (store_kv skips it) and context
   length 0 (attention reads no key and writes zeros); their logits rows are never returned, and their (token,
-  expert) pairs weigh 0 in the expert-load count (`_count_real_rows`).
+  expert) pairs weigh 0 in the expert-load count (the step's `pair_weights`, passed to the decoder's forward context).
 - Capture hygiene. Warm-up runs (Triton compiles, cuBLAS workspaces) and the capture use one dedicated side
   stream; every graph captures into one shared memory pool. Sharing is safe because replays never overlap (one
   stream) and no graph reads another's memory: inputs live in each graph's own buffers, outputs stay referenced.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-from tsterm_kernels.dispatch import ops
 
 from tsterm.engine.step_inputs import HostStep, StepLayout, step_inputs
-from tsterm.model.decoder import SparseMoE, forward_context
+from tsterm.model.decoder import forward_context
 
 if TYPE_CHECKING:
     from tsterm.engine.model_runner import ModelRunner, ScheduledBatch
@@ -74,7 +71,7 @@ class DecodeGraph:
     def forward(self) -> torch.Tensor:
         """The captured work: the padded forward and the logits of every row, [batch_size, V] float32."""
         model = self.runner.model
-        with forward_context(self.inputs.meta), _count_real_rows(self.runner.moe_layers, self.inputs.pair_weights):
+        with forward_context(self.inputs.meta, self.inputs.pair_weights):
             hidden = model.forward(self.inputs.input_ids, self.inputs.positions)  # [B, H]
             return model.logits(hidden)  # [B, V]
 
@@ -141,38 +138,3 @@ class DecodeGraphs:
                                    "cuda_graphs=False") from e
             self.graphs[key] = graph
         return graph
-
-
-@contextlib.contextmanager
-def _count_real_rows(moe_layers: list[SparseMoE], pair_weights: torch.Tensor) -> Iterator[None]:
-    """While a padded decode step runs, count routed tokens of real rows only in each layer's `expert_load`.
-
-    The decoder counts every row it routes; here the layers' counters are taken away and the routing op is wrapped
-    to add `pair_weights` (1 per pair of a real row, 0 per pair of a padding row) instead. The i-th routing call of
-    a forward belongs to the i-th MoE layer. The counters are the engine's persistent tensors, so a captured
-    graph adds into them at every replay.
-    """
-    loads = [mlp.expert_load for mlp in moe_layers]
-    route = ops.moe_route
-    calls = iter(loads)
-    done = []
-
-    def route_and_count(router_logits: torch.Tensor, top_k: int, renormalize: bool):
-        weights, expert_ids = route(router_logits, top_k, renormalize)  # [T, k], [T, k]
-        load = next(calls)
-        done.append(load)
-        if load is not None:
-            assert expert_ids.numel() == pair_weights.numel(), "top-k differs from the runner's num_experts_per_tok"
-            load.index_add_(0, expert_ids.reshape(-1), pair_weights.to(load.dtype))
-        return weights, expert_ids
-
-    for mlp in moe_layers:
-        mlp.expert_load = None
-    ops.moe_route = route_and_count
-    try:
-        yield
-        assert len(done) == len(loads), f"{len(done)} routing calls for {len(loads)} MoE layers in one forward"
-    finally:
-        ops.moe_route = route
-        for mlp, load in zip(moe_layers, loads):
-            mlp.expert_load = load

@@ -1,7 +1,7 @@
 """The one decoder every supported architecture runs through: embed -> [attention over paged KV | MoE] x L -> norm.
 
-Per-step attention metadata is set once per step with `forward_context(meta)`, so layers take only
-`(positions, hidden)`. Weights are the packed tensors from `tsterm.model.loader`; nothing here copies one.
+Per-step attention metadata (and, for a padded step, which rows count in the expert load) is set once per step with
+`forward_context(meta, pair_weights)`, so layers take only `(positions, hidden)`. Weights are the packed tensors from `tsterm.model.loader`; nothing here copies one.
 """
 from __future__ import annotations
 
@@ -19,16 +19,19 @@ from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.reference import linear
 
 _current_meta: AttentionMetadata | None = None
+_current_pair_weights: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
-def forward_context(meta: AttentionMetadata) -> Iterator[None]:
-    global _current_meta
-    _current_meta = meta
+def forward_context(meta: AttentionMetadata, pair_weights: torch.Tensor | None = None) -> Iterator[None]:
+    """`pair_weights` [T * top_k]: what each (token, expert) pair adds to the expert load (a padded CUDA-graph
+    step passes 1 for its real rows, 0 for the padding); None counts every pair once."""
+    global _current_meta, _current_pair_weights
+    _current_meta, _current_pair_weights = meta, pair_weights
     try:
         yield
     finally:
-        _current_meta = None
+        _current_meta, _current_pair_weights = None, None
 
 
 class Attention:
@@ -89,8 +92,11 @@ class SparseMoE:
         logits = linear(x, self.router)  # [T, E]
         weights, expert_ids = ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
         if self.expert_load is not None:
-            self.expert_load.index_add_(0, expert_ids.reshape(-1),
-                                        torch.ones_like(expert_ids.reshape(-1), dtype=self.expert_load.dtype))
+            pairs = expert_ids.reshape(-1)  # [T*k]
+            counts = _current_pair_weights
+            counts = torch.ones_like(pairs, dtype=self.expert_load.dtype) if counts is None else counts
+            assert counts.numel() == pairs.numel(), "pair weights for another top-k"
+            self.expert_load.index_add_(0, pairs, counts.to(self.expert_load.dtype))
         ops.fused_moe(x, self.w13, self.w2, weights, expert_ids, out)
         if self.shared_w13 is not None:
             # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
