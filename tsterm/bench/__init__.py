@@ -31,7 +31,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument("--sessions", type=int, default=1, help="parallel agent sessions (P)")
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--system-tokens", type=int, default=1024, help="shared system prompt + tool schemas")
+    p.add_argument("--system-tokens", type=int, default=TraceSpec.system_tokens,
+                   help="shared system prompt + tool schemas (default: %(default)s)")
     p.add_argument("--task-tokens", type=int, default=64)
     p.add_argument("--turn-tokens", type=int, default=256, help="new tokens per later turn")
     p.add_argument("--output-tokens", type=int, default=32, help="fixed reply length")

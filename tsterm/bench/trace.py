@@ -16,7 +16,9 @@ from tsterm.errors import ConfigError
 class TraceSpec:
     sessions: int = 1
     turns: int = 8
-    system_tokens: int = 1024  # shared by every session: system prompt + tool schemas
+    # Shared by every session: system prompt + tool schemas. Real agent traces open with ~10-20K of it and grow by
+    # a few hundred tokens a turn; 4K (first turn 4096 with the task) keeps that "long first turn" shape on 2 cores.
+    system_tokens: int = 4032
     task_tokens: int = 64  # per-session part of the first turn
     turn_tokens: int = 256  # new tokens per later turn (tool results, user messages)
     output_tokens: int = 32  # fixed reply length
