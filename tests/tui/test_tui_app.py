@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 from tests.tui.helpers import (
     chat_screen,
@@ -28,7 +29,7 @@ async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, 
     built = []
 
     def factory(progress):
-        built.append(progress)
+        built.append(threading.current_thread())
         return LLM(str(tiny_checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256,
                    progress=progress)
 
@@ -36,6 +37,8 @@ async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, 
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_screen(pilot)
         assert built, "the injected factory built the engine"
+        # on a thread of its own that has ended: its OpenMP pool does not outlive the load (see _on_own_thread)
+        assert built[0].name == "tsterm-load" and not built[0].is_alive()
         session = screen.session
         assert session.system_prompt == "you are a test"  # from the profile
         await say(pilot, "hello there")
