@@ -13,7 +13,9 @@ from tsterm_kernels.metadata import AttentionMetadata
 # Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory
 # bandwidth two cores can stream, and that is all of batch-1 decode. Viewing W's rows as S stacked blocks
 # (`W.view(S, O/S, I)`, no copy) and multiplying all blocks in one `bmm` spreads the weight stream over the
-# cores: measured 2x on the bench model's 2-6 MB projections at M = 1 (2 cores, float32).
+# cores: measured 2x on the bench model's 2-6 MB projections at M = 1 (2 cores, float32). Up to 3 rows, the
+# weight-stationary form (x transposed as the small operand) keeps streaming: 4 MB matrices, cold cache, GB/s at
+# M = 1/2/3/4: 31.6/29.3/23.0/14.6 (row-split form at M = 3: 14.2; F.linear: 16.7/10.6/9.0/10.7).
 _SPLIT_MAX_ROWS = 32
 _SPLITS = 4
 _FEW_PAIRS = 64  # fused_moe groups at most this many (token, expert) pairs on the host
@@ -26,7 +28,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             or not weight.is_contiguous()):
         return F.linear(x, weight, bias)
     blocks = weight.view(_SPLITS, out_features // _SPLITS, in_features)  # [S, O/S, I] view
-    if rows <= 2:  # weight-stationary: [S, O/S, I] @ [S, I, M] -> [S, O/S, M]
+    if rows <= 3:  # weight-stationary: [S, O/S, I] @ [S, I, M] -> [S, O/S, M]
         y = torch.bmm(blocks, x.t().expand(_SPLITS, in_features, rows))
         y = y.view(1, out_features) if rows == 1 else y.permute(2, 0, 1).contiguous().view(rows, out_features)
     else:  # [S, M, I] @ [S, I, O/S] -> [S, M, O/S]
