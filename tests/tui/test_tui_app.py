@@ -13,7 +13,10 @@ from tests.tui.helpers import (
     turns_done,
     wait_until,
 )
-from tsterm import LLM
+from tsterm import LLM, SamplingParams
+from tsterm.tui import engine_host
+from tsterm.tui.messages import TurnFinished, TurnProgress
+from tsterm.tui.session import PromptPlan
 from tsterm.tui import TstermApp
 from tsterm.tui.screens.dialogs import Confirm, TextPrompt
 from tsterm.tui.screens.loading import LoadingScreen
@@ -25,7 +28,8 @@ from tsterm.tui.widgets.session_list import SessionList
 SIZE = (120, 40)
 
 
-async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, make_profile, data_dir):
+async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, make_profile, data_dir, monkeypatch):
+    monkeypatch.setattr(engine_host, "PROGRESS_INTERVAL", 0.0)  # every token: the tiny model is faster than 15 Hz
     built = []
 
     def factory(progress):
@@ -56,6 +60,20 @@ async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, 
         assert roles == ["system", "user"]  # + the finished ReplyView
         saved = json.loads((data_dir / "sessions" / f"{session.id}.json").read_text())
         assert saved["token_ids"] == session.token_ids and len(saved["token_ids"]) == turn.prompt_tokens + 40
+
+
+async def test_streaming_progress_is_throttled_and_the_final_text_still_arrives(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(engine_host, "PROGRESS_INTERVAL", 3600.0)
+    llm = LLM(str(tiny_checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+    host = engine_host.EngineHost(llm.engine, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    posted = []
+    try:
+        await host.stream_turn("s", PromptPlan([5, 6, 7], kept_tokens=0), "s/0", posted.append)
+    finally:
+        host.shutdown()
+    progress, finished = posted[:-1], posted[-1]
+    assert len(progress) == 1 and isinstance(progress[0], TurnProgress)  # the first token, then none for an hour
+    assert isinstance(finished, TurnFinished) and len(finished.token_ids) == 12 and finished.stats is not None
 
 
 async def test_second_turn_reuses_the_prefix_and_the_dashboard_shows_it(make_profile, data_dir):

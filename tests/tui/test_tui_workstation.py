@@ -28,6 +28,16 @@ def notifications(app) -> list[str]:
     return [f"{n.title}: {n.message}" for n in app._notifications]
 
 
+def save_thinking_session(data_dir) -> dict:
+    """A saved session whose reply has a thinking block; the app opens it at start (the most recent)."""
+    restored = {"id": "20250101-000000-abcdef", "title": "thinking", "messages": [
+        {"role": "system", "content": "you are a test"}, {"role": "user", "content": "why?"},
+        {"role": "assistant", "content": "<think>\nlet me see\n</think>\n\nbecause."}]}
+    (data_dir / "sessions").mkdir(parents=True)
+    (data_dir / "sessions" / f"{restored['id']}.json").write_text(json.dumps(restored))
+    return restored
+
+
 def reuse_row(dashboard, turn: int) -> list[str]:
     reuse = text_of(dashboard.query_one("#reuse"))
     return next(line.split() for line in reuse.splitlines() if line.split()[:1] == [str(turn)])
@@ -113,11 +123,7 @@ async def test_fork_from_an_earlier_message_shares_the_parent_blocks(make_profil
 
 
 async def test_copy_a_message_to_the_clipboard(make_profile, data_dir):
-    restored = {"id": "20250101-000000-abcdef", "title": "thinking", "messages": [
-        {"role": "system", "content": "you are a test"}, {"role": "user", "content": "why?"},
-        {"role": "assistant", "content": "<think>\nlet me see\n</think>\n\nbecause."}]}
-    (data_dir / "sessions").mkdir(parents=True)
-    (data_dir / "sessions" / f"{restored['id']}.json").write_text(json.dumps(restored))
+    restored = save_thinking_session(data_dir)
     app = TstermApp(make_profile(max_tokens=6))
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_screen(pilot)
@@ -151,11 +157,7 @@ async def test_copy_a_message_to_the_clipboard(make_profile, data_dir):
 
 
 async def test_profile_ui_options_set_theme_dashboard_thinking_and_poll_rate(make_profile, data_dir):
-    restored = {"id": "20250101-000000-abcdef", "title": "thinking", "messages": [
-        {"role": "system", "content": "you are a test"}, {"role": "user", "content": "why?"},
-        {"role": "assistant", "content": "<think>\nlet me see\n</think>\n\nbecause."}]}
-    (data_dir / "sessions").mkdir(parents=True)
-    (data_dir / "sessions" / f"{restored['id']}.json").write_text(json.dumps(restored))
+    save_thinking_session(data_dir)
     ui = "{theme: nord, dashboard: hidden, thinking: expanded, stats_interval: 10}"
     app = TstermApp(make_profile(max_tokens=4, ui=ui))
     async with app.run_test(size=(200, 60)) as pilot:  # wide enough that `auto` would open the dashboard
