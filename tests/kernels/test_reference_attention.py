@@ -35,3 +35,20 @@ def test_runs_merged_by_lse_equal_dense_attention(monkeypatch, flash, num_q):
     out = reference.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
     torch.testing.assert_close(out, dense_reference(q, k_cache, v_cache, table, seq_len, dim ** -0.5),
                                atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_prefill_pieces_accumulate_in_float32(dtype):
+    """The unmasked + causal pieces of a prefill over a cached prefix, on a half-precision pool."""
+    torch.manual_seed(3)
+    block, kv_heads, group, dim, num_q = 4, 2, 2, 16, 12
+    k_cache = torch.randn(16, block, kv_heads, dim).to(dtype)
+    v_cache = torch.randn(16, block, kv_heads, dim).to(dtype)
+    table, seq_len = [3, 4, 5, 9, 10], 19  # two runs; the first new token (position 7) lies inside the first run
+    q = torch.randn(num_q, kv_heads * group, dim).to(dtype)
+    meta = AttentionMetadata([0, num_q], [seq_len], [contiguous_runs(table, len(table))],
+                             torch.zeros(num_q, dtype=torch.int64), torch.tensor([table], dtype=torch.int32), block)
+    out = reference.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    assert out.dtype == dtype
+    want = dense_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_len, dim ** -0.5)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
