@@ -48,9 +48,12 @@ def test_fresh_sequence_gets_consecutive_blocks():
     a, _ = admit(kv, range(10))
     b, _ = admit(kv, range(100, 118))
     assert a.block_table == [0, 1, 2]
-    assert b.block_table == [3, 4, 5, 6, 7]
+    assert b.block_table == [4, 5, 6, 7, 8]  # block 3 stays free: where `a` grows next
     assert kv.slot_mapping(a, 3, 6) == [3, 4 * 1 + 0, 4 * 1 + 1]
-    assert kv.slot_mapping(b, 0, 2) == [12, 13]
+    assert kv.slot_mapping(b, 0, 2) == [16, 17]
+    a.token_ids.extend(range(10, 13))
+    run(kv, a)
+    assert a.block_table == [0, 1, 2, 3]  # still one run
 
 
 def test_consecutive_after_evicting_tail_first():
@@ -64,13 +67,23 @@ def test_consecutive_after_evicting_tail_first():
 def test_a_growing_sequence_takes_the_block_after_its_last_one():
     pool, kv = make()
     a, _ = admit(kv, range(6))  # [0, 1], block 1 half full
-    b, _ = admit(kv, range(100, 104))  # [2]
+    b, _ = admit(kv, range(100, 104))
+    assert b.block_table == [3]  # block 2 is left free for `a`
     kv.free(a)  # block 0 is cached (full), block 1 is free again: the lowest free id
     b.token_ids.extend(range(104, 108))
     run(kv, b)
-    assert b.block_table == [2, 3]  # one run, not [2, 1]
+    assert b.block_table == [3, 4]  # one run, not [3, 1]
     c, _ = admit(kv, range(200, 204))
-    assert c.block_table == [1]  # nothing to continue: the lowest free id
+    assert c.block_table == [1]  # nothing to continue: the lowest free id after an unreferenced block
+    pool.check_invariants()
+
+
+def test_headroom_is_given_up_when_every_free_block_follows_a_live_one():
+    pool, kv = make(num_blocks=4)
+    a, _ = admit(kv, range(4))  # [0]
+    b, _ = admit(kv, range(100, 104))  # [2]: block 1 left for `a`
+    c, _ = admit(kv, range(200, 208))  # two blocks, and only 1 and 3 are free: both taken
+    assert (a.block_table, b.block_table, sorted(c.block_table)) == ([0], [2], [1, 3])
     pool.check_invariants()
 
 

@@ -44,8 +44,8 @@ class Block:
 class BlockPool:
     """`num_blocks` KV block ids of `block_size` slots each.
 
-    `allocate` takes a free block (the one asked for when it is free, else the lowest id, so that a sequence's
-    blocks form consecutive runs) or, when none is free, evicts the least recently released cached block. A referenced block is never evicted.
+    `allocate` takes a free block (the one asked for when it is free, else the lowest id that leaves the block after
+    a live sequence's last one free, so that every sequence's blocks form consecutive runs) or, when none is free, evicts the least recently released cached block. A referenced block is never evicted.
     `fingerprint` names the model (and anything else that changes KV for equal token ids): it seeds the root
     of every hash chain, so two models never share blocks.
     """
@@ -107,9 +107,7 @@ class BlockPool:
             block_id = prefer
             self._free.remove(block_id)  # its heap entry goes stale and is skipped later
         elif self._free:
-            block_id = heapq.heappop(self._free_heap)
-            while block_id not in self._free:
-                block_id = heapq.heappop(self._free_heap)
+            block_id = self._lowest_free_with_headroom()
             self._free.remove(block_id)
         elif self._cached:
             block_id, _ = self._cached.popitem(last=False)
@@ -119,6 +117,28 @@ class BlockPool:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are referenced")
         self.blocks[block_id].ref_cnt = 1
         return block_id
+
+    def _lowest_free_with_headroom(self) -> int:
+        """The lowest free id whose predecessor is not referenced, else the lowest free id.
+
+        A referenced block followed by a free one is, in practice, the last block of a live sequence: the free block
+        after it is where that sequence grows next (`prefer`). Starting a new run there would split the other
+        sequence's context into two runs (two attention calls and a merge per layer, every decode step)."""
+        skipped: list[int] = []
+        found = None
+        while self._free_heap:
+            block_id = heapq.heappop(self._free_heap)
+            if block_id not in self._free:
+                continue  # stale: taken through `prefer`
+            if block_id == 0 or self.blocks[block_id - 1].ref_cnt == 0:
+                found = block_id
+                break
+            skipped.append(block_id)
+        if found is None:  # every free block follows a referenced one: take the lowest
+            found = skipped.pop(0)
+        for block_id in skipped:
+            heapq.heappush(self._free_heap, block_id)
+        return found
 
     def acquire(self, block_id: int) -> None:
         """One more block table holds `block_id` (a cached block leaves the LRU)."""
