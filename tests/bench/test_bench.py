@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tsterm import LLM
-from tsterm.bench import run_bench
+from tsterm.bench import RATE_SAMPLES, run_bench
 from tsterm.bench.measure import bytes_read_per_token, parallel_ceiling
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, make_trace, theoretical_cached
@@ -44,6 +44,11 @@ def test_bench_reports_every_figure(llm, tmp_path):
         assert isinstance(r[key], float), key
     assert r["hit_rate_vs_theoretical"] == 1.0
     assert r["copy_bytes_per_token_long_over_short"] == 1.0
+    samples = r["decode"]["samples"]  # interleaved samples; each summary rate is the best of its own
+    assert all(len(v) == RATE_SAMPLES for v in samples.values())
+    assert r["decode"]["batch1_tokens_per_s"] == max(samples["single"])
+    assert r["roofline"]["copy_bandwidth_bytes_per_s"] == max(samples["bandwidth"])
+    assert r["parallel_speedup"] == max(samples["batched"]) / max(samples["single"])
     ours, ablation = r["replays"]["tsterm"], r["replays"]["no_prefix_cache"]
     assert all(t["cached_tokens"] == t["theoretical_cached"] for t in ours["turns"] if t["turn"] > 0)
     assert all(t["cached_tokens"] == 0 for t in ablation["turns"])

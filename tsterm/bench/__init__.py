@@ -23,6 +23,9 @@ from tsterm.bench.trace import TraceSpec, make_trace
 from tsterm.errors import ConfigError
 
 
+RATE_SAMPLES = 3  # bandwidth / batch-1 / batch-P measurements, interleaved
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="replay a multi-turn agent trace; report reuse, copies, roofline, speedup")
     p.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile (default: bench)")
@@ -90,11 +93,16 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
 
     if progress:
         progress("measuring bandwidth, copies and decode rates")
-    bandwidth = copy_bandwidth(engine.device)
     short = copy_bytes_per_token(engine, micro_context, salt=1)
     long = copy_bytes_per_token(engine, 8 * micro_context, salt=2)
-    single = decode_rate(engine, 1, micro_context, salt=3)
-    batched = decode_rate(engine, parallel, micro_context, salt=4)
+    # Rates and the bandwidth they are compared with, sampled in turn (the bandwidth of a shared machine drifts);
+    # each summary ratio compares the best of its numerator's samples with the best of its denominator's.
+    samples: dict[str, list[float]] = {"bandwidth": [], "single": [], "batched": []}
+    for _ in range(RATE_SAMPLES):
+        samples["bandwidth"].append(copy_bandwidth(engine.device))
+        samples["single"].append(decode_rate(engine, 1, micro_context, salt=3))
+        samples["batched"].append(decode_rate(engine, parallel, micro_context, salt=4))
+    bandwidth, single, batched = (max(samples[k]) for k in ("bandwidth", "single", "batched"))
     read_per_token = bytes_read_per_token(cfg, engine.dtype.itemsize, micro_context)
     roofline_tps = bandwidth / read_per_token
 
@@ -120,7 +128,7 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
                            "turns": [t.__dict__ for t in r.turns]} for name, r in replays.items()},
         "copy_audit": {"context_short": micro_context, "context_long": 8 * micro_context, "short": short, "long": long},
         "decode": {"context": micro_context, "batch1_tokens_per_s": single, f"batch{parallel}_tokens_per_s": batched,
-                   "parallel": parallel,
+                   "parallel": parallel, "samples": samples,
                    "parallel_ceiling": parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel)},
         "roofline": {"copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_token": read_per_token,
                      "roofline_tokens_per_s": roofline_tps,
