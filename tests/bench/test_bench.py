@@ -47,7 +47,10 @@ def test_bench_reports_every_figure(llm, tmp_path):
     samples = r["decode"]["samples"]  # interleaved samples; each summary rate is the best of its own
     assert all(len(v) == RATE_SAMPLES for v in samples.values())
     assert r["decode"]["batch1_tokens_per_s"] == max(samples["single"])
-    assert r["roofline"]["copy_bandwidth_bytes_per_s"] == max(samples["bandwidth"])
+    assert r["roofline"]["read_bandwidth_bytes_per_s"] == max(samples["read_bandwidth"])
+    assert r["roofline"]["copy_bandwidth_bytes_per_s"] == max(samples["copy_bandwidth"])
+    assert r["roofline_fraction"] == pytest.approx(
+        r["decode"]["batch1_tokens_per_s"] * r["roofline"]["bytes_read_per_token"] / max(samples["read_bandwidth"]))
     assert r["parallel_speedup"] == max(samples["batched"]) / max(samples["single"])
     ours, ablation = r["replays"]["tsterm"], r["replays"]["no_prefix_cache"]
     assert all(t["cached_tokens"] == t["theoretical_cached"] for t in ours["turns"] if t["turn"] > 0)

@@ -25,6 +25,21 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int =
     return 2 * nbytes / best
 
 
+def read_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large device reduction (a pure read stream, like decode's weights), best of `repeats`."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        src.sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
 def bytes_read_per_token(cfg: ModelConfig, dtype_bytes: int, context: int) -> int:
     """Bytes a batch-1 decode step must read: the active weights (top-k experts only) plus the KV of the context."""
     H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size

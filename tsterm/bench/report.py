@@ -27,7 +27,8 @@ def format_table(r: dict) -> str:
     roof, dec = r["roofline"], r["decode"]
     batched = dec[f"batch{dec['parallel']}_tokens_per_s"]
     lines = [f"model {r['model']} ({r['dtype']}, {r['device']})",
-             f"bandwidth {roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (copy); "
+             f"bandwidth {roof['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s read "
+             f"({roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copy); "
              f"{roof['bytes_read_per_token'] / 1e6:.1f} MB read per token at {dec['context']} tokens; "
              f"batch-1 decode {dec['batch1_tokens_per_s']:.1f} tok/s = "
              f"{roof['achieved_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s of a {roof['roofline_tokens_per_s']:.1f} tok/s roofline",
