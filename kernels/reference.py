@@ -208,6 +208,13 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return weights, expert_ids
 
 
+def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert: x [n, H], w13 [2I, H] (gate rows then up rows), w2 [H, I] -> [n, H]."""
+    h = linear(x, w13)  # [n, 2I]
+    inter = w2.shape[1]
+    return linear(F.silu(h[:, :inter]) * h[:, inter:], w2)  # [n, H]
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               expert_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out += sum_k weights[:, k] * expert_{ids[:, k]}(x), with SwiGLU experts, accumulated in place.
@@ -216,7 +223,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     expert_ids: [T, k]; out: [T, H]. Only the experts that received tokens are touched.
     """
     num_tokens, top_k = expert_ids.shape
-    inter = w2.shape[2]
     if num_tokens * top_k <= _FEW_PAIRS and x.device.type == "cpu":
         # Decode: a handful of (token, expert) pairs, grouped on the host (the ids are already in host memory);
         # a single token reads its row of x as a view, and its weighted output is added into its row in place.
@@ -227,14 +233,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         for expert, pairs in by_expert.items():
             if len(pairs) == 1:
                 token, weight = pairs[0]
-                h = linear(x[token:token + 1], w13[expert])  # [1, 2I]
-                h = F.silu(h[:, :inter]) * h[:, inter:]  # [1, I]
-                out[token:token + 1].add_(linear(h, w2[expert]), alpha=weight)
+                out[token:token + 1].add_(expert_mlp(x[token:token + 1], w13[expert], w2[expert]), alpha=weight)
                 continue
             tokens = torch.tensor([t for t, _ in pairs], device=x.device)
-            h = linear(x[tokens], w13[expert])  # [n, 2I]
-            h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
-            y = linear(h, w2[expert])  # [n, H]
+            y = expert_mlp(x[tokens], w13[expert], w2[expert])  # [n, H]
             scale = torch.tensor([w for _, w in pairs], dtype=y.dtype, device=x.device)
             out.index_add_(0, tokens, y * scale[:, None])
         return out
@@ -248,9 +250,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         if count == 0:
             continue
         tokens = token_of_pair[start:start + count]  # [n]
-        h = linear(x[tokens], w13[expert])  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
-        y = linear(h, w2[expert])  # [n, H]
+        y = expert_mlp(x[tokens], w13[expert], w2[expert])  # [n, H]
         out.index_add_(0, tokens, y * weight_of_pair[start:start + count, None].to(y.dtype))
         start += count
     return out

@@ -44,8 +44,9 @@ class Block:
 class BlockPool:
     """`num_blocks` KV block ids of `block_size` slots each.
 
-    `allocate` takes a free block (the one asked for when it is free, else the lowest id that leaves the block after
-    a live sequence's last one free, so that every sequence's blocks form consecutive runs) or, when none is free, evicts the least recently released cached block. A referenced block is never evicted.
+    `allocate` takes a free block (the one asked for when it is free, else the lowest id that leaves the block
+    after a live sequence's last one free, so that every sequence's blocks form consecutive runs) or, when none is
+    free, evicts the least recently released cached block. A referenced block is never evicted.
     `fingerprint` names the model (and anything else that changes KV for equal token ids): it seeds the root
     of every hash chain, so two models never share blocks.
     """

@@ -1,7 +1,8 @@
 """The one decoder every supported architecture runs through: embed -> [attention over paged KV | MoE] x L -> norm.
 
-Per-step attention metadata (and, for a padded step, which rows count in the expert load) is set once per step with
-`forward_context(meta, pair_weights)`, so layers take only `(positions, hidden)`. Weights are the packed tensors from `tsterm.model.loader`; nothing here copies one.
+Per-step attention metadata (and, for a padded step, which rows count in the expert load) is set once per step
+with `forward_context(meta, pair_weights)`, so layers take only `(positions, hidden)`. Weights are the packed
+tensors from `tsterm.model.loader`; nothing here copies one.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tsterm.model.arch import ARCHITECTURES
 from tsterm.model.rope import RotaryEmbedding
 from tsterm_kernels.dispatch import ops
 from tsterm_kernels.metadata import AttentionMetadata
-from tsterm_kernels.reference import linear
+from tsterm_kernels.reference import expert_mlp, linear
 
 _current_meta: AttentionMetadata | None = None
 _current_pair_weights: torch.Tensor | None = None
@@ -85,9 +86,7 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.router is None:  # dense: the one expert's output is the result (no zeroed buffer, no routing)
-            h = linear(x, self.w13[0])  # [T, 2I]
-            inter = self.w2.shape[2]
-            return linear(F.silu(h[:, :inter]) * h[:, inter:], self.w2[0])  # [T, H]
+            return expert_mlp(x, self.w13[0], self.w2[0])  # [T, H]
         out = torch.zeros_like(x)  # [T, H]: every expert's weighted output is accumulated into it in place
         logits = linear(x, self.router)  # [T, E]
         weights, expert_ids = ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
