@@ -62,7 +62,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slot (a padding row of a padded step) writes nothing.
     """
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
@@ -83,11 +83,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
+    flash = device.type == "cpu" and _FLASH_CPU is not None
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         num_q = q_end - q_start
-        if num_q >= _CAUSAL_MIN_QUERIES and device.type == "cpu" and _FLASH_CPU is not None:
+        if num_q == 1 and flash and len(meta.block_runs[i]) == 1:
+            # Decode over one run of blocks (the usual case): one kernel call on views, no mask, nothing to merge.
+            first_block, num_blocks = meta.block_runs[i][0]
+            k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
+            v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
+            qh = q[q_start].view(1, num_kv_heads, group, head_dim)  # [1, Hkv, G, D]: the group as rows
+            o = _FLASH_CPU(qh, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], 0.0, False, scale=scale)[0]
+            if len(meta.seq_lens) == 1:
+                return o.reshape(1, num_heads, head_dim)
+            out[q_start].view(num_kv_heads, group, head_dim).copy_(o[0])
+            continue
+        if num_q >= _CAUSAL_MIN_QUERIES and flash:
             _extend_attention(q[q_start:q_end], k_cache, v_cache, meta.block_runs[i], seq_len, scale,
                               out[q_start:q_end])
             continue
@@ -117,8 +129,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     torch.where(seen, o_run * torch.exp(lse_run - new_lse)[..., None], 0.0)
                 lse = new_lse
             pos += n
-        o = acc.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3)  # [nq, Hkv, G, D]
-        out[q_start:q_end] = o.reshape(num_q, num_heads, head_dim).to(q.dtype)
+        o = acc.view(num_kv_heads, group, num_q, head_dim).permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
+        if len(meta.seq_lens) == 1:  # like the one-run decode: no copy into `out` (a view when num_q == 1)
+            return o.to(q.dtype)
+        out[q_start:q_end] = o.to(q.dtype)
     return out
 
 
@@ -201,18 +215,19 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
 
     Returns (weights [T, k] float32, expert_ids [T, k] int64). Stays on the device.
     """
+    if renormalize:  # softmax over all experts, renormalised over the top k = softmax over the top-k logits
+        top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)  # [T, k]
+        return torch.softmax(top_logits, dim=-1, dtype=torch.float32), expert_ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, expert_ids
+    return torch.topk(probs, top_k, dim=-1)  # [T, k], [T, k]
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert: x [n, H], w13 [2I, H] (gate rows then up rows), w2 [H, I] -> [n, H]."""
     h = linear(x, w13)  # [n, 2I]
     inter = w2.shape[1]
-    return linear(F.silu(h[:, :inter]) * h[:, inter:], w2)  # [n, H]
+    gate = F.silu(h[:, :inter], inplace=True).mul_(h[:, inter:])  # silu(gate) * up, in h's gate half
+    return linear(gate, w2)  # [n, H]
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -52,3 +52,28 @@ def test_half_precision_prefill_pieces_accumulate_in_float32(dtype):
     assert out.dtype == dtype
     want = dense_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_len, dim ** -0.5)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["flash-kernel", "matmul"])
+def test_batch_of_one_run_and_split_contexts(monkeypatch, flash):
+    """A batch as the decoder passes it: q a strided view of its q/k buffer; decodes over one run of blocks and
+    over three runs, next to an extend. Each sequence's rows equal dense attention over its own context."""
+    if not flash:
+        monkeypatch.setattr(reference, "_FLASH_CPU", None)
+    torch.manual_seed(5)
+    block, kv_heads, group, dim = 4, 2, 3, 16
+    k_cache, v_cache = torch.randn(40, block, kv_heads, dim), torch.randn(40, block, kv_heads, dim)
+    tables = [[20, 21, 22, 23, 24], [5, 6, 9, 10, 11, 2, 3], [30, 31, 32]]  # one run, three runs, one run
+    seq_lens, num_qs = [18, 27, 12], [1, 1, 9]
+    starts = [0, 1, 2, 11]
+    qk = torch.randn(starts[-1], kv_heads * group + kv_heads, dim)  # [T, Hq + Hkv, D]: q rows then k rows
+    q = qk[:, :kv_heads * group]  # non-contiguous over tokens
+    width = max(map(len, tables))
+    meta = AttentionMetadata(starts, seq_lens, [contiguous_runs(t, len(t)) for t in tables],
+                             torch.zeros(starts[-1], dtype=torch.int64),
+                             torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32), block)
+    out = reference.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    for i, (table, seq_len) in enumerate(zip(tables, seq_lens)):
+        rows = slice(starts[i], starts[i + 1])
+        torch.testing.assert_close(out[rows], dense_reference(q[rows], k_cache, v_cache, table, seq_len, dim ** -0.5),
+                                   atol=2e-5, rtol=1e-4)

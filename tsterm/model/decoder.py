@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tsterm.config import ModelConfig
 from tsterm.model.arch import ARCHITECTURES
-from tsterm.model.rope import RotaryEmbedding
+from tsterm.model.rope import RotaryEmbedding, rotate
 from tsterm_kernels.dispatch import ops
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.reference import expert_mlp, linear
@@ -36,8 +36,8 @@ def forward_context(meta: AttentionMetadata, pair_weights: torch.Tensor | None =
 
 
 class Attention:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, rotary: RotaryEmbedding,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor):
         spec = ARCHITECTURES[cfg.model_type]
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -47,25 +47,28 @@ class Attention:
         self.q_norm, self.k_norm = w.get(prefix + "q_norm"), w.get(prefix + "k_norm")
         self.eps, self.clip = cfg.rms_norm_eps, cfg.clip_qkv
         self.scale = self.head_dim ** -0.5
-        self.rotary = rotary
+        self.qk_head_weight = None  # [Hq + Hkv, D] float32: per-head q/k norm weights, for q and k in one op
+        if self.qk_norm == "head":
+            self.qk_head_weight = torch.cat((self.q_norm.float().expand(self.num_heads, -1),
+                                             self.k_norm.float().expand(self.num_kv_heads, -1)))
         self.k_cache, self.v_cache = k_cache, v_cache  # [num_blocks, block_size, Hkv, D] views of the pool
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """rope: the step's rotation tables (`RotaryEmbedding.tables`); x: [T, H] normed hidden states."""
+        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
         if self.clip is not None:
             qkv = qkv.clamp(-self.clip, self.clip)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qk = qkv[:, :self.q_size + self.kv_size]  # [T, (Hq + Hkv) D] view: q and k are normed and rotated together
+        v = qkv[:, self.q_size + self.kv_size:].view(T, Hkv, D)  # [T, Hkv, D] view
         if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
-            q, _ = ops.rms_norm(q, self.q_norm, self.eps)
-            k, _ = ops.rms_norm(k, self.k_norm, self.eps)
-        q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+            qk = torch.cat((ops.rms_norm(qk[:, :self.q_size], self.q_norm, self.eps)[0],
+                            ops.rms_norm(qk[:, self.q_size:], self.k_norm, self.eps)[0]), dim=-1)
+        qk = qk.float().view(T, Hq + Hkv, D)  # float32 arithmetic (a no-op for a float32 model)
         if self.qk_norm == "head":  # Qwen3: per head, over head_dim
-            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm, self.eps)[0].view(T, self.num_heads, -1)
-            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps)[0].view(T, self.num_kv_heads, -1)
-        q, k = self.rotary.apply(positions, q, k)
+            qk = F.rms_norm(qk, (D,), eps=self.eps).mul_(self.qk_head_weight)
+        qk = rotate(qk, rope).to(x.dtype)  # [T, Hq + Hkv, D]
+        q, k = qk[:, :Hq], qk[:, Hq:]  # views
         meta = _current_meta
         ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
         o = ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
@@ -113,18 +116,19 @@ class DecoderModel:
         """kv_cache: [L, 2, num_blocks, block_size, Hkv, D], the whole paged pool."""
         self.cfg = cfg
         device = weights["embed"].device
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings, device)
         self.embed, self.final_norm, self.lm_head = weights["embed"], weights["final_norm"], weights["lm_head"]
         self.eps = cfg.rms_norm_eps
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
-            self.layers.append((weights[p + "input_norm"], Attention(cfg, weights, p, rotary, kv_cache[i, 0], kv_cache[i, 1]),
+            self.layers.append((weights[p + "input_norm"], Attention(cfg, weights, p, kv_cache[i, 0], kv_cache[i, 1]),
                                 weights[p + "post_attn_norm"], SparseMoE(cfg, weights, p)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed)  # [T, H]
+        rope = self.rotary.tables(positions)  # looked up once per step, shared by every layer
         residual = None
         for input_norm, attn, post_norm, mlp in self.layers:
             if residual is None:
@@ -132,7 +136,7 @@ class DecoderModel:
                 x, _ = ops.rms_norm(hidden, input_norm, self.eps)
             else:
                 x, residual = ops.rms_norm(hidden, input_norm, self.eps, residual)
-            hidden = attn(positions, x)
+            hidden = attn(rope, x)
             x, residual = ops.rms_norm(hidden, post_norm, self.eps, residual)
             hidden = mlp(x)
         hidden, _ = ops.rms_norm(hidden, self.final_norm, self.eps, residual)

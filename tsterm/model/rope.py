@@ -51,24 +51,31 @@ def _yarn(rope: RopeConfig, dim: int, original_max: int) -> tuple[torch.Tensor, 
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables for every position; `apply` rotates q and k (rotate-half layout) in place."""
+    """Precomputed cos/sin tables for every position. Per step, `tables` looks up the step's rows once; every
+    layer then rotates its q and k together with `rotate` (rotate-half layout)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, max_position_embeddings: int,
                  device: torch.device):
         inv_freq, scale = inverse_frequencies(rope, head_dim, max_position_embeddings)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-        self.cos = (freqs.cos() * scale).to(device)  # [P, D/2] float32
-        self.sin = (freqs.sin() * scale).to(device)
+        cos = freqs.cos() * scale
+        self.cos = torch.cat((cos, cos), dim=-1).to(device)  # [P, D] float32: each pair's cos on both halves
+        self.sin = (freqs.sin() * scale).to(device)  # [P, D/2] float32
 
-    def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]. Returns rotated (q, k) in the input dtype."""
-        cos = self.cos[positions][:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows: (cos [T, 1, D], sin [T, 1, D/2]) for positions [T]."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, H, D] float32 (any strides) rotated by the step's `tables`; a new float32 tensor.
+
+    Rotate-half: out = x * cos + [-x2, x1] * sin, written as one multiply and two in-place multiply-adds.
+    """
+    cos, sin = tables
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    out = x * cos  # [T, H, D]
+    out[..., :half].addcmul_(x[..., half:], sin, value=-1.0)
+    out[..., half:].addcmul_(x[..., :half], sin)
+    return out
