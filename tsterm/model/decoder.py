@@ -1,8 +1,9 @@
 """The one decoder every supported architecture runs through: embed -> [attention over paged KV | MoE] x L -> norm.
 
 Per-step attention metadata (and, for a padded step, which rows count in the expert load) is set once per step
-with `forward_context(meta, pair_weights)`, so layers take only `(positions, hidden)`. Weights are the packed
-tensors from `tsterm.model.loader`; nothing here copies one.
+with `forward_context(meta, pair_weights)`, and the step's RoPE rows are looked up once in `forward`, so an
+attention layer takes only `(rope, hidden)`. Weights are the packed tensors from `tsterm.model.loader`; nothing
+here copies one.
 """
 from __future__ import annotations
 
