@@ -245,15 +245,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         for token, (ids, ws) in enumerate(zip(expert_ids.tolist(), weights.tolist())):
             for expert, weight in zip(ids, ws):
                 by_expert.setdefault(expert, []).append((token, weight))
+        shared = []  # experts with several tokens: their rows are gathered once, in expert order
         for expert, pairs in by_expert.items():
             if len(pairs) == 1:
                 token, weight = pairs[0]
                 out[token:token + 1].add_(expert_mlp(x[token:token + 1], w13[expert], w2[expert]), alpha=weight)
-                continue
+            else:
+                shared.append((expert, pairs))
+        if shared:
+            pairs = [pair for _, group in shared for pair in group]
             tokens = torch.tensor([t for t, _ in pairs], device=x.device)
-            y = expert_mlp(x[tokens], w13[expert], w2[expert])  # [n, H]
-            scale = torch.tensor([w for _, w in pairs], dtype=y.dtype, device=x.device)
-            out.index_add_(0, tokens, y * scale[:, None])
+            xs = x.index_select(0, tokens)  # [P, H]
+            ys = torch.empty_like(xs)
+            start = 0
+            for expert, group in shared:
+                end = start + len(group)
+                ys[start:end] = expert_mlp(xs[start:end], w13[expert], w2[expert])
+                start = end
+            ys.mul_(torch.tensor([w for _, w in pairs], dtype=ys.dtype, device=x.device)[:, None])
+            out.index_add_(0, tokens, ys)
         return out
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # token/expert pairs grouped by expert
