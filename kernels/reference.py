@@ -276,6 +276,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
             continue
         tokens = token_of_pair[start:start + count]  # [n]
         y = expert_mlp(x[tokens], w13[expert], w2[expert])  # [n, H]
-        out.index_add_(0, tokens, y * weight_of_pair[start:start + count, None].to(y.dtype))
+        out.index_add_(0, tokens, y.mul_(weight_of_pair[start:start + count, None].to(y.dtype)))
         start += count
     return out
