@@ -69,6 +69,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def _run_view(cache: torch.Tensor, first_block: int, num_blocks: int, n: int) -> torch.Tensor:
+    """The first n slots of a run of consecutive blocks of `cache` [num_blocks, B, Hkv, D], as one [n, Hkv, D] view."""
+    return cache[first_block:first_block + num_blocks].flatten(0, 1)[:n]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context, read in place from the pool.
@@ -91,8 +96,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if num_q == 1 and flash and len(meta.block_runs[i]) == 1:
             # Decode over one run of blocks (the usual case): one kernel call on views, no mask, nothing to merge.
             first_block, num_blocks = meta.block_runs[i][0]
-            k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
-            v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:seq_len]
+            k = _run_view(k_cache, first_block, num_blocks, seq_len)
+            v = _run_view(v_cache, first_block, num_blocks, seq_len)
             qh = q[q_start].view(1, num_kv_heads, group, head_dim)  # [1, Hkv, G, D]: the group as rows
             o = _FLASH_CPU(qh, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], 0.0, False, scale=scale)[0]
             if len(meta.seq_lens) == 1:
@@ -111,8 +116,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         pos = 0
         for first_block, num_blocks in meta.block_runs[i]:
             n = min(num_blocks * block_size, seq_len - pos)
-            k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D] view
-            v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
+            k, v = _run_view(k_cache, first_block, num_blocks, n), _run_view(v_cache, first_block, num_blocks, n)
             mask = None
             if pos + n - 1 > seq_len - num_q:  # some keys lie after some queries: causal mask
                 if q_pos is None:
@@ -160,8 +164,7 @@ def _extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     pos = 0
     for first_block, num_blocks in runs:
         n = min(num_blocks * block_size, seq_len - pos)
-        k = k_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D] view
-        v = v_cache[first_block:first_block + num_blocks].view(-1, num_kv_heads, head_dim)[:n]
+        k, v = _run_view(k_cache, first_block, num_blocks, n), _run_view(v_cache, first_block, num_blocks, n)
         split = min(max(first_q - pos, 0), n)  # keys [0, split) of this run precede every query
         pieces = ([(0, split, 0, False)] if split else []) + ([(split, n, pos + split - first_q, True)]
                                                               if split < n else [])

@@ -13,10 +13,10 @@ from typing import Any
 from tsterm.bench.measure import (
     bytes_read_per_token,
     copy_bandwidth,
-    read_bandwidth,
     copy_bytes_per_token,
     decode_rate,
     parallel_ceiling,
+    read_bandwidth,
 )
 from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers, warm_up
 from tsterm.bench.report import format_table, write_plot

@@ -9,35 +9,31 @@ from tsterm.config import ModelConfig, SamplingParams
 from tsterm.engine.engine import Engine
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a large device copy (read + write counted), best of `repeats`."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
+def _best_time(device: torch.device, work, repeats: int) -> float:
+    """Fastest of `repeats` timed calls of `work()`, each fenced by device syncs on CUDA."""
     best = float("inf")
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        dst.copy_(src)
+        work()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    return 2 * nbytes / best
+    return best
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large device copy (read + write counted), best of `repeats`."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_time(device, lambda: dst.copy_(src), repeats)
 
 
 def read_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s of a large device reduction (a pure read stream, like decode's weights), best of `repeats`."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        src.sum()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+    return nbytes / _best_time(device, src.sum, repeats)
 
 
 def bytes_read_per_token(cfg: ModelConfig, dtype_bytes: int, context: int) -> int:
