@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from tsterm_kernels import dispatch
 
 from tests.helpers.checkpoints import make_checkpoint
@@ -95,6 +96,58 @@ def test_padded_decode_step_matches_the_unpadded_step(triton_engine, batch_size,
     assert ((expert_loads(engine) - load_eager).sum(dim=1) == 3 * top_k).all()
     assert ((load_eager - load_before).sum(dim=1) == 3 * top_k).all()
     assert all(mlp.expert_load is not None for mlp in runner.moe_layers)
+
+
+aten = torch.ops.aten
+HOST_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default,
+              aten.nonzero.default, aten.masked_select.default, aten._unique2.default}
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op that reads a tensor's value into the host or sizes its output by the data: on CUDA each of
+    them waits for the device (what `torch.cuda.set_sync_debug_mode` flags)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_through_the_triton_ops_reads_no_tensor_on_the_host(triton_engine):
+    """The CPU side of the GPU no-sync test: the same decode step (Triton ops, interpreted; every sampler stage)
+    dispatches no op that would wait for the device, so a stray .item() or .nonzero() in the forward fails here.
+    Prefill steps, with prefix-cache hits, read none either. Not seen here: .tolist() and .cpu() of CPU data,
+    which dispatch nothing; the GPU test covers those."""
+    engine = triton_engine
+    every_sampler_stage = [
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=11, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
+                       max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.7, logprobs=3, max_tokens=16, ignore_eos=True),
+    ]
+    with HostReads() as probe:
+        torch.tensor(3).item()  # the probe sees a host read
+    assert probe.seen == ["aten._local_scalar_dense.default"]
+
+    with HostReads() as probe:  # prefill steps, the later prompts served partly from the first one's blocks
+        for n, params in zip((8, 13, 5, 21, 10), every_sampler_stage):
+            engine.add_request(list(range(1, n + 1)), params)
+            engine.step()
+        while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+            engine.step()
+    assert probe.seen == [] and engine.stats()["prefix_hit_tokens"] > 0
+    before = [s.num_output_tokens for s in engine.scheduler.running]
+    with HostReads() as probe:
+        for _ in range(2):
+            assert len(engine.step()) == 5
+    assert probe.seen == []
+    assert [s.num_output_tokens for s in engine.scheduler.running] == [n + 2 for n in before]
 
 
 def test_pair_weights_end_with_the_padded_forward_even_on_an_error(triton_engine):
