@@ -4,15 +4,23 @@ from __future__ import annotations
 import asyncio
 import time
 
+from textual.css.query import NoMatches
+
 from tsterm.tui.screens.chat import ChatScreen
 from tsterm.tui.widgets.prompt_input import PromptInput
 
 
 async def wait_until(pilot, predicate, timeout: float = 30.0, what: str = "condition"):
-    """Let the app run until `predicate()` is truthy; fail after `timeout` seconds."""
+    """Let the app run until `predicate()` is truthy; fail after `timeout` seconds.
+
+    A predicate that finds no widget counts as not yet: the app may be between taking a view down and mounting
+    its replacement (a failed turn re-renders the whole chat log)."""
     deadline = time.monotonic() + timeout
     while True:
-        value = predicate()
+        try:
+            value = predicate()
+        except NoMatches:
+            value = None
         if value:
             return value
         if time.monotonic() > deadline:
