@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tsterm_kernels import dispatch
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.sampling import every_sampler_stage
 from tsterm import LLM, SamplingParams
 from tsterm.config import EngineConfig
 from tsterm.engine import cuda_graphs
@@ -123,20 +124,12 @@ def test_a_decode_step_through_the_triton_ops_reads_no_tensor_on_the_host(triton
     Prefill steps, with prefix-cache hits, read none either. Not seen here: .tolist() and .cpu() of CPU data,
     which dispatch nothing; the GPU test covers those."""
     engine = triton_engine
-    every_sampler_stage = [
-        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=1.0, min_p=0.05, seed=11, max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
-                       max_tokens=16, ignore_eos=True),
-        SamplingParams(temperature=0.7, logprobs=3, max_tokens=16, ignore_eos=True),
-    ]
     with HostReads() as probe:
         torch.tensor(3).item()  # the probe sees a host read
     assert probe.seen == ["aten._local_scalar_dense.default"]
 
     with HostReads() as probe:  # prefill steps, the later prompts served partly from the first one's blocks
-        for n, params in zip((8, 13, 5, 21, 10), every_sampler_stage):
+        for n, params in zip((8, 13, 5, 21, 10), every_sampler_stage(16)):
             engine.add_request(list(range(1, n + 1)), params)
             engine.step()
         while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):

@@ -15,6 +15,7 @@ import torch
 from tsterm_kernels import dispatch
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.sampling import every_sampler_stage
 from tsterm import LLM, SamplingParams
 from tsterm.engine import cuda_graphs
 
@@ -133,15 +134,7 @@ def test_decode_steps_never_wait_for_the_device(checkpoints, use_graphs):
     read-back of the sampled ids through pinned memory and an event, which sync debug mode does not flag."""
     llm = cuda_llm(checkpoints["qwen3_moe"], cuda_graphs=use_graphs)
     engine = llm.engine
-    every_sampler_stage = [
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=1.0, min_p=0.05, seed=11, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
-                       max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0.7, logprobs=3, max_tokens=20, ignore_eos=True),
-    ]
-    for prompt, params in zip(prompts([8, 13, 5, 21, 10], seed=4), every_sampler_stage):
+    for prompt, params in zip(prompts([8, 13, 5, 21, 10], seed=4), every_sampler_stage(20)):
         engine.add_request(prompt, params)
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         engine.step()
