@@ -101,6 +101,29 @@ def unsupported_dtype(d):
                                                                     "data_offsets": [0, 2]}}, bytes(2))
 
 
+def mis_sized_entry(d):  # 8 bytes for a shape of three floats
+    entry = {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}
+    write_safetensors(d / "model-extra.safetensors", {"x.weight": entry}, bytes(8))
+
+
+def overlapping_tensors(d):  # two tensors over the same bytes
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    write_safetensors(d / "model-extra.safetensors", {"x.weight": entry, "y.weight": entry}, bytes(8))
+
+
+def bytes_after_last_tensor(d):
+    path = d / WEIGHTS
+    path.write_bytes(path.read_bytes() + bytes(64))
+
+
+def integer_weight(d):  # a valid file, but int8 is no weight dtype (its quantization scales would be missing)
+    edit_tensors(d, lambda t: t.update({"model.norm.weight": torch.ones(32, dtype=torch.int8)}))
+
+
+def fp8_block_scales(d):  # a fine-grained FP8 checkpoint ships a scale per weight block
+    edit_tensors(d, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(1, 1)}))
+
+
 def duplicate_tensor(d):
     shutil.copy(d / WEIGHTS, d / "model-copy.safetensors")
 
@@ -173,6 +196,11 @@ CASES = [
     (corrupt_header, ModelLoadError, [WEIGHTS, "corrupt safetensors header"]),
     (malformed_entry, ModelLoadError, ["model-extra.safetensors", "'x.weight'", "data_offsets"]),
     (unsupported_dtype, ModelLoadError, ["model-extra.safetensors", "'x.weight'", "F8_E9M9"]),
+    (mis_sized_entry, ModelLoadError, ["model-extra.safetensors", "'x.weight'", "[0, 8)", "12 bytes", "[3]"]),
+    (overlapping_tensors, ModelLoadError, ["model-extra.safetensors", "'y.weight'", "overlapping"]),
+    (bytes_after_last_tensor, ModelLoadError, [WEIGHTS, "64 bytes after its last tensor"]),
+    (integer_weight, ModelLoadError, [WEIGHTS, "'model.norm.weight'", "I8", "F8_E4M3"]),
+    (fp8_block_scales, ModelLoadError, [WEIGHTS, "'model.layers.0.self_attn.q_proj.weight_scale_inv'", "dequantize"]),
     (duplicate_tensor, ModelLoadError, [WEIGHTS, "model-copy.safetensors"]),
     (unknown_model_type, ModelLoadError, ["config.json", "'gpt_unknown'", "qwen3_moe"]),
     (no_model_type, ModelLoadError, ["config.json", "model_type"]),
@@ -308,6 +336,9 @@ def test_weights_are_views_of_the_file_mapping(llm, base_dir):
         assert in_mapping(weight), f"{name} was copied out of the mapping"
         assert not weight.untyped_storage().resizable()  # borrowed memory, not a tensor torch allocated
         assert torch.equal(weight, file_tensors[name])
+    # control: converted to bfloat16, the same weights are copies, and the check above says so
+    converted = load(base_dir, dtype="bfloat16", max_model_len=32).engine.runner.model
+    assert not in_mapping(converted.embed) and not in_mapping(converted.final_norm)
 
 
 def test_load_progress_is_monotonic_and_ends_at_total(base_dir, tmp_path):

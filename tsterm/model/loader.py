@@ -1,7 +1,7 @@
 """Loads an HF model directory into the decoder's packed weights.
 
-Tensors are views of memory-mapped safetensors files; a tensor already in the target dtype on the CPU is used
-in place. Only what the layout needs is materialised, once, at load: fused q/k/v rows and the stacked expert
+Tensors are views of memory-mapped safetensors files (`safetensors_mmap`); a tensor already in the target dtype on
+the CPU is used in place. Others are converted once: F8_E4M3 / F8_E5M2 weights by torch's own FP8 conversion. Only what the layout needs is materialised, once, at load: fused q/k/v rows and the stacked expert
 tensors `w13 [E, 2I, H]` / `w2 [E, H, I]`.
 """
 from __future__ import annotations
@@ -15,11 +15,12 @@ import torch
 from tsterm.config import ModelConfig
 from tsterm.errors import ModelLoadError
 from tsterm.model.arch import ARCHITECTURES
-from tsterm.model.safetensors_mmap import SafetensorsFile
+from tsterm.model.safetensors_mmap import WEIGHT_DTYPES, SafetensorsFile
 
 ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SCALE_SUFFIXES = ("_scale_inv", "_scale")  # fine-grained FP8 / compressed-tensors checkpoints
 
 
 def find_weight_files(model_dir: Path) -> list[Path]:
@@ -77,6 +78,10 @@ class WeightSource:
         if tuple(tensor.shape) != tuple(shape):
             raise ModelLoadError(f"{shard.path.name}: tensor {name!r} has shape {list(tensor.shape)}, "
                                  f"expected {list(shape)} from config.json")
+        if tensor.dtype not in WEIGHT_DTYPES.values():
+            raise ModelLoadError(f"{shard.path.name}: tensor {name!r} has dtype {shard.dtype_name(name)}, which tsterm "
+                                 f"does not load as a weight (it loads {', '.join(WEIGHT_DTYPES)}); convert the "
+                                 "checkpoint to one of those")
         self._mark_used(name)
         return self.to_target(tensor) if convert else tensor
 
@@ -107,6 +112,10 @@ class WeightSource:
             extra = sorted(self.unused)
             more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
             files = ", ".join(sorted({self.where[n].path.name for n in extra}))
+            scales = [n for n in extra if n.endswith(SCALE_SUFFIXES)]
+            if scales:
+                raise ModelLoadError(f"{files}: quantization scales such as {scales[0]!r}: tsterm loads FP8 weights "
+                                     "as plain tensors, not block-scaled ones; dequantize the checkpoint to bf16 first")
             raise ModelLoadError(f"unexpected tensor(s) in {files}: {', '.join(extra[:5])}{more} "
                                  "(does config.json match these weights?)")
 
