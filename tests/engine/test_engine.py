@@ -70,18 +70,25 @@ def test_batch_of_16_mixed_lengths_equals_solo(checkpoint, fresh):
         assert len(out.token_ids) == p.max_tokens and out.finish_reason == "length"
 
 
-def test_pressure_64_requests_through_a_pool_for_about_4(checkpoint, fresh):
-    # each request needs ceil((20 + 12) / 4) = 8 blocks; 34 blocks hold about 4 at once
-    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=34)
+def test_a_pool_too_small_for_all_preempts_and_every_output_equals_solo(checkpoint, fresh):
+    # 8 prompts of 8 tokens take 2 blocks each: all are admitted at once (16 of 20 blocks). Decoding 12 tokens grows
+    # each to ceil((8 + 12 - 1) / 4) = 5 blocks, 40 in all: they cannot all stay, so some must be preempted and
+    # recomputed later, and their outputs must still equal a solo run's.
+    num_requests, prompt_len, max_tokens, num_blocks = 8, 8, 12, 20
+    blocks_each = -(-(prompt_len + max_tokens - 1) // BLOCK)
+    assert num_requests * prompt_len // BLOCK <= num_blocks < num_requests * blocks_each
+    llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=num_blocks)
     rng = random.Random(2)
-    prompts = [random_ids(rng, 20) for _ in range(64)]
-    outs = llm.generate(prompts, greedy(12))
+    prompts = [random_ids(rng, prompt_len) for _ in range(num_requests)]
+    outs = llm.generate(prompts, greedy(max_tokens))
     stats = llm.stats()
-    assert stats["preemptions"] > 0 or stats["used"] == 0
+    preempted = [out.request_id for out in outs if out.metrics.num_preemptions > 0]
+    assert preempted, "every request kept its blocks: the pool was not too small"
+    assert stats["preemptions"] == sum(out.metrics.num_preemptions for out in outs)
     assert [o.request_id for o in outs] == sorted({o.request_id for o in outs}, key=lambda r: int(r.split("-")[1]))
-    for prompt, out in zip(prompts[:16], outs[:16]):
-        assert out.token_ids == fresh.generate(prompt, greedy(12))[0].token_ids
-    assert all(len(o.token_ids) == 12 for o in outs)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == fresh.generate(prompt, greedy(max_tokens))[0].token_ids, out.request_id
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
     assert stats["used"] == 0  # nothing leaked
 
 
