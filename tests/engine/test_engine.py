@@ -135,17 +135,36 @@ def test_abort_frees_blocks_immediately(checkpoint):
     assert not engine.abort(rid)
 
 
-def test_stop_strings_and_stop_tokens(checkpoint, fresh):
+def test_stop_token_ends_the_output_after_it(checkpoint, fresh):
     prompt = list(range(50, 62))
     full = fresh.generate(prompt, greedy(12))[0]
     stop_token = full.token_ids[5]
     out = fresh.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token]))[0]
-    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
-    text = full.text
-    if len(text.strip()) >= 4:
-        stop = text.strip()[1:3]
-        out = fresh.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0]
-        assert out.finish_reason == "stop" and out.text == text[:text.index(stop)]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_token
+    assert out.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
+
+
+def test_stop_string_across_a_token_boundary_cuts_the_text_before_it(fresh):
+    # The stop string is taken from this prompt's own greedy output, so it is certain to occur: the last two
+    # characters before token k's text and the first one of it, with k the middle token that adds text.
+    prompt, max_tokens = list(range(50, 62)), 24
+    engine = fresh.engine
+    engine.add_request(prompt, greedy(max_tokens))
+    texts = [""]  # texts[k]: the streamed text after k generated tokens
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert len(out.token_ids) == len(texts) and out.text.startswith(texts[-1])
+            texts.append(out.text)
+    boundaries = [k for k in range(2, max_tokens) if len(texts[k - 1]) >= 2 and len(texts[k]) > len(texts[k - 1])]
+    assert boundaries, f"the greedy output adds too little text to take a stop string from: {texts[-1]!r}"
+    k = boundaries[len(boundaries) // 2]
+    stop = texts[k][len(texts[k - 1]) - 2:len(texts[k - 1]) + 1]
+    # the engine stops at the first token whose text completes the stop string, and cuts the text before it
+    first = next(j for j, text in enumerate(texts) if stop in text)
+    out = fresh.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert len(out.token_ids) == first <= k < max_tokens
+    assert out.text == texts[first][:texts[first].index(stop)]
 
 
 async def test_async_stream_deltas_add_up_and_early_exit_aborts(checkpoint):
