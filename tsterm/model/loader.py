@@ -1,8 +1,9 @@
 """Loads an HF model directory into the decoder's packed weights.
 
 Tensors are views of memory-mapped safetensors files (`safetensors_mmap`); a tensor already in the target dtype on
-the CPU is used in place. Others are converted once: F8_E4M3 / F8_E5M2 weights by torch's own FP8 conversion. Only what the layout needs is materialised, once, at load: fused q/k/v rows and the stacked expert
-tensors `w13 [E, 2I, H]` / `w2 [E, H, I]`.
+the CPU is used in place, any other is converted once (F8_E4M3 / F8_E5M2 by torch's own FP8 conversion). Only what
+the layout needs is materialised, once, at load: fused q/k/v rows and the stacked expert tensors `w13 [E, 2I, H]` /
+`w2 [E, H, I]`.
 """
 from __future__ import annotations
 
