@@ -140,14 +140,14 @@ def write_model_dir(path: Path, cfg: dict) -> Path:
 @contextlib.contextmanager
 def weights_from_memory(weights: dict[str, torch.Tensor]):
     """The engine's weight loader, swapped for the in-memory weights while an engine is built."""
-    from tsterm.engine import engine as engine_module
+    from tsterm.engine import model_runner as runner_module
 
-    load = engine_module.load_weights
-    engine_module.load_weights = lambda *args, **kwargs: weights
+    load = runner_module.load_weights
+    runner_module.load_weights = lambda *args, **kwargs: weights
     try:
         yield
     finally:
-        engine_module.load_weights = load
+        runner_module.load_weights = load
 
 
 def build_engine(model_dir: Path, weights: dict[str, torch.Tensor], context: int, tokens: int, cuda_graphs: bool):
@@ -226,7 +226,7 @@ def measure(cfg: dict, context: int, tokens: int, warmup: int, bandwidth: float)
         for mode, graphs in (("eager", False), ("cuda graphs", True)):
             engine = build_engine(model_dir, weights, context, warmup + tokens + 2, graphs)
             rate, syncs = decode_rate(engine, context, tokens, warmup)
-            runner = engine.runner
+            runner = engine.executor
             note = f"host syncs in a decode step: {syncs}"
             if graphs:
                 note += f"; {runner.graph_steps} graph steps, {runner.eager_steps} eager; {rate / results[0].tokens_per_s:.1f}x eager"

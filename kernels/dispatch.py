@@ -1,4 +1,8 @@
-"""Chooses one implementation per op, once. `use("torch")` forces the reference twins (tests, CPU).
+"""Chooses one implementation per op, as an object each engine holds: `load("torch")` or `load("triton")`.
+
+There is no process-wide binding: the engine's executor loads a `KernelOps` and hands it to its model, so two
+engines in one process (the TUI switching profiles, the TUI and a server, one engine per rank) can run different
+implementations side by side, and a load that fails leaves every other engine as it was.
 
 The top-level `kernels/` directory installs as the package `tsterm_kernels`: the PyPI name `kernels` belongs
 to another project that transformers probes for. The directory has no `__init__.py` on purpose, so that a
@@ -8,29 +12,31 @@ treats as "not installed".
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
-
-from tsterm_kernels import reference
+from collections.abc import Callable
+from dataclasses import dataclass
 
 OP_NAMES = ("rms_norm", "store_kv", "paged_attention", "moe_route", "fused_moe")
 
-# name -> module providing every op in OP_NAMES, or its import path: imported on first `use`, so that importing
-# this package never imports triton (nor needs a GPU).
-_IMPLEMENTATIONS: dict[str, object] = {"torch": reference, "triton": "tsterm_kernels.triton_ops"}
-
-ops = SimpleNamespace()
+# name -> module providing every op in OP_NAMES. Imported on first `load` (Python caches the module), so that
+# importing this package never imports triton (nor needs a GPU).
+IMPLEMENTATIONS = {"torch": "tsterm_kernels.reference", "triton": "tsterm_kernels.triton_ops"}
 
 
-def use(name: str) -> None:
-    """Bind every op in `ops` to implementation `name`."""
-    if name not in _IMPLEMENTATIONS:
-        raise ValueError(f"unknown kernel implementation {name!r} (have: {', '.join(_IMPLEMENTATIONS)})")
-    impl = _IMPLEMENTATIONS[name]
-    if isinstance(impl, str):
-        impl = _IMPLEMENTATIONS[name] = importlib.import_module(impl)
-    for op in OP_NAMES:
-        setattr(ops, op, getattr(impl, op))
-    ops.name = name
+@dataclass(frozen=True, slots=True)
+class KernelOps:
+    """One implementation of every op in OP_NAMES; each has the signature of its torch twin in `reference`."""
+
+    name: str
+    rms_norm: Callable
+    store_kv: Callable
+    paged_attention: Callable
+    moe_route: Callable
+    fused_moe: Callable
 
 
-use("torch")
+def load(name: str) -> KernelOps:
+    """The ops of implementation `name` ("torch": the reference twins; "triton": the Triton kernels)."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown kernel implementation {name!r} (have: {', '.join(IMPLEMENTATIONS)})")
+    module = importlib.import_module(IMPLEMENTATIONS[name])
+    return KernelOps(name, **{op: getattr(module, op) for op in OP_NAMES})

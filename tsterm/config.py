@@ -7,7 +7,6 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -202,13 +201,10 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
     clip_qkv: float | None = None
+    layer_types: tuple[str, ...] = ()  # config.json `layer_types` (what each layer's token mixer is); () = all full
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     source: str = "config.json"
-
-    @cached_property
-    def kv_bytes_per_token_per_elem(self) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.num_experts == 0 or layer in self.mlp_only_layers:
@@ -270,6 +266,18 @@ class ModelConfig:
         top_k = get("num_experts_per_tok", 1)
         if num_experts and not 1 <= top_k <= num_experts:
             raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
+        layer_types = raw.get("layer_types")
+        if layer_types is not None:
+            layers = get("num_hidden_layers", required=True)
+            if not (isinstance(layer_types, list) and len(layer_types) == layers
+                    and all(isinstance(t, str) for t in layer_types)):
+                raise ModelLoadError(f"{source}: field 'layer_types' must be a list of {layers} strings (one per "
+                                     f"layer), got {layer_types!r}")
+            spec = ARCHITECTURES[model_type]
+            for i, kind in enumerate(layer_types):
+                if kind not in spec.mixers:
+                    raise ModelLoadError(f"{source}: layer {i} is {kind!r}, which {model_type} does not support "
+                                         f"(supported layer types: {', '.join(spec.mixers)})")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids):
@@ -296,6 +304,7 @@ class ModelConfig:
             mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0),
             clip_qkv=get("clip_qkv", convert=float),
+            layer_types=tuple(layer_types or ()),
             eos_token_ids=eos_ids,
             source=source,
         )

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from tsterm_kernels import dispatch
 
 from tests.helpers.checkpoints import make_checkpoint
 from tests.helpers.sampling import every_sampler_stage
@@ -20,11 +19,10 @@ from tsterm import LLM, SamplingParams
 from tsterm.config import EngineConfig
 from tsterm.engine import cuda_graphs
 from tsterm.engine.cuda_graphs import DecodeGraph, DecodeGraphs, batch_buckets
-from tsterm.engine.model_runner import ScheduledBatch
+from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.step_inputs import HostStep
 from tsterm.errors import ConfigError
-from tsterm.model import decoder
 
 BLOCK = 4
 
@@ -39,8 +37,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture
 def triton_engine(checkpoint):
     llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48, kernels="triton")
-    yield llm.engine
-    dispatch.use("torch")
+    return llm.engine
 
 
 def decode_batch(engine, prompt_lens: list[int]) -> ScheduledBatch:
@@ -57,6 +54,11 @@ def decode_batch(engine, prompt_lens: list[int]) -> ScheduledBatch:
     return batch
 
 
+def kv_pool(runner) -> torch.Tensor:
+    """[L, 2, num_blocks, block_size, Hkv, D]: the whole paged KV pool of the runner's attention layers."""
+    return runner.cache.pools["full_attention"].kv
+
+
 def slot_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """[num_slots, L * 2 * Hkv * D]: everything stored in each KV slot, over layers, K and V."""
     layers, _, num_blocks, block_size = kv_cache.shape[:4]
@@ -64,23 +66,23 @@ def slot_view(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def expert_loads(engine) -> torch.Tensor:
-    return torch.stack([mlp.expert_load for mlp in engine.runner.moe_layers]).clone()  # [L_moe, E]
+    return torch.stack([mlp.expert_load for mlp in engine.executor.moe_layers]).clone()  # [L_moe, E]
 
 
 @pytest.mark.parametrize("batch_size,extra_width", [(4, 0), (8, 3)], ids=["bucket4", "bucket8-wide-table"])
 def test_padded_decode_step_matches_the_unpadded_step(triton_engine, batch_size, extra_width):
     engine = triton_engine
-    runner = engine.runner
+    runner = engine.executor
     batch = decode_batch(engine, [5, 10, 3])
     real_slots = sorted(slot for slots in batch.slot_mappings for slot in slots)
-    kv_before = runner.kv_cache.clone()
+    kv_before = kv_pool(runner).clone()
     load_before = expert_loads(engine)
 
-    want = runner.run(batch).clone()  # the eager, unpadded step (no graphs on the CPU)
+    want = runner.execute(batch).clone()  # the eager, unpadded step (no graphs on the CPU)
     assert runner.graph_steps == 0 and runner.eager_steps > 0
-    kv_eager = runner.kv_cache.clone()
+    kv_eager = kv_pool(runner).clone()
     load_eager = expert_loads(engine)
-    runner.kv_cache.copy_(kv_before)
+    kv_pool(runner).copy_(kv_before)
 
     graph = DecodeGraph(runner, batch_size, DecodeGraphs(runner, 64).shape_for(batch)[1] + extra_width)
     got = graph.run_eager(batch)
@@ -89,9 +91,9 @@ def test_padded_decode_step_matches_the_unpadded_step(triton_engine, batch_size,
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (got.argmax(-1) == want.argmax(-1)).all()
     # KV: only the real rows' slots changed, to what the unpadded step wrote there
-    changed = (slot_view(runner.kv_cache) != slot_view(kv_before)).any(dim=1).nonzero().flatten().tolist()
+    changed = (slot_view(kv_pool(runner)) != slot_view(kv_before)).any(dim=1).nonzero().flatten().tolist()
     assert changed == real_slots
-    torch.testing.assert_close(runner.kv_cache, kv_eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_pool(runner), kv_eager, atol=1e-5, rtol=1e-5)
     # expert load: the real rows' tokens only, the same count as the unpadded step
     top_k = engine.model_config.num_experts_per_tok
     assert ((expert_loads(engine) - load_eager).sum(dim=1) == 3 * top_k).all()
@@ -144,12 +146,13 @@ def test_a_decode_step_through_the_triton_ops_reads_no_tensor_on_the_host(triton
 
 
 def test_pair_weights_end_with_the_padded_forward_even_on_an_error(triton_engine):
-    """A padded step's 0/1 pair weights live in the forward context only: the next eager step counts every pair."""
-    runner = triton_engine.runner
+    """A padded step's 0/1 pair weights live in the model's step context only: the next eager step counts every
+    pair."""
+    runner = triton_engine.executor
     graph = DecodeGraph(runner, 2, 4)
 
     def failing_forward(input_ids, positions):
-        assert decoder._current_pair_weights is graph.inputs.pair_weights
+        assert runner.model.ctx.pair_weights is graph.inputs.pair_weights
         raise RuntimeError("boom")
 
     runner.model.forward = failing_forward
@@ -158,7 +161,7 @@ def test_pair_weights_end_with_the_padded_forward_even_on_an_error(triton_engine
             graph.forward()
     finally:
         del runner.model.forward  # back to the class's method
-    assert decoder._current_pair_weights is None and decoder._current_meta is None
+    assert runner.model.ctx.pair_weights is None and runner.model.ctx.meta is None
 
 
 def test_generation_through_the_step_buffers_matches_the_torch_path(checkpoint):
@@ -170,10 +173,7 @@ def test_generation_through_the_step_buffers_matches_the_torch_path(checkpoint):
     def generate(kernels: str):
         llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48,
                   max_num_batched_tokens=8, kernels=kernels)
-        try:
-            return llm.generate(prompts, params)
-        finally:
-            dispatch.use("torch")
+        return llm.generate(prompts, params)
 
     want, got = generate("torch"), generate("triton")
     for ours, theirs in zip(got, want):
@@ -184,12 +184,13 @@ def test_generation_through_the_step_buffers_matches_the_torch_path(checkpoint):
 
 def test_prepare_packs_the_step_into_the_buffers(checkpoint):
     llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48)
-    runner = llm.engine.runner
+    runner = llm.engine.executor
     params = SamplingParams(temperature=0)
     prefill = Sequence(list(range(10, 21)), params)  # 11 tokens, 6 cached: a chunk of 5, then done
     prefill.num_computed_tokens, prefill.block_table = 6, [7, 8, 2]
     decode = Sequence(list(range(30, 39)), params)  # 9 tokens, 8 computed
     decode.num_computed_tokens, decode.block_table = 8, [4, 5, 9]
+    decode.state_slot = 3  # as a recurrent-state layer's sequence would hold (the others keep none: -1)
     chunk = Sequence(list(range(40, 60)), params)  # 20 tokens, 4 computed, a chunk of 3: samples nothing
     chunk.num_computed_tokens, chunk.block_table = 4, [11, 12]
     batch = ScheduledBatch([prefill, decode, chunk], [5, 1, 3], [[26, 27, 32, 33, 34], [36], [44, 45, 46]], [])
@@ -204,12 +205,13 @@ def test_prepare_packs_the_step_into_the_buffers(checkpoint):
     assert meta.block_tables.tolist() == [[7, 8, 2], [4, 5, 9], [11, 12, -1]]
     assert meta.block_runs == [[(7, 2), (2, 1)], [(4, 2), (9, 1)], [(11, 2)]]
     assert inputs.sample_rows.tolist() == [4, 5]
+    assert inputs.state_slots.tolist() == [-1, 3, -1]
 
     small = ScheduledBatch([decode], [1], [[36]], [])  # a smaller step after a larger one: nothing stale
     inputs = runner.prepare(small)
     assert inputs.input_ids.tolist() == [38] and inputs.positions.tolist() == [8]
     assert inputs.meta.block_tables.tolist() == [[4, 5, 9]] and inputs.meta.seq_lens_device.tolist() == [9]
-    assert inputs.sample_rows.tolist() == [0]
+    assert inputs.sample_rows.tolist() == [0] and inputs.state_slots.tolist() == [3]
     assert runner.graphs is None  # CPU: no graphs, whatever cuda_graphs says
 
 
@@ -280,20 +282,47 @@ def test_engine_decodes_through_graph_replays(checkpoint, monkeypatch):
         llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48,
                   kernels="triton", max_num_seqs=4)
         if graphs:
-            llm.engine.runner.graphs = DecodeGraphs(llm.engine.runner, 4)
-            llm.engine.runner.graphs.pool = ()  # no CUDA memory pool or capture stream on the CPU
-        try:
-            return llm, llm.generate(prompts, params)
-        finally:
-            dispatch.use("torch")
+            llm.engine.executor.graphs = DecodeGraphs(llm.engine.executor, 4)
+            llm.engine.executor.graphs.pool = ()  # no CUDA memory pool or capture stream on the CPU
+        return llm, llm.generate(prompts, params)
 
     eager, want = generate(graphs=False)
     graphed, got = generate(graphs=True)
-    runner = graphed.engine.runner
-    assert eager.engine.runner.graph_steps == 0 and runner.graph_steps == 19  # every decode step
+    runner = graphed.engine.executor
+    assert eager.engine.executor.graph_steps == 0 and runner.graph_steps == 19  # every decode step
     assert sorted(runner.graphs.graphs) == [(1, 2), (1, 4), (1, 8), (2, 2), (4, 2)]  # buckets 4, 2, 1; three tiers
     for ours, theirs in zip(got, want):
         assert ours.token_ids == theirs.token_ids
         for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
             assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
     assert graphed.engine.expert_load() == eager.engine.expert_load()
+
+
+def test_a_failed_capture_falls_back_to_eager_once_per_shape(checkpoint, monkeypatch, caplog):
+    """A capture that fails (here: the real one, on a machine without CUDA) is logged once and remembered: every
+    step of that shape decodes eagerly with the same tokens, and the capture is never tried again. (The torch ops
+    keep it fast: no graph is ever replayed.)"""
+    attempts: list[tuple[int, int]] = []
+    capture = DecodeGraph.capture
+
+    def counted_capture(self, pool, stream):
+        attempts.append((self.batch_size, self.table_width))
+        return capture(self, pool, stream)
+
+    monkeypatch.setattr(DecodeGraph, "capture", counted_capture)
+    monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_CONTEXT", 8)
+    prompts = [[5, 9, 2], [7, 7, 1, 3, 8]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48).generate(prompts,
+                                                                                                           params)
+    llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48)
+    runner = llm.engine.executor
+    runner.graphs = DecodeGraphs(runner, 4)  # forced on
+    runner.graphs.pool = ()  # past the pool: the capture itself fails (no CUDA stream in the CPU build of torch)
+    with caplog.at_level("WARNING", logger="tsterm.engine.cuda_graphs"):
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert runner.graph_steps == 0 and runner.graphs.graphs == {}
+    assert sorted(attempts) == sorted(runner.graphs.failed) == [(2, 2), (2, 4)]  # each shape tried once
+    warnings = [r.getMessage() for r in caplog.records if "capture" in r.getMessage()]
+    assert len(warnings) == 2 and "run eagerly" in warnings[0]

@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-from tsterm_kernels import dispatch
 
 from tests.helpers.checkpoints import make_checkpoint
 from tests.helpers.sampling import every_sampler_stage
@@ -32,12 +31,6 @@ ARCHS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def torch_ops_after():
-    yield
-    dispatch.use("torch")
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_decode")
@@ -51,7 +44,7 @@ def prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 def cuda_llm(path, **options) -> LLM:
     llm = LLM(str(path), dtype="float32", device="cuda", block_size=4, num_kv_blocks=256, **options)
-    assert dispatch.ops.name == "triton"
+    assert llm.engine.executor.kernels == "triton"
     return llm
 
 
@@ -74,7 +67,7 @@ def test_greedy_output_on_cuda_matches_the_cpu_reference(checkpoints, arch):
                kernels="torch").generate(batch, params)
     llm = cuda_llm(checkpoints[arch])
     got = llm.generate(batch, params)
-    assert llm.engine.runner.graph_steps > 0  # decode batches of 3, 2 and 1 replayed graphs of 4, 2 and 1 rows
+    assert llm.engine.executor.graph_steps > 0  # decode batches of 3, 2 and 1 replayed graphs of 4, 2 and 1 rows
     assert_same_generation(got, want, logprob_tol=1e-3)
 
 
@@ -89,8 +82,8 @@ def test_graph_replays_match_eager_steps_across_buckets_and_context_tiers(checkp
     graphed = cuda_llm(checkpoints["qwen3_moe"], max_num_seqs=8)
     got = graphed.generate(batch, params)
 
-    runner = graphed.engine.runner
-    assert eager.engine.runner.graph_steps == 0 and eager.engine.runner.graphs is None
+    runner = graphed.engine.executor
+    assert eager.engine.executor.graph_steps == 0 and eager.engine.executor.graphs is None
     assert runner.graph_steps >= 30
     sizes = {size for size, _ in runner.graphs.graphs}
     widths = {width for _, width in runner.graphs.graphs}
@@ -102,7 +95,7 @@ def test_graph_replays_match_eager_steps_across_buckets_and_context_tiers(checkp
 
 def test_padded_replay_writes_only_the_real_slots(checkpoints):
     llm = cuda_llm(checkpoints["qwen3_moe"])
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.executor
     for prompt in prompts([9, 14, 6], seed=3):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
@@ -111,21 +104,21 @@ def test_padded_replay_writes_only_the_real_slots(checkpoints):
     batch = engine.scheduler.schedule()
     assert batch.num_new == [1, 1, 1]
 
-    kv_before = runner.kv_cache.clone()
-    graphed = runner.run(batch).clone()
+    kv_before = runner.cache.pools["full_attention"].kv.clone()
+    graphed = runner.execute(batch).clone()
     assert runner.graph_steps == 2 and (4, runner.graphs.shape_for(batch)[1]) in runner.graphs.graphs
     slots = kv_before.shape[2] * kv_before.shape[3]
-    changed = (runner.kv_cache != kv_before).reshape(-1, 2, slots, runner.kv_cache[0, 0, 0, 0].numel())
+    changed = (runner.cache.pools["full_attention"].kv != kv_before).reshape(-1, 2, slots, runner.cache.pools["full_attention"].kv[0, 0, 0, 0].numel())
     changed = changed.any(dim=3).any(dim=1).any(dim=0).nonzero().flatten().tolist()
     assert changed == sorted(slot for slot_mapping in batch.slot_mappings for slot in slot_mapping)
 
-    kv_graphed = runner.kv_cache.clone()
-    runner.kv_cache.copy_(kv_before)
+    kv_graphed = runner.cache.pools["full_attention"].kv.clone()
+    runner.cache.pools["full_attention"].kv.copy_(kv_before)
     graphs, runner.graphs = runner.graphs, None
-    eager = runner.run(batch)
+    eager = runner.execute(batch)
     runner.graphs = graphs
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(kv_graphed, runner.kv_cache, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv_graphed, runner.cache.pools["full_attention"].kv, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("use_graphs", [True, False], ids=["graphs", "eager"])
@@ -141,7 +134,7 @@ def test_decode_steps_never_wait_for_the_device(checkpoints, use_graphs):
     for _ in range(2):  # warm-up decode steps: Triton compiles, the 8-row graph is captured
         engine.step()
     torch.cuda.synchronize()
-    graph_steps = engine.runner.graph_steps
+    graph_steps = engine.executor.graph_steps
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
@@ -149,5 +142,5 @@ def test_decode_steps_never_wait_for_the_device(checkpoints, use_graphs):
             assert len(outputs) == 5
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert engine.runner.graph_steps - graph_steps == (4 if use_graphs else 0)
+    assert engine.executor.graph_steps - graph_steps == (4 if use_graphs else 0)
     assert all(len(out.outputs[0].token_ids) == 7 for out in outputs)

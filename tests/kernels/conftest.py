@@ -1,4 +1,4 @@
-"""Fixtures for kernel tests: the op implementation is restored to "torch" after every test, and `poison` makes
+"""Fixtures for kernel tests: `triton_ops` (the Triton kernels, interpreted on the CPU), and `poison`, which makes
 every torch.empty / torch.empty_like return NaN (floats) or huge values (ints), so a kernel that leaves part of
 an output unwritten fails its comparison."""
 from __future__ import annotations
@@ -11,17 +11,10 @@ from tsterm_kernels import dispatch
 POISON_INT = 0x3FFF_FFFF
 
 
-@pytest.fixture(autouse=True)
-def restore_torch_ops():
-    yield
-    dispatch.use("torch")
-
-
 @pytest.fixture
-def triton_ops():
-    """`dispatch.ops` bound to the Triton kernels for the test (run by the interpreter on CPU tensors)."""
-    dispatch.use("triton")
-    return dispatch.ops
+def triton_ops() -> dispatch.KernelOps:
+    """The Triton kernels (run by the interpreter on CPU tensors)."""
+    return dispatch.load("triton")
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

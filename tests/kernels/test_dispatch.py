@@ -1,4 +1,4 @@
-"""The kernel dispatch: one binding of every op, switched by name, Triton imported lazily."""
+"""The kernel dispatch: an object per implementation, Triton imported lazily, nothing bound process-wide."""
 from __future__ import annotations
 
 import subprocess
@@ -9,23 +9,19 @@ import pytest
 from tsterm_kernels import dispatch, reference
 
 
-def test_use_rebinds_every_op():
+def test_load_binds_every_op_of_one_implementation():
     from tsterm_kernels import triton_ops
 
-    dispatch.use("triton")
-    assert dispatch.ops.name == "triton"
+    triton, torch_ops = dispatch.load("triton"), dispatch.load("torch")
+    assert (triton.name, torch_ops.name) == ("triton", "torch")
     for op in dispatch.OP_NAMES:
-        assert getattr(dispatch.ops, op) is getattr(triton_ops, op)
-    dispatch.use("torch")
-    assert dispatch.ops.name == "torch"
-    for op in dispatch.OP_NAMES:
-        assert getattr(dispatch.ops, op) is getattr(reference, op)
+        assert getattr(triton, op) is getattr(triton_ops, op)
+        assert getattr(torch_ops, op) is getattr(reference, op)
 
 
 def test_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="unknown kernel implementation 'cuda'"):
-        dispatch.use("cuda")
-    assert dispatch.ops.name == "torch"
+        dispatch.load("cuda")
 
 
 def test_importing_the_package_does_not_import_triton():

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from tsterm import LLM, SamplingParams
-from tsterm_kernels import dispatch
 
 from tests.helpers.checkpoints import make_checkpoint
 
@@ -28,7 +27,7 @@ def test_generation_matches_torch_ops(tmp_path, model_type, overrides):
     def generate(implementation: str):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=32,
                   kernels=implementation)
-        assert dispatch.ops.name == implementation
+        assert llm.engine.executor.kernels == implementation
         return llm.generate(prompts, params)
 
     want = generate("torch")

@@ -322,7 +322,7 @@ def mapped_ranges(path: Path) -> list[tuple[int, int]]:
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
 def test_weights_are_views_of_the_file_mapping(llm, base_dir):
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     ranges = mapped_ranges(base_dir / WEIGHTS)
     assert ranges, "model.safetensors is not memory-mapped"
 
@@ -337,7 +337,7 @@ def test_weights_are_views_of_the_file_mapping(llm, base_dir):
         assert not weight.untyped_storage().resizable()  # borrowed memory, not a tensor torch allocated
         assert torch.equal(weight, file_tensors[name])
     # control: converted to bfloat16, the same weights are copies, and the check above says so
-    converted = load(base_dir, dtype="bfloat16", max_model_len=32).engine.runner.model
+    converted = load(base_dir, dtype="bfloat16", max_model_len=32).engine.executor.model
     assert not in_mapping(converted.embed) and not in_mapping(converted.final_norm)
 
 

@@ -61,7 +61,7 @@ def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     engine = llm.engine
     request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     try:
-        return engine.runner.run(engine.scheduler.schedule())[0].float()
+        return engine.executor.execute(engine.scheduler.schedule())[0].float()
     finally:
         engine.abort(request_id)
 

@@ -54,7 +54,7 @@ def test_tsterm_matches_transformers_and_writes_text(hf_model, heldout_windows):
     prompt = heldout_windows[0, :40].tolist()
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    ours = engine.runner.run(engine.scheduler.schedule())[0]
+    ours = engine.executor.execute(engine.scheduler.schedule())[0]
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0, -1]
     rel = (ours - ref).abs().max() / ref.abs().max()

@@ -77,7 +77,7 @@ def test_last_position_logits_relative_error(tmp_path, model_type, overrides):
     engine = llm.engine
     engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     batch = engine.scheduler.schedule()
-    ours = engine.runner.run(batch)[0]
+    ours = engine.executor.execute(batch)[0]
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0, -1]
     rel = (ours - ref).abs().max() / ref.abs().max()

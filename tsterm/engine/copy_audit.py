@@ -45,7 +45,7 @@ PHASES = {
     "moe_route": "moe",
     "fused_moe": "moe",
     "SparseMoE.__call__": "moe",
-    "ModelRunner.copy_blocks": "kv_cow",
+    "PagedKVPool.copy_blocks": "kv_cow",
     "ModelRunner.prepare": "metadata",
     "Sampler.__call__": "sampling",
     "DecoderModel.logits": "logits",

@@ -11,22 +11,25 @@ What a replay relies on (see torch.cuda.graph):
   its bound. The torch twins read host lists per sequence, so graphs are used with the Triton ops only.
 - Padding. Rows past the real batch hold token 0 at position 0, KV slot -1 (store_kv skips it) and context
   length 0 (attention reads no key and writes zeros); their logits rows are never returned, and their (token,
-  expert) pairs weigh 0 in the expert-load count (the step's `pair_weights`, passed to the decoder's forward context).
+  expert) pairs weigh 0 in the expert-load count (the step's `pair_weights`, passed to the model's step context).
 - Capture hygiene. Warm-up runs (Triton compiles, cuBLAS workspaces) and the capture use one dedicated side
   stream; every graph captures into one shared memory pool. Sharing is safe because replays never overlap (one
   stream) and no graph reads another's memory: inputs live in each graph's own buffers, outputs stay referenced.
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.step_inputs import HostStep, StepLayout, step_inputs
-from tsterm.model.decoder import forward_context
 
 if TYPE_CHECKING:
-    from tsterm.engine.model_runner import ModelRunner, ScheduledBatch
+    from tsterm.engine.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
 MIN_GRAPH_CONTEXT = 1024  # tokens: the smallest context tier (shorter contexts use its graph)
@@ -71,7 +74,7 @@ class DecodeGraph:
     def forward(self) -> torch.Tensor:
         """The captured work: the padded forward and the logits of every row, [batch_size, V] float32."""
         model = self.runner.model
-        with forward_context(self.inputs.meta, self.inputs.pair_weights):
+        with model.step_context(self.inputs.meta, self.inputs.pair_weights, self.inputs.state_slots):
             hidden = model.forward(self.inputs.input_ids, self.inputs.positions)  # [B, H]
             return model.logits(hidden)  # [B, V]
 
@@ -107,6 +110,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.min_width = min(-(-MIN_GRAPH_CONTEXT // runner.block_size), runner.max_blocks_per_seq)
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self.failed: set[tuple[int, int]] = set()  # shapes whose capture failed: eager from then on
         self.pool: tuple | None = None  # one memory pool and one capture stream for every graph, made at first use
         self.stream: torch.cuda.Stream | None = None
 
@@ -122,19 +126,30 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= num_seqs), width
 
-    def get(self, batch_size: int, table_width: int) -> DecodeGraph:
-        """The captured graph of this shape, captured now if it is the first step of that shape."""
+    def for_batch(self, batch: ScheduledBatch) -> DecodeGraph | None:
+        """The graph that runs `batch`, captured now on the first step of its shape; None: run it eagerly (not a
+        pure decode step, too large, or a shape whose capture failed)."""
+        shape = self.shape_for(batch)
+        return None if shape is None else self.get(*shape)
+
+    def get(self, batch_size: int, table_width: int) -> DecodeGraph | None:
+        """The captured graph of this shape, captured now if it is the first step of that shape.
+
+        A capture that fails is logged once and remembered: that shape decodes eagerly from then on (correct, only
+        slower), and is never captured again."""
         key = (batch_size, table_width)
         graph = self.graphs.get(key)
-        if graph is None:
+        if graph is None and key not in self.failed:
             graph = DecodeGraph(self.runner, batch_size, table_width)
-            if self.pool is None:
-                self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.runner.device)
             try:
+                if self.pool is None:
+                    self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.runner.device)
                 graph.capture(self.pool, self.stream)
-            except Exception as e:
-                raise RuntimeError(f"CUDA graph capture of a decode step of {batch_size} sequences (contexts up to "
-                                   f"{graph.max_context} tokens) failed: {e}. Decode eagerly with the engine option "
-                                   "cuda_graphs=False") from e
+            except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager decoding
+                self.failed.add(key)
+                log.warning("CUDA graph capture of a decode step of %d sequences (contexts up to %d tokens) failed: "
+                            "%s: %s; steps of this shape run eagerly (engine option cuda_graphs=False turns graphs "
+                            "off)", batch_size, graph.max_context, type(e).__name__, e)
+                return None
             self.graphs[key] = graph
         return graph

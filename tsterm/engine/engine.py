@@ -9,22 +9,22 @@ from pathlib import Path
 import torch
 
 from tsterm.config import EngineConfig, ModelConfig, SamplingParams
+from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.block_pool import BlockPool
 from tsterm.engine.copy_audit import CopyAudit
+from tsterm.engine.executor import ExecutorFactory, ExecutorSpec
 from tsterm.engine.kv_manager import KVCacheManager
-from tsterm.engine.model_runner import ModelRunner, ScheduledBatch, kv_bytes_per_block
+from tsterm.engine.model_runner import ModelRunner
 from tsterm.engine.sampler import Sampler, SamplingRow, seeded_generator
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.stats import EngineMetrics
 from tsterm.errors import ModelLoadError, RequestError
-from tsterm.model.loader import ProgressFn, load_weights
+from tsterm.model.loader import ProgressFn
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
-from tsterm_kernels import dispatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 @dataclass
@@ -61,7 +61,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, progress: ProgressFn | None = None):
+    def __init__(self, config: EngineConfig, progress: ProgressFn | None = None,
+                 executor: ExecutorFactory = ModelRunner):
+        """executor: builds the executor that runs the model (the launcher's choice; default: one process)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
@@ -75,20 +77,13 @@ class Engine:
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ModelLoadError(f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but the "
                                  f"embedding (config.json vocab_size) has only {cfg.vocab_size} rows")
-        # One kernel implementation per process, chosen once (tsterm_kernels.dispatch).
-        dispatch.use(config.kernels if config.kernels != "auto" else ("triton" if self.device.type == "cuda" else "torch"))
-        weights = load_weights(model_dir, cfg, self.dtype, self.device, progress)
-        block_size = config.block_size
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(cfg, block_size)
-        # A sequence never outgrows the pool, so one request alone always fits (no self-preemption loop).
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, num_blocks * block_size)
+        self.executor = executor(ExecutorSpec(config, cfg, model_dir, self.dtype, self.device, progress))
+        self.max_model_len = self.executor.max_model_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
-        pool = BlockPool(num_blocks, block_size, fingerprint=f"{model_dir.resolve()}:{self.dtype}",
+        pool = BlockPool(self.executor.num_blocks, config.block_size, fingerprint=f"{model_dir.resolve()}:{self.dtype}",
                          enable_prefix_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(pool)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(cfg, weights, num_blocks, block_size, self.max_model_len, self.dtype, self.device,
-                                  max_num_seqs=config.max_num_seqs, cuda_graphs=config.cuda_graphs)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _Request] = {}
         self._samples: dict[int, _Sample] = {}  # seq_id -> its sample (live requests only)
@@ -98,20 +93,6 @@ class Engine:
         self.num_prefill_tokens = 0
         self.metrics = EngineMetrics()
         self.audit: CopyAudit | None = None  # off by default: `enable_copy_audit`
-        self.moe_layers = [mlp for *_, mlp in self.runner.model.layers if mlp.router is not None]
-        for mlp in self.moe_layers:  # tokens routed per expert, accumulated on the device, read rarely
-            mlp.expert_load = torch.zeros(mlp.w13.shape[0], dtype=torch.int64, device=self.device)
-
-    def _num_blocks_from_budget(self, cfg: ModelConfig, block_size: int) -> int:
-        per_block = kv_bytes_per_block(cfg, block_size, self.dtype)
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.kv_cache_fraction)
-            else:
-                budget = CPU_DEFAULT_KV_BYTES
-        return max(2, budget // per_block)
 
     # ---------------------------------------------------------------------------------------------------------
     # requests
@@ -170,7 +151,9 @@ class Engine:
             return []
         generated_before = self.num_generated_tokens
         with self.audit.step(self.num_steps) if self.audit else contextlib.nullcontext(False) as audited:
-            logits = self.runner.run(batch)
+            if batch.cow_copies:
+                self.executor.copy_blocks(batch.cow_copies)
+            logits = self.executor.execute(batch)
             outputs = self._postprocess(batch, logits)
         if audited:
             self.audit.audited_tokens += self.num_generated_tokens - generated_before
@@ -295,9 +278,9 @@ class Engine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.num_preemptions, steps=self.num_steps,
             generated_tokens=self.num_generated_tokens, prefill_tokens=self.num_prefill_tokens,
-            cow_bytes=self.runner.cow_bytes, block_size=self.config.block_size,
-            kv_bytes_per_block=kv_bytes_per_block(self.model_config, self.config.block_size, self.dtype),
+            block_size=self.config.block_size, kv_bytes_per_block=self.executor.kv_bytes_per_block,
         )
+        s.update(self.executor.counters())
         # The other side of the copy ledger: KV taken by reference. A design that deep-copies the prefix each
         # turn would have moved exactly these bytes.
         s["kv_reused_bytes"] = s["prefix_hit_tokens"] * s["kv_bytes_per_block"] // self.config.block_size
@@ -305,9 +288,11 @@ class Engine:
 
     def expert_load(self) -> list[list[int]]:
         """Tokens routed to each expert, per MoE layer, since start (one host read for all layers)."""
-        if not self.moe_layers:
-            return []
-        return torch.stack([mlp.expert_load for mlp in self.moe_layers]).tolist()
+        return self.executor.expert_load()
+
+    def shutdown(self) -> None:
+        """Release the executor (its workers, device memory); the engine is unusable after."""
+        self.executor.shutdown()
 
     def prometheus(self) -> str:
         return self.metrics.prometheus(self.stats())

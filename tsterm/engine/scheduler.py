@@ -6,7 +6,7 @@ from collections import deque
 
 from tsterm.config import EngineConfig
 from tsterm.engine.kv_manager import KVCacheManager
-from tsterm.engine.model_runner import ScheduledBatch
+from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.sequence import Sequence, SequenceStatus
 
 

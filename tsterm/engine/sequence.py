@@ -67,6 +67,7 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.state_slot = -1  # its slot in the model's recurrent-state pools (-1: the model keeps no state)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
         self.finish_reason: str | None = None

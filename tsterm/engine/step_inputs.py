@@ -1,7 +1,7 @@
 """A step's model inputs in persistent buffers: written on the host, uploaded with one asynchronous copy per dtype.
 
 The integer inputs of a step (token ids, positions, KV slots, rows to sample; query offsets, context lengths,
-block tables) are packed into two flat buffers, int64 and int32, at offsets that depend only on the step's shape
+recurrent-state slots, block tables) are packed into two flat buffers, int64 and int32, at offsets that depend only on the step's shape
 (`StepLayout`). The host side (`HostStaging`) is pinned memory on CUDA, written through numpy views (no torch op,
 so no copy to count and nothing queued); `upload` copies the used prefix of each buffer to its device twin with
 `non_blocking=True`, in stream order. Nothing here reads device memory, so preparing a step never waits for the
@@ -42,7 +42,7 @@ class StepLayout:
         self.i64, self.i64_size = _pack({"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
                                          "sample_rows": num_samples, "pair_weights": num_pairs})
         self.i32, self.i32_size = _pack({"query_start_loc": num_seqs + 1, "seq_lens": num_seqs,
-                                         "block_tables": num_seqs * table_width})
+                                         "state_slots": num_seqs, "block_tables": num_seqs * table_width})
 
 
 @dataclass(slots=True)
@@ -57,6 +57,7 @@ class HostStep:
     block_tables: list[list[int]] = field(default_factory=list)  # [S][<= width], the blocks the context uses
     block_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # [S] (torch twin only; else empty)
     sample_rows: list[int] = field(default_factory=list)  # rows of the hidden states that the sampler reads
+    state_slots: list[int] = field(default_factory=list)  # [S] each sequence's recurrent-state slot; -1: none
 
     @property
     def table_width(self) -> int:
@@ -71,6 +72,7 @@ class HostStep:
             self.query_start_loc.append(self.query_start_loc[-1] + 1)
             self.seq_lens.append(0)
             self.block_tables.append([])
+            self.state_slots.append(-1)
 
 
 @dataclass(slots=True)
@@ -81,6 +83,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     sample_rows: torch.Tensor  # [N] int64
     pair_weights: torch.Tensor  # [P] int64 (empty unless the layout has pairs)
+    state_slots: torch.Tensor  # [S] int32: each sequence's slot in the recurrent-state pools (-1: none)
     meta: AttentionMetadata
 
 
@@ -120,6 +123,7 @@ class HostStaging:
         _put(i64, layout.i64["pair_weights"], pair_weights or [])
         _put(i32, layout.i32["query_start_loc"], step.query_start_loc)
         _put(i32, layout.i32["seq_lens"], step.seq_lens)
+        _put(i32, layout.i32["state_slots"], step.state_slots)
         start, size = layout.i32["block_tables"]
         tables = i32[start:start + size].reshape(layout.num_seqs, layout.table_width)
         tables.fill(-1)
@@ -180,4 +184,5 @@ def step_inputs(layout: StepLayout, i64: torch.Tensor, i32: torch.Tensor, step: 
         block_tables=view32("block_tables").view(layout.num_seqs, layout.table_width), block_size=block_size,
         query_start_loc_device=view32("query_start_loc"), seq_lens_device=view32("seq_lens"),
     )
-    return StepInputs(view64("input_ids"), view64("positions"), view64("sample_rows"), view64("pair_weights"), meta)
+    return StepInputs(view64("input_ids"), view64("positions"), view64("sample_rows"), view64("pair_weights"),
+                      view32("state_slots"), meta)

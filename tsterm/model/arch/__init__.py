@@ -3,6 +3,21 @@ names and wires the parts of the one generic decoder (`tsterm.model.decoder`).""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tsterm.config import ModelConfig
+
+FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerType:
+    """What one decoder layer is: its token mixer (a key of the decoder's MIXERS: "full_attention", later
+    "linear_attention") and its feed-forward block ("moe": routed experts; "dense": one always-on MLP)."""
+
+    mixer: str
+    mlp: str
 
 
 @dataclass(frozen=True)
@@ -15,6 +30,13 @@ class ArchSpec:
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
     shared_expert: bool = False  # Qwen2-MoE: a dense shared expert with a sigmoid gate
     norm_topk_prob_default: bool = True  # when config.json does not say
+    mixers: tuple[str, ...] = (FULL_ATTENTION,)  # the token mixers this family's layers may have
+
+    def layer_types(self, cfg: ModelConfig) -> tuple[LayerType, ...]:
+        """Each layer's type: the mixer from config.json's `layer_types` (all full attention when absent), and
+        MoE or dense from the family's sparse-layer rule (`ModelConfig.is_moe_layer`)."""
+        mixers = cfg.layer_types or (FULL_ATTENTION,) * cfg.num_hidden_layers
+        return tuple(LayerType(mixer, "moe" if cfg.is_moe_layer(i) else "dense") for i, mixer in enumerate(mixers))
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {}

@@ -1,0 +1,24 @@
+"""What one engine step computes: the scheduler's output, the executor's input."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tsterm.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one step computes: `num_new[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`."""
+
+    seqs: list[Sequence]
+    num_new: list[int]
+    slot_mappings: list[list[int]]
+    cow_copies: list[tuple[int, int]]  # (src_block, dst_block) pairs to copy before the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def sample_mask(self) -> list[bool]:
+        """A sequence samples when this step computes up to its last token (prefill done, or a decode)."""
+        return [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new)]
