@@ -147,6 +147,19 @@ def test_presence_frequency_match_hand_reference():
     torch.testing.assert_close(ours, expected)
 
 
+def test_rows_from_history_carry_ids_only_for_the_penalties_that_read_them():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, V, generator=gen) * 3
+    token_ids = torch.randint(0, V, (40,), generator=gen).tolist()  # 30 prompt ids, then 10 generated
+    params = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(repetition_penalty=1.4),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=0.3)]
+    rows = [SamplingRow.from_history(p, token_ids, 30) for p in params]
+    # the engine builds a row per sequence every step: without a penalty it must not copy the context
+    assert [(len(r.prompt_token_ids), len(r.output_token_ids)) for r in rows] == [(0, 0), (0, 0), (30, 10), (0, 10)]
+    full = [SamplingRow(p, token_ids[:30], token_ids[30:]) for p in params]
+    torch.testing.assert_close(Sampler().apply_penalties(logits, rows), Sampler().apply_penalties(logits, full))
+
+
 def test_penalties_do_not_modify_input(logits):
     before = logits.clone()
     params = SamplingParams(repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=1.0)

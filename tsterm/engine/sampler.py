@@ -39,6 +39,17 @@ class SamplingRow:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
+    @classmethod
+    def from_history(cls, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
+                     generator: torch.Generator | None = None) -> SamplingRow:
+        """A row for a sequence whose ids are `token_ids` (prompt first). Only the penalties read the history, so
+        it is sliced out only for a row whose params have one: any other row costs O(1), not O(context), per step.
+        """
+        repetition = params.repetition_penalty != 1.0
+        output = repetition or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        return cls(params, token_ids[:num_prompt_tokens] if repetition else [],
+                   token_ids[num_prompt_tokens:] if output else [], generator)
+
 
 @dataclass(slots=True)
 class SamplerOutput:
