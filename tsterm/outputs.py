@@ -1,21 +1,86 @@
-"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample (n > 1)."""
+"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample (n > 1).
+
+A streamed output is a snapshot taken at one step. Its `token_ids`, `text` and `logprobs` cover everything generated
+so far, so copying them every step would cost O(output) per step and O(output^2) per request. The engine therefore
+hands them over as `Snapshot`s of its append-only lists and text, and a field is copied only when it is first read.
+`delta_text` and `delta_token_ids` (what this step added) are always plain values.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from tsterm.engine.sequence import RequestMetrics
 
 
-@dataclass(slots=True)
+class Snapshot:
+    """`source[start:end]`, named now and copied on first read.
+
+    Only valid over a source that is only ever appended to (a sequence's token ids and logprobs, a sample's
+    `AppendOnlyText`): what `[start:end]` covers then never changes, whenever the read happens.
+    """
+
+    __slots__ = ("source", "start", "end")
+
+    def __init__(self, source: Any, start: int, end: int):
+        self.source, self.start, self.end = source, start, end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def read(self) -> Any:
+        return self.source[self.start:self.end]
+
+
+class _Field:
+    """A CompletionOutput field that may hold a Snapshot: read (copied) on first access, then kept."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = getattr(obj, self.slot)
+        if isinstance(value, Snapshot):
+            value = value.read()
+            setattr(obj, self.slot, value)
+        return value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.slot, value)
+
+
 class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length", "abort"
-    stop_reason: str | int | None = None  # the stop string or token id that ended it
-    logprobs: list[dict] | None = None
-    delta_text: str = ""  # new text since the previous output of this request (streaming)
-    delta_token_ids: list[int] = field(default_factory=list)
+    __slots__ = ("index", "_token_ids", "_text", "finish_reason", "stop_reason", "_logprobs", "delta_text",
+                 "delta_token_ids")
+    _FIELDS = ("index", "token_ids", "text", "finish_reason", "stop_reason", "logprobs", "delta_text",
+               "delta_token_ids")
+
+    token_ids: list[int] = _Field()  # every generated id so far
+    text: str = _Field()  # its text (without a stop string that ended it)
+    logprobs: list[dict] | None = _Field()  # one per generated token when SamplingParams.logprobs is set
+
+    def __init__(self, index: int, token_ids: list[int] | Snapshot, text: str | Snapshot,
+                 finish_reason: str | None = None, stop_reason: str | int | None = None,
+                 logprobs: list[dict] | Snapshot | None = None, delta_text: str = "",
+                 delta_token_ids: list[int] | None = None):
+        self.index = index
+        self.token_ids = token_ids
+        self.text = text
+        self.finish_reason = finish_reason  # "stop" (EOS, stop token or string), "length", "abort"
+        self.stop_reason = stop_reason  # the stop string or token id that ended it
+        self.logprobs = logprobs
+        self.delta_text = delta_text  # new text since the previous output of this request (streaming)
+        self.delta_token_ids = [] if delta_token_ids is None else delta_token_ids
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self._FIELDS)
+
+    def __repr__(self) -> str:
+        return f"CompletionOutput({', '.join(f'{name}={getattr(self, name)!r}' for name in self._FIELDS)})"
 
 
 @dataclass(slots=True)

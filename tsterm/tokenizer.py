@@ -283,6 +283,42 @@ def _chat_messages(messages: Sequence[Any]) -> list[dict]:
     return chat
 
 
+class AppendOnlyText:
+    """Text that only grows, kept as the list of its appended pieces: appending costs O(len(piece)), not a copy of
+    everything before it (`str += str` on an attribute copies the whole string every time).
+
+    What is already there never changes, so a prefix `[:end]` names the same text forever: a streamed output can
+    keep just `end` and join the text only if someone reads it. Joined text is cached for the next read. Reading
+    from another thread while the owner appends is safe: a read joins only pieces that existed before it began.
+    """
+
+    __slots__ = ("_pieces", "_length", "_joined")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []  # only append() changes it, and only by appending
+        self._length = 0
+        self._joined: tuple[str, int] = ("", 0)  # ("".join(_pieces[:k]), k), replaced whole, never edited
+
+    def __len__(self) -> int:
+        return self._length
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._length += len(piece)
+
+    def __getitem__(self, key: slice) -> str:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("AppendOnlyText supports only [start:end] slices")
+        start, end, _ = key.indices(self._length)
+        joined, k = self._joined
+        if len(joined) < end:
+            num_pieces = len(self._pieces)
+            joined = joined + "".join(self._pieces[k:num_pieces])
+            self._joined = (joined, num_pieces)
+        return joined[start:end] if (start, end) != (0, len(joined)) else joined
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of generated ids into text deltas with O(1) decode work per step.
 
@@ -303,11 +339,12 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids or [])[-self.PROMPT_CONTEXT:]
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         self._prefix_text = self._decode(self._ids)
-        self._text = ""
+        self.output = AppendOnlyText()  # every delta returned so far
 
     @property
     def text(self) -> str:
-        return self._text
+        """All text released so far (joined on access: O(len(text)); streaming code reads `output` or deltas)."""
+        return self.output[:len(self.output)]
 
     def add(self, token_ids: Iterable[int]) -> str:
         """Append generated ids; return only the newly completed text (possibly "")."""
@@ -336,7 +373,7 @@ class IncrementalDetokenizer:
         if self._prefix_offset > self.TRIM_AT:
             del self._ids[:self._prefix_offset]
             self._prefix_offset, self._read_offset = 0, self._read_offset - self._prefix_offset
-        self._text += delta
+        self.output.append(delta)
         return delta
 
 
