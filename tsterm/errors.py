@@ -19,3 +19,11 @@ class ModelLoadError(TstermError):
 
 class RequestError(TstermError, ValueError):
     """A request that cannot be served as given (prompt too long, can never fit in the KV cache)."""
+
+
+class EngineStoppedError(TstermError, RuntimeError):
+    """The engine's thread has stopped (shut down, or an unexpected error): pending and new requests fail with it."""
+
+
+class EngineTimeoutError(TstermError, TimeoutError):
+    """The engine did not answer in time: a step that does not return, or a request that waits without output."""

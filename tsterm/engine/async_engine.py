@@ -1,11 +1,22 @@
 """Streaming front for the engine: an async iterator per request, shared by the TUI, the CLI and the server.
 
-The engine runs its step loop on one background thread; other threads only post commands (add, abort) to it,
+The engine runs its step loop on one background thread; other threads only post commands to it (add, abort, a call),
 so the engine itself needs no locks. Outputs go back to each request's asyncio queue on its own event loop.
+
+What a server needs from it:
+- no request can end the engine thread: a delivery that fails (the consumer's loop is closed) drops and aborts that
+  request only, and a failed step fails the requests in flight, not the thread;
+- a cancelled or abandoned `generate` aborts its request, even while the add is queued or running on the engine
+  thread: the abort is a command too, and commands run in the order they were posted;
+- every wait has a timeout (`call_timeout` for a command, `output_timeout` between two outputs of a stream) that
+  ends in an EngineTimeoutError;
+- when the thread ends (`shutdown`, or an unexpected error) every pending stream and call fails with an
+  EngineStoppedError that says why, and so does every later one.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -13,98 +24,287 @@ from typing import Any
 
 from tsterm.config import SamplingParams
 from tsterm.engine.engine import Engine
+from tsterm.errors import EngineStoppedError, EngineTimeoutError
 from tsterm.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+SHUT_DOWN = "the engine was shut down (AsyncEngine.shutdown): it takes no new requests and unfinished ones were aborted"
+_ENDED = object()  # what `abort` puts on a stream: the iteration ends without a final output
+
+
+class _TimedOut:
+    """Put on a stream by the timer of one wait for its next item."""
+
+    __slots__ = ()
+
+
+class _Stream:
+    """Where one request's outputs go: an asyncio queue on its consumer's loop, fed from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id: str | None = None  # set on the engine thread once the request is added
+        self.dropped = False  # the consumer has left (set on either side): add nothing for it, deliver nothing
+
+    def put(self, item: Any) -> bool:
+        """Hand `item` to the consumer's loop (any thread); False if that loop is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except Exception:  # noqa: BLE001 - RuntimeError('Event loop is closed') or anything else on the way
+            log.debug("request %s: its consumer's event loop is gone", self.request_id, exc_info=True)
+            return False
+        return True
+
+
+class _Command:
+    """A function for the engine thread, and what to tell its waiter if it never runs (the thread stopped first)."""
+
+    __slots__ = ("run", "fail", "cancelled")
+
+    def __init__(self, run: Callable[[], None], fail: Callable[[BaseException], Any] | None = None):
+        self.run, self.fail, self.cancelled = run, fail, False
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, call_timeout: float = 120.0, output_timeout: float | None = 600.0):
+        """call_timeout: seconds to wait for the engine thread to take and answer a command (adding a request, stats),
+        which may have to wait for the step in progress. output_timeout: seconds a stream waits for its next output
+        (a queued request waits for room in the KV cache); None waits as long as the engine thread runs."""
         self.engine = engine
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="tsterm-engine", daemon=True)
+        self.call_timeout, self.output_timeout = call_timeout, output_timeout
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _streams and _closed
+        self._streams: dict[str, _Stream] = {}  # live requests added by `generate` -> their consumers
+        self._closed: EngineStoppedError | None = None  # set once: why the thread takes no more commands
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tsterm-engine", daemon=True)
         self._thread.start()
 
+    # ---- the engine thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        reason = EngineStoppedError(SHUT_DOWN)
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - every waiter is told below
+            log.warning("the engine thread stopped on an unexpected error", exc_info=True)
+            reason = EngineStoppedError(f"the engine thread stopped on an unexpected error ({type(e).__name__}: {e}); "
+                                        "unfinished requests were aborted, restart tsterm to continue")
+            reason.__cause__ = e
+        finally:
+            self._close(reason)
+            for request_id in list(self.engine.requests):  # nothing steps them any more: free their blocks
+                self._quietly(self.engine.abort, request_id)
+
     def _loop(self) -> None:
-        while not self._stopped:
-            # Block for work when idle; otherwise drain commands between steps.
+        while not self._stopping:
             if not self.engine.has_unfinished():
-                self._commands.get()()
-            while True:
+                self._execute(self._commands.get())  # idle: sleep until there is something to do
+            while not self._stopping:
                 try:
-                    self._commands.get_nowait()()
+                    command = self._commands.get_nowait()
                 except queue.Empty:
                     break
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a failed step fails every request in flight, never the thread silently
-                    for rid in list(self._streams):
-                        self.engine.abort(rid)
-                        self._deliver(rid, e)
-                    continue
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._execute(command)
+            if self._stopping or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 - a failed step fails every request in flight, not the thread
+                log.debug("an engine step failed", exc_info=True)
+                self._fail_requests(e)
+                continue
+            for out in outputs:
+                self._deliver(out)
 
-    def _deliver(self, request_id: str, item: Any) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
+    def _execute(self, command: _Command) -> None:
+        if not command.cancelled:
+            self._quietly(command.run)
+
+    def _quietly(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn` on the engine thread; an error is logged, never raised into the loop."""
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001
+            log.warning("%s%r failed on the engine thread", getattr(fn, "__name__", fn), args, exc_info=True)
+            return None
+
+    def _add(self, stream: _Stream, prompt: str | list[int], params: SamplingParams | None,
+             request_id: str | None) -> None:
+        if stream.dropped:  # its consumer left before the add had its turn
             return
-        loop, q = target
-        if isinstance(item, BaseException) or item.finished:
-            self._streams.pop(request_id, None)
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        try:
+            rid = self.engine.add_request(prompt, params, request_id)
+        except Exception as e:  # noqa: BLE001 - a bad request fails its stream only
+            stream.put(e)
+            return
+        stream.request_id = rid
+        with self._lock:
+            closed = self._closed
+            if closed is None:
+                self._streams[rid] = stream
+        if closed is not None:  # shutdown gave up waiting for this thread and failed the streams it knew
+            self._quietly(self.engine.abort, rid)
+            stream.put(self._stopped_error())
+        elif not stream.put(rid):
+            self._drop(stream)
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+            if stream is not None and out.finished:
+                del self._streams[out.request_id]
+        if stream is not None and not stream.put(out):
+            self._drop(stream)  # nobody is listening any more: free the request's blocks
+
+    def _drop(self, stream: _Stream) -> None:
+        """The consumer has left (early exit, cancellation, its loop closed): abort its request if still running."""
+        stream.dropped = True
+        rid = stream.request_id
+        with self._lock:  # only while the stream is registered is the request under that id still its own
+            owned = rid is not None and self._streams.get(rid) is stream
+            if owned:
+                del self._streams[rid]
+        if owned:
+            self._quietly(self.engine.abort, rid)
+
+    def _fail_requests(self, error: Exception) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for request_id in list(self.engine.requests):
+            self._quietly(self.engine.abort, request_id)
+        for stream in streams.values():
+            stream.put(error)
+        if self.engine.has_unfinished():  # aborting did not clear them: stepping again would fail forever
+            raise EngineStoppedError("the engine could not abort its requests after a failed step") from error
+
+    # ---- any thread ------------------------------------------------------------------------------------------
+
+    def _close(self, reason: EngineStoppedError) -> None:
+        """Take no more commands; fail the queued ones and every registered stream (called once the thread ends,
+        or by `shutdown` when the thread does not end in time)."""
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._closed = reason
+            streams, self._streams = list(self._streams.values()), {}
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command.fail is not None and not command.cancelled:
+                command.fail(self._stopped_error())
+        for stream in streams:
+            stream.put(self._stopped_error())
+
+    def _stopped_error(self) -> EngineStoppedError:
+        """A fresh copy of the reason the thread stopped (one exception object raised in many tasks would share
+        and grow one traceback)."""
+        error = EngineStoppedError(str(self._closed))
+        error.__cause__ = self._closed.__cause__
+        return error
+
+    def _post(self, command: _Command) -> None:
+        with self._lock:
+            if self._closed is not None:
+                raise self._stopped_error()
+            self._commands.put(command)
+
+    def _post_quietly(self, command: _Command) -> None:
+        try:
+            self._post(command)
+        except EngineStoppedError:
+            pass  # the thread has stopped: every request was aborted already
+
+    def _call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` on the engine thread and wait for its result (errors are re-raised here)."""
+        if threading.current_thread() is self._thread:
+            return fn()
         done = threading.Event()
         box: dict[str, Any] = {}
 
         def run() -> None:
             try:
                 box["value"] = fn()
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 box["error"] = e
+            finally:
+                done.set()
+
+        def fail(error: BaseException) -> None:
+            box["error"] = error
             done.set()
 
-        self._commands.put(run)
-        done.wait()
+        command = _Command(run, fail)
+        self._post(command)
+        limit = self.call_timeout if timeout is None else timeout
+        if not done.wait(limit):
+            command.cancelled = True
+            raise EngineTimeoutError(f"the engine did not answer within {limit:g} s: its current step has run that "
+                                     "long or is stuck (raise AsyncEngine.call_timeout for very slow steps)")
         if "error" in box:
             raise box["error"]
         return box.get("value")
+
+    # ---- the API ---------------------------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput per step that produced text; the last one has `finished=True`.
 
-        Leaving the iteration early (break, cancellation) aborts the request and frees its blocks.
+        Leaving the iteration early (break, cancellation, an error) aborts the request and frees its blocks.
+        `abort(request_id)` from elsewhere ends the iteration without a final output.
         """
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-
-        def add() -> str:
-            rid = self.engine.add_request(prompt, params, request_id)
-            self._streams[rid] = (loop, q)
-            return rid
-
-        rid = await loop.run_in_executor(None, self._call, add)
+        stream = _Stream(asyncio.get_running_loop())
+        self._post(_Command(lambda: self._add(stream, prompt, params, request_id), stream.put))
         finished = False
         try:
+            await self._next(stream, self.call_timeout)  # the request id, once the engine thread has added it
             while not finished:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await self._next(stream, self.output_timeout)
+                if item is _ENDED:
+                    return
                 finished = item.finished
                 yield item
         finally:
             if not finished:
-                self.abort(rid)
+                stream.dropped = True  # an add that has not run yet never will
+                self._post_quietly(_Command(lambda: self._drop(stream)))  # runs after the add: commands run in order
+
+    async def _next(self, stream: _Stream, timeout: float | None) -> Any:
+        # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation that lands just as an output arrives,
+        # and a stream that streams every step would then ignore the cancel (an abort in the TUI) for good.
+        # Instead a timer puts this wait's own marker on the queue; a marker of an earlier wait is skipped.
+        marker = timer = None
+        if timeout is not None and stream.queue.empty():
+            marker = _TimedOut()
+            timer = stream.loop.call_later(timeout, stream.queue.put_nowait, marker)
+        try:
+            while isinstance(item := await stream.queue.get(), _TimedOut):
+                if item is marker:
+                    what = f"request {stream.request_id!r}" if stream.request_id else "adding the request"
+                    raise EngineTimeoutError(f"{what}: nothing from the engine within {timeout:g} s (its step is "
+                                             "stuck, or the request waited that long for room in the KV cache)")
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def abort(self, request_id: str) -> None:
+        """Abort a request (any thread, never blocks): its blocks are freed and its stream ends."""
         def run() -> None:
-            self._streams.pop(request_id, None)
+            with self._lock:
+                stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.dropped = True
+                stream.put(_ENDED)
             self.engine.abort(request_id)
-        self._commands.put(run)
+        self._post_quietly(_Command(run))
 
     def stats(self) -> dict:
         return self._call(self.engine.stats)
@@ -112,8 +312,15 @@ class AsyncEngine:
     def expert_load(self) -> list[list[int]]:
         return self._call(self.engine.expert_load)
 
-    def shutdown(self) -> None:
-        def stop() -> None:
-            self._stopped = True
-        self._commands.put(stop)
-        self._thread.join(timeout=10)
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its current step. Every stream still pending fails with EngineStoppedError,
+        and so does every later call; unfinished requests are aborted."""
+        self._stopping = True
+        with self._lock:
+            if self._closed is None:
+                self._commands.put(_Command(lambda: None))  # wakes an idle thread
+        if threading.current_thread() is self._thread:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():  # a step that does not return: fail the waiters now, the thread ends later
+            self._close(EngineStoppedError(f"{SHUT_DOWN} (its last step was still running after {timeout:g} s)"))
