@@ -15,14 +15,15 @@ from tsterm.engine.copy_audit import CopyAudit
 from tsterm.engine.executor import ExecutorFactory, ExecutorSpec
 from tsterm.engine.kv_manager import KVCacheManager
 from tsterm.engine.model_runner import ModelRunner
+from tsterm.engine.output_processor import SampleOutput
 from tsterm.engine.sampler import Sampler, SamplingRow, seeded_generator
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.stats import EngineMetrics
 from tsterm.errors import ModelLoadError, RequestError
 from tsterm.model.loader import ProgressFn
-from tsterm.outputs import CompletionOutput, RequestOutput
-from tsterm.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from tsterm.outputs import RequestOutput
+from tsterm.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,11 +34,8 @@ class _Sample:
 
     index: int
     seq: Sequence
-    detokenizer: IncrementalDetokenizer
+    out: SampleOutput  # detokenisation, stop strings, deltas
     generator: torch.Generator | None
-    emitted_text: int = 0  # chars of text already streamed
-    emitted_tokens: int = 0
-    text_end: int | None = None  # where a stop string cut the text
 
 
 @dataclass
@@ -124,7 +122,7 @@ class Engine:
     def _add_sample(self, req: _Request, seq: Sequence) -> None:
         index = len(req.samples)
         generator = None if req.params.seed is None else seeded_generator(req.params.seed + index, self.device)
-        sample = _Sample(index, seq, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids), generator)
+        sample = _Sample(index, seq, SampleOutput(self.tokenizer, req.prompt_token_ids, req.params.stop), generator)
         req.samples.append(sample)
         self._samples[seq.seq_id] = sample
 
@@ -177,7 +175,7 @@ class Engine:
                 sampling.append(seq)
         self.num_prefill_tokens += prefill_tokens
         logits, sampling = self._fork_new_samples(logits, sampling)
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self._samples[s.seq_id].generator)
+        rows = [SamplingRow.from_history(s.params, s.token_ids, s.num_prompt_tokens, self._samples[s.seq_id].generator)
                 for s in sampling]
         result = self.sampler(logits, rows) if sampling else None
         touched: dict[str, _Request] = {}
@@ -196,8 +194,7 @@ class Engine:
             m.num_generated_tokens += 1
             self.num_generated_tokens += 1
             req = self.requests[seq.request_id]
-            self._samples[seq.seq_id].detokenizer.add([token])
-            self._check_stop(seq, token)
+            self._check_stop(seq, token, self._samples[seq.seq_id].out.add(token))
             touched[req.request_id] = req
         self.num_steps += 1
         self.metrics.on_step(prefill_tokens, len(sampling), now)
@@ -234,37 +231,25 @@ class Engine:
             self._samples.pop(sample.seq.seq_id, None)
         return [sample.seq for sample in req.samples]
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        params, sample = seq.params, self._samples[seq.seq_id]
-        if params.stop:
-            cut = find_stop(sample.detokenizer.text, params.stop, sample.emitted_text)
-            if cut is not None:
-                sample.text_end = cut
-                return self._finish(seq, "stop")
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+    def _check_stop(self, seq: Sequence, token: int, stop_string: str | None) -> None:
+        params = seq.params
+        if stop_string is not None:
+            return self._finish(seq, "stop")
+        if token in params.stop_token_ids:
+            self._samples[seq.seq_id].out.stop_reason = token
+            return self._finish(seq, "stop")
+        if not params.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop")
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self._samples[seq.seq_id].detokenizer.flush()  # release any held-back partial character
+        self._samples[seq.seq_id].out.flush()  # release any held-back partial character
         self.scheduler.finish(seq, reason)
         self.metrics.on_finished(seq.metrics, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        completions = []
-        for sample in req.samples:
-            seq = sample.seq
-            text = sample.detokenizer.text[:sample.text_end]
-            # While unfinished, hold back a tail that could still become a stop string.
-            hold = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
-            visible = max(sample.emitted_text, len(text) - hold)
-            out_ids = seq.output_token_ids
-            completions.append(CompletionOutput(
-                index=sample.index, token_ids=list(out_ids), text=text[:visible],
-                finish_reason=seq.finish_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                delta_text=text[sample.emitted_text:visible], delta_token_ids=out_ids[sample.emitted_tokens:]))
-            sample.emitted_text, sample.emitted_tokens = visible, len(out_ids)
+        completions = [sample.out.output(sample.index, sample.seq) for sample in req.samples]
         head = req.samples[0].seq
         return RequestOutput(req.request_id, req.prompt_token_ids, completions, head.num_cached_tokens, head.metrics,
                              finished=all(sample.seq.is_finished for sample in req.samples))
