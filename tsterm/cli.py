@@ -105,7 +105,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return tui(args.profile or "default")
     from tsterm.errors import RequestError
     from tsterm.llm import LLM
-    from tsterm.tui.session import plan_prompt
+    from tsterm.chat.plan import plan_prompt
 
     if not args.model and not args.profile:
         args.profile = "default"

@@ -14,9 +14,9 @@ from tests.tui.helpers import (
     wait_until,
 )
 from tsterm import LLM, SamplingParams
+from tsterm.chat.plan import PromptPlan
 from tsterm.tui import engine_host
 from tsterm.tui.messages import TurnFinished, TurnProgress
-from tsterm.tui.session import PromptPlan
 from tsterm.tui import TstermApp
 from tsterm.tui.screens.dialogs import Confirm, TextPrompt
 from tsterm.tui.screens.loading import LoadingScreen

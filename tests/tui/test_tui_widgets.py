@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.app import App, ComposeResult
 from textual.widgets import Collapsible, Markdown
 
-from tsterm.tui.session import Session, TurnStats
+from tsterm.chat.session import Session, TurnStats
 from tsterm.tui.widgets.chat_log import ChatLog, ReplyView
 from tsterm.tui.widgets.dashboard import Dashboard
 from tsterm.tui.widgets.expert_heatmap import ExpertHeatmap

@@ -8,12 +8,12 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
 
+from tsterm.chat.store import SessionStore
 from tsterm.errors import TstermError
 from tsterm.tui.engine_host import EngineFactory, EngineHost, load_host
 from tsterm.tui.messages import EngineFailed, EngineReady, LoadProgress
 from tsterm.tui.screens.chat import ChatScreen
 from tsterm.tui.screens.loading import LoadingScreen
-from tsterm.tui.store import SessionStore
 
 
 class TstermApp(App):

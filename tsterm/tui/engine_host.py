@@ -17,11 +17,12 @@ from typing import Any
 
 from textual.message import Message
 
+from tsterm.chat.plan import PromptPlan
+from tsterm.chat.session import TurnStats
 from tsterm.config import SamplingParams, UiOptions
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.engine.engine import Engine
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
-from tsterm.tui.session import PromptPlan, TurnStats
 
 ProgressFn = Callable[[int, int, str], None]
 EngineFactory = Callable[..., Any]  # (progress) or () -> LLM | Engine

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Any
 from textual.message import Message
 
 if TYPE_CHECKING:
+    from tsterm.chat.plan import PromptPlan
+    from tsterm.chat.session import TurnStats
     from tsterm.tui.engine_host import EngineHost
-    from tsterm.tui.session import PromptPlan, TurnStats
 
 
 @dataclass

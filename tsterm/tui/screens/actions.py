@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tsterm.chat.session import Session, new_session_id
+from tsterm.chat.store import atomic_write
 from tsterm.tui.commands import Command, help_text
 from tsterm.tui.screens.dialogs import Confirm, TextPrompt
-from tsterm.tui.session import Session, new_session_id
-from tsterm.tui.store import atomic_write
 from tsterm.tui.thinking import split_thinking
 
 

@@ -17,14 +17,15 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.worker import Worker
 
+from tsterm.chat.plan import PromptPlan
+from tsterm.chat.session import Session, TurnStats
+from tsterm.chat.store import SessionStore
 from tsterm.errors import TstermError
 from tsterm.tui.commands import CommandError, parse_command, unescape_message
 from tsterm.tui.engine_host import EngineHost
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 from tsterm.tui.palette import ChatCommands
 from tsterm.tui.screens.actions import SessionActions
-from tsterm.tui.session import PromptPlan, Session, TurnStats
-from tsterm.tui.store import SessionStore
 from tsterm.tui.widgets.chat_log import (
     ChatLog,
     MessageView,

@@ -17,7 +17,7 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from tsterm.tui.session import TurnStats
+from tsterm.chat.session import TurnStats
 from tsterm.tui.thinking import split_thinking
 
 ROLE_LABELS = {"user": "you", "assistant": "assistant", "system": "system", "notice": "tsterm", "error": "error"}

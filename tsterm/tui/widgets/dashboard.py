@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Label, Sparkline, Static
 
-from tsterm.tui.session import Session, TurnStats
+from tsterm.chat.session import Session, TurnStats
 from tsterm.tui.widgets.expert_heatmap import ExpertHeatmap
 from tsterm.tui.widgets.kv_bar import KVBar
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 from textual.binding import Binding, BindingType
 from textual.widgets import Input
 
-from tsterm.tui.store import atomic_write
+from tsterm.chat.store import atomic_write
 
 MAX_HISTORY = 500
 

@@ -7,7 +7,7 @@ from textual.content import Content
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from tsterm.tui.session import Session
+from tsterm.chat.session import Session
 
 
 class SessionList(OptionList):

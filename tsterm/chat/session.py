@@ -1,10 +1,7 @@
-"""Chat sessions: messages plus the exact token ids the engine saw and produced (persisted by store.py).
+"""A chat session: messages plus the exact token ids the engine saw and produced (persisted by store.py).
 
-No Textual here. The prompt of turn k+1 is the kept ids (turn k's prompt + its generated ids) followed by the ids
-of the newly rendered tail. The tail comes from rendering the whole conversation with the chat template; when that
-rendering does not start with the kept ids (the template rewrote history, or generated ids re-tokenise
-differently) the turn is a miss: it falls back to the full rendering and records where the two first differ
-(DESIGN.md rule 7).
+The prompt of turn k+1 is the kept ids (turn k's prompt + its generated ids) followed by the ids of the newly
+rendered tail (plan.py, which also detects and reports a template miss).
 """
 from __future__ import annotations
 
@@ -13,6 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+from tsterm.chat.plan import PromptPlan, plan_prompt
 
 FORMAT_VERSION = 1
 Render = Callable[[list[dict]], list[int]]  # messages -> prompt ids (template + generation prompt)
@@ -24,33 +23,6 @@ class SessionFileError(ValueError):
 
 def new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """First index where `a` and `b` differ, counting a shorter list ending early; None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-@dataclass
-class PromptPlan:
-    """The ids to send for a turn and how they relate to what the session kept."""
-
-    token_ids: list[int]
-    kept_tokens: int  # leading ids taken verbatim from the session's kept ids
-    miss: bool = False  # the fresh rendering did not start with the kept ids
-    diverged_at: int | None = None  # on a miss: first position where rendering and kept ids differ
-
-
-def plan_prompt(kept: list[int], rendered: list[int]) -> PromptPlan:
-    """kept + the rendered tail when `rendered` starts with `kept`; otherwise the full rendering (a miss)."""
-    if not kept:
-        return PromptPlan(list(rendered), 0)
-    if len(rendered) >= len(kept) and rendered[:len(kept)] == kept:
-        return PromptPlan(list(kept) + list(rendered[len(kept):]), len(kept))
-    return PromptPlan(list(rendered), 0, miss=True, diverged_at=first_divergence(kept, rendered))
 
 
 @dataclass

@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tsterm.tui.session import Session, SessionFileError
+from tsterm.chat.session import Session, SessionFileError
 
 
 def default_data_dir() -> Path:

@@ -6,15 +6,10 @@ import json
 import pytest
 
 from tests.helpers.tokenizers import make_tokenizer_dir
+from tsterm.chat.plan import PromptPlan, first_divergence, plan_prompt
+from tsterm.chat.session import Session, TurnStats
+from tsterm.chat.store import SessionStore, default_data_dir
 from tsterm.tokenizer import Tokenizer
-from tsterm.tui.session import (
-    PromptPlan,
-    Session,
-    TurnStats,
-    first_divergence,
-    plan_prompt,
-)
-from tsterm.tui.store import SessionStore, default_data_dir
 
 
 @pytest.fixture(scope="module")
