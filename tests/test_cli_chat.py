@@ -41,7 +41,7 @@ def test_two_turns_reuse_the_first_turns_tokens(model_dir, monkeypatch, capsys):
     assert prompt_2 > prompt_1 and cached_2 > 0
 
 
-def test_next_prompt_is_the_kept_ids_plus_the_tail_or_the_full_rendering(model_dir, monkeypatch, capsys):
+def test_next_prompt_is_the_kept_ids_plus_the_tokens_of_the_new_text(model_dir, monkeypatch, capsys):
     from tsterm.llm import LLM
     calls: list[tuple[LLM, list[int], object]] = []
     generate = LLM.generate
@@ -58,12 +58,15 @@ def test_next_prompt_is_the_kept_ids_plus_the_tail_or_the_full_rendering(model_d
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert prompt_1 == llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     messages += [{"role": "assistant", "content": out_1.text}, {"role": "user", "content": "more"}]
-    rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    tokenizer = llm.tokenizer
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     kept = prompt_1 + list(out_1.token_ids)
-    if rendered[:len(kept)] == kept:
-        assert prompt_2 == kept + rendered[len(kept):]
-    else:  # the template rewrote the reply (a random model does not end its turn): the full rendering
-        assert prompt_2 == rendered
+    kept_text = tokenizer.decode(kept, skip_special_tokens=False)
+    assert tokenizer.decode(prompt_2, skip_special_tokens=False) == rendered
+    if rendered.startswith(kept_text):
+        assert prompt_2 == kept + tokenizer.encode(rendered[len(kept_text):])
+    else:  # a random model's reply held a special token, which its text leaves out: the ids before it are kept
+        assert prompt_2[:len(prompt_1)] == prompt_1 and prompt_2[:len(kept)] != kept
 
 
 def test_exit_command_ends_the_chat(model_dir, monkeypatch, capsys):

@@ -103,18 +103,21 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if not args.plain and not args.model and sys.stdin.isatty():
         from tsterm.tui import main as tui
         return tui(args.profile or "default")
+    from tsterm.chat.session import Session, TurnStats
     from tsterm.errors import RequestError
     from tsterm.llm import LLM
-    from tsterm.chat.plan import plan_prompt
 
     if not args.model and not args.profile:
         args.profile = "default"
     model, options, profile = _engine_options(args)
     params = _sampling_params(args, profile)
     llm = LLM(model, progress=_progress_printer("loading"), **options)
-    system = args.system if args.system is not None else (profile.system_prompt if profile else None)
-    messages: list[dict] = [{"role": "system", "content": system}] if system else []
-    kept: list[int] = []  # the previous prompt's ids + its generated ids, exactly as the engine saw them
+    tokenizer = llm.tokenizer
+    session = Session(id="plain")  # keeps the exact ids the engine saw and produced, turn after turn
+    session.set_system_prompt(args.system if args.system is not None else (profile.system_prompt if profile else None))
+
+    def render(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def stream(out) -> None:
         if out.outputs[0].delta_text:
@@ -127,18 +130,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         if not text.strip():
             continue
-        messages.append({"role": "user", "content": text})
-        plan = plan_prompt(kept, llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        session.add_user(text)
         try:
+            plan = session.plan(render, tokenizer)
             out = llm.generate(plan.token_ids, params, on_output=stream)[0]
         except RequestError as e:  # e.g. the conversation outgrew the context: report it, keep the chat as it was
-            messages.pop()
+            session.drop_last_user()
             print(f"tsterm: error: {e}", file=sys.stderr)
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
-        messages.append({"role": "assistant", "content": out.text})
-        kept = list(plan.token_ids) + list(out.token_ids)
+        session.record_reply(plan, out.text, list(out.token_ids), TurnStats(
+            len(plan.token_ids), out.num_cached_tokens, plan.kept_tokens, len(out.token_ids), plan.miss,
+            plan.diverged_at, finish_reason=out.finish_reason))
+        if plan.miss:
+            print(f"[prefix miss: the chat template re-rendered this history differently from token "
+                  f"{plan.diverged_at}]", file=sys.stderr)
         print(f"[cached {out.num_cached_tokens}/{len(plan.token_ids)} tokens]", file=sys.stderr, flush=True)
     return 0
 

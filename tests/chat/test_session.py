@@ -5,48 +5,38 @@ import json
 
 import pytest
 
-from tests.helpers.tokenizers import make_tokenizer_dir
-from tsterm.chat.plan import PromptPlan, first_divergence, plan_prompt
+from tsterm.chat.plan import PromptPlan, first_divergence
 from tsterm.chat.session import Session, TurnStats
 from tsterm.chat.store import SessionStore, default_data_dir
-from tsterm.tokenizer import Tokenizer
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return Tokenizer.from_dir(make_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+class Planner:
+    """`session.plan(...)` as the TUI calls it: the chat template renders text, the tokenizer encodes what is new."""
 
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
 
-def render_with(tokenizer):
-    return lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.encode(self.render(messages))
+
+    def __call__(self, session: Session) -> PromptPlan:
+        return session.plan(self.render, self.tokenizer)
 
 
 def stats(plan: PromptPlan, generated: int) -> TurnStats:
     return TurnStats(len(plan.token_ids), 0, plan.kept_tokens, generated, plan.miss, plan.diverged_at)
 
 
-def test_first_divergence():
-    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
-    assert first_divergence([1, 2], [1, 2, 3]) == 2
-    assert first_divergence([1, 2, 3], [1, 2]) == 2
-
-
-def test_plan_keeps_exact_ids_and_appends_the_rendered_tail():
-    assert plan_prompt([], [5, 6]) == PromptPlan([5, 6], 0)
-    plan = plan_prompt([1, 2, 3], [1, 2, 3, 4, 5])
-    assert plan == PromptPlan([1, 2, 3, 4, 5], 3, miss=False, diverged_at=None)
-    miss = plan_prompt([1, 2, 3, 9], [1, 2, 7, 4, 5])
-    assert miss.miss and miss.diverged_at == 2 and miss.token_ids == [1, 2, 7, 4, 5] and miss.kept_tokens == 0
-
-
 def test_second_turn_prompt_is_previous_prompt_plus_generated_plus_tail(tokenizer):
-    render = render_with(tokenizer)
+    plan_of = Planner(tokenizer)
     im_end = tokenizer.token_to_id("<|im_end|>")
     session = Session(id="s")
     session.set_system_prompt("be brief")
     session.add_user("What is the weather in Paris today?")
-    first = session.plan(render)
+    first = plan_of(session)
     assert not first.miss and first.kept_tokens == 0
     reply = "It is sunny, with a light breeze."
     generated = tokenizer.encode(reply) + [im_end]  # what an engine that stopped at EOS hands back
@@ -54,42 +44,27 @@ def test_second_turn_prompt_is_previous_prompt_plus_generated_plus_tail(tokenize
     assert session.token_ids == first.token_ids + generated
 
     session.add_user("And tomorrow?")
-    second = session.plan(render)
+    second = plan_of(session)
     assert not second.miss
     assert second.kept_tokens == len(first.token_ids) + len(generated)
     assert second.token_ids[:second.kept_tokens] == first.token_ids + generated
-    assert second.token_ids == render(session.messages)
+    assert second.token_ids == plan_of.ids(session.messages)
 
 
 def test_history_rewrite_is_a_miss_with_the_first_divergent_position(tokenizer):
-    render = render_with(tokenizer)
+    plan_of = Planner(tokenizer)
     session = Session(id="s")
     session.add_user("hello")
-    first = session.plan(render)
+    first = plan_of(session)
     session.record_reply(first, "hi", tokenizer.encode("hi") + [tokenizer.token_to_id("<|im_end|>")],
                          stats(first, 2))
     kept = list(session.token_ids)
     session.set_system_prompt("you are terse")  # changes the start of the conversation
     session.add_user("again")
-    plan = session.plan(render)
-    assert plan.miss and plan.kept_tokens == 0
-    assert plan.diverged_at == first_divergence(kept, render(session.messages))
-    assert plan.diverged_at is not None and plan.diverged_at < 5
-    assert plan.token_ids == render(session.messages)  # fell back to the full rendering
-
-
-def test_generated_ids_that_retokenise_differently_are_a_miss(tokenizer):
-    render = render_with(tokenizer)
-    session = Session(id="s")
-    session.add_user("hello")
-    first = session.plan(render)
-    text = "the cat"
-    odd = [tokenizer.token_to_id(c) for c in "the"] + tokenizer.encode(" cat")  # same text, other ids
-    assert odd != tokenizer.encode(text)
-    session.record_reply(first, text, odd, stats(first, len(odd)))
-    session.add_user("more")
-    plan = session.plan(render)
-    assert plan.miss and plan.diverged_at == len(first.token_ids) + first_divergence(odd, tokenizer.encode(text))
+    plan = plan_of(session)
+    assert plan.miss and plan.kept_tokens == plan.diverged_at == 1  # "<|im_start|>" still starts the conversation
+    assert plan.diverged_at == first_divergence(kept, plan_of.ids(session.messages))
+    assert plan.token_ids == plan_of.ids(session.messages)  # the rest is the rendering's own tokens
 
 
 def test_fork_keeps_a_prefix_of_the_parent_ids():
@@ -102,13 +77,13 @@ def test_fork_keeps_a_prefix_of_the_parent_ids():
 
 def three_turns(tokenizer) -> Session:
     """A session with three real (tokenised, template-rendered) turns whose kept ids are all hits."""
-    render = render_with(tokenizer)
+    plan_of = Planner(tokenizer)
     im_end = tokenizer.token_to_id("<|im_end|>")
     session = Session(id="p", title="t", model="m")
     session.set_system_prompt("be brief")
     for question, answer in [("one?", "first."), ("two?", "second."), ("three?", "third.")]:
         session.add_user(question)
-        plan = session.plan(render)
+        plan = plan_of(session)
         generated = tokenizer.encode(answer) + [im_end]
         session.record_reply(plan, answer, generated, stats(plan, len(generated)))
     assert not session.num_misses
@@ -116,7 +91,7 @@ def three_turns(tokenizer) -> Session:
 
 
 def test_fork_from_an_earlier_message_keeps_the_exact_ids_of_that_prefix(tokenizer):
-    render = render_with(tokenizer)
+    plan_of = Planner(tokenizer)
     parent = three_turns(tokenizer)
     assert [parent.number_of(i) for i in range(len(parent.messages))] == [None, 1, 2, 3, 4, 5, 6]
     assert parent.index_of(4) == 4 and parent.messages[4] == {"role": "assistant", "content": "second."}
@@ -129,7 +104,7 @@ def test_fork_from_an_earlier_message_keeps_the_exact_ids_of_that_prefix(tokeniz
     assert child.token_ids == parent.token_ids[:second.prompt_tokens + second.generated_tokens]
     assert child.turns == parent.turns[:2] and child.turns[0] is not parent.turns[0]
     child.add_user("a different third?")
-    plan = child.plan(render)  # the branch's next prompt starts with the parent's ids: its KV blocks are shared
+    plan = plan_of(child)  # the branch's next prompt starts with the parent's ids: its KV blocks are shared
     assert not plan.miss and plan.kept_tokens == len(child.token_ids)
     assert plan.token_ids[:plan.kept_tokens] == parent.token_ids[:plan.kept_tokens]
 
@@ -184,6 +159,21 @@ def test_store_round_trip_is_exact(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["abc.json"]  # no temporary file left behind
     loaded, errors = store.load_all()
     assert errors == [] and loaded == [s]
+
+
+def test_a_file_written_by_the_tui_sessions_module_still_loads(tmp_path):
+    """Sessions saved before the chat layer moved out of the TUI (same format, version 1) load unchanged."""
+    (tmp_path / "old.json").write_text(json.dumps({
+        "id": "old", "title": "hello", "messages": [{"role": "user", "content": "hello"},
+                                                    {"role": "assistant", "content": "hi"}],
+        "token_ids": [0, 5, 6, 1], "turns": [{"prompt_tokens": 3, "cached_tokens": 0, "kept_tokens": 0,
+                                               "generated_tokens": 1, "miss": False, "diverged_at": None, "ttft": 0.2,
+                                               "mean_itl": None, "finish_reason": "stop"}],
+        "parent_id": None, "model": "/models/m", "created": 1.0, "updated": 2.0, "version": 1}))
+    (loaded,), errors = SessionStore(tmp_path).load_all()
+    assert errors == [] and loaded.token_ids == [0, 5, 6, 1] and loaded.turns == [TurnStats(3, 0, 0, 1, ttft=0.2,
+                                                                                          finish_reason="stop")]
+    assert loaded.to_dict()["version"] == 1 and loaded.model == "/models/m"
 
 
 def test_corrupt_files_are_reported_and_moved_aside(tmp_path):

@@ -130,7 +130,41 @@ LLAMA3_TEMPLATE = """\
 {%- endif %}
 """
 
-TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE}
+# Qwen3's handling of a reply's reasoning (its template, tools left out): the model writes `<think>...</think>` into
+# its reply; the template keeps that block only for replies after the last user message, so rendering the next turn
+# drops it from every earlier reply and changes text that earlier prompts were built from.
+QWEN3_TEMPLATE = """\
+{%- if messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}{% set ns.last_query_index = loop.index0 %}{% endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+        {%- else %}
+{{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+{{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE, "qwen3": QWEN3_TEMPLATE}
 
 
 def train_backend(vocab_size: int = 320) -> Tokenizer:
@@ -159,7 +193,7 @@ def make_tokenizer_dir(path: str | Path, template: str = "chatml", vocab_size: i
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     backend = train_backend(vocab_size)
-    if template == "chatml":
+    if template in ("chatml", "qwen3"):
         tokens = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>")
         eos_ids = [backend.token_to_id("<|im_end|>"), backend.token_to_id("<|endoftext|>")]
     elif template == "llama3":

@@ -1,12 +1,29 @@
-"""A turn's prompt: the session's exact kept ids followed by the ids of the newly rendered tail.
+"""A turn's prompt: the session's exact kept ids, then the tokens of the text that the new messages add.
 
-The tail comes from rendering the whole conversation with the chat template; when that rendering does not start
-with the kept ids (the template rewrote history, or generated ids re-tokenise differently) the turn is a miss: it
-falls back to the full rendering and records where the two first differ (DESIGN.md rule 7).
+The kept ids (the last prompt + its generated ids) are never re-tokenised: a model's own output does not always
+tokenise back to the ids it generated, and comparing ids with a fresh tokenisation of the whole history loses
+prefix reuse on a plain chat (DESIGN.md rule 7). So the conversation is rendered to *text*, and the text the kept ids
+stand for is their decoding with special tokens kept (exact for byte-level BPE). When the rendering starts with it,
+the prompt is the kept ids + the encoding of the rest. When it does not, the template changed text the ids stand for
+(a new system prompt, Qwen3 dropping an earlier `<think>` block, a reply cut at a stop string): a miss. The longest
+run of kept ids whose text still starts the rendering is kept, the rest is encoded, and the first position where
+the prompt differs from the kept ids is reported.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"  # what a decode shows for a character whose bytes are split across the cut
+
+
+class TextCodec(Protocol):
+    """The two tokenizer calls a plan needs (tsterm's Tokenizer, or a transformers tokenizer)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass
@@ -15,11 +32,11 @@ class PromptPlan:
 
     token_ids: list[int]
     kept_tokens: int  # leading ids taken verbatim from the session's kept ids
-    miss: bool = False  # the fresh rendering did not start with the kept ids
-    diverged_at: int | None = None  # on a miss: first position where rendering and kept ids differ
+    miss: bool = False  # the rendering changed text that the kept ids stand for
+    diverged_at: int | None = None  # on a miss: first position where the prompt and the kept ids differ
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     """First index where `a` and `b` differ, counting a shorter list ending early; None if equal."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -27,10 +44,41 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def plan_prompt(kept: list[int], rendered: list[int]) -> PromptPlan:
-    """kept + the rendered tail when `rendered` starts with `kept`; otherwise the full rendering (a miss)."""
+def plan_prompt(kept: Sequence[int], rendered: str, tokenizer: TextCodec) -> PromptPlan:
+    """`kept` + the encoding of the text `rendered` adds after the kept ids' text; on a miss, the longest run of
+    kept ids whose text starts `rendered`, then the encoding of the rest. Costs a few decodes per turn."""
+    kept = list(kept)
     if not kept:
-        return PromptPlan(list(rendered), 0)
-    if len(rendered) >= len(kept) and rendered[:len(kept)] == kept:
-        return PromptPlan(list(kept) + list(rendered[len(kept):]), len(kept))
-    return PromptPlan(list(rendered), 0, miss=True, diverged_at=first_divergence(kept, rendered))
+        return PromptPlan(_encode(tokenizer, rendered), 0)
+    text = _decode(tokenizer, kept)
+    if rendered.startswith(text):
+        return PromptPlan(kept + _encode(tokenizer, rendered[len(text):]), len(kept))
+    n = _longest_text_prefix(kept, rendered, tokenizer)
+    token_ids = kept[:n] + _encode(tokenizer, rendered[len(_decode(tokenizer, kept[:n])):])
+    same = first_divergence(kept, token_ids)
+    if same is None or same == len(kept):  # every kept id survives (only a split character decoded differently)
+        return PromptPlan(token_ids, len(kept))
+    return PromptPlan(token_ids, same, miss=True, diverged_at=same)
+
+
+def _longest_text_prefix(kept: list[int], rendered: str, tokenizer: TextCodec) -> int:
+    """The largest n whose `decode(kept[:n])` starts `rendered`. Binary search on the decoded text without a trailing
+    split character (that test only fails past the divergence), then back to a cut between whole characters."""
+    lo, hi = 0, len(kept)  # the test holds at lo (empty text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if rendered.startswith(_decode(tokenizer, kept[:mid]).rstrip(REPLACEMENT)):
+            lo = mid
+        else:
+            hi = mid - 1
+    while lo and not rendered.startswith(_decode(tokenizer, kept[:lo])):
+        lo -= 1
+    return lo
+
+
+def _encode(tokenizer: TextCodec, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+
+def _decode(tokenizer: TextCodec, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)

@@ -1,7 +1,7 @@
 """A chat session: messages plus the exact token ids the engine saw and produced (persisted by store.py).
 
-The prompt of turn k+1 is the kept ids (turn k's prompt + its generated ids) followed by the ids of the newly
-rendered tail (plan.py, which also detects and reports a template miss).
+The prompt of turn k+1 is the kept ids (turn k's prompt + its generated ids) followed by the tokens of the text
+the new messages add to the rendered conversation (plan.py, which also detects and reports a template miss).
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from tsterm.chat.plan import PromptPlan, plan_prompt
+from tsterm.chat.plan import PromptPlan, TextCodec, plan_prompt
 
 FORMAT_VERSION = 1
-Render = Callable[[list[dict]], list[int]]  # messages -> prompt ids (template + generation prompt)
+Render = Callable[[list[dict]], str]  # messages -> prompt text (chat template + generation prompt)
 
 
 class SessionFileError(ValueError):
@@ -78,8 +78,9 @@ class Session:
             self.title = " ".join(text.split())[:40] or self.title
         self.touch()
 
-    def plan(self, render: Render) -> PromptPlan:
-        return plan_prompt(self.token_ids, render(self.messages))
+    def plan(self, render: Render, tokenizer: TextCodec) -> PromptPlan:
+        """This turn's prompt: the kept ids + the tokens of the text `render` adds (a miss is reported, not fatal)."""
+        return plan_prompt(self.token_ids, render(self.messages), tokenizer)
 
     def record_reply(self, plan: PromptPlan, text: str, generated_ids: list[int], stats: TurnStats) -> None:
         self.messages.append({"role": "assistant", "content": text})

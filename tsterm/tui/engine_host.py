@@ -63,8 +63,9 @@ class EngineHost:
     def device(self) -> str:
         return f"{self.engine.device} {str(self.engine.dtype).removeprefix('torch.')}"
 
-    def render(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def render(self, messages: list[dict]) -> str:
+        """The conversation as prompt text (the session plan tokenises only what is new in it)."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     # ---- turns
     async def stream_turn(self, session_id: str, plan: PromptPlan, request_id: str, post: Post) -> None:

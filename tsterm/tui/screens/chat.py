@@ -246,7 +246,7 @@ class ChatScreen(SessionActions, Screen):
             return
         session.add_user(text)
         try:
-            plan = session.plan(self.host.render)
+            plan = session.plan(self.host.render, self.host.tokenizer)
         except TstermError as e:
             session.drop_last_user()
             await self.notice(str(e), "error")

@@ -1,0 +1,44 @@
+"""A plain multi-turn chat with the real default model (SmolLM2-135M-Instruct, profile `default`): every turn takes
+every KV block its kept ids filled by reference, and no turn is a miss.
+
+The seeds are ones where the previous plan (kept ids compared with a fresh tokenisation of the whole re-rendered
+history) missed on turns 5 and 6: the model's own reply to turn 4 re-tokenises differently from its second token.
+"""
+from __future__ import annotations
+
+from tsterm.chat.session import Session, TurnStats
+from tsterm.llm import LLM
+
+QUESTIONS = ["Hi! What is a good name for a cat?", "Why that name?", "Give me two more ideas.",
+             "Which one is the shortest?", "Write a haiku about it.", "Thanks! Say goodbye."]
+SEED = 200  # turn k samples with seed SEED + k
+MAX_TOKENS = 48
+
+
+def test_every_turn_of_a_plain_chat_reuses_every_block_its_kept_ids_filled(default_profile, default_model_dir):
+    llm = LLM(str(default_model_dir), **default_profile.engine_options())
+    tokenizer, block_size = llm.tokenizer, llm.engine.config.block_size
+
+    def render(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    session = Session(id="chat")
+    session.set_system_prompt(default_profile.system_prompt)
+    rows = []
+    for turn, question in enumerate(QUESTIONS):
+        session.add_user(question)
+        kept = len(session.token_ids)
+        plan = session.plan(render, tokenizer)
+        params = default_profile.sampling_params(max_tokens=MAX_TOKENS, seed=SEED + turn)
+        out = llm.generate(plan.token_ids, params)[0]
+        # The engine computed the KV of every kept id but the last (the last sampled token is never fed back), and
+        # never takes the block that holds a prompt's last token: both bound what a turn can find cached.
+        best = min(kept - 1, len(plan.token_ids) - 1) // block_size * block_size if kept else 0
+        rows.append((turn + 1, len(plan.token_ids), kept, out.num_cached_tokens, best, plan.miss, out.finish_reason))
+        session.record_reply(plan, out.text, list(out.token_ids), TurnStats(
+            len(plan.token_ids), out.num_cached_tokens, plan.kept_tokens, len(out.token_ids), plan.miss,
+            plan.diverged_at))
+    print("\nturn prompt kept cached best miss finish", *rows, sep="\n")
+    assert [r[5] for r in rows] == [False] * len(QUESTIONS)  # no miss
+    assert [r[3] for r in rows] == [r[4] for r in rows]  # every turn cached the block-aligned maximum
+    assert sum(r[6] == "length" for r in rows) >= 3  # replies cut mid-sentence: the case that re-tokenised badly
