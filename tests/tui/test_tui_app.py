@@ -4,6 +4,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+from types import SimpleNamespace
+
+import pytest
 
 from tests.tui.helpers import (
     chat_screen,
@@ -62,7 +66,11 @@ async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, 
         assert saved["token_ids"] == session.token_ids and len(saved["token_ids"]) == turn.prompt_tokens + 40
 
 
-async def test_streaming_progress_is_throttled_and_the_final_text_still_arrives(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("uptime", [5.0, 30 * 86400.0])
+async def test_streaming_progress_is_throttled_and_the_final_text_still_arrives(tiny_checkpoint, monkeypatch, uptime):
+    # time.monotonic() counts from boot: the first progress must post on a machine up for less than the interval too
+    start = time.monotonic()
+    monkeypatch.setattr(engine_host, "time", SimpleNamespace(monotonic=lambda: uptime + time.monotonic() - start))
     monkeypatch.setattr(engine_host, "PROGRESS_INTERVAL", 3600.0)
     llm = LLM(str(tiny_checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
     host = engine_host.EngineHost(llm.engine, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

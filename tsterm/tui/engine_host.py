@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import os
 import threading
 import time
@@ -71,7 +72,7 @@ class EngineHost:
     async def stream_turn(self, session_id: str, plan: PromptPlan, request_id: str, post: Post) -> None:
         """Stream one reply; always ends with a TurnFinished (cancellation = abort: the request is freed)."""
         text, token_ids, last, error, aborted = "", [], None, None, False
-        posted = 0.0
+        posted = -math.inf  # the first progress always posts (time.monotonic() may count from a recent boot)
         try:
             async for out in self.async_engine.generate(plan.token_ids, self.sampling, request_id=request_id):
                 last, text, token_ids = out, out.outputs[0].text, out.outputs[0].token_ids
