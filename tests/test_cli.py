@@ -31,7 +31,7 @@ SMALL_KV_BYTES = 8 << 20
 @pytest.fixture(autouse=True)
 def small_kv_pool(monkeypatch):
     """In-process runs get an 8 MiB KV pool instead of the CPU default (1 GiB): same answers, less memory."""
-    monkeypatch.setattr("tsterm.engine.engine.CPU_DEFAULT_KV_BYTES", SMALL_KV_BYTES)
+    monkeypatch.setattr("tsterm.engine.executor.CPU_DEFAULT_KV_BYTES", SMALL_KV_BYTES)
 
 
 @pytest.fixture(scope="module")

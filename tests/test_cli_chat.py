@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True)
 def small_kv_pool(monkeypatch):
-    monkeypatch.setattr("tsterm.engine.engine.CPU_DEFAULT_KV_BYTES", 8 << 20)
+    monkeypatch.setattr("tsterm.engine.executor.CPU_DEFAULT_KV_BYTES", 8 << 20)
 
 
 def chat(model_dir: str, stdin: str, monkeypatch, capsys, *extra: str) -> tuple[int, list[str], list[tuple[int, int]]]:
