@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self._samples: dict[int, _Sample] = {}  # seq_id -> its sample (live requests only)
         self._next_id = 0
+        self._seq_ids = itertools.count()  # the engine's own: no sequence numbering is shared between engines
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.num_prefill_tokens = 0
@@ -112,7 +114,7 @@ class Engine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(prompt_ids, params, request_id=request_id)
+        seq = Sequence(prompt_ids, params, request_id=request_id, seq_id=next(self._seq_ids))
         req = _Request(request_id, prompt_ids, params)
         self._add_sample(req, seq)
         self.requests[request_id] = req
@@ -212,7 +214,7 @@ class Engine:
             if seq.num_output_tokens or req.params.n == 1 or len(req.samples) > 1:
                 continue
             for index in range(1, req.params.n):
-                child = Sequence(seq.token_ids, seq.params, request_id=seq.request_id)
+                child = Sequence(seq.token_ids, seq.params, request_id=seq.request_id, seq_id=next(self._seq_ids))
                 child.metrics.arrival_time = seq.metrics.arrival_time
                 child.metrics.first_scheduled_time = seq.metrics.first_scheduled_time
                 child.num_cached_tokens = child.metrics.num_cached_tokens = seq.num_cached_tokens

@@ -2,14 +2,10 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from dataclasses import dataclass, field
 
 from tsterm.config import SamplingParams
-
-_ids = itertools.count()
-
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -59,8 +55,10 @@ class Sequence:
     """
 
     def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 arrival_time: float | None = None):
-        self.seq_id = next(_ids)
+                 arrival_time: float | None = None, seq_id: int | None = None):
+        """seq_id: unique among the engine's live sequences (the engine numbers them); default: `id(self)`, unique
+        among live objects, for sequences made outside an engine."""
+        self.seq_id = id(self) if seq_id is None else seq_id
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
