@@ -1,6 +1,8 @@
 """Profiles: errors name the file, line and key; `extends`, `${ENV}`, the search path; `tsterm profiles`."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -233,3 +235,14 @@ def test_profiles_show_unknown_name_exit_2(capsys):
     assert main(["profiles", "show", "nope"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("tsterm: error: no profile named 'nope'")
+
+
+def test_a_profile_with_a_ui_section_loads_where_textual_is_not_installed():
+    """The GPU machine has no Textual: no TUI runs there to show a theme, and the profile must still load."""
+    code = ("import sys\nsys.modules['textual'] = None  # as if it were not installed\n"
+            "from tsterm.profiles import SHIPPED_DIR, load_profile\n"
+            "profile = load_profile(str(SHIPPED_DIR / 'default.yaml'))\n"
+            "print(profile.ui['theme'], profile.ui_options().dashboard)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["textual-dark", "auto"]

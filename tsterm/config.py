@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import re
@@ -76,32 +75,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@dataclass(slots=True)
-class UiOptions:
-    """The workstation's look and habits (a profile's `ui:` section); checked in `__post_init__`."""
-
-    theme: str = "textual-dark"  # a Textual theme name
-    dashboard: str = "auto"  # auto (shown when the terminal is wide enough) | shown | hidden
-    thinking: str = "collapsed"  # how a finished reply's thinking block is shown: collapsed | expanded
-    stats_interval: float = 0.25  # seconds between two dashboard polls of the engine's counters
-
-    def __post_init__(self) -> None:
-        from textual.theme import BUILTIN_THEMES  # the TUI's dependency; imported only where a profile is read
-
-        if not (isinstance(self.theme, str) and self.theme in BUILTIN_THEMES):
-            close = difflib.get_close_matches(str(self.theme), sorted(BUILTIN_THEMES), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (one of {', '.join(sorted(BUILTIN_THEMES))})"
-            raise ConfigError(f"theme {self.theme!r} is not a Textual theme{hint}")
-        _check(self.dashboard in ("auto", "shown", "hidden"),
-               f"dashboard must be auto, shown or hidden; got {self.dashboard!r}")
-        _check(self.thinking in ("collapsed", "expanded"),
-               f"thinking must be collapsed or expanded; got {self.thinking!r}")
-        _check(isinstance(self.stats_interval, (int, float)) and not isinstance(self.stats_interval, bool)
-               and 0.05 <= self.stats_interval <= 10, f"stats_interval must be in [0.05, 10] seconds; "
-               f"got {self.stats_interval!r}")
-        self.stats_interval = float(self.stats_interval)
 
 
 @dataclass(slots=True)

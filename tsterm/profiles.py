@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
 import types
@@ -13,8 +14,43 @@ from typing import Any
 
 import yaml
 
-from tsterm.config import EngineConfig, SamplingParams, UiOptions
+from tsterm.config import EngineConfig, SamplingParams
 from tsterm.errors import ConfigError
+
+
+@dataclass(slots=True)
+class UiOptions:
+    """The workstation's look and habits (a profile's `ui:` section); checked in `__post_init__`."""
+
+    theme: str = "textual-dark"  # a Textual theme name
+    dashboard: str = "auto"  # auto (shown when the terminal is wide enough) | shown | hidden
+    thinking: str = "collapsed"  # how a finished reply's thinking block is shown: collapsed | expanded
+    stats_interval: float = 0.25  # seconds between two dashboard polls of the engine's counters
+
+    def __post_init__(self) -> None:
+        themes = _textual_themes()
+        if not isinstance(self.theme, str) or (themes is not None and self.theme not in themes):
+            close = difflib.get_close_matches(str(self.theme), themes or [], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (one of {', '.join(themes or [])})"
+            raise ConfigError(f"theme {self.theme!r} is not a Textual theme{hint}")
+        if self.dashboard not in ("auto", "shown", "hidden"):
+            raise ConfigError(f"dashboard must be auto, shown or hidden; got {self.dashboard!r}")
+        if self.thinking not in ("collapsed", "expanded"):
+            raise ConfigError(f"thinking must be collapsed or expanded; got {self.thinking!r}")
+        if not (isinstance(self.stats_interval, (int, float)) and not isinstance(self.stats_interval, bool)
+                and 0.05 <= self.stats_interval <= 10):
+            raise ConfigError(f"stats_interval must be in [0.05, 10] seconds; got {self.stats_interval!r}")
+        self.stats_interval = float(self.stats_interval)
+
+
+def _textual_themes() -> list[str] | None:
+    """Textual's theme names, imported only when a profile sets a theme; None where Textual is not installed (the
+    GPU machine, an engine-only install): no TUI runs there to show a theme, and the profile must still load."""
+    if importlib.util.find_spec("textual") is None:
+        return None
+    from textual.theme import BUILTIN_THEMES
+
+    return sorted(BUILTIN_THEMES)
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "profiles"
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}

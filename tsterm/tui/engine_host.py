@@ -20,9 +20,10 @@ from textual.message import Message
 
 from tsterm.chat.plan import PromptPlan
 from tsterm.chat.session import TurnStats
-from tsterm.config import SamplingParams, UiOptions
+from tsterm.config import SamplingParams
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.engine.engine import Engine
+from tsterm.profiles import UiOptions
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 
 ProgressFn = Callable[[int, int, str], None]
