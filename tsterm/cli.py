@@ -4,49 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
-from tsterm.errors import ConfigError, TstermError
-
-
-def _progress_printer(label: str):
-    """Load progress on stderr (stdout carries only the answer)."""
-    last = [0.0]
-    tty = sys.stderr.isatty()
-
-    def progress(done: int, total: int, what: str) -> None:
-        now = time.monotonic()
-        if tty and (now - last[0] > 0.1 or done >= total):
-            last[0] = now
-            pct = 100.0 * done / max(total, 1)
-            sys.stderr.write(f"\r{label} {pct:5.1f}% ({done / 1e6:.1f}/{total / 1e6:.1f} MB)")
-            if done >= total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-    return progress
-
-
-def _engine_options(args: argparse.Namespace) -> tuple[str, dict[str, Any], Any]:
-    """(model dir, engine options, profile or None) from --model/--profile and overrides."""
-    from tsterm.profiles import Profile, load_profile, resolve_model
-
-    profile: Profile | None = None
-    options: dict[str, Any] = {}
-    if args.profile:
-        profile = load_profile(args.profile)
-        options = profile.engine_options()
-    if args.model:
-        model = resolve_model(args.model)
-    elif profile is not None:
-        model = profile.engine_config().model
-    else:
-        raise ConfigError("give --model DIR or --profile NAME")
-    for key in ("dtype", "device"):
-        if getattr(args, key, None):
-            options[key] = getattr(args, key)
-    return model, options, profile
+from tsterm.errors import TstermError
 
 
 def _sampling_params(args: argparse.Namespace, profile: Any):
@@ -59,20 +19,12 @@ def _sampling_params(args: argparse.Namespace, profile: Any):
     return SamplingParams(**sampling)
 
 
-def engine_from_args(args: argparse.Namespace):
-    """An LLM for --model/--profile (+ --dtype/--device), showing load progress on stderr."""
-    from tsterm.llm import LLM
-
-    model, options, _ = _engine_options(args)
-    return LLM(model, progress=_progress_printer("loading"), **options)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from tsterm.llm import LLM
+    from tsterm.launch import llm_from_args, profile_from_args
 
-    model, options, profile = _engine_options(args)
+    profile = profile_from_args(args)
     params = _sampling_params(args, profile)  # validated before the (possibly long) model load
-    llm = LLM(model, progress=_progress_printer("loading"), **options)
+    llm = llm_from_args(args, profile)
     if args.raw:
         prompt: Any = args.prompt
     else:
@@ -105,13 +57,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return tui(args.profile or "default")
     from tsterm.chat.session import Session, TurnStats
     from tsterm.errors import RequestError
-    from tsterm.llm import LLM
+    from tsterm.launch import llm_from_args, profile_from_args
 
     if not args.model and not args.profile:
         args.profile = "default"
-    model, options, profile = _engine_options(args)
+    profile = profile_from_args(args)
     params = _sampling_params(args, profile)
-    llm = LLM(model, progress=_progress_printer("loading"), **options)
+    llm = llm_from_args(args, profile)
     tokenizer = llm.tokenizer
     session = Session(id="plain")  # keeps the exact ids the engine saw and produced, turn after turn
     session.set_system_prompt(args.system if args.system is not None else (profile.system_prompt if profile else None))

@@ -101,9 +101,13 @@ class Profile:
         if not path.exists():
             raise ConfigError(f"{self.where('model')}: model {model!r} does not exist (looked for {path})")
 
+    def model_dir(self) -> str:
+        """`model` resolved: a shipped or demo model prepared on first use; a relative path is relative to the file
+        that set it."""
+        return resolve_model(self.model(), self.origins.get("model", (self.path, 1))[0])
+
     def engine_config(self) -> EngineConfig:
-        base = self.origins.get("model", (self.path, 1))[0]
-        return EngineConfig.from_options(resolve_model(self.model(), base), **self.engine_options())
+        return EngineConfig.from_options(self.model_dir(), **self.engine_options())
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.sampling, **{k: v for k, v in overrides.items() if v is not None}})

@@ -22,6 +22,7 @@ from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, make_trace
 from tsterm.errors import ConfigError
+from tsterm.launch import llm_from_args
 
 
 RATE_SAMPLES = 3  # bandwidth / batch-1 / batch-P measurements, interleaved
@@ -56,15 +57,13 @@ def _progress(message: str) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from tsterm.cli import engine_from_args
-
     if not getattr(args, "profile", None) and not args.model:
         args.profile = "bench"
     spec = TraceSpec(args.sessions, args.turns, args.system_tokens, args.task_tokens, args.turn_tokens,
                      args.output_tokens)
     if args.parallel < 1 or args.micro_context < 2:
         raise ConfigError("--parallel must be >= 1 and --micro-context >= 2")
-    llm = engine_from_args(args)
+    llm = llm_from_args(args)
     results = run_bench(llm, spec, baseline=args.baseline, ablation=args.no_prefix_cache,
                         micro_context=args.micro_context, parallel=args.parallel, progress=_progress)
     sys.stderr.write("\n")

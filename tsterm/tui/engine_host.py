@@ -23,6 +23,7 @@ from tsterm.chat.session import TurnStats
 from tsterm.config import SamplingParams
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.engine.engine import Engine
+from tsterm.launch import load_llm
 from tsterm.profiles import UiOptions
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 
@@ -189,14 +190,5 @@ def _build_engine(profile, engine_factory: EngineFactory | None, progress: Progr
         built = engine_factory(progress) if wants_progress else engine_factory()
         engine = getattr(built, "engine", built)  # an LLM or a bare Engine
     else:
-        model = str(profile.engine.get("model", ""))
-        if model.startswith("demo:"):
-            from tsterm.demo import SPECS, ensure_demo_model
-
-            if model[5:] in SPECS:
-                status(f"preparing {model} (generated on first use)")
-                ensure_demo_model(model[5:], progress=progress)
-        config = profile.engine_config()
-        status(f"loading {config.model}")
-        engine = Engine(config, progress=progress)
+        engine = load_llm(profile, progress=progress, prepare=progress, status=status).engine
     return engine

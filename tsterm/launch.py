@@ -1,0 +1,88 @@
+"""Profile / CLI options -> a running engine: the one place that turns a profile (name or path), an explicit model and
+option overrides into an LLM. Used by the CLI (`run`, `chat`), `bench` and the TUI, and next by the server.
+
+The model is a directory (relative to the profile file that names it, or to the working directory on a command
+line), `demo:NAME` (a checkpoint generated on first use) or a shipped model name (imported on first use).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tsterm.errors import ConfigError
+from tsterm.profiles import Profile, load_profile, resolve_model
+
+ProgressFn = Callable[[int, int, str], None]  # (done, total, what)
+StatusFn = Callable[[str], None]
+
+
+def _silent(_: str) -> None:
+    pass
+
+
+def engine_options(profile: Profile | None, model: str | None = None, prepare: ProgressFn | None = None,
+                   status: StatusFn = _silent, **overrides: Any) -> tuple[str, dict[str, Any]]:
+    """(model directory, engine options). `model` wins over the profile's; overrides set to None are left out.
+
+    A demo model is generated here when missing: through `prepare` when given (a UI's progress bar), else with
+    the profile module's own lines on stderr."""
+    if model is None and profile is None:
+        raise ConfigError("give --model DIR or --profile NAME")
+    name = model if model is not None else profile.model()
+    if prepare is not None and name.startswith("demo:"):
+        from tsterm.demo import SPECS, ensure_demo_model
+
+        if name[5:] in SPECS:  # an unknown name is reported by resolve_model below
+            status(f"preparing {name} (generated on first use)")
+            ensure_demo_model(name[5:], progress=prepare)
+    model_dir = resolve_model(name) if model is not None else profile.model_dir()
+    options = dict(profile.engine_options()) if profile is not None else {}
+    options.update({key: value for key, value in overrides.items() if value is not None})
+    return model_dir, options
+
+
+def load_llm(profile: Profile | None = None, model: str | None = None, progress: ProgressFn | None = None,
+             prepare: ProgressFn | None = None, status: StatusFn = _silent, **overrides: Any):
+    """A loaded LLM (its Engine is `.engine`). `progress` reports the weights loading; blocking."""
+    from tsterm.llm import LLM  # torch and the engine: loaded only by the callers that start one
+
+    model_dir, options = engine_options(profile, model, prepare, status, **overrides)
+    status(f"loading {model_dir}")
+    return LLM(model_dir, progress=progress, **options)
+
+
+def profile_from_args(args: argparse.Namespace) -> Profile | None:
+    """The profile named by `--profile`, if any."""
+    name = getattr(args, "profile", None)
+    return load_profile(name) if name else None
+
+
+def llm_from_args(args: argparse.Namespace, profile: Profile | None = None):
+    """An LLM for a command line's --profile/--model (+ --dtype/--device), showing load progress on stderr.
+    `profile`: the already loaded `--profile` (so that it is read once)."""
+    if profile is None:
+        profile = profile_from_args(args)
+    return load_llm(profile, getattr(args, "model", None), progress=progress_printer("loading"),
+                    dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
+
+
+def progress_printer(label: str) -> ProgressFn:
+    """Load progress on stderr, on a terminal only (stdout carries only the answer)."""
+    last = [-math.inf]
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        if tty and (now - last[0] > 0.1 or done >= total):
+            last[0] = now
+            pct = 100.0 * done / max(total, 1)
+            sys.stderr.write(f"\r{label} {pct:5.1f}% ({done / 1e6:.1f}/{total / 1e6:.1f} MB)")
+            if done >= total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    return progress
