@@ -73,20 +73,23 @@ class EngineHost:
     # ---- turns
     async def stream_turn(self, session_id: str, plan: PromptPlan, request_id: str, post: Post) -> None:
         """Stream one reply; always ends with a TurnFinished (cancellation = abort: the request is freed)."""
-        text, token_ids, last, error, aborted = "", [], None, None, False
+        last, error, aborted = None, None, False
         posted = -math.inf  # the first progress always posts (time.monotonic() may count from a recent boot)
         try:
             async for out in self.async_engine.generate(plan.token_ids, self.sampling, request_id=request_id):
-                last, text, token_ids = out, out.outputs[0].text, out.outputs[0].token_ids
+                last = out  # its text and ids are read (copied) only when posted: not once per token
                 now = time.monotonic()
                 if now - posted >= PROGRESS_INTERVAL:  # the final text comes with TurnFinished
                     posted = now
-                    post(TurnProgress(session_id, request_id, text, token_ids, out.num_cached_tokens))
+                    completion = out.outputs[0]
+                    post(TurnProgress(session_id, request_id, completion.text, completion.token_ids,
+                                      out.num_cached_tokens))
         except asyncio.CancelledError:
             aborted = True
             self.async_engine.abort(request_id)  # also covers a cancel that landed before the stream began
         except Exception as e:  # noqa: BLE001 - a failed turn is reported, the session is left intact
             error = f"{type(e).__name__}: {e}"
+        text, token_ids = (last.outputs[0].text, last.outputs[0].token_ids) if last is not None else ("", [])
         stats = None
         if last is not None or aborted:
             m = last.metrics if last is not None else None
