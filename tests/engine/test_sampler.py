@@ -9,14 +9,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tsterm.config import SamplingParams
-from tsterm.engine.sampler import Sampler, SamplerOutput, SamplingRow, seeded_generator
+from tsterm.engine import sampler as sampler_module
+from tsterm.engine.sampler import PenaltyState, Sampler, SamplerOutput, SamplingRow, has_penalty, seeded_generator
 
 V = 50
 
 
+def row_for(params: SamplingParams, prompt=(), output=(), generator=None, vocab_size: int = V) -> SamplingRow:
+    """A row for a sequence of these ids, its penalty state built from them as the engine does at the first step."""
+    return SamplingRow(params, PenaltyState.from_ids(params, list(prompt), list(output), vocab_size), generator)
+
+
 def rows_for(params: SamplingParams | list[SamplingParams], batch: int = 1, prompt=(), output=()) -> list[SamplingRow]:
     plist = params if isinstance(params, list) else [params] * batch
-    return [SamplingRow(p, list(prompt), list(output)) for p in plist]
+    return [row_for(p, prompt, output) for p in plist]
 
 
 @pytest.fixture
@@ -123,7 +129,7 @@ def test_repetition_penalty_matches_transformers():
     logits = torch.randn(3, V, generator=gen) * 4
     history = torch.randint(0, V, (3, 12), generator=gen)  # prompt + output, rectangular for HF
     penalties = [1.3, 0.7, 1.0]
-    rows = [SamplingRow(SamplingParams(repetition_penalty=p), ids[:8].tolist(), ids[8:].tolist())
+    rows = [row_for(SamplingParams(repetition_penalty=p), ids[:8].tolist(), ids[8:].tolist())
             for p, ids in zip(penalties, history)]
     ours = Sampler().apply_penalties(logits, rows)
     for b, p in enumerate(penalties):
@@ -138,7 +144,7 @@ def test_presence_frequency_match_hand_reference():
               SamplingParams(presence_penalty=-1.0, frequency_penalty=1.5)]
     prompts = [[1, 2, 3, 3], [4, 4]]  # prompt tokens do not count for presence / frequency
     outputs = [[3, 3, 9, 9, 9, 10], [4, 7]]
-    rows = [SamplingRow(p, pr, o) for p, pr, o in zip(params, prompts, outputs)]
+    rows = [row_for(p, pr, o) for p, pr, o in zip(params, prompts, outputs)]
     ours = Sampler().apply_penalties(logits, rows)
     expected = logits.clone()
     for b, (p, out) in enumerate(zip(params, outputs)):
@@ -147,17 +153,17 @@ def test_presence_frequency_match_hand_reference():
     torch.testing.assert_close(ours, expected)
 
 
-def test_rows_from_history_carry_ids_only_for_the_penalties_that_read_them():
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, V, generator=gen) * 3
-    token_ids = torch.randint(0, V, (40,), generator=gen).tolist()  # 30 prompt ids, then 10 generated
-    params = [SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(repetition_penalty=1.4),
-              SamplingParams(presence_penalty=0.5, frequency_penalty=0.3)]
-    rows = [SamplingRow.from_history(p, token_ids, 30) for p in params]
-    # the engine builds a row per sequence every step: without a penalty it must not copy the context
-    assert [(len(r.prompt_token_ids), len(r.output_token_ids)) for r in rows] == [(0, 0), (0, 0), (30, 10), (0, 10)]
-    full = [SamplingRow(p, token_ids[:30], token_ids[30:]) for p in params]
-    torch.testing.assert_close(Sampler().apply_penalties(logits, rows), Sampler().apply_penalties(logits, full))
+def test_a_penalty_state_holds_only_what_its_penalties_read():
+    prompt, output = [1, 2, 2, 7], [7, 9, 9, 9]
+    assert PenaltyState.from_ids(SamplingParams(), prompt, output, V) is None
+    assert PenaltyState.from_ids(SamplingParams(temperature=0.7, top_p=0.9), prompt, output, V) is None
+    repetition = PenaltyState.from_ids(SamplingParams(repetition_penalty=1.4), prompt, output, V)
+    assert repetition.counts is None and repetition.seen.nonzero().flatten().tolist() == [1, 2, 7, 9]
+    occurrence = PenaltyState.from_ids(SamplingParams(frequency_penalty=0.3), prompt, output, V)
+    assert occurrence.seen is None and occurrence.counts[[7, 9, 1, 2]].tolist() == [1, 3, 0, 0]
+    assert occurrence.counts.sum() == len(output)
+    # a row carries its state, never the sequence's ids: the engine builds one every step
+    assert set(SamplingRow.__slots__) == {"params", "penalty", "generator"}
 
 
 def test_penalties_do_not_modify_input(logits):
@@ -174,17 +180,14 @@ def test_seeded_rows_independent_of_batch_and_position():
     def run(position: int, others: list[SamplingParams], sampler_seed: int, my_seed: int = 1234) -> list[int]:
         sampler = Sampler(seed=sampler_seed)
         seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=my_seed)
-        mine = SamplingRow(seeded, [5], [], seeded_generator(my_seed))
+        mine = SamplingRow(seeded, None, seeded_generator(my_seed))
         tokens = []
         for step_logits in steps:
-            rows = [SamplingRow(p, [5], [], seeded_generator(p.seed) if p.seed is not None else None)
-                    for p in others]
+            rows = [SamplingRow(p, None, seeded_generator(p.seed) if p.seed is not None else None) for p in others]
             rows.insert(position, mine)
             batch = torch.cat([step_logits[1:1 + len(others)], step_logits[:1]])  # others first
             batch = torch.cat([batch[:position], batch[-1:], batch[position:-1]])  # mine at `position`
-            token = sampler(batch, rows).token_ids[position]
-            mine.output_token_ids.append(token)
-            tokens.append(token)
+            tokens.append(sampler(batch, rows).token_ids[position])
         return tokens
 
     alone = run(0, [], 0)
@@ -205,10 +208,10 @@ def test_logprobs_are_of_penalised_logits_before_temperature(logits):
               SamplingParams(temperature=0, logprobs=0),
               SamplingParams(temperature=1.0),
               SamplingParams(temperature=2.0, top_k=4, logprobs=20, frequency_penalty=0.7)]
-    rows = [SamplingRow(p, [1, 2, 3], [4, 4, 5]) for p in params]
+    rows = [row_for(p, [1, 2, 3], [4, 4, 5]) for p in params]
     sampler = Sampler(seed=8)
-    out = sampler(logits[:4], rows)
     expected = sampler.apply_penalties(logits[:4], rows).log_softmax(-1)
+    out = sampler(logits[:4], rows)  # (this adds the sampled tokens to the rows' states: `expected` came before)
     assert out.logprobs[2] is None
     for b in (0, 1, 3):
         entry = out.logprobs[b]
@@ -235,10 +238,11 @@ def test_fast_path_builds_no_penalty_tensors(logits, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("penalty tensors built on the all-greedy path")
 
-    monkeypatch.setattr(Sampler, "_token_counts", staticmethod(fail))
+    monkeypatch.setattr(sampler_module, "_stack", fail)
     sampler = Sampler()
     out = sampler(logits, rows_for(SamplingParams(temperature=0), len(logits), prompt=[1, 2], output=[3]))
     assert out.token_ids == logits.argmax(-1).tolist()
     assert sampler.last_stages == ("argmax",)
     sampler(logits, rows_for(SamplingParams(temperature=1.0, top_k=5), len(logits), prompt=[1], output=[2]))
     assert sampler.last_stages == ("sample",)
+

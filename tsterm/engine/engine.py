@@ -17,7 +17,7 @@ from tsterm.engine.executor import ExecutorFactory, ExecutorSpec
 from tsterm.engine.kv_manager import KVCacheManager
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.engine.output_processor import SampleOutput
-from tsterm.engine.sampler import Sampler, SamplingRow, seeded_generator
+from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalty, seeded_generator
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.stats import EngineMetrics
@@ -31,12 +31,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class _Sample:
-    """One of a request's n samples: its sequence and its streaming state."""
+    """One of a request's n samples: its sequence and its streaming and sampling state."""
 
     index: int
     seq: Sequence
     out: SampleOutput  # detokenisation, stop strings, deltas
     generator: torch.Generator | None
+    # the history its penalties read, on the device: built at its first sampling, then kept up to date by the
+    # Sampler; None while not built, and for ever when the params have no penalty
+    penalty: PenaltyState | None = None
 
 
 @dataclass
@@ -121,10 +124,11 @@ class Engine:
         self.scheduler.add(seq)
         return request_id
 
-    def _add_sample(self, req: _Request, seq: Sequence) -> None:
+    def _add_sample(self, req: _Request, seq: Sequence, penalty: PenaltyState | None = None) -> None:
         index = len(req.samples)
         generator = None if req.params.seed is None else seeded_generator(req.params.seed + index, self.device)
-        sample = _Sample(index, seq, SampleOutput(self.tokenizer, req.prompt_token_ids, req.params.stop), generator)
+        sample = _Sample(index, seq, SampleOutput(self.tokenizer, req.prompt_token_ids, req.params.stop), generator,
+                         penalty)
         req.samples.append(sample)
         self._samples[seq.seq_id] = sample
 
@@ -176,9 +180,14 @@ class Engine:
             if sample:
                 sampling.append(seq)
         self.num_prefill_tokens += prefill_tokens
+        for seq in sampling:  # a sequence's first sampling reads its ids once, into its penalty state
+            sample = self._samples[seq.seq_id]
+            if sample.penalty is None and has_penalty(seq.params):
+                sample.penalty = PenaltyState.from_ids(seq.params, seq.prompt_token_ids, seq.output_token_ids,
+                                                       logits.shape[1], logits.device)
         logits, sampling = self._fork_new_samples(logits, sampling)
-        rows = [SamplingRow.from_history(s.params, s.token_ids, s.num_prompt_tokens, self._samples[s.seq_id].generator)
-                for s in sampling]
+        samples = [self._samples[seq.seq_id] for seq in sampling]
+        rows = [SamplingRow(sample.seq.params, sample.penalty, sample.generator) for sample in samples]
         result = self.sampler(logits, rows) if sampling else None
         touched: dict[str, _Request] = {}
         for i, seq in enumerate(sampling):
@@ -221,7 +230,8 @@ class Engine:
                 self.kv.fork(seq, child)
                 child.status = seq.status
                 self.scheduler.running.append(child)
-                self._add_sample(req, child)
+                parent_penalty = self._samples[seq.seq_id].penalty
+                self._add_sample(req, child, None if parent_penalty is None else parent_penalty.clone())
                 sampling.append(child)
                 extra_rows.append(row)
         if extra_rows:

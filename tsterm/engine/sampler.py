@@ -12,11 +12,15 @@ Order of the stages (what vLLM / OpenAI users expect):
 Everything stays a tensor op on the logits' device. On CUDA, host lists reach the device through pinned memory
 without waiting (`_to_device`), and `_read_back` is the one place that waits: for the sampled ids (and requested
 logprobs), through pinned memory and an event.
+
+The penalties read a sequence's history through its `PenaltyState`, kept on the device and updated in place with each
+sampled token, so a step costs O(V) per penalised row and uploads no ids, however long the context.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -24,31 +28,62 @@ from torch import Tensor
 from tsterm.config import SamplingParams
 
 
+@dataclass(slots=True, weakref_slot=True)
+class PenaltyState:
+    """A sequence's token history as its penalties read it, on the logits' device.
+
+    Built once from the ids (`from_ids`: O(context), at the sequence's first sampling), then updated in place by the
+    Sampler with each token it samples for the sequence: a step reads and uploads no ids. After a step the tensors
+    are views of that step's [B, V] batch tensors (see `Sampler._record`), so the update is one op for the batch.
+    """
+
+    seen: Tensor | None  # [V] bool: in the prompt or the output; None when the repetition penalty is off
+    counts: Tensor | None  # [V] float32: occurrences in the output; None when presence and frequency are off
+
+    @classmethod
+    def from_ids(cls, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
+                 vocab_size: int, device: torch.device | str = "cpu") -> PenaltyState | None:
+        """The state of a sequence with these ids, or None when `params` have no penalty (its row needs none)."""
+        repetition, occurrence = params.repetition_penalty != 1.0, _counts_output(params)
+        if not (repetition or occurrence):
+            return None
+        device = torch.device(device)
+        ids = _to_device(torch.tensor(prompt_token_ids + output_token_ids if repetition else output_token_ids,
+                                      dtype=torch.long), device)  # [P + O] or [O]
+        seen = None
+        if repetition:
+            seen = torch.zeros(vocab_size, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+        counts = None
+        if occurrence:
+            output_ids = ids[len(prompt_token_ids):] if repetition else ids  # [O]
+            counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            counts.index_add_(0, output_ids, torch.ones(output_ids.shape, device=device))
+        return cls(seen, counts)
+
+    def clone(self) -> PenaltyState:
+        """An independent copy: a forked sequence goes on from its parent's history without sharing its updates."""
+        return PenaltyState(*(None if t is None else t.clone() for t in (self.seen, self.counts)))
+
+    def own(self) -> None:
+        """Hold copies of its rows instead of views of a batch tensor (which the views would keep alive)."""
+        copy = self.clone()
+        self.seen, self.counts = copy.seen, copy.counts
+
+
 @dataclass(slots=True)
 class SamplingRow:
-    """One row of the logits batch: the request's params and the token history its penalties read.
+    """One row of the logits batch: the request's params, its penalty state and its generator.
 
-    `generator` is the request's own RNG, set by the engine when `params.seed` is given (see
-    `seeded_generator`; it must live on the logits' device). Seeded once, it is advanced by exactly one
-    [V] noise draw per sampled token, so a seeded request draws the same tokens wherever it sits in
-    whichever batch. None: the row draws from the Sampler's shared generator.
+    `penalty` is required when `params` have a penalty (`PenaltyState.from_ids`), and the Sampler adds the row's
+    sampled token to it. `generator` is the request's own RNG, set by the engine when `params.seed` is given (see
+    `seeded_generator`; it must live on the logits' device). Seeded once, it is advanced by exactly one [V] noise
+    draw per sampled token, so a seeded request draws the same tokens wherever it sits in whichever batch. None: the
+    row draws from the Sampler's shared generator.
     """
 
     params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
+    penalty: PenaltyState | None = None
     generator: torch.Generator | None = None
-
-    @classmethod
-    def from_history(cls, params: SamplingParams, token_ids: list[int], num_prompt_tokens: int,
-                     generator: torch.Generator | None = None) -> SamplingRow:
-        """A row for a sequence whose ids are `token_ids` (prompt first). Only the penalties read the history, so
-        it is sliced out only for a row whose params have one: any other row costs O(1), not O(context), per step.
-        """
-        repetition = params.repetition_penalty != 1.0
-        output = repetition or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        return cls(params, token_ids[:num_prompt_tokens] if repetition else [],
-                   token_ids[num_prompt_tokens:] if output else [], generator)
 
 
 @dataclass(slots=True)
@@ -71,6 +106,8 @@ class Sampler:
         self.seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}  # one per device, made on first use
         self.last_stages: tuple[str, ...] = ()  # stages the last call ran (tests and stats read it)
+        # the states whose tensors are views of the last call's batch tensors (weak: a finished one is just dropped)
+        self._adopted: list[weakref.ref[PenaltyState]] = []
 
     def shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
@@ -84,12 +121,14 @@ class Sampler:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         sample_rows = [i for i, g in enumerate(greedy) if not g]
         stages: list[str] = []
-        if not sample_rows and not logprob_rows and not any(_penalised(p) for p in params):
+        if self._adopted:
+            self._release_absent(rows)
+        if not sample_rows and not logprob_rows and not any(has_penalty(p) for p in params):
             # the common case: all greedy, nothing to penalise -> one argmax, no copies, no extra tensors
             self.last_stages = ("argmax",)
             return _to_host(logits.argmax(dim=-1), None, [], params)
 
-        scores = self.apply_penalties(logits, rows, stages)  # [B, V] float32
+        scores, seen, counts = self._penalise(logits, rows, stages)  # [B, V] float32, the stacked histories
         if sample_rows:
             stages.append("sample")
             sampled = self._sample(scores, rows, sample_rows)  # [S]
@@ -101,6 +140,8 @@ class Sampler:
         else:
             stages.append("argmax")
             token_ids = scores.argmax(dim=-1)  # [B]
+        if seen is not None or counts is not None:
+            self._record(rows, seen, counts, token_ids)
 
         logprobs = None
         if logprob_rows:
@@ -113,43 +154,68 @@ class Sampler:
 
     def apply_penalties(self, logits: Tensor, rows: list[SamplingRow],
                         stages: list[str] | None = None) -> Tensor:
-        """Penalised logits, float32 [B, V]; the input is never modified.
+        """Penalised logits, float32 [B, V]; neither the input nor the rows' states are modified.
 
         With no penalty in the batch this is `logits.float()` (the input itself when already float32).
         """
+        return self._penalise(logits, rows, [] if stages is None else stages)[0]
+
+    def _penalise(self, logits: Tensor, rows: list[SamplingRow],
+                  stages: list[str]) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The penalised logits and the stacked states they read: `seen` [B, V] bool and `counts` [B, V] float32,
+        None for a stage no row uses. Stacking copies O(V) per row, whatever the context."""
         params = [row.params for row in rows]
+        for row in rows:
+            state = row.penalty
+            assert (state is not None and state.seen is not None) == (row.params.repetition_penalty != 1.0) and \
+                (state is not None and state.counts is not None) == _counts_output(row.params), \
+                f"the row's PenaltyState does not match its params {row.params} (see PenaltyState.from_ids)"
+        vocab_size, device = logits.shape[1], logits.device
         scores = logits.float()
+        seen = counts = None
         if any(p.repetition_penalty != 1.0 for p in params):
-            if stages is not None:
-                stages.append("repetition_penalty")
-            history = [row.prompt_token_ids + row.output_token_ids if row.params.repetition_penalty != 1.0
-                       else [] for row in rows]
-            seen = self._token_counts(history, scores.shape[1], scores.device) > 0  # [B, V]
-            penalty = _column([p.repetition_penalty for p in params], scores.device)  # [B, 1]
+            stages.append("repetition_penalty")
+            seen = _stack([None if row.penalty is None else row.penalty.seen for row in rows],
+                          torch.bool, vocab_size, device)  # [B, V]
+            penalty = _column([p.repetition_penalty for p in params], device)  # [B, 1]
             penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
             scores = torch.where(seen, penalised, scores)
-        if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-            if stages is not None:
-                stages.append("presence_frequency_penalty")
-            outputs = [row.output_token_ids if row.params.presence_penalty != 0.0
-                       or row.params.frequency_penalty != 0.0 else [] for row in rows]
-            counts = self._token_counts(outputs, scores.shape[1], scores.device)  # [B, V]
-            frequency = _column([p.frequency_penalty for p in params], scores.device)  # [B, 1]
-            presence = _column([p.presence_penalty for p in params], scores.device)  # [B, 1]
+        if any(_counts_output(p) for p in params):
+            stages.append("presence_frequency_penalty")
+            counts = _stack([None if row.penalty is None else row.penalty.counts for row in rows],
+                            torch.float32, vocab_size, device)  # [B, V]
+            frequency = _column([p.frequency_penalty for p in params], device)  # [B, 1]
+            presence = _column([p.presence_penalty for p in params], device)  # [B, 1]
             scores = scores - counts * frequency - (counts > 0).float() * presence
-        return scores
+        return scores, seen, counts
 
-    @staticmethod
-    def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> Tensor:
-        """How often each vocab id occurs in each row's list: float32 [B, V], by one scatter_add."""
-        longest = max(len(ids) for ids in token_lists)
-        counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)  # [B, V+1]
-        if longest:
-            # pad with the spare id V: its counts land in the extra column, dropped below
-            padded = _to_device(torch.tensor([ids + [vocab_size] * (longest - len(ids)) for ids in token_lists],
-                                             dtype=torch.long), device)  # [B, L]
-            counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-        return counts[:, :vocab_size]
+    def _record(self, rows: list[SamplingRow], seen: Tensor | None, counts: Tensor | None, token_ids: Tensor) -> None:
+        """Add each row's sampled token to its state, on the device: one op per stacked tensor for the whole batch.
+        The stacked tensors then become the states (each state's tensors are views of its rows): nothing is copied
+        back, and the next step stacks the views."""
+        vocab_size = (seen if seen is not None else counts).shape[1]
+        flat = torch.arange(len(rows), device=token_ids.device) * vocab_size + token_ids  # [B] row b's new token
+        if seen is not None:
+            seen.view(-1).index_fill_(0, flat, True)
+        if counts is not None:
+            counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, device=flat.device))
+        for b, row in enumerate(rows):
+            if row.penalty is not None:
+                if row.penalty.seen is not None:
+                    row.penalty.seen = seen[b]  # [V]
+                if row.penalty.counts is not None:
+                    row.penalty.counts = counts[b]  # [V]
+                self._adopted.append(weakref.ref(row.penalty))
+
+    def _release_absent(self, rows: list[SamplingRow]) -> None:
+        """A state that views the last batch's tensors but has no row now (its sequence was preempted) copies its rows
+        out, so that it does not keep that whole [B, V] batch alive; a finished sequence's state is already gone."""
+        present = {id(row.penalty) for row in rows}
+        for ref in self._adopted:
+            state = ref()
+            if state is not None and id(state) not in present:
+                state.own()
+        self._adopted = []
 
     # ---- sampling ----------------------------------------------------------------------------------
 
@@ -220,8 +286,20 @@ def _top_k_top_p(scores: Tensor, top_k: Tensor, top_p: Tensor, use_top_p: bool) 
     return scores.masked_fill(~keep_vocab, -math.inf)
 
 
-def _penalised(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether the params have a penalty, i.e. a row for them needs a `PenaltyState`."""
+    return p.repetition_penalty != 1.0 or _counts_output(p)
+
+
+def _counts_output(p: SamplingParams) -> bool:
+    """Whether the presence / frequency penalties (over the output tokens) are on."""
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _stack(rows: list[Tensor | None], dtype: torch.dtype, vocab_size: int, device: torch.device) -> Tensor:
+    """[B, V]: each row's [V] tensor, zeros for a row without one."""
+    zeros = torch.zeros(vocab_size, dtype=dtype, device=device) if any(t is None for t in rows) else None
+    return torch.stack([zeros if t is None else t for t in rows])
 
 
 def _column(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
