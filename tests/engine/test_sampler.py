@@ -246,3 +246,220 @@ def test_fast_path_builds_no_penalty_tensors(logits, monkeypatch):
     sampler(logits, rows_for(SamplingParams(temperature=1.0, top_k=5), len(logits), prompt=[1], output=[2]))
     assert sampler.last_stages == ("sample",)
 
+
+# ---- penalty states: updated in place, equal to a recompute from the whole history at every step ---------------------
+
+def reference_penalties(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+                        outputs: list[list[int]]) -> torch.Tensor:
+    """The penalised logits recomputed from each row's whole id lists: the implementation before PenaltyState,
+    kept as the oracle (its scatter counts, its order of float ops)."""
+    vocab_size = logits.shape[1]
+
+    def token_counts(token_lists: list[list[int]]) -> torch.Tensor:
+        longest = max(len(ids) for ids in token_lists)
+        counts = torch.zeros(len(token_lists), vocab_size + 1)  # [B, V+1]; the spare id V pads
+        if longest:
+            padded = torch.tensor([ids + [vocab_size] * (longest - len(ids)) for ids in token_lists])  # [B, L]
+            counts.scatter_add_(1, padded, torch.ones(padded.shape))
+        return counts[:, :vocab_size]
+
+    scores = logits.float()
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = token_counts([pr + out if p.repetition_penalty != 1.0 else []
+                             for p, pr, out in zip(params, prompts, outputs)]) > 0
+        penalty = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
+        scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        counts = token_counts([out if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else []
+                               for p, out in zip(params, outputs)])
+        frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+        scores = scores - counts * frequency - (counts > 0).float() * presence
+    return scores
+
+
+@pytest.fixture
+def used_scores(monkeypatch) -> list[torch.Tensor]:
+    """The penalised scores of every Sampler call from now on, as the sampler computed and used them."""
+    used: list[torch.Tensor] = []
+    penalise = Sampler._penalise
+
+    def recording(self, logits, rows, stages):
+        result = penalise(self, logits, rows, stages)
+        used.append(result[0].clone())
+        return result
+
+    monkeypatch.setattr(Sampler, "_penalise", recording)
+    return used
+
+
+def test_states_the_sampler_updates_equal_a_recompute_from_the_whole_history(used_scores):
+    """30 steps with sequences that leave the batch and come back (preempted), a fork that goes on from its parent's
+    history, and steps where no row has a penalty: the scores used are, bit for bit, the recompute's."""
+    gen = torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3),
+              SamplingParams(temperature=0.9, presence_penalty=0.6, frequency_penalty=0.4),
+              SamplingParams(temperature=0, repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=0.2),
+              SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=0.7, repetition_penalty=1.2, frequency_penalty=1.0)]
+    seqs = [dict(params=p, prompt=torch.randint(0, V, (n,), generator=gen).tolist(), output=[])
+            for p, n in zip(params, (9, 3, 14, 5, 1))]
+    for seq in seqs:
+        seq["row"] = row_for(seq["params"], seq["prompt"])
+    sampler = Sampler(seed=5)
+    for step in range(30):
+        if step == 12:  # fork: the child starts from a copy of the parent's state and history
+            parent = seqs[4]
+            seqs.append(dict(parent, output=list(parent["output"]),
+                             row=SamplingRow(parent["params"], parent["row"].penalty.clone())))
+        absent = {1, 2} if 6 <= step < 10 else {0, 1, 2, 4, 5} if 15 <= step < 17 else set()
+        active = [seq for i, seq in enumerate(seqs) if i not in absent]
+        logits = torch.randn(len(active), V, generator=gen) * 2
+        out = sampler(logits, [seq["row"] for seq in active])
+        expected = reference_penalties(logits, [s["params"] for s in active], [s["prompt"] for s in active],
+                                       [s["output"] for s in active])
+        assert torch.equal(used_scores[-1], expected), f"step {step}"
+        for seq, token in zip(active, out.token_ids):
+            seq["output"].append(token)
+    # the penalties had history to read: every penalised sequence repeated some token
+    assert all(len(set(s["prompt"] + s["output"])) < len(s["prompt"] + s["output"]) for s in seqs)
+
+
+def test_a_state_left_out_of_a_step_stops_holding_the_batch_tensors(logits):
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5)
+    rows = [row_for(params, [1, 2]), row_for(params, [3]), row_for(params, [4])]
+    sampler = Sampler()
+    first = sampler(logits[:3], rows).token_ids
+    # after a step each state is a view of that step's [3, V] batch tensors: no copy back
+    assert rows[2].penalty.counts.untyped_storage().nbytes() == 3 * V * 4
+    sampler(logits[:1], rows[:1])  # rows 1 and 2 are preempted: they copy their rows out
+    for row in rows[1:]:
+        assert row.penalty.seen.untyped_storage().nbytes() == V
+        assert row.penalty.counts.untyped_storage().nbytes() == V * 4
+    assert rows[2].penalty.counts.nonzero().flatten().tolist() == [first[2]]
+    assert sorted(rows[2].penalty.seen.nonzero().flatten().tolist()) == sorted({4, first[2]})
+
+
+# ---- through the engine: a real generation with preemption and a fork ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tsterm.demo import SPECS, make_random_moe
+
+    return make_random_moe(tmp_path_factory.mktemp("demo") / "tiny", SPECS["tiny"])
+
+
+def test_engine_penalties_equal_a_recompute_from_the_whole_history_at_every_step(tiny_dir, monkeypatch):
+    """Every sampler call of a generation whose pool is too small for all requests (so some are preempted and
+    recomputed), one of them forked (n=2): the scores used equal the recompute from each sequence's ids so far."""
+    from tsterm import LLM
+
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)
+    engine = llm.engine
+    calls = []  # per sampler call: logits, params, whose rows ((request id, sample index) or None), scores used
+    penalise = Sampler._penalise
+
+    def recording(self, logits, rows, stages):
+        result = penalise(self, logits, rows, stages)
+        owner = {id(s.penalty): (s.seq.request_id, s.index) for s in engine._samples.values() if s.penalty}
+        calls.append((logits.clone(), [row.params for row in rows],
+                      [owner.get(id(row.penalty)) for row in rows], result[0].clone()))
+        return result
+
+    monkeypatch.setattr(Sampler, "_penalise", recording)
+    common = dict(max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.2, **common),
+              SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3, seed=3, **common),
+              SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7, seed=8, n=2, **common),
+              SamplingParams(temperature=0.7, top_p=0.9, **common),
+              SamplingParams(temperature=0, repetition_penalty=0.9, presence_penalty=-0.4, **common)]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (8,), generator=gen).tolist() for _ in params]
+    outs = llm.generate(prompts, params)
+    assert llm.stats()["preemptions"] > 0, "nothing was preempted: the pool was not too small"
+
+    outputs = {(out.request_id, c.index): c.token_ids for out in outs for c in out.outputs}
+    prompt_of = {out.request_id: out.prompt_token_ids for out in outs}
+    params_of = {out.request_id: p for out, p in zip(outs, params)}
+    sampled = dict.fromkeys(outputs, 0)
+    for logits, row_params, owners, used in calls:
+        histories = []
+        for owner in owners:
+            if owner is None:  # no penalty: the reference reads no ids for the row
+                histories.append(([], []))
+                continue
+            histories.append((prompt_of[owner[0]], outputs[owner][:sampled[owner]]))
+            sampled[owner] += 1
+        expected = reference_penalties(logits, row_params, [h[0] for h in histories], [h[1] for h in histories])
+        assert torch.equal(used, expected)
+    for key, ids in outputs.items():  # every sampled token of a penalised sequence was checked
+        assert sampled[key] == len(ids) == 12 or not has_penalty(params_of[key[0]]), key
+    assert outputs[("req-2", 0)] != outputs[("req-2", 1)]
+
+
+def test_a_penalised_decode_step_uploads_and_allocates_the_same_at_16_and_3000_tokens(tiny_dir, monkeypatch):
+    """Work counted, not timed: ids uploaded to the device (`_to_device`) and host bytes allocated (tracemalloc) by
+    each decode step's postprocess (sampling rows, sampler, output), with every penalty on."""
+    import statistics
+    import tracemalloc
+
+    from tsterm import LLM
+
+    llm = LLM(str(tiny_dir), dtype="float32", device="cpu", block_size=16, num_kv_blocks=256)
+    engine, uploaded, allocated = llm.engine, [], []
+    to_device, postprocess = sampler_module._to_device, engine._postprocess
+
+    def counting(host, device):
+        uploaded[-1] += host.numel()
+        return to_device(host, device)
+
+    def measured(batch, logits):
+        uploaded.append(0)
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        outputs = postprocess(batch, logits)
+        allocated.append(tracemalloc.get_traced_memory()[1] - before)
+        return outputs
+
+    monkeypatch.setattr(sampler_module, "_to_device", counting)
+    monkeypatch.setattr(engine, "_postprocess", measured)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.2, presence_penalty=0.3,
+                            frequency_penalty=0.2, max_tokens=12, ignore_eos=True)
+
+    def decode_steps(prompt_len: int) -> tuple[list[int], list[int]]:
+        uploaded.clear(), allocated.clear()
+        tracemalloc.start()
+        try:
+            out = llm.generate([10 + i % 1000 for i in range(prompt_len)], params)[0]
+        finally:
+            tracemalloc.stop()
+        assert len(out.token_ids) == 12 and uploaded[-12] >= prompt_len  # the first sampling read the prompt, once
+        return uploaded[-10:], allocated[-10:]
+
+    short_uploads, short_bytes = decode_steps(16)
+    long_uploads, long_bytes = decode_steps(3000)
+    print(f"\nids uploaded per penalised decode step: {short_uploads} at 16 tokens, {long_uploads} at 3000; "
+          f"host bytes: {statistics.median(short_bytes)} / {statistics.median(long_bytes)}")
+    assert long_uploads == short_uploads
+    assert statistics.median(long_bytes) <= statistics.median(short_bytes) + 2048
+
+
+def test_a_finished_or_aborted_requests_penalty_state_is_dropped_with_it(tiny_dir):
+    import gc
+    import weakref
+
+    from tsterm import LLM
+
+    engine = LLM(str(tiny_dir), dtype="float32", device="cpu", block_size=16, num_kv_blocks=64).engine
+    penalties = dict(temperature=0, repetition_penalty=1.2, frequency_penalty=0.5, ignore_eos=True)
+    finishing = engine.add_request(list(range(10, 30)), SamplingParams(max_tokens=3, **penalties))
+    aborted = engine.add_request(list(range(40, 60)), SamplingParams(max_tokens=50, **penalties))
+    engine.step()
+    engine.step()
+    states = {s.seq.request_id: weakref.ref(s.penalty) for s in engine._samples.values()}
+    assert set(states) == {finishing, aborted} and all(ref() is not None for ref in states.values())
+    engine.abort(aborted)
+    while engine.has_unfinished():
+        engine.step()
+    gc.collect()
+    assert [ref() for ref in states.values()] == [None, None]
