@@ -44,6 +44,20 @@ def released(engine) -> tuple[dict, bool, int]:
     return dict(engine.requests), engine.has_unfinished(), engine.stats()["used"]
 
 
+def hold_steps(engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Make every engine step wait for `release`; `in_step` is set once the engine thread is inside one."""
+    in_step, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def held_step():
+        in_step.set()
+        assert release.wait(SAFETY)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    return in_step, release
+
+
 async def test_cancelled_while_the_engine_thread_adds_it_leaves_nothing_behind(engine, monkeypatch):
     entered, release = threading.Event(), threading.Event()
     add_request = engine.add_request
@@ -71,15 +85,7 @@ async def test_cancelled_while_the_engine_thread_adds_it_leaves_nothing_behind(e
 
 
 async def test_cancelled_before_the_engine_thread_took_the_add_never_adds_it(engine, monkeypatch):
-    in_step, release = threading.Event(), threading.Event()
-    step = engine.step
-
-    def blocking_step():
-        in_step.set()
-        assert release.wait(SAFETY)
-        return step()
-
-    monkeypatch.setattr(engine, "step", blocking_step)
+    in_step, release = hold_steps(engine, monkeypatch)
     async_engine = AsyncEngine(engine)
     try:
         running = asyncio.create_task(collect(async_engine.generate(PROMPT_A, greedy(3))))
@@ -254,15 +260,7 @@ async def test_the_engine_thread_dying_fails_pending_streams(engine, monkeypatch
 
 
 async def test_a_call_the_engine_thread_cannot_answer_times_out(engine, monkeypatch):
-    in_step, release = threading.Event(), threading.Event()
-    step = engine.step
-
-    def stuck_step():
-        in_step.set()
-        assert release.wait(SAFETY)
-        return step()
-
-    monkeypatch.setattr(engine, "step", stuck_step)
+    in_step, release = hold_steps(engine, monkeypatch)
     async_engine = AsyncEngine(engine)
     try:
         task = asyncio.create_task(collect(async_engine.generate(PROMPT_A, greedy(2))))
