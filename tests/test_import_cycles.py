@@ -17,14 +17,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"tsterm": ROOT / "tsterm", "tsterm_kernels": ROOT / "kernels"}
 
-# Cycles known and left to their owners, each with why it is there. A cycle that disappears must leave this list.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"tsterm.model.arch", *(f"tsterm.model.arch.{name}" for name in
-                                      ("llama", "mixtral", "olmoe", "qwen2_moe", "qwen3", "qwen3_moe"))}):
-        "model code: ArchSpec and register() live in the package __init__, which imports the per-architecture "
-        "specs at its end, and each spec imports them back from the package",
-}
-
 
 def find_modules() -> dict[str, Path]:
     modules = {}
@@ -112,8 +104,5 @@ def test_no_import_cycles_among_tsterm_modules():
     modules = find_modules()
     assert "tsterm.cli" in modules and "tsterm_kernels.dispatch" in modules
     graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
-    cycles = {frozenset(c) for c in import_cycles(graph)}
-    new = [sorted(c) for c in cycles - KNOWN_CYCLES.keys()]
-    assert not new, f"import cycles among tsterm modules: {new}"
-    gone = [sorted(c) for c in KNOWN_CYCLES.keys() - cycles]
-    assert not gone, f"these known cycles are gone: remove them from KNOWN_CYCLES: {gone}"
+    cycles = [sorted(c) for c in import_cycles(graph)]
+    assert not cycles, f"import cycles among tsterm modules: {cycles}"

@@ -1,4 +1,4 @@
 """Qwen3 (dense): per-head RMSNorm on q and k."""
-from tsterm.model.arch import ArchSpec, register
+from tsterm.model.arch.spec import ArchSpec
 
-SPEC = register(ArchSpec("qwen3", qk_norm="head"))
+SPEC = ArchSpec("qwen3", qk_norm="head")
