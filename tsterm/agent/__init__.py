@@ -1,0 +1,1 @@
+"""Agent sessions: tool-call parsers, tools and their sandbox, the agent loop."""
