@@ -1,0 +1,180 @@
+"""The sandbox: paths that leave the workspace are refused; commands that hang, flood, crash or snoop are contained."""
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import pytest
+
+from tsterm.agent.sandbox import SandboxError, Workspace
+
+
+@pytest.fixture
+def outside(tmp_path):
+    path = tmp_path / "outside"
+    path.mkdir()
+    (path / "secret.txt").write_text("top secret\n")
+    return path
+
+
+@pytest.fixture
+def ws(tmp_path):
+    root = tmp_path / "ws"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.txt").write_text("hello\n")
+    return Workspace(root)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ---- paths
+
+def test_paths_inside_resolve_to_real_paths(ws):
+    assert ws.resolve("sub/a.txt") == ws.root / "sub" / "a.txt"
+    assert ws.resolve(".") == ws.root
+    assert ws.resolve("sub/../sub/a.txt", strict=True) == ws.root / "sub" / "a.txt"
+    assert ws.resolve("new/file.txt") == ws.root / "new" / "file.txt"  # not strict: may not exist yet
+    os.symlink("sub/a.txt", ws.root / "inner_link")
+    assert ws.resolve("inner_link") == ws.root / "sub" / "a.txt"  # a symlink that stays inside is fine
+
+
+@pytest.mark.parametrize("path", ["..", "../outside/secret.txt", "sub/../../outside", "sub/../../ws/../outside"])
+def test_dotdot_escapes_are_refused(ws, outside, path):
+    with pytest.raises(SandboxError, match="leaves the workspace") as err:
+        ws.resolve(path)
+    assert repr(path) in str(err.value)
+
+
+def test_absolute_and_home_paths_are_refused(ws, outside):
+    for path in [str(outside / "secret.txt"), str(ws.root / "sub" / "a.txt"), "/etc/passwd", "~/x"]:
+        with pytest.raises(SandboxError, match="absolute"):
+            ws.resolve(path)
+
+
+def test_nul_bytes_are_refused(ws):
+    with pytest.raises(SandboxError, match="NUL"):
+        ws.resolve("sub/a.txt\x00.png")
+
+
+def test_symlink_to_a_file_outside_is_refused(ws, outside):
+    os.symlink(outside / "secret.txt", ws.root / "leak.txt")
+    with pytest.raises(SandboxError, match="'leak.txt' leaves the workspace"):
+        ws.resolve("leak.txt")
+
+
+def test_symlink_to_a_directory_outside_is_refused_and_so_is_everything_through_it(ws, outside):
+    os.symlink(outside, ws.root / "sub" / "door")
+    for path in ["sub/door", "sub/door/secret.txt", "sub/door/new.txt"]:
+        with pytest.raises(SandboxError, match="leaves the workspace"):
+            ws.resolve(path)
+
+
+def test_dotdot_after_a_symlinked_dir_follows_the_link_and_is_refused(ws, outside, tmp_path):
+    # 'deep' points to outside/deeper, so 'deep/../secret.txt' is outside/secret.txt for the kernel, even though
+    # the text alone ('deep/..') would stay in the root.
+    (outside / "deeper").mkdir()
+    os.symlink(outside / "deeper", ws.root / "deep")
+    with pytest.raises(SandboxError, match="leaves the workspace"):
+        ws.resolve("deep/../secret.txt")
+
+
+def test_symlink_loops_are_refused(ws):
+    os.symlink("loop_b", ws.root / "loop_a")
+    os.symlink("loop_a", ws.root / "loop_b")
+    os.symlink("self", ws.root / "self")
+    for path in ["loop_a", "self", "self/x"]:
+        with pytest.raises(SandboxError, match="cannot be resolved|leaves|loop"):
+            ws.resolve(path)
+
+
+def test_a_workspace_root_must_be_a_directory(tmp_path):
+    with pytest.raises(SandboxError, match="not a directory"):
+        Workspace(tmp_path / "missing")
+
+
+# ---- commands
+
+def test_a_command_runs_without_a_shell_in_its_working_directory(ws):
+    result = ws.run(["echo", "$HOME", ";", "ls"], timeout_s=5)
+    assert (result.exit_code, result.output, result.error) == (0, "$HOME ; ls\n", None)
+    assert ws.run(["pwd"], timeout_s=5, cwd="sub").output == f"{ws.root / 'sub'}\n"
+    with pytest.raises(SandboxError, match="leaves the workspace"):
+        ws.run(["pwd"], timeout_s=5, cwd="..")
+    with pytest.raises(SandboxError, match="cannot run 'no-such-program'"):
+        ws.run(["no-such-program"], timeout_s=5)
+
+
+def test_the_child_sees_a_clean_environment(ws, monkeypatch):
+    monkeypatch.setenv("TSTERM_TEST_SECRET", "hunter2")
+    monkeypatch.setenv("LD_PRELOAD", "/nonexistent.so")
+    result = ws.run(["env"], timeout_s=5)
+    env = dict(line.split("=", 1) for line in result.output.splitlines())
+    assert "hunter2" not in result.output
+    assert env == {"PATH": "/usr/bin:/bin", "HOME": str(ws.root), "LANG": "C.UTF-8"}
+
+
+def test_stdin_is_closed(ws):
+    # Give this process a stdin that never ends (as a terminal would be): an inheriting `cat` would hang on it.
+    read_end, write_end = os.pipe()
+    saved_stdin = os.dup(0)
+    os.dup2(read_end, 0)
+    try:
+        result = ws.run(["cat"], timeout_s=1.0)
+    finally:
+        os.dup2(saved_stdin, 0)
+        for fd in (saved_stdin, read_end, write_end):
+            os.close(fd)
+    assert (result.exit_code, result.output, result.timed_out) == (0, "", False)
+
+
+def test_a_hanging_command_is_killed_with_its_whole_process_group(ws):
+    pidfile = ws.root / "pids"
+    start = time.monotonic()
+    result = ws.run(["sh", "-c", f"sleep 100 & echo $! > {pidfile}; sleep 100"], timeout_s=1.0)
+    assert time.monotonic() - start < 3
+    assert result.timed_out and "timed out" in result.error
+    grandchild = int(pidfile.read_text())
+    for _ in range(100):  # SIGKILL is delivered at once; reaping by init may take a moment
+        if not _pid_alive(grandchild):
+            break
+        time.sleep(0.01)
+    assert not _pid_alive(grandchild), "the backgrounded grandchild outlived the timeout"
+
+
+def test_a_background_child_holding_the_pipe_does_not_keep_the_run_alive_after_the_timeout(ws):
+    # The shell exits at once but its child keeps stdout open: the run ends at the timeout, not in 100 s.
+    result = ws.run(["sh", "-c", "sleep 100 &"], timeout_s=1.0)
+    assert result.timed_out and result.duration_s < 3
+
+
+def test_a_flood_is_capped_and_killed_without_filling_memory(ws):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = ws.run(["yes"], timeout_s=10, max_output_bytes=100_000)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert result.truncated and not result.timed_out and "exceeded 100000 bytes" in result.error
+    assert len(result.output) == 100_000 and result.output.startswith("y\ny\n")
+    assert result.duration_s < 5 and grown_kib < 50_000  # `yes` writes GB/s: unread, it would be gigabytes
+
+
+def test_output_under_the_cap_is_whole(ws):
+    result = ws.run(["sh", "-c", "echo out; echo err >&2"], timeout_s=5, max_output_bytes=100)
+    assert (result.output, result.truncated) == ("out\nerr\n", False)
+
+
+def test_crashes_and_failures_are_results_not_exceptions(ws):
+    failed = ws.run(["sh", "-c", "echo oops; exit 3"], timeout_s=5)
+    assert (failed.exit_code, failed.output, failed.error) == (3, "oops\n", "exited with status 3")
+    crashed = ws.run(["sh", "-c", "kill -SEGV $$"], timeout_s=5)
+    assert crashed.exit_code == -11 and crashed.error == "killed by SIGSEGV"
