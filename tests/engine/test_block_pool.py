@@ -1,8 +1,11 @@
 """Stateful property test of BlockPool + KVCacheManager under random interleavings of admission (with shared
-prefixes), prefill chunks, decode appends, commit, fork, preemption, free and eviction pressure.
+prefixes), prefill chunks, decode appends, commit, fork, preemption, free and eviction pressure, and pins (pin,
+re-pin under the same key, unpin, expiry) under a cap.
 
 A shadow KV store records, per slot, the full token context whose KV was written there; copy-on-write pairs
-copy it. If blocks were ever shared, evicted or reused wrongly, some sequence would read a wrong context.
+copy it. If blocks were ever shared, evicted or reused wrongly, some sequence would read a wrong context. A shadow of the
+pins says which blocks each key holds: a pinned block must keep its content (never evicted) and be released exactly
+once, by the unpin or expiry of the last pin holding it.
 """
 from __future__ import annotations
 
@@ -18,16 +21,20 @@ from tsterm.engine.kv_manager import KVCacheManager
 from tsterm.engine.sequence import Sequence
 
 MAX_LIVE = 6
+PIN_KEYS = ("a", "b", "c")
 MAX_LEN = 24
 tokens = st.lists(st.integers(0, 2), max_size=6)  # a tiny vocabulary: prefixes are shared often
 
 
 class KVCacheMachine(RuleBasedStateMachine):
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(2, 14),
-                caching=st.sampled_from((True, True, True, False)))
-    def setup(self, block_size, num_blocks, caching):
+                caching=st.sampled_from((True, True, True, False)), pin_share=st.sampled_from((0.0, 0.3, 0.6, 1.0)))
+    def setup(self, block_size, num_blocks, caching, pin_share):
         self.B = block_size
-        self.pool = BlockPool(num_blocks, block_size, fingerprint="m", enable_prefix_caching=caching)
+        self.pool = BlockPool(num_blocks, block_size, fingerprint="m", enable_prefix_caching=caching,
+                              max_pinned_blocks=int(pin_share * num_blocks))
+        self.now = 0.0
+        self.pins: dict[str, tuple[tuple[int, ...], tuple[int, ...], float]] = {}  # key -> (ids, their hashes, expiry)
         self.kv = KVCacheManager(self.pool)
         self.live: list[Sequence] = []
         self.history: list[list[int]] = []  # token ids of freed sequences, to build shared prefixes from
@@ -146,6 +153,69 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.pool.blocks[block_id].block_hash is None
             self.pool.release(block_id)
 
+    @rule(key=st.sampled_from(PIN_KEYS), data=st.data(), ttl=st.floats(0.5, 5.0))
+    def pin(self, key, data, ttl):
+        """A session's prefix is pinned (a live or finished sequence's tokens); an old pin under `key` is replaced."""
+        sources = self.history + [s.token_ids for s in self.live]
+        if not sources:
+            return
+        base = data.draw(st.sampled_from(sources))
+        tokens = list(base if data.draw(st.booleans()) else base[:data.draw(st.integers(0, len(base)))])
+        cached = self.kv.cached_prefix_blocks(tokens)
+        B = self.B
+        for i, block_id in enumerate(cached):  # the run is what a longer prompt's match_prefix would take
+            assert self.pool.blocks[block_id].token_ids == tuple(tokens[i * B:(i + 1) * B])
+        old = self.pins.pop(key, None)
+        before = [b.pin_cnt for b in self.pool.blocks]
+        if old is not None:
+            for block_id in old[0]:
+                before[block_id] -= 1
+        # what the cap allows: the leading blocks while each is pinned already or a new one fits
+        pinned = {b for ids, _, _ in self.pins.values() for b in ids}
+        expected = 0
+        for block_id in cached:
+            if block_id not in pinned:
+                if len(pinned) >= self.pool.max_pinned_blocks:
+                    break
+                pinned.add(block_id)
+            expected += 1
+        n = self.pool.pin(key, cached, self.now + ttl)
+        assert n == expected
+        if n:
+            ids = tuple(cached[:n])
+            self.pins[key] = (ids, tuple(self.pool.blocks[b].block_hash for b in ids), self.now + ttl)
+            for block_id in ids:
+                assert self.pool.blocks[block_id].pin_cnt == before[block_id] + 1
+        else:
+            assert key not in self.pool.pins()
+        self._released(old)
+
+    def _released(self, pin) -> None:
+        """Blocks of a pin just released: each held by no other pin and no table is evictable (cached) again."""
+        if pin is None:
+            return
+        held = {b for ids, _, _ in self.pins.values() for b in ids}
+        for block_id in pin[0]:
+            block = self.pool.blocks[block_id]
+            if block_id not in held and block.ref_cnt == 0:
+                assert block.pin_cnt == 0 and block_id in self.pool._cached, block
+
+    @rule(key=st.sampled_from(PIN_KEYS))
+    def unpin(self, key):
+        pin = self.pins.pop(key, None)
+        assert self.pool.unpin(key) == (pin is not None)
+        assert not self.pool.unpin(key)  # released exactly once
+        self._released(pin)
+
+    @rule(dt=st.floats(0.0, 3.0))
+    def clock_advances(self, dt):
+        self.now += dt
+        due = {key for key, (_, _, expires_at) in self.pins.items() if expires_at <= self.now}
+        assert self.pool.expire_pins(self.now) == len(due)
+        for key in due:
+            self._released(self.pins.pop(key))
+        assert set(self.pool.pins()) == set(self.pins)
+
     # ---- invariants
 
     @invariant()
@@ -165,6 +235,22 @@ class KVCacheMachine(RuleBasedStateMachine):
         holders = Counter(b for seq in self.live for b in seq.block_table)
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), block
+
+    @invariant()
+    def pinned_blocks_are_never_evicted(self):
+        if not hasattr(self, "pool"):
+            return
+        pool = self.pool
+        pin_holders = Counter(b for ids, _, _ in self.pins.values() for b in ids)
+        for key, (ids, hashes, expires_at) in self.pins.items():
+            assert pool.pins()[key].block_ids == ids and pool.pins()[key].expires_at == expires_at
+            for block_id, block_hash in zip(ids, hashes):
+                assert pool.blocks[block_id].block_hash == block_hash, "a pinned block was evicted"
+                assert block_id not in pool._cached and block_id not in pool._free
+        for block in pool.blocks:
+            assert block.pin_cnt == pin_holders.get(block.block_id, 0), block
+        assert pool.stats()["pinned_blocks"] == len(pin_holders) <= pool.max_pinned_blocks
+        assert pool.stats()["pins"] == len(self.pins)
 
     @invariant()
     def sequences_read_their_own_context(self):
@@ -196,6 +282,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         for seq in list(self.live):
             self.kv.free(seq)
+        for key in list(self.pins):
+            assert self.pool.unpin(key)
         self.pool.check_invariants()
         s = self.pool.stats()
         assert s["used"] == 0 and s["shared"] == 0 and s["free"] + s["cached"] == self.pool.num_blocks

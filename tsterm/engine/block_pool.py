@@ -1,4 +1,4 @@
-"""Bookkeeping of KV block ids: ref counts, a content-addressed prefix cache, LRU eviction. No tensors here."""
+"""Bookkeeping of KV block ids: ref counts, a content-addressed prefix cache, pins, LRU eviction. No tensors here."""
 from __future__ import annotations
 
 import hashlib
@@ -6,6 +6,7 @@ import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 _HASH_BYTES = 16  # 128-bit chain hashes: a collision is not a practical concern, and token ids are re-checked
 _HASH_MASK = (1 << (8 * _HASH_BYTES)) - 1
@@ -20,16 +21,20 @@ class Block:
     """One KV block id and what the pool knows about it.
 
     States (exactly one at any time):
-      free        ref_cnt == 0, block_hash is None, in the pool's free list
-      referenced  ref_cnt > 0 (hashed or not), in at least one block table
-      cached      ref_cnt == 0, block_hash set, in the pool's LRU of evictable blocks
+      free        ref_cnt == 0, pin_cnt == 0, block_hash is None, in the pool's free list
+      referenced  ref_cnt > 0 (hashed or not, pinned or not), in at least one block table
+      pinned      ref_cnt == 0, pin_cnt > 0, block_hash set, neither free nor in the LRU: not evictable
+      cached      ref_cnt == 0, pin_cnt == 0, block_hash set, in the pool's LRU of evictable blocks
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent_hash")
+    __slots__ = ("block_id", "ref_cnt", "pin_cnt", "block_hash", "token_ids", "parent_hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id  # fixed for life: the index into every layer's KV pool
         self.ref_cnt = 0  # number of block tables holding this block; only BlockPool changes ref_cnt
+        # Number of pins holding it (each pin holds a block at most once); only BlockPool changes pin_cnt. A pinned
+        # block is always hashed: only registered blocks are pinned, and only eviction unregisters.
+        self.pin_cnt = 0
         # Set only while the block is the registered one for its hash (pool._hash_to_block[block_hash] is
         # this block); None otherwise. token_ids / parent_hash are set and cleared together with it.
         self.block_hash: int | None = None
@@ -38,7 +43,17 @@ class Block:
 
     def __repr__(self) -> str:
         h = None if self.block_hash is None else f"{self.block_hash:032x}"[:8]
-        return f"Block(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, pin={self.pin_cnt}, hash={h})"
+
+
+@dataclass(slots=True)
+class Pin:
+    """A pool-level hold on cached blocks (a session's prefix while it waits on a tool or the user), until `unpin`
+    or `expires_at` (the caller's clock). Holds `block_ids` (each once) through their pin_cnt, not their ref_cnt:
+    a pin is no block table."""
+
+    block_ids: tuple[int, ...]
+    expires_at: float
 
 
 class BlockPool:
@@ -46,13 +61,16 @@ class BlockPool:
 
     `allocate` takes a free block (the one asked for when it is free, else the lowest id that leaves the block
     after a live sequence's last one free, so that every sequence's blocks form consecutive runs) or, when none is
-    free, evicts the least recently released cached block. A referenced block is never evicted.
+    free, evicts the least recently released cached block. A referenced or pinned block is never evicted.
     `fingerprint` names the model (and anything else that changes KV for equal token ids): it seeds the root
     of every hash chain, so two models never share blocks.
+    `max_pinned_blocks` caps the distinct blocks that pins hold (None: no cap beyond the pool).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True,
+                 max_pinned_blocks: int | None = None):
         assert num_blocks >= 1 and block_size >= 1, (num_blocks, block_size)
+        assert max_pinned_blocks is None or 0 <= max_pinned_blocks <= num_blocks, max_pinned_blocks
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.fingerprint = fingerprint
@@ -66,6 +84,11 @@ class BlockPool:
                                          "little")
         self._num_shared = 0  # blocks with ref_cnt > 1, kept up to date so stats() is O(1)
         self.num_evictions = 0
+        self.max_pinned_blocks = num_blocks if max_pinned_blocks is None else max_pinned_blocks
+        # pin key -> its pin. Block.pin_cnt == the number of pins listing the block; _num_pinned <= max_pinned_blocks
+        self._pins: dict[str, Pin] = {}
+        self._num_pinned = 0  # blocks with pin_cnt > 0, kept up to date so stats() and the cap are O(1)
+        self.num_pins_expired = 0
 
     # ---- hashing and lookup
 
@@ -146,19 +169,21 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_cnt == 0:
             assert block.block_hash is not None, f"acquire of free block {block_id}: use allocate()"
-            del self._cached[block_id]
+            if block.pin_cnt == 0:  # a pinned block is not in the LRU
+                del self._cached[block_id]
         elif block.ref_cnt == 1:
             self._num_shared += 1
         block.ref_cnt += 1
 
     def release(self, block_id: int) -> None:
-        """One block table fewer holds `block_id`; at 0 it becomes cached (most recent) if hashed, else free."""
+        """One block table fewer holds `block_id`; at 0 it stays pinned if a pin holds it, else becomes cached (most
+        recent) if hashed, else free."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0, f"release of unreferenced block {block_id}"
         block.ref_cnt -= 1
         if block.ref_cnt == 1:
             self._num_shared -= 1
-        elif block.ref_cnt == 0:
+        elif block.ref_cnt == 0 and block.pin_cnt == 0:
             if block.block_hash is not None:
                 self._cached[block_id] = None
             else:
@@ -181,15 +206,73 @@ class BlockPool:
         return block_hash
 
     def _unregister(self, block: Block) -> None:
+        assert block.pin_cnt == 0, f"unregister of pinned {block}"
         del self._hash_to_block[block.block_hash]
         block.block_hash = block.token_ids = block.parent_hash = None
+
+    # ---- pins
+
+    def pin(self, key: str, block_ids: Sequence[int], expires_at: float) -> int:
+        """Pin the hashed blocks `block_ids` (a prefix chain, first block first) under `key` until `expires_at`,
+        replacing the pin `key` held before (released first, so its blocks count against the cap no more).
+
+        Under the cap it pins the longest leading run that fits: a block some other pin already holds costs
+        nothing, any other costs one of `max_pinned_blocks`. A later block without the earlier ones would be
+        useless to a prefix match, so it stops at the first that does not fit. Returns the number of blocks
+        pinned; with 0 no pin is recorded under `key`."""
+        self.unpin(key)
+        taken: dict[int, None] = {}  # ordered, and O(1) to check that no block comes twice
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.block_hash is not None and block_id not in taken, f"pin of unhashed or repeated {block}"
+            if block.pin_cnt == 0:
+                if self._num_pinned >= self.max_pinned_blocks:
+                    break
+                self._num_pinned += 1
+                if block.ref_cnt == 0:
+                    del self._cached[block_id]  # out of the LRU: never evicted while pinned
+            block.pin_cnt += 1
+            taken[block_id] = None
+        if taken:
+            self._pins[key] = Pin(tuple(taken), expires_at)
+        return len(taken)
+
+    def unpin(self, key: str) -> bool:
+        """Release the pin held under `key` (False if there is none). A block no one holds any more becomes cached,
+        most recent: it was in use until now."""
+        pin = self._pins.pop(key, None)
+        if pin is None:
+            return False
+        for block_id in pin.block_ids:
+            block = self.blocks[block_id]
+            block.pin_cnt -= 1
+            if block.pin_cnt == 0:
+                self._num_pinned -= 1
+                if block.ref_cnt == 0:
+                    self._cached[block_id] = None
+        return True
+
+    def expire_pins(self, now: float) -> int:
+        """Release every pin whose `expires_at` is at or before `now`; returns how many. O(number of pins)."""
+        expired = [key for key, pin in self._pins.items() if pin.expires_at <= now]
+        for key in expired:
+            self.unpin(key)
+        self.num_pins_expired += len(expired)
+        return len(expired)
+
+    def pins(self) -> dict[str, Pin]:
+        """The live pins by key (a copy of the mapping; do not change the Pin objects)."""
+        return dict(self._pins)
 
     # ---- introspection
 
     def stats(self) -> dict[str, int]:
+        """used: blocks neither free nor evictable (referenced, or pinned); pinned_blocks: blocks some pin holds,
+        whether a block table holds them too or not."""
         free, cached = len(self._free), len(self._cached)
         return {"num_blocks": self.num_blocks, "free": free, "used": self.num_blocks - free - cached,
-                "cached": cached, "shared": self._num_shared, "evictions": self.num_evictions}
+                "cached": cached, "shared": self._num_shared, "evictions": self.num_evictions,
+                "pinned_blocks": self._num_pinned, "pins": len(self._pins), "pins_expired": self.num_pins_expired}
 
     def check_invariants(self) -> None:
         """O(num_blocks) consistency check for tests."""
@@ -205,7 +288,8 @@ class BlockPool:
                 assert len(block.token_ids) == self.block_size, block
             else:
                 assert block.parent_hash is None, block
-            if block.ref_cnt > 0:
+            assert block.pin_cnt >= 0 and (block.pin_cnt == 0 or hashed), block
+            if block.ref_cnt > 0 or block.pin_cnt > 0:
                 assert block.block_id not in free and block.block_id not in cached, block
             elif hashed:
                 assert block.block_id in cached and block.block_id not in free, block
@@ -213,5 +297,12 @@ class BlockPool:
                 assert block.block_id in free and block.block_id not in cached, block
         assert len(self._hash_to_block) == sum(b.block_hash is not None for b in self.blocks)
         assert self._num_shared == sum(b.ref_cnt > 1 for b in self.blocks)
+        pin_holders: dict[int, int] = {}
+        for pin in self._pins.values():
+            assert pin.block_ids and len(set(pin.block_ids)) == len(pin.block_ids), pin
+            for block_id in pin.block_ids:
+                pin_holders[block_id] = pin_holders.get(block_id, 0) + 1
+        assert all(b.pin_cnt == pin_holders.get(b.block_id, 0) for b in self.blocks), "pin_cnt != pins holding it"
+        assert self._num_pinned == len(pin_holders) <= self.max_pinned_blocks
         if not self.enable_prefix_caching:
             assert not self._hash_to_block and not self._cached

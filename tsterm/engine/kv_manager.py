@@ -25,24 +25,36 @@ class KVCacheManager:
         computed. The block holding the last token is never taken: its logits must be computed. Returns the
         number of cached tokens."""
         assert not seq.block_table, f"match_prefix on {seq}: it already holds blocks"
-        B, pool, tokens = self.block_size, self.pool, seq.token_ids
         chain: list[int] = []
+        for block_id, block_hash in self._cached_run(seq.token_ids, (len(seq.token_ids) - 1) // self.block_size):
+            self.pool.acquire(block_id)
+            seq.block_table.append(block_id)
+            chain.append(block_hash)
+        self._chain[seq.seq_id] = chain
+        num_cached = len(chain) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        return num_cached
+
+    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+        """The cached or referenced blocks holding the longest run of full blocks that prefixes `token_ids`, first
+        block first (what `match_prefix` would take for a longer prompt). Acquires nothing."""
+        return [block_id for block_id, _ in self._cached_run(token_ids, len(token_ids) // self.block_size)]
+
+    def _cached_run(self, token_ids: list[int], max_blocks: int) -> list[tuple[int, int]]:
+        """(block id, chain hash) of the leading full blocks of `token_ids` found in the cache, at most max_blocks."""
+        B, pool = self.block_size, self.pool
+        run: list[tuple[int, int]] = []
         if pool.enable_prefix_caching:
             parent = None
-            for i in range((len(tokens) - 1) // B):
-                block_tokens = tokens[i * B:(i + 1) * B]
+            for i in range(max_blocks):
+                block_tokens = token_ids[i * B:(i + 1) * B]
                 block_hash = pool.hash_block(parent, block_tokens)
                 block_id = pool.lookup(block_hash, block_tokens, parent)
                 if block_id is None:
                     break
-                pool.acquire(block_id)
-                seq.block_table.append(block_id)
-                chain.append(block_hash)
+                run.append((block_id, block_hash))
                 parent = block_hash
-        self._chain[seq.seq_id] = chain
-        num_cached = len(chain) * B
-        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
-        return num_cached
+        return run
 
     def record_prefix_query(self, seq: Sequence) -> None:
         """Count one admission's prefix lookup (the scheduler calls it once per admitted request, not per retry)."""
