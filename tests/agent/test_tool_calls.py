@@ -202,7 +202,8 @@ def test_a_nested_open_tag_ends_the_first_call_as_an_error():
     stream = OPEN_TAG + '{"name": "read_file", ' + hermes("read_file", {"path": "a"}) + "ok"
     events = run([stream], TOOLS)
     first, second = calls_of(events)
-    assert not first.ok and "a new <tool_call> began" in first.error and first.raw == OPEN_TAG + '{"name": "read_file", '
+    assert not first.ok and "a new <tool_call> began" in first.error
+    assert first.raw == OPEN_TAG + '{"name": "read_file", '
     assert second.ok and second.arguments == {"path": "a"} and (first.id, second.id) == ("call_0", "call_1")
     assert text_of(events) == "ok" and rebuilt(events) == stream
 

@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -50,7 +50,7 @@ class ToolCall:
         return self.error is None
 
 
-Event = Union[TextDelta, ToolCall]
+Event = TextDelta | ToolCall
 
 
 @dataclass
