@@ -134,21 +134,22 @@ class Calculator(Tool):
     def evaluate(self, expression: str) -> int | float:
         if len(expression) > self.MAX_CHARS:
             raise ToolError(f"calculator: expression longer than {self.MAX_CHARS} characters")
+        shown = expression if len(expression) <= 80 else expression[:77] + "..."
         try:
             tree = ast.parse(expression.strip(), mode="eval")
             return self._eval(tree.body)
         except ToolError:
             raise
         except SyntaxError as err:
-            raise ToolError(f"calculator: {expression!r} is not an expression ({err.msg})") from None
+            raise ToolError(f"calculator: {shown!r} is not an expression ({err.msg})") from None
         except ZeroDivisionError:
-            raise ToolError(f"calculator: division by zero in {expression!r}") from None
+            raise ToolError(f"calculator: division by zero in {shown!r}") from None
         except OverflowError:
-            raise ToolError(f"calculator: the result of {expression!r} is too large") from None
+            raise ToolError(f"calculator: the result of {shown!r} is too large") from None
         except (ValueError, TypeError) as err:  # math domain errors, round(1, 2.5), min()
-            raise ToolError(f"calculator: {err} in {expression!r}") from None
+            raise ToolError(f"calculator: {err} in {shown!r}") from None
         except (RecursionError, MemoryError):
-            raise ToolError(f"calculator: {expression!r} is nested too deeply") from None
+            raise ToolError(f"calculator: {shown!r} is nested too deeply") from None
 
     def _eval(self, node: ast.AST) -> int | float:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
