@@ -118,3 +118,148 @@ def test_calculator_agrees_with_python_on_random_arithmetic(expression):
     else:
         assert result.error is None, result.error
         assert result.content == repr(expected)
+
+
+# ---- read_file, list_dir, grep, write_file
+
+def test_read_file_reads_utf8_text(ws):
+    result = ReadFile(ws).call({"path": "notes.txt"})
+    assert (result.content, result.error) == ("héllo wörld\n", None)
+
+
+@pytest.mark.parametrize("path, error", [
+    ("missing.txt", "does not exist"), ("src", "is not a file"), ("blob.bin", "binary file"),
+    ("door/secret.txt", "leaves the workspace"), ("../outside/secret.txt", "leaves the workspace"),
+])
+def test_read_file_refusals_are_error_results(ws, path, error):
+    result = ReadFile(ws).call({"path": path})
+    assert result.content == "" and error in result.error and repr(path) in result.error
+    assert "hunter2" not in result.error
+
+
+def test_read_file_absolute_path_is_refused(ws, outside):
+    result = ReadFile(ws).call({"path": str(outside / "secret.txt")})
+    assert "absolute" in result.error and result.content == ""
+
+
+def test_read_file_reads_a_large_file_in_windows_without_splitting_characters(ws):
+    text = "".join(f"line {n} — ünïcode\n" for n in range(20_000))  # ~480 KB, multi-byte characters throughout
+    (ws.root / "big.txt").write_text(text)
+    read, offset, pieces = ReadFile(ws), 0, []
+    while True:
+        content = read.call({"path": "big.txt", "offset": offset, "max_bytes": 4099}).content
+        body, _, footer = content.partition("\n[read_file: bytes ")
+        assert len(body.encode()) <= 4099
+        pieces.append(body)
+        if not footer:
+            break
+        offset = int(footer.split("offset=")[1].split()[0])
+    assert "".join(pieces) == text and len(pieces) > 100
+    middle = read.call({"path": "big.txt", "offset": 8, "max_bytes": 20}).content  # byte 8: inside the dash
+    assert middle.startswith(" ünïcode\nline 1") and "offset=" in middle
+    assert len(ReadFile(ws).call({"path": "big.txt", "max_bytes": 10**9}).content.encode()) < 70_000
+
+
+def test_list_dir_shows_sorted_entries_with_type_and_size(ws):
+    result = ListDir(ws).call({})
+    assert result.content.splitlines() == [
+        "file 12 blob.bin", f"link - door -> {ws.root.parent / 'outside'}", "file 14 notes.txt", "dir - src/"]
+    assert ListDir(ws).call({"path": "src/pkg"}).content == "file 39 util.py"
+    assert "leaves the workspace" in ListDir(ws).call({"path": "door"}).error
+    assert "is not a directory" in ListDir(ws).call({"path": "notes.txt"}).error
+
+
+def test_list_dir_is_capped(ws):
+    for n in range(ListDir.MAX_ENTRIES + 5):
+        (ws.root / "src" / "pkg" / f"f{n:04}").touch()
+    lines = ListDir(ws).call({"path": "src/pkg"}).content.splitlines()
+    assert len(lines) == ListDir.MAX_ENTRIES + 1 and lines[-1] == "[list_dir: 6 more entries not shown]"
+
+
+def test_grep_answers_path_line_text_and_never_reads_through_a_link_out(ws):
+    result = Grep(ws).call({"pattern": r"hel+o"})
+    assert result.content.splitlines() == ["src/main.py:2:print('hello')", "src/pkg/util.py:2:    return 'hello again'"]
+    assert Grep(ws).call({"pattern": "hunter2|password"}).content == "src/main.py:3:# password here"
+    assert Grep(ws).call({"pattern": "import", "path": "src/main.py"}).content == "src/main.py:1:import os"
+    assert "no match" in Grep(ws).call({"pattern": "nothing-like-this"}).content
+    assert "leaves the workspace" in Grep(ws).call({"pattern": "x", "path": "door"}).error
+    assert "bad pattern" in Grep(ws).call({"pattern": "(unclosed"}).error
+
+
+def test_grep_is_capped(ws):
+    (ws.root / "many.txt").write_text("match\n" * 1000)
+    (ws.root / "huge.txt").write_text("match " * (Grep.MAX_FILE_BYTES // 6 + 1))
+    lines = Grep(ws).call({"pattern": "match"}).content.splitlines()
+    assert len(lines) == Grep.MAX_MATCHES + 1 and lines[-1] == f"[grep: stopped after {Grep.MAX_MATCHES} matches]"
+    assert not any(line.startswith("huge.txt") for line in lines)
+    assert "longer than" in Grep(ws).call({"pattern": "a" * 501}).error
+
+
+def test_write_file_creates_parents_inside_and_refuses_escapes(ws, outside):
+    write = WriteFile(ws)
+    assert write.call({"path": "new/deep/file.txt", "content": "hi\n"}).content == "wrote 3 bytes to new/deep/file.txt"
+    assert (ws.root / "new" / "deep" / "file.txt").read_text() == "hi\n"
+    for path in ["../outside/evil.txt", "door/evil.txt", str(outside / "evil.txt"), "door/sub/evil.txt"]:
+        result = write.call({"path": path, "content": "x"})
+        assert result.error and ("leaves the workspace" in result.error or "absolute" in result.error)
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]  # nothing written, no directory made
+    assert "is a directory" in write.call({"path": "src", "content": "x"}).error
+
+
+# ---- commands
+
+def test_run_command_output_and_failures(ws):
+    run = RunCommand(ws, timeout_s=1.0, max_output_bytes=1000)
+    assert run.call({"argv": ["cat", "notes.txt"]}).content == "héllo wörld\n"
+    assert run.call({"argv": ["ls"], "cwd": "src"}).content == "main.py\npkg\n"
+    failed = run.call({"argv": ["sh", "-c", "echo partial; exit 4"]})
+    assert (failed.content, failed.error) == ("partial\n", "sh: exited with status 4")
+    assert "timed out" in run.call({"argv": ["sleep", "10"]}).error
+    flood = run.call({"argv": ["yes"]})
+    assert len(flood.content) == 1000 and "exceeded 1000 bytes" in flood.error
+    assert "cannot run 'nope'" in run.call({"argv": ["nope"]}).error
+    assert "leaves the workspace" in run.call({"argv": ["ls"], "cwd": "door"}).error
+    assert "list of strings" in run.call({"argv": ["ls", 3]}).error
+
+
+def _echo_tool(ws, **overrides):
+    declaration = {"name": "echo_args", "description": "print its arguments one per line",
+                   "parameters": {"type": "object", "required": ["message"],
+                                  "properties": {"message": {"type": "string"}, "count": {"type": "integer",
+                                                                                           "default": 3}}},
+                   "argv": ["printf", "%s\\n", "{message}", "-n={count}"], "timeout_s": 1}
+    declaration.update(overrides)
+    return CommandTool.from_dict(declaration, ws, where="profile x.yaml: tools[0]")
+
+
+def test_command_tool_fills_each_placeholder_into_one_argv_element(ws):
+    tool = _echo_tool(ws)
+    assert tool.needs_approval and tool.spec()["function"]["name"] == "echo_args"
+    hostile = "a b; rm -rf ~ && echo $HOME `id`"
+    assert tool.render_argv({"message": hostile}) == ["printf", "%s\\n", hostile, "-n=3"]
+    result = tool.call({"message": hostile, "count": 7})
+    assert (result.content, result.error) == (f"{hostile}\n-n=7\n", None)
+    assert "may not start with '-'" in tool.call({"message": "--output=/etc/passwd"}).error
+    assert "missing required argument(s) ['message']" in tool.call({}).error
+
+
+@pytest.mark.parametrize("overrides, error", [
+    ({"name": "bad name!"}, "'name' must be"), ({"argv": []}, "'argv' must be a non-empty list"),
+    ({"argv": "git log"}, "'argv' must be a non-empty list"), ({"argv": ["{message}"]}, "must be fixed"),
+    ({"argv": ["echo", "{nope}"]}, "argv uses {nope}"), ({"timeout_s": 0}, "'timeout_s'"),
+    ({"timeout_s": "5"}, "'timeout_s'"), ({"cwd": "../elsewhere"}, "'cwd'"), ({"shell": True}, "unknown key(s) ['shell']"),
+    ({"parameters": {"type": "array"}}, "'parameters' must be"),
+    ({"parameters": {"type": "object", "required": ["message"], "properties": {
+        "message": {"type": "string"}, "count": {"type": "integer"}}}}, "{count} in argv must be required or have"),
+    ({"max_output_bytes": -1}, "'max_output_bytes'"),
+])
+def test_command_tool_declarations_are_validated_with_clear_errors(ws, overrides, error):
+    with pytest.raises(ConfigError) as raised:
+        _echo_tool(ws, **overrides)
+    assert error in str(raised.value) and str(raised.value).startswith("profile x.yaml: tools[0]")
+
+
+def test_a_hanging_command_tool_is_an_error_result_and_the_next_call_works(ws):
+    hang = CommandTool.from_dict({"name": "hang", "argv": ["sleep", "30"], "timeout_s": 0.5}, ws)
+    assert "timed out" in hang.call({}).error
+    assert Calculator().call({"expression": "1 + 1"}).content == "2"
