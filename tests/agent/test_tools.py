@@ -53,6 +53,8 @@ def test_arguments_are_checked_against_the_schema(ws):
     assert "argument 'offset' must be integer" in read.call({"path": "notes.txt", "offset": True}).error
     assert "must be >= 0" in read.call({"path": "notes.txt", "offset": -1}).error
     assert "must be a JSON object" in read.call(["notes.txt"]).error
+    assert "surrogates not allowed" in read.call({"path": "\ud800.txt"}).error
+    assert "surrogates not allowed" in WriteFile(ws).call({"path": "x.txt", "content": "\ud800"}).error
 
 
 # ---- calculator
@@ -176,7 +178,8 @@ def test_list_dir_is_capped(ws):
     assert len(lines) == ListDir.MAX_ENTRIES + 1 and lines[-1] == "[list_dir: 6 more entries not shown]"
 
 
-def test_grep_answers_path_line_text_and_never_reads_through_a_link_out(ws):
+def test_grep_answers_path_line_text_and_never_reads_through_a_link_out(ws, outside):
+    os.symlink(outside / "secret.txt", ws.root / "src" / "leak.txt")  # a file link, besides the directory 'door'
     result = Grep(ws).call({"pattern": r"hel+o"})
     assert result.content.splitlines() == ["src/main.py:2:print('hello')", "src/pkg/util.py:2:    return 'hello again'"]
     assert Grep(ws).call({"pattern": "hunter2|password"}).content == "src/main.py:3:# password here"

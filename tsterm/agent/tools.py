@@ -62,6 +62,8 @@ class Tool(ABC):
             content, error = partial.content, partial.error
         except OSError as err:
             content, error = "", f"{self.name}: {err.strerror or err}"
+        except UnicodeError as err:  # a lone surrogate in a path or content (JSON can carry one)
+            content, error = "", f"{self.name}: {err}"
         return ToolResult(content, error, time.monotonic() - start)
 
     @abstractmethod
@@ -100,7 +102,7 @@ def _check_arguments(tool: str, schema: dict, arguments: Any) -> None:
         if kind == "array" and properties[key].get("items", {}).get("type") == "string" \
                 and not all(isinstance(item, str) for item in value):
             raise ToolError(f"{tool}: argument {key!r} must be a list of strings, got {value!r}")
-        if "minimum" in properties[key] and value < properties[key]["minimum"]:
+        if "minimum" in properties[key] and isinstance(value, (int, float)) and value < properties[key]["minimum"]:
             raise ToolError(f"{tool}: argument {key!r} must be >= {properties[key]['minimum']}, got {value!r}")
 
 
