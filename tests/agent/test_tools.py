@@ -250,7 +250,8 @@ def test_command_tool_fills_each_placeholder_into_one_argv_element(ws):
     ({"name": "bad name!"}, "'name' must be"), ({"argv": []}, "'argv' must be a non-empty list"),
     ({"argv": "git log"}, "'argv' must be a non-empty list"), ({"argv": ["{message}"]}, "must be fixed"),
     ({"argv": ["echo", "{nope}"]}, "argv uses {nope}"), ({"timeout_s": 0}, "'timeout_s'"),
-    ({"timeout_s": "5"}, "'timeout_s'"), ({"cwd": "../elsewhere"}, "'cwd'"), ({"shell": True}, "unknown key(s) ['shell']"),
+    ({"timeout_s": "5"}, "'timeout_s'"), ({"cwd": "../elsewhere"}, "'cwd'"),
+    ({"shell": True}, "unknown key(s) ['shell']"),
     ({"parameters": {"type": "array"}}, "'parameters' must be"),
     ({"parameters": {"type": "object", "required": ["message"], "properties": {
         "message": {"type": "string"}, "count": {"type": "integer"}}}}, "{count} in argv must be required or have"),
