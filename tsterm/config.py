@@ -95,6 +95,7 @@ class EngineConfig:
     seed: int = 0
     kernels: str = "auto"  # auto: Triton on CUDA, the torch twins on the CPU; or force "torch" / "triton"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA with the Triton kernels; ignored elsewhere)
+    max_pinned_fraction: float = 0.5  # share of the KV blocks that pins (Engine.pin) may hold; 0 disables pinning
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -112,6 +113,9 @@ class EngineConfig:
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.kernels in ("auto", "torch", "triton"), f"kernels must be auto, torch or triton, got {self.kernels!r}")
         _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        _check(isinstance(self.max_pinned_fraction, (int, float)) and not isinstance(self.max_pinned_fraction, bool)
+               and 0.0 <= self.max_pinned_fraction <= 1.0,
+               f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

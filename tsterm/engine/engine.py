@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +52,17 @@ class _Request:
     samples: list[_Sample] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PinResult:
+    """What `Engine.pin` did. pin_id is None when nothing was pinned (no cached block, or the cap was full)."""
+
+    pin_id: str | None
+    num_blocks: int  # blocks pinned: the leading `num_blocks` of the cached prefix
+    num_tokens: int  # tokens they hold: what the next request with this prefix gets from the cache at least
+    num_cached_blocks: int  # full blocks of token_ids found in the cache (pinned or not)
+    capped: bool  # max_pinned_fraction stopped it before the end of the cached prefix
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -64,9 +77,11 @@ def resolve_device(name: str) -> torch.device:
 
 class Engine:
     def __init__(self, config: EngineConfig, progress: ProgressFn | None = None,
-                 executor: ExecutorFactory = ModelRunner):
-        """executor: builds the executor that runs the model (the launcher's choice; default: one process)."""
+                 executor: ExecutorFactory = ModelRunner, clock: Callable[[], float] = time.monotonic):
+        """executor: builds the executor that runs the model (the launcher's choice; default: one process).
+        clock: seconds, for pin expiry (tests pass a fake one)."""
         self.config = config
+        self.clock = clock
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
@@ -82,14 +97,18 @@ class Engine:
         self.executor = executor(ExecutorSpec(config, cfg, model_dir, self.dtype, self.device, progress))
         self.max_model_len = self.executor.max_model_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
-        pool = BlockPool(self.executor.num_blocks, config.block_size, fingerprint=f"{model_dir.resolve()}:{self.dtype}",
-                         enable_prefix_caching=config.enable_prefix_caching)
+        num_blocks = self.executor.num_blocks
+        pool = BlockPool(num_blocks, config.block_size, fingerprint=f"{model_dir.resolve()}:{self.dtype}",
+                         enable_prefix_caching=config.enable_prefix_caching,
+                         max_pinned_blocks=int(config.max_pinned_fraction * num_blocks))
         self.kv = KVCacheManager(pool)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _Request] = {}
         self._samples: dict[int, _Sample] = {}  # seq_id -> its sample (live requests only)
         self._next_id = 0
+        self._next_pin_id = 0
+        self.num_pins_dropped = 0  # pins released early because nothing else could run (see `_schedule`)
         self._seq_ids = itertools.count()  # the engine's own: no sequence numbering is shared between engines
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -147,10 +166,36 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------------------------------------------------
+    # pins: a session waiting on its tools (or its user) keeps its prefix in the cache
+
+    def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> PinResult:
+        """Keep the cached full blocks of the longest cached prefix of `token_ids` (typically a finished request's
+        prompt + generated ids) out of eviction for `ttl_s` seconds, or until `unpin`. A pin under an existing
+        `key` (say, a session id) replaces that pin. Pinned blocks count against `max_pinned_fraction` of the pool;
+        a pin that would pass it pins the leading blocks that fit (`capped`). Running requests share pinned blocks
+        as usual. When no request could run otherwise, the engine drops pins early (`pins_dropped` in stats)."""
+        if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
+            raise RequestError(f"pin ttl_s must be a positive number of seconds, got {ttl_s!r}")
+        now = self.clock()
+        self.kv.pool.expire_pins(now)
+        if key is None:
+            key, self._next_pin_id = f"pin-{self._next_pin_id}", self._next_pin_id + 1
+        cached = self.kv.cached_prefix_blocks(list(token_ids))
+        num_pinned = self.kv.pool.pin(key, cached, now + ttl_s)
+        return PinResult(key if num_pinned else None, num_pinned, num_pinned * self.config.block_size, len(cached),
+                         capped=num_pinned < len(cached))
+
+    def unpin(self, pin_id: str) -> bool:
+        """Release a pin (its blocks become evictable unless something else holds them). False if it is unknown or
+        already expired."""
+        self.kv.pool.expire_pins(self.clock())
+        return self.kv.pool.unpin(pin_id)
+
+    # ---------------------------------------------------------------------------------------------------------
     # the step
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        batch = self._schedule()
         if batch is None:
             return []
         generated_before = self.num_generated_tokens
@@ -162,6 +207,19 @@ class Engine:
         if audited:
             self.audit.audited_tokens += self.num_generated_tokens - generated_before
         return outputs
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """The scheduler's batch, after expiring pins. If pins hold blocks that the waiting requests need and nothing
+        runs, nothing ever would (not before the pins expire): pins then yield to traffic, all of them."""
+        pool = self.kv.pool
+        pool.expire_pins(self.clock())
+        batch = self.scheduler.schedule()
+        if batch is None and self.scheduler.waiting and not self.scheduler.running and pool.pins():
+            for key in pool.pins():
+                pool.unpin(key)
+                self.num_pins_dropped += 1
+            batch = self.scheduler.schedule()
+        return batch
 
     def enable_copy_audit(self, every_n_steps: int = 1) -> CopyAudit:
         """Count copy bytes and host syncs of every Nth step from now on (see `tsterm.engine.copy_audit`)."""
@@ -270,7 +328,9 @@ class Engine:
     # stats
 
     def stats(self) -> dict[str, int | float]:
+        self.kv.pool.expire_pins(self.clock())  # an idle engine shows an expired pin as gone
         s = dict(self.kv.stats())
+        s["pins_dropped"] = self.num_pins_dropped
         s.update(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.num_preemptions, steps=self.num_steps,

@@ -122,6 +122,8 @@ class EngineMetrics:
                s["used"] / max(s["num_blocks"], 1))
         metric("kv_cache_blocks_shared", "gauge", "KV blocks referenced by more than one request.", s["shared"])
         metric("kv_cache_blocks_cached", "gauge", "Unreferenced KV blocks kept for prefix reuse.", s["cached"])
+        metric("kv_cache_blocks_pinned", "gauge", "KV blocks pinned for sessions waiting on tools or users (not evictable).",
+               s.get("pinned_blocks", 0))
         metric("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.", s["prefix_query_tokens"])
         metric("prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.", s["prefix_hit_tokens"])
         metric("num_preemptions", "counter", "Requests preempted for lack of KV blocks.", s["preemptions"])
