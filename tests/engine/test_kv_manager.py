@@ -274,3 +274,36 @@ def test_release_below_zero_asserts():
     pool.release(block_id)
     with pytest.raises(AssertionError):
         pool.release(block_id)
+
+
+def test_cached_prefix_blocks_is_what_a_longer_prompt_would_take():
+    pool, kv = make()
+    a, _ = admit(kv, range(14))  # blocks 0..2 full and committed, the 4th partial
+    kv.free(a)
+    assert kv.cached_prefix_blocks(list(range(14))) == [0, 1, 2]
+    assert kv.cached_prefix_blocks(list(range(12))) == [0, 1, 2]  # a full last block counts (it is cached)
+    assert kv.cached_prefix_blocks([0, 1, 2, 3, 9, 9, 9, 9, 8, 9, 10, 11]) == [0]  # a chain stops at a miss
+    assert kv.cached_prefix_blocks([]) == []
+    b, hit = admit(kv, list(range(12)) + [50])
+    assert hit == 12 and b.block_table[:3] == kv.cached_prefix_blocks(list(range(12)))
+    assert pool.stats()["cached"] == 0  # looking up acquired nothing: b holds the three, nothing else does
+
+
+def test_a_pinned_block_is_shared_with_a_table_and_outlives_it():
+    pool, kv = make(num_blocks=6, max_pinned_blocks=3)
+    a, _ = admit(kv, range(13))  # three full blocks
+    kv.free(a)
+    assert pool.pin("s", kv.cached_prefix_blocks(list(range(13))), expires_at=10.0) == 3
+    assert pool.stats()["cached"] == 0 and pool.stats()["used"] == 3 and pool.num_free == 3
+    b, hit = admit(kv, range(13))  # the session's next turn: the pinned blocks by reference
+    assert hit == 12 and all(pool.blocks[i].ref_cnt == 1 and pool.blocks[i].pin_cnt == 1 for i in b.block_table[:3])
+    kv.free(b)
+    assert pool.stats()["used"] == 3  # still pinned
+    with pytest.raises(NoFreeBlocksError):
+        admit(kv, range(100, 117))  # 5 blocks: the 3 pinned ones cannot be evicted for it
+    pool.check_invariants()
+    assert pool.expire_pins(now=9.9) == 0 and pool.expire_pins(now=10.0) == 1
+    assert pool.stats()["used"] == 0 and pool.stats()["pinned_blocks"] == 0
+    c, _ = admit(kv, range(100, 117))
+    assert pool.num_evictions > 0
+    pool.check_invariants()
