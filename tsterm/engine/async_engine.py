@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from tsterm.config import SamplingParams
-from tsterm.engine.engine import Engine
+from tsterm.engine.engine import Engine, PinResult
 from tsterm.errors import EngineStoppedError, EngineTimeoutError
 from tsterm.outputs import RequestOutput
 
@@ -308,6 +308,15 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         return self._call(self.engine.stats)
+
+    def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> PinResult:
+        """Engine.pin on the engine thread (blocking: call it from a worker thread in async code)."""
+        ids = list(token_ids)
+        return self._call(lambda: self.engine.pin(ids, ttl_s, key))
+
+    def unpin(self, pin_id: str) -> bool:
+        """Engine.unpin on the engine thread (blocking, like `pin`)."""
+        return self._call(lambda: self.engine.unpin(pin_id))
 
     def expert_load(self) -> list[list[int]]:
         return self._call(self.engine.expert_load)

@@ -1,0 +1,271 @@
+"""The agent loop on a scripted model (fixed token streams through a real tokenizer and chat template): calls and
+results, several calls per turn, malformed calls, tool timeouts and exceptions, max_steps, abort, approval, pins,
+exact ids from step to step, and a template miss that is reported with what it costs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.agent.scripted import ScriptedBackend
+from tsterm.agent.loop import (ABORTED, NO_APPROVER, REFUSED, Agent, AgentFinished, AgentOptions, StepFinished,
+                               StepStarted, TextChunk, ToolCallParsed, ToolFinished)
+from tsterm.agent.tool_calls import CLOSE_TAG, OPEN_TAG
+from tsterm.agent.tools import Calculator, Tool, ToolError
+from tsterm.config import SamplingParams
+from tsterm.errors import ConfigError
+from tsterm.tokenizer import Tokenizer
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "tsterm" / "models" / "moe_demo"  # its template offers tools
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(MODEL_DIR)
+
+
+def call(name: str, **arguments) -> str:
+    return f"{OPEN_TAG}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE_TAG}"
+
+
+class Recorder(Tool):
+    """Records its calls; optional delay, failure or approval need."""
+
+    description = "record a value"
+    parameters = {"type": "object", "properties": {"value": {"type": "string"}}, "required": ["value"]}
+
+    def __init__(self, name: str = "record", *, delay_s: float = 0.0, crash: bool = False, approval: bool = False):
+        self.name, self.delay_s, self.crash, self.needs_approval = name, delay_s, crash, approval
+        self.calls: list[str] = []
+
+    def run(self, arguments: dict) -> str:
+        if self.crash:
+            raise RuntimeError("the tool's own bug")
+        time.sleep(self.delay_s)
+        self.calls.append(arguments["value"])
+        if arguments["value"] == "bad":
+            raise ToolError("record: 'bad' is not allowed")
+        return f"recorded {arguments['value']}"
+
+
+async def run(agent: Agent, task: str) -> list:
+    return [event async for event in agent.run(task)]
+
+
+def of(events, kind) -> list:
+    return [e for e in events if isinstance(e, kind)]
+
+
+async def test_a_call_its_result_and_the_answer_with_exact_ids(tokenizer):
+    backend = ScriptedBackend(tokenizer, [f"Let me compute.\n{call('calculator', expression='2 + 3 * 4')}",
+                                          "It is 14."])
+    agent = Agent(backend, tokenizer, [Calculator()], SamplingParams(temperature=0))
+    events = await run(agent, "What is 2 + 3 * 4?")
+
+    done = events[-1]
+    assert done == AgentFinished("It is 14.", "answer", 2)
+    text = "".join(e.text for e in of(events, TextChunk) if e.step == 1)
+    assert text == "Let me compute.\n" and OPEN_TAG not in text  # the call's tags never show as text
+    [parsed] = of(events, ToolCallParsed)
+    assert (parsed.call.name, parsed.call.arguments, parsed.call.id) == ("calculator", {"expression": "2 + 3 * 4"},
+                                                                         "call_1_0")
+    [finished] = of(events, ToolFinished)
+    assert (finished.call.status, finished.call.result, finished.call.error) == ("done", "14", None)
+    tool_message = agent.session.messages[-2]
+    assert tool_message == {"role": "tool", "content": "14", "name": "calculator", "tool_call_id": "call_1_0"}
+
+    # step 2's prompt: step 1's prompt + every id it generated, then only the tool result and the next header
+    first, second = backend.prompts
+    step1 = first + backend.finished[0][len(first):]
+    assert second[:len(step1)] == step1
+    added = tokenizer.decode(second[len(step1):], skip_special_tokens=False)
+    assert added == "\n<|im_start|>user\n<tool_response>\n14\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    s1, s2 = agent.steps
+    assert s2.kept_tokens == len(step1) and not s2.miss and s2.lost_tokens == 0
+    assert s2.cached_tokens == len(step1) // 16 * 16  # the scripted cache: whole blocks of what step 1 left
+    assert [e.kept_tokens for e in of(events, StepStarted)] == [0, len(step1)]
+
+    out = agent.to_json("It is 14.")
+    assert out["answer"] == "It is 14." and len(out["steps"]) == 2
+    assert out["steps"][0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "2 + 3 * 4"},
+                                              "result": "14", "error": None}]
+    assert out["steps"][1]["prompt_tokens"] == len(second) and out["steps"][1]["cached_tokens"] == s2.cached_tokens
+    json.dumps(out)  # plain JSON
+
+
+async def test_several_calls_in_one_turn_run_in_order(tokenizer):
+    record = Recorder()
+    backend = ScriptedBackend(tokenizer, [call("record", value="a") + "\n" + call("record", value="b")
+                                          + call("calculator", expression="6 * 7"), "done"])
+    agent = Agent(backend, tokenizer, [record, Calculator()])
+    events = await run(agent, "record a and b, then 6 * 7")
+    assert record.calls == ["a", "b"]
+    assert [e.call.id for e in of(events, ToolCallParsed)] == ["call_1_0", "call_1_1", "call_1_2"]
+    tools = [m for m in agent.session.messages if m["role"] == "tool"]
+    assert [m["content"] for m in tools] == ["recorded a", "recorded b", "42"]
+    assert "<tool_response>\nrecorded a\n</tool_response>\n<tool_response>\nrecorded b" in \
+        tokenizer.decode(backend.prompts[1], skip_special_tokens=False)
+    assert events[-1].reason == "answer"
+
+
+async def test_malformed_calls_come_back_to_the_model_as_errors(tokenizer):
+    record = Recorder()
+    bad_json = f"{OPEN_TAG}\n{{\"name\": \"record\", \"arguments\": {{\"value\": }}\n{CLOSE_TAG}"
+    replies = [bad_json + call("nope", x=1) + call("record", value=3) + call("record", value="bad")
+               + call("record", value="ok"), "sorry"]
+    agent = Agent(ScriptedBackend(tokenizer, replies), tokenizer, [record])
+    events = await run(agent, "go")
+    calls = agent.steps[0].tool_calls
+    assert len(calls) == 5  # none dropped
+    assert [c.status for c in calls] == ["error", "error", "error", "error", "done"]
+    assert all(c.error for c in calls[:4]) and calls[4].error is None
+    assert "nope" in calls[1].error and "value" in calls[2].error and "'bad' is not allowed" in calls[3].error
+    assert record.calls == ["bad", "ok"]  # the schema failures never reached the tool
+    tools = [m["content"] for m in agent.session.messages if m["role"] == "tool"]
+    assert all(t.startswith("error: ") for t in tools[:4]) and tools[4] == "recorded ok"
+    assert events[-1] == AgentFinished("sorry", "answer", 2)
+
+
+async def test_a_hanging_or_crashing_tool_is_an_error_result_and_the_session_goes_on(tokenizer):
+    slow, broken = Recorder("slow", delay_s=3.0), Recorder("broken", crash=True)
+    backend = ScriptedBackend(tokenizer, [call("slow", value="x") + call("broken", value="y"), "went on"])
+    agent = Agent(backend, tokenizer, [slow, broken], options=AgentOptions(tool_timeout_s=0.2))
+    start = time.monotonic()
+    events = await run(agent, "go")
+    assert time.monotonic() - start < 2.5  # it did not wait for the slow tool
+    hung, crashed = agent.steps[0].tool_calls
+    assert "no result within 0.2 s" in hung.error and hung.status == "error"
+    assert "RuntimeError: the tool's own bug" in crashed.error
+    assert events[-1] == AgentFinished("went on", "answer", 2)
+
+
+async def test_max_steps_stops_a_model_that_keeps_calling(tokenizer):
+    backend = ScriptedBackend(tokenizer, [call("calculator", expression=f"{i} + 1") for i in range(10)])
+    agent = Agent(backend, tokenizer, [Calculator()], options=AgentOptions(max_steps=3))
+    events = await run(agent, "loop")
+    assert events[-1].reason == "max_steps" and events[-1].steps == 3
+    assert len(backend.prompts) == 3 and len(of(events, ToolFinished)) == 3
+    assert agent.session.messages[-1]["role"] == "tool"  # the last calls' results are kept for a next task
+
+
+async def test_abort_while_generating_ends_the_task_and_the_session_goes_on(tokenizer):
+    backend = ScriptedBackend(tokenizer, ["a long reply that will not finish " * 4, "next"], token_delay_s=0.01)
+    agent = Agent(backend, tokenizer, [Calculator()])
+    events = []
+    async for event in agent.run("talk"):
+        events.append(event)
+        if isinstance(event, TextChunk):
+            agent.abort()
+    assert events[-1].reason == "aborted" and not of(events, StepFinished)
+    assert backend.aborted == ["%s-1" % agent.session.id]
+    assert agent.steps == [] and agent.session.token_ids == []
+    assert (await run(agent, "again"))[-1] == AgentFinished("next", "answer", 1)
+
+
+async def test_abort_between_tools_gives_the_rest_an_aborted_result(tokenizer):
+    record = Recorder()
+    backend = ScriptedBackend(tokenizer, [call("record", value="1") + call("record", value="2")])
+    agent = Agent(backend, tokenizer, [record])
+    events = []
+    async for event in agent.run("go"):
+        events.append(event)
+        if isinstance(event, ToolFinished):
+            agent.abort()
+    assert record.calls == ["1"] and events[-1].reason == "aborted"
+    tools = [m["content"] for m in agent.session.messages if m["role"] == "tool"]
+    assert tools == ["recorded 1", f"error: {ABORTED}"]
+
+
+async def test_cancelling_the_consumer_still_answers_every_call(tokenizer):
+    record = Recorder(delay_s=0.3)
+    backend = ScriptedBackend(tokenizer, [call("record", value="1") + call("record", value="2")])
+    agent = Agent(backend, tokenizer, [record])
+
+    async def consume():
+        async for _ in agent.run("go"):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.15)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [m["role"] for m in agent.session.messages] == ["user", "assistant", "tool", "tool"]
+
+
+async def test_approval_refused_granted_missing_and_auto(tokenizer):
+    asked = []
+
+    async def deny(record, tool):
+        asked.append((record.name, record.arguments))
+        return False
+
+    async def allow(record, tool):
+        return True
+
+    for approve, options, ran, error in ((deny, AgentOptions(), [], REFUSED), (allow, AgentOptions(), ["x"], None),
+                                         (None, AgentOptions(), [], NO_APPROVER),
+                                         (deny, AgentOptions(auto_approve=True), ["x"], None)):
+        tool = Recorder(approval=True)
+        agent = Agent(ScriptedBackend(tokenizer, [call("record", value="x"), "ok"]), tokenizer, [tool],
+                      options=options, approve=approve)
+        await run(agent, "go")
+        [record] = agent.steps[0].tool_calls
+        assert tool.calls == ran and record.error == error
+        assert record.status == ("refused" if error else "done")
+    assert asked == [("record", {"value": "x"})]  # auto_approve never asked
+
+
+async def test_pins_while_waiting_and_close_releases(tokenizer):
+    backend = ScriptedBackend(tokenizer, [call("calculator", expression="1 + 1"), "2"])
+    agent = Agent(backend, tokenizer, [Calculator()], options=AgentOptions(pin_ttl_s=42.0))
+    seen = []
+    async for event in agent.run("1 + 1?"):
+        if isinstance(event, ToolFinished):  # the tools run while the prefix is pinned
+            seen.append(list(backend.pins[agent.pin_key].token_ids))
+    assert seen == [backend.finished[0]]
+    pin = backend.pins[agent.pin_key]  # waiting on the user: the whole session is pinned
+    assert pin.token_ids == agent.session.token_ids and pin.ttl_s == 42.0
+    await agent.close()
+    assert backend.unpinned == [agent.pin_key] and agent.pin_key not in backend.pins
+
+
+async def test_a_template_miss_is_reported_with_the_tokens_it_costs(tokenizer):
+    backend = ScriptedBackend(tokenizer, ["first", "second"])
+    agent = Agent(backend, tokenizer, [Calculator()])
+    await run(agent, "one")
+    kept = len(agent.session.token_ids)
+    agent.session.set_system_prompt("a new system prompt")  # rewrites the start of the rendering
+    events = await run(agent, "two")
+    [started] = of(events, StepStarted)
+    assert started.miss and started.diverged_at is not None and started.diverged_at < 20
+    assert started.lost_tokens == kept - started.kept_tokens > 0
+    assert agent.steps[-1].miss and agent.to_json()["steps"][-1]["lost_tokens"] == started.lost_tokens
+
+
+async def test_two_sessions_run_at_once_on_one_backend(tokenizer):
+    backend = ScriptedBackend(tokenizer, [call("calculator", expression="1 + 2"), call("calculator", expression="3 + 4"),
+                                          "A", "B"], token_delay_s=0.001)
+    one, two = Agent(backend, tokenizer, [Calculator()]), Agent(backend, tokenizer, [Calculator()])
+    first, second = await asyncio.gather(run(one, "x"), run(two, "y"))
+    assert {first[-1].answer, second[-1].answer} == {"A", "B"}
+    results = sorted(c.result for agent in (one, two) for c in agent.steps[0].tool_calls)
+    assert results == ["3", "7"]
+
+
+def test_bad_setup_is_a_clear_error(tokenizer):
+    with pytest.raises(ConfigError, match="two tools are named 'calculator'"):
+        Agent(ScriptedBackend(tokenizer, []), tokenizer, [Calculator(), Calculator()])
+    with pytest.raises(ConfigError, match="max_steps"):
+        AgentOptions(max_steps=0)
+    with pytest.raises(ConfigError, match="tool_timeout_s"):
+        AgentOptions(tool_timeout_s=-1)
+
+
+async def test_an_empty_task_is_refused(tokenizer):
+    agent = Agent(ScriptedBackend(tokenizer, []), tokenizer, [])
+    with pytest.raises(ValueError, match="empty"):
+        await run(agent, "  ")

@@ -1,0 +1,385 @@
+"""The agent loop: model -> tool calls -> tool results as tool messages -> model, until a final answer or max_steps.
+
+Each step's prompt is the previous step's exact ids (its prompt + every id it generated) followed by the tokens of
+the text the new tool messages add (tsterm.chat's plan): the engine finds the whole previous context in its prefix
+cache and computes only the tool results and the next assistant header. Where the chat template renders the history
+differently from the ids the model saw, the step says so (`StepStarted.miss`, the first divergent position and the
+tokens that are recomputed) instead of hiding it.
+
+The assistant message keeps the model's raw text, tool-call tags included: the template renders it back verbatim,
+so the ids stay a prefix of the rendering (a template re-formatting structured `tool_calls` would not).
+
+While the session waits on its tools, and after its answer while it waits on the user, the session's blocks are
+pinned in the engine (a TTL, under the engine's cap), so other sessions' traffic cannot evict its prefix; `close()`
+releases the pin.
+
+The loop is an async generator of events (`Agent.run`), shared by `tsterm agent`, the TUI and the server. No
+Textual here, no engine import: the backend is anything with AsyncEngine's `generate` / `abort` / `pin` / `unpin`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
+from tsterm.agent.tools import Tool, ToolResult
+from tsterm.chat.plan import TextCodec
+from tsterm.chat.session import Session, TurnStats, new_session_id
+from tsterm.config import SamplingParams
+from tsterm.errors import ConfigError
+
+REFUSED = "the user refused this call"
+NO_APPROVER = "this tool needs the user's approval and nobody can give it here (run with --auto, or set " \
+              "agent.auto_approve in the profile)"
+ABORTED = "the session was aborted before this call ran"
+
+
+class Backend(Protocol):
+    """What the loop needs from an engine (tsterm.engine.AsyncEngine has it)."""
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[Any]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> Any: ...
+
+    def unpin(self, pin_id: str) -> bool: ...
+
+
+class ChatTokenizer(TextCodec, Protocol):
+    def apply_chat_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, **kwargs: Any): ...
+
+
+Approver = Callable[["ToolCallRecord", Tool], Awaitable[bool]]
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """How a session runs (a profile's `agent:` section sets these; the CLI overrides some)."""
+
+    max_steps: int = 8  # model calls per task; the last one is told nothing, the loop just stops after it
+    auto_approve: bool = False  # run tools that need approval without asking
+    pin_ttl_s: float = 300.0  # how long a waiting session's blocks stay pinned without news from it
+    tool_timeout_s: float = 120.0  # the loop's own bound on one tool call (tools also bound themselves)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or not 1 <= self.max_steps <= 1000:
+            raise ConfigError(f"max_steps must be an integer in [1, 1000], got {self.max_steps!r}")
+        for name in ("pin_ttl_s", "tool_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+                raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {value!r}")
+
+
+@dataclass
+class ToolCallRecord:
+    """One call the model made, and what became of it."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+    raw: str  # the exact text of the call, tags included
+    error: str | None = None  # a malformed call, a refusal, or the tool's own error
+    result: str | None = None  # what the model read back (None until the call is done)
+    status: str = "parsed"  # parsed -> waiting (approval) -> running -> done | error | refused
+    duration_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "arguments": self.arguments, "result": self.result, "error": self.error}
+
+
+@dataclass
+class AgentStep:
+    """One model call: what it was given, what it reused, what it said and called."""
+
+    index: int  # 1-based
+    prompt_tokens: int
+    cached_tokens: int  # served from the prefix cache
+    kept_tokens: int  # leading prompt ids taken verbatim from the previous step
+    generated_tokens: int
+    text: str  # the visible text (tool-call tags left out)
+    raw: str  # everything the model generated
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    finish_reason: str | None = None
+    miss: bool = False
+    diverged_at: int | None = None
+    lost_tokens: int = 0  # previous ids the template's rendering did not keep (recomputed on a miss)
+    ttft_s: float | None = None
+    duration_s: float = 0.0
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "new_tokens": self.new_tokens, "kept_tokens": self.kept_tokens,
+                "generated_tokens": self.generated_tokens, "text": self.text,
+                "tool_calls": [c.to_json() for c in self.tool_calls], "finish_reason": self.finish_reason,
+                "miss": self.miss, "diverged_at": self.diverged_at, "lost_tokens": self.lost_tokens,
+                "ttft_s": self.ttft_s, "duration_s": self.duration_s,
+                "tool_latency_s": [c.duration_s for c in self.tool_calls]}
+
+
+# ---- events (what a UI shows as it happens)
+
+@dataclass(frozen=True)
+class StepStarted:
+    step: int
+    prompt_tokens: int
+    kept_tokens: int
+    miss: bool
+    diverged_at: int | None
+    lost_tokens: int
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    step: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallParsed:
+    step: int
+    call: ToolCallRecord
+
+
+@dataclass(frozen=True)
+class StepFinished:
+    step: AgentStep
+
+
+@dataclass(frozen=True)
+class ToolStarted:
+    call: ToolCallRecord
+
+
+@dataclass(frozen=True)
+class ToolFinished:
+    call: ToolCallRecord
+
+
+@dataclass(frozen=True)
+class AgentFinished:
+    answer: str
+    reason: str  # "answer" | "max_steps" | "length" (the last reply hit max_tokens) | "aborted"
+    steps: int  # steps this task took
+
+
+AgentEvent = StepStarted | TextChunk | ToolCallParsed | StepFinished | ToolStarted | ToolFinished | AgentFinished
+
+
+class Agent:
+    """One agent session: its chat history and exact ids (a tsterm.chat Session), its tools, its steps.
+
+    `run(task)` is an async generator of events; a session can run several tasks one after the other (the history
+    grows). `abort()` stops the current task at the next point it can (the model's request is aborted at once; a
+    tool already running finishes first). Several agents can run at once on one backend: the engine batches them.
+    """
+
+    def __init__(self, backend: Backend, tokenizer: ChatTokenizer, tools: Sequence[Tool],
+                 params: SamplingParams | None = None, *, options: AgentOptions | None = None,
+                 approve: Approver | None = None, session: Session | None = None,
+                 system_prompt: str | None = None, template_kwargs: dict[str, Any] | None = None):
+        self.backend, self.tokenizer = backend, tokenizer
+        self.tools: dict[str, Tool] = {}
+        for tool in tools:
+            if tool.name in self.tools:
+                raise ConfigError(f"two tools are named {tool.name!r}: tool names must be unique in a session")
+            self.tools[tool.name] = tool
+        self.specs = [tool.spec() for tool in tools]
+        self.params = params or SamplingParams()
+        self.options = options or AgentOptions()
+        self.approve = approve
+        self.session = session or Session(id=new_session_id(), title="new agent")
+        if system_prompt and self.session.system_prompt is None and not self.session.messages:
+            self.session.set_system_prompt(system_prompt)
+        self.template_kwargs = dict(template_kwargs or {})
+        self.steps: list[AgentStep] = []
+        self.pin_key = f"agent:{self.session.id}"
+        self._pinned = False
+        self._aborted = False
+        self._request_id: str | None = None
+        self._requests = 0
+
+    # ---- rendering
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.specs or None, add_generation_prompt=True,
+                                                  tokenize=False, **self.template_kwargs)
+
+    # ---- control
+    def abort(self) -> None:
+        """Stop the running task (from the loop's event loop): the model's request ends at once."""
+        self._aborted = True
+        if self._request_id is not None:
+            self.backend.abort(self._request_id)
+
+    async def close(self) -> None:
+        """Release the session's pin (the session is over or deleted)."""
+        if self._pinned:
+            self._pinned = False
+            await asyncio.to_thread(self.backend.unpin, self.pin_key)
+
+    # ---- the loop
+    async def run(self, task: str) -> AsyncIterator[AgentEvent]:
+        if not task.strip():
+            raise ValueError("the task is empty")
+        self._aborted = False
+        self.session.add_user(task)
+        first = len(self.steps)
+        answer, reason = "", "max_steps"
+        for _ in range(self.options.max_steps):
+            step: AgentStep | None = None
+            async for event in self._step():
+                if isinstance(event, StepFinished):
+                    step = event.step
+                yield event
+            if step is None:  # aborted while generating
+                reason = "aborted"
+                break
+            answer = step.text
+            if not step.tool_calls:
+                reason = "length" if step.finish_reason == "length" else "answer"
+                break
+            await self._pin()
+            async for event in self._run_tools(step):
+                yield event
+            if self._aborted:
+                reason = "aborted"
+                break
+        await self._pin()  # waiting on the user now
+        yield AgentFinished(answer.strip(), reason, len(self.steps) - first)
+
+    async def _step(self) -> AsyncIterator[AgentEvent]:
+        before = len(self.session.token_ids)
+        plan = self.session.plan(self.render, self.tokenizer)
+        index = len(self.steps) + 1
+        lost = before - plan.kept_tokens if plan.miss else 0
+        yield StepStarted(index, len(plan.token_ids), plan.kept_tokens, plan.miss, plan.diverged_at, lost)
+        parser = ToolCallParser(self.specs, id_prefix=f"call_{index}_")
+        calls: list[ToolCallRecord] = []
+        text: list[str] = []
+        self._requests += 1
+        self._request_id = f"{self.session.id}-{self._requests}"
+        start = time.monotonic()
+        final = None
+        try:
+            async for out in self.backend.generate(plan.token_ids, self.params, request_id=self._request_id):
+                events = parser.feed(out.outputs[0].delta_text)
+                if out.finished:
+                    final = out
+                    events += parser.finish()
+                for event in events:
+                    if isinstance(event, TextDelta):
+                        text.append(event.text)
+                        yield TextChunk(index, event.text)
+                    else:
+                        call = _record(event)
+                        calls.append(call)
+                        yield ToolCallParsed(index, call)
+        finally:
+            self._request_id = None
+        if final is None or final.finish_reason == "abort":
+            self._aborted = True
+            return
+        ids = list(final.outputs[0].token_ids)
+        stats = TurnStats(len(plan.token_ids), final.num_cached_tokens, plan.kept_tokens, len(ids), plan.miss,
+                          plan.diverged_at, ttft=final.metrics.ttft, finish_reason=final.finish_reason)
+        self.session.record_reply(plan, final.outputs[0].text, ids, stats)
+        step = AgentStep(index, len(plan.token_ids), final.num_cached_tokens, plan.kept_tokens, len(ids),
+                         "".join(text), final.outputs[0].text, calls, final.finish_reason, plan.miss,
+                         plan.diverged_at, lost, final.metrics.ttft, time.monotonic() - start)
+        self.steps.append(step)
+        yield StepFinished(step)
+
+    async def _run_tools(self, step: AgentStep) -> AsyncIterator[AgentEvent]:
+        try:
+            for call in step.tool_calls:
+                if self._aborted:
+                    break
+                yield ToolStarted(call)
+                await self._call(call)
+                yield ToolFinished(call)
+        finally:  # every call gets a tool message, even when the task is aborted or cancelled in between
+            for call in step.tool_calls:
+                if call.result is None:
+                    call.status, call.error, call.result = "error", call.error or ABORTED, ""
+                self.session.messages.append(_tool_message(call))
+            self.session.touch()
+
+    async def _call(self, call: ToolCallRecord) -> None:
+        if call.error is not None:  # malformed: the parser's message goes back to the model
+            call.status, call.result = "error", ""
+            return
+        tool = self.tools[call.name]  # the parser only accepts declared names
+        if tool.needs_approval and not self.options.auto_approve:
+            call.status = "waiting"
+            allowed = False if self.approve is None else await self.approve(call, tool)
+            if not allowed:
+                call.status, call.result = "refused", ""
+                call.error = REFUSED if self.approve is not None else NO_APPROVER
+                return
+        call.status = "running"
+        start = time.monotonic()
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(tool.call, dict(call.arguments)),
+                                            self.options.tool_timeout_s)
+        except asyncio.TimeoutError:
+            result = ToolResult("", f"{call.name}: no result within {self.options.tool_timeout_s:g} s "
+                                    "(the agent stopped waiting for it)")
+        except Exception as err:  # noqa: BLE001 - a tool's bug is the model's error result, never the session's end
+            result = ToolResult("", f"{call.name} failed: {type(err).__name__}: {err}")
+        call.duration_s = time.monotonic() - start
+        call.result, call.error = result.content, result.error
+        call.status = "done" if result.ok else "error"
+
+    async def _pin(self) -> None:
+        if not self.session.token_ids:
+            return
+        result = await asyncio.to_thread(self.backend.pin, list(self.session.token_ids), self.options.pin_ttl_s,
+                                         self.pin_key)
+        self._pinned = self._pinned or getattr(result, "pin_id", None) is not None
+
+    # ---- results
+    def to_json(self, answer: str | None = None) -> dict[str, Any]:
+        """The `tsterm agent --json` object: the answer and every step of this session."""
+        if answer is None:
+            answer = self.steps[-1].text.strip() if self.steps else ""
+        return {"answer": answer, "steps": [s.to_json() for s in self.steps]}
+
+    def trace(self, model: str | None = None) -> dict[str, Any]:
+        """A replayable trace of this session: token counts per step and tool latencies (no text)."""
+        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": model,
+                "steps": [_trace_step(s) for s in self.steps]}
+
+
+TRACE_FORMAT = "tsterm-agent-trace"
+TRACE_VERSION = 1
+
+
+def _trace_step(step: AgentStep) -> dict[str, Any]:
+    return {"prompt_tokens": step.prompt_tokens, "kept_tokens": step.kept_tokens,
+            "cached_tokens": step.cached_tokens, "generated_tokens": step.generated_tokens,
+            "tool_latency_s": [round(c.duration_s, 6) for c in step.tool_calls]}
+
+
+def _record(call: ToolCall) -> ToolCallRecord:
+    return ToolCallRecord(call.id, call.name, dict(call.arguments), call.raw, call.error,
+                          status="parsed" if call.error is None else "error")
+
+
+def _tool_message(call: ToolCallRecord) -> dict[str, Any]:
+    content = call.result or ""
+    if call.error is not None:
+        content = f"error: {call.error}" + (f"\n{content}" if content else "")
+    return {"role": "tool", "content": content, "name": call.name or "unknown", "tool_call_id": call.id}
+
+
+__all__ = ["ABORTED", "Agent", "AgentEvent", "AgentFinished", "AgentOptions", "AgentStep", "Backend",
+           "NO_APPROVER", "REFUSED", "StepFinished", "StepStarted", "TextChunk", "ToolCallParsed", "ToolCallRecord",
+           "ToolFinished", "ToolStarted"]
