@@ -43,6 +43,58 @@ class UiOptions:
         self.stats_interval = float(self.stats_interval)
 
 
+BUILTIN_TOOL_NAMES = ("calculator", "read_file", "list_dir", "grep", "write_file", "run_command")
+
+
+@dataclass(slots=True)
+class AgentSettings:
+    """Agent sessions (a profile's `agent:` section): the workspace, the tools offered, approval and the loop's
+    bounds. Checked here for types and ranges; command tools and MCP servers are checked in full when a session
+    builds its tools (tsterm.agent.toolset), where the workspace they refer to is known."""
+
+    workspace: str = "."  # the tools' root directory, relative to the working directory (`--workspace` wins)
+    tools: list[str] | None = None  # built-ins offered; default: calculator, read_file, list_dir, grep (+ enabled)
+    allow_write: bool = False  # offer write_file
+    allow_commands: bool = False  # offer run_command
+    auto_approve: bool = False  # run write and command tools without asking (`--auto`)
+    max_steps: int = 8
+    pin_ttl_s: float = 300.0
+    tool_timeout_s: float = 120.0
+    command_tools: list[dict] = field(default_factory=list)  # {name, description, parameters, argv, timeout_s, cwd}
+    mcp_servers: list[dict] = field(default_factory=list)  # {name, command, args, env, cwd, timeout_s, approve}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workspace, str) or not self.workspace:
+            raise ConfigError(f"workspace must be a directory path, got {self.workspace!r}")
+        if self.tools is not None:
+            if not isinstance(self.tools, list) or not all(isinstance(t, str) for t in self.tools):
+                raise ConfigError(f"tools must be a list of built-in tool names, got {self.tools!r}")
+            for name in self.tools:
+                if name not in BUILTIN_TOOL_NAMES:
+                    hint = _did_you_mean(name, set(BUILTIN_TOOL_NAMES))
+                    raise ConfigError(f"tools: unknown built-in tool {name!r}{hint} "
+                                      f"(built-ins: {', '.join(BUILTIN_TOOL_NAMES)})")
+            if "write_file" in self.tools and not self.allow_write:
+                raise ConfigError("tools: write_file is offered only with allow_write: true")
+            if "run_command" in self.tools and not self.allow_commands:
+                raise ConfigError("tools: run_command is offered only with allow_commands: true")
+        for name in ("allow_write", "allow_commands", "auto_approve"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("command_tools", "mcp_servers"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+                raise ConfigError(f"{name} must be a list of mappings, got {value!r}")
+        self.loop_options()  # the loop's own range checks (max_steps, the timeouts)
+
+    def loop_options(self, **overrides: Any):
+        from tsterm.agent.loop import AgentOptions
+        values = {"max_steps": self.max_steps, "auto_approve": self.auto_approve, "pin_ttl_s": self.pin_ttl_s,
+                  "tool_timeout_s": self.tool_timeout_s}
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return AgentOptions(**values)
+
+
 def _textual_themes() -> list[str] | None:
     """Textual's theme names, imported only when a profile sets a theme; None where Textual is not installed (the
     GPU machine, an engine-only install): no TUI runs there to show a theme, and the profile must still load."""
@@ -54,7 +106,7 @@ def _textual_themes() -> list[str] | None:
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "profiles"
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-SECTIONS = {"sampling": SamplingParams, "ui": UiOptions}  # nested mappings, each checked by its dataclass
+SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings}  # nested mappings, each checked by its dataclass
 SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
 TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -71,6 +123,7 @@ class Profile:
     # key -> (file, line) that set it (section keys as "sampling.KEY", "ui.KEY"): later errors still point there
     origins: dict[str, tuple[Path, int]] = field(default_factory=dict)
     ui: dict[str, Any] = field(default_factory=dict)
+    agent: dict[str, Any] = field(default_factory=dict)
 
     def where(self, key: str) -> str:
         path, line = self.origins.get(key, (self.path, 1))
@@ -114,6 +167,9 @@ class Profile:
 
     def ui_options(self) -> UiOptions:
         return UiOptions(**self.ui)
+
+    def agent_settings(self) -> AgentSettings:
+        return AgentSettings(**self.agent)
 
     def to_yaml(self) -> str:
         """The resolved profile (after `extends` and `${ENV}`), `model` as written."""
@@ -210,6 +266,7 @@ def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
     engine = dict(base.engine) if base else {}
     sampling = {**(base.sampling if base else {}), **sections["sampling"]}
     ui = {**(base.ui if base else {}), **sections["ui"]}
+    agent = {**(base.agent if base else {}), **sections["agent"]}
     origins = dict(base.origins) if base else {}
     engine.update({k: v for k, v in raw.items() if k in ENGINE_KEYS})
     if "model" in raw:
@@ -217,7 +274,7 @@ def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
     origins.update({k: (path, line) for k, line in lines.items()})
     return Profile(path.stem, path, engine, sampling,
                    raw.get("system_prompt", base.system_prompt if base else None),
-                   raw.get("description", base.description if base else ""), origins, ui)
+                   raw.get("description", base.description if base else ""), origins, ui, agent)
 
 
 def _did_you_mean(key: str, choices: set[str]) -> str:

@@ -1,0 +1,74 @@
+"""A session's tools from a profile's `agent:` section: the built-ins it enables, its command tools and the tools of
+its MCP servers (started here, closed with the tool set)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from tsterm.agent.sandbox import SandboxError, Workspace
+from tsterm.agent.tools import (Calculator, CommandTool, Grep, ListDir, ReadFile, RunCommand, Tool, WriteFile)
+from tsterm.errors import ConfigError
+from tsterm.profiles import AgentSettings
+
+DEFAULT_TOOLS = ("calculator", "read_file", "list_dir", "grep")
+
+
+class ToolSet:
+    """The tools one agent session offers, and the MCP servers behind some of them (`close` stops those)."""
+
+    def __init__(self, workspace: Workspace, tools: Sequence[Tool], servers: Sequence = ()):
+        self.workspace, self.tools, self.servers = workspace, list(tools), list(servers)
+        names = [tool.name for tool in self.tools]
+        duplicated = sorted({name for name in names if names.count(name) > 1})
+        if duplicated:
+            self.close()
+            raise ConfigError(f"tool name(s) {duplicated} offered twice (built-ins, command_tools and MCP servers "
+                              "share one namespace): rename one")
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        self.servers = []
+
+    def __enter__(self) -> ToolSet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_workspace(path: str | os.PathLike) -> Workspace:
+    try:
+        return Workspace(Path(os.path.expanduser(os.fspath(path))))
+    except SandboxError as err:
+        raise ConfigError(f"agent workspace: {err}") from None
+
+
+def builtin(name: str, workspace: Workspace) -> Tool:
+    tools = {"calculator": Calculator, "read_file": ReadFile, "list_dir": ListDir, "grep": Grep,
+             "write_file": WriteFile, "run_command": RunCommand}
+    return tools[name]() if name == "calculator" else tools[name](workspace)
+
+
+def build_toolset(settings: AgentSettings, workspace: str | os.PathLike | None = None, *,
+                  where: str = "agent") -> ToolSet:
+    """Every tool `settings` declares, in the order: built-ins, command tools, MCP servers' tools. MCP servers are
+    started (and stopped again if anything else fails). ConfigError names `where` and the bad entry."""
+    root = open_workspace(workspace if workspace is not None else settings.workspace)
+    names = list(settings.tools) if settings.tools is not None else [
+        *DEFAULT_TOOLS, *(["write_file"] if settings.allow_write else []),
+        *(["run_command"] if settings.allow_commands else [])]
+    tools: list[Tool] = [builtin(name, root) for name in names]
+    for i, data in enumerate(settings.command_tools):
+        tools.append(CommandTool.from_dict(data, root, where=f"{where}.command_tools[{i}]"))
+    servers = []
+    if settings.mcp_servers:
+        from tsterm.agent.mcp_tools import McpServerConfig, start_mcp_servers
+
+        configs = [McpServerConfig.from_dict(data, where=f"{where}.mcp_servers[{i}]")
+                   for i, data in enumerate(settings.mcp_servers)]
+        servers = start_mcp_servers(configs, root)
+        for server in servers:
+            tools.extend(server.tools())
+    return ToolSet(root, tools, servers)
