@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("profile_name", metavar="NAME|PATH")
     profiles.set_defaults(func=cmd_profiles)
 
+    from tsterm.agent.headless import add_parser as add_agent_parser
+    add_agent_parser(sub)
+
     from tsterm.bench import add_parser as add_bench_parser
     add_bench_parser(sub)
 

@@ -7,7 +7,7 @@ from tsterm import LLM
 from tsterm.bench import RATE_SAMPLES, run_bench
 from tsterm.bench.measure import bytes_read_per_token, parallel_ceiling
 from tsterm.bench.report import format_table, write_plot
-from tsterm.bench.trace import TraceSpec, make_trace, theoretical_cached
+from tsterm.bench.trace import TraceSpec, agent_trace, load_agent_trace, make_trace, theoretical_cached
 from tsterm.errors import ConfigError
 
 from tests.helpers.checkpoints import make_checkpoint
@@ -20,8 +20,10 @@ def test_trace_shape_and_theoretical_maximum():
     spec = TraceSpec(sessions=3, turns=4, system_tokens=40, task_tokens=5, turn_tokens=7, output_tokens=3)
     trace = make_trace(spec, vocab_size=300)
     assert len(trace) == 3 and all(len(s) == 4 for s in trace)
-    assert trace[0][0][:40] == trace[1][0][:40] and trace[0][0][40:] != trace[1][0][40:]  # shared system prompt
-    assert [len(t) for t in trace[0]] == [45, 7, 7, 7]
+    first, other = trace[0][0].new_ids, trace[1][0].new_ids
+    assert first[:40] == other[:40] and first[40:] != other[40:]  # shared system prompt
+    assert [len(t.new_ids) for t in trace[0]] == [45, 7, 7, 7]
+    assert {(t.output_tokens, t.keep) for s in trace for t in s} == {(3, None)}
     previous = list(range(20))  # 20 tokens, the last one never computed: 19 shareable -> 16 block-aligned
     assert theoretical_cached(previous, previous + [1, 2], 4) == 16
     assert theoretical_cached(previous, previous[:10] + [999] * 10, 4) == 8  # diverges at 10
@@ -76,3 +78,57 @@ def test_parallel_ceiling_counts_the_experts_a_batch_touches(llm):
     two = one + L * (k * (E - k) / E) * expert + kv
     assert parallel_ceiling(cfg, 4, 16, 2) == pytest.approx(2 * one / two)
     assert 1.0 < parallel_ceiling(cfg, 4, 16, 8) < 8.0
+
+
+def recorded_steps() -> list[dict]:
+    """An agent session's shape: 3 steps, the third after a template miss that kept only 20 ids."""
+    return [{"prompt_tokens": 60, "kept_tokens": 0, "cached_tokens": 0, "generated_tokens": 5, "tool_latency_s": [0.5]},
+            {"prompt_tokens": 80, "kept_tokens": 65, "cached_tokens": 64, "generated_tokens": 6,
+             "tool_latency_s": [0.25, 0.25]},
+            {"prompt_tokens": 50, "kept_tokens": 20, "cached_tokens": 20, "generated_tokens": 3}]
+
+
+def write_trace(path, steps, **extra):
+    import json
+    path.write_text(json.dumps({"format": "tsterm-agent-trace", "version": 1, "model": "m", "steps": steps,
+                                **extra}))
+    return path
+
+
+def test_a_recorded_agent_trace_replays_its_shape(tmp_path):
+    data = load_agent_trace(write_trace(tmp_path / "t.json", recorded_steps()))
+    [turns] = agent_trace(data, vocab_size=300)
+    assert [(len(t.new_ids), t.output_tokens, t.keep) for t in turns] == [(60, 5, None), (15, 6, None), (30, 3, 20)]
+    two = agent_trace(data, vocab_size=300, sessions=2)
+    assert len(two) == 2 and two[0][0].new_ids != two[1][0].new_ids
+
+
+@pytest.mark.parametrize("steps, match", [
+    ([], "non-empty"), (recorded_steps()[:1], "one step only"),
+    ([{"prompt_tokens": 10, "kept_tokens": 0, "generated_tokens": 2},
+      {"prompt_tokens": 20, "kept_tokens": 13, "generated_tokens": 2}], "more than the previous step left"),
+    ([{"prompt_tokens": "10", "kept_tokens": 0, "generated_tokens": 2}] * 2, "prompt_tokens must be"),
+    ([{"prompt_tokens": 10, "kept_tokens": 0, "generated_tokens": 2, "tool_latency_s": [-1]}] * 2, "tool_latency_s"),
+])
+def test_a_bad_trace_file_is_a_clear_error(tmp_path, steps, match):
+    with pytest.raises(ConfigError, match=match):
+        load_agent_trace(write_trace(tmp_path / "t.json", steps))
+    (tmp_path / "x.json").write_text("{nope")
+    with pytest.raises(ConfigError, match="not JSON"):
+        load_agent_trace(tmp_path / "x.json")
+    with pytest.raises(ConfigError, match="not a tsterm agent trace"):
+        load_agent_trace(write_trace(tmp_path / "y.json", steps, format="other"))
+
+
+def test_bench_replays_a_recorded_trace_with_its_reuse(llm, tmp_path):
+    data = load_agent_trace(write_trace(tmp_path / "t.json", recorded_steps()))
+    r = run_bench(llm, TraceSpec(sessions=2), ablation=True, micro_context=16, parallel=2, recorded=data)
+    assert r["trace"] == {"recorded": True, "model": "m", "sessions": 2, "steps": 3, "tool_seconds_not_replayed": 1.0}
+    ours = r["replays"]["tsterm"]["turns"]
+    assert [t["prompt_tokens"] for t in ours if t["session"] == 0] == [60, 80, 50]
+    assert [t["generated_tokens"] for t in ours if t["session"] == 0] == [5, 6, 3]
+    later = [t for t in ours if t["turn"] > 0]
+    assert all(t["cached_tokens"] == t["theoretical_cached"] > 0 for t in later)  # block size 4: 64, then 20
+    assert {t["theoretical_cached"] for t in later} == {64, 20}
+    assert r["hit_rate_vs_theoretical"] == 1.0
+    assert all(t["cached_tokens"] == 0 for t in r["replays"]["no_prefix_cache"]["turns"])

@@ -20,7 +20,7 @@ from tsterm.bench.measure import (
 )
 from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers, warm_up
 from tsterm.bench.report import format_table, write_plot
-from tsterm.bench.trace import TraceSpec, make_trace
+from tsterm.bench.trace import TraceSpec, agent_trace, load_agent_trace, make_trace, tool_seconds
 from tsterm.errors import ConfigError
 from tsterm.launch import llm_from_args
 
@@ -35,6 +35,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
     p.add_argument("--sessions", type=int, default=1, help="parallel agent sessions (P)")
+    p.add_argument("--trace", metavar="FILE", help="replay a recorded agent session (`tsterm agent --trace FILE`) "
+                   "instead of the synthetic trace; --sessions copies of it run at once")
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--system-tokens", type=int, default=TraceSpec.system_tokens,
                    help="shared system prompt + tool schemas (default: %(default)s)")
@@ -63,9 +65,11 @@ def run_cli(args: argparse.Namespace) -> int:
                      args.output_tokens)
     if args.parallel < 1 or args.micro_context < 2:
         raise ConfigError("--parallel must be >= 1 and --micro-context >= 2")
+    recorded = load_agent_trace(args.trace) if args.trace else None  # a bad file fails before the model loads
     llm = llm_from_args(args)
     results = run_bench(llm, spec, baseline=args.baseline, ablation=args.no_prefix_cache,
-                        micro_context=args.micro_context, parallel=args.parallel, progress=_progress)
+                        micro_context=args.micro_context, parallel=args.parallel, progress=_progress,
+                        recorded=recorded)
     sys.stderr.write("\n")
     print(format_table(results))
     if args.json_path:
@@ -76,20 +80,27 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = False, micro_context: int = 256,
-              parallel: int = 8, progress=None) -> dict:
+              parallel: int = 8, progress=None, recorded: dict | None = None) -> dict:
+    """`recorded`: a loaded agent trace (tsterm.bench.trace.load_agent_trace) replayed instead of `spec`'s synthetic
+    one, `spec.sessions` copies at once."""
     engine = llm.engine
     cfg = engine.model_config
-    trace = make_trace(spec, cfg.vocab_size)
+    if recorded is None:
+        trace, described = make_trace(spec, cfg.vocab_size), dict(spec.__dict__)
+    else:
+        trace = agent_trace(recorded, cfg.vocab_size, sessions=spec.sessions, seed=spec.seed)
+        described = {"recorded": True, "model": recorded.get("model"), "sessions": spec.sessions,
+                     "steps": len(recorded["steps"]), "tool_seconds_not_replayed": tool_seconds(recorded)}
     warm_up(engine)
-    replays: dict[str, ReplayResult] = {"tsterm": replay_tsterm(engine, trace, spec, "tsterm", progress)}
+    replays: dict[str, ReplayResult] = {"tsterm": replay_tsterm(engine, trace, "tsterm", progress)}
     if ablation:
         engine.kv.pool.enable_prefix_caching = False
         try:
-            replays["no_prefix_cache"] = replay_tsterm(engine, trace, spec, "nocache", progress)
+            replays["no_prefix_cache"] = replay_tsterm(engine, trace, "nocache", progress)
         finally:
             engine.kv.pool.enable_prefix_caching = True
     if baseline == "transformers":
-        replays["transformers"] = replay_transformers(engine.config.model, engine.dtype, trace, spec, progress)
+        replays["transformers"] = replay_transformers(engine.config.model, engine.dtype, trace, progress)
 
     if progress:
         progress("measuring bandwidth, copies and decode rates")
@@ -114,7 +125,7 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
     ttft = ours.ttft_by_turn()
     summary = {
         "speedup_vs_baseline": (replays["transformers"].wall_s / ours.wall_s) if "transformers" in replays else None,
-        "ttft_last_over_turn2": ttft[-1] / ttft[1],
+        "ttft_last_over_turn2": ttft[-1] / ttft[1] if len(ttft) > 1 and ttft[1] else None,
         "hit_rate_vs_theoretical": ours.hit_rate_vs_theoretical(),
         "copy_bytes_per_token_long_over_short": (long["copy_bytes_per_token"] / short["copy_bytes_per_token"]
                                                  if short["copy_bytes_per_token"] else None),
@@ -125,9 +136,9 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
     return {
         **summary,
         "model": engine.config.model, "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device),
-        "trace": spec.__dict__,
+        "trace": described,
         "replays": {name: {"wall_s": r.wall_s, "ttft_by_turn_s": r.ttft_by_turn(),
-                           "decode_tokens_per_s": r.generated_tokens(spec.output_tokens) / r.wall_s,
+                           "decode_tokens_per_s": r.generated_tokens() / r.wall_s,
                            "hit_rate_vs_theoretical": r.hit_rate_vs_theoretical(),
                            "turns": [t.__dict__ for t in r.turns]} for name, r in replays.items()},
         "copy_audit": {"context_short": micro_context, "context_long": 8 * micro_context, "short": short, "long": long},

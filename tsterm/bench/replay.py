@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tsterm.bench.trace import TraceSpec, theoretical_cached
+from tsterm.bench.trace import Trace, theoretical_cached
 from tsterm.config import SamplingParams
 from tsterm.engine.engine import Engine
 
@@ -23,6 +23,7 @@ class TurnRecord:
     theoretical_cached: int
     ttft: float
     e2e: float
+    generated_tokens: int = 0
 
 
 @dataclass
@@ -42,8 +43,8 @@ class ReplayResult:
         theoretical = sum(r.theoretical_cached for r in later)
         return sum(min(r.cached_tokens, r.theoretical_cached) for r in later) / theoretical if theoretical else 0.0
 
-    def generated_tokens(self, output_tokens: int) -> int:
-        return len(self.turns) * output_tokens
+    def generated_tokens(self) -> int:
+        return sum(r.generated_tokens for r in self.turns)
 
 
 def warm_up(engine: Engine) -> None:
@@ -56,17 +57,20 @@ def warm_up(engine: Engine) -> None:
     engine.abort(rid)
 
 
-def replay_tsterm(engine: Engine, trace: list[list[list[int]]], spec: TraceSpec, name: str,
-                  progress: Progress | None = None) -> ReplayResult:
+def _prompt(history: list[int], turn) -> list[int]:
+    return (history if turn.keep is None else history[:turn.keep]) + turn.new_ids
+
+
+def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | None = None) -> ReplayResult:
     """All sessions run at once; each submits its next turn as soon as its previous reply is complete."""
-    params = SamplingParams(temperature=0, max_tokens=spec.output_tokens, ignore_eos=True)
     block_size = engine.config.block_size
     histories: list[list[int]] = [[] for _ in trace]
     pending: dict[str, tuple[int, int, list[int], float]] = {}
     result = ReplayResult(name, 0.0)
 
     def submit(session: int, turn: int) -> None:
-        prompt = histories[session] + trace[session][turn]
+        prompt = _prompt(histories[session], trace[session][turn])
+        params = SamplingParams(temperature=0, max_tokens=trace[session][turn].output_tokens, ignore_eos=True)
         rid = engine.add_request(prompt, params, request_id=f"{name}-s{session}-t{turn}")
         pending[rid] = (session, turn, prompt, time.perf_counter())
 
@@ -80,12 +84,13 @@ def replay_tsterm(engine: Engine, trace: list[list[list[int]]], spec: TraceSpec,
             session, turn, prompt, submitted = pending.pop(out.request_id)
             theoretical = theoretical_cached(histories[session], prompt, block_size) if turn else 0
             result.turns.append(TurnRecord(session, turn, len(prompt), out.num_cached_tokens, theoretical,
-                                           out.metrics.ttft or 0.0, time.perf_counter() - submitted))
+                                           out.metrics.ttft or 0.0, time.perf_counter() - submitted,
+                                           len(out.token_ids)))
             histories[session] = prompt + out.token_ids
             if progress:
-                progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{spec.turns} "
+                progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(trace[session])} "
                          f"({len(prompt)} prompt tokens, {out.num_cached_tokens} cached)")
-            if turn + 1 < spec.turns:
+            if turn + 1 < len(trace[session]):
                 submit(session, turn + 1)
     result.wall_s = time.perf_counter() - start
     return result
@@ -107,7 +112,7 @@ class _FirstTokenTimer:
         pass
 
 
-def replay_transformers(model_dir: str, dtype: torch.dtype, trace: list[list[list[int]]], spec: TraceSpec,
+def replay_transformers(model_dir: str, dtype: torch.dtype, trace: Trace,
                         progress: Progress | None = None) -> ReplayResult:
     """The way transformers users run an agent: each turn re-encodes the whole conversation with `generate`."""
     try:
@@ -121,19 +126,20 @@ def replay_transformers(model_dir: str, dtype: torch.dtype, trace: list[list[lis
     start = time.perf_counter()
     for session, turns in enumerate(trace):
         history: list[int] = []
-        for turn, new_tokens in enumerate(turns):
-            ids = history + new_tokens
+        for turn, step in enumerate(turns):
+            ids = _prompt(history, step)
             timer = _FirstTokenTimer()
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=spec.output_tokens,
-                                     min_new_tokens=spec.output_tokens, do_sample=False, streamer=timer,
+                out = model.generate(torch.tensor([ids]), max_new_tokens=step.output_tokens,
+                                     min_new_tokens=step.output_tokens, do_sample=False, streamer=timer,
                                      pad_token_id=0)
             e2e = time.perf_counter() - t0
             history = ids + out[0, len(ids):].tolist()
-            result.turns.append(TurnRecord(session, turn, len(ids), 0, 0, (timer.first_token_time or t0) - t0, e2e))
+            result.turns.append(TurnRecord(session, turn, len(ids), 0, 0, (timer.first_token_time or t0) - t0, e2e,
+                                           len(history) - len(ids)))
             if progress:
-                progress(f"transformers: session {session + 1}/{len(trace)} turn {turn + 1}/{spec.turns} "
+                progress(f"transformers: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
                          f"({len(ids)} prompt tokens)")
     result.wall_s = time.perf_counter() - start
     return result
