@@ -115,9 +115,13 @@ def cmd_profiles(args: argparse.Namespace) -> int:
         print(f"# {profile.path}")
         sys.stdout.write(profile.to_yaml())
     else:
+        from tsterm.agent.toolset import check_toolset
+
         profile = load_profile(args.profile_name)
         profile.check_model()
         profile.sampling_params()
+        if profile.agent:  # command tools and MCP servers in full (the workspace must exist); starts nothing
+            check_toolset(profile.agent_settings(), where=f"{profile.path}: agent")
         print(f"ok: {profile.path}")
     return 0
 

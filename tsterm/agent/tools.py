@@ -54,7 +54,7 @@ class Tool(ABC):
     def call(self, arguments: dict) -> ToolResult:
         start = time.monotonic()
         try:
-            _check_arguments(self.name, self.parameters, arguments)
+            self.check_arguments(arguments)
             content, error = self.run(arguments), None
         except (ToolError, SandboxError) as err:
             content, error = "", str(err)
@@ -65,6 +65,10 @@ class Tool(ABC):
         except UnicodeError as err:  # a lone surrogate in a path or content (JSON can carry one)
             content, error = "", f"{self.name}: {err}"
         return ToolResult(content, error, time.monotonic() - start)
+
+    def check_arguments(self, arguments: Any) -> None:
+        """Raise ToolError unless `arguments` fit `parameters`; the built-ins' schemas use a small subset."""
+        _check_arguments(self.name, self.parameters, arguments)
 
     @abstractmethod
     def run(self, arguments: dict) -> str:
@@ -433,7 +437,8 @@ class CommandTool(_WorkspaceTool):
             raise ConfigError(f"{where}: 'max_output_bytes' must be a positive integer, got {max_output_bytes!r}")
         cwd = data.get("cwd", ".")
         try:
-            workspace.resolve(cwd)
+            if not workspace.resolve(cwd, strict=True).is_dir():
+                raise SandboxError(f"{cwd!r} is not a directory")
         except SandboxError as err:
             raise ConfigError(f"{where}: 'cwd': {err}") from None
         return cls(workspace, name=name, description=description, parameters=parameters, argv=argv,

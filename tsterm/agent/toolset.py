@@ -51,10 +51,8 @@ def builtin(name: str, workspace: Workspace) -> Tool:
     return tools[name]() if name == "calculator" else tools[name](workspace)
 
 
-def build_toolset(settings: AgentSettings, workspace: str | os.PathLike | None = None, *,
-                  where: str = "agent") -> ToolSet:
-    """Every tool `settings` declares, in the order: built-ins, command tools, MCP servers' tools. MCP servers are
-    started (and stopped again if anything else fails). ConfigError names `where` and the bad entry."""
+def _declared(settings: AgentSettings, workspace: str | os.PathLike | None, where: str):
+    """The workspace, the built-in and command tools, and the checked MCP server configs (nothing started)."""
     root = open_workspace(workspace if workspace is not None else settings.workspace)
     names = list(settings.tools) if settings.tools is not None else [
         *DEFAULT_TOOLS, *(["write_file"] if settings.allow_write else []),
@@ -62,12 +60,30 @@ def build_toolset(settings: AgentSettings, workspace: str | os.PathLike | None =
     tools: list[Tool] = [builtin(name, root) for name in names]
     for i, data in enumerate(settings.command_tools):
         tools.append(CommandTool.from_dict(data, root, where=f"{where}.command_tools[{i}]"))
-    servers = []
-    if settings.mcp_servers:
-        from tsterm.agent.mcp_tools import McpServerConfig, start_mcp_servers
+    configs = []
+    if settings.mcp_servers:  # the mcp SDK is imported only by sessions that use it
+        from tsterm.agent.mcp_tools import McpServerConfig
 
         configs = [McpServerConfig.from_dict(data, where=f"{where}.mcp_servers[{i}]")
                    for i, data in enumerate(settings.mcp_servers)]
+    return root, tools, configs
+
+
+def check_toolset(settings: AgentSettings, workspace: str | os.PathLike | None = None, *,
+                  where: str = "agent") -> None:
+    """Everything build_toolset checks, without starting an MCP server (`tsterm profiles check`)."""
+    _declared(settings, workspace, where)
+
+
+def build_toolset(settings: AgentSettings, workspace: str | os.PathLike | None = None, *,
+                  where: str = "agent") -> ToolSet:
+    """Every tool `settings` declares, in the order: built-ins, command tools, MCP servers' tools. MCP servers are
+    started (and stopped again if anything else fails). ConfigError names `where` and the bad entry."""
+    root, tools, configs = _declared(settings, workspace, where)
+    servers = []
+    if configs:
+        from tsterm.agent.mcp_tools import start_mcp_servers
+
         servers = start_mcp_servers(configs, root)
         for server in servers:
             tools.extend(server.tools())
