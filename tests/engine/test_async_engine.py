@@ -274,3 +274,27 @@ async def test_a_call_the_engine_thread_cannot_answer_times_out(engine, monkeypa
     finally:
         release.set()
         async_engine.shutdown()
+
+
+async def test_pin_and_unpin_run_on_the_engine_thread(engine):
+    aengine = AsyncEngine(engine, call_timeout=SAFETY)
+    try:
+        [*_, last] = await collect(aengine.generate(PROMPT_A, greedy(6)))
+        full = PROMPT_A + last.token_ids
+        threads = []
+        pin = engine.pin
+
+        def pin_on_engine_thread(*args, **kwargs):
+            threads.append(threading.current_thread())
+            return pin(*args, **kwargs)
+
+        engine.pin = pin_on_engine_thread
+        result = await asyncio.to_thread(aengine.pin, full, 60.0, "agent:x")
+        assert threads == [aengine._thread]
+        assert result.pin_id == "agent:x" and result.num_tokens == (len(full) - 1) // 4 * 4
+        assert aengine.stats()["pinned_blocks"] == result.num_blocks > 0
+        assert await asyncio.to_thread(aengine.unpin, "agent:x") is True
+        assert aengine.stats()["pinned_blocks"] == 0
+        assert await asyncio.to_thread(aengine.unpin, "agent:x") is False
+    finally:
+        aengine.shutdown()
