@@ -269,3 +269,22 @@ async def test_an_empty_task_is_refused(tokenizer):
     agent = Agent(ScriptedBackend(tokenizer, []), tokenizer, [])
     with pytest.raises(ValueError, match="empty"):
         await run(agent, "  ")
+
+
+async def test_qwen3_dropping_an_earlier_think_block_is_a_reported_miss(tmp_path):
+    from tests.helpers.tokenizers import make_tokenizer_dir
+
+    tok = Tokenizer.from_dir(make_tokenizer_dir(tmp_path / "qwen3", template="qwen3"))
+    backend = ScriptedBackend(tok, ["<think>\nthe user wants a number\n</think>\n\nIt is 4.", "It is 6."])
+    agent = Agent(backend, tok, [])
+    await run(agent, "2 + 2?")
+    kept = list(agent.session.token_ids)
+    events = await run(agent, "3 + 3?")
+    [started] = of(events, StepStarted)
+    # the template renders the first reply without its thinking now: the prompt keeps the ids before that block
+    think_at = next(i for i in range(len(kept)) if tok.decode(kept[:i + 1], skip_special_tokens=False)
+                    .endswith("<think>"))
+    assert started.miss and started.diverged_at == started.kept_tokens <= think_at
+    assert started.lost_tokens == len(kept) - started.kept_tokens
+    assert backend.prompts[1][:started.kept_tokens] == kept[:started.kept_tokens]
+    assert "<think>" not in tok.decode(backend.prompts[1], skip_special_tokens=False)
