@@ -174,6 +174,20 @@ def test_a_file_written_by_the_tui_sessions_module_still_loads(tmp_path):
     assert errors == [] and loaded.token_ids == [0, 5, 6, 1] and loaded.turns == [TurnStats(3, 0, 0, 1, ttft=0.2,
                                                                                           finish_reason="stop")]
     assert loaded.to_dict()["version"] == 1 and loaded.model == "/models/m"
+    assert loaded.kind == "chat"  # files from before session kinds are chats
+
+
+def test_an_agent_session_keeps_its_kind_tool_messages_and_forks_as_an_agent(tmp_path):
+    store = SessionStore(tmp_path)
+    s = Session(id="ag", title="new agent", kind="agent")
+    s.add_user("what is 6 * 7?")
+    s.messages += [{"role": "assistant", "content": "<tool_call>\n{}\n</tool_call>"},
+                   {"role": "tool", "content": "42", "name": "calculator", "tool_call_id": "call_1_0"}]
+    assert s.title == "what is 6 * 7?"  # the first task names an agent session as a message names a chat
+    store.save(s)
+    (loaded,), errors = store.load_all()
+    assert errors == [] and loaded == s and loaded.kind == "agent"
+    assert loaded.fork("child").kind == "agent"
 
 
 def test_corrupt_files_are_reported_and_moved_aside(tmp_path):

@@ -56,6 +56,7 @@ class Session:
     model: str | None = None  # the ids are only meaningful for the model (tokenizer) that made them
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    kind: str = "chat"  # "chat" | "agent" (an agent session: its history holds tool calls and tool messages)
 
     # ---- conversation
     @property
@@ -74,7 +75,7 @@ class Session:
 
     def add_user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
-        if self.title == "new chat":
+        if self.title in ("new chat", "new agent"):
             self.title = " ".join(text.split())[:40] or self.title
         self.touch()
 
@@ -148,7 +149,7 @@ class Session:
         kept = list(self.token_ids) if end == len(self.messages) else self.ids_through_reply(replies)
         turns = [replace(t) for t in self.reply_stats()[:replies] if t is not None]
         return Session(id=new_id or new_session_id(), title=f"{self.title} (fork)", messages=messages,
-                       token_ids=kept, turns=turns, parent_id=self.id, model=self.model)
+                       token_ids=kept, turns=turns, parent_id=self.id, model=self.model, kind=self.kind)
 
     def bind_model(self, model: str) -> bool:
         """Ids made by another model are meaningless here: drop them (the next turn re-renders). True if dropped."""
@@ -192,7 +193,8 @@ class Session:
             raise SessionFileError(f"bad 'turns' entry ({e})") from None
         return cls(id=d["id"], title=str(d.get("title", "chat")), messages=messages, token_ids=token_ids,
                    turns=turns, parent_id=d.get("parent_id"), model=d.get("model"),
-                   created=float(d.get("created", 0.0)), updated=float(d.get("updated", 0.0)))
+                   created=float(d.get("created", 0.0)), updated=float(d.get("updated", 0.0)),
+                   kind=str(d.get("kind") or "chat"))
 
     def to_markdown(self) -> str:
         lines = [f"# {self.title}", ""]
