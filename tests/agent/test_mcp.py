@@ -1,0 +1,248 @@
+"""MCP tools against a real stdio server (mcp_echo_server.py): listing, calls, errors, timeouts, a crash, the
+environment the server gets, approval, config validation, startup failures and shutdown."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import mcp.types as mcp_types
+import pytest
+
+from tsterm.agent.mcp_tools import McpError, McpServer, McpServerConfig, McpTool, close_mcp_servers, \
+    start_mcp_servers
+from tsterm.agent.sandbox import Workspace
+from tsterm.errors import ConfigError
+
+ECHO_SERVER = str(Path(__file__).with_name("mcp_echo_server.py"))
+ECHO_TOOLS = {"add", "echo", "env", "environ", "whoami", "slow", "fail", "crash", "picture"}
+
+
+def echo_config(name: str = "echo", **extra) -> McpServerConfig:
+    return McpServerConfig.from_dict({"name": name, "command": sys.executable, "args": [ECHO_SERVER], **extra})
+
+
+def process_gone(pid: int, within_s: float = 0.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def server_pid(tools: dict[str, McpTool]) -> int:
+    return int(tools["whoami"].call({}).content.split()[0])
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Workspace:
+    root = tmp_path_factory.mktemp("mcp-ws")
+    (root / "sub").mkdir()
+    return Workspace(root)
+
+
+@pytest.fixture(scope="module")
+def echo(workspace):
+    """One server for most tests (each start costs a second or more). Our own environment holds a secret."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TSTERM_MCP_SECRET", "hunter2")
+        config = echo_config(timeout_s=1, cwd="sub", env={"TSTERM_MCP_VISIBLE": "yes", "HOME": "/nowhere"})
+        with McpServer(config, workspace) as server:
+            yield server
+
+
+@pytest.fixture(scope="module")
+def tools(echo) -> dict[str, McpTool]:
+    return {tool.name: tool for tool in echo.tools()}
+
+
+# ---- listing and calls
+
+def test_every_page_of_the_listing_becomes_a_tool_with_its_schema(echo, tools):
+    assert set(tools) == ECHO_TOOLS  # the server answers two tools per page
+    spec = tools["add"].spec()
+    assert spec["type"] == "function" and spec["function"]["name"] == "add"
+    assert spec["function"]["description"] == "Add two integers."
+    parameters = spec["function"]["parameters"]
+    assert parameters["type"] == "object" and parameters["required"] == ["a", "b"]
+    assert {key: value["type"] for key, value in parameters["properties"].items()} == {"a": "integer", "b": "integer"}
+    assert echo.running
+
+
+def test_calls_answer_with_the_text_and_a_summary_of_other_content(tools):
+    result = tools["add"].call({"a": 2, "b": 40})
+    assert result.ok and result.content == "42" and result.duration_s > 0
+    assert tools["echo"].call({"text": "héllo\nworld"}).content == "héllo\nworld"
+    assert tools["picture"].call({}).content == "a picture:\n[image/png content, 100 bytes]"
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"a": "2", "b": 3}, "add: invalid arguments at ['a']: '2' is not of type 'integer'"),
+    ({"a": 2}, "add: invalid arguments: 'b' is a required property"),
+    ({"a": True, "b": 3}, "is not of type 'integer'"),
+    ([2, 3], "add: arguments must be a JSON object, got list"),
+])
+def test_arguments_off_the_schema_are_an_error_result_without_a_call(tools, arguments, message):
+    result = tools["add"].call(arguments)
+    assert not result.ok and result.content == "" and message in result.error
+
+
+def test_a_tool_error_on_the_server_is_an_error_result_with_its_text(tools):
+    result = tools["fail"].call({})
+    assert not result.ok and "this tool always fails" in result.error and result.error.startswith("fail: ")
+
+
+def test_a_call_past_its_timeout_is_an_error_result_and_the_server_goes_on(echo, tools):
+    result = tools["slow"].call({"seconds": 5})
+    assert result.error == "slow: timed out after 1 s (mcp server 'echo')"
+    assert 0.9 < result.duration_s < 3
+    assert tools["slow"].call({"seconds": 0.01}).content == "slept 0.01"
+    assert tools["add"].call({"a": 1, "b": 1}).content == "2" and echo.running
+
+
+# ---- the process: environment, directory, crash, shutdown
+
+def test_the_server_sees_the_clean_environment_plus_its_env_in_its_cwd(workspace, tools):
+    assert os.environ["TSTERM_MCP_SECRET"] == "hunter2"
+    assert tools["env"].call({"name": "TSTERM_MCP_SECRET"}).content == "<unset>"
+    assert tools["env"].call({"name": "TSTERM_MCP_VISIBLE"}).content == "yes"
+    assert tools["env"].call({"name": "HOME"}).content == "/nowhere"  # env wins over the clean environment
+    assert tools["environ"].call({}).content == "HOME,LANG,PATH,TSTERM_MCP_VISIBLE"
+    assert tools["whoami"].call({}).content.split(" ", 1)[1] == str(workspace.root / "sub")
+
+
+def test_a_crashed_server_answers_every_later_call_with_an_error_at_once(workspace):
+    with McpServer(echo_config("crashy"), workspace) as server:
+        tools = {tool.name: tool for tool in server.tools()}
+        pid = server_pid(tools)
+        result = tools["crash"].call({})
+        assert not result.ok and "mcp server 'crashy' is not running" in result.error
+        assert "the process exited" in result.error
+        later = tools["add"].call({"a": 1, "b": 2})
+        assert "mcp server 'crashy' is not running" in later.error and later.duration_s < 0.5
+        assert process_gone(pid, within_s=5) and not server.running
+
+
+# ---- approval and configuration
+
+def _listed(name: str, read_only: bool | None) -> mcp_types.Tool:
+    annotations = None if read_only is None else mcp_types.ToolAnnotations(read_only_hint=read_only)
+    return mcp_types.Tool(name=name, input_schema={"type": "object"}, annotations=annotations)
+
+
+@pytest.mark.parametrize("approve, expected", [("auto", (True, False, True)), ("always", (True, True, True)),
+                                               ("never", (False, False, False))])
+def test_approval_follows_approve_and_the_read_only_annotation(workspace, approve, expected):
+    server = McpServer(echo_config(approve=approve), workspace)  # never started: the tools only read its config
+    tools = [McpTool(server, _listed(name, hint)) for name, hint in [("plain", None), ("reader", True),
+                                                                      ("writer", False)]]
+    assert tuple(tool.needs_approval for tool in tools) == expected
+
+
+def test_approval_on_the_running_server(tools):
+    assert {name for name, tool in tools.items() if not tool.needs_approval} == {"echo", "env"}
+
+
+def test_config_defaults():
+    config = McpServerConfig.from_dict({"name": "fs", "command": "mcp-fs"})
+    assert (config.args, config.env, config.cwd, config.timeout_s, config.startup_timeout_s, config.approve,
+            config.prefix) == ([], {}, ".", 60.0, 30.0, "auto", "")
+
+
+@pytest.mark.parametrize("data, message", [
+    ("fs", "mcp server: an mcp server must be a mapping"),
+    ({"command": "x"}, "mcp server: 'name' must be letters"),
+    ({"name": "a b", "command": "x"}, "'name' must be letters"),
+    ({"name": "fs", "command": "x", "argv": []}, "mcp server 'fs': unknown key(s) ['argv']"),
+    ({"name": "fs"}, "mcp server 'fs': 'command' must be a non-empty string"),
+    ({"name": "fs", "command": ""}, "'command' must be a non-empty string"),
+    ({"name": "fs", "command": "x", "args": "-v"}, "mcp server 'fs': 'args' must be a list of strings"),
+    ({"name": "fs", "command": "x", "args": [1]}, "'args' must be a list of strings"),
+    ({"name": "fs", "command": "x", "env": ["A=1"]}, "mcp server 'fs': 'env' must be a mapping"),
+    ({"name": "fs", "command": "x", "env": {"A=B": "1"}}, "'env' names must be letters"),
+    ({"name": "fs", "command": "x", "env": {"A": 1}}, "'env' value of 'A' must be a string"),
+    ({"name": "fs", "command": "x", "cwd": "/tmp"}, "mcp server 'fs': 'cwd' must be a path relative"),
+    ({"name": "fs", "command": "x", "timeout_s": 0}, "mcp server 'fs': 'timeout_s' must be a number of seconds"),
+    ({"name": "fs", "command": "x", "timeout_s": True}, "'timeout_s' must be a number of seconds"),
+    ({"name": "fs", "command": "x", "startup_timeout_s": "5"}, "'startup_timeout_s' must be a number of seconds"),
+    ({"name": "fs", "command": "x", "approve": "ask"}, "mcp server 'fs': 'approve' must be one of"),
+    ({"name": "fs", "command": "x", "prefix": "fs."}, "mcp server 'fs': 'prefix' must be letters"),
+    ({"name": "fs", "command": "x", "max_output_bytes": 0}, "'max_output_bytes' must be a positive integer"),
+])
+def test_config_errors_name_the_server_and_the_key(data, message):
+    with pytest.raises(ConfigError) as caught:
+        McpServerConfig.from_dict(data)
+    assert message in str(caught.value)
+
+
+def test_config_errors_start_with_where():
+    with pytest.raises(ConfigError, match=r"^profile 'dev' mcp_servers\[0\] 'fs': 'approve'"):
+        McpServerConfig.from_dict({"name": "fs", "command": "x", "approve": 1}, where="profile 'dev' mcp_servers[0]")
+
+
+# ---- startup failures
+
+def test_a_command_that_does_not_exist_fails_at_once(workspace):
+    start = time.monotonic()
+    with pytest.raises(McpError, match=r"mcp server 'ghost': cannot run 'tsterm-no-such-mcp-server': not found"):
+        McpServer(McpServerConfig.from_dict({"name": "ghost", "command": "tsterm-no-such-mcp-server"}),
+                  workspace).start()
+    assert time.monotonic() - start < 1
+
+
+def test_a_server_that_exits_at_once_fails_quickly_with_its_stderr(workspace):
+    config = McpServerConfig.from_dict({"name": "quitter", "command": sys.executable,
+                                        "args": ["-c", "import sys; sys.exit('no config file, giving up')"]})
+    start = time.monotonic()
+    with pytest.raises(McpError) as caught:
+        McpServer(config, workspace).start()
+    assert time.monotonic() - start < 5
+    message = str(caught.value)
+    assert message.startswith("mcp server 'quitter' did not start: it exited")
+    assert message.endswith("its stderr ends with:\nno config file, giving up")
+
+
+def test_a_server_that_never_answers_fails_after_the_startup_timeout(workspace):
+    config = McpServerConfig.from_dict({"name": "mute", "command": sys.executable, "startup_timeout_s": 0.5,
+                                        "args": ["-c", "import time; time.sleep(60)"]})
+    start = time.monotonic()
+    with pytest.raises(McpError, match=r"'mute' did not start: no answer to the MCP handshake .* within 0.5 s"):
+        McpServer(config, workspace).start()
+    assert time.monotonic() - start < 8  # the SDK's shutdown: stdin closed, 2 s, SIGTERM
+
+
+def test_a_cwd_outside_the_workspace_is_refused(workspace):
+    with pytest.raises(McpError, match=r"mcp server 'echo': 'cwd': path '../..' leaves the workspace"):
+        McpServer(echo_config(cwd="../.."), workspace).start()
+
+
+# ---- several servers
+
+def test_start_mcp_servers_keeps_tool_names_apart_with_a_prefix_and_close_ends_them(workspace):
+    servers = start_mcp_servers([echo_config("one"), echo_config("two", prefix="two_")], workspace)
+    try:
+        tools = {tool.name: tool for server in servers for tool in server.tools()}
+        assert len(tools) == 2 * len(ECHO_TOOLS) and {"add", "two_add"} <= set(tools)
+        assert tools["two_add"].call({"a": 1, "b": 2}).content == "3"
+        pids = [server_pid(tools), int(tools["two_whoami"].call({}).content.split()[0])]
+        assert not any(process_gone(pid) for pid in pids)
+    finally:
+        close_mcp_servers(servers)
+    assert all(process_gone(pid) for pid in pids)  # close() returns once the process is reaped
+    assert not any(server.running for server in servers)
+    servers[0].close()  # idempotent
+    assert tools["add"].call({"a": 1, "b": 2}).error.startswith("mcp server 'one' is not running: it was closed")
+
+
+def test_start_mcp_servers_refuses_a_tool_name_two_servers_offer_and_closes_them(workspace, monkeypatch):
+    closed = []
+    original_close = McpServer.close
+    monkeypatch.setattr(McpServer, "close", lambda self: (closed.append(self), original_close(self))[1])
+    with pytest.raises(McpError, match=r"the tool '\w+' is offered by mcp server 'one' and by mcp server 'two'"):
+        start_mcp_servers([echo_config("one"), echo_config("two")], workspace)
+    assert sorted(server.name for server in closed) == ["one", "two"] and not any(server.running for server in closed)
