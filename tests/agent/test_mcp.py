@@ -121,11 +121,10 @@ def test_a_crashed_server_answers_every_later_call_with_an_error_at_once(workspa
         tools = {tool.name: tool for tool in server.tools()}
         pid = server_pid(tools)
         result = tools["crash"].call({})
-        assert not result.ok and "mcp server 'crashy' is not running" in result.error
-        assert "the process exited" in result.error
+        assert result.error == "mcp server 'crashy' is not running: it exited with status 3"
         later = tools["add"].call({"a": 1, "b": 2})
-        assert "mcp server 'crashy' is not running" in later.error and later.duration_s < 0.5
-        assert process_gone(pid, within_s=5) and not server.running
+        assert later.error == result.error and later.duration_s < 0.5
+        assert process_gone(pid) and not server.running and server.exit_status() == "exited with status 3"
 
 
 # ---- approval and configuration
@@ -195,16 +194,18 @@ def test_a_command_that_does_not_exist_fails_at_once(workspace):
     assert time.monotonic() - start < 1
 
 
-def test_a_server_that_exits_at_once_fails_quickly_with_its_stderr(workspace):
-    config = McpServerConfig.from_dict({"name": "quitter", "command": sys.executable,
-                                        "args": ["-c", "import sys; sys.exit('no config file, giving up')"]})
+@pytest.mark.parametrize("code, message", [
+    ("import sys; sys.exit('no config file, giving up')",
+     "it exited with status 1 before the handshake finished; its stderr ends with:\nno config file, giving up"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "it was killed by SIGKILL before the handshake"),
+])
+def test_a_server_that_exits_at_once_fails_quickly_saying_how(workspace, code, message):
+    config = McpServerConfig.from_dict({"name": "quitter", "command": sys.executable, "args": ["-c", code]})
     start = time.monotonic()
     with pytest.raises(McpError) as caught:
         McpServer(config, workspace).start()
     assert time.monotonic() - start < 5
-    message = str(caught.value)
-    assert message.startswith("mcp server 'quitter' did not start: it exited")
-    assert message.endswith("its stderr ends with:\nno config file, giving up")
+    assert str(caught.value).startswith(f"mcp server 'quitter' did not start: {message}")
 
 
 def test_a_server_that_never_answers_fails_after_the_startup_timeout(workspace):

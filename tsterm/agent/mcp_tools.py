@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -26,7 +27,7 @@ import jsonschema
 import mcp.types as mcp_types
 from jsonschema.exceptions import best_match
 from mcp.client.session import ClientSession
-from mcp.client.stdio import DEFAULT_INHERITED_ENV_VARS, StdioServerParameters, stdio_client
+from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 from referencing.exceptions import Unresolvable
 
@@ -40,9 +41,37 @@ _TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")  # what the chat templa
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SERVER_KEYS = {"name", "command", "args", "env", "cwd", "timeout_s", "startup_timeout_s", "approve", "prefix",
                 "max_output_bytes"}
-# The stdio client always hands these from our environment to the child; `env -u` takes them away again, so the
-# server sees exactly the environment we build (values travel in the environment, never on a command line).
-_ENV_PROGRAM = "/usr/bin/env"
+# The server runs under this small supervisor (`python -I -S -c`, argv: the names to keep, then the server's argv).
+# The SDK's stdio client always adds some of our variables (HOME, PATH, SHELL, TERM, USER...) to the child's
+# environment: the supervisor keeps only the names we built, so values travel in the environment, never on a
+# command line. It waits for the server and writes how it ended to stderr, which the stdio client does not tell.
+# It ignores SIGTERM (the server, in the same process group, gets it too) so that it outlives the server and reaps it.
+_SUPERVISOR = """
+import os, signal, sys
+keep = set(sys.argv[1].split(","))
+env = {key: value for key, value in os.environ.items() if key in keep}
+argv = sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execve(argv[0], argv, env)
+    except OSError as err:
+        os.write(2, f"cannot run {argv[0]}: {err.strerror}\\n".encode())
+    os._exit(127)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+os.close(0)
+os.close(1)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+how = f"exited with status {code}"
+if code < 0:
+    try:
+        how = f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        how = f"was killed by signal {-code}"
+os.write(2, f"\\n[mcp server {how}]\\n".encode())
+os._exit(code if code >= 0 else 128 - code)
+"""
+_EXIT_MARK = re.compile(r"\[mcp server (exited with status -?\d+|was killed by [\w ]+)\]\s*$")
 # The SDK's shutdown: close stdin, 2 s, SIGTERM to the group, 2 s, SIGKILL, 2 s. Waits for it get this much.
 _SHUTDOWN_GRACE_S = 10.0
 _STDERR_TAIL_BYTES = 2000
@@ -176,9 +205,9 @@ class McpServer:
         try:
             listed = ready.result(timeout=self.config.startup_timeout_s + _SHUTDOWN_GRACE_S)
         except (Exception, asyncio.CancelledError) as err:  # cancelled: close() from another thread meanwhile
-            message = f"mcp server {self.name!r} did not start: {_describe_startup_error(err, self.config)}"
             self.close()  # first: the stderr tail is complete once the process is gone
-            raise McpError(message + self.stderr_tail()) from None
+            reason = _describe_startup_error(err, self.config, self.exit_status())
+            raise McpError(f"mcp server {self.name!r} did not start: {reason}{self.stderr_tail()}") from None
         except BaseException:
             self.close()
             raise
@@ -215,9 +244,17 @@ class McpServer:
 
     def stderr_tail(self) -> str:
         """The end of what the server wrote to stderr, as a suffix for messages ('' if nothing)."""
-        stderr = self._stderr
-        text = self._last_stderr if stderr is None or stderr.closed else self._read_stderr_tail()
+        text = _EXIT_MARK.sub("", self._stderr_text()).strip()
         return f"; its stderr ends with:\n{text}" if text else ""
+
+    def exit_status(self) -> str | None:
+        """How the server process ended ('exited with status 3', 'was killed by SIGKILL'); None while it runs."""
+        match = _EXIT_MARK.search(self._stderr_text())
+        return match.group(1) if match else None
+
+    def _stderr_text(self) -> str:
+        stderr = self._stderr
+        return self._last_stderr if stderr is None or stderr.closed else self._read_stderr_tail()
 
     def _read_stderr_tail(self) -> str:
         try:
@@ -226,7 +263,7 @@ class McpServer:
             data = os.pread(fd, _STDERR_TAIL_BYTES, max(0, size - _STDERR_TAIL_BYTES))
         except (OSError, ValueError):  # ValueError: closed meanwhile
             return self._last_stderr
-        return data.decode("utf-8", errors="replace").strip()
+        return data.decode("utf-8", errors="replace")
 
     def tools(self) -> list[McpTool]:
         return list(self._tools)
@@ -244,9 +281,9 @@ class McpServer:
         if program is None:
             raise McpError(f"mcp server {self.name!r}: cannot run {config.command!r}: not found or not executable "
                            f"(PATH is {env.get('PATH', '')!r})")
-        unset = [arg for key in DEFAULT_INHERITED_ENV_VARS if key not in env for arg in ("-u", key)]
-        return StdioServerParameters(command=_ENV_PROGRAM, args=[*unset, "--", program, *config.args], env=env,
-                                     cwd=workdir)
+        return StdioServerParameters(command=sys.executable,
+                                     args=["-I", "-S", "-c", _SUPERVISOR, ",".join(env), program, *config.args],
+                                     env=env, cwd=workdir)
 
     def _thread_main(self, params: StdioServerParameters, ready: concurrent.futures.Future) -> None:
         loop = self._loop
@@ -326,21 +363,25 @@ class McpServer:
             if err.code == mcp_types.REQUEST_TIMEOUT:
                 raise ToolError(f"{tool}: timed out after {timeout_s:g} s (mcp server {self.name!r})") from None
             if err.code == mcp_types.CONNECTION_CLOSED:
-                self._lost("its connection closed: the process exited or closed its output")
-                raise ToolError(self._gone_message(self._gone)) from None
+                raise ToolError(self._gone_message(self._lost())) from None
             raise ToolError(f"{tool}: mcp server {self.name!r} answered with an error: {err.message}") from None
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, EOFError) as err:
-            self._lost(f"its connection broke ({type(err).__name__})")
-            raise ToolError(self._gone_message(self._gone)) from None
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, EOFError):
+            raise ToolError(self._gone_message(self._lost())) from None
         except Exception as err:  # a malformed result, a structured result off its own schema
             raise ToolError(f"{tool}: mcp server {self.name!r}: {type(err).__name__}: {err}") from None
 
-    def _lost(self, reason: str) -> None:
-        """The server died: remember why and let the session wind down (the SDK reaps the process)."""
-        with self._lock:
-            if self._gone is None:
-                self._gone = reason
+    def _lost(self) -> str:
+        """The connection closed under a call: wind the session down (the SDK stops and reaps the process, bounded
+        in time) and remember how the process ended. Returns why the server is gone."""
         self._request_stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=_SHUTDOWN_GRACE_S)
+        status = self.exit_status()
+        reason = f"it {status}" if status else "its connection closed (the process exited or closed its output)"
+        with self._lock:
+            if self._gone is None or self._gone == "its session ended":
+                self._gone = reason
+            return self._gone
 
     def _gone_message(self, reason: str | None) -> str:
         return f"mcp server {self.name!r} is not running: {reason}{self.stderr_tail()}"
@@ -375,12 +416,12 @@ def _unwrap(err: BaseException) -> BaseException:
     return err
 
 
-def _describe_startup_error(err: BaseException, config: McpServerConfig) -> str:
+def _describe_startup_error(err: BaseException, config: McpServerConfig, exit_status: str | None) -> str:
     err = _unwrap(err)
     if isinstance(err, (TimeoutError, concurrent.futures.TimeoutError)):
         return f"no answer to the MCP handshake and tool listing within {config.startup_timeout_s:g} s"
     if isinstance(err, MCPError) and err.code == mcp_types.CONNECTION_CLOSED:
-        return "it exited (or closed its output) before the handshake finished"
+        return f"it {exit_status or 'exited (or closed its output)'} before the handshake finished"
     if isinstance(err, OSError):
         return f"cannot launch it: {err.strerror or err}"
     if isinstance(err, asyncio.CancelledError):
