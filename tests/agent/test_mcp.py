@@ -2,6 +2,7 @@
 environment the server gets, approval, config validation, startup failures and shutdown."""
 from __future__ import annotations
 
+import base64
 import os
 import sys
 import time
@@ -103,6 +104,63 @@ def test_a_call_past_its_timeout_is_an_error_result_and_the_server_goes_on(echo,
     assert 0.9 < result.duration_s < 3
     assert tools["slow"].call({"seconds": 0.01}).content == "slept 0.01"
     assert tools["add"].call({"a": 1, "b": 1}).content == "2" and echo.running
+
+
+class CannedServer:
+    """Stands in for a McpServer: every call answers with the same CallToolResult."""
+
+    def __init__(self, result: mcp_types.CallToolResult, **config):
+        self.config, self.result = echo_config("canned", **config), result
+        self.name = self.config.name
+
+    def call_tool(self, tool: str, arguments: dict) -> mcp_types.CallToolResult:
+        return self.result
+
+
+def canned_tool(result: mcp_types.CallToolResult, schema: dict | None = None, **config) -> McpTool:
+    listed = mcp_types.Tool(name="canned", input_schema=schema or {"type": "object"})
+    return McpTool(CannedServer(result, **config), listed)
+
+
+def test_every_kind_of_content_becomes_text():
+    content = [
+        mcp_types.EmbeddedResource(resource=mcp_types.TextResourceContents(uri="file:///a.txt", text="alpha")),
+        mcp_types.EmbeddedResource(resource=mcp_types.BlobResourceContents(
+            uri="file:///b.pdf", mime_type="application/pdf", blob=base64.b64encode(bytes(10)).decode())),
+        mcp_types.AudioContent(data=base64.b64encode(bytes(7)).decode(), mime_type="audio/wav"),
+        mcp_types.ResourceLink(uri="file:///c", name="c", description="the c file"),
+    ]
+    assert canned_tool(mcp_types.CallToolResult(content=content)).call({}).content == "\n".join([
+        "[resource file:///a.txt]\nalpha", "[resource file:///b.pdf: application/pdf content, 10 bytes]",
+        "[audio/wav content, 7 bytes]", "[resource link file:///c: the c file]"])
+    structured = mcp_types.CallToolResult(content=[], structured_content={"n": 1, "word": "é"})
+    assert canned_tool(structured).call({}).content == '{"n": 1, "word": "é"}'
+
+
+def test_long_output_is_cut_and_an_empty_error_still_says_so():
+    long = mcp_types.CallToolResult(content=[mcp_types.TextContent(text="é" * 100)])
+    assert canned_tool(long, max_output_bytes=11).call({}).content == "ééééé\n[mcp: output cut at 11 of 200 bytes]"
+    silent = canned_tool(mcp_types.CallToolResult(content=[], is_error=True)).call({})
+    assert silent.error == "canned: the tool reported an error without a message"
+
+
+def test_arguments_are_checked_with_full_json_schema():
+    schema = {"type": "object", "additionalProperties": False, "required": ["mode"],
+              "properties": {"mode": {"enum": ["fast", "slow"]}, "tags": {"type": "array", "maxItems": 2,
+                                                                          "items": {"type": "string"}}}}
+    tool = canned_tool(mcp_types.CallToolResult(content=[mcp_types.TextContent(text="ok")]), schema)
+    assert tool.call({"mode": "fast", "tags": ["a"]}).content == "ok"
+    assert "invalid arguments at ['mode']: 'medium' is not one of ['fast', 'slow']" \
+        in tool.call({"mode": "medium"}).error
+    assert "at ['tags'][1]: 3 is not of type 'string'" in tool.call({"mode": "fast", "tags": ["a", 3]}).error
+    assert "is too long" in tool.call({"mode": "fast", "tags": ["a", "b", "c"]}).error
+    assert "Additional properties are not allowed ('speed' was unexpected)" \
+        in tool.call({"mode": "fast", "speed": 1}).error
+
+
+def test_a_tool_with_an_invalid_schema_is_refused_at_start():
+    with pytest.raises(McpError, match=r"mcp server 'canned': tool 'canned' has an invalid input schema"):
+        canned_tool(mcp_types.CallToolResult(content=[]), {"type": "object", "properties": {"x": {"type": 3}}})
 
 
 # ---- the process: environment, directory, crash, shutdown
@@ -237,7 +295,7 @@ def test_start_mcp_servers_keeps_tool_names_apart_with_a_prefix_and_close_ends_t
     assert all(process_gone(pid) for pid in pids)  # close() returns once the process is reaped
     assert not any(server.running for server in servers)
     servers[0].close()  # idempotent
-    assert tools["add"].call({"a": 1, "b": 2}).error.startswith("mcp server 'one' is not running: it was closed")
+    assert tools["add"].call({"a": 1, "b": 2}).error == "mcp server 'one' is not running: it was closed"
 
 
 def test_start_mcp_servers_refuses_a_tool_name_two_servers_offer_and_closes_them(workspace, monkeypatch):

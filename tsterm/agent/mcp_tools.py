@@ -76,6 +76,7 @@ _EXIT_MARK = re.compile(r"\[mcp server (exited with status -?\d+|was killed by [
 _SHUTDOWN_GRACE_S = 10.0
 _STDERR_TAIL_BYTES = 2000
 _MAX_LIST_PAGES = 1000
+_CLOSED = "it was closed"
 
 
 class McpError(TstermError):
@@ -192,8 +193,8 @@ class McpServer:
     def start(self) -> McpServer:
         """Launch the server, do the handshake and list all its tools; McpError (server stopped) if that fails."""
         with self._lock:
-            if self._thread is not None:
-                raise McpError(f"mcp server {self.name!r}: start() was already called")
+            if self._thread is not None or self._gone is not None:
+                raise McpError(f"mcp server {self.name!r}: start() was already called, or close()")
             params = self._parameters()
             self._stderr = tempfile.TemporaryFile(mode="w+b", prefix=f"tsterm-mcp-{self.name}-")
             self._loop = asyncio.new_event_loop()
@@ -222,7 +223,7 @@ class McpServer:
         """Shut the session down and make sure the process is gone; idempotent, bounded in time."""
         with self._lock:
             if self._gone is None:
-                self._gone = "it was closed"
+                self._gone = _CLOSED
             thread, loop = self._thread, self._loop
         if thread is None:
             return
@@ -384,7 +385,8 @@ class McpServer:
             return self._gone
 
     def _gone_message(self, reason: str | None) -> str:
-        return f"mcp server {self.name!r} is not running: {reason}{self.stderr_tail()}"
+        tail = "" if reason == _CLOSED else self.stderr_tail()  # the tail may tell why it died, not why we closed it
+        return f"mcp server {self.name!r} is not running: {reason}{tail}"
 
 
 async def _list_all_tools(session: ClientSession) -> list[mcp_types.Tool]:
@@ -410,8 +412,8 @@ def _find_program(command: str, path: str, workdir: Path) -> str | None:
 
 
 def _unwrap(err: BaseException) -> BaseException:
-    """The first real error inside task-group exception groups."""
-    while isinstance(err, BaseExceptionGroup) and err.exceptions:
+    """The first real error inside task-group exception groups (duck-typed: a backport's group on Python 3.10)."""
+    while isinstance(getattr(err, "exceptions", None), tuple) and err.exceptions:
         err = err.exceptions[0]
     return err
 
