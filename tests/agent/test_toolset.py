@@ -76,3 +76,29 @@ def test_profiles_inherit_the_agent_section_and_check_its_tools(tmp_path, monkey
     assert "'cwd'" in capsys.readouterr().err
     (tmp_path / "missing").mkdir()
     assert main(["profiles", "check", "child"]) == 0
+
+
+async def test_a_profile_mcp_server_offers_its_tools_to_the_agent_loop(tmp_path):
+    """Profile mapping -> a real stdio MCP server process -> its tools in the loop's prompt and calls."""
+    import json
+    from pathlib import Path
+
+    from tests.agent.scripted import ScriptedBackend
+    from tsterm.agent.loop import Agent, AgentFinished, AgentOptions
+    from tsterm.tokenizer import Tokenizer
+
+    server = str(Path(__file__).with_name("mcp_echo_server.py"))
+    settings = AgentSettings(tools=["calculator"], mcp_servers=[
+        {"name": "echo", "command": sys.executable, "args": [server], "approve": "never"}])
+    tokenizer = Tokenizer.from_dir(Path(__file__).resolve().parents[2] / "tsterm" / "models" / "moe_demo")
+    call = "<tool_call>\n" + json.dumps({"name": "add", "arguments": {"a": 20, "b": 22}}) + "\n</tool_call>"
+    with build_toolset(settings, tmp_path) as toolset:
+        assert {"calculator", "add", "echo"} <= {tool.name for tool in toolset.tools}
+        backend = ScriptedBackend(tokenizer, [call, "42"])
+        agent = Agent(backend, tokenizer, toolset.tools, options=AgentOptions(tool_timeout_s=30))
+        events = [event async for event in agent.run("add 20 and 22")]
+    assert events[-1] == AgentFinished("42", "answer", 2)
+    assert agent.steps[0].tool_calls[0].result == "42"
+    first_prompt = tokenizer.decode(backend.prompts[0], skip_special_tokens=False)
+    assert '"name": "add"' in first_prompt and '"name": "calculator"' in first_prompt  # offered like the built-ins
+    assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(backend.prompts[1], skip_special_tokens=False)
