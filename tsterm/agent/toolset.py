@@ -27,8 +27,11 @@ class ToolSet:
                               "share one namespace): rename one")
 
     def close(self) -> None:
-        for server in self.servers:
-            server.close()
+        """Stop the MCP servers (blocking, about a second at most each, in parallel: not on a UI's event loop)."""
+        if self.servers:
+            from tsterm.agent.mcp_tools import close_mcp_servers
+
+            close_mcp_servers(self.servers)
         self.servers = []
 
     def __enter__(self) -> ToolSet:
