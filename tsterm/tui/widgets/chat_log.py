@@ -140,6 +140,8 @@ class ReplyView(Selectable):
         old = self._written[part]
         self._written[part] = new
         if new.startswith(old):
+            if new == old:  # nothing to add: a stream started now would be stopped before its task ever ran, and
+                return  # stopping such a task raises CancelledError in the caller (an agent step of calls only)
             if part not in self._streams:
                 self._streams[part] = Markdown.get_stream(markdown)
             await self._streams[part].write(new[len(old):])
