@@ -6,7 +6,8 @@ from tsterm.tui.app import TstermApp
 __all__ = ["TstermApp", "main"]
 
 
-def main(profile: str = "default") -> int:
-    """`tsterm` / `tsterm --profile X`: run the TUI until the user quits."""
-    TstermApp(profile).run()
+def main(profile: str = "default", auto_approve: bool = False, workspace: str | None = None) -> int:
+    """`tsterm` / `tsterm --profile X`: run the TUI until the user quits. `auto_approve`: agent sessions run tools
+    that need approval without asking; `workspace`: their tools' directory instead of the profile's."""
+    TstermApp(profile, auto_approve=auto_approve, workspace=workspace).run()
     return 0

@@ -24,10 +24,13 @@ class TstermApp(App):
                                              Binding("ctrl+q", "quit", "Quit", priority=True)]
 
     def __init__(self, profile_name_or_path: str = "default", engine_factory: EngineFactory | None = None, *,
-                 sessions_dir: str | Path | None = None):
+                 sessions_dir: str | Path | None = None, auto_approve: bool = False, workspace: str | None = None):
         """`engine_factory(progress)` (or `()`) -> LLM | Engine replaces the profile's model (tests inject one);
-        the profile still gives sampling defaults and the system prompt. `sessions_dir` overrides the data dir."""
+        the profile still gives sampling defaults and the system prompt. `sessions_dir` overrides the data dir.
+        `auto_approve` (`--auto`) runs agent tools without asking; `workspace` replaces the profile's agent
+        workspace."""
         super().__init__()
+        self.agent_auto_approve, self.agent_workspace = auto_approve, workspace
         self.profile = profile_name_or_path
         self.engine_factory = engine_factory
         self.store = SessionStore(sessions_dir)

@@ -19,6 +19,8 @@ class CommandSpec:
 
 COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (
     CommandSpec("new", "/new [TITLE]", "start a new session"),
+    CommandSpec("agent", "/agent [TITLE]", "start a new agent session: its tasks run tools in the profile's "
+                "agent workspace"),
     CommandSpec("fork", "/fork [N]", "branch this session after message #N (default: the last one); the branch "
                 "shares its KV blocks", number_arg=True),
     CommandSpec("copy", "/copy [N]", "copy message #N (default: the last reply) to the clipboard", number_arg=True),

@@ -24,7 +24,7 @@ from tsterm.config import SamplingParams
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.engine.engine import Engine
 from tsterm.launch import load_llm
-from tsterm.profiles import UiOptions
+from tsterm.profiles import AgentSettings, UiOptions
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 
 ProgressFn = Callable[[int, int, str], None]
@@ -42,10 +42,15 @@ class EngineHost:
     system_prompt: str | None = None
     profile_name: str = ""
     ui: UiOptions = field(default_factory=UiOptions)
+    agent: AgentSettings = field(default_factory=AgentSettings)  # the profile's `agent:` section
     async_engine: AsyncEngine = field(init=False)
+    # What agent sessions generate with: the AsyncEngine, unless a test scripts the model's replies (a stand-in
+    # with AsyncEngine's generate / abort / pin / unpin and the same tokenizer).
+    agent_backend: Any = field(init=False)
 
     def __post_init__(self) -> None:
         self.async_engine = AsyncEngine(self.engine)
+        self.agent_backend = self.async_engine
         self._stop_stats = threading.Event()
         self._stats_thread: threading.Thread | None = None
 
@@ -158,7 +163,8 @@ def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, p
     status(f"reading profile {profile_name_or_path}")
     profile = load_profile(profile_name_or_path)
     engine = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status))
-    return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options())
+    return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options(),
+                      profile.agent_settings())
 
 
 def _on_own_thread(fn: Callable[[], Any]) -> Any:

@@ -8,6 +8,8 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 # (title, chat-screen action, help)
 ACTIONS = (
     ("New session", "new_session", "start an empty conversation  (/new, ctrl+n)"),
+    ("New agent session", "new_agent_session", ("tasks run tools (files, calculator, commands) in the profile's "
+                                                "agent workspace  (/agent, ctrl+g)")),
     ("Fork session", "fork_session", ("branch after the selected (or last) message, sharing its KV blocks  "
                                       "(/fork [N], ctrl+b)")),
     ("Select message", "select_message", "pick a message to fork from or copy: up/down, f, c, enter  (ctrl+up)"),
@@ -17,7 +19,7 @@ ACTIONS = (
     ("Delete session", "delete_session", "delete this session  (/delete, f8)"),
     ("Clear conversation", "clear_session", "forget the messages, keep the system prompt  (/clear)"),
     ("Set system prompt", "edit_system", "change this session's system prompt  (/system TEXT)"),
-    ("Abort generation", "abort", "stop this session's reply and free its KV blocks  (esc)"),
+    ("Abort generation", "abort", "stop this session's reply or agent task and free its KV blocks  (esc)"),
     ("Toggle dashboard", "toggle_dashboard", "tokens/s, latency, KV blocks, prefix reuse  (/stats, ctrl+t)"),
     ("Save sessions", "save", "write every session to the data dir  (/save)"),
     ("Export as Markdown", "export('md')", "write this session to the exports folder  (/export md [PATH])"),

@@ -1,5 +1,5 @@
-"""Slash commands and session actions of the chat screen (new, fork, copy, rename, delete, system, profile, clear,
-save, export, dashboard, help).
+"""Slash commands and session actions of the chat screen (new, agent, fork, copy, rename, delete, system, profile,
+clear, save, export, dashboard, help).
 
 A mixin only to keep chat.py about the conversation itself; it relies on the ChatScreen attributes
 (`sessions`, `current_id`, `turns`, `store`, `host`, `show_session`, `notice`, ...).
@@ -21,6 +21,8 @@ class SessionActions:
         arg = command.arg
         if command.name == "new":
             await self.action_new_session(arg or None)
+        elif command.name == "agent":
+            await self.action_new_agent_session(arg or None)
         elif command.name in ("fork", "copy") and arg:
             try:
                 index = self.session.index_of(int(arg))
@@ -72,7 +74,7 @@ class SessionActions:
             return False
 
     def _idle(self, what: str) -> bool:
-        if self.current_id in self.turns:
+        if self.current_id in self.busy:
             self.notify(f"wait for the reply (or press esc) before you {what}", severity="warning")
             return False
         return True
@@ -121,9 +123,9 @@ class SessionActions:
                              lambda profile: self.switch_profile(profile) if profile else None)
 
     def switch_profile(self, profile: str) -> None:
-        if self.turns:
-            self.notify("wait for the replies to finish (or press esc in each) before switching profiles",
-                        severity="warning")
+        if self.busy:
+            self.notify("wait for the replies and agent tasks to finish (or press esc in each) before switching "
+                        "profiles", severity="warning")
             return
         for session in self.sessions.values():
             self.save(session)
@@ -152,6 +154,7 @@ class SessionActions:
     async def delete(self, session_id: str) -> None:
         if session_id in self.turns:
             self.turns.pop(session_id).worker.cancel()
+        await self.close_agent(session_id)  # stops its task, releases its pin, stops its MCP servers
         self.sessions.pop(session_id, None)
         try:
             self.store.delete(session_id)

@@ -26,6 +26,7 @@ from tsterm.tui.engine_host import EngineHost
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 from tsterm.tui.palette import ChatCommands
 from tsterm.tui.screens.actions import SessionActions
+from tsterm.tui.screens.agent import AgentRun, AgentSessions
 from tsterm.tui.widgets.chat_log import (
     ChatLog,
     MessageView,
@@ -33,6 +34,7 @@ from tsterm.tui.widgets.chat_log import (
     Selectable,
     turn_summary,
 )
+from tsterm.tui.widgets.agent_log import ToolCallView
 from tsterm.tui.widgets.dashboard import Dashboard
 from tsterm.tui.widgets.prompt_input import PromptHistory, PromptInput
 from tsterm.tui.widgets.session_list import SessionList
@@ -57,12 +59,13 @@ class InFlight:
                          len(self.token_ids), self.plan.miss, self.plan.diverged_at, finish_reason="abort")
 
 
-class ChatScreen(SessionActions, Screen):
+class ChatScreen(AgentSessions, SessionActions, Screen):
     CSS_PATH = "chat.tcss"
     COMMANDS: ClassVar[set[type[Provider]]] = {ChatCommands}
     AUTO_FOCUS = "#prompt"
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+n", "new_session", "New"),
+        Binding("ctrl+g", "new_agent_session", "New agent session", show=False),
         Binding("ctrl+b", "fork_session", "Fork"),
         Binding("ctrl+r", "rename_session", "Rename"),
         Binding("f8", "delete_session", "Delete"),
@@ -80,6 +83,9 @@ class ChatScreen(SessionActions, Screen):
         self.current_id = current_id or ""
         self.turns: dict[str, InFlight] = {}  # session id -> its reply being generated
         self.live_reply: ReplyView | None = None
+        self.agent_runs: dict[str, AgentRun] = {}  # agent session id -> its loop and tools (after its first task)
+        self.agent_reply: ReplyView | None = None  # the shown agent session's step being generated
+        self.call_views: dict[str, ToolCallView] = {}  # the shown agent session's tool blocks, by call id
         self._request_ids = itertools.count()
         # Key bindings and palette commands run in the app's task, message handlers in this screen's: whatever
         # rebuilds or appends to the chat log holds this lock, so a streaming reply never writes to a removed view.
@@ -118,8 +124,9 @@ class ChatScreen(SessionActions, Screen):
         await self.show_session(self.current_id)
         self.host.start_stats(self.post_message)
 
-    def on_unmount(self) -> None:
+    async def on_unmount(self) -> None:
         self.host.stop_stats()
+        await self.close_agents()  # their pins and MCP servers; the engine is shut down after the screens
         for session_id, state in self.turns.items():  # a reply cut by quitting is kept, as aborted
             if session_id in self.sessions:
                 self.sessions[session_id].record_reply(state.plan, state.text, state.token_ids, state.partial_stats())
@@ -155,6 +162,10 @@ class ChatScreen(SessionActions, Screen):
     async def _show_session(self, session_id: str) -> None:
         self.current_id = session_id
         session = self.session
+        if session.kind == "agent":
+            await self._show_agent_session(session)
+            return
+        self.agent_reply, self.call_views = None, {}  # an agent running elsewhere only updates its own log
         views, replies = [], iter(session.reply_stats())
         for index, m in enumerate(session.messages):
             number = session.number_of(index)
@@ -179,19 +190,37 @@ class ChatScreen(SessionActions, Screen):
         self.refresh_sidebar()
         self.refresh_status()
 
+    async def _show_agent_session(self, session: Session) -> None:
+        views, self.call_views = self.agent_views(session)
+        if not any(m["role"] != "system" for m in session.messages) and session.id not in self.running_agents:
+            views.append(Static(self.agent_welcome(), classes="welcome"))
+        self.live_reply = None
+        await self.chat_log.show_messages(views)
+        run = self.agent_runs.get(session.id)
+        if self.agent_reply is not None and run is not None and self.agent_reply.is_attached:
+            await self.agent_reply.show(run.text)
+        self.dashboard.show_turns(session)
+        self.refresh_sidebar()
+        self.refresh_status()
+
+    @property
+    def busy(self) -> set[str]:
+        """Sessions generating a chat reply or running an agent task."""
+        return set(self.turns) | self.running_agents
+
     def refresh_sidebar(self) -> None:
-        self.query_one(SessionList).show(self.sessions.values(), self.current_id, set(self.turns))
+        self.query_one(SessionList).show(self.sessions.values(), self.current_id, self.busy)
         self.refresh_bindings()  # "esc Stop" is live only while this session generates
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "abort":
-            return True if self.current_id in self.turns else None
+            return True if self.current_id in self.busy else None
         return True
 
     def refresh_status(self) -> None:
         s = self.dashboard.latest
         kv = f" · KV {s.get('used', 0)}/{s.get('num_blocks', 0)} used, {s.get('shared', 0)} shared" if s else ""
-        busy = f" · {len(self.turns)} generating" if self.turns else ""
+        busy = f" · {len(self.busy)} generating" if self.busy else ""
         self.query_one("#status", Static).update(
             f"{self.session.title} · {self.host.model_name} · {self.host.device}{busy}{kv}")
 
@@ -241,6 +270,9 @@ class ChatScreen(SessionActions, Screen):
     # ---- turns
     async def send(self, text: str) -> None:
         session = self.session
+        if session.kind == "agent":
+            await self.send_task(text)
+            return
         if session.id in self.turns:
             self.notify("this session is still replying: wait, or press esc to abort it", severity="warning")
             return
@@ -315,6 +347,8 @@ class ChatScreen(SessionActions, Screen):
                 self.dashboard.show_turns(session)
 
     def action_abort(self) -> None:
+        if self.abort_agent(self.current_id):  # the model's request ends at once; a running tool finishes first
+            return
         state = self.turns.get(self.current_id)
         if state is None:
             self.notify("nothing is generating in this session")

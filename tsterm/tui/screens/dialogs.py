@@ -1,13 +1,15 @@
-"""Small modal dialogs: ask for a line of text, or confirm. Each dismisses with its answer (None: cancelled)."""
+"""Small modal dialogs: ask for a line of text, confirm, or allow an agent's tool call. Each dismisses with its
+answer (None: cancelled)."""
 from __future__ import annotations
 
-from typing import ClassVar
+import json
+from typing import Any, ClassVar
 
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label
+from textual.widgets import Button, Input, Label, Static
 
 
 class TextPrompt(ModalScreen[str | None]):
@@ -48,3 +50,35 @@ class Confirm(ModalScreen[bool]):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
+
+
+class ApproveTool(ModalScreen[bool]):
+    """An agent wants to run a tool that needs approval (writes, commands, MCP tools that may change things):
+    the tool, its arguments and the directory it works in. Allow (y) or deny (n, esc); the focus starts on Deny."""
+
+    CSS_PATH = "dialogs.tcss"
+    AUTO_FOCUS = "#deny"
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,n", "dismiss(False)", "Deny"),
+                                             Binding("y", "dismiss(True)", "Allow")]
+
+    def __init__(self, tool: str, arguments: dict[str, Any], cwd: str, description: str = "", session: str = ""):
+        super().__init__()
+        self.tool, self.arguments, self.cwd = tool, arguments, cwd
+        self.description, self.session = description, session
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog approve"):
+            where = f" ({self.session})" if self.session else ""
+            yield Label(f"The agent{where} asks to run {self.tool}", classes="approve-title", markup=False)
+            if self.description:
+                yield Static(self.description.strip().splitlines()[0], classes="dialog-hint", markup=False)
+            yield Static(json.dumps(self.arguments, ensure_ascii=False, indent=2), id="approve-args", markup=False)
+            yield Static(f"in {self.cwd}", id="approve-cwd", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Allow", variant="success", id="allow")
+                yield Button("Deny", variant="error", id="deny")
+            yield Label("y: allow · n / esc: deny", classes="dialog-hint")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id == "allow")

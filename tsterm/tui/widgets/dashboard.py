@@ -55,7 +55,7 @@ class Dashboard(VerticalScroll):
         yield Label("[$secondary]█[/] shared [$warning]█[/] used [$accent]▓[/] cached [$foreground-muted]░[/] free",
                     id="kv-legend")
         yield Static("", id="kv-counts", markup=False)
-        yield Label("prefix reuse (this session)", classes="dash-title")
+        yield Label("prefix reuse (this session)", id="reuse-title", classes="dash-title")
         yield Static("no turns yet", id="reuse", markup=False)
         yield Label("copies", classes="dash-title")
         yield Static("", id="copies", markup=False)
@@ -91,12 +91,15 @@ class Dashboard(VerticalScroll):
         if not self.recent_turns and session.turns:  # restored sessions: their last turn until a new one ends
             self.recent_turns.append(session.turns[-1])
             self._draw_latency()
+        agent = session.kind == "agent"  # one turn per model call: an agent task's steps
+        self.query_one("#reuse-title", Label).update(
+            "prefix reuse per step (this agent)" if agent else "prefix reuse (this session)")
         turns = session.turns[-TURN_ROWS:]
         if not turns:
             self.query_one("#reuse", Static).update("no turns yet")
             return
         first = len(session.turns) - len(turns) + 1
-        lines = [f"{'turn':>4} {'prompt':>6} {'cached':>6} {'new':>5}  kept"]
+        lines = [f"{'step' if agent else 'turn':>4} {'prompt':>6} {'cached':>6} {'new':>5}  kept"]
         for i, t in enumerate(turns, first):
             tail = f"miss@{t.diverged_at}" if t.miss else str(t.kept_tokens)
             lines.append(f"{i:>4} {t.prompt_tokens:>6} {t.cached_tokens:>6} {t.new_tokens:>5}  {tail}")
@@ -124,7 +127,8 @@ class Dashboard(VerticalScroll):
             f"{s.get('num_blocks', 0)} blocks × {s.get('block_size', 0)} tok\n"
             f"used {s.get('used', 0)}  shared {s.get('shared', 0)}\n"
             f"cached {s.get('cached', 0)}  free {s.get('free', 0)}\n"
-            f"evictions {s.get('evictions', 0)}  preemptions {s.get('preemptions', 0)}")
+            f"evictions {s.get('evictions', 0)}  preemptions {s.get('preemptions', 0)}\n"
+            f"pinned {s.get('pinned_blocks', 0)} blocks, {s.get('pins', 0)} pin(s)")  # waiting agent sessions
         reused = s.get("kv_reused_bytes")
         if reused is None and s.get("block_size"):
             reused = s.get("prefix_hit_tokens", 0) * s.get("kv_bytes_per_block", 0) // s["block_size"]

@@ -1,0 +1,216 @@
+"""Agent sessions in the TUI: a task runs the agent loop, tool calls show as collapsible blocks, approval asks through
+a dialog, esc aborts, the dashboard shows a waiting session's pin, and agent sessions come back after a restart.
+
+The app runs on the tiny real engine (tests/tui/conftest.py); where a test needs the model to call a tool, agent
+sessions generate with the scripted model of tests/agent/scripted.py (the same tokenizer, fixed replies)."""
+from __future__ import annotations
+
+import json
+
+from tests.agent.scripted import ScriptedBackend
+from tests.tui.helpers import chat_screen, engine_stats, say, text_of, wait_until
+from tsterm.agent.loop import REFUSED
+from tsterm.agent.tool_calls import CLOSE_TAG, OPEN_TAG
+from tsterm.tui import TstermApp
+from tsterm.tui.screens.dialogs import ApproveTool
+from tsterm.tui.widgets.agent_log import ToolCallView
+from tsterm.tui.widgets.chat_log import MessageView, ReplyView
+from tsterm.tui.widgets.session_list import SessionList
+
+SIZE = (120, 40)
+
+
+def call(name: str, **arguments) -> str:
+    return f"{OPEN_TAG}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE_TAG}"
+
+
+def agent_profile(make_profile, workspace, max_tokens: int = 12, **agent) -> str:
+    workspace.mkdir(exist_ok=True)
+    settings = {"workspace": str(workspace), **agent}
+    return make_profile(max_tokens=max_tokens, agent=json.dumps(settings))  # YAML reads a JSON mapping
+
+
+def script(app, replies: list[str], **kwargs) -> ScriptedBackend:
+    backend = ScriptedBackend(app.host.tokenizer, replies, **kwargs)
+    app.host.agent_backend = backend
+    return backend
+
+
+async def new_agent(pilot):
+    screen = pilot.app.screen
+    before = screen.current_id
+    await pilot.press("ctrl+g")
+    await wait_until(pilot, lambda: screen.current_id != before and screen.session.kind == "agent",
+                     what="a new agent session")
+    return screen.session
+
+
+async def task_done(pilot, session, steps: int, timeout: float = 30.0) -> None:
+    screen = pilot.app.screen
+    await wait_until(pilot, lambda: session.id not in screen.running_agents
+                     and sum(m["role"] == "assistant" for m in session.messages) >= steps, timeout,
+                     what=f"{steps} step(s) of {session.title!r}")
+
+
+async def test_a_task_calls_the_calculator_and_shows_the_call_its_result_and_the_answer(make_profile, data_dir,
+                                                                                          tmp_path):
+    app = TstermApp(agent_profile(make_profile, tmp_path / "ws"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        chat = screen.session
+        backend = script(app, [f"Let me compute.\n{call('calculator', expression='6 * 7')}", "It is 42."])
+        session = await new_agent(pilot)
+        assert session.id != chat.id and "Agent session" in text_of(screen.query_one(".welcome"))
+        option = screen.query_one(SessionList).get_option(session.id)
+        chat_option = screen.query_one(SessionList).get_option(chat.id)
+        assert "◆" in str(option.prompt) and "◆" not in str(chat_option.prompt)
+        await say(pilot, "what is 6 * 7?", wait_turn=False)
+        await task_done(pilot, session, 2)
+
+        [block] = screen.query(ToolCallView)
+        assert block.state.status == "done" and block.state.result == "42" and block.collapsed
+        assert block.title.plain.startswith('✓ calculator {"expression": "6 * 7"} · done')
+        assert "result:\n42" in text_of(block.body)
+        replies = list(screen.query(ReplyView))
+        assert [r.text for r in replies] == ["Let me compute.\n", "It is 42."]  # no raw <tool_call> text
+        lines = [text_of(r.query_one(".turn-stats")) for r in replies]
+        assert lines[0].startswith("step 1 · prompt ") and " · cached " in lines[0] and " · new " in lines[0]
+        assert lines[1].startswith("step 2 · prompt ")
+        assert session.messages[-1] == {"role": "assistant", "content": "It is 42."}
+        assert session.messages[-2]["role"] == "tool" and session.messages[-2]["content"] == "42"
+        assert len(backend.prompts) == 2 and f"agent:{session.id}" in backend.pins  # pinned while it waits
+        assert screen.dashboard.query_one("#reuse-title").render().plain == "prefix reuse per step (this agent)"
+        assert "step" in text_of(screen.dashboard.query_one("#reuse"))
+
+        await say(pilot, "/new")  # a chat is still a chat: its messages go to the engine, not the agent
+        assert screen.session.kind == "chat"
+
+
+async def test_a_write_asks_first_deny_refuses_allow_writes(make_profile, data_dir, tmp_path):
+    workspace = tmp_path / "ws"
+    app = TstermApp(agent_profile(make_profile, workspace, allow_write=True))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        write = call("write_file", path="out.txt", content="hello")
+        script(app, [write, "I was not allowed.", write, "Written."])
+        session = await new_agent(pilot)
+
+        await say(pilot, "write hello to out.txt", wait_turn=False)
+        dialog = await wait_until(pilot, lambda: isinstance(app.screen, ApproveTool) and app.screen,
+                                  what="the approval dialog")
+        assert dialog.tool == "write_file" and dialog.arguments == {"path": "out.txt", "content": "hello"}
+        assert str(workspace) in text_of(dialog.query_one("#approve-cwd"))
+        assert '"content": "hello"' in text_of(dialog.query_one("#approve-args"))
+        assert screen.query_one(ToolCallView).state.status == "waiting"
+        await pilot.press("n")
+        await task_done(pilot, session, 2)
+        block = screen.query(ToolCallView).last()
+        assert block.state.status == "refused" and block.state.error == REFUSED
+        assert "refused" in block.title.plain and not (workspace / "out.txt").exists()
+        assert session.messages[-2]["content"] == f"error: {REFUSED}"
+
+        await say(pilot, "please, write it", wait_turn=False)
+        await wait_until(pilot, lambda: isinstance(app.screen, ApproveTool), what="the dialog again")
+        await pilot.press("y")
+        await task_done(pilot, session, 4)
+        block = screen.query(ToolCallView).last()
+        assert block.state.status == "done" and (workspace / "out.txt").read_text() == "hello"
+
+
+async def test_auto_approve_never_asks(make_profile, data_dir, tmp_path):
+    workspace = tmp_path / "ws"
+    app = TstermApp(agent_profile(make_profile, workspace, allow_write=True), auto_approve=True)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        script(app, [call("write_file", path="a.txt", content="x"), "ok"])
+        session = await new_agent(pilot)
+        await say(pilot, "write", wait_turn=False)
+        await task_done(pilot, session, 2)
+        assert (workspace / "a.txt").read_text() == "x" and not isinstance(app.screen, ApproveTool)
+
+
+async def test_a_bad_agent_section_is_an_error_in_the_log_not_a_crash(make_profile, data_dir, tmp_path):
+    app = TstermApp(make_profile(agent=json.dumps({"workspace": str(tmp_path / "missing")})))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        session = await new_agent(pilot)
+        await say(pilot, "anything", wait_turn=False)
+        error = await wait_until(pilot, lambda: session.id not in screen.running_agents
+                                 and [v for v in screen.query(MessageView) if v.role == "error"], what="the error")
+        assert "could not be set up" in error[0].text and "workspace" in error[0].text
+        assert session.id not in screen.running_agents and not any(m["role"] == "user" for m in session.messages)
+
+
+async def test_escape_aborts_a_running_task_and_the_session_stays_usable(make_profile, data_dir, tmp_path):
+    app = TstermApp(agent_profile(make_profile, tmp_path / "ws"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        backend = script(app, ["word " * 400, "Fine."], token_delay_s=0.02)
+        session = await new_agent(pilot)
+        await say(pilot, "talk for a long time", wait_turn=False)
+        await wait_until(pilot, lambda: session.id in screen.agent_runs
+                         and len(screen.agent_runs[session.id].text) > 10, what="some streamed text")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: session.id not in screen.running_agents, timeout=10, what="the abort")
+        assert backend.aborted and not any(m["role"] == "assistant" for m in session.messages)
+        assert "aborted" in text_of(screen.query(ReplyView).last().query_one(".role"))
+        assert any(v.role == "notice" and v.text == "aborted" for v in screen.query(MessageView))
+
+        backend.token_delay_s = 0.0
+        await say(pilot, "then just say fine", wait_turn=False)
+        await task_done(pilot, session, 1)
+        assert session.messages[-1] == {"role": "assistant", "content": "Fine."}
+
+
+async def test_the_dashboard_shows_a_waiting_agent_sessions_pinned_blocks(make_profile, data_dir, tmp_path):
+    """On the real engine: after its answer the session waits on the user with its blocks pinned; deleting it
+    releases the pin."""
+    app = TstermApp(agent_profile(make_profile, tmp_path / "ws", max_tokens=8, max_steps=2))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        session = await new_agent(pilot)
+        await say(pilot, "hello engine", wait_turn=False)
+        await task_done(pilot, session, 1)
+        stats = await engine_stats(app)
+        assert stats["pins"] == 1 and stats["pinned_blocks"] > 0
+        screen.action_toggle_dashboard() if "-dashboard" not in screen.classes else None
+        counts = screen.dashboard.query_one("#kv-counts")
+        await wait_until(pilot, lambda: f"pinned {stats['pinned_blocks']} blocks, 1 pin(s)" in text_of(counts),
+                         what="the pinned blocks on the dashboard")
+        assert "step" in text_of(screen.dashboard.query_one("#reuse"))
+
+        await screen.delete(session.id)  # the pin goes with the session
+        stats = await engine_stats(app)
+        assert stats["pins"] == 0 and stats["pinned_blocks"] == 0
+        await wait_until(pilot, lambda: "pinned 0 blocks, 0 pin(s)" in text_of(counts), what="the pin released")
+
+
+async def test_an_agent_session_comes_back_after_a_restart(make_profile, data_dir, tmp_path):
+    profile = agent_profile(make_profile, tmp_path / "ws")
+    app = TstermApp(profile)
+    async with app.run_test(size=SIZE) as pilot:
+        await chat_screen(pilot)
+        script(app, [call("calculator", expression="2 + 2"), "Four."])
+        session = await new_agent(pilot)
+        await say(pilot, "2 + 2?", wait_turn=False)
+        await task_done(pilot, session, 2)
+        saved = list(session.messages)
+
+    app = TstermApp(profile)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        assert screen.current_id == session.id  # the most recently touched session
+        restored = screen.session
+        assert restored.kind == "agent" and restored.messages == saved
+        assert "◆" in str(screen.query_one(SessionList).get_option(session.id).prompt)
+        [block] = screen.query(ToolCallView)  # rebuilt from the saved call and its tool message
+        assert block.state.status == "done" and block.state.result == "4" and block.state.name == "calculator"
+        assert [v.role for v in screen.query(MessageView)] == ["system", "user", "assistant"]
+        assert OPEN_TAG not in "".join(v.text for v in screen.query(MessageView))
+        assert text_of(screen.query(".step-line").first()).startswith("step 1 · prompt ")
+
+        backend = script(app, ["Still four."])  # a further task continues the restored history
+        await say(pilot, "and again?", wait_turn=False)
+        await task_done(pilot, restored, 3)
+        assert restored.messages[-1]["content"] == "Still four." and len(backend.prompts) == 1
+        assert restored.turns[-1].kept_tokens > 0  # the saved exact ids were kept
