@@ -124,6 +124,7 @@ async def test_auto_approve_never_asks(make_profile, data_dir, tmp_path):
         screen = await chat_screen(pilot)
         script(app, [call("write_file", path="a.txt", content="x"), "ok"])
         session = await new_agent(pilot)
+        assert "without asking" in text_of(screen.query_one(".welcome"))
         await say(pilot, "write", wait_turn=False)
         await task_done(pilot, session, 2)
         assert (workspace / "a.txt").read_text() == "x" and not isinstance(app.screen, ApproveTool)
@@ -214,3 +215,19 @@ async def test_an_agent_session_comes_back_after_a_restart(make_profile, data_di
         await task_done(pilot, restored, 3)
         assert restored.messages[-1]["content"] == "Still four." and len(backend.prompts) == 1
         assert restored.turns[-1].kept_tokens > 0  # the saved exact ids were kept
+
+
+async def test_quitting_releases_the_pin_and_closes_the_tools(make_profile, data_dir, tmp_path):
+    app = TstermApp(agent_profile(make_profile, tmp_path / "ws"))
+    closed = []
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        backend = script(app, ["Hello."])
+        session = await new_agent(pilot)
+        await say(pilot, "say hello", wait_turn=False)
+        await task_done(pilot, session, 1)
+        toolset = screen.agent_runs[session.id].toolset
+        close = toolset.close
+        toolset.close = lambda: (closed.append(True), close())  # MCP servers would stop here
+        assert backend.pins and not backend.unpinned
+    assert backend.unpinned == [f"agent:{session.id}"] and closed == [True]

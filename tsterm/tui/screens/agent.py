@@ -30,7 +30,7 @@ from tsterm.tui.widgets.agent_log import CallState, ToolCallView, agent_history_
 from tsterm.tui.widgets.chat_log import MessageView, ReplyView
 
 AGENT_WELCOME = ("Agent session: type a task and press enter. The model may call tools ({tools}) in {workspace}; "
-                 "tools that write or run commands ask first. esc stops a task; later messages are further tasks.")
+                 "{approval}. esc stops a task; later messages are further tasks.")
 FINISH_NOTES = {"max_steps": "stopped: the task used its {steps} steps (agent.max_steps) without a final answer",
                 "length": "stopped: the last reply hit max_tokens",
                 "aborted": "aborted"}
@@ -75,7 +75,10 @@ class AgentSessions:
             tools += ["write_file"] * settings.allow_write + ["run_command"] * settings.allow_commands
         extra = len(settings.command_tools) + len(settings.mcp_servers)
         names = ", ".join(tools) + (f", + {extra} configured tool source(s)" if extra else "")
-        return AGENT_WELCOME.format(tools=names, workspace=self.app.agent_workspace or settings.workspace)
+        approval = ("tools run without asking (auto-approve)" if self.app.agent_auto_approve or settings.auto_approve
+                    else "tools that write or run commands ask first")
+        return AGENT_WELCOME.format(tools=names, workspace=self.app.agent_workspace or settings.workspace,
+                                    approval=approval)
 
     def agent_views(self, session: Session) -> tuple[list, dict[str, ToolCallView]]:
         """The log of an agent session: its history, and the step it is generating right now."""
