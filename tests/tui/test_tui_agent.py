@@ -231,3 +231,41 @@ async def test_quitting_releases_the_pin_and_closes_the_tools(make_profile, data
         toolset.close = lambda: (closed.append(True), close())  # MCP servers would stop here
         assert backend.pins and not backend.unpinned
     assert backend.unpinned == [f"agent:{session.id}"] and closed == [True]
+
+
+async def test_switching_away_and_back_mid_task_shows_the_task_as_it_runs(make_profile, data_dir, tmp_path):
+    app = TstermApp(agent_profile(make_profile, tmp_path / "ws"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        chat = screen.session
+        backend = script(app, ["word " * 60 + call("calculator", expression="1 + 1"), "Two."], token_delay_s=0.01)
+        session = await new_agent(pilot)
+        await say(pilot, "count", wait_turn=False)
+        run = await wait_until(pilot, lambda: screen.agent_runs.get(session.id), what="the run")
+        await wait_until(pilot, lambda: len(run.text) > 20, what="some streamed text")
+        await screen.show_session(chat.id)  # the task goes on out of sight
+        assert screen.agent_reply is None and not screen.query(ToolCallView)
+        await pilot.pause(0.2)
+        await screen.show_session(session.id)
+        if session.id in screen.running_agents and run.phase == "generating":
+            await wait_until(pilot, lambda: screen.agent_reply and "word word" in screen.agent_reply.text,
+                             what="the step being generated, shown again")
+        await task_done(pilot, session, 2)
+        [block] = screen.query(ToolCallView)
+        assert block.state.status == "done" and block.state.result == "2"
+        assert screen.query(ReplyView).last().text == "Two." and len(backend.prompts) == 2
+
+
+async def test_quitting_while_a_tool_waits_for_approval_writes_nothing_and_keeps_the_history(make_profile, data_dir,
+                                                                                              tmp_path):
+    workspace = tmp_path / "ws"
+    app = TstermApp(agent_profile(make_profile, workspace, allow_write=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await chat_screen(pilot)
+        backend = script(app, [call("write_file", path="late.txt", content="x")])
+        session = await new_agent(pilot)
+        await say(pilot, "write late", wait_turn=False)
+        await wait_until(pilot, lambda: isinstance(app.screen, ApproveTool), what="the approval dialog")
+    assert not (workspace / "late.txt").exists() and backend.unpinned == [f"agent:{session.id}"]
+    [saved] = [s for s in app.store.load_all()[0] if s.id == session.id]
+    assert saved.messages[-1]["role"] == "tool" and saved.messages[-1]["content"].startswith("error: ")

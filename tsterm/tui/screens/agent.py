@@ -272,7 +272,9 @@ class AgentSessions:
         if run is None:
             return
         if run.worker is not None:
-            run.worker.cancel()
+            run.worker.cancel()  # the loop gives each call of the cut step a tool message; the task saves the session
+            with contextlib.suppress(Exception):  # WorkerCancelled: that is what was asked
+                await asyncio.wait_for(run.worker.wait(), timeout=10)
         if run.agent is not None:
             with contextlib.suppress(Exception):  # an engine already gone has no pin left to release
                 await asyncio.wait_for(run.agent.close(), timeout=10)
