@@ -144,3 +144,20 @@ async def test_expert_heatmap_shades_each_layer_against_its_busiest_expert():
         assert all(len(line) <= heatmap.size.width for line in lines) and lines[-1].endswith(" per col")
         heatmap.set_load([])
         assert str(heatmap.render()) == "no MoE layers"
+
+
+async def test_a_tool_block_counts_while_its_call_runs_and_shows_its_result_inside():
+    from tsterm.tui.widgets.agent_log import CallState, ToolCallView
+
+    view = ToolCallView(CallState("c1", "grep", {"pattern": "x" * 80}, "parsed"))
+    app = Harness(ChatLog(view))
+    async with app.run_test(size=(80, 24)) as pilot:
+        assert view.collapsed and view.title.plain.startswith("· grep {") and "…" in view.title.plain
+        view.show(CallState("c1", "grep", {"pattern": "x"}, "running"))
+        await pilot.pause(1.3)
+        title = view.title.plain  # ticked once a second: "1.0 s" or a little more
+        assert title.startswith('… grep {"pattern": "x"} · running · 1.') and title.endswith(" s")
+        view.show(CallState("c1", "grep", {"pattern": "x"}, "error", None, "grep: bad pattern", 0.004))
+        await pilot.pause()
+        assert view.title.plain == '✗ grep {"pattern": "x"} · error · 4 ms' and view._clock is None
+        assert "error: grep: bad pattern" in str(view.body.render())

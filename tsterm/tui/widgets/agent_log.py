@@ -5,12 +5,14 @@ tool blocks, never raw text)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from textual.app import ComposeResult
 from textual.content import Content
+from textual.timer import Timer
 from textual.widget import Widget
 from textual.widgets import Collapsible, Static
 
@@ -69,17 +71,23 @@ class CallState:
 
 
 class ToolCallView(Collapsible):
-    """One tool call. `show(state)` updates it as the call moves parsed -> waiting -> running -> done/error/refused."""
+    """One tool call. `show(state)` updates it as the call moves parsed -> waiting -> running -> done/error/refused;
+    while it runs, its title counts the seconds."""
 
     def __init__(self, state: CallState, collapsed: bool = True):
         self.body = Static(body_text(state), classes="tool-body", markup=False)
         super().__init__(self.body, title=self._make_title(state), collapsed=collapsed,
                          classes=f"tool-call -{state.status}")
         self.state = state
+        self._started: float | None = None
+        self._clock: Timer | None = None
 
     @staticmethod
-    def _make_title(state: CallState) -> Content:
-        return Content(call_title(state.name, state.arguments, state.status, state.duration_s))
+    def _make_title(state: CallState, elapsed: float | None = None) -> Content:
+        return Content(call_title(state.name, state.arguments, state.status, elapsed or state.duration_s))
+
+    def on_mount(self) -> None:
+        self._follow_clock()
 
     def show(self, state: CallState) -> None:
         self.remove_class(f"-{self.state.status}")
@@ -87,6 +95,20 @@ class ToolCallView(Collapsible):
         self.add_class(f"-{state.status}")
         self.title = self._make_title(state)
         self.body.update(body_text(state))
+        if self.is_mounted:
+            self._follow_clock()
+
+    def _follow_clock(self) -> None:
+        if self.state.status == "running" and self._clock is None:
+            self._started = time.monotonic()
+            self._clock = self.set_interval(1.0, self._tick)
+        elif self.state.status != "running" and self._clock is not None:
+            self._clock.stop()
+            self._clock = self._started = None
+
+    def _tick(self) -> None:
+        if self._started is not None:
+            self.title = self._make_title(self.state, time.monotonic() - self._started)
 
 
 def body_text(state: CallState) -> str:
