@@ -123,7 +123,16 @@ async def test_auto_approve_never_asks(make_profile, data_dir, tmp_path):
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_screen(pilot)
         script(app, [call("write_file", path="a.txt", content="x"), "ok"])
-        session = await new_agent(pilot)
+        await say(pilot, "/agent named one")  # the slash command makes one too
+        assert screen.session.kind == "agent" and screen.session.title == "named one"
+        count = len(screen.sessions)
+        await pilot.press("ctrl+p")  # and the palette
+        await pilot.press(*"new agent session")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(screen.sessions) == count + 1, what="an agent session from the palette")
+        session = screen.session
+        assert session.kind == "agent" and session.title == "new agent"
         assert "without asking" in text_of(screen.query_one(".welcome"))
         await say(pilot, "write", wait_turn=False)
         await task_done(pilot, session, 2)

@@ -11,6 +11,7 @@ def test_parse_commands():
     assert parse_command("hello") is None
     assert parse_command("//not a command") is None and unescape_message("//x") == "/x"
     assert parse_command("/new") == Command("new")
+    assert parse_command("/agent fix the tests") == Command("agent", "fix the tests")  # a new agent session
     assert parse_command("  /system  be brief ") == Command("system", "be brief")
     assert parse_command("/export md /tmp/x.md") == Command("export", "md /tmp/x.md")
     assert parse_command("/he") == Command("help")  # an unambiguous prefix

@@ -261,9 +261,12 @@ class AgentSessions:
     # ---- stop, close
     def abort_agent(self, session_id: str) -> bool:
         run = self.agent_runs.get(session_id)
-        if run is None or run.worker is None or run.agent is None:
+        if run is None or run.worker is None:
             return False
-        run.agent.abort()
+        if run.agent is None:  # still setting up its tools: nothing has reached the model yet
+            run.worker.cancel()
+        else:
+            run.agent.abort()
         return True
 
     async def close_agent(self, session_id: str) -> None:
