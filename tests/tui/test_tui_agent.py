@@ -278,3 +278,33 @@ async def test_quitting_while_a_tool_waits_for_approval_writes_nothing_and_keeps
     assert not (workspace / "late.txt").exists() and backend.unpinned == [f"agent:{session.id}"]
     [saved] = [s for s in app.store.load_all()[0] if s.id == session.id]
     assert saved.messages[-1]["role"] == "tool" and saved.messages[-1]["content"].startswith("error: ")
+
+
+async def test_escape_while_the_tools_start_stops_the_task_and_closes_them_once_started(make_profile, data_dir,
+                                                                                        tmp_path, monkeypatch):
+    import threading
+
+    from tsterm.tui.screens import agent as agent_screen
+
+    started, closed = threading.Event(), threading.Event()
+    build = agent_screen.build_toolset
+
+    def slow_build(*args, **kwargs):  # MCP servers starting
+        started.set()
+        toolset = build(*args, **kwargs)
+        closed.wait(0.5)
+        toolset.close = closed.set
+        return toolset
+
+    monkeypatch.setattr(agent_screen, "build_toolset", slow_build)
+    app = TstermApp(agent_profile(make_profile, tmp_path / "ws"))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        backend = script(app, ["never asked"])
+        session = await new_agent(pilot)
+        await say(pilot, "start", wait_turn=False)
+        await wait_until(pilot, started.is_set, what="the tools starting")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: session.id not in screen.running_agents, what="the task stopped")
+        await wait_until(pilot, closed.is_set, what="the tools closed once built")
+        assert backend.prompts == [] and screen.agent_runs[session.id].agent is None

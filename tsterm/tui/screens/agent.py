@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,8 +138,12 @@ class AgentSessions:
         """The session's tools (MCP servers start here: on a thread) and its loop. False, reported, if the
         profile's agent section cannot be built."""
         settings = self.host.agent
+        building = asyncio.ensure_future(asyncio.to_thread(build_toolset, settings, self.app.agent_workspace))
         try:
-            toolset = await asyncio.to_thread(build_toolset, settings, self.app.agent_workspace)
+            toolset = await asyncio.shield(building)
+        except asyncio.CancelledError:  # esc or quit while MCP servers start: stop them once they have
+            building.add_done_callback(_close_when_built)
+            raise
         except Exception as e:  # noqa: BLE001 - a bad agent section (ConfigError) or a server that did not start
             user_error = isinstance(e, (TstermError, OSError))
             await self._agent_error(session, "the agent's tools could not be set up: "
@@ -288,3 +293,9 @@ class AgentSessions:
     async def close_agents(self) -> None:
         for session_id in list(self.agent_runs):
             await self.close_agent(session_id)
+
+
+def _close_when_built(building: asyncio.Future) -> None:
+    """A tool set built for a task that was cancelled meanwhile: close it (on a thread: MCP servers take a while)."""
+    if not building.cancelled() and building.exception() is None:
+        threading.Thread(target=building.result().close, name="tsterm-toolset-close", daemon=True).start()
