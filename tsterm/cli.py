@@ -134,6 +134,8 @@ def _import_gguf(rest: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tsterm", description="A terminal workstation for local MoE language models.")
     parser.add_argument("--profile", help="profile name or YAML path (default: default)")
+    parser.add_argument("--auto", action="store_true", help="TUI agent sessions run write/command tools without asking")
+    parser.add_argument("--workspace", help="the directory TUI agent sessions' tools work in (default: the profile's)")
     sub = parser.add_subparsers(dest="command")
 
     run = sub.add_parser("run", help="one-shot generation, streamed to stdout")
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:  # bare `tsterm` (or `tsterm --profile X`): the workstation
         from tsterm.tui import main as tui
-        return tui(args.profile or "default")
+        return tui(args.profile or "default", auto_approve=args.auto, workspace=args.workspace)
     try:
         return args.func(args)
     except TstermError as e:

@@ -161,7 +161,7 @@ async def test_abort_while_generating_ends_the_task_and_the_session_goes_on(toke
             agent.abort()
     assert events[-1].reason == "aborted" and not of(events, StepFinished)
     assert backend.aborted == ["%s-1" % agent.session.id]
-    assert agent.steps == [] and agent.session.token_ids == []
+    assert agent.steps == [] and agent.session.token_ids == [] and agent.session.messages == []
     assert (await run(agent, "again"))[-1] == AgentFinished("next", "answer", 1)
 
 

@@ -101,7 +101,8 @@ async def test_a_write_asks_first_deny_refuses_allow_writes(make_profile, data_d
         assert dialog.tool == "write_file" and dialog.arguments == {"path": "out.txt", "content": "hello"}
         assert str(workspace) in text_of(dialog.query_one("#approve-cwd"))
         assert '"content": "hello"' in text_of(dialog.query_one("#approve-args"))
-        assert screen.query_one(ToolCallView).state.status == "waiting"
+        await wait_until(pilot, lambda: screen.query_one(ToolCallView).state.status == "waiting",
+                         what="the call's block, waiting")  # mounted by a message that may follow the dialog
         await pilot.press("n")
         await task_done(pilot, session, 2)
         block = screen.query(ToolCallView).last()

@@ -241,6 +241,8 @@ class Agent:
                 yield event
             if step is None:  # aborted while generating
                 reason = "aborted"
+                if len(self.steps) == first:  # nothing of this task happened: the session is as it was
+                    self.session.drop_last_user()
                 break
             answer = step.text
             if not step.tool_calls:
