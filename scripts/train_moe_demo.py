@@ -214,7 +214,7 @@ def to_windows(ids: list[int], seq_len: int) -> torch.Tensor:
 
 
 # ---- export
-def export(out: Path, model: Qwen3MoeLM, tok: Tokenizer, report: dict, heldout_slice: str) -> None:
+def export(out: Path, model: Qwen3MoeLM, tok: Tokenizer, report: dict, heldout_slice: str | None = None) -> None:
     s = model.spec
     out.mkdir(parents=True, exist_ok=True)  # the files below are overwritten; nothing else there is touched
     tok.save(str(out / "tokenizer.json"))
@@ -231,7 +231,8 @@ def export(out: Path, model: Qwen3MoeLM, tok: Tokenizer, report: dict, heldout_s
                                                  "eos_token_id": [eos_id, endoftext_id]})
     tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "heldout.txt").write_text(heldout_slice, encoding="utf-8")
+    if heldout_slice is not None:  # moe-demo ships its perplexity slice; other demo models have none
+        (out / "heldout.txt").write_text(heldout_slice, encoding="utf-8")
     write_json(out / "training.json", report)
 
 

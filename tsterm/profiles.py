@@ -363,7 +363,8 @@ def _smollm2() -> Path:
 
 # Shipped model names a profile may use instead of a path: imported into the user cache on first use.
 SHIPPED_MODELS = {"smollm2-135m-instruct": _smollm2,
-                  "moe-demo": lambda: Path(__file__).resolve().parent / "models" / "moe_demo"}
+                  "moe-demo": lambda: Path(__file__).resolve().parent / "models" / "moe_demo",
+                  "agent-demo": lambda: Path(__file__).resolve().parent / "models" / "agent_demo"}
 
 
 def _demo_progress(name: str, verb: str = "generating demo:"):
