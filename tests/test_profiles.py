@@ -221,7 +221,8 @@ def test_profiles_list(tmp_path, capsys):
     write(tmp_path / "profiles" / "default.yaml", "description: my own default\nmodel: m\n")
     assert main(["profiles", "list"]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[0] for line in out.splitlines()] == ["bench", "default", "moe-demo", "qwen3-30b-a3b"]
+    assert [line.split()[0] for line in out.splitlines()] == ["agent-demo", "bench", "default", "moe-demo",
+                                                                 "qwen3-30b-a3b"]
     assert "my own default" in out and str(tmp_path / "profiles" / "default.yaml") in out
     assert str(SHIPPED_DIR / "default.yaml") not in out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,6 +33,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, dest="max_steps", help="model calls at most (profile: agent.max_steps)")
     p.add_argument("--auto", action="store_true", help="run write and command tools without asking")
     p.add_argument("--workspace", help="the directory the tools work in (default: the profile's, else .)")
+    p.add_argument("--tools", help="comma-separated built-in tools to offer (default: the profile's agent.tools, "
+                   "else calculator,read_file,list_dir,grep)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--json", action="store_true", help="print one JSON object (answer and every step) instead")
     p.add_argument("--trace", metavar="FILE", help="save the session's trace (for `tsterm bench --trace FILE`)")
@@ -54,6 +57,8 @@ def main(args: argparse.Namespace) -> int:
         args.profile = "default"
     profile = profile_from_args(args)
     settings = profile.agent_settings() if profile else AgentSettings()
+    if args.tools is not None:
+        settings = dataclasses.replace(settings, tools=[t.strip() for t in args.tools.split(",") if t.strip()])
     options = settings.loop_options(max_steps=args.max_steps, auto_approve=True if args.auto else None)
     overrides = {key: getattr(args, key) for key in ("temperature", "max_tokens", "seed")}
     params = profile.sampling_params(**overrides) if profile else _params(overrides)
