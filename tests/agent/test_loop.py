@@ -94,6 +94,10 @@ async def test_a_call_its_result_and_the_answer_with_exact_ids(tokenizer):
                                               "result": "14", "error": None}]
     assert out["steps"][1]["prompt_tokens"] == len(second) and out["steps"][1]["cached_tokens"] == s2.cached_tokens
     json.dumps(out)  # plain JSON
+    trace = agent.trace("m")
+    assert [len(s["tool_latency_s"]) for s in trace["steps"]] == [1, 0]
+    assert [(s["prompt_tokens"], s["kept_tokens"]) for s in trace["steps"]] == [(len(first), 0), (len(second),
+                                                                                                 len(step1))]
 
 
 async def test_several_calls_in_one_turn_run_in_order(tokenizer):

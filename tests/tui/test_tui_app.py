@@ -262,13 +262,19 @@ async def test_a_failed_turn_leaves_the_session_intact(make_profile, data_dir):
         assert session.turns[0].generated_tokens == 2
 
 
+def load_agent_trace_steps(path) -> list[dict]:
+    data = json.loads(path.read_text())
+    assert data["format"] == "tsterm-agent-trace" and "hi" not in path.read_text()
+    return data["steps"]
+
+
 async def test_commands_palette_and_dialogs(make_profile, data_dir, tmp_path):
     app = TstermApp(make_profile(max_tokens=6))
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_screen(pilot)
         session = screen.session
         await say(pilot, "/help")
-        assert "/export md|json [PATH]" in screen.query(MessageView).last().text
+        assert "/export md|json|trace [PATH]" in screen.query(MessageView).last().text
         await say(pilot, "/bogus")
         assert screen.query(MessageView).last().role == "error"
         await say(pilot, "/system be terse")
@@ -277,6 +283,10 @@ async def test_commands_palette_and_dialogs(make_profile, data_dir, tmp_path):
         await turns_done(pilot, session, 1)
         await say(pilot, f"/export md {tmp_path / 'out.md'}")
         await say(pilot, f"/export json {tmp_path / 'out.json'}")
+        await say(pilot, "/export trace")  # for `tsterm bench --trace`: token counts per turn, no text
+        trace = load_agent_trace_steps(data_dir / "exports" / f"{session.id}.trace.json")
+        assert trace == [{"prompt_tokens": session.turns[0].prompt_tokens, "kept_tokens": 0, "cached_tokens":
+                          session.turns[0].cached_tokens, "generated_tokens": 6, "tool_latency_s": []}]
         assert "## user\n\nhi" in (tmp_path / "out.md").read_text()
         assert json.loads((tmp_path / "out.json").read_text())["token_ids"] == session.token_ids
         await say(pilot, "/export md")  # no path: the exports folder of the data dir

@@ -17,7 +17,8 @@ def test_parse_commands():
     assert parse_command("/he") == Command("help")  # an unambiguous prefix
     with pytest.raises(CommandError, match="unknown command /nope"):
         parse_command("/nope")
-    with pytest.raises(CommandError, match=r"usage: /export md\|json \[PATH\]"):
+    assert parse_command("/export trace") == Command("export", "trace")
+    with pytest.raises(CommandError, match=r"usage: /export md\|json\|trace \[PATH\]"):
         parse_command("/export pdf x")
     with pytest.raises(CommandError, match="usage: /rename TITLE"):
         parse_command("/rename")

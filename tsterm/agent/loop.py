@@ -355,19 +355,10 @@ class Agent:
         return {"answer": answer, "steps": [s.to_json() for s in self.steps]}
 
     def trace(self, model: str | None = None) -> dict[str, Any]:
-        """A replayable trace of this session: token counts per step and tool latencies (no text)."""
-        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": model,
-                "steps": [_trace_step(s) for s in self.steps]}
-
-
-TRACE_FORMAT = "tsterm-agent-trace"
-TRACE_VERSION = 1
-
-
-def _trace_step(step: AgentStep) -> dict[str, Any]:
-    return {"prompt_tokens": step.prompt_tokens, "kept_tokens": step.kept_tokens,
-            "cached_tokens": step.cached_tokens, "generated_tokens": step.generated_tokens,
-            "tool_latency_s": [round(c.duration_s, 6) for c in step.tool_calls]}
+        """A replayable trace of this session (Session.trace) with its tools' latencies."""
+        latencies = [[c.duration_s for c in step.tool_calls] for step in self.steps]
+        offset = max(0, len(self.session.turns) - len(latencies))  # turns from before this Agent (a reopened session)
+        return self.session.trace(model, [[]] * offset + latencies)
 
 
 def _record(call: ToolCall) -> ToolCallRecord:

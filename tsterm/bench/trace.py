@@ -13,10 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tsterm.chat.session import TRACE_FORMAT, TRACE_VERSION  # what Session.trace / `tsterm agent --trace` write
 from tsterm.errors import ConfigError
-
-TRACE_FORMAT = "tsterm-agent-trace"  # what tsterm.agent.loop.Agent.trace writes
-TRACE_VERSION = 1
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from typing import Any
 from tsterm.chat.plan import PromptPlan, TextCodec, plan_prompt
 
 FORMAT_VERSION = 1
+TRACE_FORMAT = "tsterm-agent-trace"  # a session's token counts per turn, replayed by `tsterm bench --trace FILE`
+TRACE_VERSION = 1
 Render = Callable[[list[dict]], str]  # messages -> prompt text (chat template + generation prompt)
 
 
@@ -165,6 +167,17 @@ class Session:
     @property
     def num_misses(self) -> int:
         return sum(t.miss for t in self.turns)
+
+    def trace(self, model: str | None = None, tool_latency_s: list[list[float]] | None = None) -> dict[str, Any]:
+        """This session's shape for `tsterm bench --trace`: per turn (agent step) the prompt, kept, cached and
+        generated token counts, and the seconds its tools took (`tool_latency_s[i]` for turn i, when known).
+        No text and no token ids: a trace can be shared."""
+        latencies = tool_latency_s or []
+        steps = [{"prompt_tokens": t.prompt_tokens, "kept_tokens": t.kept_tokens, "cached_tokens": t.cached_tokens,
+                  "generated_tokens": t.generated_tokens,
+                  "tool_latency_s": [round(x, 6) for x in latencies[i]] if i < len(latencies) else []}
+                 for i, t in enumerate(self.turns)]
+        return {"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": model, "steps": steps}
 
     # ---- serialisation
     def to_dict(self) -> dict[str, Any]:

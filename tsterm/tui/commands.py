@@ -31,13 +31,13 @@ COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (
                 needs_arg=True),
     CommandSpec("clear", "/clear", "clear this session's conversation (keeps the system prompt)"),
     CommandSpec("save", "/save", "save every session now"),
-    CommandSpec("export", "/export md|json [PATH]", "export this session as Markdown or JSON (default: the exports "
-                "folder of the data dir)", needs_arg=True),
+    CommandSpec("export", "/export md|json|trace [PATH]", "export this session as Markdown, JSON or a trace for "
+                "`tsterm bench --trace` (default: the exports folder of the data dir)", needs_arg=True),
     CommandSpec("stats", "/stats", "show or hide the dashboard"),
     CommandSpec("help", "/help", "list commands and keys"),
 )}
 
-EXPORT_FORMATS = ("md", "json")
+EXPORT_FORMATS = ("md", "json", "trace")
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,20 @@ class SessionActions:
 
     def action_export(self, fmt: str, path: str = "") -> None:
         session = self.session
-        target = Path(path).expanduser() if path else self.store.directory.parent / "exports" / f"{session.id}.{fmt}"
-        text = session.to_markdown() if fmt == "md" else json.dumps(session.to_dict(), ensure_ascii=False, indent=1)
+        suffix = {"md": "md", "json": "json", "trace": "trace.json"}[fmt]
+        target = Path(path).expanduser() if path else self.store.directory.parent / "exports" / f"{session.id}.{suffix}"
+        if fmt == "md":
+            text = session.to_markdown()
+        elif fmt == "json":
+            text = json.dumps(session.to_dict(), ensure_ascii=False, indent=1)
+        else:  # token counts per turn (agent step) and its tools' latencies, for `tsterm bench --trace`
+            if not session.turns:
+                self.notify("this session has no turns yet: nothing to trace", severity="warning")
+                return
+            run = getattr(self, "agent_runs", {}).get(session.id)
+            agent = getattr(run, "agent", None)
+            trace = agent.trace(self.host.model_name) if agent is not None else session.trace(self.host.model_name)
+            text = json.dumps(trace, indent=1)
         try:
             atomic_write(target, text)
         except OSError as e:
