@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tsterm.bench import add_parser as add_bench_parser
     add_bench_parser(sub)
 
+    from tsterm.server.serve import add_parser as add_serve_parser
+    add_serve_parser(sub)
+
     gguf = sub.add_parser("import-gguf", help="convert a GGUF file into an HF-format model directory", add_help=False)
     gguf.set_defaults(func=lambda args: _import_gguf(args.rest))
     gguf.add_argument("rest", nargs=argparse.REMAINDER)

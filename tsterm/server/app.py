@@ -1,0 +1,96 @@
+"""The ASGI app: `create_app(state)` -> FastAPI with the OpenAI router, `/health`, `/metrics`, the API-key check,
+the body-size limit (FastAPI's max_body_size) and OpenAI-style error bodies. Another API (Anthropic's) adds its
+router with `app.include_router(router, dependencies=[the same key check])`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tsterm.server.errors import APIError
+from tsterm.server.metrics import EngineCollector, ServerMetrics
+from tsterm.server.openai_api import router as openai_router
+from tsterm.server.protocol import Health
+from tsterm.server.state import ServerState
+
+
+class RequestCounter:
+    """ASGI middleware: counts every HTTP request by its route and status code (outermost, so 413s count too)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
+
+
+def create_app(state: ServerState) -> FastAPI:
+    metrics = ServerMetrics(EngineCollector(state.engine.stats, state.engine.engine.metrics))
+    app = FastAPI(title="tsterm", docs_url=None, redoc_url=None, openapi_url=None,
+                  max_body_size=state.limits.max_body_bytes)  # past it: a 413
+    app.state.server = state
+    app.state.metrics = metrics
+
+    async def check_key(request: Request) -> None:
+        if state.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
+                           type_="authentication_error", code="invalid_api_key")
+
+    guarded = [Depends(check_key)]
+    app.include_router(openai_router, dependencies=guarded)
+
+    @app.get("/health", response_model=Health)
+    async def health() -> Health:
+        return Health(model=state.model_name)
+
+    @app.get("/metrics", dependencies=guarded)
+    async def scrape() -> Response:
+        body = await asyncio.to_thread(generate_latest, metrics.registry)  # the collector waits on the engine
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+                            code="invalid_json").response()
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                            for e in errors[:5])
+        return APIError(400, message or "invalid request", param=".".join(where) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_=kind).response()
+
+    app.add_middleware(RequestCounter, metrics=metrics)
+    return app

@@ -1,0 +1,82 @@
+"""`GET /metrics`: a per-app prometheus_client registry.
+
+The engine's own counters and histograms (`engine.metrics`, `engine.stats()`, vLLM-style `tsterm:` names) are read at
+scrape time by a custom collector; the server adds what only it sees: requests by endpoint and status, and the
+prompt, cached and generated tokens of the requests it served.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class EngineCollector(Collector):
+    """Reads the engine at each scrape: `stats` is a blocking call answered on the engine thread (scrape from a worker
+    thread); `engine_metrics` is the engine's EngineMetrics."""
+
+    def __init__(self, stats: Callable[[], dict], engine_metrics: Any):
+        self.stats, self.engine_metrics = stats, engine_metrics
+
+    def collect(self) -> Iterator[Metric]:
+        s, m = self.stats(), self.engine_metrics
+        gauges = (("num_requests_running", "Requests in the running batch.", s["running"]),
+                  ("num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"]),
+                  ("kv_cache_usage_perc", "Fraction of KV blocks referenced by requests (0-1).",
+                   s["used"] / max(s["num_blocks"], 1)),
+                  ("kv_cache_blocks_used", "KV blocks referenced by requests.", s["used"]),
+                  ("kv_cache_blocks_cached", "Unreferenced KV blocks kept for prefix reuse.", s["cached"]),
+                  ("kv_cache_blocks_pinned", "KV blocks pinned for waiting sessions.", s.get("pinned_blocks", 0)))
+        for name, help_text, value in gauges:
+            yield GaugeMetricFamily(f"tsterm:{name}", help_text, value=value)
+        counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_query_tokens"]),
+                    ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hit_tokens"]),
+                    ("num_preemptions", "Requests preempted for lack of KV blocks.", s["preemptions"]),
+                    ("prompt_tokens", "Prompt tokens of finished requests.", m.prompt_tokens),
+                    ("generation_tokens", "Generated tokens.", m.generation_tokens))
+        for name, help_text, value in counters:
+            yield CounterMetricFamily(f"tsterm:{name}", help_text, value=value)
+        success = CounterMetricFamily("tsterm:request_success", "Finished requests by finish reason.",
+                                      labels=["finished_reason"])
+        for reason, count in sorted(dict(m.requests_finished).items()):
+            success.add_metric([reason], count)
+        yield success
+        for name, hist, help_text in (("time_to_first_token_seconds", m.ttft, "Time to first token."),
+                                      ("inter_token_latency_seconds", m.itl, "Time between generated tokens."),
+                                      ("e2e_request_latency_seconds", m.e2e, "End-to-end request latency."),
+                                      ("request_queue_time_seconds", m.queue, "Time from arrival to first schedule.")):
+            counts, cumulative, buckets = list(hist.counts), 0, []
+            for bound, count in zip((*hist.buckets, float("inf")), counts):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            yield HistogramMetricFamily(f"tsterm:{name}", help_text, buckets=buckets, sum_value=hist.total)
+
+
+class ServerMetrics:
+    """The server's own metrics, in `registry` (one per app: two apps in one process never share counters)."""
+
+    def __init__(self, engine_collector: Collector | None = None):
+        self.registry = CollectorRegistry(auto_describe=False)  # a scrape, not registration, reads the engine
+        self.requests = Counter("tsterm:server_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("tsterm:server_prompt_tokens", "Prompt tokens of the server's requests.",
+                                     registry=self.registry)
+        self.cached_tokens = Counter("tsterm:server_cached_prompt_tokens",
+                                     "Prompt tokens of the server's requests served from the prefix cache.",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("tsterm:server_generation_tokens",
+                                         "Tokens generated for the server's requests.", registry=self.registry)
+        self.disconnects = Counter("tsterm:server_client_disconnects",
+                                   "Requests aborted because their client went away.", registry=self.registry)
+        self.in_flight = Gauge("tsterm:server_requests_in_flight", "Generation requests admitted and not finished.",
+                               registry=self.registry)
+        if engine_collector is not None:
+            self.registry.register(engine_collector)
+
+    def on_usage(self, prompt: int, cached: int, generated: int) -> None:
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self.generation_tokens.inc(generated)

@@ -1,0 +1,120 @@
+"""`tsterm serve`: load the model, then serve the OpenAI-compatible API with uvicorn.
+
+Binds 127.0.0.1 by default. Any other address needs an API key (`--api-key` or TSTERM_API_KEY): refused at start
+without one. The key is never printed or logged. `BackgroundServer` runs the same app on a thread (tests, the TUI).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tsterm.config import SamplingParams
+from tsterm.errors import ConfigError
+
+API_KEY_ENV = "TSTERM_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """A non-loopback bind without an API key would open the engine to the network: refuse it."""
+    if not is_loopback(host) and not api_key:
+        raise ConfigError(f"--host {host} is reachable from other machines: set an API key (--api-key or "
+                          f"{API_KEY_ENV}) to bind it, or bind 127.0.0.1")
+
+
+def build_state(llm: Any, aengine: Any, model_name: str, defaults: SamplingParams | None = None,
+                api_key: str | None = None, **limits: Any) -> Any:
+    from tsterm.server.state import ServerLimits, ServerState
+
+    return ServerState(engine=aengine, tokenizer=llm.tokenizer, model_name=model_name,
+                       max_model_len=llm.engine.max_model_len, defaults=defaults or SamplingParams(),
+                       api_key=api_key or None, limits=ServerLimits(**limits))
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on a daemon thread; `port` 0 picks a free one (read `.port` after `start`)."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off"))
+        self.host = host
+        self.port = port
+        self._thread = threading.Thread(target=self.server.run, name="tsterm-serve", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="HF-format model directory (or demo:tiny)")
+    p.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs a key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", dest="api_key", help=f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})")
+    p.add_argument("--model-name", dest="model_name", help="the served model name (default: the profile's or the "
+                   "model directory's name)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tsterm.engine.async_engine import AsyncEngine
+    from tsterm.launch import llm_from_args, profile_from_args
+    from tsterm.server.app import create_app
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    check_bind(args.host, api_key)  # before the (slow) model load
+    if not (1 <= args.port <= 65535):
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    if not args.model and not getattr(args, "profile", None):
+        args.profile = "default"
+    profile = profile_from_args(args)
+    name = args.model_name or (profile.name if profile else Path(args.model).name)
+    llm = llm_from_args(args, profile)
+    aengine = AsyncEngine(llm.engine)
+    try:
+        state = build_state(llm, aengine, name, profile.sampling_params() if profile else None, api_key)
+        server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info",
+                                               lifespan="off"))
+        print(f"tsterm serve: {name} on http://{args.host}:{args.port}/v1 (OpenAI API)"
+              f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
+        server.run()
+    finally:
+        aengine.shutdown()
+        llm.engine.shutdown()
+    return 0
