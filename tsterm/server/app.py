@@ -1,5 +1,5 @@
 """The ASGI app: `create_app(state)` -> FastAPI with the OpenAI router, `/health`, `/metrics`, the API-key check,
-the body-size limit (FastAPI's max_body_size) and OpenAI-style error bodies. Another API (Anthropic's) adds its
+the body-size limit and OpenAI-style error bodies. Another API (Anthropic's) adds its
 router with `app.include_router(router, dependencies=[the same key check])`.
 """
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,15 +22,34 @@ from tsterm.server.state import ServerState
 
 
 class RequestCounter:
-    """ASGI middleware: counts every HTTP request by its route and status code (outermost, so 413s count too)."""
+    """ASGI middleware, outermost: counts every HTTP request by its route and status code, and answers a declared
+    Content-Length past `max_body_bytes` with an OpenAI-style 413; a chunked body that grows past it is stopped as
+    it is read (an HTTPException(413), answered by the app's handler)."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int):
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         status = [500]
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            error = APIError(413, f"the request body has {int(length)} bytes; this server takes at most "
+                             f"{self.max_body_bytes}", code="request_too_large")
+            self.metrics.requests.labels("unmatched", "413").inc()
+            return await error.response()(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise HTTPException(413, f"the request body is larger than this server's limit of "
+                                        f"{self.max_body_bytes} bytes")
+            return message
 
         async def send_status(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -38,7 +57,7 @@ class RequestCounter:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, limited_receive, send_status)
         finally:
             route = scope.get("route")
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
@@ -46,8 +65,7 @@ class RequestCounter:
 
 def create_app(state: ServerState) -> FastAPI:
     metrics = ServerMetrics(EngineCollector(state.engine.stats, state.engine.engine.metrics))
-    app = FastAPI(title="tsterm", docs_url=None, redoc_url=None, openapi_url=None,
-                  max_body_size=state.limits.max_body_bytes)  # past it: a 413
+    app = FastAPI(title="tsterm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.state.metrics = metrics
 
@@ -92,5 +110,5 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type_=kind).response()
 
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(RequestCounter, metrics=metrics, max_body_bytes=state.limits.max_body_bytes)
     return app

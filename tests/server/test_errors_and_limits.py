@@ -1,0 +1,184 @@
+"""Bad inputs get an OpenAI-style 4xx and the server keeps serving; API keys, the bind check, the body and in-flight
+limits; a client that leaves mid-request frees its blocks; concurrent streams equal their solo runs."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.server.conftest import AGENT_DEMO, MODEL, http, wait_blocks_free
+from tsterm.agent.tools import Calculator
+from tsterm.cli import main
+from tsterm.errors import ConfigError
+from tsterm.server.serve import check_bind
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0}
+TOOL_HISTORY = [{"role": "user", "content": "What is 2 + 2?"},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c1", "type": "function",
+                                 "function": {"name": "calculator", "arguments": "{not json"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}]
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ('{"model": "agent-demo", "messages": [', 400, "not valid JSON"),
+    ({**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ({**GOOD, "top_p": 5}, 400, "top_p"),
+    ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ({**GOOD, "messages": []}, 400, "messages"),
+    ({**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({**GOOD, "stop": [""]}, 400, "stop strings must be non-empty"),
+    ({**GOOD, "model": "gpt-4"}, 404, "does not exist"),
+    ({**GOOD, "n": 9}, 400, "at most 8"),
+    ({**GOOD, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context"),
+    ({**GOOD, "messages": TOOL_HISTORY, "tools": [Calculator().spec()]}, 400, "not valid JSON"),
+    ({**GOOD, "tools": [Calculator().spec()], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     400, "not among the tools"),
+    ({**GOOD, "top_logprobs": 2}, 400, "logprobs"),
+])
+def test_bad_chat_inputs_are_4xx_and_the_server_keeps_serving(server, body, status, fragment):
+    code, text = http("POST", f"{server.url}/v1/chat/completions", body)
+    error = json.loads(text)["error"]
+    assert code == status and fragment in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    code, text = http("POST", f"{server.url}/v1/chat/completions", GOOD)
+    assert code == 200 and json.loads(text)["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"model": MODEL, "prompt": [1, 99999]}, "outside the vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "echo": True}, "echo"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "one prompt"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+])
+def test_bad_completion_inputs(server, body, fragment):
+    code, text = http("POST", f"{server.url}/v1/completions", body)
+    assert code == 400 and fragment in json.loads(text)["error"]["message"]
+
+
+def test_unknown_route_is_an_openai_style_404(server):
+    code, text = http("GET", f"{server.url}/v1/nothing")
+    assert code == 404 and "message" in json.loads(text)["error"]
+
+
+def test_api_key(make_server):
+    server = make_server(api_key="s3cret-key")
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(**GOOD)
+    code, _ = http("GET", f"{server.url}/metrics")
+    assert code == 401
+    right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret-key", max_retries=0)
+    assert right.chat.completions.create(**GOOD).choices[0].message.role == "assistant"
+    assert [m.id for m in right.models.list()] == [MODEL]
+
+
+def test_non_loopback_bind_needs_a_key(capsys, monkeypatch):
+    monkeypatch.delenv("TSTERM_API_KEY", raising=False)
+    assert main(["serve", "--model", str(AGENT_DEMO), "--host", "0.0.0.0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "API key" in err and "0.0.0.0" in err
+    with pytest.raises(ConfigError):
+        check_bind("192.168.1.5", None)
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("0.0.0.0", "a-key")
+
+
+def test_body_size_limit(make_server):
+    server = make_server(max_body_bytes=2000)
+    code, text = http("POST", f"{server.url}/v1/chat/completions",
+                      {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]})
+    assert code == 413 and json.loads(text)["error"]["message"]
+    assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200
+
+
+def _long_stream(client, **extra):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}],
+                                          max_tokens=800, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True}, **extra)
+
+
+def test_in_flight_limit_is_a_429(make_server, aengine):
+    server = make_server(max_queued_requests=1)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    stream = _long_stream(client)
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(**GOOD)
+    assert "limit of 1 requests in flight" in err.value.body["message"]
+    stream.close()
+    deadline = time.monotonic() + 10
+    while http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 429 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200
+    assert wait_blocks_free(aengine)["used"] == 0
+
+
+def _aborted(llm) -> int:
+    return llm.engine.metrics.requests_finished.get("abort", 0)
+
+
+def test_disconnect_mid_stream_frees_the_blocks(client, llm, aengine):
+    before = _aborted(llm)
+    stream = _long_stream(client)
+    chunks = iter(stream)
+    for _ in range(5):
+        next(chunks)
+    assert aengine.stats()["used"] > 0
+    stream.close()
+    assert wait_blocks_free(aengine)["used"] == 0
+    assert _aborted(llm) == before + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_completion(server, llm, aengine):
+    before = _aborted(llm)
+    body = json.dumps({**GOOD, "max_tokens": 800, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while aengine.stats()["used"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert wait_blocks_free(aengine)["used"] == 0
+    assert _aborted(llm) == before + 1
+
+
+def test_concurrent_greedy_streams_equal_their_solo_runs(client, aengine):
+    prompts = [f"Question {i}: what is {i} + {i}?" for i in range(8)]
+
+    def run(prompt: str) -> str:
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=24, temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    solo = [run(p) for p in prompts]
+    results: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(prompts[i]))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(8)] == solo
+    assert wait_blocks_free(aengine)["used"] == 0
+
+
+def test_a_chunked_body_past_the_limit_is_a_413(make_server):
+    server = make_server(max_body_bytes=2000)
+    body = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+
+    def chunks():
+        for i in range(0, len(body), 1000):
+            yield body[i:i + 1000]
+
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(f"{server.url}/v1/chat/completions", data=chunks(), method="POST",
+                                     headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 413 and "limit" in json.loads(err.value.read())["error"]["message"]
