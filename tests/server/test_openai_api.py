@@ -146,3 +146,21 @@ def test_metrics_parse_and_count(client, server):
 def test_blocks_are_free_after_requests(client, aengine):
     client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4)
     assert wait_blocks_free(aengine)["used"] == 0
+
+
+def test_several_calls_in_one_turn_split_across_deltas():
+    from tsterm.server.openai_api import _ChoiceParser, _Tools
+
+    text = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>')
+    parser = _ChoiceParser(_Tools(TOOLS, parse=True, required=False))
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
+    content, calls = "", []
+    for n, piece in enumerate(pieces):
+        c, new = parser.feed(piece, final=n == len(pieces) - 1)
+        content, calls = content + c, calls + new
+    assert content.strip() == "Let me compute."
+    assert [json.loads(json.dumps(c.arguments)) for c in calls] == [{"expression": "1 + 2"}, {"expression": "3 * 4"}]
+    assert len({c.id for c in calls}) == 2
+    other = _ChoiceParser(_Tools(TOOLS, parse=True, required=False))
+    assert not {c.id for c in other.feed(text, final=True)[1]} & {c.id for c in calls}  # ids unique across turns
