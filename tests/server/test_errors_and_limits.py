@@ -182,3 +182,58 @@ def test_a_chunked_body_past_the_limit_is_a_413(make_server):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=30)
     assert err.value.code == 413 and "limit" in json.loads(err.value.read())["error"]["message"]
+
+
+def _metric(server, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(http("GET", f"{server.url}/metrics")[1]):
+        for sample in family.samples:
+            if sample.name in (name, f"{name}_total") and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def test_mixed_load_with_a_third_disconnecting(make_server, llm, aengine):
+    server = make_server()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    aborted_before = _aborted(llm)
+    outcomes: list[str] = []
+
+    def worker(w: int) -> None:
+        for i in range(3):
+            if (w * 3 + i) % 3 == 0:  # leave mid-stream
+                stream = _long_stream(client)
+                chunks = iter(stream)
+                next(chunks), next(chunks)
+                stream.close()
+                outcomes.append("left")
+            else:
+                stream = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, stream=True,
+                                                        messages=[{"role": "user", "content": f"Say {w} {i}"}])
+                chunks = list(stream)
+                outcomes.append("done" if chunks[-1].choices[0].finish_reason else "broken")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes) == ["done"] * 16 + ["left"] * 8
+    assert wait_blocks_free(aengine)["used"] == 0
+    assert _aborted(llm) == aborted_before + 8
+    expected = {("tsterm:server_client_disconnects", ()): 8, ("tsterm:server_requests_in_flight", ()): 0,
+                ("tsterm:server_requests", (("endpoint", "/v1/chat/completions"),)): 24}
+    deadline = time.monotonic() + 10  # a response's bookkeeping ends just after its request's abort
+    while (seen := {key: _metric(server, key[0], **dict(key[1])) for key in expected}) != expected:
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.05)
+    assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200
+
+
+def test_required_tool_choice_in_a_stream_ends_with_an_error_event(client):
+    with pytest.raises(openai.APIError, match="tool_choice required"):
+        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                            tools=[Calculator().spec()], tool_choice="required", temperature=0,
+                                            max_tokens=4, stream=True))
