@@ -325,7 +325,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     tools = _tools(body)
     params = _sampling(state, body, body.max_completion_tokens or body.max_tokens,
                        (body.top_logprobs or 0) if body.logprobs else None)
-    prompt = _render_chat(state, body, tools)
+    prompt = await asyncio.to_thread(_render_chat, state, body, tools)  # a long history: off the event loop
     _check_prompt(state, prompt)
     lease = _Lease(state, metrics)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -465,7 +465,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     params = _sampling(state, body, body.max_tokens, body.logprobs)
-    prompt = _completion_prompt(state, body.prompt)
+    prompt = await asyncio.to_thread(_completion_prompt, state, body.prompt)
     _check_prompt(state, prompt)
     lease = _Lease(state, metrics)
     request_id = f"cmpl-{uuid.uuid4().hex}"
