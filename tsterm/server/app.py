@@ -38,6 +38,8 @@ class RequestCounter:
             error = APIError(413, f"the request body has {int(length)} bytes; this server takes at most "
                              f"{self.max_body_bytes}", code="request_too_large")
             self.metrics.requests.labels("unmatched", "413").inc()
+            if int(length) <= DRAIN_FACTOR * self.max_body_bytes:
+                await _drain(receive, DRAIN_FACTOR * self.max_body_bytes)
             return await error.response()(scope, receive, send)
         received = 0
 
@@ -47,6 +49,8 @@ class RequestCounter:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
+                    if message.get("more_body"):
+                        await _drain(receive, DRAIN_FACTOR * self.max_body_bytes)
                     raise HTTPException(413, f"the request body is larger than this server's limit of "
                                         f"{self.max_body_bytes} bytes")
             return message
@@ -61,6 +65,22 @@ class RequestCounter:
         finally:
             route = scope.get("route")
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
+
+
+DRAIN_FACTOR = 4  # a refused body up to this many times the limit is read (and dropped) before the 413
+
+
+async def _drain(receive: Receive, limit: int) -> None:
+    """Read and drop the rest of a refused body, up to `limit` bytes: a server that answers and closes with unread
+    request bytes makes the kernel reset the connection, and the client then often loses the 413 it was sent."""
+    drained = 0
+    while drained <= limit:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
 
 
 def create_app(state: ServerState) -> FastAPI:
