@@ -54,6 +54,13 @@ def test_tool_call_round_trip_reuses_the_cache(client):
     assert cached >= (first.usage.prompt_tokens + first.usage.completion_tokens - 1) // 16 * 16 > 0
 
 
+def test_a_reply_of_tool_calls_only_has_null_content(server):
+    status, body = http("POST", f"{server.url}/v1/chat/completions",
+                        {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "temperature": 0})
+    message = json.loads(body)["choices"][0]["message"]
+    assert status == 200 and "content" in message and message["content"] is None and message["tool_calls"]
+
+
 def test_streamed_tool_call(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
                                                  stream=True))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Body(BaseModel):
@@ -143,6 +143,14 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _content_always(self, handler: Any) -> dict[str, Any]:
+        """`content` is part of OpenAI's message even when it is null (a reply of tool calls only), while the
+        responses are otherwise dumped without their None fields."""
+        data = handler(self)
+        data.setdefault("content", None)
+        return data
 
 
 class ChatChoice(BaseModel):
