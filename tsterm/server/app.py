@@ -1,6 +1,6 @@
 """The ASGI app: `create_app(state)` -> FastAPI with the OpenAI router, `/health`, `/metrics`, the API-key check,
-the body-size limit and OpenAI-style error bodies. Another API (Anthropic's) adds its
-router with `app.include_router(router, dependencies=[the same key check])`.
+the body-size limit and OpenAI-style error bodies; the Anthropic router (`/v1/messages`) behind the same key check
+(`x-api-key` or a bearer token), its errors in Anthropic's shape.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tsterm.server.anthropic_api import is_anthropic
+from tsterm.server.anthropic_api import router as anthropic_router
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import EngineCollector, ServerMetrics
 from tsterm.server.openai_api import router as openai_router
@@ -93,12 +95,15 @@ def create_app(state: ServerState) -> FastAPI:
         if state.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic clients
+            scheme, token = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
+            raise APIError(401, "a valid API key is required: send `Authorization: Bearer <key>` or `x-api-key: <key>`",
                            type_="authentication_error", code="invalid_api_key")
 
     guarded = [Depends(check_key)]
     app.include_router(openai_router, dependencies=guarded)
+    app.include_router(anthropic_router, dependencies=guarded)
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:
@@ -110,25 +115,26 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(is_anthropic(request))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-                            code="invalid_json").response()
+                            code="invalid_json").response(is_anthropic(request))
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                             for e in errors[:5])
-        return APIError(400, message or "invalid request", param=".".join(where) or None).response()
+        return APIError(400, message or "invalid request",
+                        param=".".join(where) or None).response(is_anthropic(request))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_=kind).response()
+        return APIError(exc.status_code, str(exc.detail), type_=kind).response(is_anthropic(request))
 
     app.add_middleware(RequestCounter, metrics=metrics, max_body_bytes=state.limits.max_body_bytes)
     return app

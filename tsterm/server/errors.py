@@ -1,4 +1,5 @@
-"""The server's client-facing error: an OpenAI-style `{"error": {...}}` body with an HTTP status."""
+"""The server's client-facing error: an OpenAI-style `{"error": {...}}` body with an HTTP status (or Anthropic's
+shape on the Anthropic routes)."""
 from __future__ import annotations
 
 from fastapi.responses import JSONResponse
@@ -18,5 +19,16 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
                                                code=self.code)).model_dump()
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape: `{"type": "error", "error": {"type": ..., "message": ...}}`."""
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500
+                                                                       else "invalid_request_error"),
+                                           "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status)
+
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "api_error"}

@@ -259,7 +259,11 @@ def _tools(body: ChatCompletionRequest) -> _Tools:
 
 
 def _render_chat(state: ServerState, body: ChatCompletionRequest, tools: _Tools) -> list[int]:
-    messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+    return _render_messages(state, [_template_message(m, i) for i, m in enumerate(body.messages)], tools)
+
+
+def _render_messages(state: ServerState, messages: list[dict], tools: _Tools) -> list[int]:
+    """Chat-template messages (tool calls with object arguments) -> prompt ids; shared with the Anthropic route."""
     try:
         ids = state.tokenizer.apply_chat_template(messages, tools=tools.offered, add_generation_prompt=True,
                                                   tokenize=True)
@@ -283,9 +287,9 @@ def _chat_logprobs(state: ServerState, entries: list[dict]) -> ChoiceLogprobs:
 class _ChoiceParser:
     """One choice's reply split into content and OpenAI tool calls, fed delta by delta."""
 
-    def __init__(self, tools: _Tools):
-        self.parser = ToolCallParser(tools.offered, id_prefix=f"call_{uuid.uuid4().hex[:12]}_") if tools.parse \
-            else None
+    def __init__(self, tools: _Tools, prefix: str = "call"):
+        self.parser = ToolCallParser(tools.offered, id_prefix=f"{prefix}_{uuid.uuid4().hex[:12]}_") \
+            if tools.parse else None
         self.calls: list[ToolCall] = []
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:

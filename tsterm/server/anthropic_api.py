@@ -1,0 +1,299 @@
+"""The Anthropic Messages API: `POST /v1/messages` (streaming as Anthropic's SSE events), on the same engine.
+
+The request becomes the same chat-template messages the OpenAI route renders (system -> a system message, assistant
+text + tool_use blocks -> one assistant message with `tool_calls`, tool_result blocks -> `tool` messages), so a
+follow-up request re-renders the history the model produced and reuses the prefix cache. Prompt rendering, the
+tool-call parser, admission, generation with disconnect watching and usage counting are openai_api's. tool_choice
+"any" and a named tool render the tools but do not constrain decoding: a reply without a valid call is a 422.
+A streamed tool_use block carries its whole input in one `input_json_delta`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tsterm.agent.tool_calls import ToolCall
+from tsterm.config import SamplingParams
+from tsterm.errors import TstermError
+from tsterm.outputs import CompletionOutput, RequestOutput
+from tsterm.server.errors import APIError
+from tsterm.server.metrics import ServerMetrics
+from tsterm.server.openai_api import (
+    SSEResponse, _check_model, _check_prompt, _ChoiceParser, _count_usage, _engine_error, _gone, _Lease,
+    _render_messages, _run_to_end, _Tools, _unsatisfied,
+)
+from tsterm.server.state import ServerState
+
+router = APIRouter()
+PATH = "/v1/messages"
+
+
+def is_anthropic(request: Request) -> bool:
+    """Whether `request` is on an Anthropic route (its errors take Anthropic's shape)."""
+    return request.url.path.startswith(PATH)
+
+
+# ---- bodies ------------------------------------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(_Body):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[TextBlock | ToolUseBlock | ToolResultBlock]
+
+
+class Tool(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class MessagesRequest(_Body):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[TextBlock] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    stop_sequences: list[str] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    stream: bool = False
+
+
+# ---- request -> prompt -------------------------------------------------------------------------------------
+
+
+def _text(content: str | list[TextBlock] | None) -> str:
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(block.text for block in content)
+
+
+def _template_messages(body: MessagesRequest) -> list[dict]:
+    out: list[dict] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system)})
+    for message in body.messages:
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        text, calls = [], []
+        for block in message.content:
+            if isinstance(block, TextBlock):
+                text.append(block.text)
+            elif isinstance(block, ToolUseBlock):
+                if message.role != "assistant":
+                    raise APIError(400, "tool_use blocks belong in assistant messages", param="messages")
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": block.input}})
+            else:
+                if message.role != "user":
+                    raise APIError(400, "tool_result blocks belong in user messages", param="messages")
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                result = _text(block.content)
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": f"Error: {result}" if block.is_error else result})
+        if message.role == "assistant":
+            entry: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                entry["tool_calls"] = calls
+            out.append(entry)
+        elif text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _tools(body: MessagesRequest) -> _Tools:
+    specs = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}} for t in body.tools or []]
+    kind = body.tool_choice.type if body.tool_choice else "auto"
+    if not specs:
+        if kind in ("any", "tool"):
+            raise APIError(400, "tool_choice requires tools", param="tool_choice")
+        return _Tools(None, False, False)
+    if kind == "none":
+        return _Tools(None, False, False)
+    if kind == "tool":
+        name = body.tool_choice.name if body.tool_choice else None
+        named = [s for s in specs if s["function"]["name"] == name]
+        if not named:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return _Tools(named, True, True)
+    return _Tools(specs, True, kind == "any")
+
+
+def _sampling(state: ServerState, body: MessagesRequest) -> SamplingParams:
+    fields = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if body.stop_sequences:
+        fields["stop"] = list(body.stop_sequences)
+    try:
+        return dataclasses.replace(state.defaults, **fields, max_tokens=body.max_tokens, n=1)
+    except ValueError as e:
+        raise APIError(400, str(e)) from e
+
+
+# ---- responses ---------------------------------------------------------------------------------------------
+
+
+def _stop(o: CompletionOutput, calls: list[ToolCall]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence)."""
+    if calls:
+        return "tool_use", None
+    if o.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(o.stop_reason, str):
+        return "stop_sequence", o.stop_reason
+    return "end_turn", None
+
+
+def _usage(out: RequestOutput | None, output_tokens: int | None = None) -> dict:
+    if out is None:
+        return {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0}
+    generated = sum(len(o.token_ids) for o in out.outputs)
+    return {"input_tokens": len(out.prompt_token_ids), "output_tokens": generated if output_tokens is None
+            else output_tokens, "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
+
+
+def _event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+def _error_event(error: APIError) -> str:
+    return f"event: error\ndata: {json.dumps(error.anthropic_body())}\n\n"
+
+
+@router.post(PATH, response_model=None)
+async def messages(body: MessagesRequest, request: Request) -> Any:
+    state, metrics = request.app.state.server, request.app.state.metrics
+    _check_model(state, body.model)
+    tools = _tools(body)
+    params = _sampling(state, body)
+    prompt = await asyncio.to_thread(_render_messages, state, _template_messages(body), tools)
+    _check_prompt(state, prompt)
+    lease = _Lease(state, metrics)
+    message_id = f"msg_{uuid.uuid4().hex}"
+    if body.stream:
+        return SSEResponse(_stream(state, metrics, lease, tools, prompt, params, message_id), lease.release,
+                           media_type="text/event-stream")
+    try:
+        out = await _run_to_end(request, state, metrics, prompt, params, message_id)
+    finally:
+        lease.release()
+    if out is None:
+        return _gone()
+    _count_usage(metrics, out)
+    (o,) = out.outputs
+    parser = _ChoiceParser(tools, prefix="toolu")
+    text, calls = parser.feed(o.text, final=True)
+    if tools.required and not calls:
+        raise _unsatisfied()
+    content: list[dict] = [{"type": "text", "text": text}] if text.strip() or not calls else []
+    content += [_tool_use(c) for c in calls]
+    stop_reason, stop_sequence = _stop(o, calls)
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+                         "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                         "usage": _usage(out)})
+
+
+async def _stream(state: ServerState, metrics: ServerMetrics, lease: _Lease, tools: _Tools, prompt: list[int],
+                  params: SamplingParams, message_id: str) -> AsyncIterator[str]:
+    parser = _ChoiceParser(tools, prefix="toolu")
+    last, ended, index, text_open, held = None, False, 0, False, ""
+    try:
+        start = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+                 "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {**_usage(None), "input_tokens": len(prompt)}}
+        yield _event("message_start", {"message": start})
+        o = None
+        async for out in state.engine.generate(prompt, params, request_id=message_id):
+            last = out
+            (o,) = out.outputs
+            final = o.finish_reason is not None
+            text, calls = parser.feed(o.delta_text, final)
+            if tools.required:
+                held, text = held + text, ""
+                if final:
+                    if not parser.calls:
+                        raise _unsatisfied()
+                    text = held
+            if text and (text_open or text.strip()):
+                if not text_open:
+                    yield _event("content_block_start", {"index": index,
+                                                         "content_block": {"type": "text", "text": ""}})
+                    text_open = True
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": text}})
+            for call in calls:
+                if text_open:
+                    yield _event("content_block_stop", {"index": index})
+                    index, text_open = index + 1, False
+                yield _event("content_block_start", {"index": index, "content_block": {**_tool_use(call),
+                                                                                        "input": {}}})
+                yield _event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}})
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+        if o is None or last is None:
+            raise APIError(500, "the request ended without output", type_="api_error")
+        if text_open:
+            yield _event("content_block_stop", {"index": index})
+        _count_usage(metrics, last)
+        stop_reason, stop_sequence = _stop(o, parser.calls)
+        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                       "usage": _usage(last)})
+        ended = True
+        yield _event("message_stop", {})
+    except APIError as e:
+        ended = True
+        yield _error_event(e)
+    except TstermError as e:
+        ended = True
+        yield _error_event(_engine_error(e))
+    finally:
+        lease.release()
+        if not ended:
+            metrics.disconnects.inc()
