@@ -7,7 +7,7 @@ import json
 import anthropic
 import pytest
 
-from tests.server.conftest import MODEL, http
+from tests.server.conftest import MODEL, http, wait_blocks_free
 from tsterm.agent.tools import Calculator
 
 GREEDY = {"temperature": 0}  # this client version has no temperature argument: sent as an extra body field
@@ -120,3 +120,22 @@ def test_api_key(make_server):
     status, _ = http("POST", f"{keyed.url}/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": QUESTION},
                      headers={"Authorization": "Bearer sekrit"})
     assert status == 200
+
+
+def test_tool_choice_any_without_a_call_is_a_422(claude):
+    with pytest.raises(anthropic.UnprocessableEntityError) as err:
+        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hello"}],
+                               tools=TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_disconnect_mid_stream_aborts(claude, llm, aengine):
+    before = llm.engine.metrics.requests_finished.get("abort", 0)
+    with claude.messages.stream(model=MODEL, max_tokens=800, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": "Tell a long story"}]) as stream:
+        events = iter(stream)
+        for _ in range(6):
+            next(events)
+        assert aengine.stats()["used"] > 0
+    assert wait_blocks_free(aengine)["used"] == 0
+    assert llm.engine.metrics.requests_finished.get("abort", 0) == before + 1
