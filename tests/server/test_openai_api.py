@@ -156,11 +156,11 @@ def test_blocks_are_free_after_requests(client, aengine):
 
 
 def test_several_calls_in_one_turn_split_across_deltas():
-    from tsterm.server.openai_api import _ChoiceParser, _Tools
+    from tsterm.server.generation import ReplyParser, ToolUse
 
     text = ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n'
             '</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>')
-    parser = _ChoiceParser(_Tools(TOOLS, parse=True, required=False))
+    parser = ReplyParser(ToolUse(TOOLS, parse=True, required=False))
     pieces = [text[i:i + 7] for i in range(0, len(text), 7)]
     content, calls = "", []
     for n, piece in enumerate(pieces):
@@ -169,5 +169,5 @@ def test_several_calls_in_one_turn_split_across_deltas():
     assert content.strip() == "Let me compute."
     assert [json.loads(json.dumps(c.arguments)) for c in calls] == [{"expression": "1 + 2"}, {"expression": "3 * 4"}]
     assert len({c.id for c in calls}) == 2
-    other = _ChoiceParser(_Tools(TOOLS, parse=True, required=False))
+    other = ReplyParser(ToolUse(TOOLS, parse=True, required=False))
     assert not {c.id for c in other.feed(text, final=True)[1]} & {c.id for c in calls}  # ids unique across turns

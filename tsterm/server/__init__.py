@@ -1,8 +1,9 @@
 """`tsterm serve`: OpenAI- and Anthropic-compatible HTTP APIs on the engine (FastAPI + uvicorn, pydantic bodies).
 
 `app.create_app(state)` builds the ASGI app; `state.ServerState` is what every route shares (the AsyncEngine, the
-tokenizer, the served model name, limits). `openai_api` and `anthropic_api` contribute APIRouters; `protocol`
-holds the OpenAI pydantic bodies, `errors` the error (OpenAI- or Anthropic-shaped), `metrics` the per-app Prometheus
+tokenizer, the served model name, limits). `openai_api` and `anthropic_api` contribute APIRouters, sharing
+`generation` (admission, prompt rendering, the reply parser, disconnect-aware generation); `protocol` holds the
+OpenAI pydantic bodies, `errors` the error (OpenAI- or Anthropic-shaped), `metrics` the per-app Prometheus
 registry, `serve` the `tsterm serve` command and `BackgroundServer` (uvicorn on a thread). No Textual here: the TUI can
 start the same app.
 """

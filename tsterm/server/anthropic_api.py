@@ -3,7 +3,7 @@
 The request becomes the same chat-template messages the OpenAI route renders (system -> a system message, assistant
 text + tool_use blocks -> one assistant message with `tool_calls`, tool_result blocks -> `tool` messages), so a
 follow-up request re-renders the history the model produced and reuses the prefix cache. Prompt rendering, the
-tool-call parser, admission, generation with disconnect watching and usage counting are openai_api's. tool_choice
+tool-call parser, admission, generation with disconnect watching and usage counting are `generation`'s. tool_choice
 "any" and a named tool render the tools but do not constrain decoding: a reply without a valid call is a 422.
 A streamed tool_use block carries its whole input in one `input_json_delta`.
 """
@@ -26,9 +26,9 @@ from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
-from tsterm.server.openai_api import (
-    SSEResponse, _check_model, _check_prompt, _ChoiceParser, _count_usage, _engine_error, _gone, _Lease,
-    _render_messages, _run_to_end, _Tools, _unsatisfied,
+from tsterm.server.generation import (
+    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, gone,
+    render_messages, run_to_end, unsatisfied,
 )
 from tsterm.server.state import ServerState
 
@@ -142,23 +142,23 @@ def _template_messages(body: MessagesRequest) -> list[dict]:
     return out
 
 
-def _tools(body: MessagesRequest) -> _Tools:
+def _tools(body: MessagesRequest) -> ToolUse:
     specs = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in body.tools or []]
     kind = body.tool_choice.type if body.tool_choice else "auto"
     if not specs:
         if kind in ("any", "tool"):
             raise APIError(400, "tool_choice requires tools", param="tool_choice")
-        return _Tools(None, False, False)
+        return ToolUse(None, False, False)
     if kind == "none":
-        return _Tools(None, False, False)
+        return ToolUse(None, False, False)
     if kind == "tool":
         name = body.tool_choice.name if body.tool_choice else None
         named = [s for s in specs if s["function"]["name"] == name]
         if not named:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        return _Tools(named, True, True)
-    return _Tools(specs, True, kind == "any")
+        return ToolUse(named, True, True)
+    return ToolUse(specs, True, kind == "any")
 
 
 def _sampling(state: ServerState, body: MessagesRequest) -> SamplingParams:
@@ -210,28 +210,28 @@ def _error_event(error: APIError) -> str:
 @router.post(PATH, response_model=None)
 async def messages(body: MessagesRequest, request: Request) -> Any:
     state, metrics = request.app.state.server, request.app.state.metrics
-    _check_model(state, body.model)
+    check_model(state, body.model)
     tools = _tools(body)
     params = _sampling(state, body)
-    prompt = await asyncio.to_thread(_render_messages, state, _template_messages(body), tools)
-    _check_prompt(state, prompt)
-    lease = _Lease(state, metrics)
+    prompt = await asyncio.to_thread(render_messages, state, _template_messages(body), tools)
+    check_prompt(state, prompt)
+    lease = Lease(state, metrics)
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:
         return SSEResponse(_stream(state, metrics, lease, tools, prompt, params, message_id), lease.release,
                            media_type="text/event-stream")
     try:
-        out = await _run_to_end(request, state, metrics, prompt, params, message_id)
+        out = await run_to_end(request, state, metrics, prompt, params, message_id)
     finally:
         lease.release()
     if out is None:
-        return _gone()
-    _count_usage(metrics, out)
+        return gone()
+    count_usage(metrics, out)
     (o,) = out.outputs
-    parser = _ChoiceParser(tools, prefix="toolu")
+    parser = ReplyParser(tools, prefix="toolu")
     text, calls = parser.feed(o.text, final=True)
     if tools.required and not calls:
-        raise _unsatisfied()
+        raise unsatisfied()
     content: list[dict] = [{"type": "text", "text": text}] if text.strip() or not calls else []
     content += [_tool_use(c) for c in calls]
     stop_reason, stop_sequence = _stop(o, calls)
@@ -240,9 +240,9 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
                          "usage": _usage(out)})
 
 
-async def _stream(state: ServerState, metrics: ServerMetrics, lease: _Lease, tools: _Tools, prompt: list[int],
+async def _stream(state: ServerState, metrics: ServerMetrics, lease: Lease, tools: ToolUse, prompt: list[int],
                   params: SamplingParams, message_id: str) -> AsyncIterator[str]:
-    parser = _ChoiceParser(tools, prefix="toolu")
+    parser = ReplyParser(tools, prefix="toolu")
     last, ended, index, text_open, held = None, False, 0, False, ""
     try:
         start = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
@@ -259,7 +259,7 @@ async def _stream(state: ServerState, metrics: ServerMetrics, lease: _Lease, too
                 held, text = held + text, ""
                 if final:
                     if not parser.calls:
-                        raise _unsatisfied()
+                        raise unsatisfied()
                     text = held
             if text and (text_open or text.strip()):
                 if not text_open:
@@ -281,7 +281,7 @@ async def _stream(state: ServerState, metrics: ServerMetrics, lease: _Lease, too
             raise APIError(500, "the request ended without output", type_="api_error")
         if text_open:
             yield _event("content_block_stop", {"index": index})
-        _count_usage(metrics, last)
+        count_usage(metrics, last)
         stop_reason, stop_sequence = _stop(o, parser.calls)
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                        "usage": _usage(last)})
@@ -292,7 +292,7 @@ async def _stream(state: ServerState, metrics: ServerMetrics, lease: _Lease, too
         yield _error_event(e)
     except TstermError as e:
         ended = True
-        yield _error_event(_engine_error(e))
+        yield _error_event(engine_error(e))
     finally:
         lease.release()
         if not ended:

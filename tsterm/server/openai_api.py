@@ -7,11 +7,12 @@ finds malformed (bad JSON, unknown tool, arguments failing the schema) is not a 
 tools (a named one: only that tool) but do not constrain decoding: a reply without a valid call is answered with a
 422 (`tool_choice_unsatisfied`; in a stream, an error event, the text held back until the end).
 A streamed call arrives whole in one delta (its id, name and complete arguments) once its closing tag is generated.
+Admission, prompt rendering, the reply parser and disconnect-aware generation live in `generation` (the Anthropic
+route uses them too).
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import time
@@ -19,16 +20,18 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse
 
-from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
+from tsterm.agent.tool_calls import ToolCall
 from tsterm.config import SamplingParams
-from tsterm.errors import EngineStoppedError, EngineTimeoutError, TstermError
+from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
+from tsterm.server.generation import (
+    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, gone,
+    render_messages, run_to_end, unsatisfied,
+)
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, ChoiceDelta,
@@ -56,58 +59,7 @@ async def list_models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=state.model_name, created=_STARTED, max_model_len=state.max_model_len)])
 
 
-# ---- shared pieces ---------------------------------------------------------------------------------------------
-
-
-class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client leaving while it streams (whatever the ASGI spec
-    version) and always closes its iterator, so a disconnect aborts the engine request at once. `on_close` runs
-    once the response is over, even if the iterator never started."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Any, **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the client went away mid-send
-                        await self.stream_response(send)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-            self.on_close()
-
-
-class _Lease:
-    """One admitted generation request: counted against `limits.max_queued_requests` until released (once)."""
-
-    def __init__(self, state: ServerState, metrics: ServerMetrics):
-        limit = state.limits.max_queued_requests
-        if state.in_flight >= limit:
-            raise APIError(429, f"the server is at its limit of {limit} requests in flight; retry shortly",
-                           type_="rate_limit_error", code="too_many_requests")
-        self.state, self.metrics, self.released = state, metrics, False
-        state.in_flight += 1
-        metrics.in_flight.inc()
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.state.in_flight -= 1
-            self.metrics.in_flight.dec()
-
-
-def _check_model(state: ServerState, model: str) -> None:
-    if model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-                       type_="not_found_error", param="model", code="model_not_found")
+# ---- request pieces --------------------------------------------------------------------------------------------
 
 
 def _sampling(state: ServerState, body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -128,64 +80,11 @@ def _sampling(state: ServerState, body: Any, max_tokens: int | None, logprobs: i
         raise APIError(400, str(e)) from e
 
 
-def _check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
-    if not prompt_ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    if len(prompt_ids) >= state.max_model_len:
-        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but this model's context holds "
-                       f"{state.max_model_len} (prompt + at least one generated token); shorten it",
-                       param="messages", code="context_length_exceeded")
-
-
-def _engine_error(e: Exception) -> APIError:
-    if isinstance(e, EngineStoppedError):
-        return APIError(503, str(e), type_="server_error", code="engine_stopped")
-    if isinstance(e, EngineTimeoutError):
-        return APIError(504, str(e), type_="server_error", code="engine_timeout")
-    return APIError(400, str(e))  # RequestError and other user-caused errors
-
-
 def _usage(out: RequestOutput) -> Usage:
     generated = sum(len(o.token_ids) for o in out.outputs)
     prompt = len(out.prompt_token_ids)
     return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
-
-
-def _count_usage(metrics: ServerMetrics, out: RequestOutput | None) -> None:
-    if out is not None:
-        usage = _usage(out)
-        metrics.on_usage(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens)
-
-
-async def _run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, prompt: list[int],
-                      params: SamplingParams, request_id: str) -> RequestOutput | None:
-    """The final output; None if the client left first (the request is aborted then)."""
-    async def consume() -> RequestOutput:
-        last = None
-        async for out in state.engine.generate(prompt, params, request_id=request_id):
-            last = out
-        if last is None or not last.finished:
-            raise EngineStoppedError(f"request {request_id} ended without a final output (aborted)")
-        return last
-
-    task = asyncio.create_task(consume())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                try:
-                    return task.result()
-                except TstermError as e:
-                    raise _engine_error(e) from e
-            if await request.is_disconnected():
-                metrics.disconnects.inc()
-                return None
-    finally:
-        if not task.done():
-            task.cancel()  # leaving `generate` aborts the request and frees its blocks
-            with contextlib.suppress(BaseException):
-                await task
 
 
 def _sse(model: Any) -> str:
@@ -194,10 +93,6 @@ def _sse(model: Any) -> str:
 
 def _sse_error(error: APIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
-
-
-def _gone() -> Response:
-    return Response(status_code=499)  # nobody reads it: the client has left
 
 
 # ---- chat ---------------------------------------------------------------------------------------------------
@@ -233,43 +128,26 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     return out
 
 
-@dataclasses.dataclass
-class _Tools:
-    offered: list[dict] | None  # rendered by the template; None: no tools in the prompt
-    parse: bool  # split the reply into content and tool_calls
-    required: bool  # a reply without a valid call is an error
-
-
-def _tools(body: ChatCompletionRequest) -> _Tools:
+def _tools(body: ChatCompletionRequest) -> ToolUse:
     specs = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     choice = body.tool_choice
     if specs is None:
         if choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice requires tools", param="tool_choice")
-        return _Tools(None, False, False)
+        return ToolUse(None, False, False)
     if choice == "none":
-        return _Tools(None, False, False)
+        return ToolUse(None, False, False)
     if isinstance(choice, NamedToolChoice):
         named = [t for t in specs if t["function"]["name"] == choice.function.name]
         if not named:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
-        return _Tools(named, True, True)
-    return _Tools(specs, True, choice == "required")
+        return ToolUse(named, True, True)
+    return ToolUse(specs, True, choice == "required")
 
 
-def _render_chat(state: ServerState, body: ChatCompletionRequest, tools: _Tools) -> list[int]:
-    return _render_messages(state, [_template_message(m, i) for i, m in enumerate(body.messages)], tools)
-
-
-def _render_messages(state: ServerState, messages: list[dict], tools: _Tools) -> list[int]:
-    """Chat-template messages (tool calls with object arguments) -> prompt ids; shared with the Anthropic route."""
-    try:
-        ids = state.tokenizer.apply_chat_template(messages, tools=tools.offered, add_generation_prompt=True,
-                                                  tokenize=True)
-    except TstermError as e:
-        raise APIError(400, str(e), param="messages") from e
-    return list(ids)
+def _render_chat(state: ServerState, body: ChatCompletionRequest, tools: ToolUse) -> list[int]:
+    return render_messages(state, [_template_message(m, i) for i, m in enumerate(body.messages)], tools)
 
 
 def _chat_logprobs(state: ServerState, entries: list[dict]) -> ChoiceLogprobs:
@@ -284,72 +162,40 @@ def _chat_logprobs(state: ServerState, entries: list[dict]) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=content)
 
 
-class _ChoiceParser:
-    """One choice's reply split into content and OpenAI tool calls, fed delta by delta."""
-
-    def __init__(self, tools: _Tools, prefix: str = "call"):
-        self.parser = ToolCallParser(tools.offered, id_prefix=f"{prefix}_{uuid.uuid4().hex[:12]}_") \
-            if tools.parse else None
-        self.calls: list[ToolCall] = []
-
-    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
-        if self.parser is None:
-            return delta, []
-        events = self.parser.feed(delta) if delta else []
-        if final:
-            events += self.parser.finish()
-        text, calls = [], []
-        for event in events:
-            if isinstance(event, TextDelta):
-                text.append(event.text)
-            elif event.ok:
-                calls.append(event)
-            else:
-                text.append(event.raw)  # a malformed call is not a call: the client sees what the model wrote
-        self.calls += calls
-        return "".join(text), calls
-
-
 def _call_out(call: ToolCall) -> ToolCallFunction:
     return ToolCallFunction(name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False))
-
-
-def _unsatisfied() -> APIError:
-    return APIError(422, "tool_choice required a tool call but the model answered without a valid one (tsterm does "
-                    "not constrain decoding); retry, or use tool_choice \"auto\"", code="tool_choice_unsatisfied",
-                    param="tool_choice")
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state, metrics = _state(request), _metrics(request)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _tools(body)
     params = _sampling(state, body, body.max_completion_tokens or body.max_tokens,
                        (body.top_logprobs or 0) if body.logprobs else None)
     prompt = await asyncio.to_thread(_render_chat, state, body, tools)  # a long history: off the event loop
-    _check_prompt(state, prompt)
-    lease = _Lease(state, metrics)
+    check_prompt(state, prompt)
+    lease = Lease(state, metrics)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_chat_stream(state, metrics, lease, body, tools, prompt, params, request_id,
                                         include_usage), lease.release, media_type="text/event-stream")
     try:
-        out = await _run_to_end(request, state, metrics, prompt, params, request_id)
+        out = await run_to_end(request, state, metrics, prompt, params, request_id)
     finally:
         lease.release()
     if out is None:
-        return _gone()
-    _count_usage(metrics, out)
+        return gone()
+    count_usage(metrics, out)
     choices = []
     for o in out.outputs:
-        parsed = _ChoiceParser(tools)
+        parsed = ReplyParser(tools)
         content, calls = parsed.feed(o.text, final=True)
         if tools.required and not calls:
-            raise _unsatisfied()
+            raise unsatisfied()
         message = AssistantMessage(content=None if calls and not content.strip() else content,
                                    tool_calls=[ToolCallOut(id=c.id, function=_call_out(c)) for c in calls] or None)
         logprobs = _chat_logprobs(state, o.logprobs or []) if body.logprobs else None
@@ -360,8 +206,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
-async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: _Lease, body: ChatCompletionRequest,
-                       tools: _Tools, prompt: list[int], params: SamplingParams, request_id: str,
+async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: ChatCompletionRequest,
+                       tools: ToolUse, prompt: list[int], params: SamplingParams, request_id: str,
                        include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -369,7 +215,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: _Lease
         return _sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
                                         usage=usage))
 
-    parsers = [_ChoiceParser(tools) for _ in range(params.n)]
+    parsers = [ReplyParser(tools) for _ in range(params.n)]
     held = [""] * params.n  # tool_choice required: text waits until a call is known
     sent_logprobs, num_calls, done = [0] * params.n, [0] * params.n, set()
     last, ended = None, False
@@ -387,7 +233,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: _Lease
                     held[i], text = held[i] + text, ""
                     if final:
                         if not parsers[i].calls:
-                            raise _unsatisfied()
+                            raise unsatisfied()
                         text = held[i]
                 deltas = []
                 for call in calls:
@@ -406,7 +252,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: _Lease
                     done.add(i)
                     reason = "tool_calls" if parsers[i].calls else o.finish_reason
                     yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=reason)])
-        _count_usage(metrics, last)
+        count_usage(metrics, last)
         if include_usage and last is not None:
             yield chunk([], usage=_usage(last))
         ended = True
@@ -416,7 +262,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: _Lease
         yield _sse_error(e)
     except TstermError as e:
         ended = True
-        yield _sse_error(_engine_error(e))
+        yield _sse_error(engine_error(e))
     finally:
         lease.release()
         if not ended:
@@ -463,27 +309,27 @@ def _completion_logprobs(state: ServerState, entries: list[dict], offset: int) -
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state, metrics = _state(request), _metrics(request)
-    _check_model(state, body.model)
+    check_model(state, body.model)
     if body.echo:
         raise APIError(400, "echo is not supported", param="echo")
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     params = _sampling(state, body, body.max_tokens, body.logprobs)
     prompt = await asyncio.to_thread(_completion_prompt, state, body.prompt)
-    _check_prompt(state, prompt)
-    lease = _Lease(state, metrics)
+    check_prompt(state, prompt)
+    lease = Lease(state, metrics)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_completion_stream(state, metrics, lease, body, prompt, params, request_id,
                                               include_usage), lease.release, media_type="text/event-stream")
     try:
-        out = await _run_to_end(request, state, metrics, prompt, params, request_id)
+        out = await run_to_end(request, state, metrics, prompt, params, request_id)
     finally:
         lease.release()
     if out is None:
-        return _gone()
-    _count_usage(metrics, out)
+        return gone()
+    count_usage(metrics, out)
     choices = [CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
                                 logprobs=_completion_logprobs(state, o.logprobs or [], 0)
                                 if body.logprobs is not None else None) for o in out.outputs]
@@ -492,7 +338,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
-async def _completion_stream(state: ServerState, metrics: ServerMetrics, lease: _Lease, body: CompletionRequest,
+async def _completion_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: CompletionRequest,
                              prompt: list[int], params: SamplingParams, request_id: str,
                              include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
@@ -517,14 +363,14 @@ async def _completion_stream(state: ServerState, metrics: ServerMetrics, lease: 
                                                   logprobs=logprobs)])
                 if o.finish_reason is not None:
                     done.add(o.index)
-        _count_usage(metrics, last)
+        count_usage(metrics, last)
         if include_usage and last is not None:
             yield chunk([], usage=_usage(last))
         ended = True
         yield "data: [DONE]\n\n"
     except TstermError as e:
         ended = True
-        yield _sse_error(_engine_error(e))
+        yield _sse_error(engine_error(e))
     finally:
         lease.release()
         if not ended:

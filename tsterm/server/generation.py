@@ -1,0 +1,183 @@
+"""What the OpenAI and Anthropic routes share: admission (`Lease`), checks of the model and the prompt, rendering
+chat-template messages (tool calls with object arguments) into prompt ids, splitting a reply into text and tool calls
+(`ReplyParser`), running a request to its end while watching for the client leaving, and an SSE response that
+aborts the engine request when the client disconnects. Errors are `APIError`s; each route shapes its own bodies.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
+from tsterm.config import SamplingParams
+from tsterm.errors import EngineStoppedError, EngineTimeoutError, TstermError
+from tsterm.outputs import RequestOutput
+from tsterm.server.errors import APIError
+from tsterm.server.metrics import ServerMetrics
+from tsterm.server.state import ServerState
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client leaving while it streams (whatever the ASGI spec
+    version) and always closes its iterator, so a disconnect aborts the engine request at once. `on_close` runs
+    once the response is over, even if the iterator never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-send
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+            self.on_close()
+
+
+class Lease:
+    """One admitted generation request: counted against `limits.max_queued_requests` until released (once)."""
+
+    def __init__(self, state: ServerState, metrics: ServerMetrics):
+        limit = state.limits.max_queued_requests
+        if state.in_flight >= limit:
+            raise APIError(429, f"the server is at its limit of {limit} requests in flight; retry shortly",
+                           type_="rate_limit_error", code="too_many_requests")
+        self.state, self.metrics, self.released = state, metrics, False
+        state.in_flight += 1
+        metrics.in_flight.inc()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.state.in_flight -= 1
+            self.metrics.in_flight.dec()
+
+
+def check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                       type_="not_found_error", param="model", code="model_not_found")
+
+
+def check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
+    if not prompt_ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if len(prompt_ids) >= state.max_model_len:
+        raise APIError(400, f"the prompt has {len(prompt_ids)} tokens but this model's context holds "
+                       f"{state.max_model_len} (prompt + at least one generated token); shorten it",
+                       param="messages", code="context_length_exceeded")
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, EngineStoppedError):
+        return APIError(503, str(e), type_="server_error", code="engine_stopped")
+    if isinstance(e, EngineTimeoutError):
+        return APIError(504, str(e), type_="server_error", code="engine_timeout")
+    return APIError(400, str(e))  # RequestError and other user-caused errors
+
+
+def count_usage(metrics: ServerMetrics, out: RequestOutput | None) -> None:
+    if out is not None:
+        metrics.on_usage(len(out.prompt_token_ids), out.num_cached_tokens,
+                         sum(len(o.token_ids) for o in out.outputs))
+
+
+async def run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, prompt: list[int],
+                      params: SamplingParams, request_id: str) -> RequestOutput | None:
+    """The final output; None if the client left first (the request is aborted then)."""
+    async def consume() -> RequestOutput:
+        last = None
+        async for out in state.engine.generate(prompt, params, request_id=request_id):
+            last = out
+        if last is None or not last.finished:
+            raise EngineStoppedError(f"request {request_id} ended without a final output (aborted)")
+        return last
+
+    task = asyncio.create_task(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                try:
+                    return task.result()
+                except TstermError as e:
+                    raise engine_error(e) from e
+            if await request.is_disconnected():
+                metrics.disconnects.inc()
+                return None
+    finally:
+        if not task.done():
+            task.cancel()  # leaving `generate` aborts the request and frees its blocks
+            with contextlib.suppress(BaseException):
+                await task
+
+
+def gone() -> Response:
+    return Response(status_code=499)  # nobody reads it: the client has left
+
+
+@dataclasses.dataclass
+class ToolUse:
+    offered: list[dict] | None  # rendered by the template; None: no tools in the prompt
+    parse: bool  # split the reply into content and tool_calls
+    required: bool  # a reply without a valid call is an error
+
+
+def render_messages(state: ServerState, messages: list[dict], tools: ToolUse) -> list[int]:
+    """Chat-template messages (tool calls with object arguments) -> prompt ids; shared with the Anthropic route."""
+    try:
+        ids = state.tokenizer.apply_chat_template(messages, tools=tools.offered, add_generation_prompt=True,
+                                                  tokenize=True)
+    except TstermError as e:
+        raise APIError(400, str(e), param="messages") from e
+    return list(ids)
+
+
+class ReplyParser:
+    """One choice's reply split into content and OpenAI tool calls, fed delta by delta."""
+
+    def __init__(self, tools: ToolUse, prefix: str = "call"):
+        self.parser = ToolCallParser(tools.offered, id_prefix=f"{prefix}_{uuid.uuid4().hex[:12]}_") \
+            if tools.parse else None
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[ToolCall]]:
+        if self.parser is None:
+            return delta, []
+        events = self.parser.feed(delta) if delta else []
+        if final:
+            events += self.parser.finish()
+        text, calls = [], []
+        for event in events:
+            if isinstance(event, TextDelta):
+                text.append(event.text)
+            elif event.ok:
+                calls.append(event)
+            else:
+                text.append(event.raw)  # a malformed call is not a call: the client sees what the model wrote
+        self.calls += calls
+        return "".join(text), calls
+
+
+def unsatisfied() -> APIError:
+    return APIError(422, "tool_choice required a tool call but the model answered without a valid one (tsterm does "
+                    "not constrain decoding); retry, or use tool_choice \"auto\"", code="tool_choice_unsatisfied",
+                    param="tool_choice")
