@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import re
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer as BackendTokenizer
 
-from train_moe_demo import Qwen3MoeLM, balance_loss, export, rotate_half
+from train_moe_demo import Qwen3MoeLM, balance_loss, export, optimizer, rotate_half
 from tsterm import LLM, SamplingParams
 from tsterm.agent.tool_calls import ToolCall, ToolCallParser
 from tsterm.agent.tools import Calculator
@@ -335,13 +334,7 @@ def main() -> None:
         assert torch.allclose(full[:, len(prefix):], shared, atol=1e-5), (full[:, len(prefix):] - shared).abs().max()
     params = sum(p.numel() for p in model.parameters())
     print(f"{params:,} parameters", flush=True)
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup) * (
-        0.05 + 0.475 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))))
+    opt, schedule = optimizer(model, args.lr, args.steps, floor=0.05, amplitude=0.475)
     pad_id = tok.token_to_id("<|endoftext|>")
     stream = batches(examples, args.batch, pad_id, random.Random(args.seed))
     train_start = time.perf_counter()

@@ -208,6 +208,19 @@ def evaluate(model: Qwen3MoeLM, windows: torch.Tensor, batch: int = 16) -> tuple
     return math.exp(nll / count), [[round(v, 4) for v in row] for row in loads.tolist()]
 
 
+def optimizer(model: nn.Module, lr: float, steps: int, floor: float, amplitude: float):
+    """AdamW (weight decay on matrices only) and its schedule: linear warm-up over the first 5% of the steps, then
+    a cosine from `floor + 2 * amplitude` down to `floor` (fractions of `lr`)."""
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup) * (
+        floor + amplitude * (1 + math.cos(math.pi * min(step, steps) / steps))))
+    return opt, schedule
+
+
 def to_windows(ids: list[int], seq_len: int) -> torch.Tensor:
     n = len(ids) // seq_len
     return torch.tensor(ids[:n * seq_len]).view(n, seq_len)
@@ -273,13 +286,7 @@ def main() -> None:
     model = Qwen3MoeLM(spec)
     params = sum(p.numel() for p in model.parameters())
     print(f"{params:,} parameters", flush=True)
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))))
+    opt, schedule = optimizer(model, args.lr, args.steps, floor=0.1, amplitude=0.45)
     batch_gen = torch.Generator().manual_seed(args.seed)
     eval_windows = heldout[:32]
     train_start = time.perf_counter()
