@@ -220,13 +220,9 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     if body.stream:
         return SSEResponse(_stream(state, metrics, lease, tools, prompt, params, message_id), lease.release,
                            media_type="text/event-stream")
-    try:
-        out = await run_to_end(request, state, metrics, prompt, params, message_id)
-    finally:
-        lease.release()
+    out = await run_to_end(request, state, metrics, lease, prompt, params, message_id)
     if out is None:
         return gone()
-    count_usage(metrics, out)
     (o,) = out.outputs
     parser = ReplyParser(tools, prefix="toolu")
     text, calls = parser.feed(o.text, final=True)

@@ -100,9 +100,20 @@ def count_usage(metrics: ServerMetrics, out: RequestOutput | None) -> None:
                          sum(len(o.token_ids) for o in out.outputs))
 
 
-async def run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, prompt: list[int],
+async def run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, lease: Lease, prompt: list[int],
+                     params: SamplingParams, request_id: str) -> RequestOutput | None:
+    """The final output, its usage counted; None if the client left first (the request is aborted then). The
+    lease is released either way."""
+    try:
+        out = await _run_to_end(request, state, metrics, prompt, params, request_id)
+    finally:
+        lease.release()
+    count_usage(metrics, out)
+    return out
+
+
+async def _run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, prompt: list[int],
                       params: SamplingParams, request_id: str) -> RequestOutput | None:
-    """The final output; None if the client left first (the request is aborted then)."""
     async def consume() -> RequestOutput:
         last = None
         async for out in state.engine.generate(prompt, params, request_id=request_id):

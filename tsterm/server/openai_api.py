@@ -183,13 +183,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_chat_stream(state, metrics, lease, body, tools, prompt, params, request_id,
                                         include_usage), lease.release, media_type="text/event-stream")
-    try:
-        out = await run_to_end(request, state, metrics, prompt, params, request_id)
-    finally:
-        lease.release()
+    out = await run_to_end(request, state, metrics, lease, prompt, params, request_id)
     if out is None:
         return gone()
-    count_usage(metrics, out)
     choices = []
     for o in out.outputs:
         parsed = ReplyParser(tools)
@@ -323,13 +319,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_completion_stream(state, metrics, lease, body, prompt, params, request_id,
                                               include_usage), lease.release, media_type="text/event-stream")
-    try:
-        out = await run_to_end(request, state, metrics, prompt, params, request_id)
-    finally:
-        lease.release()
+    out = await run_to_end(request, state, metrics, lease, prompt, params, request_id)
     if out is None:
         return gone()
-    count_usage(metrics, out)
     choices = [CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
                                 logprobs=_completion_logprobs(state, o.logprobs or [], 0)
                                 if body.logprobs is not None else None) for o in out.outputs]
