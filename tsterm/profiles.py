@@ -95,6 +95,29 @@ class AgentSettings:
         return AgentOptions(**values)
 
 
+@dataclass(slots=True)
+class ServerSettings:
+    """The HTTP API (a profile's `server:` section): where `tsterm serve` binds, and whether the workstation starts
+    it with the TUI (`enabled`; `tsterm --serve` does too). The API key is never a profile key: it comes from
+    `--api-key` or the TSTERM_API_KEY environment variable (`${VAR}` in a profile would write it into `profiles
+    show`)."""
+
+    enabled: bool = False  # the TUI starts the server with the engine
+    host: str = "127.0.0.1"  # any non-loopback address needs an API key
+    port: int = 8000
+    model_name: str | None = None  # the served model name (default: the profile's name)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError(f"host must be an address, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
+        if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name.strip()):
+            raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+
+
 def _textual_themes() -> list[str] | None:
     """Textual's theme names, imported only when a profile sets a theme; None where Textual is not installed (the
     GPU machine, an engine-only install): no TUI runs there to show a theme, and the profile must still load."""
@@ -106,7 +129,7 @@ def _textual_themes() -> list[str] | None:
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "profiles"
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings}  # nested mappings, each checked by its dataclass
+SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings, "server": ServerSettings}  # nested mappings, each checked by its dataclass
 SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
 TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -124,6 +147,7 @@ class Profile:
     origins: dict[str, tuple[Path, int]] = field(default_factory=dict)
     ui: dict[str, Any] = field(default_factory=dict)
     agent: dict[str, Any] = field(default_factory=dict)
+    server: dict[str, Any] = field(default_factory=dict)
 
     def where(self, key: str) -> str:
         path, line = self.origins.get(key, (self.path, 1))
@@ -170,6 +194,9 @@ class Profile:
 
     def agent_settings(self) -> AgentSettings:
         return AgentSettings(**self.agent)
+
+    def server_settings(self) -> ServerSettings:
+        return ServerSettings(**self.server)
 
     def to_yaml(self) -> str:
         """The resolved profile (after `extends` and `${ENV}`), `model` as written."""
@@ -267,6 +294,7 @@ def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
     sampling = {**(base.sampling if base else {}), **sections["sampling"]}
     ui = {**(base.ui if base else {}), **sections["ui"]}
     agent = {**(base.agent if base else {}), **sections["agent"]}
+    server = {**(base.server if base else {}), **sections["server"]}
     origins = dict(base.origins) if base else {}
     engine.update({k: v for k, v in raw.items() if k in ENGINE_KEYS})
     if "model" in raw:
@@ -274,7 +302,7 @@ def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
     origins.update({k: (path, line) for k, line in lines.items()})
     return Profile(path.stem, path, engine, sampling,
                    raw.get("system_prompt", base.system_prompt if base else None),
-                   raw.get("description", base.description if base else ""), origins, ui, agent)
+                   raw.get("description", base.description if base else ""), origins, ui, agent, server)
 
 
 def _did_you_mean(key: str, choices: set[str]) -> str:
