@@ -27,10 +27,10 @@ from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
-    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, gone,
-    render_messages, run_to_end, unsatisfied,
+    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate,
+    gone, render_messages, run_to_end, unsatisfied,
 )
-from tsterm.server.state import ServerState
+from tsterm.server.state import RequestInfo, ServerState
 
 router = APIRouter()
 PATH = "/v1/messages"
@@ -213,14 +213,15 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     check_model(state, body.model)
     tools = _tools(body)
     params = _sampling(state, body)
-    prompt = await asyncio.to_thread(render_messages, state, _template_messages(body), tools)
+    messages = _template_messages(body)
+    prompt = await asyncio.to_thread(render_messages, state, messages, tools)
     check_prompt(state, prompt)
     lease = Lease(state, metrics)
-    message_id = f"msg_{uuid.uuid4().hex}"
+    info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt, messages=messages)
     if body.stream:
-        return SSEResponse(_stream(state, metrics, lease, tools, prompt, params, message_id), lease.release,
+        return SSEResponse(_stream(state, metrics, lease, tools, info, params), lease.release,
                            media_type="text/event-stream")
-    out = await run_to_end(request, state, metrics, lease, prompt, params, message_id)
+    out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
     (o,) = out.outputs
@@ -231,22 +232,22 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     content: list[dict] = [{"type": "text", "text": text}] if text.strip() or not calls else []
     content += [_tool_use(c) for c in calls]
     stop_reason, stop_sequence = _stop(o, calls)
-    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+    return JSONResponse({"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
                          "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                          "usage": _usage(out)})
 
 
-async def _stream(state: ServerState, metrics: ServerMetrics, lease: Lease, tools: ToolUse, prompt: list[int],
-                  params: SamplingParams, message_id: str) -> AsyncIterator[str]:
+async def _stream(state: ServerState, metrics: ServerMetrics, lease: Lease, tools: ToolUse, info: RequestInfo,
+                  params: SamplingParams) -> AsyncIterator[str]:
     parser = ReplyParser(tools, prefix="toolu")
     last, ended, index, text_open, held = None, False, 0, False, ""
     try:
-        start = {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
+        start = {"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
                  "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {**_usage(None), "input_tokens": len(prompt)}}
+                 "usage": {**_usage(None), "input_tokens": len(info.prompt_ids)}}
         yield _event("message_start", {"message": start})
         o = None
-        async for out in state.engine.generate(prompt, params, request_id=message_id):
+        async for out in generate(state, info, params):
             last = out
             (o,) = out.outputs
             final = o.finish_reason is not None

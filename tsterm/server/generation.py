@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +24,10 @@ from tsterm.errors import EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
-from tsterm.server.state import ServerState
+from tsterm.server.state import RequestInfo, ServerState
+
+log = logging.getLogger("tsterm.server")
+CUT_SHORT = "cut short before its end (the client left, or the server refused the reply)"
 
 
 class SSEResponse(StreamingResponse):
@@ -100,26 +104,59 @@ def count_usage(metrics: ServerMetrics, out: RequestOutput | None) -> None:
                          sum(len(o.token_ids) for o in out.outputs))
 
 
-async def run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, lease: Lease, prompt: list[int],
-                     params: SamplingParams, request_id: str) -> RequestOutput | None:
+async def generate(state: ServerState, info: RequestInfo, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for one request (every route generates through here), told to `state.observer`.
+    Leaving early aborts the request and frees its blocks, as leaving `AsyncEngine.generate` does."""
+    observer = state.observer
+    stream = state.engine.generate(info.prompt_ids, params, request_id=info.request_id)
+    if observer is None:
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield out
+        return
+    _tell(observer.started, info)
+    last, error = None, CUT_SHORT
+    try:
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                last = out
+                _tell(observer.progress, info, out)
+                yield out
+        error = None if last is not None and last.finished else "aborted: the request ended without a final output"
+    except TstermError as e:
+        error = str(e)
+        raise
+    finally:
+        _tell(observer.finished, info, last, error)
+
+
+def _tell(call: Any, *args: Any) -> None:
+    try:
+        call(*args)
+    except Exception:  # an observer's bug must not fail the request it watches
+        log.exception("the request observer failed")
+
+
+async def run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, lease: Lease, info: RequestInfo,
+                     params: SamplingParams) -> RequestOutput | None:
     """The final output, its usage counted; None if the client left first (the request is aborted then). The
     lease is released either way."""
     try:
-        out = await _run_to_end(request, state, metrics, prompt, params, request_id)
+        out = await _run_to_end(request, state, metrics, info, params)
     finally:
         lease.release()
     count_usage(metrics, out)
     return out
 
 
-async def _run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, prompt: list[int],
-                      params: SamplingParams, request_id: str) -> RequestOutput | None:
+async def _run_to_end(request: Request, state: ServerState, metrics: ServerMetrics, info: RequestInfo,
+                      params: SamplingParams) -> RequestOutput | None:
     async def consume() -> RequestOutput:
         last = None
-        async for out in state.engine.generate(prompt, params, request_id=request_id):
+        async for out in generate(state, info, params):
             last = out
         if last is None or not last.finished:
-            raise EngineStoppedError(f"request {request_id} ended without a final output (aborted)")
+            raise EngineStoppedError(f"request {info.request_id} ended without a final output (aborted)")
         return last
 
     task = asyncio.create_task(consume())

@@ -29,7 +29,7 @@ from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.generation import (
-    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, gone,
+    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate, gone,
     render_messages, run_to_end, unsatisfied,
 )
 from tsterm.server.metrics import ServerMetrics
@@ -39,7 +39,7 @@ from tsterm.server.protocol import (
     ModelList, NamedToolChoice, PromptTokensDetails, TokenLogprob, ToolCallDelta, ToolCallFunction, ToolCallOut,
     TopLogprob, Usage,
 )
-from tsterm.server.state import ServerState
+from tsterm.server.state import RequestInfo, ServerState
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -146,8 +146,6 @@ def _tools(body: ChatCompletionRequest) -> ToolUse:
     return ToolUse(specs, True, choice == "required")
 
 
-def _render_chat(state: ServerState, body: ChatCompletionRequest, tools: ToolUse) -> list[int]:
-    return render_messages(state, [_template_message(m, i) for i, m in enumerate(body.messages)], tools)
 
 
 def _chat_logprobs(state: ServerState, entries: list[dict]) -> ChoiceLogprobs:
@@ -175,15 +173,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     tools = _tools(body)
     params = _sampling(state, body, body.max_completion_tokens or body.max_tokens,
                        (body.top_logprobs or 0) if body.logprobs else None)
-    prompt = await asyncio.to_thread(_render_chat, state, body, tools)  # a long history: off the event loop
+    messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
+    prompt = await asyncio.to_thread(render_messages, state, messages, tools)  # a long history: off the event loop
     check_prompt(state, prompt)
     lease = Lease(state, metrics)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt, params.n, messages=messages)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_chat_stream(state, metrics, lease, body, tools, prompt, params, request_id,
-                                        include_usage), lease.release, media_type="text/event-stream")
-    out = await run_to_end(request, state, metrics, lease, prompt, params, request_id)
+        return SSEResponse(_chat_stream(state, metrics, lease, body, tools, info, params, include_usage),
+                           lease.release, media_type="text/event-stream")
+    out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
     choices = []
@@ -197,18 +196,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         logprobs = _chat_logprobs(state, o.logprobs or []) if body.logprobs else None
         choices.append(ChatChoice(index=o.index, message=message, logprobs=logprobs,
                                   finish_reason="tool_calls" if calls else o.finish_reason))
-    result = ChatCompletion(id=request_id, created=int(time.time()), model=state.model_name, choices=choices,
+    result = ChatCompletion(id=info.request_id, created=int(time.time()), model=state.model_name, choices=choices,
                             usage=_usage(out))
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
 async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: ChatCompletionRequest,
-                       tools: ToolUse, prompt: list[int], params: SamplingParams, request_id: str,
+                       tools: ToolUse, info: RequestInfo, params: SamplingParams,
                        include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
-        return _sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices,
+        return _sse(ChatCompletionChunk(id=info.request_id, created=created, model=state.model_name, choices=choices,
                                         usage=usage))
 
     parsers = [ReplyParser(tools) for _ in range(params.n)]
@@ -218,7 +217,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease,
     try:
         for index in range(params.n):
             yield chunk([ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))])
-        async for out in state.engine.generate(prompt, params, request_id=request_id):
+        async for out in generate(state, info, params):
             last = out
             for o in out.outputs:
                 if o.index in done:
@@ -314,34 +313,35 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     prompt = await asyncio.to_thread(_completion_prompt, state, body.prompt)
     check_prompt(state, prompt)
     lease = Lease(state, metrics)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    text = body.prompt if isinstance(body.prompt, str) else body.prompt[0] if body.prompt and isinstance(
+        body.prompt[0], str) else None
+    info = RequestInfo(f"cmpl-{uuid.uuid4().hex}", "completions", prompt, params.n, prompt=text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_completion_stream(state, metrics, lease, body, prompt, params, request_id,
-                                              include_usage), lease.release, media_type="text/event-stream")
-    out = await run_to_end(request, state, metrics, lease, prompt, params, request_id)
+        return SSEResponse(_completion_stream(state, metrics, lease, body, info, params, include_usage),
+                           lease.release, media_type="text/event-stream")
+    out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
     choices = [CompletionChoice(index=o.index, text=o.text, finish_reason=o.finish_reason,
                                 logprobs=_completion_logprobs(state, o.logprobs or [], 0)
                                 if body.logprobs is not None else None) for o in out.outputs]
-    result = Completion(id=request_id, created=int(time.time()), model=state.model_name, choices=choices,
+    result = Completion(id=info.request_id, created=int(time.time()), model=state.model_name, choices=choices,
                         usage=_usage(out))
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
 async def _completion_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: CompletionRequest,
-                             prompt: list[int], params: SamplingParams, request_id: str,
-                             include_usage: bool) -> AsyncIterator[str]:
+                             info: RequestInfo, params: SamplingParams, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        return _sse(Completion(id=request_id, created=created, model=state.model_name, choices=choices, usage=usage))
+        return _sse(Completion(id=info.request_id, created=created, model=state.model_name, choices=choices, usage=usage))
 
     sent_logprobs, offsets, done = [0] * params.n, [0] * params.n, set()
     last, ended = None, False
     try:
-        async for out in state.engine.generate(prompt, params, request_id=request_id):
+        async for out in generate(state, info, params):
             last = out
             for o in out.outputs:
                 if o.index in done:

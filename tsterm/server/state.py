@@ -1,10 +1,11 @@
-"""What every route of the server shares."""
+"""What every route of the server shares, and what it tells an observer (the workstation) about each request."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tsterm.config import SamplingParams
+from tsterm.outputs import RequestOutput
 
 
 @dataclass
@@ -12,6 +13,33 @@ class ServerLimits:
     max_body_bytes: int = 4 << 20  # a request body past this is a 413
     max_queued_requests: int = 256  # requests admitted but not finished; past it a 429
     max_n: int = 8  # choices per chat completion
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One generation request as an observer sees it. `messages` are chat-template messages (tool calls with object
+    arguments) for the chat and Anthropic routes; `prompt` is the raw text of a /v1/completions request (None when it
+    came as token ids)."""
+
+    request_id: str
+    api: str  # "chat.completions" | "completions" | "messages"
+    prompt_ids: list[int]
+    n: int = 1
+    messages: list[dict] | None = None
+    prompt: str | None = None
+
+
+class RequestObserver(Protocol):
+    """Told about every generation request, on the server's event loop: keep each call short and never block
+    (post a message, append to a list). An observer that raises is logged; the request goes on."""
+
+    def started(self, info: RequestInfo) -> None: ...
+
+    def progress(self, info: RequestInfo, output: RequestOutput) -> None: ...
+
+    def finished(self, info: RequestInfo, output: RequestOutput | None, error: str | None) -> None:
+        """`output` is the last output seen (finished, or cut short); `error` says why it was cut short: an
+        engine error, or the client leaving. Called once per `started`."""
 
 
 @dataclass
@@ -27,3 +55,4 @@ class ServerState:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     in_flight: int = 0  # admitted requests not yet finished (the queue bound counts these)
+    observer: RequestObserver | None = None  # the workstation showing external conversations
