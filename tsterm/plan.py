@@ -1,0 +1,516 @@
+"""`tsterm plan`: a capacity planner computed from a model's HF config.json alone (no weights are read).
+
+For each tensor-parallel x expert-parallel layout that uses all the GPUs (TP x EP = #GPUs) it gives the weight bytes
+per rank, the memory left for KV (and, for hybrid models, the recurrent state of the Gated DeltaNet layers), the
+tokens and sequences that fit, and the bandwidth roofline of batch-1 decode: the bytes one rank must read per token
+divided by its memory bandwidth. Pure arithmetic: no torch.
+
+The layout model (what a rank holds):
+- attention, linear attention, dense MLP, shared expert, embedding and LM head are split TP ways (by heads / by the
+  intermediate or vocabulary dimension); with EP > 1 each of the EP groups holds its own TP-split copy (data-parallel
+  attention), so these count on every rank at 1/TP. KV heads fewer than TP are replicated (ceil(kv_heads / TP)).
+- routed experts are split EP ways by expert id, and each expert TP ways by its intermediate dimension (the usual
+  "expert TP = TP" of vLLM/SGLang/Megatron), so a rank holds ceil(E / EP) experts at 1/TP width each.
+- norms, the router and the shared-expert gate are replicated on every rank.
+Sizes use ceil wherever a split is uneven: the figures are for the fullest rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import textwrap
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from tsterm.errors import ConfigError, ModelLoadError
+
+GB = 10**9  # GPU memory figures are decimal GB, bandwidth decimal TB/s
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+
+
+# Documented per-GPU figures:
+# - H200 SXM: 141 GB HBM3e, 4.8 TB/s (NVIDIA H200 Tensor Core GPU datasheet).
+# - H100 SXM: 80 GB HBM3, 3.35 TB/s (NVIDIA H100 Tensor Core GPU datasheet, SXM form factor).
+# - B200 (HGX/DGX B200): NVIDIA's DGX B200 page lists 1,440 GB HBM3e and 64 TB/s for 8 GPUs = 180 GB and 8 TB/s
+#   per GPU. The B200 package carries 192 GB, but the HGX/DGX parts expose 180 GB (nvidia-smi shows ~179 GB), so the
+#   planner uses what a deployment can allocate.
+GPU_PRESETS = MappingProxyType({
+    "h200": GpuSpec("H200", 141 * GB, 4.8e12),
+    "h100": GpuSpec("H100 SXM", 80 * GB, 3.35e12),
+    "b200": GpuSpec("B200", 180 * GB, 8.0e12),
+})
+
+# Weight formats. fp8: 1 byte per weight + one fp32 scale per 128x128 block (the block-wise FP8 of the Qwen/DeepSeek
+# FP8 checkpoints). int4: 4 bits per weight + one bf16 scale per group of 128 input weights (symmetric, no zeros).
+# Only the linear layers are quantized; embedding, LM head, router, norms, conv1d and gates stay bf16, as in those
+# checkpoints.
+DTYPES = ("bf16", "fp8", "int4")
+CACHE_BYTES = MappingProxyType({"bf16": 2, "fp8": 1, "fp32": 4})
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe") + HYBRID_TYPES
+QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe") + HYBRID_TYPES  # q_norm/k_norm of head_dim each
+
+# TokenSpeed's published figure for Qwen3.5-397B-A17B (PyTorch blog, 2026-05-27): 580 tok/s for one user (batch 1)
+# on 8x B200 (TP8), with MTP speculative decoding on.
+TOKENSPEED_REFERENCE = ("reference: TokenSpeed serves Qwen3.5-397B-A17B at 580 tok/s for one user (batch 1) on 8x B200 "
+                        "(TP8; PyTorch blog, 2026-05-27). That figure uses MTP speculative decoding (several tokens "
+                        "accepted per forward pass); the bound above is plain decode, one token per step, and leaves "
+                        "out communication, so the two are not like for like.")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttention:
+    """Gated DeltaNet geometry (Qwen3-Next / Qwen3.5)."""
+
+    key_heads: int
+    key_head_dim: int
+    value_heads: int
+    value_head_dim: int
+    conv_kernel: int
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """What the planner needs from config.json."""
+
+    model_type: str
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    q_gated: bool  # the q projection also yields an output gate (twice as wide)
+    qkv_bias: bool
+    qk_norm: int  # q/k norm weights per full-attention layer
+    experts: int
+    top_k: int
+    moe_intermediate: int
+    shared_intermediate: int
+    dense_intermediate: int
+    full_layers: tuple[bool, ...]  # per layer: full attention (else linear attention)
+    moe_layers: tuple[bool, ...]  # per layer: routed experts (else a dense MLP)
+    linear: LinearAttention | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.full_layers)
+
+    @property
+    def num_full(self) -> int:
+        return sum(self.full_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """`count` equal weight matrices [rows, cols] as one rank holds them; `read` of them are read per decoded token."""
+
+    group: str
+    rows: int
+    cols: int
+    count: int
+    read: int
+    quantized: bool = True
+
+    def bytes(self, dtype: str) -> int:
+        """Bytes of one matrix."""
+        n = self.rows * self.cols
+        if not self.quantized or dtype == "bf16":
+            return 2 * n
+        if dtype == "fp8":
+            return n + 4 * math.ceil(self.rows / 128) * math.ceil(self.cols / 128)
+        return n // 2 + 2 * self.rows * math.ceil(self.cols / 128)  # int4
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
+    """Every weight one rank of layout (tp, ep) holds, grouped by kind and summed over layers."""
+    h, out = m.hidden, []
+    n_full, n_linear = m.num_full, m.num_layers - m.num_full
+    n_moe = sum(m.moe_layers)
+    n_dense = m.num_layers - n_moe
+    q_r = _cdiv(m.heads, tp) * m.head_dim  # q width per rank
+    kv_r = _cdiv(m.kv_heads, tp) * m.head_dim  # KV heads below TP are replicated
+    if n_full:
+        out += [Tensor("attention", q_r * (2 if m.q_gated else 1), h, n_full, n_full),
+                Tensor("attention", kv_r, h, 2 * n_full, 2 * n_full),  # k, v
+                Tensor("attention", h, q_r, n_full, n_full)]  # o
+        if m.qkv_bias:
+            out.append(Tensor("attention", 1, q_r + 2 * kv_r, n_full, n_full, quantized=False))
+        if m.qk_norm:
+            out.append(Tensor("norms", 1, m.qk_norm, n_full, n_full, quantized=False))
+    if n_linear and m.linear:
+        la = m.linear
+        kd, vd, nv = _cdiv(la.key_heads, tp) * la.key_head_dim, _cdiv(la.value_heads, tp) * la.value_head_dim, \
+            _cdiv(la.value_heads, tp)
+        if m.model_type == "qwen3_next":  # fused in_proj_qkvz and in_proj_ba
+            proj = [Tensor("linear_attention", 2 * kd + 2 * vd, h, n_linear, n_linear),
+                    Tensor("linear_attention", 2 * nv, h, n_linear, n_linear)]
+        else:  # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+            proj = [Tensor("linear_attention", 2 * kd + vd, h, n_linear, n_linear),
+                    Tensor("linear_attention", vd, h, n_linear, n_linear),
+                    Tensor("linear_attention", nv, h, 2 * n_linear, 2 * n_linear)]
+        out += proj + [
+            Tensor("linear_attention", h, vd, n_linear, n_linear),  # out_proj
+            Tensor("linear_attention", 2 * kd + vd, la.conv_kernel, n_linear, n_linear, quantized=False),  # conv1d
+            Tensor("linear_attention", 1, 2 * nv, n_linear, n_linear, quantized=False),  # A_log, dt_bias
+            Tensor("norms", 1, la.value_head_dim, n_linear, n_linear, quantized=False)]  # gated RMSNorm
+    if n_dense and m.dense_intermediate:
+        i_r = _cdiv(m.dense_intermediate, tp)
+        out += [Tensor("dense_mlp", i_r, h, 2 * n_dense, 2 * n_dense), Tensor("dense_mlp", h, i_r, n_dense, n_dense)]
+    if n_moe:
+        i_r, held = _cdiv(m.moe_intermediate, tp), _cdiv(m.experts, ep)
+        # batch 1 routes top_k experts; by pigeonhole some rank holds at least ceil(top_k / ep) of them
+        active = min(_cdiv(m.top_k, ep), held)
+        out += [Tensor("experts", i_r, h, 2 * held * n_moe, 2 * active * n_moe),  # gate, up
+                Tensor("experts", h, i_r, held * n_moe, active * n_moe),  # down
+                Tensor("router", m.experts, h, n_moe, n_moe, quantized=False)]
+        if m.shared_intermediate:
+            s_r = _cdiv(m.shared_intermediate, tp)
+            out += [Tensor("shared_expert", s_r, h, 2 * n_moe, 2 * n_moe),
+                    Tensor("shared_expert", h, s_r, n_moe, n_moe),
+                    Tensor("router", 1, h, n_moe, n_moe, quantized=False)]  # shared_expert_gate
+    out.append(Tensor("norms", 1, h, 2 * m.num_layers + 1, 2 * m.num_layers + 1, quantized=False))
+    v_r = _cdiv(m.vocab, tp)
+    if m.tied:  # one matrix, read whole as the LM head
+        out.append(Tensor("embedding", v_r, h, 1, 1, quantized=False))
+    else:  # the embedding reads one row per token: negligible
+        out += [Tensor("embedding", v_r, h, 1, 0, quantized=False), Tensor("lm_head", v_r, h, 1, 1, quantized=False)]
+    return out
+
+
+def parameter_counts(m: PlanModel) -> tuple[int, int]:
+    """(total, active per token) parameters of the text model. Active counts the whole embedding, as model cards do
+    ("A3B", "A17B"), though a decode step reads one row of it."""
+    tensors = rank_tensors(m, 1, 1)
+    total = sum(t.rows * t.cols * t.count for t in tensors)
+    active = sum(t.rows * t.cols * (t.count if t.group == "embedding" else t.read) for t in tensors)
+    return total, active
+
+
+def kv_bytes_per_token(m: PlanModel, tp: int, kv_dtype: str) -> int:
+    """K and V of every full-attention layer for one token, on one rank."""
+    return m.num_full * 2 * _cdiv(m.kv_heads, tp) * m.head_dim * CACHE_BYTES[kv_dtype]
+
+
+def state_bytes_per_sequence(m: PlanModel, tp: int, state_dtype: str) -> int:
+    """Gated DeltaNet state of one sequence on one rank: the conv state keeps the last kernel-1 inputs of the
+    q/k/v channels, the recurrent state one [key_head_dim, value_head_dim] matrix per value head."""
+    if not m.linear:
+        return 0
+    la, n_linear = m.linear, m.num_layers - m.num_full
+    conv_channels = 2 * _cdiv(la.key_heads, tp) * la.key_head_dim + _cdiv(la.value_heads, tp) * la.value_head_dim
+    recurrent = _cdiv(la.value_heads, tp) * la.key_head_dim * la.value_head_dim
+    return n_linear * (conv_channels * (la.conv_kernel - 1) + recurrent) * CACHE_BYTES[state_dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    tp: int
+    ep: int
+    weight_bytes: int  # per rank
+    free_bytes: int  # per rank, for KV and state after weights and headroom (negative: does not fit)
+    kv_bytes_per_token: int  # per rank
+    state_bytes_per_sequence: int  # per rank
+    kv_tokens: int  # per attention replica (EP of them)
+    sequences: int  # at the given context, all replicas together
+    weight_read_bytes: int  # per token per rank
+    read_bytes_per_token: int  # weights + KV at the context + state, per rank
+    tokens_per_s: float  # bandwidth / read_bytes_per_token
+
+    @property
+    def fits(self) -> bool:
+        return self.free_bytes > 0
+
+
+def plan_layouts(m: PlanModel, gpus: int, gpu: GpuSpec, dtype: str = "bf16", kv_dtype: str = "bf16",
+                 state_dtype: str = "bf16", context: int = 8192, headroom: float = 0.1) -> list[Layout]:
+    """Every TP x EP = gpus layout (EP only for MoE models; TP must divide the attention heads)."""
+    layouts = []
+    for tp in range(1, gpus + 1):
+        ep = gpus // tp
+        if tp * ep != gpus or (ep > 1 and not m.experts) or m.heads % tp:
+            continue
+        tensors = rank_tensors(m, tp, ep)
+        weights = sum(t.bytes(dtype) * t.count for t in tensors)
+        read = sum(t.bytes(dtype) * t.read for t in tensors)
+        kv, state = kv_bytes_per_token(m, tp, kv_dtype), state_bytes_per_sequence(m, tp, state_dtype)
+        free = math.floor(gpu.memory_bytes * (1 - Fraction(repr(headroom)))) - weights  # exact: 0.1 is 1/10
+        per_seq = context * kv + state
+        total_read = read + per_seq  # batch 1 reads its whole KV and state once per token
+        layouts.append(Layout(tp, ep, weights, free, kv, state,
+                              max(free, 0) // kv if kv else 0, ep * (max(free, 0) // per_seq) if per_seq else 0,
+                              read, total_read, gpu.bandwidth_bytes_per_s / total_read))
+    return layouts
+
+
+# --------------------------------------------------------------------------------------------------
+# config.json -> PlanModel
+
+def load_config(path: str | Path) -> tuple[dict[str, Any], str]:
+    """The raw config.json of a model directory, or of a path to the file itself."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.is_file():
+            raise ModelLoadError(f"{path}: no config.json in this directory (give an HF model directory or the "
+                                 f"path of its config.json)")
+    elif not p.is_file():
+        raise ModelLoadError(f"{path}: no such file or directory (give an HF model directory or a config.json)")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{p}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{p}: expected a JSON object, got {type(raw).__name__}")
+    return raw, str(p)
+
+
+def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
+    """The planner's view of an HF config: multimodal configs (Qwen3.5) are read from their `text_config`."""
+    if "kv_lora_rank" in raw or "kv_lora_rank" in (raw.get("text_config") or {}):
+        raise ModelLoadError(f"{source}: multi-head latent attention (kv_lora_rank) is not modelled by the planner")
+    notes = []
+    text = raw.get("text_config")
+    if isinstance(text, dict):
+        cfg = {**raw, **text}
+        notes.append("text model only: the vision encoder (vision_config) is not counted")
+    else:
+        cfg = raw
+    model_type = raw.get("model_type") or cfg.get("model_type")
+    experts = _int(cfg, source, "num_experts", "num_local_experts", "n_routed_experts") or 0
+    if model_type not in KNOWN_TYPES and not experts:
+        raise ModelLoadError(f"{source}: model_type {model_type!r} is not one the planner knows "
+                             f"({', '.join(KNOWN_TYPES)}) and the config has no MoE fields (num_experts, "
+                             f"num_experts_per_tok, moe_intermediate_size) to plan it from")
+    if model_type not in KNOWN_TYPES:
+        notes.append(f"model_type {model_type!r} is not a known family: planned from its MoE fields, assuming "
+                     f"standard grouped-query attention")
+    hidden = _int(cfg, source, "hidden_size", required=True)
+    layers = _int(cfg, source, "num_hidden_layers", required=True)
+    heads = _int(cfg, source, "num_attention_heads", required=True)
+    kv_heads = _int(cfg, source, "num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+                             f"({kv_heads})")
+    top_k = _int(cfg, source, "num_experts_per_tok") or (1 if experts else 0)
+    if experts and not 1 <= top_k <= experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={experts}]")
+    dense_intermediate = _int(cfg, source, "intermediate_size") or 0
+    moe_intermediate = _int(cfg, source, "moe_intermediate_size") or dense_intermediate
+    if experts and not moe_intermediate:
+        raise ModelLoadError(f"{source}: an MoE config needs moe_intermediate_size (or intermediate_size)")
+    sparse_step = _int(cfg, source, "decoder_sparse_step") or 1
+    mlp_only = set(cfg.get("mlp_only_layers") or ())
+    moe_layers = tuple(bool(experts) and i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(layers))
+    full_layers, linear = _mixers(cfg, model_type, layers, source, notes)
+    head_dim = _int(cfg, source, "head_dim") or hidden // heads
+    qk_norm = 2 * head_dim if model_type in QK_NORM_PER_HEAD else \
+        (heads + kv_heads) * head_dim if model_type == "olmoe" else 0  # OLMoE norms the whole q and k
+    if cfg.get("mtp_num_hidden_layers"):
+        notes.append(f"the MTP head ({cfg['mtp_num_hidden_layers']} layer(s)) is not counted: plain decode does not "
+                     f"run it")
+    return PlanModel(
+        model_type=str(model_type), hidden=hidden, vocab=_int(cfg, source, "vocab_size", required=True),
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        q_gated=bool(cfg.get("attn_output_gate", model_type in HYBRID_TYPES)),
+        qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
+        qk_norm=qk_norm,
+        experts=experts, top_k=top_k, moe_intermediate=moe_intermediate if experts else 0,
+        shared_intermediate=_int(cfg, source, "shared_expert_intermediate_size") or 0,
+        dense_intermediate=dense_intermediate, full_layers=full_layers, moe_layers=moe_layers, linear=linear,
+        notes=tuple(notes),
+    )
+
+
+def _int(cfg: dict[str, Any], source: str, *keys: str, required: bool = False) -> int | None:
+    for key in keys:
+        value = cfg.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ModelLoadError(f"{source}: field {key!r} must be a non-negative integer, got {value!r}")
+            return value
+    if required:
+        raise ModelLoadError(f"{source}: missing field {keys[0]!r}")
+    return None
+
+
+def _mixers(cfg: dict[str, Any], model_type: Any, layers: int, source: str,
+            notes: list[str]) -> tuple[tuple[bool, ...], LinearAttention | None]:
+    """Which layers are full attention, from `layer_types`, else `full_attention_interval` (hybrid families: every
+    interval-th layer), else all; and the Gated DeltaNet geometry when some are linear attention."""
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        if not (isinstance(kinds, list) and len(kinds) == layers):
+            raise ModelLoadError(f"{source}: field 'layer_types' must list {layers} layer types, got {kinds!r}")
+        unknown = sorted({k for k in kinds if k not in ("full_attention", "linear_attention")})
+        if unknown:
+            raise ModelLoadError(f"{source}: layer type(s) {', '.join(map(repr, unknown))} are not modelled by the "
+                                 f"planner (only full_attention and linear_attention)")
+        full = tuple(k == "full_attention" for k in kinds)
+    elif cfg.get("full_attention_interval") is not None or model_type in HYBRID_TYPES:
+        interval = _int(cfg, source, "full_attention_interval") or 4  # the HF default of these families
+        if "full_attention_interval" not in cfg:
+            notes.append("no layer_types or full_attention_interval: assumed every 4th layer is full attention")
+        full = tuple((i + 1) % interval == 0 for i in range(layers))
+    else:
+        return (True,) * layers, None
+    if all(full):
+        return full, None
+    keys = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim",
+            "linear_conv_kernel_dim")
+    missing = [k for k in keys if cfg.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"{source}: linear-attention layers need {', '.join(missing)}")
+    return full, LinearAttention(*(_int(cfg, source, k) for k in keys))
+
+
+# --------------------------------------------------------------------------------------------------
+# The command
+
+def parse_gpus(text: str, memory_gb: float | None = None, bandwidth_tbs: float | None = None) -> tuple[int, GpuSpec]:
+    """`8xH200`, `4xB200`, `2xH100` or `4xcustom` (with --memory-gb and --bandwidth-tbs); the two options also
+    override a preset's figures."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*([A-Za-z0-9_-]+)\s*", text or "")
+    if not match:
+        raise ConfigError(f"--gpus {text!r}: expected COUNTxKIND, e.g. 8xH200, 8xB200, 4xH100 or 4xcustom "
+                          f"(with --memory-gb and --bandwidth-tbs)")
+    count, kind = int(match.group(1)), match.group(2).lower().removesuffix("-sxm")
+    if not 1 <= count <= 4096:
+        raise ConfigError(f"--gpus {text!r}: the GPU count must be in 1..4096")
+    for name, value in (("--memory-gb", memory_gb), ("--bandwidth-tbs", bandwidth_tbs)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be a positive number, got {value}")
+    if kind == "custom":
+        if memory_gb is None or bandwidth_tbs is None:
+            raise ConfigError(f"--gpus {text!r}: a custom GPU needs --memory-gb and --bandwidth-tbs")
+        return count, GpuSpec("custom", int(memory_gb * GB), bandwidth_tbs * 1e12)
+    if kind not in GPU_PRESETS:
+        raise ConfigError(f"--gpus {text!r}: unknown GPU {match.group(2)!r} (known: "
+                          f"{', '.join(p.name for p in GPU_PRESETS.values())}, or custom)")
+    preset = GPU_PRESETS[kind]
+    return count, GpuSpec(preset.name, preset.memory_bytes if memory_gb is None else int(memory_gb * GB),
+                          preset.bandwidth_bytes_per_s if bandwidth_tbs is None else bandwidth_tbs * 1e12)
+
+
+def is_qwen35_397b(m: PlanModel) -> bool:
+    """Qwen3.5-397B-A17B, recognised by its shape rather than its directory name."""
+    return (m.model_type.startswith("qwen3_5_moe") and m.hidden == 4096 and m.num_layers == 60
+            and m.experts == 512 and m.top_k == 10)
+
+
+def build_report(m: PlanModel, source: str, gpus: int, gpu: GpuSpec, dtype: str, kv_dtype: str, state_dtype: str,
+                 context: int, headroom: float) -> dict[str, Any]:
+    layouts = plan_layouts(m, gpus, gpu, dtype, kv_dtype, state_dtype, context, headroom)
+    if not layouts:
+        raise ConfigError(f"no TP x EP layout of {gpus} GPUs splits {m.heads} attention heads evenly"
+                          f"{'' if m.experts else ' (a dense model uses TP only)'}; try another GPU count")
+    total, active = parameter_counts(m)
+    return {
+        "model": {"source": source, "model_type": m.model_type, "layers": m.num_layers,
+                  "full_attention_layers": m.num_full, "linear_attention_layers": m.num_layers - m.num_full,
+                  "experts": m.experts, "experts_per_token": m.top_k, "parameters": total,
+                  "active_parameters": active, "notes": list(m.notes)},
+        "gpus": {"count": gpus, "name": gpu.name, "memory_bytes": gpu.memory_bytes,
+                 "bandwidth_bytes_per_s": gpu.bandwidth_bytes_per_s},
+        "options": {"dtype": dtype, "kv_dtype": kv_dtype, "state_dtype": state_dtype, "context": context,
+                    "headroom": headroom},
+        "kv_bytes_per_token": kv_bytes_per_token(m, 1, kv_dtype),
+        "state_bytes_per_sequence": state_bytes_per_sequence(m, 1, state_dtype),
+        "layouts": [{**asdict(layout), "fits": layout.fits} for layout in layouts],
+        "reference": TOKENSPEED_REFERENCE if is_qwen35_397b(m) else None,
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    m, g, o = r["model"], r["gpus"], r["options"]
+    mixers = (f"{m['layers']} layers ({m['full_attention_layers']} full attention, {m['linear_attention_layers']} "
+              f"linear attention)" if m["linear_attention_layers"] else f"{m['layers']} layers")
+    moe = f", {m['experts']} experts top-{m['experts_per_token']}" if m["experts"] else ", dense"
+    lines = [f"tsterm plan: {m['model_type']} ({m['source']})",
+             f"  {mixers}{moe}",
+             f"  {m['parameters'] / 1e9:.2f} B parameters, {m['active_parameters'] / 1e9:.2f} B active per token",
+             f"  KV cache: {r['kv_bytes_per_token']:,} bytes per token ({o['kv_dtype']}, {m['full_attention_layers']} "
+             f"full-attention layers; a TP group splits it by KV head)"]
+    if r["state_bytes_per_sequence"]:
+        lines.append(f"  recurrent state: {r['state_bytes_per_sequence']:,} bytes per sequence ({o['state_dtype']}, "
+                     f"{m['linear_attention_layers']} Gated DeltaNet layers: conv + recurrent)")
+    lines += [f"  GPUs: {g['count']} x {g['name']} ({_gb(g['memory_bytes'])}, {g['bandwidth_bytes_per_s'] / 1e12:g} "
+              f"TB/s each); weights {o['dtype']}; headroom {o['headroom']:.0%} of memory; context {o['context']:,}",
+              ""]
+    header = ("layout", "weights/rank", "free/rank", "KV tokens/replica", f"seqs@{o['context']}", "read/token/rank",
+              "decode bound")
+    rows = []
+    for lay in r["layouts"]:
+        fits = lay["fits"]
+        rows.append((f"TP{lay['tp']} x EP{lay['ep']}", _gb(lay["weight_bytes"]),
+                     _gb(lay["free_bytes"]) if fits else "does not fit",
+                     f"{lay['kv_tokens']:,}" if fits else "-", f"{lay['sequences']:,}" if fits else "-",
+                     _gb(lay["read_bytes_per_token"]), f"{lay['tokens_per_s']:,.0f} tok/s" if fits else "-"))
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        lines.append("  " + "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                                      enumerate(zip(row, widths))).rstrip())
+    lines += ["",
+              "  decode bound = bandwidth / bytes one rank reads per token at batch 1 (its weight shard with the",
+              "  routed experts it must serve, plus KV at the context and the recurrent state); it leaves out",
+              "  inter-GPU communication, kernel launches and compute, so real decode is slower."]
+    lines += [f"  note: {note}" for note in m["notes"]]
+    if r["reference"]:
+        lines += [""] + textwrap.wrap(r["reference"], 110, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("plan", help="memory and decode-speed plan for a model on N GPUs, from config.json alone")
+    p.add_argument("--model", required=True, help="HF model directory or its config.json (no weights are read)")
+    p.add_argument("--gpus", required=True, help="COUNTxKIND: 8xH200, 8xB200, 4xH100, or 4xcustom with the "
+                   "two options below")
+    p.add_argument("--memory-gb", dest="memory_gb", type=float,
+                   help="memory per GPU in GB (custom; overrides a preset)")
+    p.add_argument("--bandwidth-tbs", dest="bandwidth_tbs", type=float,
+                   help="memory bandwidth per GPU in TB/s (custom; overrides a preset)")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight format (default bf16)")
+    p.add_argument("--kv-dtype", dest="kv_dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--state-dtype", dest="state_dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="Gated DeltaNet state format (hybrid models)")
+    p.add_argument("--context", type=int, default=8192, help="tokens of context for the decode bound (default 8192)")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of GPU memory kept for activations, buffers and fragmentation (default 0.1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.context < 1:
+        raise ConfigError(f"--context must be a positive number of tokens, got {args.context}")
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom must be in [0, 1), got {args.headroom}")
+    gpus, gpu = parse_gpus(args.gpus, args.memory_gb, args.bandwidth_tbs)
+    raw, source = load_config(args.model)
+    model = parse_model(raw, source)
+    report = build_report(model, source, gpus, gpu, args.dtype, args.kv_dtype, args.state_dtype, args.context,
+                          args.headroom)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
