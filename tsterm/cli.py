@@ -136,8 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", help="profile name or YAML path (default: default)")
     parser.add_argument("--auto", action="store_true", help="TUI agent sessions run write/command tools without asking")
     parser.add_argument("--workspace", help="the directory TUI agent sessions' tools work in (default: the profile's)")
+    from tsterm.server.serve import add_workstation_serve_arguments
+    add_workstation_serve_arguments(parser)
     sub = parser.add_subparsers(dest="command")
 
+    from tsterm.launch import add_parallel_arguments
     run = sub.add_parser("run", help="one-shot generation, streamed to stdout")
     run.add_argument("--model", help="HF-format model directory (or demo:tiny)")
     run.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
@@ -152,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     run.add_argument("--device", help="auto, cpu or cuda[:N]")
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics) instead")
+    add_parallel_arguments(run)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="multi-turn chat: the TUI on a terminal, line mode on a pipe or with --plain")
@@ -164,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int)
     chat.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     chat.add_argument("--device", help="auto, cpu or cuda[:N]")
+    add_parallel_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
     profiles = sub.add_parser("profiles", help="list, show or check YAML profiles")
@@ -183,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tsterm.server.serve import add_parser as add_serve_parser
     add_serve_parser(sub)
 
+    from tsterm.plan import add_parser as add_plan_parser
+    add_plan_parser(sub)
+
     gguf = sub.add_parser("import-gguf", help="convert a GGUF file into an HF-format model directory", add_help=False)
     gguf.set_defaults(func=lambda args: _import_gguf(args.rest))
     gguf.add_argument("rest", nargs=argparse.REMAINDER)
@@ -196,8 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # bare `tsterm` (or `tsterm --profile X`): the workstation
+        from tsterm.server.serve import workstation_serve_overrides
         from tsterm.tui import main as tui
-        return tui(args.profile or "default", auto_approve=args.auto, workspace=args.workspace)
+        try:
+            serve = workstation_serve_overrides(args)
+        except TstermError as e:
+            parser.error(str(e))
+        return tui(args.profile or "default", auto_approve=args.auto, workspace=args.workspace, serve=serve)
     try:
         return args.func(args)
     except TstermError as e:

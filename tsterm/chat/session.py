@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -58,7 +58,9 @@ class Session:
     model: str | None = None  # the ids are only meaningful for the model (tokenizer) that made them
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
-    kind: str = "chat"  # "chat" | "agent" (an agent session: its history holds tool calls and tool messages)
+    # "chat" | "agent" (an agent session: its history holds tool calls and tool messages) | "api" (a conversation an
+    # API client holds with `tsterm serve` in the workstation: its history is the client's, shown, not typed into)
+    kind: str = "chat"
 
     # ---- conversation
     @property
@@ -152,6 +154,17 @@ class Session:
         turns = [replace(t) for t in self.reply_stats()[:replies] if t is not None]
         return Session(id=new_id or new_session_id(), title=f"{self.title} (fork)", messages=messages,
                        token_ids=kept, turns=turns, parent_id=self.id, model=self.model, kind=self.kind)
+
+    def continued_by(self, prompt_ids: Sequence[int]) -> int:
+        """How many leading ids of `prompt_ids` are this session's last prompt, when the prompt is a later turn of
+        it (the last prompt, then more): an API client sends the whole history every turn, and this is how its
+        next request finds its conversation. 0 when it is not a continuation."""
+        if not self.turns:
+            return 0
+        last = self.turns[-1].prompt_tokens
+        if not 0 < last < len(prompt_ids) or len(self.token_ids) < last:
+            return 0
+        return last if list(prompt_ids[:last]) == self.token_ids[:last] else 0
 
     def bind_model(self, model: str) -> bool:
         """Ids made by another model are meaningless here: drop them (the next turn re-renders). True if dropped."""

@@ -48,10 +48,12 @@ def build_state(llm: Any, aengine: Any, model_name: str, defaults: SamplingParam
 class BackgroundServer:
     """uvicorn serving `app` on a daemon thread; `port` 0 picks a free one (read `.port` after `start`)."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **config: Any):
+        """`config`: more uvicorn.Config options (the TUI passes `log_config=None`)."""
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                                                    **config))
         self.host = host
         self.port = port
         self._thread = threading.Thread(target=self.server.run, name="tsterm-serve", daemon=True)
@@ -75,12 +77,40 @@ class BackgroundServer:
         self._thread.join(timeout)
 
 
+def add_workstation_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--serve [--host H] [--port N] [--api-key K]` on the workstation's command line (`tsterm`, `python -m
+    tsterm.tui`)."""
+    parser.add_argument("--serve", action="store_true", help="also serve the engine over the OpenAI and Anthropic "
+                        "APIs (API clients' conversations show as sessions); settings from the profile's server:")
+    parser.add_argument("--host", dest="serve_host", metavar="HOST", help="with --serve: the address to bind "
+                        "(default: the profile's, 127.0.0.1; any other needs an API key)")
+    parser.add_argument("--port", dest="serve_port", metavar="N", type=int, help="with --serve: the port "
+                        "(default: the profile's, 8000)")
+    parser.add_argument("--api-key", dest="serve_api_key", metavar="KEY", help="with --serve: require this key "
+                        "(or set TSTERM_API_KEY)")
+
+
+def workstation_serve_overrides(args: argparse.Namespace) -> dict | None:
+    """The workstation's `--serve` flags as TstermApp's `serve` (None without --serve); --host, --port and
+    --api-key need --serve."""
+    flags = {"host": args.serve_host, "port": args.serve_port, "api_key": args.serve_api_key}
+    if not args.serve:
+        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply with --serve")
+        return None
+    if args.serve_port is not None and not 0 <= args.serve_port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.serve_port}")
+    return {k: v for k, v in flags.items() if v is not None}
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     p.add_argument("--model", help="HF-format model directory (or demo:tiny)")
     p.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs a key)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", help="address to bind (default: the profile's server.host, 127.0.0.1; any other "
+                   "needs a key)")
+    p.add_argument("--port", type=int, help="port (default: the profile's server.port, 8000)")
     p.add_argument("--api-key", dest="api_key", help=f"require `Authorization: Bearer KEY` (or set {API_KEY_ENV})")
     p.add_argument("--model-name", dest="model_name", help="the served model name (default: the profile's or the "
                    "model directory's name)")
@@ -97,21 +127,26 @@ def main(args: argparse.Namespace) -> int:
     from tsterm.launch import llm_from_args, profile_from_args
     from tsterm.server.app import create_app
 
+    from tsterm.profiles import ServerSettings
+
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    check_bind(args.host, api_key)  # before the (slow) model load
-    if not (1 <= args.port <= 65535):
-        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if not args.model and not getattr(args, "profile", None):
         args.profile = "default"
     profile = profile_from_args(args)
-    name = args.model_name or (profile.name if profile else Path(args.model).name)
+    settings = profile.server_settings() if profile else ServerSettings()
+    host = args.host or settings.host
+    port = settings.port if args.port is None else args.port
+    check_bind(host, api_key)  # before the (slow) model load
+    if not (1 <= port <= 65535):
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    name = args.model_name or settings.model_name or (profile.name if profile else Path(args.model).name)
     llm = llm_from_args(args, profile)
     aengine = AsyncEngine(llm.engine)
     try:
         state = build_state(llm, aengine, name, profile.sampling_params() if profile else None, api_key)
-        server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="info",
+        server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level="info",
                                                lifespan="off"))
-        print(f"tsterm serve: {name} on http://{args.host}:{args.port}/v1 (OpenAI API)"
+        print(f"tsterm serve: {name} on http://{host}:{port}/v1 (OpenAI and Anthropic APIs)"
               f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
         server.run()
     finally:

@@ -6,8 +6,11 @@ from tsterm.tui.app import TstermApp
 __all__ = ["TstermApp", "main"]
 
 
-def main(profile: str = "default", auto_approve: bool = False, workspace: str | None = None) -> int:
+def main(profile: str = "default", auto_approve: bool = False, workspace: str | None = None,
+         serve: dict | None = None) -> int:
     """`tsterm` / `tsterm --profile X`: run the TUI until the user quits. `auto_approve`: agent sessions run tools
-    that need approval without asking; `workspace`: their tools' directory instead of the profile's."""
-    TstermApp(profile, auto_approve=auto_approve, workspace=workspace).run()
+    that need approval without asking; `workspace`: their tools' directory instead of the profile's; `serve`
+    (`--serve`): start the API server, {host, port, api_key} over the profile's `server:` settings."""
+    TstermApp(profile, auto_approve=auto_approve, workspace=workspace, serve=serve).run()
     return 0
+

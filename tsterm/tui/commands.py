@@ -33,6 +33,8 @@ COMMANDS: dict[str, CommandSpec] = {spec.name: spec for spec in (
     CommandSpec("save", "/save", "save every session now"),
     CommandSpec("export", "/export md|json|trace [PATH]", "export this session as Markdown, JSON or a trace for "
                 "`tsterm bench --trace` (default: the exports folder of the data dir)", needs_arg=True),
+    CommandSpec("serve", "/serve [PORT|stop]", "serve this engine over the OpenAI and Anthropic APIs (default: the "
+                "profile's server port); API clients' conversations show as sessions marked ⇄"),
     CommandSpec("stats", "/stats", "show or hide the dashboard"),
     CommandSpec("help", "/help", "list commands and keys"),
 )}

@@ -24,7 +24,7 @@ from tsterm.config import SamplingParams
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.engine.engine import Engine
 from tsterm.launch import load_llm
-from tsterm.profiles import AgentSettings, UiOptions
+from tsterm.profiles import AgentSettings, ServerSettings, UiOptions
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 
 ProgressFn = Callable[[int, int, str], None]
@@ -43,6 +43,7 @@ class EngineHost:
     profile_name: str = ""
     ui: UiOptions = field(default_factory=UiOptions)
     agent: AgentSettings = field(default_factory=AgentSettings)  # the profile's `agent:` section
+    server: ServerSettings = field(default_factory=ServerSettings)  # the profile's `server:` section
     async_engine: AsyncEngine = field(init=False)
     # What agent sessions generate with: the AsyncEngine, unless a test scripts the model's replies (a stand-in
     # with AsyncEngine's generate / abort / pin / unpin and the same tokenizer).
@@ -164,7 +165,7 @@ def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, p
     profile = load_profile(profile_name_or_path)
     engine = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status))
     return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options(),
-                      profile.agent_settings())
+                      profile.agent_settings(), profile.server_settings())
 
 
 def _on_own_thread(fn: Callable[[], Any]) -> Any:

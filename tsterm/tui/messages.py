@@ -8,6 +8,8 @@ from textual.message import Message
 
 if TYPE_CHECKING:
     from tsterm.chat.plan import PromptPlan
+    from tsterm.outputs import RequestOutput
+    from tsterm.server.state import RequestInfo
     from tsterm.chat.session import TurnStats
     from tsterm.tui.engine_host import EngineHost
 
@@ -70,3 +72,42 @@ class TurnFinished(Message):
     token_ids: list[int] = field(default_factory=list)
     stats: TurnStats | None = None
     error: str | None = None  # the turn failed: the session is left as before it
+
+
+# ---- the API server (tsterm.tui.api_server): one external request, from start to end
+
+
+@dataclass
+class ApiTurnStarted(Message):
+    info: RequestInfo
+    messages: list[dict]  # what the session shows for the request (tool calls written as the model writes them)
+    started_at: float = 0.0  # time.time()
+
+
+@dataclass
+class ApiTurnProgress(Message):
+    request_id: str
+    text: str  # the first choice's reply so far (cumulative)
+    generated_tokens: int
+    num_cached_tokens: int
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, ApiTurnProgress) and message.request_id == self.request_id
+
+
+@dataclass
+class ApiTurnFinished(Message):
+    info: RequestInfo
+    messages: list[dict]
+    text: str  # the first choice's reply, raw (tool-call tags included)
+    token_ids: list[int]
+    output: RequestOutput | None  # the last output (None: the request ended before any)
+    error: str | None = None  # why it was cut short (an engine error, the client leaving)
+
+
+@dataclass
+class ApiServerChanged(Message):
+    """The workstation's server started (`server`, an ApiServer), stopped (None) or failed to start (`error`)."""
+
+    server: Any = None
+    error: str | None = None

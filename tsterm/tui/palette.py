@@ -20,6 +20,9 @@ ACTIONS = (
     ("Clear conversation", "clear_session", "forget the messages, keep the system prompt  (/clear)"),
     ("Set system prompt", "edit_system", "change this session's system prompt  (/system TEXT)"),
     ("Abort generation", "abort", "stop this session's reply or agent task and free its KV blocks  (esc)"),
+    ("Start API server", "start_server", ("serve this engine over the OpenAI and Anthropic APIs; clients' "
+                                          "conversations show as sessions  (/serve [PORT])")),
+    ("Stop API server", "stop_server", "stop serving the API  (/serve stop)"),
     ("Toggle dashboard", "toggle_dashboard", "tokens/s, latency, KV blocks, prefix reuse  (/stats, ctrl+t)"),
     ("Save sessions", "save", "write every session to the data dir  (/save)"),
     ("Export as Markdown", "export('md')", "write this session to the exports folder  (/export md [PATH])"),

@@ -38,6 +38,8 @@ class SessionActions:
             await self.set_system(arg)
         elif command.name == "system":
             await self.notice(f"system prompt: {self.session.system_prompt or '(none)'}")
+        elif command.name == "serve":
+            self.serve_command(arg)
         elif command.name == "export":
             fmt, _, path = arg.partition(" ")
             self.action_export(fmt, path.strip())
@@ -93,6 +95,8 @@ class SessionActions:
             return
         parent = self.session
         child = parent.fork(new_session_id(), index)
+        if parent.kind == "api":  # the client's conversation stays the client's; the branch is yours to type into
+            child.kind = "chat"
         self.add_session(child)
         await self.show_session(child.id)
         self.query_one("#prompt").focus()
@@ -214,6 +218,23 @@ class SessionActions:
             self.notify(f"could not export to {target}: {e}", severity="error")
             return
         self.notify(f"exported {session.title!r} to {target}")
+
+    def serve_command(self, arg: str) -> None:
+        """`/serve` (the profile's port), `/serve PORT`, `/serve stop`."""
+        if arg == "stop":
+            self.app.stop_api_server()
+        elif not arg:
+            self.app.start_api_server()
+        elif arg.isdigit() and 0 < int(arg) < 65536:
+            self.app.start_api_server(int(arg))
+        else:
+            self.notify(f"usage: /serve [PORT|stop] (got {arg!r})", severity="error")
+
+    def action_start_server(self) -> None:
+        self.app.start_api_server()
+
+    def action_stop_server(self) -> None:
+        self.app.stop_api_server()
 
     def action_toggle_dashboard(self) -> None:
         self.toggle_class("-dashboard")

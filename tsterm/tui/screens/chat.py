@@ -27,6 +27,7 @@ from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 from tsterm.tui.palette import ChatCommands
 from tsterm.tui.screens.actions import SessionActions
 from tsterm.tui.screens.agent import AgentRun, AgentSessions
+from tsterm.tui.screens.api_sessions import READ_ONLY, ApiSessions, ApiTurn
 from tsterm.tui.widgets.chat_log import (
     ChatLog,
     MessageView,
@@ -59,7 +60,7 @@ class InFlight:
                          len(self.token_ids), self.plan.miss, self.plan.diverged_at, finish_reason="abort")
 
 
-class ChatScreen(AgentSessions, SessionActions, Screen):
+class ChatScreen(ApiSessions, AgentSessions, SessionActions, Screen):
     CSS_PATH = "chat.tcss"
     COMMANDS: ClassVar[set[type[Provider]]] = {ChatCommands}
     AUTO_FOCUS = "#prompt"
@@ -86,6 +87,8 @@ class ChatScreen(AgentSessions, SessionActions, Screen):
         self.agent_runs: dict[str, AgentRun] = {}  # agent session id -> its loop and tools (after its first task)
         self.agent_reply: ReplyView | None = None  # the shown agent session's step being generated
         self.call_views: dict[str, ToolCallView] = {}  # the shown agent session's tool blocks, by call id
+        self.api_turns: dict[str, ApiTurn] = {}  # request id -> an API client's request being generated
+        self.api_reply: ReplyView | None = None  # the shown API session's reply being generated
         self._request_ids = itertools.count()
         # Key bindings and palette commands run in the app's task, message handlers in this screen's: whatever
         # rebuilds or appends to the chat log holds this lock, so a streaming reply never writes to a removed view.
@@ -123,6 +126,7 @@ class ChatScreen(AgentSessions, SessionActions, Screen):
             self.current_id = max(self.sessions.values(), key=lambda s: s.updated).id
         await self.show_session(self.current_id)
         self.host.start_stats(self.post_message)
+        self.refresh_sessions_count()
 
     async def on_unmount(self) -> None:
         self.host.stop_stats()
@@ -162,6 +166,10 @@ class ChatScreen(AgentSessions, SessionActions, Screen):
     async def _show_session(self, session_id: str) -> None:
         self.current_id = session_id
         session = self.session
+        self.api_reply = None
+        if session.kind == "api":
+            await self._show_api_session(session)
+            return
         if session.kind == "agent":
             await self._show_agent_session(session)
             return
@@ -205,24 +213,25 @@ class ChatScreen(AgentSessions, SessionActions, Screen):
 
     @property
     def busy(self) -> set[str]:
-        """Sessions generating a chat reply or running an agent task."""
-        return set(self.turns) | self.running_agents
+        """Sessions generating a chat reply, running an agent task or answering an API client."""
+        return set(self.turns) | self.running_agents | self.api_busy
 
     def refresh_sidebar(self) -> None:
         self.query_one(SessionList).show(self.sessions.values(), self.current_id, self.busy)
         self.refresh_bindings()  # "esc Stop" is live only while this session generates
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "abort":
-            return True if self.current_id in self.busy else None
+        if action == "abort":  # an API client's request stops when the client disconnects
+            return True if self.current_id in set(self.turns) | self.running_agents else None
         return True
 
     def refresh_status(self) -> None:
         s = self.dashboard.latest
         kv = f" · KV {s.get('used', 0)}/{s.get('num_blocks', 0)} used, {s.get('shared', 0)} shared" if s else ""
         busy = f" · {len(self.busy)} generating" if self.busy else ""
+        server = f" · API {self.app.api_server.url}" if self.app.api_server is not None else ""
         self.query_one("#status", Static).update(
-            f"{self.session.title} · {self.host.model_name} · {self.host.device}{busy}{kv}")
+            f"{self.session.title} · {self.host.model_name} · {self.host.device}{busy}{kv}{server}")
 
     def selected_index(self) -> int | None:
         """The index (in the current session) of the focused message, if a message has the focus."""
@@ -270,6 +279,9 @@ class ChatScreen(AgentSessions, SessionActions, Screen):
     # ---- turns
     async def send(self, text: str) -> None:
         session = self.session
+        if session.kind == "api":
+            await self.notice(READ_ONLY, "error")
+            return
         if session.kind == "agent":
             await self.send_task(text)
             return

@@ -63,6 +63,8 @@ class Dashboard(VerticalScroll):
         yield ExpertHeatmap(id="experts")
         yield Label("engine", classes="dash-title")
         yield Static("", id="engine", markup=False)
+        yield Label("sessions", classes="dash-title")
+        yield Static("", id="session-counts", markup=False)
 
     # ---- inputs
     @property
@@ -107,6 +109,10 @@ class Dashboard(VerticalScroll):
         total = sum(t.prompt_tokens for t in session.turns)
         lines.append(f"cached {hits}/{total} prompt tok · {session.num_misses} miss(es)")
         self.query_one("#reuse", Static).update("\n".join(lines))
+
+    def show_sessions(self, text: str) -> None:
+        """Local and API sessions, and the API server's address (the chat screen writes it)."""
+        self.query_one("#session-counts", Static).update(text)
 
     def redraw(self) -> None:
         if self.latest:

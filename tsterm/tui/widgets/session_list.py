@@ -1,4 +1,5 @@
-"""The sessions sidebar: one option per session, a marker on those generating right now, `◆` on agent sessions."""
+"""The sessions sidebar: one option per session, a marker on those generating right now, `◆` on agent sessions, `⇄`
+on API clients' conversations."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -15,7 +16,7 @@ class SessionList(OptionList):
         options, highlight = [], None
         for i, s in enumerate(sessions):
             label = Content.assemble(("● " if s.id in busy else "  ", "bold $success"),
-                                     ("◆ " if s.kind == "agent" else "", "bold $accent"),
+                                     ({"agent": "◆ ", "api": "⇄ "}.get(s.kind, ""), "bold $accent"),
                                      (s.title or "untitled", "bold" if s.id == current_id else ""),
                                      (" ⑂" if s.parent_id else "", "dim"))
             options.append(Option(label, id=s.id))
