@@ -238,16 +238,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """out += sum_k weights[:, k] * expert_{ids[:, k]}(x), with SwiGLU experts, accumulated in place.
 
     x: [T, H]; w13: [E, 2I, H] (gate rows then up rows, [out, in] layout); w2: [E, H, I]; weights: [T, k];
-    expert_ids: [T, k]; out: [T, H]. Only the experts that received tokens are touched.
+    expert_ids: [T, k]; out: [T, H]. Only the experts that received tokens are touched. An id equal to E names an
+    expert this rank does not hold (expert parallelism): that pair adds nothing.
     """
     num_tokens, top_k = expert_ids.shape
+    num_experts = w13.shape[0]
     if num_tokens * top_k <= _FEW_PAIRS and x.device.type == "cpu":
         # Decode: a handful of (token, expert) pairs, grouped on the host (the ids are already in host memory);
         # a single token reads its row of x as a view, and its weighted output is added into its row in place.
         by_expert: dict[int, list[tuple[int, float]]] = {}
         for token, (ids, ws) in enumerate(zip(expert_ids.tolist(), weights.tolist())):
             for expert, weight in zip(ids, ws):
-                by_expert.setdefault(expert, []).append((token, weight))
+                if expert < num_experts:
+                    by_expert.setdefault(expert, []).append((token, weight))
         shared = []  # experts with several tokens: their rows are gathered once, in expert order
         for expert, pairs in by_expert.items():
             if len(pairs) == 1:
@@ -270,7 +273,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return out
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # token/expert pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()  # host sync: CPU path only
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]  # host sync: CPU path only
     token_of_pair = order // top_k  # [T*k]
     weight_of_pair = weights.reshape(-1)[order]  # [T*k]
     start = 0

@@ -85,11 +85,11 @@ def _scatter_kernel(
 ):
     chunk = tl.program_id(0)
     pairs = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
-    valid = pairs < num_pairs
     experts = tl.arange(0, BLOCK_E)
 
     # ---- rank of each pair among the chunk's pairs of the same expert
-    expert = tl.load(expert_ids_ptr + pairs, mask=valid, other=-1).to(tl.int32)  # [BLOCK_P]
+    expert = tl.load(expert_ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)  # [BLOCK_P]
+    valid = (pairs < num_pairs) & (expert < num_experts)  # id E: another rank's expert, placed nowhere
     one_hot = (expert[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
     rank = tl.sum(tl.cumsum(one_hot, axis=0) * one_hot, axis=1) - 1  # [BLOCK_P]
 
@@ -110,6 +110,7 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
     sorted_pairs holds pair ids (token * k + slot) grouped by expert, each expert's segment padded with the
     sentinel T*k up to a multiple of block_m; tile_experts[i] is the expert of tile i, or -1 for a spare tile.
+    A pair whose id is `num_experts` (an expert another rank holds) is left out.
     """
     assert expert_ids.dim() == 2 and expert_ids.is_contiguous(), "expert_ids must be a contiguous [T, k] tensor"
     assert expert_ids.dtype in (torch.int32, torch.int64), f"expert_ids dtype {expert_ids.dtype} is not an integer"

@@ -96,6 +96,12 @@ class EngineConfig:
     kernels: str = "auto"  # auto: Triton on CUDA, the torch twins on the CPU; or force "torch" / "triton"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA with the Triton kernels; ignored elsewhere)
     max_pinned_fraction: float = 0.5  # share of the KV blocks that pins (Engine.pin) may hold; 0 disables pinning
+    # ranks = tensor_parallel_size x expert_parallel_size; rank 0 is the engine's process, the others are workers it
+    # starts (tsterm.distributed). Attention and dense MLPs split over the tp ranks, routed experts over the ep groups.
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    # a worker that does not answer a step (or its start) within this many seconds is reported as failed
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -117,6 +123,13 @@ class EngineConfig:
                and 0.0 <= self.max_pinned_fraction <= 1.0,
                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        for name in ("tensor_parallel_size", "expert_parallel_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 1024,
+                   f"{name} must be an integer in [1, 1024], got {value!r}")
+        _check(isinstance(self.distributed_timeout_s, (int, float)) and not isinstance(self.distributed_timeout_s, bool)
+               and 0 < self.distributed_timeout_s <= 86400,
+               f"distributed_timeout_s must be seconds in (0, 86400], got {self.distributed_timeout_s!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

@@ -27,3 +27,7 @@ class EngineStoppedError(TstermError, RuntimeError):
 
 class EngineTimeoutError(TstermError, TimeoutError):
     """The engine did not answer in time: a step that does not return, or a request that waits without output."""
+
+
+class DistributedError(TstermError, RuntimeError):
+    """A worker rank of a multi-rank engine died, hung past the timeout or failed: the message names the rank."""

@@ -61,13 +61,23 @@ def profile_from_args(args: argparse.Namespace) -> Profile | None:
     return load_profile(name) if name else None
 
 
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tensor/expert parallel flags of a command that starts an engine (they override the profile's keys)."""
+    parser.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size", metavar="N",
+                        help="split attention, dense MLPs and the vocabulary over N ranks (one process each)")
+    parser.add_argument("--expert-parallel-size", type=int, dest="expert_parallel_size", metavar="N",
+                        help="split the routed experts over N groups of ranks (x tensor-parallel size ranks in all)")
+
+
 def llm_from_args(args: argparse.Namespace, profile: Profile | None = None):
-    """An LLM for a command line's --profile/--model (+ --dtype/--device), showing load progress on stderr.
-    `profile`: the already loaded `--profile` (so that it is read once)."""
+    """An LLM for a command line's --profile/--model (+ --dtype/--device and the parallel sizes), showing load
+    progress on stderr. `profile`: the already loaded `--profile` (so that it is read once)."""
     if profile is None:
         profile = profile_from_args(args)
     return load_llm(profile, getattr(args, "model", None), progress=progress_printer("loading"),
-                    dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
+                    dtype=getattr(args, "dtype", None), device=getattr(args, "device", None),
+                    tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+                    expert_parallel_size=getattr(args, "expert_parallel_size", None))
 
 
 def progress_printer(label: str) -> ProgressFn:

@@ -6,17 +6,28 @@ from typing import Any
 
 from tsterm.config import EngineConfig, SamplingParams
 from tsterm.engine.engine import Engine
+from tsterm.engine.executor import ExecutorFactory
+from tsterm.engine.model_runner import ModelRunner
 from tsterm.model.loader import ProgressFn
 from tsterm.outputs import RequestOutput
 
 Prompt = str | list[int]
 
 
+def executor_for(config: EngineConfig) -> ExecutorFactory:
+    """The executor the engine runs: one process, or rank 0 of tensor x expert parallel workers."""
+    if config.tensor_parallel_size * config.expert_parallel_size == 1:
+        return ModelRunner
+    from tsterm.distributed import DistributedExecutor  # torch.distributed: loaded only when asked for
+
+    return DistributedExecutor
+
+
 class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", progress: ProgressFn | None = None,
                  **engine_options: Any):
         self.config = EngineConfig.from_options(str(model), dtype=dtype, device=device, **engine_options)
-        self.engine = Engine(self.config, progress=progress)
+        self.engine = Engine(self.config, progress=progress, executor=executor_for(self.config))
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,

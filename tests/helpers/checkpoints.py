@@ -33,7 +33,7 @@ def make_checkpoint(path: Path, model_type: str, overrides: dict | None = None, 
         tokenizer_vocab = tokenizer_vocab_size(make_tokenizer_dir(path))
         vocab_size = max(vocab_size, tokenizer_vocab)
     config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[model_type])
-    kwargs = dict(BASE, vocab_size=vocab_size, **(overrides or {}))
+    kwargs = dict(BASE, **{"vocab_size": vocab_size, **(overrides or {})})  # overrides may widen the vocab
     if model_type in ("mixtral", "olmoe"):  # these use intermediate_size for their experts
         kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
     torch.manual_seed(seed)

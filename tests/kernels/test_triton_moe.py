@@ -85,3 +85,25 @@ def test_fused_moe_matches_twin(triton_ops, poison, dtype, num_tokens, hidden, i
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-3, rtol=6e-3)
     torch.testing.assert_close(out, want, **tol)
 
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])  # the twin's host-grouped decode path and its sorted path
+def test_fused_moe_skips_other_ranks_experts(triton_ops, poison, num_tokens):
+    """Expert parallel: a rank holds experts [4, 8) of 8 as local 0..3; id 4 (= E_local) marks the other rank's."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden, inter, num_experts, top_k, first = 32, 16, 8, 2, 4
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    local_ids = (expert_ids - first).masked_fill(expert_ids < first, num_experts - first)
+    assert (local_ids == num_experts - first).any() and (local_ids < num_experts - first).any()
+    start = torch.randn(num_tokens, hidden, generator=gen)
+    # oracle: every expert present, the other rank's pairs weighted 0
+    want = reference.fused_moe(x, w13, w2, weights.masked_fill(expert_ids < first, 0.0), expert_ids, start.clone())
+
+    twin = reference.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
+    kernel = triton_ops.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
+
+    torch.testing.assert_close(twin, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel, want, atol=1e-4, rtol=1e-4)

@@ -76,11 +76,13 @@ class Executor(ABC):
 ExecutorFactory = Callable[[ExecutorSpec], Executor]
 
 
-def size_cache(spec: ExecutorSpec, bytes_per_block: int) -> tuple[int, int]:
+def size_cache(spec: ExecutorSpec, bytes_per_block: int,
+               agree: Callable[[int], int] = lambda num_blocks: num_blocks) -> tuple[int, int]:
     """(num_blocks, max_model_len) for a cache of `bytes_per_block` per block, from the engine options.
 
     Call it after loading the weights: on CUDA the default budget is a fraction of the memory still free. A
-    sequence never outgrows the pool, so one request alone always fits (no self-preemption loop)."""
+    sequence never outgrows the pool, so one request alone always fits (no self-preemption loop). `agree`: the
+    block count every rank can hold, from this rank's (a multi-rank executor passes its ranks' minimum)."""
     config = spec.config
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
@@ -92,6 +94,7 @@ def size_cache(spec: ExecutorSpec, bytes_per_block: int) -> tuple[int, int]:
             else:
                 budget = CPU_DEFAULT_KV_BYTES
         num_blocks = max(2, budget // max(bytes_per_block, 1))
+    num_blocks = agree(num_blocks)
     max_model_len = min(config.max_model_len or spec.model_config.max_position_embeddings,
                         num_blocks * config.block_size)
     return num_blocks, max_model_len

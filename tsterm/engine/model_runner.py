@@ -4,6 +4,10 @@ A step's inputs go through persistent buffers (`tsterm.engine.step_inputs`): wri
 one asynchronous copy per dtype (pinned memory on CUDA), so a CUDA step queues its whole forward without waiting
 for the device. The step's one wait is the sampler's read-back of the sampled token ids (`sampler._read_back`).
 On CUDA with the Triton kernels, pure decode steps replay captured CUDA graphs (`tsterm.engine.cuda_graphs`).
+
+Built with a `ParallelContext` (`tsterm.model.parallel`), a ModelRunner is one rank's shard: the weights, the KV
+heads and the model of that rank. A multi-rank executor runs one per rank and feeds each the same `HostStep`
+(`run_step`); the KV pool is sized to what fits on every rank (`agree_min`), so block ids mean the same everywhere.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from tsterm.model.arch import ARCHITECTURES
 from tsterm.model.cache import ModelCache
 from tsterm.model.decoder import DecoderModel
 from tsterm.model.loader import load_weights
+from tsterm.model.parallel import ParallelContext, SingleRank
 
 def kernels_for(name: str, device: torch.device) -> str:
     """The kernel implementation an engine option names; "auto": Triton on CUDA, the torch twins elsewhere."""
@@ -33,29 +38,35 @@ def kernels_for(name: str, device: torch.device) -> str:
 
 
 class ModelRunner(Executor):
-    """The single-process executor: the weights, the cache pools and the model on one device."""
+    """The single-process executor: the weights, the cache pools and the model on one device (or one rank's shard
+    of them, with `par`)."""
 
-    def __init__(self, spec: ExecutorSpec):
+    def __init__(self, spec: ExecutorSpec, par: ParallelContext | None = None):
         config, cfg = spec.config, spec.model_config
+        self.par = par = par if par is not None else SingleRank()
         self.cfg, self.block_size, self.device, self.dtype = cfg, config.block_size, spec.device, spec.dtype
         # The kernels are this executor's own (no process-wide binding), chosen before the long weight load.
         self.ops = dispatch.load(kernels_for(config.kernels, spec.device))
         self.kernels = self.ops.name
-        weights = load_weights(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress)
+        layout = par.layout
+        weights = load_weights(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout)
         layer_types = ARCHITECTURES[cfg.model_type].layer_types(cfg)
-        self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype)
-        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block)
-        self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device)
-        self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops)
+        # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
+        self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
+        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min)
+        self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout)
+        self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
         self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]
         for mlp in self.moe_layers:  # tokens routed per expert, accumulated on the device, read rarely
-            mlp.expert_load = torch.zeros(mlp.w13.shape[0], dtype=torch.int64, device=self.device)
+            mlp.expert_load = torch.zeros(mlp.router.shape[0], dtype=torch.int64, device=self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.cow_bytes = 0
         self.staging = HostStaging(self.device)
         self.buffers = DeviceBuffers(self.staging)
         # Decode steps replay CUDA graphs on CUDA with the Triton ops (the torch twins read host lists per step).
-        use_graphs = config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
+        # (Not with several ranks yet: a graph would have to capture the collectives too.)
+        use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
+                      and layout.world_size == 1)
         self.graphs = DecodeGraphs(self, config.max_num_seqs) if use_graphs else None
         self.graph_steps = 0  # steps replayed from a CUDA graph
         self.eager_steps = 0
@@ -91,7 +102,9 @@ class ModelRunner(Executor):
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's inputs in the eager device buffers, uploaded without waiting for the device."""
-        step = self.host_step(batch, with_runs=self.kernels != "triton")
+        return self.prepare_step(self.host_step(batch, with_runs=self.kernels != "triton"))
+
+    def prepare_step(self, step: HostStep) -> StepInputs:
         layout = StepLayout(len(step.input_ids), len(step.seq_lens), step.table_width, len(step.sample_rows))
         self.staging.write(layout, step)
         i64, i32 = self.buffers.reserve(layout)
@@ -103,10 +116,17 @@ class ModelRunner(Executor):
         if graph is not None:
             self.graph_steps += 1
             return graph.replay(batch)
+        return self.run_step(self.host_step(batch, with_runs=self.kernels != "triton"))
+
+    def run_step(self, step: HostStep, logits: bool = True) -> torch.Tensor | None:
+        """Run one step described by host lists (what a multi-rank executor hands every rank). `logits`: compute
+        them (a rank whose logits nobody reads passes False, and gets None)."""
         self.eager_steps += 1
-        inputs = self.prepare(batch)
+        inputs = self.prepare_step(step)
         with self.model.step_context(inputs.meta, state_slots=inputs.state_slots):
             hidden = self.model.forward(inputs.input_ids, inputs.positions)  # [T, H]
+        if not logits:
+            return None
         if inputs.sample_rows.numel() == 0:
             return torch.empty((0, self.cfg.vocab_size), device=self.device)
         return self.model.logits(hidden.index_select(0, inputs.sample_rows))  # [S, V]

@@ -15,6 +15,7 @@ import torch
 
 from tsterm.config import ModelConfig
 from tsterm.model.arch import FULL_ATTENTION, LayerType
+from tsterm.model.parallel import ParallelLayout
 
 
 class CachePool(ABC):
@@ -26,6 +27,8 @@ class CachePool(ABC):
       copied (the only cache data ever copied, and counted). A pool that is not paged copies nothing.
     - `bytes_per_block(...)`: what one KV block of `block_size` tokens costs in this pool over `num_layers` layers,
       used to size the pool from a memory budget (0 for a pool whose size does not grow with context).
+
+    A pool holds one rank's share (`layout`): the heads that rank computes, under the same block ids on every rank.
     """
 
     layers: tuple[int, ...]
@@ -38,17 +41,20 @@ class CachePool(ABC):
 
     @staticmethod
     @abstractmethod
-    def bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int: ...
+    def bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
+                        layout: ParallelLayout) -> int: ...
 
 
 class PagedKVPool(CachePool):
-    """K and V of full-attention layers: `[L_attn, 2 (k, v), num_blocks, block_size, Hkv, D]`, zeroed once."""
+    """K and V of full-attention layers: `[L_attn, 2 (k, v), num_blocks, block_size, Hkv, D]`, zeroed once
+    (Hkv: the rank's KV heads)."""
 
     def __init__(self, cfg: ModelConfig, layers: tuple[int, ...], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout):
         self.layers = layers
         self._index = {layer: i for i, layer in enumerate(layers)}
-        self.kv = torch.zeros((len(layers), 2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim),
+        _, num_kv_heads = layout.kv_heads(cfg)
+        self.kv = torch.zeros((len(layers), 2, num_blocks, block_size, num_kv_heads, cfg.head_dim),
                               dtype=dtype, device=device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,8 +68,10 @@ class PagedKVPool(CachePool):
         return len(pairs) * self.kv[:, :, 0].numel() * self.kv.element_size()
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    def bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
+                        layout: ParallelLayout) -> int:
+        _, num_kv_heads = layout.kv_heads(cfg)
+        return 2 * num_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 # mixer name -> the pool that holds its layers' cache
@@ -81,10 +89,10 @@ class ModelCache:
     """Every pool of one model instance, one per mixer kind present; `layer(i)` routes to the right pool."""
 
     def __init__(self, cfg: ModelConfig, layer_types: tuple[LayerType, ...], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout = ParallelLayout()):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pools: dict[str, CachePool] = {
-            mixer: POOLS[mixer](cfg, layers, num_blocks, block_size, dtype, device)
+            mixer: POOLS[mixer](cfg, layers, num_blocks, block_size, dtype, device, layout)
             for mixer, layers in _layers_by_mixer(layer_types).items()}
         self._pool_of = {layer: pool for pool in self.pools.values() for layer in pool.layers}
 
@@ -97,7 +105,8 @@ class ModelCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, layer_types: tuple[LayerType, ...], block_size: int,
-                        dtype: torch.dtype) -> int:
-        """Bytes one block of `block_size` tokens costs over every pool (what the KV budget is divided by)."""
-        return sum(POOLS[mixer].bytes_per_block(cfg, len(layers), block_size, dtype)
+                        dtype: torch.dtype, layout: ParallelLayout = ParallelLayout()) -> int:
+        """Bytes one block of `block_size` tokens costs over every pool (what the KV budget is divided by), on the
+        rank `layout` names."""
+        return sum(POOLS[mixer].bytes_per_block(cfg, len(layers), block_size, dtype, layout)
                    for mixer, layers in _layers_by_mixer(layer_types).items())

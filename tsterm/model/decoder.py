@@ -6,6 +6,11 @@ chosen by the executor) and its `StepContext`: the step's metadata is set once p
 `model.step_context(meta, ...)`, and the step's RoPE rows are looked up once in `forward`, so a mixer takes only
 `(rope, hidden)`. Nothing here is shared between two models, so two engines in one process never see each
 other's step. Weights are the packed tensors from `tsterm.model.loader`; nothing here copies one.
+
+A model is one rank's shard of a parallel layout (`tsterm.model.parallel`): its layers hold that rank's heads,
+columns and experts, and join the other ranks only through the model's `ParallelContext` (one all-reduce after
+attention, one after the MLP or experts; the embedding reduced, the logits gathered). The default context is a
+single rank, for which every collective is a no-op.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from tsterm.config import ModelConfig
 from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION
 from tsterm.model.cache import ModelCache
+from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.rope import RotaryEmbedding, rotate
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
@@ -43,13 +49,17 @@ class Attention:
     """Full causal attention over the paged KV pool; the new tokens' K/V are written into it in place."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
-                 cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps):
+                 cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext):
+        """par: the rank this layer is a shard of; it computes that rank's query heads (and KV heads)."""
         spec = ARCHITECTURES[cfg.model_type]
-        self.ctx, self.ops = ctx, ops
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.ctx, self.ops, self.par = ctx, ops, par
+        self.num_heads, self.num_kv_heads = par.layout.q_heads(cfg)[1], par.layout.kv_heads(cfg)[1]
+        self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv, self.qkv_bias = w[prefix + "qkv"], w.get(prefix + "qkv_bias")
-        self.o_proj, self.o_bias = w[prefix + "o_proj"], w.get(prefix + "o_bias")
+        # o_proj's bias is added by one rank only: the all-reduce sums it once
+        self.o_proj = w[prefix + "o_proj"]
+        self.o_bias = w.get(prefix + "o_bias") if par.layout.tp_rank == 0 else None
         self.qk_norm = spec.qk_norm
         self.q_norm, self.k_norm = w.get(prefix + "q_norm"), w.get(prefix + "k_norm")
         self.eps, self.clip = cfg.rms_norm_eps, cfg.clip_qkv
@@ -79,16 +89,24 @@ class Attention:
         meta = self.ctx.meta
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
         o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
-        return linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]
+        out = linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]: this rank's heads' part
+        self.par.all_reduce_tp(out)
+        return out
 
 
 class SparseMoE:
     """Routed experts (+ optional gated shared expert). A dense MLP is one expert with no router, run directly."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, ctx: StepContext, ops: KernelOps):
-        self.ctx, self.ops = ctx, ops
-        self.w13, self.w2 = w[prefix + "w13"], w[prefix + "w2"]  # [E, 2I, H], [E, H, I]
-        self.router = w.get(prefix + "router")  # [E, H] or None (dense)
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, ctx: StepContext, ops: KernelOps,
+                 par: ParallelContext):
+        """par: the rank this block is a shard of: it holds that rank's experts (and columns of them)."""
+        self.ctx, self.ops, self.par = ctx, ops, par
+        self.w13, self.w2 = w[prefix + "w13"], w[prefix + "w2"]  # [E_local, 2I_local, H], [E_local, H, I_local]
+        self.router = w.get(prefix + "router")  # [E, H] (all experts: routing is replicated) or None (dense)
+        # expert parallel: the first expert this rank holds; None when it holds them all
+        self.first_expert = None
+        if self.router is not None and par.layout.ep_size > 1:
+            self.first_expert = par.layout.experts(self.router.shape[0])[0]
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         self.shared_w13, self.shared_w2 = w.get(prefix + "shared_w13"), w.get(prefix + "shared_w2")
@@ -97,7 +115,9 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.router is None:  # dense: the one expert's output is the result (no zeroed buffer, no routing)
-            return expert_mlp(x, self.w13[0], self.w2[0])  # [T, H]
+            out = expert_mlp(x, self.w13[0], self.w2[0])  # [T, H]: this rank's columns' part
+            self.par.all_reduce_tp(out)
+            return out
         out = torch.zeros_like(x)  # [T, H]: every expert's weighted output is accumulated into it in place
         logits = linear(x, self.router)  # [T, E]
         weights, expert_ids = self.ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
@@ -107,16 +127,22 @@ class SparseMoE:
             counts = torch.ones_like(pairs, dtype=self.expert_load.dtype) if counts is None else counts
             assert counts.numel() == pairs.numel(), "pair weights for another top-k"
             self.expert_load.index_add_(0, pairs, counts.to(self.expert_load.dtype))
-        self.ops.fused_moe(x, self.w13, self.w2, weights, expert_ids, out)
+        local_ids = expert_ids
+        if self.first_expert is not None:  # another rank's expert -> E_local, which `fused_moe` skips
+            num_local = self.w13.shape[0]
+            local_ids = expert_ids - self.first_expert  # [T, k]
+            local_ids = local_ids.masked_fill((local_ids < 0) | (local_ids >= num_local), num_local)
+        self.ops.fused_moe(x, self.w13, self.w2, weights, local_ids, out)
         if self.shared_w13 is not None:
             # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
             # like the routed ones (no second [T, H] buffer).
             gate = torch.sigmoid(linear(x, self.shared_gate))  # [T, 1]
             self.ops.fused_moe(x, self.shared_w13, self.shared_w2, gate.float(), torch.zeros_like(expert_ids[:, :1]), out)
+        self.par.all_reduce_all(out)  # every rank's experts (and shared-expert columns) summed
         return out
 
 
-# mixer name (a `LayerType.mixer`) -> its layer class: (cfg, weights, prefix, cache views, ctx, ops) -> callable
+# mixer name (a `LayerType.mixer`) -> its layer class: (cfg, weights, prefix, cache views, ctx, ops, par) -> callable
 MIXERS = {FULL_ATTENTION: Attention}
 
 
@@ -124,10 +150,13 @@ class DecoderModel:
     """Token ids -> final hidden states over a flattened batch; `logits` maps chosen rows to the vocabulary."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], cache: ModelCache, max_positions: int,
-                 ops: KernelOps):
-        """cache: every layer's cache pool (`tsterm.model.cache`); ops: the kernels this model runs."""
+                 ops: KernelOps, par: ParallelContext | None = None):
+        """cache: every layer's cache pool (`tsterm.model.cache`); ops: the kernels this model runs; par: the rank
+        whose shard `weights` and `cache` are (default: one rank holding everything)."""
         self.cfg, self.ops = cfg, ops
+        self.par = par = par if par is not None else SingleRank()
         self.ctx = StepContext()
+        self.vocab_first, _, self.vocab_per_rank = par.layout.vocab(cfg.vocab_size)
         device = weights["embed"].device
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings, device)
         self.embed, self.final_norm, self.lm_head = weights["embed"], weights["final_norm"], weights["lm_head"]
@@ -136,9 +165,9 @@ class DecoderModel:
         self.layers = []
         for i, layer_type in enumerate(self.layer_types):
             p = f"layers.{i}."
-            mixer = MIXERS[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops)
+            mixer = MIXERS[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par)
             self.layers.append((weights[p + "input_norm"], mixer, weights[p + "post_attn_norm"],
-                                SparseMoE(cfg, weights, p, self.ctx, ops)))
+                                SparseMoE(cfg, weights, p, self.ctx, ops, par)))
 
     @contextlib.contextmanager
     def step_context(self, meta: AttentionMetadata, pair_weights: torch.Tensor | None = None,
@@ -154,7 +183,7 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        hidden = F.embedding(input_ids, self.embed)  # [T, H]
+        hidden = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary.tables(positions)  # looked up once per step, shared by every layer
         residual = None
         for input_norm, mixer, post_norm, mlp in self.layers:
@@ -169,6 +198,24 @@ class DecoderModel:
         hidden, _ = ops.rms_norm(hidden, self.final_norm, self.eps, residual)
         return hidden
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] ids -> [T, H]. Vocabulary-parallel: each rank looks up the ids in its rows, zeroes the others, and
+        the sum over the ranks is every row."""
+        if self.par.layout.tp_size == 1:
+            return F.embedding(input_ids, self.embed)  # [T, H]
+        local = input_ids - self.vocab_first  # [T]
+        outside = (local < 0) | (local >= self.embed.shape[0])  # [T]: another rank's rows
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill_(outside[:, None], 0.0)  # [T, H]
+        self.par.all_reduce_tp(hidden)
+        return hidden
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()  # [S, V]
+        """[S, H] -> [S, V] float32. Vocabulary-parallel: each rank's rows of the LM head, gathered."""
+        logits = linear(hidden, self.lm_head).float()  # [S, V_local]
+        if self.par.layout.tp_size == 1:
+            return logits
+        if logits.shape[1] < self.vocab_per_rank:  # the last rank's shorter share: padded for the gather
+            logits = F.pad(logits, (0, self.vocab_per_rank - logits.shape[1]))
+        gathered = self.par.all_gather_tp(logits)  # [tp, S, V_per_rank]
+        return gathered.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.cfg.vocab_size]  # [S, V]

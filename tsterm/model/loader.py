@@ -4,6 +4,9 @@ Tensors are views of memory-mapped safetensors files (`safetensors_mmap`); a ten
 the CPU is used in place, any other is converted once (F8_E4M3 / F8_E5M2 by torch's own FP8 conversion). Only what
 the layout needs is materialised, once, at load: fused q/k/v rows and the stacked expert tensors `w13 [E, 2I, H]` /
 `w2 [E, H, I]`.
+
+A rank of a parallel layout (`tsterm.model.parallel`) loads only its shard: row slices of a mapped tensor stay views
+of the mapping (only their pages are ever read), column slices are copied once, contiguously, at load.
 """
 from __future__ import annotations
 
@@ -16,12 +19,15 @@ import torch
 from tsterm.config import ModelConfig
 from tsterm.errors import ModelLoadError
 from tsterm.model.arch import ARCHITECTURES
+from tsterm.model.parallel import ParallelLayout
 from tsterm.model.safetensors_mmap import WEIGHT_DTYPES, SafetensorsFile
 
 ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # fine-grained FP8 / compressed-tensors checkpoints
+
+Span = tuple[int, int] | None  # (first, count) along one dimension; None: all of it
 
 
 def find_weight_files(model_dir: Path) -> list[Path]:
@@ -71,7 +77,9 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, shape: tuple[int, ...], convert: bool = True) -> torch.Tensor:
+    def get(self, name: str, shape: tuple[int, ...], convert: bool = True, rows: Span = None,
+            cols: Span = None) -> torch.Tensor:
+        """The tensor `name` of full shape `shape`; `rows`/`cols`: only that span of dimension 0 / 1 (a shard)."""
         shard = self.where.get(name)
         if shard is None:
             raise ModelLoadError(f"missing tensor {name!r} (looked in {', '.join(sorted({s.path.name for s in self.where.values()}))})")
@@ -84,6 +92,10 @@ class WeightSource:
                                  f"does not load as a weight (it loads {', '.join(WEIGHT_DTYPES)}); convert the "
                                  "checkpoint to one of those")
         self._mark_used(name)
+        if rows is not None and rows != (0, tensor.shape[0]):
+            tensor = tensor.narrow(0, *rows)  # a view of the mapping: only these rows' pages are read
+        if cols is not None and cols != (0, tensor.shape[1]):
+            tensor = tensor.narrow(1, *cols).contiguous()  # this rank's columns, copied once
         return self.to_target(tensor) if convert else tensor
 
     def skip(self, name: str) -> None:
@@ -101,11 +113,13 @@ class WeightSource:
         # A no-op (still the mmap view) when dtype and device already match.
         return tensor.to(device=self.device, dtype=self.dtype)
 
-    def stack(self, names: list[str], shape: tuple[int, ...]) -> torch.Tensor:
-        """Pack several same-shape tensors into one new [N, *shape] tensor in the target dtype/device."""
-        out = torch.empty((len(names), *shape), dtype=self.dtype, device=self.device)
+    def stack(self, names: list[str], shape: tuple[int, ...], cols: Span = None) -> torch.Tensor:
+        """Pack several same-shape tensors (or their `cols` span) into one new [N, ...] tensor in the target
+        dtype/device."""
+        out_shape = shape if cols is None else (shape[0], cols[1], *shape[2:])
+        out = torch.empty((len(names), *out_shape), dtype=self.dtype, device=self.device)
         for i, name in enumerate(names):
-            out[i].copy_(self.get(name, shape, convert=False))
+            out[i].copy_(self.get(name, shape, convert=False, cols=cols))
         return out
 
     def check_all_used(self) -> None:
@@ -122,21 +136,26 @@ class WeightSource:
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 progress: ProgressFn | None = None) -> dict[str, torch.Tensor]:
-    """Returns the decoder's weights by canonical name (see `tsterm.model.decoder`)."""
+                 progress: ProgressFn | None = None, layout: ParallelLayout = ParallelLayout()) -> dict[str, torch.Tensor]:
+    """Returns the decoder's weights by canonical name (see `tsterm.model.decoder`): `layout.rank`'s shard."""
     model_dir = Path(model_dir)
     spec = ARCHITECTURES[cfg.model_type]
     src = WeightSource(find_weight_files(model_dir), dtype, device, progress)
     H, D = cfg.hidden_size, cfg.head_dim
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    vocab_first, vocab_count, _ = layout.vocab(cfg.vocab_size)
+    vocab_rows = (vocab_first, vocab_count)
+    q0, nq = layout.q_heads(cfg)
+    kv0, nkv = layout.kv_heads(cfg)
+    q_rows, kv_rows = (q0 * D, nq * D), (kv0 * D, nkv * D)
     w: dict[str, torch.Tensor] = {}
-    w["embed"] = src.get("model.embed_tokens.weight", (cfg.vocab_size, H))
+    w["embed"] = src.get("model.embed_tokens.weight", (cfg.vocab_size, H), rows=vocab_rows)
     w["final_norm"] = src.get("model.norm.weight", (H,))
     if cfg.tie_word_embeddings:
         src.skip("lm_head.weight")
         w["lm_head"] = w["embed"]
     else:
-        w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H))
+        w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H), rows=vocab_rows)
 
     qkv_bias = cfg.attention_bias if spec.qkv_bias is None else spec.qkv_bias
     for i in range(cfg.num_hidden_layers):
@@ -144,50 +163,70 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         w[o + "input_norm"] = src.get(p + "input_layernorm.weight", (H,))
         w[o + "post_attn_norm"] = src.get(p + "post_attention_layernorm.weight", (H,))
         a = p + "self_attn."
-        w[o + "qkv"] = torch.cat([src.get(a + "q_proj.weight", (Hq * D, H)), src.get(a + "k_proj.weight", (Hkv * D, H)),
-                                  src.get(a + "v_proj.weight", (Hkv * D, H))])  # [(Hq + 2 Hkv) D, H]
+        w[o + "qkv"] = torch.cat([src.get(a + "q_proj.weight", (Hq * D, H), rows=q_rows),
+                                  src.get(a + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
+                                  src.get(a + "v_proj.weight", (Hkv * D, H), rows=kv_rows)])  # [(Hq + 2 Hkv) D, H]
         if qkv_bias:
-            w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,)), src.get(a + "k_proj.bias", (Hkv * D,)),
-                                           src.get(a + "v_proj.bias", (Hkv * D,))])
-        w[o + "o_proj"] = src.get(a + "o_proj.weight", (H, Hq * D))
+            w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,), rows=q_rows),
+                                           src.get(a + "k_proj.bias", (Hkv * D,), rows=kv_rows),
+                                           src.get(a + "v_proj.bias", (Hkv * D,), rows=kv_rows)])
+        w[o + "o_proj"] = src.get(a + "o_proj.weight", (H, Hq * D), cols=q_rows)  # [H, Hq D]: this rank's columns
         if spec.o_bias_from_config and cfg.attention_bias:
             w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
         if spec.qk_norm == "head":
             w[o + "q_norm"] = src.get(a + "q_norm.weight", (D,))
             w[o + "k_norm"] = src.get(a + "k_norm.weight", (D,))
-        elif spec.qk_norm == "full":
+        elif spec.qk_norm == "full":  # whole-projection norms: refused for tensor parallelism (ParallelLayout.check)
             w[o + "q_norm"] = src.get(a + "q_norm.weight", (Hq * D,))
             w[o + "k_norm"] = src.get(a + "k_norm.weight", (Hkv * D,))
         if cfg.is_moe_layer(i):
-            _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w)
+            _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout)
         else:
-            _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w)
+            _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w, (layout.tp_rank, layout.tp_size))
     src.check_all_used()
     return w
 
 
-def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: dict[str, torch.Tensor]) -> None:
-    # A dense MLP is the trivial MoE: one expert, always on, weight 1.
-    gate_up = torch.cat([src.get(p + "gate_proj.weight", (inter, H)), src.get(p + "up_proj.weight", (inter, H))])
+def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: dict[str, torch.Tensor],
+                    part: tuple[int, int] = (0, 1)) -> None:
+    """A dense MLP is the trivial MoE: one expert, always on, weight 1. `part` (index, parts): the share of the
+    intermediate dimension this rank holds."""
+    span = (part[0] * (inter // part[1]), inter // part[1])
+    gate_up = torch.cat([src.get(p + "gate_proj.weight", (inter, H), rows=span),
+                         src.get(p + "up_proj.weight", (inter, H), rows=span)])
     w[o + "w13"] = gate_up[None]  # [1, 2I, H]
-    w[o + "w2"] = src.get(p + "down_proj.weight", (H, inter))[None]  # [1, H, I]
+    w[o + "w2"] = src.get(p + "down_proj.weight", (H, inter), cols=span)[None]  # [1, H, I]
 
 
-def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor]) -> None:
+def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor],
+              layout: ParallelLayout) -> None:
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     gate, up, down = spec.expert_names
-    w[o + "router"] = src.get(p + "gate.weight", (E, H))
+    first, count = layout.experts(E)  # this rank's experts ...
+    i0, ni = layout.tp_rank * (inter // layout.tp_size), inter // layout.tp_size  # ... and their columns
+    w[o + "router"] = src.get(p + "gate.weight", (E, H))  # every rank routes every token (replicated, small)
     if src.has(p + "experts.gate_up_proj"):  # transformers-5 fused layout, already stacked
-        w[o + "w13"] = src.get(p + "experts.gate_up_proj", (E, 2 * inter, H))
-        w[o + "w2"] = src.get(p + "experts.down_proj", (E, H, inter))
+        gate_up = src.get(p + "experts.gate_up_proj", (E, 2 * inter, H), rows=(first, count))
+        down_all = src.get(p + "experts.down_proj", (E, H, inter), rows=(first, count))
+        if ni == inter:  # whole experts: views of the mapping
+            w[o + "w13"], w[o + "w2"] = gate_up, down_all
+        else:
+            w[o + "w13"] = torch.cat([gate_up[:, i0:i0 + ni], gate_up[:, inter + i0:inter + i0 + ni]], dim=1)
+            w[o + "w2"] = down_all[:, :, i0:i0 + ni].contiguous()
     else:
         e = p + "experts."
-        w13 = torch.empty((E, 2 * inter, H), dtype=src.dtype, device=src.device)
+        w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
         for x in range(E):
-            w13[x, :inter].copy_(src.get(f"{e}{x}.{gate}.weight", (inter, H), convert=False))
-            w13[x, inter:].copy_(src.get(f"{e}{x}.{up}.weight", (inter, H), convert=False))
-        w[o + "w13"] = w13  # [E, 2I, H]
-        w[o + "w2"] = src.stack([f"{e}{x}.{down}.weight" for x in range(E)], (H, inter))  # [E, H, I]
+            if not first <= x < first + count:  # another rank's expert: accounted for, never read
+                for name in (gate, up, down):
+                    src.skip(f"{e}{x}.{name}.weight")
+                continue
+            w13[x - first, :ni].copy_(src.get(f"{e}{x}.{gate}.weight", (inter, H), convert=False, rows=(i0, ni)))
+            w13[x - first, ni:].copy_(src.get(f"{e}{x}.{up}.weight", (inter, H), convert=False, rows=(i0, ni)))
+        w[o + "w13"] = w13  # [E_local, 2I_local, H]
+        w[o + "w2"] = src.stack([f"{e}{x}.{down}.weight" for x in range(first, first + count)], (H, inter),
+                                cols=(i0, ni))  # [E_local, H, I_local]
     if spec.shared_expert and cfg.shared_expert_intermediate_size:
-        _load_dense_mlp(src, cfg.shared_expert_intermediate_size, H, p + "shared_expert.", o + "shared_", w)
+        _load_dense_mlp(src, cfg.shared_expert_intermediate_size, H, p + "shared_expert.", o + "shared_", w,
+                        (layout.rank, layout.world_size))
         w[o + "shared_gate"] = src.get(p + "shared_expert_gate.weight", (1, H))

@@ -1,0 +1,62 @@
+"""A worker that dies or hangs mid-generation ends the run with a DistributedError naming the rank, within the
+configured bound; the engine then refuses further steps with the same error instead of waiting on the dead rank."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tsterm import LLM, SamplingParams
+from tsterm.errors import DistributedError
+
+from tests.helpers.checkpoints import make_checkpoint
+
+TIMEOUT_S = 4.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("faults") / "qwen3_moe", "qwen3_moe",
+                              dict(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2))
+    return path
+
+
+@pytest.mark.parametrize("fault, message", [
+    (signal.SIGKILL, r"worker rank 1 \(pid \d+\) was killed by signal 9"),
+    (signal.SIGSTOP, rf"worker rank 1 \(pid \d+\) is stopped and did not answer within {TIMEOUT_S:g} s"),
+])
+def test_a_failed_worker_ends_the_run_with_a_clear_error_in_bounded_time(checkpoint, fault, message):
+    llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64,
+              tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S)
+    worker = llm.engine.executor.processes[0]
+    struck = []
+
+    def strike(out):
+        if len(out.token_ids) == 3 and not struck:  # mid-generation: the worker has answered a few steps
+            os.kill(worker.pid, fault)
+            struck.append(time.monotonic())
+
+    try:
+        with pytest.raises(DistributedError, match=message):
+            llm.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                         on_output=strike)
+        elapsed = time.monotonic() - struck[0]
+        assert elapsed < TIMEOUT_S + 3.0
+        with pytest.raises(DistributedError, match=message):  # failed for good, at once
+            llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))
+        assert not worker.is_alive()  # the executor stopped it (a stopped one too)
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+        llm.engine.shutdown()

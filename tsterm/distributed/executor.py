@@ -1,0 +1,213 @@
+"""The rank-0 executor: the engine's process is rank 0 and starts one worker process per other rank.
+
+The engine's scheduler, block pool and prefix cache stay here and decide for every rank: each rank keeps its
+heads' KV under the same block ids. Each engine call becomes one broadcast command (the step's host lists, or the
+copy-on-write pairs); then every rank runs its shard of the step, and rank 0 returns the gathered logits.
+
+Faults: a worker that exits makes the next collective fail at once; one that hangs makes it time out after
+`distributed_timeout_s`. Either way the executor stops every worker and raises `DistributedError` naming the rank,
+and every later call raises it again: nothing waits forever. Starting (imports, weight loading) is bounded by
+`max(distributed_timeout_s, START_TIMEOUT_S)`, and a worker that dies while starting is reported at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import time
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tsterm.distributed import protocol
+from tsterm.distributed.groups import Groups, RankContext
+from tsterm.distributed.worker import WorkerArgs, worker_main
+from tsterm.engine.batch import ScheduledBatch
+from tsterm.engine.executor import Executor, ExecutorSpec
+from tsterm.engine.model_runner import ModelRunner
+from tsterm.errors import ConfigError, DistributedError
+from tsterm.model.parallel import ParallelLayout
+
+START_TIMEOUT_S = 600.0  # importing torch and reading a large shard can take minutes
+POLL_S = 0.02
+
+
+def _stop_processes(processes: list[multiprocessing.Process]) -> None:
+    """Terminate, then kill, what is still running (also what a garbage-collected executor left)."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout=5)
+
+
+class DistributedExecutor(Executor):
+    """Tensor x expert parallel over `config.tensor_parallel_size x config.expert_parallel_size` ranks."""
+
+    def __init__(self, spec: ExecutorSpec):
+        config = spec.config
+        self.layout = layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size, rank=0)
+        layout.check(spec.model_config, str(spec.model_dir))
+        world = layout.world_size
+        if spec.device.type == "cuda" and torch.cuda.device_count() < world:
+            raise ConfigError(f"{world} ranks need {world} CUDA devices; this machine has {torch.cuda.device_count()}")
+        self.timeout_s = config.distributed_timeout_s
+        self._failure: DistributedError | None = None
+        self._closed = False
+        self.store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=self.timeout_s),
+                                   wait_for_workers=False)
+        self.processes = self._spawn(spec)
+        self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
+        try:
+            self._wait_for("ready", max(self.timeout_s, START_TIMEOUT_S), "start")
+            self.groups = Groups(self.store, layout, spec.device, timedelta(seconds=self.timeout_s))
+            self.runner = ModelRunner(spec, RankContext(layout, self.groups, self._agree_min))
+        except BaseException:
+            _stop_processes(self.processes)
+            raise
+        self.num_blocks, self.max_model_len = self.runner.num_blocks, self.runner.max_model_len
+        self.kv_bytes_per_block = self.runner.kv_bytes_per_block * world  # every rank holds as many KV heads
+        self.kernels = self.runner.kernels
+
+    def _spawn(self, spec: ExecutorSpec) -> list[multiprocessing.Process]:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
+        threads = max(1, (os.cpu_count() or 1) // self.layout.world_size)
+        processes = []
+        for rank in range(1, self.layout.world_size):
+            device = torch.device("cuda", rank) if spec.device.type == "cuda" else spec.device
+            args = WorkerArgs(dataclasses.replace(self.layout, rank=rank),
+                              dataclasses.replace(spec, device=device, progress=None),
+                              "127.0.0.1", self.store.port, self.timeout_s, threads)
+            process = context.Process(target=worker_main, args=(args,), name=f"tsterm-rank{rank}", daemon=True)
+            process.start()
+            processes.append(process)
+        return processes
+
+    # ---------------------------------------------------------------------------------------------------------
+    # start
+
+    def _wait_for(self, key: str, limit_s: float, what: str) -> list[int]:
+        """Each worker's `key/R` value, polling the store; a worker that exits first is reported at once."""
+        deadline = time.monotonic() + limit_s
+        values: dict[int, int] = {}
+        while len(values) < len(self.processes):
+            for rank in range(1, self.layout.world_size):
+                if rank not in values and self.store.check([f"{key}/{rank}"]):
+                    values[rank] = int(self.store.get(f"{key}/{rank}"))
+            dead = [rank for rank, p in enumerate(self.processes, 1) if p.exitcode is not None and rank not in values]
+            if dead:
+                raise self._error(f"while starting ({what})")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.layout.world_size)) - set(values))
+                raise DistributedError(f"worker rank(s) {missing} did not {what} within {limit_s:g} s")
+            if len(values) < len(self.processes):
+                time.sleep(POLL_S)
+        return [values[rank] for rank in sorted(values)]
+
+    def _agree_min(self, num_blocks: int) -> int:
+        agreed = min([num_blocks, *self._wait_for("blocks", max(self.timeout_s, START_TIMEOUT_S), "load its weights")])
+        self.store.set("blocks/agreed", str(agreed))
+        return agreed
+
+    # ---------------------------------------------------------------------------------------------------------
+    # steps
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        self._check_usable()
+        step = self.runner.host_step(batch, with_runs=self.kernels != "triton")
+        try:
+            protocol.send(self.groups.control, protocol.Command.STEP, step)
+            return self.runner.run_step(step)
+        except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or the timeout passed
+            raise self._fail(e) from None
+        except BaseException:  # rank 0 itself stopped mid-step (an interrupt): the ranks are out of step for good
+            self._abandon()
+            raise
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._check_usable()
+        try:
+            protocol.send(self.groups.control, protocol.Command.COPY_BLOCKS, pairs)
+        except RuntimeError as e:
+            raise self._fail(e) from None
+        except BaseException:
+            self._abandon()
+            raise
+        self.runner.copy_blocks(pairs)
+
+    def expert_load(self) -> list[list[int]]:
+        return self.runner.expert_load()  # routing is replicated: rank 0 counts every expert's tokens
+
+    def counters(self) -> dict[str, int]:
+        counters = dict(self.runner.counters())
+        counters["cow_bytes"] *= self.layout.world_size  # each rank copies its heads' share of the block
+        counters["ranks"] = self.layout.world_size
+        return counters
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is None:
+            try:
+                protocol.send(self.groups.control, protocol.Command.STOP)
+            except RuntimeError:
+                pass
+            deadline = time.monotonic() + self.timeout_s
+            for process in self.processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _stop_processes(self.processes)
+        self.groups.abort()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # faults
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise DistributedError("the distributed executor was shut down")
+
+    def _fail(self, cause: Exception) -> DistributedError:
+        """After a failed collective: name the rank, stop every worker, and stay failed."""
+        time.sleep(0.2)  # a worker that is exiting gets to exit (and write its reason) before we look
+        self._failure = self._error("during a step", cause)
+        _stop_processes(self.processes)
+        self.groups.abort()
+        return self._failure
+
+    def _abandon(self) -> None:
+        self._failure = DistributedError("distributed engine stopped: rank 0 was interrupted in the middle of a step, "
+                                         "so the ranks are out of step; start the engine again")
+        _stop_processes(self.processes)
+        self.groups.abort()
+
+    def _error(self, when: str, cause: Exception | None = None) -> DistributedError:
+        reasons = []
+        for rank, process in enumerate(self.processes, 1):
+            reason = self.store.get(f"error/{rank}").decode() if self.store.check([f"error/{rank}"]) else None
+            if process.exitcode is not None or reason:
+                code = process.exitcode
+                how = ("failed" if code is None else f"was killed by signal {-code}" if code < 0
+                       else f"exited with code {code}")
+                reasons.append(f"worker rank {rank} (pid {process.pid}) {how}" + (f": {reason}" if reason else ""))
+            elif _stopped(process.pid):
+                reasons.append(f"worker rank {rank} (pid {process.pid}) is stopped and did not answer within "
+                               f"{self.timeout_s:g} s")
+        if not reasons:
+            alive = [rank for rank, p in enumerate(self.processes, 1) if p.is_alive()]
+            reasons.append(f"no answer from worker rank(s) {alive} within {self.timeout_s:g} s (hung?)")
+        detail = f" ({str(cause).splitlines()[0][:200]})" if cause is not None and str(cause) else ""
+        return DistributedError(f"distributed engine failed {when}: {'; '.join(reasons)}{detail}; the engine has "
+                                "stopped, start it again")
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): its state in /proc, where there is one."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False

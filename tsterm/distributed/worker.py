@@ -1,0 +1,67 @@
+"""A worker rank: its shard of the model, driven by rank 0's commands until `STOP` (or until rank 0 is gone).
+
+Started by `DistributedExecutor` as a spawned process, one per rank past 0. It reports through the store: `ready/R`
+once it can build its groups, `blocks/R` with the KV blocks that fit on it, `error/R` with a one-line reason when
+it fails. Any failure ends the process; rank 0 notices (a collective fails or times out) and reports it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tsterm.distributed import protocol
+from tsterm.distributed.groups import IDLE_TIMEOUT, Groups, RankContext
+from tsterm.engine.executor import ExecutorSpec
+from tsterm.engine.model_runner import ModelRunner
+from tsterm.model.parallel import ParallelLayout
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    layout: ParallelLayout
+    spec: ExecutorSpec  # the rank's own device; no progress callback
+    store_host: str
+    store_port: int
+    timeout_s: float
+    num_threads: int
+
+
+def worker_main(args: WorkerArgs) -> None:
+    torch.set_num_threads(args.num_threads)
+    rank = args.layout.rank
+    store = dist.TCPStore(args.store_host, args.store_port, args.layout.world_size, False, timeout=IDLE_TIMEOUT)
+    try:
+        store.set(f"ready/{rank}", str(os.getpid()))
+        groups = Groups(store, args.layout, args.spec.device, timedelta(seconds=args.timeout_s))
+
+        def agree(num_blocks: int) -> int:
+            store.set(f"blocks/{rank}", str(num_blocks))
+            return int(store.get("blocks/agreed"))
+
+        runner = ModelRunner(args.spec, RankContext(args.layout, groups, agree))
+        serve(runner, groups, want_logits=args.layout.ep_rank == 0)
+    except BaseException as e:  # noqa: BLE001 - any failure: say why where rank 0 reads it, then exit non-zero
+        try:
+            store.set(f"error/{rank}", f"{type(e).__name__}: {e}".splitlines()[0][:500] if str(e) else type(e).__name__)
+        except Exception:  # noqa: BLE001 - rank 0 (and its store) may be gone already
+            pass
+        traceback.print_exc(file=sys.stderr)
+        sys.exit(1)
+
+
+def serve(runner: ModelRunner, groups: Groups, want_logits: bool) -> None:
+    """Run rank 0's commands. `want_logits`: this rank takes part in gathering the logits (rank 0's tp group)."""
+    while True:
+        kind, payload = protocol.receive(groups.control)
+        if kind == protocol.Command.STEP:
+            runner.run_step(payload, logits=want_logits)
+        elif kind == protocol.Command.COPY_BLOCKS:
+            runner.copy_blocks(payload)
+        else:
+            return
