@@ -214,3 +214,17 @@ def test_data_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("TSTERM_DATA_DIR")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "x"))
     assert default_data_dir() == tmp_path / "x" / "tsterm" / "sessions"
+
+
+def test_continued_by_finds_an_api_conversation_by_its_last_prompt():
+    """An API client sends its whole history every turn: a prompt that starts with the session's last prompt and
+    goes on is its next turn; the same prompt again (a retry), a shorter one or another history is not."""
+    session = Session(id="api", kind="api")
+    assert session.continued_by([1, 2, 3]) == 0  # no turn yet: nothing to continue
+    session.token_ids = [1, 2, 3, 4, 9, 9]  # prompt [1, 2, 3, 4] + its reply [9, 9]
+    session.turns.append(TurnStats(prompt_tokens=4, cached_tokens=0, kept_tokens=0, generated_tokens=2))
+    assert session.continued_by([1, 2, 3, 4, 9, 9, 5]) == 4
+    assert session.continued_by([1, 2, 3, 4, 8, 5]) == 4  # the client re-rendered the reply: still this conversation
+    assert session.continued_by([1, 2, 3, 4]) == 0  # the same prompt again
+    assert session.continued_by([1, 2, 3]) == 0
+    assert session.continued_by([1, 2, 7, 4, 9, 9, 5]) == 0  # another history

@@ -1,5 +1,6 @@
-"""`tsterm serve` as a process: the model loads, a line on stderr says where it listens, the API answers, the key
-(from the environment) is required and never printed."""
+"""`tsterm serve` as a process: the model loads, a line on stderr says where it listens (the profile's `server:`
+port and model name), the API answers, the key (from the environment) is required and never printed; the
+workstation's `--serve` flags."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.server.conftest import AGENT_DEMO, http
+from tsterm.cli import main
 
 
 def _free_port() -> int:
@@ -23,8 +27,10 @@ def test_tsterm_serve_process(tmp_path):
     code = "import sys; from tsterm.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "TSTERM_API_KEY": key}
     stderr = (tmp_path / "stderr").open("w+")
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(AGENT_DEMO), "--device", "cpu",
-                             "--port", str(port)], env=env, stderr=stderr, stdout=subprocess.DEVNULL)
+    profile = tmp_path / "served.yaml"
+    profile.write_text(f"model: {AGENT_DEMO}\ndevice: cpu\nserver:\n  port: {port}\n  model_name: agent_demo\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--profile", str(profile)], env=env, stderr=stderr,
+                            stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -45,3 +51,13 @@ def test_tsterm_serve_process(tmp_path):
     log = (tmp_path / "stderr").read_text()
     assert f"agent_demo on http://127.0.0.1:{port}/v1" in log and "API key required" in log
     assert key not in log
+
+
+def test_workstation_serve_flags_need_serve_and_a_key_off_loopback(capsys):
+    for argv in (["--port", "9000"], ["--api-key", "k", "--host", "0.0.0.0"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "only apply with --serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--serve", "--port", "70000"])
+    assert exit_.value.code == 2 and "--port must be in 0..65535" in capsys.readouterr().err
