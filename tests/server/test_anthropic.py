@@ -122,11 +122,11 @@ def test_api_key(make_server):
     assert status == 200
 
 
-def test_tool_choice_any_without_a_call_is_a_422(claude):
-    with pytest.raises(anthropic.UnprocessableEntityError) as err:
-        claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hello"}],
+def test_tool_choice_any_makes_the_reply_a_call(claude):
+    r = claude.messages.create(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": "Hello"}],
                                tools=TOOLS, tool_choice={"type": "any"}, extra_body=GREEDY)
-    assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+    assert r.stop_reason == "tool_use" and [b.type for b in r.content] == ["tool_use"]
+    assert r.content[0].name == "calculator" and set(r.content[0].input) == {"expression"}
 
 
 def test_disconnect_mid_stream_aborts(claude, llm, aengine):

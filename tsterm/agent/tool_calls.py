@@ -106,6 +106,18 @@ class ToolCallParser:
             events.append(self._call(self._buffer[:end]))
             self._buffer, self._in_call = self._buffer[end:], False
 
+    @property
+    def pending(self) -> tuple[str, str] | None:
+        """The call being read, if any: (the id it will get, its text so far after the open tag). The text only grows
+        until the call ends, so a server can stream what it can already read of it."""
+        if not self._in_call:
+            return None
+        return f"{self.id_prefix}{self._calls}", self._buffer[len(OPEN_TAG):]
+
+    def accepts(self, name: str) -> bool:
+        """Whether `name` is a tool this parser was given (any name when it was given none)."""
+        return self.schemas is None or name in self.schemas
+
     def finish(self) -> list[Event]:
         events: list[Event] = []
         if not self._finished:

@@ -3,9 +3,14 @@
 The request becomes the same chat-template messages the OpenAI route renders (system -> a system message, assistant
 text + tool_use blocks -> one assistant message with `tool_calls`, tool_result blocks -> `tool` messages), so a
 follow-up request re-renders the history the model produced and reuses the prefix cache. Prompt rendering, the
-tool-call parser, admission, generation with disconnect watching and usage counting are `generation`'s. tool_choice
-"any" and a named tool render the tools but do not constrain decoding: a reply without a valid call is a 422.
-A streamed tool_use block carries its whole input in one `input_json_delta`.
+tool-call parser, admission, generation with disconnect watching and usage counting are `generation`'s.
+tool_choice "any" and a named tool constrain generation as on the OpenAI route (the reply opens with a call; a named
+tool, or `disable_parallel_tool_use`, stops after one); the forced opening counts in `input_tokens`. A constrained
+reply that still is not a valid call is a 422 (in a stream, an error event).
+A streamed tool_use block starts (`content_block_start`, empty input) once its name is read and is an offered tool;
+`input_json_delta` events carry `partial_json` fragments of the input as the model writes it; `content_block_stop`
+ends it. A streamed block that turns out malformed stays (its input is what the model wrote); stop_reason is still
+"tool_use" unless max_tokens cut it short.
 """
 from __future__ import annotations
 
@@ -20,16 +25,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from tsterm.agent.tool_calls import ToolCall
 from tsterm.config import SamplingParams
 from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
-    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate,
-    gone, render_messages, run_to_end, unsatisfied,
+    Lease, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
+    reply_parser, run_to_end, stop_at_call_end, unsatisfied,
 )
+from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
 from tsterm.server.state import RequestInfo, ServerState
 
 router = APIRouter()
@@ -81,6 +86,7 @@ class Tool(_Body):
 class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
 class MessagesRequest(_Body):
@@ -157,8 +163,9 @@ def _tools(body: MessagesRequest) -> ToolUse:
         named = [s for s in specs if s["function"]["name"] == name]
         if not named:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
-        return ToolUse(named, True, True)
-    return ToolUse(specs, True, kind == "any")
+        return ToolUse(named, True, True, name=name, single=True)
+    single = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
+    return ToolUse(specs, True, kind == "any", single=single)
 
 
 def _sampling(state: ServerState, body: MessagesRequest) -> SamplingParams:
@@ -175,9 +182,9 @@ def _sampling(state: ServerState, body: MessagesRequest) -> SamplingParams:
 # ---- responses ---------------------------------------------------------------------------------------------
 
 
-def _stop(o: CompletionOutput, calls: list[ToolCall]) -> tuple[str, str | None]:
+def _stop(o: CompletionOutput, parser: ReplyParser) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence)."""
-    if calls:
+    if parser.finish_reason(o.finish_reason) == "tool_calls":
         return "tool_use", None
     if o.finish_reason == "length":
         return "max_tokens", None
@@ -195,10 +202,6 @@ def _usage(out: RequestOutput | None, output_tokens: int | None = None) -> dict:
             else output_tokens, "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
 
 
-def _tool_use(call: ToolCall) -> dict:
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
-
-
 def _event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
@@ -212,35 +215,36 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     state, metrics = request.app.state.server, request.app.state.metrics
     check_model(state, body.model)
     tools = _tools(body)
-    params = _sampling(state, body)
+    params = stop_at_call_end(_sampling(state, body), tools)
     messages = _template_messages(body)
     prompt = await asyncio.to_thread(render_messages, state, messages, tools)
-    check_prompt(state, prompt)
+    check_prompt(state, prompt.ids)
     lease = Lease(state, metrics)
-    info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt, messages=messages)
+    info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages)
+    parser = reply_parser(tools, prompt, prefix="toolu")
     if body.stream:
-        return SSEResponse(_stream(state, metrics, lease, tools, info, params), lease.release,
+        return SSEResponse(_stream(state, metrics, lease, tools, parser, info, params), lease.release,
                            media_type="text/event-stream")
     out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
     (o,) = out.outputs
-    parser = ReplyParser(tools, prefix="toolu")
-    text, calls = parser.feed(o.text, final=True)
-    if tools.required and not calls:
+    pieces = parser.feed(o.text, final=True, stop_reason=o.stop_reason)
+    if tools.required and not parser.calls:
         raise unsatisfied()
+    text = "".join(p for p in pieces if isinstance(p, str))
+    calls = [p.call for p in pieces if isinstance(p, CallEnd)]
     content: list[dict] = [{"type": "text", "text": text}] if text.strip() or not calls else []
-    content += [_tool_use(c) for c in calls]
-    stop_reason, stop_sequence = _stop(o, calls)
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls]
+    stop_reason, stop_sequence = _stop(o, parser)
     return JSONResponse({"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
                          "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                          "usage": _usage(out)})
 
 
-async def _stream(state: ServerState, metrics: ServerMetrics, lease: Lease, tools: ToolUse, info: RequestInfo,
-                  params: SamplingParams) -> AsyncIterator[str]:
-    parser = ReplyParser(tools, prefix="toolu")
-    last, ended, index, text_open, held = None, False, 0, False, ""
+async def _stream(state: ServerState, metrics: ServerMetrics, lease: Lease, tools: ToolUse, parser: ReplyParser,
+                  info: RequestInfo, params: SamplingParams) -> AsyncIterator[str]:
+    last, ended, index, text_open = None, False, 0, False
     try:
         start = {"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
                  "content": [], "stop_reason": None, "stop_sequence": None,
@@ -250,36 +254,37 @@ async def _stream(state: ServerState, metrics: ServerMetrics, lease: Lease, tool
         async for out in generate(state, info, params):
             last = out
             (o,) = out.outputs
-            final = o.finish_reason is not None
-            text, calls = parser.feed(o.delta_text, final)
-            if tools.required:
-                held, text = held + text, ""
-                if final:
-                    if not parser.calls:
-                        raise unsatisfied()
-                    text = held
-            if text and (text_open or text.strip()):
-                if not text_open:
-                    yield _event("content_block_start", {"index": index,
-                                                         "content_block": {"type": "text", "text": ""}})
-                    text_open = True
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": text}})
-            for call in calls:
+            for piece in parser.feed(o.delta_text, o.finish_reason is not None, o.stop_reason):
+                if isinstance(piece, str):
+                    if not text_open and not piece.strip():
+                        continue
+                    if not text_open:
+                        yield _event("content_block_start", {"index": index,
+                                                             "content_block": {"type": "text", "text": ""}})
+                        text_open = True
+                    yield _event("content_block_delta", {"index": index,
+                                                         "delta": {"type": "text_delta", "text": piece}})
+                    continue
                 if text_open:
                     yield _event("content_block_stop", {"index": index})
                     index, text_open = index + 1, False
-                yield _event("content_block_start", {"index": index, "content_block": {**_tool_use(call),
-                                                                                        "input": {}}})
-                yield _event("content_block_delta", {"index": index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}})
-                yield _event("content_block_stop", {"index": index})
-                index += 1
+                if isinstance(piece, CallStart):
+                    yield _event("content_block_start", {"index": index, "content_block": {
+                        "type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}})
+                elif isinstance(piece, CallArguments):
+                    yield _event("content_block_delta", {"index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": piece.text}})
+                else:
+                    yield _event("content_block_stop", {"index": index})
+                    index += 1
         if o is None or last is None:
             raise APIError(500, "the request ended without output", type_="api_error")
+        if tools.required and not parser.calls:
+            raise unsatisfied()
         if text_open:
             yield _event("content_block_stop", {"index": index})
         count_usage(metrics, last)
-        stop_reason, stop_sequence = _stop(o, parser.calls)
+        stop_reason, stop_sequence = _stop(o, parser)
         yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                        "usage": _usage(last)})
         ended = True

@@ -1,14 +1,19 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions` (streaming as SSE).
 
 Tool calls: with `tools` (and `tool_choice` "auto", the default) the tools are rendered by the chat template and the
-reply is split by `ToolCallParser` into `content` and `tool_calls` (finish_reason "tool_calls"). A call the parser
-finds malformed (bad JSON, unknown tool, arguments failing the schema) is not a call: its raw text stays in
-`content`. `tool_choice` "none" renders no tools and parses nothing. "required" and a named function render the
-tools (a named one: only that tool) but do not constrain decoding: a reply without a valid call is answered with a
-422 (`tool_choice_unsatisfied`; in a stream, an error event, the text held back until the end).
-A streamed call arrives whole in one delta (its id, name and complete arguments) once its closing tag is generated.
-Admission, prompt rendering, the reply parser and disconnect-aware generation live in `generation` (the Anthropic
-route uses them too).
+reply is split by `tool_stream.ReplyParser` into `content` and `tool_calls` (finish_reason "tool_calls"). A call the
+parser finds malformed (bad JSON, unknown tool, arguments failing the schema) is not a call: its raw text stays in
+`content`. `tool_choice` "none" renders no tools and parses nothing. "required" and a named function constrain
+generation (`generation.open_call`): the prompt ends with the opening of a call (a named one: up to its arguments),
+so the reply is a call; a named function (or `parallel_tool_calls: false`) stops at the first call's end. The forced
+opening counts as prompt tokens in `usage`. A constrained reply that still is not a valid call is a 422
+(`tool_choice_unsatisfied`; in a stream, an error event after what was streamed).
+
+Streaming: a call's first delta (index, id, type, name, `arguments: ""`) comes once its name is read and is an
+offered tool, then `function.arguments` fragments whose concatenation is the arguments JSON the model wrote (the same
+string a non-streamed reply carries). A streamed call that turns out malformed cannot be taken back: the client keeps
+the arguments as the model wrote them, and finish_reason is still "tool_calls", unless max_tokens cut the call short
+("length"). Admission, prompt rendering and disconnect-aware generation live in `generation`.
 """
 from __future__ import annotations
 
@@ -23,14 +28,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from tsterm.agent.tool_calls import ToolCall
 from tsterm.config import SamplingParams
 from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.generation import (
-    Lease, ReplyParser, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate, gone,
-    render_messages, run_to_end, unsatisfied,
+    Lease, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
+    reply_parser, run_to_end, stop_at_call_end, unsatisfied,
 )
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.protocol import (
@@ -40,6 +44,7 @@ from tsterm.server.protocol import (
     TopLogprob, Usage,
 )
 from tsterm.server.state import RequestInfo, ServerState
+from tsterm.server.tool_stream import CallArguments, CallStart, Piece
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -142,10 +147,8 @@ def _tools(body: ChatCompletionRequest) -> ToolUse:
         if not named:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
-        return ToolUse(named, True, True)
-    return ToolUse(specs, True, choice == "required")
-
-
+        return ToolUse(named, True, True, name=choice.function.name, single=True)
+    return ToolUse(specs, True, choice == "required", single=body.parallel_tool_calls is False)
 
 
 def _chat_logprobs(state: ServerState, entries: list[dict]) -> ChoiceLogprobs:
@@ -160,8 +163,19 @@ def _chat_logprobs(state: ServerState, entries: list[dict]) -> ChoiceLogprobs:
     return ChoiceLogprobs(content=content)
 
 
-def _call_out(call: ToolCall) -> ToolCallFunction:
-    return ToolCallFunction(name=call.name, arguments=json.dumps(call.arguments, ensure_ascii=False))
+def _call_deltas(pieces: list[Piece]) -> tuple[str, list[ToolCallDelta]]:
+    """One step's pieces of a reply as content and tool-call deltas: a call's first delta has its index, id, type,
+    name and empty arguments; then arguments fragments."""
+    text, deltas = [], []
+    for piece in pieces:
+        if isinstance(piece, str):
+            text.append(piece)
+        elif isinstance(piece, CallStart):
+            deltas.append(ToolCallDelta(index=piece.index, id=piece.id, type="function",
+                                        function=ToolCallFunction(name=piece.name, arguments="")))
+        elif isinstance(piece, CallArguments):
+            deltas.append(ToolCallDelta(index=piece.index, function=ToolCallFunction(arguments=piece.text)))
+    return "".join(text), deltas
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -171,38 +185,44 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _tools(body)
-    params = _sampling(state, body, body.max_completion_tokens or body.max_tokens,
-                       (body.top_logprobs or 0) if body.logprobs else None)
+    params = stop_at_call_end(_sampling(state, body, body.max_completion_tokens or body.max_tokens,
+                                        (body.top_logprobs or 0) if body.logprobs else None), tools)
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     prompt = await asyncio.to_thread(render_messages, state, messages, tools)  # a long history: off the event loop
-    check_prompt(state, prompt)
+    check_prompt(state, prompt.ids)
     lease = Lease(state, metrics)
-    info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt, params.n, messages=messages)
+    info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages)
+    parsers = [reply_parser(tools, prompt) for _ in range(params.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_chat_stream(state, metrics, lease, body, tools, info, params, include_usage),
+        return SSEResponse(_chat_stream(state, metrics, lease, body, tools, parsers, info, params, include_usage),
                            lease.release, media_type="text/event-stream")
     out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
     choices = []
     for o in out.outputs:
-        parsed = ReplyParser(tools)
-        content, calls = parsed.feed(o.text, final=True)
-        if tools.required and not calls:
+        parser = parsers[o.index]
+        pieces = parser.feed(o.text, final=True, stop_reason=o.stop_reason)
+        if tools.required and not parser.calls:
             raise unsatisfied()
-        message = AssistantMessage(content=None if calls and not content.strip() else content,
-                                   tool_calls=[ToolCallOut(id=c.id, function=_call_out(c)) for c in calls] or None)
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [ToolCallOut(id=p.id, function=ToolCallFunction(name=p.name, arguments="")) for p in pieces
+                 if isinstance(p, CallStart)]
+        for piece in pieces:
+            if isinstance(piece, CallArguments):
+                calls[piece.index].function.arguments += piece.text
+        message = AssistantMessage(content=None if calls and not content.strip() else content, tool_calls=calls or None)
         logprobs = _chat_logprobs(state, o.logprobs or []) if body.logprobs else None
         choices.append(ChatChoice(index=o.index, message=message, logprobs=logprobs,
-                                  finish_reason="tool_calls" if calls else o.finish_reason))
+                                  finish_reason=parser.finish_reason(o.finish_reason)))
     result = ChatCompletion(id=info.request_id, created=int(time.time()), model=state.model_name, choices=choices,
                             usage=_usage(out))
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
 async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: ChatCompletionRequest,
-                       tools: ToolUse, info: RequestInfo, params: SamplingParams,
+                       tools: ToolUse, parsers: list, info: RequestInfo, params: SamplingParams,
                        include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -210,9 +230,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease,
         return _sse(ChatCompletionChunk(id=info.request_id, created=created, model=state.model_name, choices=choices,
                                         usage=usage))
 
-    parsers = [ReplyParser(tools) for _ in range(params.n)]
-    held = [""] * params.n  # tool_choice required: text waits until a call is known
-    sent_logprobs, num_calls, done = [0] * params.n, [0] * params.n, set()
+    sent_logprobs, done = [0] * params.n, set()
     last, ended = None, False
     try:
         for index in range(params.n):
@@ -222,31 +240,22 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease,
             for o in out.outputs:
                 if o.index in done:
                     continue
-                i, final = o.index, o.finish_reason is not None
-                text, calls = parsers[i].feed(o.delta_text, final)
-                if tools.required:
-                    held[i], text = held[i] + text, ""
-                    if final:
-                        if not parsers[i].calls:
-                            raise unsatisfied()
-                        text = held[i]
-                deltas = []
-                for call in calls:
-                    deltas.append(ToolCallDelta(index=num_calls[i], id=call.id, type="function",
-                                                function=_call_out(call)))
-                    num_calls[i] += 1
+                i, final, parser = o.index, o.finish_reason is not None, parsers[o.index]
+                text, deltas = _call_deltas(parser.feed(o.delta_text, final, o.stop_reason))
                 logprobs = None
                 if body.logprobs:
                     entries = _new_logprobs(o, sent_logprobs)
                     logprobs = _chat_logprobs(state, entries) if entries else None
-                if text or deltas or logprobs:
-                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=text or None,
-                                                                        tool_calls=deltas or None),
-                                             logprobs=logprobs)])
+                if text or logprobs:
+                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=text or None), logprobs=logprobs)])
+                for delta in deltas:  # one call delta a chunk, in the order the model wrote them
+                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(tool_calls=[delta]))])
                 if final:
                     done.add(i)
-                    reason = "tool_calls" if parsers[i].calls else o.finish_reason
-                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(), finish_reason=reason)])
+                    if tools.required and not parser.calls:
+                        raise unsatisfied()
+                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(),
+                                             finish_reason=parser.finish_reason(o.finish_reason))])
         count_usage(metrics, last)
         if include_usage and last is not None:
             yield chunk([], usage=_usage(last))
