@@ -95,6 +95,10 @@ def test_body_size_limit(make_server):
                       {**GOOD, "messages": [{"role": "user", "content": "x" * 5000}]})
     assert code == 413 and json.loads(text)["error"]["message"]
     assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200
+    code, text = http("POST", f"{server.url}/v1/messages", {"model": "agent-demo", "max_tokens": 4,
+                                                          "messages": [{"role": "user", "content": "x" * 5000}]})
+    assert code == 413 and json.loads(text) == {"type": "error", "error": {
+        "type": "request_too_large", "message": "the request body has 5087 bytes; this server takes at most 2000"}}
 
 
 def _long_stream(client, **extra):

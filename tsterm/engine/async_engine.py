@@ -16,6 +16,7 @@ What a server needs from it:
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -24,6 +25,7 @@ from typing import Any
 
 from tsterm.config import SamplingParams
 from tsterm.engine.engine import Engine, PinResult
+from tsterm.engine.stats import EngineMetrics
 from tsterm.errors import EngineStoppedError, EngineTimeoutError
 from tsterm.outputs import RequestOutput
 
@@ -308,6 +310,11 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         return self._call(self.engine.stats)
+
+    def stats_and_metrics(self) -> tuple[dict, EngineMetrics]:
+        """`stats()` and a copy of the engine's EngineMetrics, read together on the engine thread (blocking): a
+        consistent snapshot for a scrape, which never sees a histogram half-updated by a step."""
+        return self._call(lambda: (self.engine.stats(), copy.deepcopy(self.engine.metrics)))
 
     def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> PinResult:
         """Engine.pin on the engine thread (blocking: call it from a worker thread in async code)."""

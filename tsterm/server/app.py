@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tsterm.server.anthropic_api import PATH as ANTHROPIC_PATH
 from tsterm.server.anthropic_api import is_anthropic
 from tsterm.server.anthropic_api import router as anthropic_router
 from tsterm.server.errors import APIError
@@ -25,7 +26,7 @@ from tsterm.server.state import ServerState
 
 class RequestCounter:
     """ASGI middleware, outermost: counts every HTTP request by its route and status code, and answers a declared
-    Content-Length past `max_body_bytes` with an OpenAI-style 413; a chunked body that grows past it is stopped as
+    Content-Length past `max_body_bytes` with a 413 (in Anthropic's shape on /v1/messages, else OpenAI's); a chunked body that grows past it is stopped as
     it is read (an HTTPException(413), answered by the app's handler)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int):
@@ -42,7 +43,8 @@ class RequestCounter:
             self.metrics.requests.labels("unmatched", "413").inc()
             if int(length) <= DRAIN_FACTOR * self.max_body_bytes:
                 await _drain(receive, DRAIN_FACTOR * self.max_body_bytes)
-            return await error.response()(scope, receive, send)
+            anthropic = scope.get("path", "").startswith(ANTHROPIC_PATH)  # no route is matched yet: ask the path
+            return await error.response(anthropic)(scope, receive, send)
         received = 0
 
         async def limited_receive() -> Message:
@@ -86,7 +88,7 @@ async def _drain(receive: Receive, limit: int) -> None:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    metrics = ServerMetrics(EngineCollector(state.engine.stats, state.engine.engine.metrics))
+    metrics = ServerMetrics(EngineCollector(state.engine.stats_and_metrics))
     app = FastAPI(title="tsterm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.state.metrics = metrics

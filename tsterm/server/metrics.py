@@ -15,14 +15,14 @@ from prometheus_client.registry import Collector
 
 
 class EngineCollector(Collector):
-    """Reads the engine at each scrape: `stats` is a blocking call answered on the engine thread (scrape from a worker
-    thread); `engine_metrics` is the engine's EngineMetrics."""
+    """Reads the engine at each scrape: `read` (AsyncEngine.stats_and_metrics) is a blocking call answered on the
+    engine thread (scrape from a worker thread) with `stats()` and a copy of the engine's EngineMetrics."""
 
-    def __init__(self, stats: Callable[[], dict], engine_metrics: Any):
-        self.stats, self.engine_metrics = stats, engine_metrics
+    def __init__(self, read: Callable[[], tuple[dict, Any]]):
+        self.read = read
 
     def collect(self) -> Iterator[Metric]:
-        s, m = self.stats(), self.engine_metrics
+        s, m = self.read()
         gauges = (("num_requests_running", "Requests in the running batch.", s["running"]),
                   ("num_requests_waiting", "Requests waiting to be scheduled.", s["waiting"]),
                   ("kv_cache_usage_perc", "Fraction of KV blocks referenced by requests (0-1).",
