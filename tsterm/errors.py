@@ -25,6 +25,11 @@ class EngineStoppedError(TstermError, RuntimeError):
     """The engine's thread has stopped (shut down, or an unexpected error): pending and new requests fail with it."""
 
 
+class EngineStepError(TstermError, RuntimeError):
+    """A step of the engine failed (a bug, a device error): the requests in it were aborted, the engine goes on. Its
+    `__cause__` is the original error."""
+
+
 class EngineTimeoutError(TstermError, TimeoutError):
     """The engine did not answer in time: a step that does not return, or a request that waits without output."""
 

@@ -15,7 +15,7 @@ import pytest
 from tsterm import LLM, SamplingParams
 from tsterm.demo import SPECS, make_random_moe
 from tsterm.engine.async_engine import AsyncEngine
-from tsterm.errors import EngineStoppedError, EngineTimeoutError
+from tsterm.errors import EngineStepError, EngineStoppedError, EngineTimeoutError
 
 SAFETY = 30  # seconds; only a broken implementation ever waits this long
 PROMPT_A, PROMPT_B = [10 + i for i in range(12)], [300 + i for i in range(9)]
@@ -188,8 +188,9 @@ async def test_a_failed_step_fails_the_requests_in_flight_and_the_thread_serves_
     monkeypatch.setattr(engine, "step", failing_step)
     async_engine = AsyncEngine(engine)
     try:
-        with pytest.raises(RuntimeError, match="kernel exploded"):
+        with pytest.raises(EngineStepError, match="step failed .RuntimeError: kernel exploded") as failed:
             await asyncio.wait_for(collect(async_engine.generate(PROMPT_A, greedy(10))), SAFETY)
+        assert isinstance(failed.value.__cause__, RuntimeError)
         outs = await asyncio.wait_for(collect(async_engine.generate(PROMPT_B, greedy(4))), SAFETY)
         assert len(outs[-1].token_ids) == 4
         assert await asyncio.to_thread(async_engine._call, lambda: released(engine)) == ({}, False, 0)

@@ -76,7 +76,7 @@ async def test_an_api_conversation_is_a_live_session_and_its_next_turn_reuses_th
                      {"role": "user", "content": "count to a hundred"}]
 
         def stream() -> str:
-            chunks = api.chat.completions.create(model="tiny", messages=messages, max_tokens=80, temperature=0,
+            chunks = api.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True})
             return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 

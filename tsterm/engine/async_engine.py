@@ -5,7 +5,7 @@ so the engine itself needs no locks. Outputs go back to each request's asyncio q
 
 What a server needs from it:
 - no request can end the engine thread: a delivery that fails (the consumer's loop is closed) drops and aborts that
-  request only, and a failed step fails the requests in flight, not the thread;
+  request only, and a failed step fails the requests in flight (with an EngineStepError), not the thread;
 - a cancelled or abandoned `generate` aborts its request, even while the add is queued or running on the engine
   thread: the abort is a command too, and commands run in the order they were posted;
 - every wait has a timeout (`call_timeout` for a command, `output_timeout` between two outputs of a stream) that
@@ -26,7 +26,7 @@ from typing import Any
 from tsterm.config import SamplingParams
 from tsterm.engine.engine import Engine, PinResult
 from tsterm.engine.stats import EngineMetrics
-from tsterm.errors import EngineStoppedError, EngineTimeoutError
+from tsterm.errors import EngineStepError, EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,11 @@ class AsyncEngine:
             streams, self._streams = self._streams, {}
         for request_id in list(self.engine.requests):
             self._quietly(self.engine.abort, request_id)
+        if not isinstance(error, TstermError):  # consumers (the server's routes) handle tsterm's errors, by kind
+            failure = EngineStepError(f"the engine's step failed ({type(error).__name__}: {error}); the requests in "
+                                      "it were aborted")
+            failure.__cause__ = error
+            error = failure
         for stream in streams.values():
             stream.put(error)
         if self.engine.has_unfinished():  # aborting did not clear them: stepping again would fail forever
