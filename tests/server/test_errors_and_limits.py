@@ -241,3 +241,20 @@ def test_required_tool_choice_in_a_stream_ends_with_an_error_event(client):
         list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
                                             tools=[Calculator().spec()], tool_choice="required", temperature=0,
                                             max_tokens=4, stream=True))
+
+
+def test_a_bug_is_a_500_in_the_api_shape_and_the_server_serves_on(make_server, llm, monkeypatch):
+    server = make_server()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("template engine exploded")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llm.tokenizer, "apply_chat_template", broken)
+        code, text = http("POST", f"{server.url}/v1/chat/completions", GOOD)
+        assert code == 500 and json.loads(text)["error"]["message"] == (
+            "internal server error (RuntimeError): template engine exploded")
+        code, text = http("POST", f"{server.url}/v1/messages", {"model": "agent-demo", "max_tokens": 4,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+        assert code == 500 and json.loads(text)["type"] == "error"
+    assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200

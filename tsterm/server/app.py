@@ -133,6 +133,11 @@ def create_app(state: ServerState) -> FastAPI:
         return APIError(400, message or "invalid request",
                         param=".".join(where) or None).response(is_anthropic(request))
 
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:  # logged by Starlette, with its traceback
+        return APIError(500, f"internal server error ({type(exc).__name__}): {exc}", type_="server_error",
+                        code="internal_error").response(is_anthropic(request))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
