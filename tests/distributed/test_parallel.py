@@ -81,12 +81,14 @@ def test_parallel_greedy_equals_one_process(checkpoints, single, model, tp, ep):
         got = turns(llm)
         stats = llm.stats()
         load = llm.engine.expert_load()
+        memory = llm.engine.executor.rank_memory()
     finally:
         llm.engine.shutdown()
     assert_same(got, single[model])
     assert got[2][2] >= 16  # the second turn reused the first's blocks on every rank
     assert stats["ranks"] == tp * ep and stats["cow_bytes"] > 0  # the fork's copy ran on every rank
     assert len(load[0]) == 4 and sum(load[0]) > 0  # every expert's load, counted on rank 0
+    assert len(memory) == tp * ep and all(m["anon"] > 0 and m["file"] > 0 for m in memory)  # each rank's process
 
 
 def test_layouts_the_model_cannot_take_are_refused_before_starting_workers(checkpoints):

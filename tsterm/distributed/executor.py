@@ -146,6 +146,11 @@ class DistributedExecutor(Executor):
         counters["ranks"] = self.layout.world_size
         return counters
 
+    def rank_memory(self) -> list[dict[str, int]]:
+        """Each rank's resident bytes, rank 0 (the engine's whole process) first: `anon` (copied shards, the KV
+        pool, activations) and `file` (the pages of the mapped weight files it has read). {} without /proc."""
+        return [_resident(pid) for pid in (os.getpid(), *(p.pid for p in self.processes))]
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -202,6 +207,16 @@ class DistributedExecutor(Executor):
         detail = f" ({str(cause).splitlines()[0][:200]})" if cause is not None and str(cause) else ""
         return DistributedError(f"distributed engine failed {when}: {'; '.join(reasons)}{detail}; the engine has "
                                 "stopped, start it again")
+
+
+def _resident(pid: int) -> dict[str, int]:
+    fields = {"RssAnon:": "anon", "RssFile:": "file"}
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            words = [line.split() for line in f]
+    except OSError:
+        return {}
+    return {fields[w[0]]: int(w[1]) * 1024 for w in words if len(w) > 1 and w[0] in fields}
 
 
 def _stopped(pid: int) -> bool:
