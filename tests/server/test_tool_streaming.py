@@ -240,3 +240,69 @@ def test_reply_parser_streams_json_calls_and_sends_other_forms_whole():
 
     unknown = '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
     assert _stream_pieces(ReplyParser(TOOLS, True), unknown) == [unknown]  # never started: text
+
+
+class _XmlCallsTemplate(_NoToolCallsTemplate):
+    """A tokenizer whose template writes assistant tool calls in the XML form (as Qwen3-Coder's does)."""
+
+    def apply_chat_template(self, messages, **kwargs):
+        def xml(call):
+            fn = call["function"]
+            parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in fn["arguments"].items())
+            return f"<tool_call>\n<function={fn['name']}>\n{parameters}</function>\n</tool_call>"
+
+        rendered = [{**m, "content": (m.get("content") or "") + "\n".join(xml(c) for c in m["tool_calls"])}
+                    if m.get("tool_calls") else m for m in messages]
+        return super().apply_chat_template(rendered, **kwargs)
+
+
+def test_the_forced_opening_is_what_every_allowed_call_begins_with(llm):
+    from types import SimpleNamespace
+
+    from tsterm.server.generation import ToolUse, open_call
+
+    def opening(tokenizer, tools, name=None):
+        return llm.tokenizer.decode(open_call(SimpleNamespace(tokenizer=tokenizer), ToolUse(tools, True, True, name)),
+                                    skip_special_tokens=False)
+
+    other = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+    assert opening(llm.tokenizer, TOOLS) == FORCED_OPENING  # one tool: its name too
+    assert opening(llm.tokenizer, [TOOLS[0], other], "calculator") == FORCED_OPENING
+    several = opening(llm.tokenizer, [TOOLS[0], other])  # any of two tools: up to the name
+    assert '<tool_call>\n{"name":'.startswith(several) or several.startswith('<tool_call>\n{"name":')
+    assert "calculator" not in several and "clock" not in several
+    xml = opening(_XmlCallsTemplate(llm.tokenizer), TOOLS)
+    assert xml.startswith("<tool_call>\n<function=calculator>") and "<tool_call>\n<function=calculator>\n<".startswith(
+        xml)
+
+
+class _Starts:
+    """An observer that keeps the RequestInfo of each request."""
+
+    def __init__(self):
+        self.infos = []
+
+    def started(self, info):
+        self.infos.append(info)
+
+    def progress(self, info, output):
+        pass
+
+    def finished(self, info, output, error):
+        pass
+
+
+def test_the_observer_sees_the_prompt_ids_actually_sent(llm, aengine):
+    state = build_state(llm, aengine, MODEL)
+    state.observer = _Starts()
+    server = BackgroundServer(create_app(state)).start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=MODEL, messages=GREETING, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_tokens=40)
+        (info,) = state.observer.infos
+        rendered = llm.tokenizer.apply_chat_template(GREETING, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+        assert info.prompt_ids == list(rendered) + llm.tokenizer.encode(FORCED_OPENING)
+        assert len(info.prompt_ids) == r.usage.prompt_tokens
+    finally:
+        server.stop()

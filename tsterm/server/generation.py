@@ -247,7 +247,7 @@ def open_call(state: ServerState, tools: ToolUse) -> list[int]:
         head = list(tokenizer.apply_chat_template(_PROBE, tools=offered, add_generation_prompt=True, tokenize=True))
         replies = []
         for name in names:
-            for arguments in ({}, {"a": 0}):
+            for arguments in ({}, {"a": "x"}):  # a string value reads back the same from any form
                 call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}
                 ids = list(tokenizer.apply_chat_template(
                     _PROBE + [{"role": "assistant", "content": "", "tool_calls": [call]}], tools=offered,
