@@ -72,3 +72,30 @@ def test_kv_heads_split_or_replicate_with_the_query_heads_that_read_them():
         ParallelLayout(2, 1, 0).check(config(12, 3))
     with pytest.raises(ConfigError, match="6 attention heads, not a multiple of 4"):
         ParallelLayout(4, 1, 0).check(config(6, 2))
+
+
+def test_the_fused_expert_layout_shards_alike(checkpoint, tmp_path):
+    """transformers 5 saves experts stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]): the
+    shards come out the same as from per-expert tensors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, cfg = checkpoint
+    tensors = load_file(str(path / "model.safetensors"))
+    fused = {}
+    for name, tensor in tensors.items():
+        if ".experts." not in name:
+            fused[name] = tensor
+    prefix = "model.layers.0.mlp.experts."
+    E = cfg.num_experts
+    fused[prefix + "gate_up_proj"] = torch.stack([torch.cat([tensors[f"{prefix}{x}.gate_proj.weight"],
+                                                             tensors[f"{prefix}{x}.up_proj.weight"]]) for x in range(E)])
+    fused[prefix + "down_proj"] = torch.stack([tensors[f"{prefix}{x}.down_proj.weight"] for x in range(E)])
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    for layout in (ParallelLayout(2, 1, 1), ParallelLayout(1, 2, 1), ParallelLayout(2, 2, 2)):
+        want = load_weights(path, cfg, torch.float32, CPU, layout=layout)
+        got = load_weights(tmp_path, cfg, torch.float32, CPU, layout=layout)
+        for name in ("layers.0.w13", "layers.0.w2"):
+            assert torch.equal(got[name], want[name]), (layout, name)
