@@ -259,7 +259,7 @@ class _XmlCallsTemplate(_NoToolCallsTemplate):
 def test_the_forced_opening_is_what_every_allowed_call_begins_with(llm):
     from types import SimpleNamespace
 
-    from tsterm.server.generation import ToolUse, open_call
+    from tsterm.server.tool_choice import ToolUse, open_call
 
     def opening(tokenizer, tools, name=None):
         return llm.tokenizer.decode(open_call(SimpleNamespace(tokenizer=tokenizer), ToolUse(tools, True, True, name)),

@@ -31,9 +31,10 @@ from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
-    Lease, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
-    reply_parser, run_to_end, stop_at_call_end, unsatisfied,
+    Lease, SSEResponse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
+    run_to_end,
 )
+from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
 from tsterm.server.state import RequestInfo, ServerState
 
@@ -221,7 +222,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     check_prompt(state, prompt.ids)
     lease = Lease(state, metrics)
     info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages)
-    parser = reply_parser(tools, prompt, prefix="toolu")
+    parser = reply_parser(tools, prompt.forced, prefix="toolu")
     if body.stream:
         return SSEResponse(_stream(state, metrics, lease, tools, parser, info, params), lease.release,
                            media_type="text/event-stream")

@@ -33,9 +33,10 @@ from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.generation import (
-    Lease, SSEResponse, ToolUse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
-    reply_parser, run_to_end, stop_at_call_end, unsatisfied,
+    Lease, SSEResponse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
+    run_to_end,
 )
+from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.protocol import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, ChoiceDelta,
@@ -44,7 +45,7 @@ from tsterm.server.protocol import (
     TopLogprob, Usage,
 )
 from tsterm.server.state import RequestInfo, ServerState
-from tsterm.server.tool_stream import CallArguments, CallStart, Piece
+from tsterm.server.tool_stream import CallArguments, CallStart, Piece, ReplyParser
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -192,7 +193,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     check_prompt(state, prompt.ids)
     lease = Lease(state, metrics)
     info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages)
-    parsers = [reply_parser(tools, prompt) for _ in range(params.n)]
+    parsers = [reply_parser(tools, prompt.forced) for _ in range(params.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_chat_stream(state, metrics, lease, body, tools, parsers, info, params, include_usage),
@@ -222,7 +223,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 
 async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: ChatCompletionRequest,
-                       tools: ToolUse, parsers: list, info: RequestInfo, params: SamplingParams,
+                       tools: ToolUse, parsers: list[ReplyParser], info: RequestInfo, params: SamplingParams,
                        include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
