@@ -1,0 +1,130 @@
+"""The Gated DeltaNet twins: chunked == recurrent == a float64 token-by-token oracle, and both equal transformers'
+own torch implementations (the fallbacks of its Qwen3-Next model); the causal conv and its one-step update equal
+transformers' conv fallbacks and each other."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tsterm_kernels import reference_gated_delta as gdn
+
+hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+# (tokens, key heads, value heads, dk, dv, chunk size): lengths below, at and across chunk boundaries
+SHAPES = [(1, 2, 2, 8, 8, 64), (5, 1, 2, 16, 8, 4), (37, 2, 4, 8, 16, 16), (64, 2, 2, 16, 16, 64),
+          (70, 1, 3, 8, 4, 64), (9, 2, 2, 8, 8, 8)]
+
+
+def random_inputs(n, hk, hv, dk, dv, seed, with_state=True):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(n, hk, dk, generator=gen), torch.randn(n, hk, dk, generator=gen)
+    v = torch.randn(n, hv, dv, generator=gen)
+    # g = -exp(A_log) softplus(a + dt_bias), as the model computes it: mild and strong decays mixed
+    g = -torch.rand(hv, generator=gen).mul(4).exp() * F.softplus(torch.randn(n, hv, generator=gen))
+    beta = torch.rand(n, hv, generator=gen)
+    state = torch.randn(hv, dk, dv, generator=gen) if with_state else None
+    return q, k, v, g, beta, state
+
+
+def oracle(q, k, v, g, beta, state):
+    """The rule as written, token by token, in float64."""
+    group = v.shape[1] // k.shape[1]
+    q = F.normalize(q.double(), dim=-1, eps=0).repeat_interleave(group, 1)
+    k = F.normalize(k.double(), dim=-1, eps=0).repeat_interleave(group, 1)
+    s = torch.zeros(v.shape[1], k.shape[2], v.shape[2], dtype=torch.float64) if state is None else state.double()
+    out = []
+    for t in range(v.shape[0]):
+        s = s * g[t].double().exp()[:, None, None]
+        s = s + k[t][:, :, None] * (beta[t].double()[:, None] * (v[t].double() - torch.einsum("hkv,hk->hv", s, k[t])))[:, None]
+        out.append(torch.einsum("hkv,hk->hv", s, q[t]) / q.shape[-1] ** 0.5)
+    return torch.stack(out), s
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"n{s[0]}-hk{s[1]}-hv{s[2]}-dk{s[3]}-dv{s[4]}-c{s[5]}" for s in SHAPES])
+@pytest.mark.parametrize("with_state", [True, False])
+def test_chunked_equals_recurrent_equals_oracle(shape, with_state):
+    n, hk, hv, dk, dv, chunk = shape
+    q, k, v, g, beta, state = random_inputs(n, hk, hv, dk, dv, seed=n, with_state=with_state)
+    o_chunk, s_chunk = gdn.chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk)
+    s = torch.zeros(1, hv, dk, dv) if state is None else state[None]
+    steps = []
+    for t in range(n):  # decode: one token at a time, the state carried between calls
+        o_t, s = gdn.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+        steps.append(o_t[0])
+    o_ref, s_ref = oracle(q, k, v, g, beta, state)
+    assert o_chunk.shape == (n, hv, dv) and s_chunk.shape == (hv, dk, dv)
+    torch.testing.assert_close(o_chunk.double(), o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s_chunk.double(), s_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(steps), o_chunk, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s[0], s_chunk, rtol=1e-4, atol=1e-4)
+
+
+def test_the_recurrent_step_is_batched_over_sequences():
+    rows = [random_inputs(1, 2, 4, 8, 8, seed=10 + i) for i in range(3)]
+    batched = [torch.cat(parts) for parts in zip(*(r[:5] for r in rows))]
+    states = torch.stack([r[5] for r in rows])
+    o, s = gdn.recurrent_gated_delta_rule(*batched, states)
+    for i, (q, k, v, g, beta, state) in enumerate(rows):
+        o_i, s_i = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state[None])
+        torch.testing.assert_close(o[i], o_i[0])
+        torch.testing.assert_close(s[i], s_i[0])
+
+
+@pytest.mark.parametrize("shape", [(5, 1, 2, 16, 8, 4), (37, 2, 4, 8, 16, 16), (70, 2, 2, 8, 8, 64)])
+def test_both_forms_equal_transformers(shape):
+    n, hk, hv, dk, dv, chunk = shape
+    q, k, v, g, beta, state = random_inputs(n, hk, hv, dk, dv, seed=7 * n)
+    ref_o, ref_s = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], chunk_size=chunk,
+                                                   initial_state=state[None], output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+    o, s = gdn.chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk)
+    torch.testing.assert_close(o, ref_o[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s, ref_s[0], rtol=1e-4, atol=1e-5)
+    ref_o1, ref_s1 = hf.torch_recurrent_gated_delta_rule(q[None, :1], k[None, :1], v[None, :1], g[None, :1],
+                                                         beta[None, :1], initial_state=state[None],
+                                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o1, s1 = gdn.recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], state[None])
+    torch.testing.assert_close(o1, ref_o1[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s1, ref_s1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", [2, 4])
+@pytest.mark.parametrize("split", [[9], [3, 1, 5], [1, 1, 1, 6]])
+def test_causal_conv_in_pieces_equals_transformers_over_the_whole(kernel, split):
+    """A prompt fed in chunks (and tokens) through the state equals transformers' conv over the whole prompt, and its
+    final state is the last K-1 inputs."""
+    gen = torch.Generator().manual_seed(kernel)
+    channels, n = 12, sum(split)
+    x = torch.randn(n, channels, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    ref = hf.causal_conv1d_fn(x.t()[None], weight, None, activation="silu")[0].t()  # [n, C]
+    state = torch.zeros(channels, kernel - 1)
+    pieces, start = [], 0
+    for size in split:
+        if size == 1:  # a decode step: slot 1 of a pool of 3
+            pool = torch.randn(3, channels, kernel - 1, generator=gen)
+            pool[1] = state
+            pieces.append(gdn.causal_conv1d_update(x[start:start + 1], weight, pool, torch.tensor([1])))
+            state = pool[1].clone()
+        else:
+            pieces.append(gdn.causal_conv1d(x[start:start + size], weight, state))
+        start += size
+    torch.testing.assert_close(torch.cat(pieces), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, x[n - (kernel - 1):].t())
+
+
+def test_causal_conv_update_equals_transformers_update():
+    gen = torch.Generator().manual_seed(5)
+    channels, kernel, seqs = 10, 4, 3
+    x = torch.randn(seqs, channels, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    pool = torch.randn(5, channels, kernel - 1, generator=gen)
+    slots = torch.tensor([4, 0, 2])
+    hf_state = torch.cat((torch.zeros(seqs, channels, 1), pool[slots]), dim=2)  # transformers keeps K columns
+    ref = hf.causal_conv1d_update(x[:, :, None], hf_state, weight, None, "silu")[:, :, 0]
+    untouched = pool[[1, 3]].clone()
+    out = gdn.causal_conv1d_update(x, weight, pool, slots)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool[slots], hf_state[:, :, 1:])
+    assert torch.equal(pool[[1, 3]], untouched)
