@@ -228,3 +228,22 @@ def test_continued_by_finds_an_api_conversation_by_its_last_prompt():
     assert session.continued_by([1, 2, 3, 4]) == 0  # the same prompt again
     assert session.continued_by([1, 2, 3]) == 0
     assert session.continued_by([1, 2, 7, 4, 9, 9, 5]) == 0  # another history
+
+
+def test_drop_oldest_and_carry_over_keep_the_system_prompt_and_whole_exchanges():
+    session = Session(id="s", title="long")
+    session.set_system_prompt("sys")
+    for i in range(3):
+        session.add_user(f"q{i}")
+        session.messages.append({"role": "assistant", "content": f"a{i}"})
+    session.messages.insert(4, {"role": "tool", "content": "t1"})  # an exchange can hold more than two messages
+    session.token_ids = [1, 2, 3]
+    assert session.exchanges() == [(1, 3), (3, 6), (6, 8)]
+    child = session.carry_over("c", 1)
+    assert [m["content"] for m in child.messages] == ["sys", "q2", "a2"]
+    assert child.parent_id == "s" and child.title == "long (continued)" and child.token_ids == []
+    assert [m["content"] for m in session.carry_over("d", 0).messages] == ["sys"]
+    assert session.drop_oldest(2) == 5 and [m["content"] for m in session.messages] == ["sys", "q2", "a2"]
+    assert session.token_ids == []  # the conversation starts differently now: rendered afresh
+    with pytest.raises(ValueError, match="cannot drop 2"):
+        session.drop_oldest(2)

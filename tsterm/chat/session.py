@@ -155,6 +155,34 @@ class Session:
         return Session(id=new_id or new_session_id(), title=f"{self.title} (fork)", messages=messages,
                        token_ids=kept, turns=turns, parent_id=self.id, model=self.model, kind=self.kind)
 
+    # ---- a conversation that outgrows the context
+    def exchanges(self) -> list[tuple[int, int]]:
+        """(start, end) message index ranges of the exchanges after the system prompt: a user message and what
+        answers it (replies, tool messages) up to the next user message."""
+        starts = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        return [(s, e) for s, e in zip(starts, [*starts[1:], len(self.messages)])]
+
+    def drop_oldest(self, count: int) -> int:
+        """Forget the `count` oldest exchanges (the system prompt stays): the conversation now starts elsewhere, so
+        the kept ids are dropped and the next turn computes the whole prompt again (once). Returns messages removed."""
+        exchanges = self.exchanges()
+        if not 0 < count <= len(exchanges):
+            raise ValueError(f"cannot drop {count} exchange(s): the session has {len(exchanges)}")
+        start, end = exchanges[0][0], exchanges[count - 1][1]
+        del self.messages[start:end]
+        self.token_ids = []
+        self.touch()
+        return end - start
+
+    def carry_over(self, new_id: str, keep: int) -> Session:
+        """A new chat holding the system prompt and the last `keep` exchanges, for a conversation that no longer
+        fits its context; this one stays as it is. Its history is rendered afresh (no kept ids)."""
+        exchanges = self.exchanges()
+        kept = [dict(m) for s, e in exchanges[len(exchanges) - keep:] for m in self.messages[s:e]] if keep else []
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        return Session(id=new_id, title=f"{self.title} (continued)", messages=system + kept, parent_id=self.id,
+                       model=self.model, kind=self.kind)
+
     def continued_by(self, prompt_ids: Sequence[int]) -> int:
         """How many leading ids of `prompt_ids` are this session's last prompt, when the prompt is a later turn of
         it (the last prompt, then more): an API client sends the whole history every turn, and this is how its

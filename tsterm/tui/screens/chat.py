@@ -28,6 +28,7 @@ from tsterm.tui.palette import ChatCommands
 from tsterm.tui.screens.actions import SessionActions
 from tsterm.tui.screens.agent import AgentRun, AgentSessions
 from tsterm.tui.screens.api_sessions import READ_ONLY, ApiSessions, ApiTurn
+from tsterm.tui.screens.context import ContextLimits
 from tsterm.tui.widgets.chat_log import (
     ChatLog,
     MessageView,
@@ -60,7 +61,7 @@ class InFlight:
                          len(self.token_ids), self.plan.miss, self.plan.diverged_at, finish_reason="abort")
 
 
-class ChatScreen(ApiSessions, AgentSessions, SessionActions, Screen):
+class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Screen):
     CSS_PATH = "chat.tcss"
     COMMANDS: ClassVar[set[type[Provider]]] = {ChatCommands}
     AUTO_FOCUS = "#prompt"
@@ -89,6 +90,7 @@ class ChatScreen(ApiSessions, AgentSessions, SessionActions, Screen):
         self.call_views: dict[str, ToolCallView] = {}  # the shown agent session's tool blocks, by call id
         self.api_turns: dict[str, ApiTurn] = {}  # request id -> an API client's request being generated
         self.api_reply: ReplyView | None = None  # the shown API session's reply being generated
+        self.context_warned: set[str] = set()  # sessions told that their context is filling up
         self._request_ids = itertools.count()
         # Key bindings and palette commands run in the app's task, message handlers in this screen's: whatever
         # rebuilds or appends to the chat log holds this lock, so a streaming reply never writes to a removed view.
@@ -229,6 +231,8 @@ class ChatScreen(ApiSessions, AgentSessions, SessionActions, Screen):
         s = self.dashboard.latest
         kv = f" · KV {s.get('used', 0)}/{s.get('num_blocks', 0)} used, {s.get('shared', 0)} shared" if s else ""
         busy = f" · {len(self.busy)} generating" if self.busy else ""
+        used = len(self.session.token_ids)
+        busy = f" · context {used}/{self.context_limit}{busy}" if used else busy
         server = f" · API {self.app.api_server.url}" if self.app.api_server is not None else ""
         self.query_one("#status", Static).update(
             f"{self.session.title} · {self.host.model_name} · {self.host.device}{busy}{kv}{server}")
@@ -295,6 +299,10 @@ class ChatScreen(ApiSessions, AgentSessions, SessionActions, Screen):
             session.drop_last_user()
             await self.notice(str(e), "error")
             return
+        if not self.fits(len(plan.token_ids)):
+            session.drop_last_user()
+            await self.context_full(session, text, len(plan.token_ids))
+            return
         if plan.miss and not session.num_misses:  # the first one per session; the turn line shows every one
             self.notify(f"the chat template re-rendered this history differently from token {plan.diverged_at}: "
                         "reuse stops there", title="prefix miss", severity="warning")
@@ -333,6 +341,7 @@ class ChatScreen(ApiSessions, AgentSessions, SessionActions, Screen):
         elif session is not None:
             session.record_reply(message.plan, message.text, message.token_ids, message.stats)
             self.save(session)
+            self.warn_if_filling(session)
         with contextlib.suppress(NoMatches):  # the screen is being taken down: the session is saved already
             await self._show_finished(message, session, failed)
             self.refresh_sidebar()

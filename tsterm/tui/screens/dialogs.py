@@ -52,6 +52,37 @@ class Confirm(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes")
 
 
+class ContextFull(ModalScreen[str | None]):
+    """A message that does not fit the context: drop the oldest exchanges ("drop"), continue in a new chat carrying
+    the last ones ("new"), or cancel (None; the message stays in the prompt). `choices` explains each option."""
+
+    CSS_PATH = "dialogs.tcss"
+    AUTO_FOCUS = "#drop"
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(None)", "Cancel"),
+                                             Binding("d", "dismiss('drop')", "Drop oldest"),
+                                             Binding("n", "dismiss('new')", "New chat")]
+
+    def __init__(self, summary: str, drop: str, new: str):
+        super().__init__()
+        self.summary, self.drop, self.new = summary, drop, new
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog context-full"):
+            yield Static(self.summary, classes="approve-title", markup=False)
+            yield Static(self.drop, id="context-drop", classes="context-option", markup=False)
+            yield Static(self.new, id="context-new", classes="context-option", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Drop oldest", variant="warning", id="drop")
+                yield Button("New chat", variant="primary", id="new")
+                yield Button("Cancel", id="cancel")
+            yield Label("d: drop oldest · n: new chat · esc: cancel (your message stays in the prompt)",
+                        classes="dialog-hint")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(None if event.button.id == "cancel" else event.button.id)
+
+
 class ApproveTool(ModalScreen[bool]):
     """An agent wants to run a tool that needs approval (writes, commands, MCP tools that may change things):
     the tool, its arguments and the directory it works in. Allow (y) or deny (n, esc); the focus starts on Deny."""
