@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU session (one call, well under 8 minutes): the GPU tests (kernels compiled on the device, the CUDA
 # decode path: no host syncs, graph replay = eager, greedy output = CPU reference), the kernel microbenchmarks, then
-# batch-1 decode of a Qwen3-30B-A3B-shaped model, eager vs CUDA graphs, against its roofline; a summary table
-# prints last. Usage, from anywhere: bash scripts/gpu_check.sh
+# batch-1 decode of a Qwen3-30B-A3B-shaped model, eager vs CUDA graphs, against its roofline, then one GPU vs
+# tensor/expert parallel ranks where the machine has 2+ GPUs (it says so where it has one); a summary table prints last. Usage, from anywhere: bash scripts/gpu_check.sh
 # Works without installing anything: uses $PYTHON (default python3, the GPU machine's own interpreter) and, when
 # tsterm_kernels is not installed, reaches the kernels/ directory through a symlink on PYTHONPATH.
 # Time: every phase runs under `timeout`, sized from one deadline ($GPU_CHECK_SECONDS, default 400) so that the
@@ -43,20 +43,28 @@ kernel_rc=$?
 
 echo; echo "== batch-1 decode: Qwen3-30B-A3B shape, eager vs CUDA graphs =="
 decode_summary=$(mktemp)
-timeout "$(limit 0)" "$PYTHON" benchmarks/gpu_decode.py --summary-file "$decode_summary"
+timeout "$(limit 20)" "$PYTHON" benchmarks/gpu_decode.py --summary-file "$decode_summary"
 decode_rc=$?
+
+echo; echo "== one GPU vs tensor/expert parallel (2+ GPUs) =="
+parallel_summary=$(mktemp)
+timeout "$(limit 0)" "$PYTHON" benchmarks/gpu_parallel.py --summary-file "$parallel_summary"
+parallel_rc=$?
 
 status() { [ "$1" = 0 ] && echo ok || { [ "$1" = 124 ] && echo "TIMEOUT" || echo FAILED; }; }
 echo; echo "================================ summary ================================"
 printf '%-26s rc=%-3s %s\n' "GPU tests" "$tests_rc" "${tests_line:-no result (timeout?)}"
 printf '%-26s rc=%-3s %s\n' "kernel microbenchmarks" "$kernel_rc" "$(status "$kernel_rc")"
 printf '%-26s rc=%-3s %s\n' "decode benchmark" "$decode_rc" "$(status "$decode_rc")"
+printf '%-26s rc=%-3s %s\n' "parallel comparison" "$parallel_rc" "$(status "$parallel_rc")"
 printf '%-26s %ss of %ss\n' "wall time" "$SECONDS" "$DEADLINE"
 [ -s "$kernel_summary" ] && { echo; cat "$kernel_summary"; }
 [ -s "$decode_summary" ] && { echo; cat "$decode_summary"; }
+[ -s "$parallel_summary" ] && { echo; cat "$parallel_summary"; }
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
   cp "$test_log" "$OUT/gpu_tests.log"
   [ -s "$kernel_summary" ] && cp "$kernel_summary" "$OUT/gpu_bench_summary.txt"
   [ -s "$decode_summary" ] && cp "$decode_summary" "$OUT/gpu_decode_summary.txt"
+  [ -s "$parallel_summary" ] && cp "$parallel_summary" "$OUT/gpu_parallel_summary.txt"
 fi
-[ "$tests_rc" = 0 ] && [ "$kernel_rc" = 0 ] && [ "$decode_rc" = 0 ]
+[ "$tests_rc" = 0 ] && [ "$kernel_rc" = 0 ] && [ "$decode_rc" = 0 ] && [ "$parallel_rc" = 0 ]

@@ -51,8 +51,10 @@ class DistributedExecutor(Executor):
         self.layout = layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size, rank=0)
         layout.check(spec.model_config, str(spec.model_dir))
         world = layout.world_size
-        if spec.device.type == "cuda" and torch.cuda.device_count() < world:
-            raise ConfigError(f"{world} ranks need {world} CUDA devices; this machine has {torch.cuda.device_count()}")
+        first = spec.device.index or 0
+        if spec.device.type == "cuda" and torch.cuda.device_count() < first + world:
+            raise ConfigError(f"{world} ranks from {spec.device} need CUDA devices {first}..{first + world - 1}; this "
+                              f"machine has {torch.cuda.device_count()}")
         self.timeout_s = config.distributed_timeout_s
         self._failure: DistributedError | None = None
         self._closed = False
@@ -76,7 +78,8 @@ class DistributedExecutor(Executor):
         threads = max(1, (os.cpu_count() or 1) // self.layout.world_size)
         processes = []
         for rank in range(1, self.layout.world_size):
-            device = torch.device("cuda", rank) if spec.device.type == "cuda" else spec.device
+            # CUDA: rank r on the r-th device after rank 0's
+            device = torch.device("cuda", (spec.device.index or 0) + rank) if spec.device.type == "cuda" else spec.device
             args = WorkerArgs(dataclasses.replace(self.layout, rank=rank),
                               dataclasses.replace(spec, device=device, progress=None),
                               "127.0.0.1", self.store.port, self.timeout_s, threads)

@@ -34,6 +34,8 @@ class WorkerArgs:
 
 def worker_main(args: WorkerArgs) -> None:
     torch.set_num_threads(args.num_threads)
+    if args.spec.device.type == "cuda":
+        torch.cuda.set_device(args.spec.device)  # NCCL binds a rank to the current device
     rank = args.layout.rank
     store = dist.TCPStore(args.store_host, args.store_port, args.layout.world_size, False, timeout=IDLE_TIMEOUT)
     try:
