@@ -258,3 +258,28 @@ def test_a_bug_is_a_500_in_the_api_shape_and_the_server_serves_on(make_server, l
                                                               "messages": [{"role": "user", "content": "hi"}]})
         assert code == 500 and json.loads(text)["type"] == "error"
     assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200
+
+
+def test_a_failed_engine_step_is_a_500_and_a_stream_error_event_not_a_disconnect(make_server, llm, aengine,
+                                                                               monkeypatch):
+    server = make_server()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    step, fail = llm.engine.step, []
+
+    def failing_step():
+        if fail:
+            fail.pop()
+            raise RuntimeError("device lost")
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    fail.append(1)
+    code, text = http("POST", f"{server.url}/v1/chat/completions", GOOD)
+    assert code == 500 and json.loads(text)["error"]["code"] == "engine_error"
+    assert "RuntimeError: device lost" in json.loads(text)["error"]["message"]
+    fail.append(1)
+    with pytest.raises(openai.APIError, match="device lost"):
+        list(client.chat.completions.create(**GOOD, stream=True))
+    assert _metric(server, "tsterm:server_client_disconnects") == 0
+    assert wait_blocks_free(aengine)["used"] == 0
+    assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200

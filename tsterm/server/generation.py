@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tsterm.config import SamplingParams
-from tsterm.errors import EngineStoppedError, EngineTimeoutError, TstermError
+from tsterm.errors import DistributedError, EngineStepError, EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
@@ -96,6 +96,8 @@ def engine_error(e: Exception) -> APIError:
         return APIError(503, str(e), type_="server_error", code="engine_stopped")
     if isinstance(e, EngineTimeoutError):
         return APIError(504, str(e), type_="server_error", code="engine_timeout")
+    if isinstance(e, (EngineStepError, DistributedError)):  # the engine's fault, not the request's
+        return APIError(500, str(e), type_="server_error", code="engine_error")
     return APIError(400, str(e))  # RequestError and other user-caused errors
 
 
