@@ -139,3 +139,14 @@ def test_disconnect_mid_stream_aborts(claude, llm, aengine):
         assert aengine.stats()["used"] > 0
     assert wait_blocks_free(aengine)["used"] == 0
     assert llm.engine.metrics.requests_finished.get("abort", 0) == before + 1
+
+
+def test_count_tokens_is_what_the_request_would_cost(claude):
+    kwargs = dict(model=MODEL, system="You are terse.", messages=QUESTION, tools=TOOLS)
+    counted = claude.messages.count_tokens(**kwargs)
+    reply = claude.messages.create(max_tokens=4, extra_body=GREEDY, **kwargs)
+    assert counted.input_tokens == reply.usage.input_tokens > 0
+    forced = claude.messages.count_tokens(**kwargs, tool_choice={"type": "any"})
+    assert forced.input_tokens > counted.input_tokens  # a required call's opening is part of the prompt
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="nope", messages=QUESTION)

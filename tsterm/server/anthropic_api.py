@@ -90,17 +90,22 @@ class ToolChoice(_Body):
     disable_parallel_tool_use: bool = False
 
 
-class MessagesRequest(_Body):
+class CountTokensRequest(_Body):
+    """`POST /v1/messages/count_tokens`: what a request's prompt would cost, without generating."""
+
     model: str
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
     stop_sequences: list[str] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
     stream: bool = False
 
 
@@ -113,7 +118,7 @@ def _text(content: str | list[TextBlock] | None) -> str:
     return content if isinstance(content, str) else "".join(block.text for block in content)
 
 
-def _template_messages(body: MessagesRequest) -> list[dict]:
+def _template_messages(body: CountTokensRequest) -> list[dict]:
     out: list[dict] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system)})
@@ -149,7 +154,7 @@ def _template_messages(body: MessagesRequest) -> list[dict]:
     return out
 
 
-def _tools(body: MessagesRequest) -> ToolUse:
+def _tools(body: CountTokensRequest) -> ToolUse:
     specs = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in body.tools or []]
     kind = body.tool_choice.type if body.tool_choice else "auto"
@@ -209,6 +214,16 @@ def _event(kind: str, data: dict) -> str:
 
 def _error_event(error: APIError) -> str:
     return f"event: error\ndata: {json.dumps(error.anthropic_body())}\n\n"
+
+
+@router.post(f"{PATH}/count_tokens", response_model=None)
+async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
+    """The prompt's tokens as `/v1/messages` would render it (the system prompt, the tools and a required call's
+    forced opening included); nothing is generated."""
+    state = request.app.state.server
+    check_model(state, body.model)
+    prompt = await asyncio.to_thread(render_messages, state, _template_messages(body), _tools(body))
+    return JSONResponse({"input_tokens": len(prompt.ids)})
 
 
 @router.post(PATH, response_model=None)
