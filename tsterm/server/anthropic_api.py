@@ -31,8 +31,8 @@ from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
-    Lease, SSEResponse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
-    run_to_end,
+    Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, engine_error, generate, gone,
+    render_messages, run_to_end,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
@@ -178,7 +178,7 @@ def _sampling(state: ServerState, body: MessagesRequest) -> SamplingParams:
     fields = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k")}
     fields = {k: v for k, v in fields.items() if v is not None}
     if body.stop_sequences:
-        fields["stop"] = list(body.stop_sequences)
+        fields["stop"] = check_stop(state, list(body.stop_sequences), "stop_sequences")
     try:
         return dataclasses.replace(state.defaults, **fields, max_tokens=body.max_tokens, n=1)
     except ValueError as e:

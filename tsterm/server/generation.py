@@ -91,6 +91,18 @@ def check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
                        param="messages", code="context_length_exceeded")
 
 
+def check_stop(state: ServerState, stops: list[str], param: str) -> list[str]:
+    """Stop strings within the server's limits (every one is matched after every generated token)."""
+    limits = state.limits
+    if len(stops) > limits.max_stop:
+        raise APIError(400, f"{len(stops)} stop strings; this server takes at most {limits.max_stop}", param=param)
+    long = next((s for s in stops if len(s) > limits.max_stop_chars), None)
+    if long is not None:
+        raise APIError(400, f"a stop string has {len(long)} characters; this server takes at most "
+                       f"{limits.max_stop_chars}", param=param)
+    return stops
+
+
 def engine_error(e: Exception) -> APIError:
     if isinstance(e, EngineStoppedError):
         return APIError(503, str(e), type_="server_error", code="engine_stopped")

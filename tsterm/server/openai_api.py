@@ -33,8 +33,8 @@ from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.generation import (
-    Lease, SSEResponse, check_model, check_prompt, count_usage, engine_error, generate, gone, render_messages,
-    run_to_end,
+    Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, engine_error, generate, gone,
+    render_messages, run_to_end,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.metrics import ServerMetrics
@@ -76,7 +76,7 @@ def _sampling(state: ServerState, body: Any, max_tokens: int | None, logprobs: i
                                                      "frequency_penalty", "repetition_penalty", "seed")}
     fields = {k: v for k, v in fields.items() if v is not None}
     if body.stop is not None:
-        fields["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+        fields["stop"] = check_stop(state, [body.stop] if isinstance(body.stop, str) else list(body.stop), "stop")
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
     try:

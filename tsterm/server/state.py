@@ -13,6 +13,8 @@ class ServerLimits:
     max_body_bytes: int = 4 << 20  # a request body past this is a 413
     max_queued_requests: int = 256  # requests admitted but not finished; past it a 429
     max_n: int = 8  # choices per chat completion
+    max_stop: int = 16  # stop strings per request (each is checked at every generated token)
+    max_stop_chars: int = 256  # characters per stop string
 
 
 @dataclass(frozen=True)
