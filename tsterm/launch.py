@@ -69,15 +69,19 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split the routed experts over N groups of ranks (x tensor-parallel size ranks in all)")
 
 
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options a command line sets over its profile (None: not given)."""
+    return {name: getattr(args, name, None)
+            for name in ("dtype", "device", "tensor_parallel_size", "expert_parallel_size")}
+
+
 def llm_from_args(args: argparse.Namespace, profile: Profile | None = None):
     """An LLM for a command line's --profile/--model (+ --dtype/--device and the parallel sizes), showing load
     progress on stderr. `profile`: the already loaded `--profile` (so that it is read once)."""
     if profile is None:
         profile = profile_from_args(args)
     return load_llm(profile, getattr(args, "model", None), progress=progress_printer("loading"),
-                    dtype=getattr(args, "dtype", None), device=getattr(args, "device", None),
-                    tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
-                    expert_parallel_size=getattr(args, "expert_parallel_size", None))
+                    **overrides_from_args(args))
 
 
 def progress_printer(label: str) -> ProgressFn:

@@ -57,7 +57,7 @@ def test_every_rank_holds_its_slice_of_the_weights(checkpoint, tp, ep):
 def config(heads: int, kv_heads: int) -> ModelConfig:
     return ModelConfig.from_dict({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 64,
                                   "num_hidden_layers": 1, "num_attention_heads": heads,
-                                  "num_key_value_heads": kv_heads, "intermediate_size": 32,
+                                  "num_key_value_heads": kv_heads, "head_dim": 16, "intermediate_size": 32,
                                   "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2,
                                   "moe_intermediate_size": 16})
 

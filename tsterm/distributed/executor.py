@@ -4,6 +4,9 @@ The engine's scheduler, block pool and prefix cache stay here and decide for eve
 heads' KV under the same block ids. Each engine call becomes one broadcast command (the step's host lists, or the
 copy-on-write pairs); then every rank runs its shard of the step, and rank 0 returns the gathered logits.
 
+Under torchrun (`python -m tsterm.torchrun`, see there) the workers are torchrun's processes, on this machine or
+others: the executor attaches to them through torchrun's store instead of starting any.
+
 Faults: a worker that exits makes the next collective fail at once; one that hangs makes it time out after
 `distributed_timeout_s`. Either way the executor stops every worker and raises `DistributedError` naming the rank,
 and every later call raises it again: nothing waits forever. Starting (imports, weight loading) is bounded by
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from tsterm.distributed import protocol
-from tsterm.distributed.groups import Groups, RankContext
+from tsterm.distributed.groups import Groups, RankContext, connect_store
 from tsterm.distributed.worker import WorkerArgs, worker_main
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.executor import Executor, ExecutorSpec
@@ -31,6 +34,8 @@ from tsterm.errors import ConfigError, DistributedError
 from tsterm.model.parallel import ParallelLayout
 
 START_TIMEOUT_S = 600.0  # importing torch and reading a large shard can take minutes
+# set by `tsterm.torchrun` on rank 0: attach to torchrun's ranks (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+TORCHRUN_ENV = "TSTERM_TORCHRUN"
 POLL_S = 0.02
 
 
@@ -58,9 +63,19 @@ class DistributedExecutor(Executor):
         self.timeout_s = config.distributed_timeout_s
         self._failure: DistributedError | None = None
         self._closed = False
-        self.store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=self.timeout_s),
-                                   wait_for_workers=False)
-        self.processes = self._spawn(spec)
+        timeout = timedelta(seconds=self.timeout_s)
+        if os.environ.get(TORCHRUN_ENV) == "1":  # torchrun started every rank: use its rendezvous store
+            if int(os.environ["WORLD_SIZE"]) != world or int(os.environ["RANK"]) != 0:
+                raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks (this one rank "
+                                  f"{os.environ['RANK']}) but tensor_parallel_size x expert_parallel_size is {world}")
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            self.store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                       not agent_store, timeout)
+            self.processes: list[multiprocessing.Process] = []
+        else:
+            master = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+            self.store = dist.PrefixStore("tsterm/", master)
+            self.processes = self._spawn(spec, master.port)
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
         try:
             self._wait_for("ready", max(self.timeout_s, START_TIMEOUT_S), "start")
@@ -69,11 +84,13 @@ class DistributedExecutor(Executor):
         except BaseException:
             _stop_processes(self.processes)
             raise
+        # torchrun's workers outlive a command that never shuts its engine down: stop them when this process exits
+        self._stop_at_exit = weakref.finalize(self, _send_stop, self.groups.control) if not self.processes else None
         self.num_blocks, self.max_model_len = self.runner.num_blocks, self.runner.max_model_len
         self.kv_bytes_per_block = self.runner.kv_bytes_per_block * world  # every rank holds as many KV heads
         self.kernels = self.runner.kernels
 
-    def _spawn(self, spec: ExecutorSpec) -> list[multiprocessing.Process]:
+    def _spawn(self, spec: ExecutorSpec, store_port: int) -> list[multiprocessing.Process]:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
         threads = max(1, (os.cpu_count() or 1) // self.layout.world_size)
         processes = []
@@ -82,7 +99,7 @@ class DistributedExecutor(Executor):
             device = torch.device("cuda", (spec.device.index or 0) + rank) if spec.device.type == "cuda" else spec.device
             args = WorkerArgs(dataclasses.replace(self.layout, rank=rank),
                               dataclasses.replace(spec, device=device, progress=None),
-                              "127.0.0.1", self.store.port, self.timeout_s, threads)
+                              "127.0.0.1", store_port, self.timeout_s, threads)
             process = context.Process(target=worker_main, args=(args,), name=f"tsterm-rank{rank}", daemon=True)
             process.start()
             processes.append(process)
@@ -95,7 +112,8 @@ class DistributedExecutor(Executor):
         """Each worker's `key/R` value, polling the store; a worker that exits first is reported at once."""
         deadline = time.monotonic() + limit_s
         values: dict[int, int] = {}
-        while len(values) < len(self.processes):
+        workers = self.layout.world_size - 1
+        while len(values) < workers:
             for rank in range(1, self.layout.world_size):
                 if rank not in values and self.store.check([f"{key}/{rank}"]):
                     values[rank] = int(self.store.get(f"{key}/{rank}"))
@@ -105,7 +123,7 @@ class DistributedExecutor(Executor):
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.layout.world_size)) - set(values))
                 raise DistributedError(f"worker rank(s) {missing} did not {what} within {limit_s:g} s")
-            if len(values) < len(self.processes):
+            if len(values) < workers:
                 time.sleep(POLL_S)
         return [values[rank] for rank in sorted(values)]
 
@@ -158,11 +176,10 @@ class DistributedExecutor(Executor):
         if self._closed:
             return
         self._closed = True
+        if self._stop_at_exit is not None:
+            self._stop_at_exit.detach()
         if self._failure is None:
-            try:
-                protocol.send(self.groups.control, protocol.Command.STOP)
-            except RuntimeError:
-                pass
+            _send_stop(self.groups.control)
             deadline = time.monotonic() + self.timeout_s
             for process in self.processes:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -192,10 +209,17 @@ class DistributedExecutor(Executor):
         _stop_processes(self.processes)
         self.groups.abort()
 
+    def _reason(self, rank: int) -> str | None:
+        """What worker `rank` wrote before failing, if anything (the store may be gone with rank 0's agent)."""
+        try:
+            return self.store.get(f"error/{rank}").decode() if self.store.check([f"error/{rank}"]) else None
+        except RuntimeError:
+            return None
+
     def _error(self, when: str, cause: Exception | None = None) -> DistributedError:
         reasons = []
         for rank, process in enumerate(self.processes, 1):
-            reason = self.store.get(f"error/{rank}").decode() if self.store.check([f"error/{rank}"]) else None
+            reason = self._reason(rank)
             if process.exitcode is not None or reason:
                 code = process.exitcode
                 how = ("failed" if code is None else f"was killed by signal {-code}" if code < 0
@@ -204,12 +228,23 @@ class DistributedExecutor(Executor):
             elif _stopped(process.pid):
                 reasons.append(f"worker rank {rank} (pid {process.pid}) is stopped and did not answer within "
                                f"{self.timeout_s:g} s")
+        if not self.processes:  # torchrun's workers: only what they wrote before failing
+            reasons = [f"worker rank {rank}: {self._reason(rank)}" for rank in range(1, self.layout.world_size)
+                       if self._reason(rank)]
         if not reasons:
-            alive = [rank for rank, p in enumerate(self.processes, 1) if p.is_alive()]
+            alive = [rank for rank, p in enumerate(self.processes, 1) if p.is_alive()] or \
+                list(range(1, self.layout.world_size))
             reasons.append(f"no answer from worker rank(s) {alive} within {self.timeout_s:g} s (hung?)")
         detail = f" ({str(cause).splitlines()[0][:200]})" if cause is not None and str(cause) else ""
         return DistributedError(f"distributed engine failed {when}: {'; '.join(reasons)}{detail}; the engine has "
                                 "stopped, start it again")
+
+
+def _send_stop(control: dist.ProcessGroup) -> None:
+    try:
+        protocol.send(control, protocol.Command.STOP)
+    except RuntimeError:
+        pass
 
 
 def _resident(pid: int) -> dict[str, int]:

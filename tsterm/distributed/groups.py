@@ -21,6 +21,12 @@ from tsterm.model.parallel import ParallelContext, ParallelLayout
 IDLE_TIMEOUT = timedelta(days=7)  # a worker's wait for rank 0's next command
 
 
+def connect_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> dist.Store:
+    """The ranks' shared store, under tsterm's own prefix (a torchrun agent's store holds the agent's keys too)."""
+    store = dist.TCPStore(host, port, world_size, is_master, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore("tsterm/", store)
+
+
 def _gloo(store: dist.Store, name: str, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout)
 

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from tsterm.distributed import protocol
-from tsterm.distributed.groups import IDLE_TIMEOUT, Groups, RankContext
+from tsterm.distributed.groups import IDLE_TIMEOUT, Groups, RankContext, connect_store
 from tsterm.engine.executor import ExecutorSpec
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.model.parallel import ParallelLayout
@@ -37,7 +36,7 @@ def worker_main(args: WorkerArgs) -> None:
     if args.spec.device.type == "cuda":
         torch.cuda.set_device(args.spec.device)  # NCCL binds a rank to the current device
     rank = args.layout.rank
-    store = dist.TCPStore(args.store_host, args.store_port, args.layout.world_size, False, timeout=IDLE_TIMEOUT)
+    store = connect_store(args.store_host, args.store_port, args.layout.world_size, False, IDLE_TIMEOUT)
     try:
         store.set(f"ready/{rank}", str(os.getpid()))
         groups = Groups(store, args.layout, args.spec.device, timedelta(seconds=args.timeout_s))

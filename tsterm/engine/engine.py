@@ -63,6 +63,11 @@ class PinResult:
     capped: bool  # max_pinned_fraction stopped it before the end of the cached prefix
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """An engine dtype option; "auto": float32 on the CPU, bfloat16 elsewhere."""
+    return DTYPES[name] if name != "auto" else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -83,8 +88,7 @@ class Engine:
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
-        self.dtype = DTYPES[config.dtype] if config.dtype != "auto" else (
-            torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             what = "is a file, not a model directory" if model_dir.exists() else "does not exist"
