@@ -82,12 +82,16 @@ def test_parallel_greedy_equals_one_process(checkpoints, single, model, tp, ep):
         stats = llm.stats()
         load = llm.engine.expert_load()
         memory = llm.engine.executor.rank_memory()
+        rank_load = llm.engine.executor.rank_expert_load()
     finally:
         llm.engine.shutdown()
     assert_same(got, single[model])
     assert got[2][2] >= 16  # the second turn reused the first's blocks on every rank
     assert stats["ranks"] == tp * ep and stats["cow_bytes"] > 0  # the fork's copy ran on every rank
     assert len(load[0]) == 4 and sum(load[0]) > 0  # every expert's load, counted on rank 0
+    # each ep group's ranks count their group's experts; the groups together count every routed pair
+    assert len(rank_load) == tp * ep and sum(rank_load[::tp]) == sum(map(sum, load))
+    assert all(rank_load[r] == rank_load[r - r % tp] for r in range(tp * ep))  # one count per ep group
     assert len(memory) == tp * ep and all(m["anon"] > 0 and m["file"] > 0 for m in memory)  # each rank's process
 
 

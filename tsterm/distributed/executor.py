@@ -161,6 +161,17 @@ class DistributedExecutor(Executor):
     def expert_load(self) -> list[list[int]]:
         return self.runner.expert_load()  # routing is replicated: rank 0 counts every expert's tokens
 
+    def rank_expert_load(self) -> list[int]:
+        """Tokens routed to each rank's experts since start, over every MoE layer (a rank of an ep group holds a
+        column share of each of its group's experts: its group's count)."""
+        load = self.runner.expert_load()
+        if not load:
+            return []
+        per_expert = [sum(column) for column in zip(*load)]  # [E]
+        return [sum(per_expert[slice(first, first + count)])
+                for first, count in (dataclasses.replace(self.layout, rank=rank).experts(len(per_expert))
+                                     for rank in range(self.layout.world_size))]
+
     def counters(self) -> dict[str, int]:
         counters = dict(self.runner.counters())
         counters["cow_bytes"] *= self.layout.world_size  # each rank copies its heads' share of the block
