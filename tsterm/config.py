@@ -192,9 +192,20 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     clip_qkv: float | None = None
     layer_types: tuple[str, ...] = ()  # config.json `layer_types` (what each layer's token mixer is); () = all full
+    # Gated DeltaNet (the linear-attention layers of the hybrid families); 0 when the model has none
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     source: str = "config.json"
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head RoPE rotates (all of them unless `partial_rotary_factor` < 1)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.num_experts == 0 or layer in self.mlp_only_layers:
@@ -224,6 +235,16 @@ class ModelConfig:
         if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ModelLoadError(f"{source}: model_type {model_type!r} is not supported "
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+
+        spec = ARCHITECTURES[model_type]
+        if spec.text_config:  # a multimodal release: its language model is described by the nested text_config
+            text = raw.get("text_config")
+            if not isinstance(text, dict):
+                raise ModelLoadError(f"{source}: model_type {model_type!r} needs a `text_config` object (the language "
+                                     f"model's config), got {text!r}")
+            raw = {"tie_word_embeddings": raw.get("tie_word_embeddings"), "eos_token_id": raw.get("eos_token_id"),
+                   **text, "model_type": model_type}
+            source = f"{source} (text_config)"
 
         def get(key: str, default: Any = None, *alts: str, convert: Any = int, required: bool = False) -> Any:
             """The first non-null of key/alts, converted; a wrong type or missing field names the key."""
@@ -257,13 +278,18 @@ class ModelConfig:
         if num_experts and not 1 <= top_k <= num_experts:
             raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
         layer_types = raw.get("layer_types")
+        if layer_types is None and spec.full_attention_interval:  # the hybrids' HF default: every interval-th layer
+            interval = get("full_attention_interval", spec.full_attention_interval)
+            if interval < 1:
+                raise ModelLoadError(f"{source}: full_attention_interval must be positive, got {interval}")
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(get("num_hidden_layers", required=True))]
         if layer_types is not None:
             layers = get("num_hidden_layers", required=True)
             if not (isinstance(layer_types, list) and len(layer_types) == layers
                     and all(isinstance(t, str) for t in layer_types)):
                 raise ModelLoadError(f"{source}: field 'layer_types' must be a list of {layers} strings (one per "
                                      f"layer), got {layer_types!r}")
-            spec = ARCHITECTURES[model_type]
             for i, kind in enumerate(layer_types):
                 if kind not in spec.mixers:
                     raise ModelLoadError(f"{source}: layer {i} is {kind!r}, which {model_type} does not support "
@@ -282,7 +308,7 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=get("intermediate_size", 0),
             rms_norm_eps=get("rms_norm_eps", 1e-6, convert=float),
-            rope=_parse_rope(raw, head_dim, source),
+            rope=_parse_rope(raw, head_dim, source, spec.partial_rotary),
             max_position_embeddings=get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
@@ -295,16 +321,34 @@ class ModelConfig:
             shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0),
             clip_qkv=get("clip_qkv", convert=float),
             layer_types=tuple(layer_types or ()),
+            linear_num_key_heads=get("linear_num_key_heads", 0),
+            linear_num_value_heads=get("linear_num_value_heads", 0),
+            linear_key_head_dim=get("linear_key_head_dim", 0),
+            linear_value_head_dim=get("linear_value_head_dim", 0),
+            linear_conv_kernel_dim=get("linear_conv_kernel_dim", 0),
             eos_token_ids=eos_ids,
             source=source,
         )
         for key in ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
             if getattr(config, key) < 1:
                 raise ModelLoadError(f"{source}: {key} must be positive, got {getattr(config, key)}")
+        if "linear_attention" in config.layer_types:
+            for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim", "linear_conv_kernel_dim"):
+                if getattr(config, key) < 1:
+                    raise ModelLoadError(f"{source}: linear-attention layers need a positive {key}, got "
+                                         f"{getattr(config, key)}")
+            if config.linear_num_value_heads % config.linear_num_key_heads:
+                raise ModelLoadError(f"{source}: linear_num_value_heads ({config.linear_num_value_heads}) is not a "
+                                     f"multiple of linear_num_key_heads ({config.linear_num_key_heads})")
+        if config.rotary_dim < 2 or config.rotary_dim % 2:
+            raise ModelLoadError(f"{source}: partial_rotary_factor {config.rope.partial_rotary_factor} leaves "
+                                 f"{config.rotary_dim} rotated dims of head_dim {head_dim} (needs an even number >= 2)")
         return config
 
 
-def _parse_rope(raw: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], head_dim: int, source: str, allow_partial: bool = False) -> RopeConfig:
+    """allow_partial: the family rotates only the leading `partial_rotary_factor` share of each head."""
     # transformers 5 writes `rope_parameters` (with rope_theta inside); older configs use `rope_theta` +
     # `rope_scaling`. Read both.
     params: dict[str, Any] = {}
@@ -328,8 +372,9 @@ def _parse_rope(raw: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
         return default
 
     partial = num("partial_rotary_factor", 1.0, raw)
-    if partial != 1.0:
-        raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+    if partial != 1.0 and not (allow_partial and 0.0 < partial < 1.0):
+        raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported "
+                             f"({'in (0, 1]' if allow_partial else 'only 1.0'})")
     theta, factor = num("rope_theta", 10000.0, raw), num("factor", 1.0)
     if theta <= 0 or factor <= 0:
         raise ModelLoadError(f"{source}: rope_theta and the rope factor must be positive (got {theta}, {factor})")
@@ -344,6 +389,7 @@ def _parse_rope(raw: dict[str, Any], head_dim: int, source: str) -> RopeConfig:
         beta_fast=num("beta_fast", 32.0),
         beta_slow=num("beta_slow", 1.0),
         attention_factor=num("attention_factor", None),
+        partial_rotary_factor=partial,
     )
     if rope_type == "llama3" and rope.high_freq_factor == rope.low_freq_factor:
         raise ModelLoadError(f"{source}: llama3 rope needs high_freq_factor != low_freq_factor "

@@ -42,3 +42,54 @@ def make_checkpoint(path: Path, model_type: str, overrides: dict | None = None, 
     model = model_cls(config).eval().float()
     model.save_pretrained(path, **save_kwargs)
     return path, model
+
+
+# The hybrid families (Gated DeltaNet + gated attention): model_type -> (config class, model class)
+HYBRID_CLASSES = {
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),  # multimodal: text_config + vision
+}
+HYBRID_BASE = dict(BASE, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=40,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   linear_conv_kernel_dim=4, max_position_embeddings=256)
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                   num_position_embeddings=16)
+
+
+def make_hybrid_checkpoint(path: Path, model_type: str, overrides: dict | None = None, seed: int = 0,
+                           with_tokenizer: bool = True):
+    """A tiny random hybrid checkpoint (+ tokenizer) saved by transformers; returns (path, the causal LM to compare
+    with). The parameters transformers initialises to constants (the zero-centred norms, the gated norm, dt_bias) are
+    randomised, so a wrong offset or a swapped norm cannot hide behind them. For `qwen3_5_moe` the whole multimodal
+    model is saved (vision tower included) and its language model is the oracle."""
+    import transformers
+
+    from tests.helpers.tokenizers import make_tokenizer_dir, tokenizer_vocab_size
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = max(384, tokenizer_vocab_size(make_tokenizer_dir(path))) if with_tokenizer else 384
+    config_cls, model_cls = (getattr(transformers, name) for name in HYBRID_CLASSES[model_type])
+    text = dict(HYBRID_BASE, vocab_size=vocab_size, **(overrides or {}))
+    torch.manual_seed(seed)
+    if model_type == "qwen3_5_moe":
+        config = config_cls(text_config=text, vision_config=TINY_VISION)
+        config.text_config.eos_token_id = None
+    else:
+        config = config_cls(**text)
+    config.eos_token_id = None  # the tokenizer's own files say which ids end a turn
+    model = model_cls(config).eval().float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("layernorm.weight", "norm.weight", "dt_bias")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3 + (1.0 if name.endswith("dt_bias") else 0.0))
+    model.save_pretrained(path)
+    if model_type == "qwen3_5_moe":  # the oracle: the language model with the LM head, on text
+        lm = transformers.Qwen3_5MoeForCausalLM(config.text_config).eval().float()
+        state = {k.replace("model.language_model.", "model."): v for k, v in model.state_dict().items()
+                 if not k.startswith("model.visual.")}
+        lm.load_state_dict(state)
+        model = lm
+    return path, model

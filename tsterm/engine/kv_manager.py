@@ -10,11 +10,17 @@ class KVCacheManager:
 
     Per sequence it keeps the chain hashes of its committed full blocks, so `commit` only hashes the blocks
     filled since the last call (one hash per B decoded tokens).
+
+    A model with recurrent layers (the hybrids' linear attention) also keeps one state per sequence, in one of
+    `num_state_slots` slots of its state pool: a sequence takes a slot with its first blocks and gives it back when
+    it is freed (finished, aborted or preempted), so `Sequence.state_slot` is set exactly while it holds blocks.
     """
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, num_state_slots: int = 0):
         self.pool = pool
         self.block_size = pool.block_size
+        self.num_state_slots = num_state_slots
+        self._free_state_slots = list(range(num_state_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         self._chain: dict[int, list[int]] = {}  # seq_id -> chain hash of each committed full block
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -86,6 +92,11 @@ class KVCacheManager:
         if not pool.can_allocate(num_new + len(cow)):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {num_new + len(cow)} KV blocks, "
                                     f"{pool.num_free} free or evictable")
+        if self.num_state_slots and seq.state_slot < 0:
+            if not self._free_state_slots:  # the scheduler runs at most as many sequences as there are slots
+                raise NoFreeBlocksError(f"sequence {seq.seq_id} needs a recurrent-state slot; all "
+                                        f"{self.num_state_slots} are taken")
+            seq.state_slot = self._free_state_slots.pop()
         copies = []
         for i in cow:
             src, dst = table[i], pool.allocate()
@@ -121,6 +132,7 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` (already holding parent's token ids) every block of `parent` by reference."""
         assert not child.block_table and len(child.token_ids) >= parent.num_computed_tokens
+        assert not self.num_state_slots, "forking a sequence's recurrent state is not implemented (the engine refuses n > 1)"
         for block_id in parent.block_table:
             self.pool.acquire(block_id)
         child.block_table = list(parent.block_table)
@@ -134,7 +146,12 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._chain.pop(seq.seq_id, None)
+        if seq.state_slot >= 0:  # its state is stale from here on: the next holder starts from position 0
+            self._free_state_slots.append(seq.state_slot)
+            seq.state_slot = -1
 
     def stats(self) -> dict[str, int]:
         return {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
-                "prefix_hit_tokens": self.prefix_hit_tokens, "cow_copies": self.cow_copies}
+                "prefix_hit_tokens": self.prefix_hit_tokens, "cow_copies": self.cow_copies,
+                "state_slots": self.num_state_slots,
+                "state_slots_used": self.num_state_slots - len(self._free_state_slots)}

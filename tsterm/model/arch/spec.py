@@ -9,11 +9,12 @@ if TYPE_CHECKING:
     from tsterm.config import ModelConfig
 
 FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet: a recurrent state per sequence instead of a KV cache
 
 
 @dataclass(frozen=True, slots=True)
 class LayerType:
-    """What one decoder layer is: its token mixer (a key of the decoder's MIXERS: "full_attention", later
+    """What one decoder layer is: its token mixer (a key of the decoder's MIXERS: "full_attention" or
     "linear_attention") and its feed-forward block ("moe": routed experts; "dense": one always-on MLP)."""
 
     mixer: str
@@ -31,6 +32,14 @@ class ArchSpec:
     shared_expert: bool = False  # Qwen2-MoE: a dense shared expert with a sigmoid gate
     norm_topk_prob_default: bool = True  # when config.json does not say
     mixers: tuple[str, ...] = (FULL_ATTENTION,)  # the token mixers this family's layers may have
+    # The hybrid families (Qwen3-Next, Qwen3.5):
+    full_attention_interval: int | None = None  # without `layer_types`: every n-th layer is full attention
+    partial_rotary: bool = False  # RoPE may rotate only the leading `partial_rotary_factor` of each head
+    attention_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
+    norm_offset: float = 0.0  # RMSNorm weights stored as (scale - offset): zero-centred norms store scale - 1
+    text_config: bool = False  # a multimodal release: the language model's config is config.json's `text_config`
+    weight_prefix: str = "model."  # where the language model's tensors live in the checkpoint
+    skipped_weights: tuple[str, ...] = ()  # checkpoint name prefixes tsterm does not run (vision tower, MTP head)
 
     def layer_types(self, cfg: ModelConfig) -> tuple[LayerType, ...]:
         """Each layer's type: the mixer from config.json's `layer_types` (all full attention when absent), and

@@ -1,0 +1,105 @@
+"""Loads a hybrid checkpoint (Qwen3-Next, Qwen3.5-MoE) into the decoder's weights: Gated DeltaNet layers
+(`tsterm.model.linear_attention`), gated full-attention layers (`tsterm.model.gated_attention`), routed experts with
+a gated shared expert (`tsterm.model.decoder.SparseMoE`).
+
+What is materialised once, at load: the fused projections (`in_proj`: q, k, v, z, b, a rows; `qkvg`: q, k, v, gate
+rows), the + 1 of the zero-centred RMSNorm weights, -exp(A_log), and the stacked experts (`tsterm.model.loader`).
+Qwen3-Next stores its linear-attention projections grouped per key head (`in_proj_qkvz`, `in_proj_ba`); they are
+regrouped here into Qwen3.5's flat order, so one layer class runs both. Tensors under the spec's `skipped_weights`
+(the MTP head, a multimodal release's vision tower) are accounted for and never read.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tsterm.config import ModelConfig
+from tsterm.errors import ModelLoadError
+from tsterm.model.arch import ARCHITECTURES, LINEAR_ATTENTION, ArchSpec
+from tsterm.model.loader import ProgressFn, WeightSource, _load_dense_mlp, _load_moe, find_weight_files
+from tsterm.model.parallel import ParallelLayout
+
+
+def load_hybrid_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                        progress: ProgressFn | None = None,
+                        layout: ParallelLayout = ParallelLayout()) -> dict[str, torch.Tensor]:
+    """The decoder's weights by canonical name, as `tsterm.model.loader.load_weights` returns them. Expert
+    parallelism splits the experts as for every family; tensor parallelism is refused (not implemented yet)."""
+    spec = ARCHITECTURES[cfg.model_type]
+    if layout.tp_size > 1:
+        raise ModelLoadError(f"{cfg.source}: tensor parallelism is not implemented for {cfg.model_type} yet "
+                             "(use expert_parallel_size to spread its experts)")
+    if cfg.attention_bias:
+        raise ModelLoadError(f"{cfg.source}: attention_bias is not supported for {cfg.model_type}")
+    src = WeightSource(find_weight_files(Path(model_dir)), dtype, device, progress)
+    if spec.skipped_weights:
+        for name in sorted(src.unused):
+            if name.startswith(spec.skipped_weights):
+                src.skip(name)
+    P, H = spec.weight_prefix, cfg.hidden_size
+    w: dict[str, torch.Tensor] = {}
+    w["embed"] = src.get(P + "embed_tokens.weight", (cfg.vocab_size, H))
+    w["final_norm"] = _norm(src, spec, P + "norm.weight", H)
+    if cfg.tie_word_embeddings:
+        if src.has("lm_head.weight"):
+            src.skip("lm_head.weight")
+        w["lm_head"] = w["embed"]
+    else:
+        w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H))
+    for i, layer_type in enumerate(spec.layer_types(cfg)):
+        p, o = f"{P}layers.{i}.", f"layers.{i}."
+        w[o + "input_norm"] = _norm(src, spec, p + "input_layernorm.weight", H)
+        w[o + "post_attn_norm"] = _norm(src, spec, p + "post_attention_layernorm.weight", H)
+        if layer_type.mixer == LINEAR_ATTENTION:
+            _load_gated_deltanet(src, cfg, p + "linear_attn.", o, w)
+        else:
+            _load_gated_attention(src, cfg, spec, p + "self_attn.", o, w)
+        if layer_type.mlp == "moe":
+            _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout)
+        else:
+            _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w)
+    src.check_all_used()
+    return w
+
+
+def _norm(src: WeightSource, spec: ArchSpec, name: str, size: int) -> torch.Tensor:
+    """An RMSNorm weight as the plain scale the decoder multiplies by (zero-centred ones get their offset back)."""
+    weight = src.get(name, (size,), convert=False)
+    return src.to_target(weight.float() + spec.norm_offset) if spec.norm_offset else src.to_target(weight)
+
+
+def _load_gated_attention(src: WeightSource, cfg: ModelConfig, spec: ArchSpec, p: str, o: str,
+                          w: dict[str, torch.Tensor]) -> None:
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q_gate = src.get(p + "q_proj.weight", (Hq * 2 * D, H)).view(Hq, 2 * D, H)  # per head: D query rows, D gate rows
+    w[o + "qkvg"] = torch.cat([q_gate[:, :D].reshape(Hq * D, H), src.get(p + "k_proj.weight", (Hkv * D, H)),
+                               src.get(p + "v_proj.weight", (Hkv * D, H)), q_gate[:, D:].reshape(Hq * D, H)])
+    w[o + "o_proj"] = src.get(p + "o_proj.weight", (H, Hq * D))
+    w[o + "q_norm"] = _norm(src, spec, p + "q_norm.weight", D)
+    w[o + "k_norm"] = _norm(src, spec, p + "k_norm.weight", D)
+
+
+def _load_gated_deltanet(src: WeightSource, cfg: ModelConfig, p: str, o: str, w: dict[str, torch.Tensor]) -> None:
+    H, Hk, Hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    key_size, value_size = Hk * dk, Hv * dv
+    conv_size = 2 * key_size + value_size
+    if src.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: per key head, [q dk | k dk | v r dv | z r dv] and [b r | a r]
+        r = Hv // Hk  # value heads per key head
+        qkvz = src.get(p + "in_proj_qkvz.weight", (2 * key_size + 2 * value_size, H)).view(Hk, 2 * dk + 2 * r * dv, H)
+        ba = src.get(p + "in_proj_ba.weight", (2 * Hv, H)).view(Hk, 2 * r, H)
+        v_end = 2 * dk + r * dv
+        rows = [qkvz[:, :dk], qkvz[:, dk:2 * dk], qkvz[:, 2 * dk:v_end], qkvz[:, v_end:], ba[:, :r], ba[:, r:]]
+        w[o + "in_proj"] = torch.cat([part.reshape(-1, H) for part in rows])
+    else:  # Qwen3.5: flat [q all heads | k | v], z, b, a
+        w[o + "in_proj"] = torch.cat([src.get(p + "in_proj_qkv.weight", (conv_size, H)),
+                                      src.get(p + "in_proj_z.weight", (value_size, H)),
+                                      src.get(p + "in_proj_b.weight", (Hv, H)),
+                                      src.get(p + "in_proj_a.weight", (Hv, H))])  # [C + Vd + 2 Hv, H]
+    w[o + "conv"] = src.get(p + "conv1d.weight", (conv_size, 1, K)).reshape(conv_size, K)
+    a_log = src.get(p + "A_log", (Hv,), convert=False)
+    w[o + "neg_A"] = -a_log.float().exp().to(src.device)  # float32: exp of a half-precision A_log can overflow
+    w[o + "dt_bias"] = src.get(p + "dt_bias", (Hv,), convert=False).float().to(src.device)
+    w[o + "gated_norm"] = src.get(p + "norm.weight", (dv,))  # a plain scale (not zero-centred)
+    w[o + "out_proj"] = src.get(p + "out_proj.weight", (H, value_size))

@@ -1,0 +1,110 @@
+"""Gated DeltaNet: the linear-attention token mixer of the hybrid families (Qwen3-Next, Qwen3.5).
+
+Instead of a KV cache, each sequence keeps a fixed-size state in its slot of the recurrent-state pool
+(`tsterm.model.cache.RecurrentStatePool`, addressed by the step's `state_slots`): the causal conv's last K-1 inputs
+and the gated delta rule's matrix state per value head. A sequence whose first new token is at position 0 starts
+from zeros (its slot is cleared here, so a slot needs no cleaning when it changes hands). Prompt chunks run the
+chunked form of the rule, one sequence at a time; decode tokens run the recurrent form, every sequence of the step
+at once. The math lives in the torch twins (`tsterm_kernels.reference_gated_delta`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from tsterm_kernels import reference_gated_delta as gdn
+from tsterm_kernels.reference import linear
+
+from tsterm.config import ModelConfig
+from tsterm.errors import ModelLoadError
+from tsterm.model.parallel import ParallelContext
+
+if TYPE_CHECKING:
+    from tsterm.model.decoder import StepContext
+    from tsterm_kernels.dispatch import KernelOps
+
+
+class GatedDeltaNet:
+    """x [T, H] -> [T, H]: fused input projection -> causal conv (q, k, v) -> gated delta rule -> gated RMSNorm -> out.
+
+    Weights (`tsterm.model.hybrid_loader`): `in_proj` [2 Kd + 2 Vd + 2 Hv, H] (rows: q, k, v, z, b, a),
+    `conv` [2 Kd + Vd, K], `neg_A` [Hv] float32 (-exp(A_log)), `dt_bias` [Hv] float32, `gated_norm` [dv],
+    `out_proj` [H, Vd]; Kd = Hk dk, Vd = Hv dv.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
+                 cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext):
+        """cache: (conv_states [num_slots, C, K-1], recurrent_states [num_slots, Hv, dk, dv] float32) views of the
+        pool."""
+        if par.layout.tp_size > 1:
+            raise ModelLoadError(f"{cfg.source}: tensor parallelism is not implemented for linear-attention layers "
+                                 "yet (use expert_parallel_size to spread a hybrid model's experts)")
+        self.ctx = ctx
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_size = 2 * self.key_size + self.value_size
+        self.in_proj, self.conv = w[prefix + "in_proj"], w[prefix + "conv"]
+        self.neg_A, self.dt_bias = w[prefix + "neg_A"], w[prefix + "dt_bias"]
+        self.gated_norm, self.out_proj = w[prefix + "gated_norm"], w[prefix + "out_proj"]
+        self.eps = cfg.rms_norm_eps
+        self.conv_states, self.recurrent_states = cache
+
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """rope: unused (no positions in a recurrence); x: [T, H] normed hidden states."""
+        T, Hv, C = x.shape[0], self.num_v_heads, self.conv_size
+        proj = linear(x, self.in_proj)  # [T, C + Vd + 2 Hv]
+        mixed = proj[:, :C]  # [T, C] view: q, k, v before the conv
+        z = proj[:, C:C + self.value_size].view(T, Hv, self.v_dim)  # [T, Hv, dv] view: the output gate
+        b, a = proj[:, C + self.value_size:C + self.value_size + Hv], proj[:, C + self.value_size + Hv:]  # [T, Hv]
+        beta = torch.sigmoid(b.float())  # [T, Hv]: how much of each token is written
+        g = self.neg_A * F.softplus(a.float() + self.dt_bias)  # [T, Hv]: log decay, <= 0
+        core = self._mix(mixed, g, beta)  # [T, Hv, dv] float32
+        core = F.rms_norm(core, (self.v_dim,), eps=self.eps).to(x.dtype) * self.gated_norm  # [T, Hv, dv]
+        core = (core.float() * F.silu(z.float())).to(x.dtype)  # gated by silu(z)
+        return linear(core.view(T, self.value_size), self.out_proj)  # [T, H]
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, C] -> q, k [n, Hk, dk], v [n, Hv, dv] (views)."""
+        n, K = qkv.shape[0], self.key_size
+        return (qkv[:, :K].view(n, self.num_k_heads, self.k_dim), qkv[:, K:2 * K].view(n, self.num_k_heads, self.k_dim),
+                qkv[:, 2 * K:].view(n, self.num_v_heads, self.v_dim))
+
+    def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The conv and the delta rule of every sequence of the step, reading and writing their state slots."""
+        meta, slots = self.ctx.meta, self.ctx.state_slots  # slots: [S] int32 on the pool's device
+        starts, seq_lens = meta.query_start_loc, meta.seq_lens
+        conv_states, states = self.conv_states, self.recurrent_states
+        slots = slots.long()
+        fresh = [i for i, seq_len in enumerate(seq_lens) if seq_len == starts[i + 1] - starts[i]]  # from position 0
+        if fresh:
+            fresh_slots = slots[fresh] if len(fresh) < len(seq_lens) else slots
+            conv_states.index_fill_(0, fresh_slots, 0.0)
+            states.index_fill_(0, fresh_slots, 0.0)
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
+        decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        if decode:  # one token per sequence: every sequence at once
+            rows = decode if len(decode) < len(seq_lens) else slice(None)
+            step_slots = slots[rows]  # [S_dec]
+            row_ids = [starts[i] for i in decode] if len(decode) < len(seq_lens) else slice(None)
+            qkv = gdn.causal_conv1d_update(mixed[row_ids], self.conv, conv_states, step_slots)  # [S_dec, C]
+            q, k, v = self._split(qkv)
+            o, new = gdn.recurrent_gated_delta_rule(q, k, v, g[row_ids], beta[row_ids],
+                                                    states.index_select(0, step_slots))
+            states.index_copy_(0, step_slots, new)
+            out[row_ids] = o
+        for i in range(len(seq_lens)):  # prompt chunks: one sequence at a time, chunked
+            start, end = starts[i], starts[i + 1]
+            if end - start <= 1:
+                continue
+            slot = slots[i:i + 1]  # [1]
+            conv_state = conv_states.index_select(0, slot)[0]  # [C, K-1]
+            qkv = gdn.causal_conv1d(mixed[start:end], self.conv, conv_state)  # [n, C]; conv_state updated
+            conv_states.index_copy_(0, slot, conv_state[None])
+            q, k, v = self._split(qkv)
+            o, new = gdn.chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end],
+                                                states.index_select(0, slot)[0])
+            states.index_copy_(0, slot, new[None])
+            out[start:end] = o
+        return out
