@@ -40,7 +40,7 @@ POLL_S = 0.02
 
 
 def _stop_processes(processes: list[multiprocessing.Process]) -> None:
-    """Terminate, then kill, what is still running (also what a garbage-collected executor left)."""
+    """Kill the workers still running (also what a garbage-collected executor left) and reap them."""
     for process in processes:
         if process.is_alive():
             process.kill()
