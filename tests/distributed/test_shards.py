@@ -99,3 +99,18 @@ def test_the_fused_expert_layout_shards_alike(checkpoint, tmp_path):
         got = load_weights(tmp_path, cfg, torch.float32, CPU, layout=layout)
         for name in ("layers.0.w13", "layers.0.w2"):
             assert torch.equal(got[name], want[name]), (layout, name)
+
+
+def test_what_tensor_or_expert_parallelism_cannot_split_yet_is_refused_by_name():
+    olmoe = ModelConfig.from_dict({"model_type": "olmoe", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 1,
+                                   "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 32,
+                                   "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(ConfigError, match="olmoe normalises q and k over all heads.*use expert_parallel_size"):
+        ParallelLayout(2, 1, 0).check(olmoe)
+    ParallelLayout(1, 2, 0).check(olmoe)  # its experts split
+    dense = ModelConfig.from_dict({"model_type": "qwen3", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 1,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                   "intermediate_size": 32, "max_position_embeddings": 64})
+    with pytest.raises(ConfigError, match="is dense \\(no experts\\); use tensor_parallel_size"):
+        ParallelLayout(1, 2, 0).check(dense)
+    ParallelLayout(2, 1, 0).check(dense)
