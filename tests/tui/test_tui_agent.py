@@ -318,8 +318,8 @@ def test_the_step_line_says_what_a_template_miss_cost():
     plain = step_summary(2, TurnStats(100, 96, 96, 5, finish_reason="stop"))
     assert plain == "step 2 · prompt 100 · cached 96 · new 4 · gen 5"
     miss = step_summary(3, TurnStats(120, 40, 41, 5, miss=True, diverged_at=41, finish_reason="length"), 64)
-    assert miss == ("step 3 · prompt 120 · cached 40 · new 80 · gen 5 · length · template miss: the chat template "
-                    "re-rendered the history differently from token 41, so reuse stopped there and 64 tokens the "
+    assert miss == ("step 3 · prompt 120 · cached 40 · new 80 · gen 5 · length · less reuse: the chat template wrote "
+                    "the history differently from token 41 on, so reuse stopped there and 64 tokens the "
                     "model had already seen were computed again")
     assert split_reply(f"ok {call('grep', pattern='x')}") == ("ok ", [("grep", {"pattern": "x"}, None)])
     assert status_of_tool_message(f"error: {REFUSED}") == ("refused", REFUSED, "")

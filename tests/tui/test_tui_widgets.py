@@ -131,16 +131,19 @@ async def test_expert_heatmap_shades_each_layer_against_its_busiest_expert():
         await pilot.pause()
         lines = str(heatmap.render()).splitlines()
         cell = 3  # few experts: up to 3 columns each
-        assert lines[0] == "L0 " + "█" * cell + "·" * cell + "▒" * cell + "▒" * cell
-        assert lines[1] == "L1 " + "█" * 4 * cell  # balanced: every expert as busy as the busiest
-        assert lines[2] == "max/mean 1.50, worst 2.00"  # layer 0: 10 / mean 5; layer 1: 1.0
-        assert heatmap.region.height == 3
+        assert lines[0] == "   0  1  2  3"  # expert numbers over their columns
+        assert lines[1] == "L0 " + "█" * cell + "·" * cell + "▒" * cell + "▒" * cell
+        assert lines[2] == "L1 " + "█" * 4 * cell  # balanced: every expert as busy as the busiest
+        assert lines[3] == "tokens: ·none ░▒▓█ most in the row"
+        assert lines[4] == "max/mean 1.50, worst 2.00"  # layer 0: 10 / mean 5; layer 1: 1.0
+        assert heatmap.region.height == 5
 
         deep = [[(layer + expert) % 7 for expert in range(128)] for layer in range(48)]
         heatmap.set_load(deep)  # Qwen3-30B-A3B's shape: 48 layers x 128 experts in 38 columns
         await pilot.pause()
         lines = str(heatmap.render()).splitlines()
-        assert len(lines) == 17 and lines[0].startswith("L0-2 ") and lines[15].startswith("L45-47 ")
+        assert len(lines) == 19 and lines[1].startswith("L0-2 ") and lines[16].startswith("L45-47 ")
+        assert lines[0].split()[:3] == ["0", "8", "16"]  # 34 columns: each one's first expert, where it fits
         assert all(len(line) <= heatmap.size.width for line in lines) and lines[-1].endswith(" per col")
         heatmap.set_load([])
         assert str(heatmap.render()) == "no MoE layers"

@@ -258,4 +258,5 @@ async def test_dashboard_shows_the_expert_load_of_the_real_engine(make_profile, 
         assert len(load) == 2 and all(len(layer) == 4 for layer in load)  # the tiny model: 2 layers x 4 experts
         assert sum(load[0]) == sum(load[1]) > 0  # every token is routed in every layer
         lines = str(dashboard.query_one(ExpertHeatmap).render()).splitlines()
-        assert [line.split()[0] for line in lines[:2]] == ["L0", "L1"] and lines[2].startswith("max/mean ")
+        assert lines[0].split() == ["0", "1", "2", "3"]
+        assert [line.split()[0] for line in lines[1:3]] == ["L0", "L1"] and lines[4].startswith("max/mean ")

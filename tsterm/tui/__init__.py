@@ -11,6 +11,7 @@ def main(profile: str = "default", auto_approve: bool = False, workspace: str | 
     """`tsterm` / `tsterm --profile X`: run the TUI until the user quits. `auto_approve`: agent sessions run tools
     that need approval without asking; `workspace`: their tools' directory instead of the profile's; `serve`
     (`--serve`): start the API server, {host, port, api_key} over the profile's `server:` settings."""
-    TstermApp(profile, auto_approve=auto_approve, workspace=workspace, serve=serve).run()
-    return 0
+    app = TstermApp(profile, auto_approve=auto_approve, workspace=workspace, serve=serve)
+    app.run()
+    return app.return_code or 0  # 1 when the user quits a start-up that failed
 

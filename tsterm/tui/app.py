@@ -183,6 +183,14 @@ class TstermApp(App):
         await self.pop_screen()
         self.notify(message.error, title=f"profile {message.profile} not loaded", severity="error", timeout=20)
 
+    async def action_quit(self) -> None:
+        """Quitting a start-up that failed (no engine ever ran) exits non-zero, with the error on the terminal."""
+        error = self.loading.error if self.host is None and self.loading is not None else None
+        if error is not None:
+            self.exit(return_code=1, message=f"tsterm: error: {error}")
+        else:
+            self.exit()
+
     def on_unmount(self) -> None:
         server, self.api_server = self.api_server, None
         if server is not None:

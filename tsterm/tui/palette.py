@@ -31,17 +31,33 @@ ACTIONS = (
 )
 
 
+def plain(text: str) -> str:
+    """`text` as the palette's markup shows it literally (`[N]`, `[PATH]` are not tags)."""
+    return text.replace("[", "\\[")
+
+
 class ChatCommands(Provider):
     async def _run(self, action: str) -> None:
         await self.screen.run_action(action)
 
+    def _entries(self) -> list[tuple[str, object, str]]:
+        """The actions, then one "Switch to" entry per session (most recent first)."""
+        entries = [(title, partial(self._run, action), plain(help_text)) for title, action, help_text in ACTIONS]
+        sessions = sorted(getattr(self.screen, "sessions", {}).values(), key=lambda s: s.updated, reverse=True)
+        for session in sessions:
+            if session.id != self.screen.current_id:
+                kind = {"agent": "agent session", "api": "API client's conversation"}.get(session.kind, "chat")
+                entries.append((f"Switch to: {session.title}", partial(self.screen.show_session, session.id),
+                                plain(f"{kind}, {len(session.turns)} turn(s)  (the sidebar; ctrl+pageup/pagedown)")))
+        return entries
+
     async def discover(self) -> Hits:
-        for title, action, help_text in ACTIONS:
-            yield DiscoveryHit(title, partial(self._run, action), help=help_text)
+        for title, run, help_text in self._entries():
+            yield DiscoveryHit(title, run, help=help_text)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
-        for title, action, help_text in ACTIONS:
+        for title, run, help_text in self._entries():
             score = matcher.match(title)
             if score > 0:
-                yield Hit(score, matcher.highlight(title), partial(self._run, action), help=help_text)
+                yield Hit(score, matcher.highlight(title), run, help=help_text)

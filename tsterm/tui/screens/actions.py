@@ -51,7 +51,7 @@ class SessionActions:
             await self.run_action(action)
 
     async def action_help(self) -> None:
-        keys = [(b.key, b.description) for b in self.BINDINGS] + [
+        keys = [(b.key, b.description) for b in self.BINDINGS] + [("sidebar click, ctrl+p", "switch sessions"),
             ("up/down", "prompt history"), ("shift+tab", "select a message, like ctrl+up"),
             ("up/down, f, c, enter", "on a selected message: move, fork there, copy it, back to the prompt"),
             ("ctrl+p", "command palette"), ("ctrl+q", "quit")]
@@ -97,11 +97,19 @@ class SessionActions:
         child = parent.fork(new_session_id(), index)
         if parent.kind == "api":  # the client's conversation stays the client's; the branch is yours to type into
             child.kind = "chat"
+        titles = {s.title for s in self.sessions.values()}
+        child.title = next(t for n in range(1, len(titles) + 2)
+                           if (t := f"{parent.title} (fork{f' {n}' if n > 1 else ''})") not in titles)
         self.add_session(child)
         await self.show_session(child.id)
         self.query_one("#prompt").focus()
         at = "" if index is None else f" after #{parent.number_of(index) or 0}"
-        self.notify(f"forked{at}: {len(child.token_ids)} tokens kept, KV blocks shared with the parent")
+        if child.token_ids:
+            self.notify(f"forked{at}: the branch starts from the parent's {len(child.token_ids)} tokens, taken from "
+                        "the cache by reference (nothing is copied or computed again)")
+        else:
+            self.notify(f"forked{at}: the branch's next turn takes what it shares with the parent from the cache "
+                        "(nothing is copied) and computes only the rest")
 
     async def action_copy_message(self, index: int | None = None) -> None:
         """Copy message `index` (default: the selected message, else the last reply): a reply without its

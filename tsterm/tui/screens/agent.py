@@ -28,7 +28,7 @@ from tsterm.errors import TstermError
 from tsterm.tui import engine_host
 from tsterm.tui.screens.dialogs import ApproveTool
 from tsterm.tui.widgets.agent_log import CallState, ToolCallView, agent_history_views, step_summary
-from tsterm.tui.widgets.chat_log import MessageView, ReplyView
+from tsterm.tui.widgets.chat_log import MessageView, ReplyView, miss_notice
 
 AGENT_WELCOME = ("Agent session: type a task and press enter. The model may call tools ({tools}) in {workspace}; "
                  "{approval}. esc stops a task; later messages are further tasks.")
@@ -174,8 +174,7 @@ class AgentSessions:
             run.phase, run.text, run.calls, run.shown_at = "generating", "", [], 0.0
             run.lost_tokens = event.lost_tokens
             if event.miss and not session.num_misses:
-                self.notify(f"the chat template re-rendered this history differently from token {event.diverged_at}"
-                            f": {event.lost_tokens} tokens are computed again", title="prefix miss",
+                self.notify(miss_notice(event.diverged_at, event.lost_tokens), title="less reuse this step",
                             severity="warning")
             if shown:
                 async with self._log_lock:

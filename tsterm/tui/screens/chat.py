@@ -34,6 +34,7 @@ from tsterm.tui.widgets.chat_log import (
     MessageView,
     ReplyView,
     Selectable,
+    miss_notice,
     turn_summary,
 )
 from tsterm.tui.widgets.agent_log import ToolCallView
@@ -75,6 +76,8 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
         Binding("ctrl+t", "toggle_dashboard", "Stats"),
         Binding("escape", "abort", "Stop"),
         Binding("ctrl+up", "select_message", "Select message", show=False),
+        Binding("ctrl+pagedown,alt+down", "next_session(1)", "Next session", show=False),
+        Binding("ctrl+pageup,alt+up", "next_session(-1)", "Previous session", show=False),
     ]
 
     def __init__(self, host: EngineHost, store: SessionStore, current_id: str | None = None):
@@ -244,6 +247,12 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
             return focused.index
         return None
 
+    async def action_next_session(self, step: int) -> None:
+        """Show the next (or previous) session of the sidebar, wrapping around."""
+        order = list(self.sessions)
+        if len(order) > 1:
+            await self.show_session(order[(order.index(self.current_id) + step) % len(order)])
+
     def action_select_message(self) -> None:
         """From the prompt: focus the last message (then up/down walk the log, f forks, c copies, enter returns)."""
         views = [v for v in self.chat_log.query_children(Selectable) if v.can_focus]
@@ -304,8 +313,8 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
             await self.context_full(session, text, len(plan.token_ids))
             return
         if plan.miss and not session.num_misses:  # the first one per session; the turn line shows every one
-            self.notify(f"the chat template re-rendered this history differently from token {plan.diverged_at}: "
-                        "reuse stops there", title="prefix miss", severity="warning")
+            self.notify(miss_notice(plan.diverged_at, len(session.token_ids) - plan.diverged_at),
+                        title="less reuse this turn", severity="warning")
         index = len(session.messages) - 1
         async with self._log_lock:
             await self.chat_log.add(MessageView("user", text, index=index, number=session.number_of(index)))

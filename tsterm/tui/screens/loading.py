@@ -19,6 +19,7 @@ class LoadingScreen(Screen):
     def __init__(self, profile: str):
         super().__init__()
         self.profile = profile
+        self.error: str | None = None  # why the engine could not start (shown; the exit message if the user quits)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="loading-box"):
@@ -39,6 +40,7 @@ class LoadingScreen(Screen):
             self.query_one("#loading-status", Static).update(message.what)
 
     def show_error(self, error: str) -> None:
+        self.error = error
         self.query_one(ProgressBar).display = False
         self.query_one("#loading-status", Static).update("could not start the engine")
         self.query_one("#loading-error", Static).update(f"{error}\n\nFix the profile or model, then press r to retry "
@@ -54,6 +56,7 @@ class LoadingScreen(Screen):
         self.app.retry_load()
 
     def reset(self) -> None:
+        self.error = None
         self.remove_class("-failed")
         self.query_one(ProgressBar).display = True
         self.query_one("#loading-error", Static).update("")

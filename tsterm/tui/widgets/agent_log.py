@@ -45,8 +45,8 @@ def step_summary(number: int, stats: TurnStats | AgentStep, lost_tokens: int | N
     if stats.finish_reason and stats.finish_reason != "stop":
         line += f" · {stats.finish_reason}"
     if stats.miss:
-        line += (f" · template miss: the chat template re-rendered the history differently from token "
-                 f"{stats.diverged_at}, so reuse stopped there")
+        line += (f" · less reuse: the chat template wrote the history differently from token "
+                 f"{stats.diverged_at} on, so reuse stopped there")
         if lost_tokens:
             line += f" and {lost_tokens} tokens the model had already seen were computed again"
     return line

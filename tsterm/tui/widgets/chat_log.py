@@ -34,8 +34,15 @@ def turn_summary(stats: TurnStats) -> str:
     if stats.finish_reason and stats.finish_reason != "stop":
         parts.append(stats.finish_reason)
     if stats.miss:
-        parts.append(f"template miss at token {stats.diverged_at}")
+        parts.append(f"less reuse: history rewritten from token {stats.diverged_at}")
     return " · ".join(parts)
+
+
+def miss_notice(diverged_at: int | None, lost_tokens: int) -> str:
+    """A template miss in plain words: what it costs and why (the dashboard keeps the exact position)."""
+    lost = f"{lost_tokens} tokens the model had already read are" if lost_tokens > 0 else "part of it is"
+    return (f"The chat template wrote the earlier conversation differently this time (from token {diverged_at} on), "
+            f"so {lost} computed again instead of reused. The reply is not affected; it only costs time.")
 
 
 def role_label(role: str, number: int | None, note: str | None = None) -> Content:

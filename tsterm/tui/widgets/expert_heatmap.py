@@ -1,4 +1,5 @@
-"""MoE expert load as a heatmap: one row per MoE layer, one column per expert (grouped when they do not fit).
+"""MoE expert load as a heatmap: one row per MoE layer, one column per expert (grouped when they do not fit), expert
+numbers above the columns and a legend of the shades below.
 
 Each row is shaded relative to its own busiest column, so a layer whose router favours a few experts shows hot
 cells among cold ones whatever the absolute token count; the line under it gives the imbalance as a number.
@@ -56,7 +57,8 @@ class ExpertHeatmap(Widget):
         return rows
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return len(self.rows()) + 1
+        rows = len(self.rows())
+        return rows + 3 if rows else 1  # expert numbers, the rows, the legend, the summary
 
     def render(self) -> Content:
         rows = self.rows()
@@ -68,7 +70,7 @@ class ExpertHeatmap(Widget):
         room = max(1, self.size.width - label_width)
         columns = min(num_experts, room)
         cell = max(1, min(MAX_CELL, room // columns))
-        lines = []
+        lines = [Content.styled(" " * label_width + expert_ticks(num_experts, columns, cell), "$text-muted")]
         for label, values in rows:
             values = group_means(values, columns) if columns < num_experts else values
             peak = max(values)
@@ -87,5 +89,23 @@ class ExpertHeatmap(Widget):
             summary = "no tokens routed yet"
         if len(summary + per_column) <= self.size.width:
             summary += per_column
+        legend: list[tuple[str, str] | str] = ["tokens: "]
+        for (char, style), what in zip(SHADES, ("none ", "", "", "", " most in the row")):
+            legend += [(char, style), what]
+        lines.append(Content.assemble(*legend))
         lines.append(Content.styled(summary, "$text-muted"))
         return Content("\n").join(lines)
+
+
+def expert_ticks(num_experts: int, columns: int, cell: int) -> str:
+    """Expert numbers over the columns: the first expert of a column, where the number fits before the next."""
+    width = columns * cell
+    line = [" "] * width
+    free = 0  # the first position a number may start at
+    for column in range(columns):
+        at = column * cell
+        number = str(column * num_experts // columns)
+        if at >= free and at + len(number) <= width:
+            line[at:at + len(number)] = number
+            free = at + len(number) + 1
+    return "".join(line).rstrip()
