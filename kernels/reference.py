@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from tsterm_kernels.metadata import AttentionMetadata
+# Gated DeltaNet decode ops: their twins live in their own module, with the chunked prefill form
+from tsterm_kernels.reference_gated_delta import causal_conv1d_update, recurrent_gated_delta_rule
+
+__all__ = ["causal_conv1d_update", "expert_mlp", "fused_moe", "linear", "moe_route", "paged_attention",
+           "recurrent_gated_delta_rule", "rms_norm", "store_kv"]
 
 
 # Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory

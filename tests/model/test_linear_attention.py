@@ -11,6 +11,7 @@ from tsterm.model.decoder import StepContext
 from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.parallel import SingleRank
+from tsterm_kernels import dispatch
 from tsterm_kernels.metadata import AttentionMetadata
 
 from tests.helpers.checkpoints import make_hybrid_checkpoint
@@ -28,7 +29,7 @@ def layer(request, tmp_path_factory):
     conv = torch.randn(5, 2 * 2 * 8 + 6 * 4, 2)  # 5 slots, garbage left by earlier holders
     states = torch.randn(5, 6, 8, 4)
     ctx = StepContext()
-    ours = GatedDeltaNet(cfg, weights, "layers.0.", (conv, states), ctx, None, SingleRank())
+    ours = GatedDeltaNet(cfg, weights, "layers.0.", (conv, states), ctx, dispatch.load("torch"), SingleRank())
     return ours, hf.model.layers[0].linear_attn, ctx, conv, states
 
 

@@ -5,7 +5,8 @@ Instead of a KV cache, each sequence keeps a fixed-size state in its slot of the
 and the gated delta rule's matrix state per value head. A sequence whose first new token is at position 0 starts
 from zeros (its slot is cleared here, so a slot needs no cleaning when it changes hands). Prompt chunks run the
 chunked form of the rule, one sequence at a time; decode tokens run the recurrent form, every sequence of the step
-at once. The math lives in the torch twins (`tsterm_kernels.reference_gated_delta`).
+at once, through the model's kernel ops (Triton on CUDA); prompt chunks run the torch twin of the chunked form
+(`tsterm_kernels.reference_gated_delta`) on every device, as no kernel of it exists yet.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class GatedDeltaNet:
         if par.layout.tp_size > 1:
             raise ModelLoadError(f"{cfg.source}: tensor parallelism is not implemented for linear-attention layers "
                                  "yet (use expert_parallel_size to spread a hybrid model's experts)")
-        self.ctx = ctx
+        self.ctx, self.ops = ctx, ops
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
@@ -88,10 +89,10 @@ class GatedDeltaNet:
             rows = decode if len(decode) < len(seq_lens) else slice(None)
             step_slots = slots[rows]  # [S_dec]
             row_ids = [starts[i] for i in decode] if len(decode) < len(seq_lens) else slice(None)
-            qkv = gdn.causal_conv1d_update(mixed[row_ids], self.conv, conv_states, step_slots)  # [S_dec, C]
+            qkv = self.ops.causal_conv1d_update(mixed[row_ids], self.conv, conv_states, step_slots)  # [S_dec, C]
             q, k, v = self._split(qkv)
-            o, new = gdn.recurrent_gated_delta_rule(q, k, v, g[row_ids], beta[row_ids],
-                                                    states.index_select(0, step_slots))
+            o, new = self.ops.recurrent_gated_delta_rule(q, k, v, g[row_ids], beta[row_ids],
+                                                         states.index_select(0, step_slots))
             states.index_copy_(0, step_slots, new)
             out[row_ids] = o
         for i in range(len(seq_lens)):  # prompt chunks: one sequence at a time, chunked
