@@ -61,3 +61,13 @@ def test_workstation_serve_flags_need_serve_and_a_key_off_loopback(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--serve", "--port", "70000"])
     assert exit_.value.code == 2 and "--port must be in 0..65535" in capsys.readouterr().err
+
+
+def test_serve_takes_the_parallel_flags():
+    from tsterm.cli import build_parser
+    from tsterm.launch import overrides_from_args
+
+    args = build_parser().parse_args(["serve", "--profile", "agent-demo", "--tensor-parallel-size", "2",
+                                      "--expert-parallel-size", "2"])
+    assert overrides_from_args(args) | {"dtype": None, "device": None} == {
+        "dtype": None, "device": None, "tensor_parallel_size": 2, "expert_parallel_size": 2}

@@ -14,9 +14,11 @@ and every later call raises it again: nothing waits forever. Starting (imports, 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
+import sys
 import time
 import weakref
 from datetime import timedelta
@@ -94,15 +96,17 @@ class DistributedExecutor(Executor):
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
         threads = max(1, (os.cpu_count() or 1) // self.layout.world_size)
         processes = []
-        for rank in range(1, self.layout.world_size):
-            # CUDA: rank r on the r-th device after rank 0's
-            device = torch.device("cuda", (spec.device.index or 0) + rank) if spec.device.type == "cuda" else spec.device
-            args = WorkerArgs(dataclasses.replace(self.layout, rank=rank),
-                              dataclasses.replace(spec, device=device, progress=None),
-                              "127.0.0.1", store_port, self.timeout_s, threads)
-            process = context.Process(target=worker_main, args=(args,), name=f"tsterm-rank{rank}", daemon=True)
-            process.start()
-            processes.append(process)
+        with _real_stderr():
+            for rank in range(1, self.layout.world_size):
+                # CUDA: rank r on the r-th device after rank 0's
+                device = (torch.device("cuda", (spec.device.index or 0) + rank) if spec.device.type == "cuda"
+                          else spec.device)
+                args = WorkerArgs(dataclasses.replace(self.layout, rank=rank),
+                                  dataclasses.replace(spec, device=device, progress=None),
+                                  "127.0.0.1", store_port, self.timeout_s, threads)
+                process = context.Process(target=worker_main, args=(args,), name=f"tsterm-rank{rank}", daemon=True)
+                process.start()
+                processes.append(process)
         return processes
 
     # ---------------------------------------------------------------------------------------------------------
@@ -183,6 +187,11 @@ class DistributedExecutor(Executor):
         pool, activations) and `file` (the pages of the mapped weight files it has read). {} without /proc."""
         return [_resident(pid) for pid in (os.getpid(), *(p.pid for p in self.processes))]
 
+    def rank_stats(self) -> list[dict[str, int]]:
+        load = self.rank_expert_load() or [0] * self.layout.world_size
+        return [{"rank": rank, "expert_tokens": tokens, **memory}
+                for rank, (tokens, memory) in enumerate(zip(load, self.rank_memory()))]
+
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -256,6 +265,24 @@ def _send_stop(control: dist.ProcessGroup) -> None:
         protocol.send(control, protocol.Command.STOP)
     except RuntimeError:
         pass
+
+
+@contextlib.contextmanager
+def _real_stderr():
+    """Spawning hands the child the parent's stderr descriptor (multiprocessing's resource tracker does): under the
+    TUI, sys.stderr is Textual's capture with no descriptor (fileno -1), so the OS-level stderr is lent meanwhile."""
+    try:
+        valid = sys.stderr is not None and sys.stderr.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        valid = False
+    if valid or sys.__stderr__ is None:
+        yield
+        return
+    captured, sys.stderr = sys.stderr, sys.__stderr__
+    try:
+        yield
+    finally:
+        sys.stderr = captured
 
 
 def _resident(pid: int) -> dict[str, int]:

@@ -333,6 +333,9 @@ class AsyncEngine:
     def expert_load(self) -> list[list[int]]:
         return self._call(self.engine.expert_load)
 
+    def rank_stats(self) -> list[dict[str, int]] | None:
+        return self._call(self.engine.rank_stats)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step. Every stream still pending fails with EngineStoppedError,
         and so does every later call; unfinished requests are aborted."""

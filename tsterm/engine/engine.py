@@ -351,6 +351,10 @@ class Engine:
         """Tokens routed to each expert, per MoE layer, since start (one host read for all layers)."""
         return self.executor.expert_load()
 
+    def rank_stats(self) -> list[dict[str, int]] | None:
+        """Expert tokens and resident memory per rank of a multi-rank executor (None in one process)."""
+        return self.executor.rank_stats()
+
     def shutdown(self) -> None:
         """Release the executor (its workers, device memory); the engine is unusable after."""
         self.executor.shutdown()

@@ -69,6 +69,11 @@ class Executor(ABC):
     def counters(self) -> dict[str, int]:
         """Monotonic counters for the engine's stats: at least `cow_bytes` (bytes copied by `copy_blocks`)."""
 
+    def rank_stats(self) -> list[dict[str, int]] | None:
+        """Per rank of a multi-rank executor, rank 0 first: `expert_tokens` (tokens routed to that rank's experts
+        since start), `anon` and `file` (resident bytes). None for one process."""
+        return None
+
     def shutdown(self) -> None:
         """Release workers and device memory; the executor is unusable after. Idempotent."""
 

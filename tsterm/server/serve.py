@@ -105,6 +105,8 @@ def workstation_serve_overrides(args: argparse.Namespace) -> dict | None:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
+    from tsterm.launch import add_parallel_arguments
+
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     p.add_argument("--model", help="HF-format model directory (or demo:tiny)")
     p.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
@@ -116,6 +118,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "model directory's name)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    add_parallel_arguments(p)
     p.set_defaults(func=main)
     return p
 

@@ -27,13 +27,15 @@ class TstermApp(App):
 
     def __init__(self, profile_name_or_path: str = "default", engine_factory: EngineFactory | None = None, *,
                  sessions_dir: str | Path | None = None, auto_approve: bool = False, workspace: str | None = None,
-                 serve: dict[str, Any] | None = None):
+                 serve: dict[str, Any] | None = None, engine_options: dict[str, Any] | None = None):
         """`engine_factory(progress)` (or `()`) -> LLM | Engine replaces the profile's model (tests inject one);
         the profile still gives sampling defaults and the system prompt. `sessions_dir` overrides the data dir.
         `auto_approve` (`--auto`) runs agent tools without asking; `workspace` replaces the profile's agent
         workspace. `serve` (`--serve`): start the API server with the engine, its `host` / `port` / `api_key`
-        replacing the profile's `server:` settings; None starts it only if the profile's `server.enabled`."""
+        replacing the profile's `server:` settings; None starts it only if the profile's `server.enabled`.
+        `engine_options` (`--tensor-parallel-size`, ...) override the start-up profile's engine options."""
         super().__init__()
+        self.engine_options = {k: v for k, v in (engine_options or {}).items() if v is not None}
         self.serve_overrides = serve
         self.api_server: ApiServer | None = None
         self.api_observer = ApiObserver()
@@ -52,7 +54,7 @@ class TstermApp(App):
         self.retry_load()
 
     def retry_load(self) -> None:
-        self._load(self.profile, self.engine_factory)
+        self._load(self.profile, self.engine_factory, self.engine_options)
 
     def switch_profile(self, profile: str, current_id: str | None = None) -> None:
         """Load `profile` behind the progress screen while the current engine keeps running; on success the chat
@@ -64,17 +66,19 @@ class TstermApp(App):
         self._select_after_switch = current_id
         self.loading = LoadingScreen(profile)
         self.push_screen(self.loading)
-        self._load(profile, None)  # an injected factory stood for the start-up profile's model only
+        self._load(profile, None)  # an injected factory and the command line stood for the start-up profile only
 
     @work(thread=True, exclusive=True, group="load", exit_on_error=False)
-    def _load(self, profile: str, engine_factory: EngineFactory | None) -> None:
+    def _load(self, profile: str, engine_factory: EngineFactory | None,
+              engine_options: dict[str, Any] | None = None) -> None:
         loading = self.loading
 
         def progress(done: int, total: int, what: str) -> None:
             loading.post_message(LoadProgress(done, total, what))
 
         try:
-            host = load_host(profile, engine_factory, progress, status=lambda what: progress(0, 0, what))
+            host = load_host(profile, engine_factory, progress, status=lambda what: progress(0, 0, what),
+                             overrides=engine_options)
         except Exception as e:  # noqa: BLE001 - shown on the loading screen; the app stays up
             user_error = isinstance(e, (TstermError, OSError))  # says what to fix; anything else is a bug
             self.post_message(EngineFailed(str(e) if user_error else f"{type(e).__name__}: {e}", profile))

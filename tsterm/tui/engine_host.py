@@ -119,10 +119,11 @@ class EngineHost:
                 try:
                     stats = self.async_engine.stats()
                     experts = self.async_engine.expert_load()
+                    ranks = self.async_engine.rank_stats()
                 except Exception:  # noqa: BLE001, S112 - a failed poll is skipped, the next one may work
                     continue
                 if not self._stop_stats.is_set():
-                    post(StatsUpdate(stats, memory_info(self.engine), time.monotonic(), experts))
+                    post(StatsUpdate(stats, memory_info(self.engine), time.monotonic(), experts, ranks))
 
         self._stats_thread = threading.Thread(target=poll, name="tsterm-stats", daemon=True)
         self._stats_thread.start()
@@ -157,13 +158,14 @@ def memory_info(engine: Engine) -> dict[str, Any]:
 
 
 def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, progress: ProgressFn,
-              status: Callable[[str], None] = lambda _: None) -> EngineHost:
-    """Blocking: run it on a thread. Raises TstermError (bad profile, missing weights) for the UI to show."""
+              status: Callable[[str], None] = lambda _: None, overrides: dict[str, Any] | None = None) -> EngineHost:
+    """Blocking: run it on a thread. Raises TstermError (bad profile, missing weights) for the UI to show.
+    `overrides`: engine options over the profile's (the command line's --tensor-parallel-size, ...)."""
     from tsterm.profiles import load_profile
 
     status(f"reading profile {profile_name_or_path}")
     profile = load_profile(profile_name_or_path)
-    engine = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status))
+    engine = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status, overrides or {}))
     return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options(),
                       profile.agent_settings(), profile.server_settings())
 
@@ -193,12 +195,12 @@ def _on_own_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _build_engine(profile, engine_factory: EngineFactory | None, progress: ProgressFn,
-                  status: Callable[[str], None]) -> Engine:
+                  status: Callable[[str], None], overrides: dict[str, Any]) -> Engine:
     if engine_factory is not None:
         status("building the engine")
         wants_progress = bool(inspect.signature(engine_factory).parameters)
         built = engine_factory(progress) if wants_progress else engine_factory()
         engine = getattr(built, "engine", built)  # an LLM or a bare Engine
     else:
-        engine = load_llm(profile, progress=progress, prepare=progress, status=status).engine
+        engine = load_llm(profile, progress=progress, prepare=progress, status=status, **overrides).engine
     return engine

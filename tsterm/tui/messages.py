@@ -44,6 +44,7 @@ class StatsUpdate(Message):
     memory: dict[str, Any]
     polled_at: float = 0.0  # time.monotonic() of the poll
     experts: list[list[int]] = field(default_factory=list)  # tokens routed per expert, per MoE layer, since start
+    ranks: list[dict[str, int]] | None = None  # a multi-rank engine: expert tokens and resident bytes per rank
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, StatsUpdate)

@@ -394,7 +394,8 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
 
     def on_stats_update(self, message: StatsUpdate) -> None:
         try:
-            self.dashboard.update_stats(message.stats, message.memory, message.polled_at, message.experts)
+            self.dashboard.update_stats(message.stats, message.memory, message.polled_at, message.experts,
+                                        message.ranks)
             self.refresh_status()
         except NoMatches:  # a last poll while the screen is being taken down
             pass

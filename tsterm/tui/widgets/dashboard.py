@@ -42,6 +42,7 @@ class Dashboard(VerticalScroll):
         self.memory: dict = {}
         self.experts: list[list[int]] = []
         self.recent_turns: deque[TurnStats] = deque(maxlen=50)  # any session's; the latency averages
+        self.ranks: list[dict[str, int]] | None = None  # a multi-rank engine's per-rank counters
         self._prev: tuple[float, int, int] | None = None
 
     def compose(self) -> ComposeResult:
@@ -63,6 +64,8 @@ class Dashboard(VerticalScroll):
         yield ExpertHeatmap(id="experts")
         yield Label("engine", classes="dash-title")
         yield Static("", id="engine", markup=False)
+        yield Label("ranks", id="ranks-title", classes="dash-title")
+        yield Static("", id="ranks", markup=False)
         yield Label("sessions", classes="dash-title")
         yield Static("", id="session-counts", markup=False)
 
@@ -71,14 +74,15 @@ class Dashboard(VerticalScroll):
     def last_turn(self) -> TurnStats | None:
         return self.recent_turns[-1] if self.recent_turns else None
 
-    def update_stats(self, stats: dict, memory: dict, now: float, experts: list[list[int]] | None = None) -> None:
+    def update_stats(self, stats: dict, memory: dict, now: float, experts: list[list[int]] | None = None,
+                     ranks: list[dict[str, int]] | None = None) -> None:
         gen, prefill = stats.get("generated_tokens", 0), stats.get("prefill_tokens", 0)
         if self._prev is not None and now > self._prev[0]:
             dt = now - self._prev[0]
             self.decode_rates.append((gen - self._prev[1]) / dt)
             self.prefill_rates.append((prefill - self._prev[2]) / dt)
         self._prev = (now, gen, prefill)
-        self.latest, self.memory = stats, memory
+        self.latest, self.memory, self.ranks = stats, memory, ranks
         if experts is not None:
             self.experts = experts
         if not self.display:
@@ -148,9 +152,26 @@ class Dashboard(VerticalScroll):
             mem = f"RSS {human_bytes(memory.get('rss'))}"
         self.query_one(ExpertHeatmap).set_load(self.experts)
         pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0)
+        self._draw_ranks()
         self.query_one("#engine", Static).update(
             f"{self.device}\n{mem}  KV pool {human_bytes(pool)}\n"
             f"running {s.get('running', 0)}  waiting {s.get('waiting', 0)}  steps {s.get('steps', 0)}")
+
+    def _draw_ranks(self) -> None:
+        """Per rank of a multi-rank engine: its share of the routed tokens (its experts) and its resident memory;
+        the section is hidden in one process."""
+        ranks = self.ranks
+        for widget in (self.query_one("#ranks-title"), self.query_one("#ranks")):
+            widget.display = bool(ranks)
+        if not ranks:
+            return
+        total = sum(r.get("expert_tokens", 0) for r in ranks)
+        lines = []
+        for r in ranks:
+            share = f"{100 * r.get('expert_tokens', 0) / total:5.1f}%" if total else "    -"
+            lines.append(f"rank {r.get('rank', len(lines))}  experts {share}  anon {human_bytes(r.get('anon'))}  "
+                         f"file {human_bytes(r.get('file'))}")
+        self.query_one("#ranks", Static).update("\n".join(lines))
 
     def _draw_latency(self) -> None:
         t = self.last_turn
@@ -164,3 +185,4 @@ class Dashboard(VerticalScroll):
 
     def on_mount(self) -> None:
         self._draw_latency()
+        self._draw_ranks()

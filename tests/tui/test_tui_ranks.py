@@ -1,0 +1,32 @@
+"""A multi-rank engine in the workstation: the dashboard shows each rank's share of the routed tokens and its
+resident memory (one process: no ranks section)."""
+from __future__ import annotations
+
+from tests.tui.helpers import chat_screen, say, text_of, turns_done, wait_until
+from tsterm.tui import TstermApp
+
+SIZE = (200, 60)
+
+
+async def test_the_dashboard_shows_each_ranks_expert_share_and_memory(make_profile, data_dir):
+    app = TstermApp(make_profile(max_tokens=4), engine_options={"expert_parallel_size": 2})
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        assert app.host.engine.config.expert_parallel_size == 2  # the command line's option over the profile
+        await say(pilot, "hello")
+        await turns_done(pilot, screen.session, 1)
+        ranks = screen.dashboard.query_one("#ranks")
+        text = await wait_until(pilot, lambda: "rank 1" in text_of(ranks) and "%" in text_of(ranks)
+                                and text_of(ranks), what="the ranks section")
+        lines = text.splitlines()
+        assert [line.split()[:2] for line in lines] == [["rank", "0"], ["rank", "1"]]
+        shares = [float(line.split()[3].rstrip("%")) for line in lines]
+        assert abs(sum(shares) - 100) < 0.2 and " MiB" in lines[1]
+
+
+async def test_one_process_has_no_ranks_section(make_profile, data_dir):
+    app = TstermApp(make_profile(max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        await wait_until(pilot, lambda: screen.dashboard.latest, what="a poll")
+        assert not screen.dashboard.query_one("#ranks").display
