@@ -30,3 +30,26 @@ async def test_one_process_has_no_ranks_section(make_profile, data_dir):
         screen = await chat_screen(pilot)
         await wait_until(pilot, lambda: screen.dashboard.latest, what="a poll")
         assert not screen.dashboard.query_one("#ranks").display
+
+
+async def test_a_dead_rank_is_named_and_the_chats_are_kept(make_profile, data_dir):
+    import os
+    import signal
+
+    from tsterm.tui.widgets.chat_log import MessageView
+
+    app = TstermApp(make_profile(max_tokens=4, distributed_timeout_s=5), engine_options={"expert_parallel_size": 2})
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await chat_screen(pilot)
+        session = screen.session
+        await say(pilot, "hello")
+        await turns_done(pilot, session, 1)
+        before = list(session.messages)
+        [worker] = app.host.engine.executor.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        await say(pilot, "are you there?", wait_turn=False)
+        error = await wait_until(pilot, lambda: (last := screen.chat_log.query(MessageView).last()).role == "error"
+                                 and last.text, timeout=20, what="the failed turn")
+        assert "rank 1" in error and "killed" in error
+        assert session.messages == before  # the chat is kept as it was, on screen and in the store
+        assert (data_dir / "sessions" / f"{session.id}.json").exists()
