@@ -1,0 +1,73 @@
+"""Line mode (`tsterm chat --plain`): slash commands are handled, never sent to the model; the reply is all that
+reaches stdout; a stopped reply keeps its partial text; the chat is saved in the TUI's store with its exact ids."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from tsterm import LLM, SamplingParams
+from tsterm.chat.store import SessionStore
+from tsterm.line_chat import LineChat
+
+AGENT_DEMO = Path(__file__).resolve().parents[2] / "tsterm" / "models" / "agent_demo"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = LLM(str(AGENT_DEMO), device="cpu")
+    yield llm
+    llm.engine.shutdown()
+
+
+def chat(llm, text: str, store=None, **params) -> tuple[LineChat, str, str]:
+    stdin, stdout, stderr = io.StringIO(text), io.StringIO(), io.StringIO()
+    line = LineChat(llm, SamplingParams(temperature=0, max_tokens=12, **params), "be brief", store, stdin, stdout,
+                    stderr, interactive=False)
+    assert line.run() == 0
+    return line, stdout.getvalue(), stderr.getvalue()
+
+
+def test_commands_are_not_sent_and_the_chat_is_saved_with_its_ids(llm, tmp_path):
+    store = SessionStore(tmp_path / "sessions")
+    line, out, err = chat(llm, "/system you are terse\nWhat is 2 + 2?\n/help\n\n/nonsense\n//slash\n/bye\nignored\n",
+                          store)
+    session = line.session
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["What is 2 + 2?", "/slash"]
+    assert session.system_prompt == "you are terse" and len(session.turns) == 2
+    assert out.count("\n") == 2 and "/help" not in out and "commands:" not in out  # stdout: the two replies only
+    assert "commands:" in err and "unknown command /nonsense" in err and "[cached " in err
+    assert session.turns[1].cached_tokens > 0  # the second turn reused the first one's prefix
+    [saved], errors = store.load_all()
+    assert not errors and saved.id == session.id and saved.token_ids == session.token_ids
+    assert saved.model == str(AGENT_DEMO.resolve())  # the TUI binds it to the same model: ids kept
+
+
+def test_new_starts_another_saved_chat(llm, tmp_path):
+    store = SessionStore(tmp_path / "sessions")
+    line, _, err = chat(llm, "hello\n/new\nhi again\n", store)
+    sessions, _ = store.load_all()
+    assert len(sessions) == 2 and "(new chat)" in err
+    assert [m["content"] for m in line.session.messages if m["role"] == "user"] == ["hi again"]
+
+
+def test_a_stopped_reply_keeps_its_partial_text_and_the_chat_goes_on(llm, monkeypatch):
+    stdin, stdout, stderr = io.StringIO("Count to fifty.\nhi\n"), io.StringIO(), io.StringIO()
+    line = LineChat(llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), None, None, stdin, stdout,
+                    stderr, interactive=False)
+    step, steps = llm.engine.step, []
+
+    def counting_step():  # ctrl+c after the 5th step (the signal handler calls stop())
+        steps.append(1)
+        if len(steps) == 5:
+            line.stop()
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", counting_step)
+    line.turn("Count to fifty.")
+    first = line.session.turns[0]
+    assert first.finish_reason == "abort" and 0 < first.generated_tokens < 40
+    assert "(stopped)" in stderr.getvalue() and llm.engine.stats()["running"] == 0
+    line.turn("hi")
+    assert line.session.turns[1].finish_reason == "length" and len(line.session.turns) == 2
