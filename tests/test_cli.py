@@ -137,6 +137,21 @@ def test_installed_command_prints_only_the_answer(model_dir, reference):
     assert bad.returncode == 2 and bad.stdout == b""
     assert_one_error_line(bad.stderr.decode(), "temperature", "-1")
 
+    blank = subprocess.run([*cli_command(), "run", "--model", model_dir, "--prompt", " \n "],
+                           capture_output=True, cwd=ROOT, timeout=120)
+    assert blank.returncode == 2 and blank.stdout == b""
+    assert_one_error_line(blank.stderr.decode(), "--prompt is empty")
+
+
+@pytest.mark.parametrize("argv,says", [(["run", "--prompt", ""], "--prompt is empty"),
+                                       (["run", "--raw", "--prompt", "\t"], "--prompt is empty"),
+                                       (["agent", "  "], "the task is empty")])
+def test_an_empty_prompt_is_a_usage_error_before_loading(model_dir, capsys, monkeypatch, argv, says):
+    monkeypatch.setattr("tsterm.llm.LLM", lambda *a, **k: pytest.fail("an empty prompt must not load a model"))
+    code, out, err = run_main([*argv, "--model", model_dir], capsys)
+    assert (code, out) == (2, "")
+    assert_one_error_line(err, says)
+
 
 # --------------------------------------------------------------------------------------------------
 # errors
@@ -206,3 +221,30 @@ def test_help_exits_0(capsys, argv):
     assert out.startswith("usage: tsterm")
     if argv[0] == "run":
         assert "--prompt" in out and "--json" in out and "--raw" in out
+
+
+def test_version_is_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"tsterm {version('tsterm')}\n"
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "bench"])
+def test_every_flag_has_help_and_shows_its_default(command):
+    """A flag's help says what it does and what it is when not given (argparse's default, or the profile's)."""
+    import argparse
+
+    from tsterm.cli import build_parser
+
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, f"{command} {action.option_strings[0]} has no help"
+        text = formatter._get_help_string(action) % {"default": action.default}
+        if action.default is not False and not action.required:  # a switch is off unless given
+            assert "(default: " in text, f"{command} {action.option_strings[0]}: {text!r}"
+    assert "(default: 8)" in parser.format_help() if command == "bench" else True

@@ -208,6 +208,7 @@ def test_check_unknown_demo_and_missing_model(no_model_loading, tmp_path, capsys
 
 def test_check_error_is_one_line_exit_2(tmp_path, capsys):
     path = write(tmp_path / "p.yaml", "model: m\nsampling:\n  temprature: 1\n")
+    (tmp_path / "m").mkdir()
     assert main(["profiles", "check", str(path)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == (f"tsterm: error: {path.resolve()}:3: unknown sampling key 'temprature' "
@@ -254,3 +255,54 @@ def test_a_profile_with_a_ui_section_loads_where_textual_is_not_installed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["textual-dark", "auto"]
+
+
+# --------------------------------------------------------------------------------------------------
+# every error of a file; the KV budget against the context; the "looked in" list
+
+def test_check_reports_every_error_in_file_order(no_model_loading, tmp_path, capsys):
+    path = write(tmp_path / "p.yaml", """
+        blok_size: 16
+        model: m
+        sampling:
+          temprature: 0.5
+          top_p: 2
+        device: tpu
+        """)
+    assert main(["profiles", "check", str(path)]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and [line.split(": ")[2].split(":")[1] for line in lines] == ["1", "2", "4", "5", "6"], err
+    assert ["blok_size" in lines[0], "'m' does not exist" in lines[1], "temprature" in lines[2],
+            "top_p" in lines[3], "tpu" in lines[4]] == [True] * 5, err
+    with pytest.raises(ConfigError, match="blok_size"):  # loading still stops at the first
+        load_profile(str(path))
+
+
+def test_check_and_show_warn_when_the_context_outgrows_the_kv_budget(no_model_loading, tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, '
+                                       '"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, '
+                                       '"vocab_size": 320, "max_position_embeddings": 4096}')
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x KV heads x (K, V) x head_dim x float32
+    text = "model: m\ndtype: float32\nblock_size: 16\nkv_cache_memory: {budget}\nmax_model_len: {context}\n"
+    path = write(tmp_path / "p.yaml", text.format(budget=per_token * 16 * 10, context=512))
+    for action in ("check", "show"):
+        assert main(["profiles", action, str(path)]) == 0
+        warning = capsys.readouterr().err
+        assert warning.startswith(f"tsterm: warning: {path.resolve()}:5: the context is 512 tokens but the KV budget "
+                                  f"holds 160 ") and f"{per_token} bytes per token" in warning, warning
+        assert f"raise kv_cache_memory to {per_token * 512}" in warning and warning.count("\n") == 1
+    write(path, text.format(budget=per_token * 512, context=512))
+    assert main(["profiles", "check", str(path)]) == 0 and capsys.readouterr().err == ""
+    write(path, "model: m\ndtype: bfloat16\nnum_kv_blocks: 8\n")  # no max_model_len: the model's own 4096
+    assert main(["profiles", "check", str(path)]) == 0
+    assert "the context is 4096 tokens but the KV budget holds 128 (num_kv_blocks 8" in capsys.readouterr().err
+
+
+def test_a_missing_profile_names_each_folder_once(monkeypatch, capsys):
+    monkeypatch.chdir(SHIPPED_DIR.parent)  # in a clone, ./profiles is the shipped folder
+    assert main(["run", "--profile", "no-such-profile", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(str(SHIPPED_DIR)) == 1 and "no-such-profile.yaml and no-such-profile.yml" in err, err

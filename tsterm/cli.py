@@ -22,6 +22,7 @@ def _sampling_params(args: argparse.Namespace, profile: Any):
 def cmd_run(args: argparse.Namespace) -> int:
     from tsterm.launch import llm_from_args, profile_from_args
 
+    _require_text(args.prompt, "--prompt")
     profile = profile_from_args(args)
     params = _sampling_params(args, profile)  # validated before the (possibly long) model load
     llm = llm_from_args(args, profile)
@@ -48,6 +49,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                    "ttft_s": m.ttft, "e2e_s": m.e2e, "mean_itl_s": m.mean_itl}, sys.stdout)
     sys.stdout.write("\n")
     return 0
+
+
+def _require_text(text: str, what: str) -> None:
+    """An empty or blank prompt is a usage error: the model would invent a long reply to nothing."""
+    if not text.strip():
+        from tsterm.errors import ConfigError
+        raise ConfigError(f"{what} is empty: give the text to send (e.g. {what} \"What is the capital of France?\")")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -112,18 +120,28 @@ def cmd_profiles(args: argparse.Namespace) -> int:
             print(f"{name:<{width}}  {description}  ({path})")
     elif args.action == "show":
         profile = load_profile(args.profile_name)
+        _warn(profile.kv_budget_warnings())
         print(f"# {profile.path}")
         sys.stdout.write(profile.to_yaml())
     else:
         from tsterm.agent.toolset import check_toolset
+        from tsterm.profiles import check_profile
 
-        profile = load_profile(args.profile_name)
-        profile.check_model()
-        profile.sampling_params()
+        profile, problems = check_profile(args.profile_name)  # every error of the file, in file order
+        for problem in problems:
+            print(f"tsterm: error: {problem}", file=sys.stderr)
+        if problems:
+            return 2
         if profile.agent:  # command tools and MCP servers in full (the workspace must exist); starts nothing
             check_toolset(profile.agent_settings(), where=f"{profile.path}: agent")
+        _warn(profile.kv_budget_warnings())
         print(f"ok: {profile.path}")
     return 0
+
+
+def _warn(warnings: list[str]) -> None:
+    for warning in warnings:
+        print(f"tsterm: warning: {warning}", file=sys.stderr)
 
 
 def _import_gguf(rest: list[str]) -> int:
@@ -131,9 +149,57 @@ def _import_gguf(rest: list[str]) -> int:
     return cli_main(rest)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's default in its help: a set default as argparse knows it, an option the profile fills in (None
+    here) by its own help's "(default: ...)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or "%(default)" in text or not action.option_strings \
+                or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("tsterm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+PROFILE_HELP = "profile name or YAML path (default: %s)"
+MODEL_HELP = ("an HF-format model directory, a shipped model (smollm2-135m-instruct, moe-demo, agent-demo) or "
+              "demo:NAME (default: the profile's)")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and activations (default: the profile's, else auto: float32 on the CPU)")
+    parser.add_argument("--device", help="auto, cpu or cuda[:N] (default: the profile's, else auto: cuda when present)")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, full: bool = True) -> None:
+    parser.add_argument("--max-tokens", type=int, dest="max_tokens", metavar="N",
+                        help="most tokens of a reply (default: the profile's sampling.max_tokens, else 256)")
+    parser.add_argument("--temperature", type=float, metavar="T",
+                        help="0 is greedy (default: the profile's sampling.temperature, else 1.0)")
+    if full:
+        parser.add_argument("--top-p", type=float, dest="top_p", metavar="P",
+                            help="nucleus sampling: keep the likeliest tokens up to this mass "
+                                 "(default: the profile's, else 1.0: off)")
+        parser.add_argument("--top-k", type=int, dest="top_k", metavar="K",
+                            help="keep the K likeliest tokens (default: the profile's, else 0: off)")
+    parser.add_argument("--seed", type=int, help="seed of the sampled tokens, for a repeatable reply "
+                                                 "(default: none, a fresh draw each run)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tsterm", description="A terminal workstation for local MoE language models.")
-    parser.add_argument("--profile", help="profile name or YAML path (default: default)")
+    parser = argparse.ArgumentParser(prog="tsterm", description="A terminal workstation for local MoE language models.",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--profile", help=PROFILE_HELP % "default")
     parser.add_argument("--auto", action="store_true", help="TUI agent sessions run write/command tools without asking")
     parser.add_argument("--workspace", help="the directory TUI agent sessions' tools work in (default: the profile's)")
     from tsterm.server.serve import add_workstation_serve_arguments
@@ -141,33 +207,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     from tsterm.launch import add_parallel_arguments
-    run = sub.add_parser("run", help="one-shot generation, streamed to stdout")
-    run.add_argument("--model", help="HF-format model directory (or demo:tiny)")
-    run.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
+    run = sub.add_parser("run", help="one-shot generation, streamed to stdout", formatter_class=HelpFormatter)
+    run.add_argument("--model", help=MODEL_HELP)
+    run.add_argument("--profile", dest="profile", default=argparse.SUPPRESS,
+                     help=PROFILE_HELP % "none; give --model or --profile")
     run.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
-    run.add_argument("--system", help="system prompt")
+    run.add_argument("--system", help="system prompt (default: the profile's system_prompt)")
     run.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
-    run.add_argument("--max-tokens", type=int, dest="max_tokens")
-    run.add_argument("--temperature", type=float)
-    run.add_argument("--top-p", type=float, dest="top_p")
-    run.add_argument("--top-k", type=int, dest="top_k")
-    run.add_argument("--seed", type=int)
-    run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    run.add_argument("--device", help="auto, cpu or cuda[:N]")
+    _add_sampling_arguments(run)
+    _add_engine_arguments(run)
     run.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, metrics) instead")
     add_parallel_arguments(run)
     run.set_defaults(func=cmd_run)
 
-    chat = sub.add_parser("chat", help="multi-turn chat: the TUI on a terminal, line mode on a pipe or with --plain")
-    chat.add_argument("--model", help="HF-format model directory (or demo:tiny)")
-    chat.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
+    chat = sub.add_parser("chat", help="multi-turn chat: the TUI on a terminal, line mode on a pipe or with --plain",
+                          formatter_class=HelpFormatter)
+    chat.add_argument("--model", help=MODEL_HELP)
+    chat.add_argument("--profile", dest="profile", default=argparse.SUPPRESS,
+                      help=PROFILE_HELP % "default, unless --model is given")
     chat.add_argument("--plain", action="store_true", help="line mode even on a terminal")
-    chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--max-tokens", type=int, dest="max_tokens")
-    chat.add_argument("--temperature", type=float)
-    chat.add_argument("--seed", type=int)
-    chat.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    chat.add_argument("--device", help="auto, cpu or cuda[:N]")
+    chat.add_argument("--system", help="system prompt (default: the profile's system_prompt)")
+    _add_sampling_arguments(chat, full=False)
+    _add_engine_arguments(chat)
     add_parallel_arguments(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -194,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     gguf = sub.add_parser("import-gguf", help="convert a GGUF file into an HF-format model directory", add_help=False)
     gguf.set_defaults(func=lambda args: _import_gguf(args.rest))
     gguf.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, subparser in sub.choices.items():  # the other modules' subcommands show their defaults too
+        if name != "import-gguf" and subparser.formatter_class is argparse.HelpFormatter:
+            subparser.formatter_class = HelpFormatter
     return parser
 
 

@@ -64,9 +64,11 @@ def profile_from_args(args: argparse.Namespace) -> Profile | None:
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """The tensor/expert parallel flags of a command that starts an engine (they override the profile's keys)."""
     parser.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size", metavar="N",
-                        help="split attention, dense MLPs and the vocabulary over N ranks (one process each)")
+                        help="split attention, dense MLPs and the vocabulary over N ranks (one process each) "
+                             "(default: the profile's, else 1)")
     parser.add_argument("--expert-parallel-size", type=int, dest="expert_parallel_size", metavar="N",
-                        help="split the routed experts over N groups of ranks (x tensor-parallel size ranks in all)")
+                        help="split the routed experts over N groups of ranks (x tensor-parallel size ranks in all) "
+                             "(default: the profile's, else 1)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import os
 import re
 import types
@@ -129,6 +130,7 @@ def _textual_themes() -> list[str] | None:
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "profiles"
 ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings, "server": ServerSettings}  # nested mappings, each checked by its dataclass
 SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
 TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description"}
@@ -178,6 +180,64 @@ class Profile:
         if not path.exists():
             raise ConfigError(f"{self.where('model')}: model {model!r} does not exist (looked for {path})")
 
+    def kv_budget_warnings(self) -> list[str]:
+        """A `max_model_len` (or the model's own context, when unset) longer than the KV budget holds: the engine
+        caps the context at what the pool holds, so the profile promises more than it gives. Computed from the
+        model's config.json (layers x KV heads x head_dim x K and V x dtype bytes per token) when it is on disk;
+        nothing is imported or generated, and a budget that depends on the device (no `kv_cache_memory` nor
+        `num_kv_blocks`; `dtype: auto` on `device: auto`) is not judged."""
+        budget, blocks = self.engine.get("kv_cache_memory"), self.engine.get("num_kv_blocks")
+        config = self._model_config_json()
+        dtype_bytes = _kv_dtype_bytes(self.engine.get("dtype", "auto"), self.engine.get("device", "auto"))
+        if (budget is None and blocks is None) or config is None or dtype_bytes is None:
+            return []
+        from tsterm.errors import ModelLoadError
+        from tsterm.plan import parse_model
+
+        try:
+            model = parse_model(config)
+        except ModelLoadError:
+            return []
+        block_size = self.engine.get("block_size", _ENGINE_DEFAULTS["block_size"])
+        per_token = model.num_full * 2 * model.kv_heads * model.head_dim * dtype_bytes
+        if blocks is None:
+            blocks = max(2, budget // max(per_token * block_size, 1))
+        holds = blocks * block_size
+        context = self.engine.get("max_model_len") or config.get("max_position_embeddings")
+        if not context or context <= holds:
+            return []
+        key = "max_model_len" if self.engine.get("max_model_len") else "kv_cache_memory"
+        budget_text = (f"num_kv_blocks {blocks} x block_size {block_size}" if self.engine.get("num_kv_blocks")
+                       else f"kv_cache_memory {budget} bytes / {per_token} bytes per token: {model.num_full} "
+                            f"layers x {model.kv_heads} KV heads x head_dim {model.head_dim} x K,V x {dtype_bytes} "
+                            f"bytes")
+        need = -(-context // block_size) * block_size * per_token
+        fix = (f"lower max_model_len to {holds} or raise kv_cache_memory to {need}" if budget is not None
+               and self.engine.get("num_kv_blocks") is None else f"lower max_model_len to {holds} or raise "
+               f"num_kv_blocks to {-(-context // block_size)}")
+        return [f"{self.where(key)}: the context is {context} tokens but the KV budget holds {holds} "
+                f"({budget_text}); requests are capped at {holds} tokens: {fix}"]
+
+    def _model_config_json(self) -> dict[str, Any] | None:
+        """The model's config.json when it is on disk already (nothing imported or generated), else None."""
+        from tsterm.paths import default_cache_dir
+
+        model = self.engine.get("model")
+        if model is None:
+            return None
+        if model == "smollm2-135m-instruct" or model.startswith("demo:"):
+            name = model if not model.startswith("demo:") else f"demo-{model[5:]}"
+            path = default_cache_dir() / "models" / name
+        elif model in SHIPPED_MODELS:
+            path = SHIPPED_MODELS[model]()
+        else:
+            path = model_path(model, self.origins.get("model", (self.path, 1))[0])
+        try:
+            config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return config if isinstance(config, dict) else None
+
     def model_dir(self) -> str:
         """`model` resolved: a shipped or demo model prepared on first use; a relative path is relative to the file
         that set it."""
@@ -209,9 +269,21 @@ class Profile:
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=float("inf"))
 
 
+def _kv_dtype_bytes(dtype: str, device: str) -> int | None:
+    """Bytes of one cached K or V value: the engine keeps KV in the weights' dtype (auto: float32 on the CPU,
+    bfloat16 on CUDA); None where it depends on the machine."""
+    if dtype == "auto":
+        dtype = {"cpu": "float32"}.get(device, "bfloat16" if device.startswith("cuda") else "auto")
+    return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
+
+
 def search_path() -> list[Path]:
+    """The profile folders, first wins; each once (in a clone, ./profiles is the shipped folder)."""
     user = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "tsterm" / "profiles"
-    return [Path.cwd() / "profiles", user, SHIPPED_DIR]
+    folders: dict[Path, Path] = {}
+    for folder in (Path.cwd() / "profiles", user, SHIPPED_DIR):
+        folders.setdefault(folder.resolve(), folder)
+    return list(folders.values())
 
 
 def list_profiles() -> list[tuple[str, str, Path]]:
@@ -240,14 +312,14 @@ def find_profile(name_or_path: str) -> Path:
         if not path.is_file():
             raise ConfigError(f"profile file {name_or_path!r} does not exist")
         return path
-    looked = []
-    for folder in search_path():
+    folders = search_path()
+    for folder in folders:
         for suffix in (".yaml", ".yml"):
             candidate = folder / f"{name_or_path}{suffix}"
-            looked.append(str(candidate))
             if candidate.is_file():
                 return candidate
-    raise ConfigError(f"no profile named {name_or_path!r} (looked in: {', '.join(looked)})")
+    raise ConfigError(f"no profile named {name_or_path!r} (looked for {name_or_path}.yaml and {name_or_path}.yml in: "
+                      f"{', '.join(map(str, folders))}; `tsterm profiles list` shows them all)")
 
 
 def load_profile(name_or_path: str, _seen: tuple[Path, ...] = ()) -> Profile:
@@ -255,54 +327,115 @@ def load_profile(name_or_path: str, _seen: tuple[Path, ...] = ()) -> Profile:
     return _load(path, _seen)
 
 
-def _load(path: Path, seen: tuple[Path, ...]) -> Profile:
+def check_profile(name_or_path: str) -> tuple[Profile | None, list[str]]:
+    """(the profile, every error of its file in file order): what `tsterm profiles check` reports, so that one run
+    shows all there is to fix. Besides the key checks of `load_profile`: the model exists (nothing is loaded,
+    imported or generated) and the sampling section as a whole. An unreadable file (YAML syntax, not a mapping)
+    is one error, and no profile."""
+    path = find_profile(name_or_path).resolve()
+    problems: list[tuple[int, str]] = []
+    try:
+        profile = _load(path, (), problems)
+    except ConfigError as e:
+        return None, [str(e)]
+
+    def line(key: str) -> int:  # where this file sets the key, else where it names the base that does
+        for name in (key, "extends"):
+            where = profile.origins.get(name)
+            if where is not None and where[0] == path:
+                return where[1]
+        return 1
+
+    for key, check in (("model", profile.check_model), ("sampling", profile.sampling_params)):
+        if key == "sampling" or key in profile.engine or key not in profile.origins:  # a bad `model` is reported
+            try:
+                check()
+            except ConfigError as e:
+                problems.append((line(key), str(e)))
+    problems.sort(key=lambda problem: problem[0])  # stable: a base file's errors stay together, in their order
+    return profile, [message for _, message in problems]
+
+
+def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | None = None) -> Profile:
+    """The profile in `path`. Errors raise ConfigError; with `problems` given they are collected there instead as
+    (line, message) and the bad keys left out, so that the rest of the file is still checked."""
     raw, lines = _read_yaml(path)
     at = lambda key: f"{path}:{lines.get(str(key), 1)}"
+    bad: set[str] = set()
+
+    def fail(key: str, message: str) -> None:
+        if problems is None:
+            raise ConfigError(message)
+        problems.append((lines.get(str(key), 1), message))
+        bad.add(key)
+
     for key in raw:
         if key not in TOP_KEYS:
-            raise ConfigError(f"{at(key)}: unknown key {key!r}{_did_you_mean(key, TOP_KEYS)}")
+            fail(key, f"{at(key)}: unknown key {key!r}{_did_you_mean(key, TOP_KEYS)}")
     for key in ("extends", "description", "system_prompt"):
         if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
-            raise ConfigError(f"{at(key)}: {key} must be a string, got {raw[key]!r}")
-    sections = {name: raw.get(name) or {} for name in SECTIONS}
-    for name, values in sections.items():
+            fail(key, f"{at(key)}: {key} must be a string, got {raw[key]!r}")
+    sections: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        values = raw.get(name) or {}
         if not isinstance(values, dict):
-            raise ConfigError(f"{at(name)}: `{name}` must be a mapping")
+            fail(name, f"{at(name)}: `{name}` must be a mapping")
+            values = {}
+        sections[name] = {}
         for key, value in values.items():
+            where = f"{name}.{key}"
             if key not in SECTION_KEYS[name]:
-                raise ConfigError(f"{at(f'{name}.{key}')}: unknown {name} key {key!r}"
-                                  f"{_did_you_mean(str(key), SECTION_KEYS[name])}")
-            _validate(SECTIONS[name], key, value, at(f"{name}.{key}"))
+                fail(where, f"{at(where)}: unknown {name} key {key!r}{_did_you_mean(str(key), SECTION_KEYS[name])}")
+                continue
+            try:
+                _validate(SECTIONS[name], key, value, at(where))
+            except ConfigError as e:
+                fail(where, str(e))
+                continue
+            sections[name][key] = value
     for key, value in raw.items():
         if key in ENGINE_KEYS and key != "model":
-            _validate(EngineConfig, key, value, at(key))
+            try:
+                _validate(EngineConfig, key, value, at(key))
+            except ConfigError as e:
+                fail(key, str(e))
     if "model" in raw and (raw["model"] is None or isinstance(raw["model"], (dict, list))):
-        raise ConfigError(f"{at('model')}: model must be a directory, `demo:NAME` or a shipped model name")
+        fail("model", f"{at('model')}: model must be a directory, `demo:NAME` or a shipped model name")
 
     base = None
-    if "extends" in raw:
+    if "extends" in raw and "extends" not in bad:
         chain = (*seen, path)
         try:
             target = find_profile(raw["extends"]).resolve()
+            if target in chain:
+                cycle = " -> ".join(p.name for p in (*chain, target))
+                raise ConfigError(f"{at('extends')}: `extends` forms a cycle ({cycle})")
         except ConfigError as e:
-            raise ConfigError(f"{at('extends')}: extends target not found: {e}") from None
-        if target in chain:
-            cycle = " -> ".join(p.name for p in (*chain, target))
-            raise ConfigError(f"{at('extends')}: `extends` forms a cycle ({cycle})")
-        base = _load(target, chain)
+            message = str(e) if "forms a cycle" in str(e) else f"{at('extends')}: extends target not found: {e}"
+            fail("extends", message)
+        else:
+            base_problems: list[tuple[int, str]] | None = None if problems is None else []
+            try:
+                base = _load(target, chain, base_problems)
+            except ConfigError as e:  # the base is unreadable: one error, at its own file
+                fail("extends", str(e))
+            if base_problems:  # the base's errors, in its order, where this file names it
+                problems.extend((lines.get("extends", 1), m) for _, m in sorted(base_problems, key=lambda p: p[0]))
     engine = dict(base.engine) if base else {}
     sampling = {**(base.sampling if base else {}), **sections["sampling"]}
     ui = {**(base.ui if base else {}), **sections["ui"]}
     agent = {**(base.agent if base else {}), **sections["agent"]}
     server = {**(base.server if base else {}), **sections["server"]}
     origins = dict(base.origins) if base else {}
-    engine.update({k: v for k, v in raw.items() if k in ENGINE_KEYS})
-    if "model" in raw:
+    engine.update({k: v for k, v in raw.items() if k in ENGINE_KEYS and k not in bad})
+    if "model" in raw and "model" not in bad:
         engine["model"] = str(raw["model"])
     origins.update({k: (path, line) for k, line in lines.items()})
-    return Profile(path.stem, path, engine, sampling,
-                   raw.get("system_prompt", base.system_prompt if base else None),
-                   raw.get("description", base.description if base else ""), origins, ui, agent, server)
+    text = lambda key: raw[key] if key in raw and key not in bad else None
+    system_prompt = text("system_prompt") if "system_prompt" in raw and "system_prompt" not in bad else \
+        (base.system_prompt if base else None)
+    description = text("description") if text("description") is not None else (base.description if base else "")
+    return Profile(path.stem, path, engine, sampling, system_prompt, description, origins, ui, agent, server)
 
 
 def _did_you_mean(key: str, choices: set[str]) -> str:

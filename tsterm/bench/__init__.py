@@ -31,24 +31,27 @@ RATE_SAMPLES = 3  # bandwidth / batch-1 / batch-P measurements, interleaved
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="replay a multi-turn agent trace; report reuse, copies, roofline, speedup")
     p.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile (default: bench)")
-    p.add_argument("--model", help="HF-format model directory (overrides the profile's)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.add_argument("--model", help="HF-format model directory (default: the profile's)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (default: the profile's)")
+    p.add_argument("--device", help="auto, cpu or cuda[:N] (default: the profile's)")
     p.add_argument("--sessions", type=int, default=1, help="parallel agent sessions (P)")
     p.add_argument("--trace", metavar="FILE", help="replay a recorded agent session (`tsterm agent --trace FILE`) "
-                   "instead of the synthetic trace; --sessions copies of it run at once")
-    p.add_argument("--turns", type=int, default=8)
+                   "instead of the synthetic trace; --sessions copies of it run at once "
+                   "(default: the synthetic trace)")
+    p.add_argument("--turns", type=int, default=8, help="turns per session of the synthetic trace")
     p.add_argument("--system-tokens", type=int, default=TraceSpec.system_tokens,
                    help="shared system prompt + tool schemas (default: %(default)s)")
-    p.add_argument("--task-tokens", type=int, default=64)
+    p.add_argument("--task-tokens", type=int, default=64, help="the first turn's task, after the system prompt")
     p.add_argument("--turn-tokens", type=int, default=256, help="new tokens per later turn")
     p.add_argument("--output-tokens", type=int, default=32, help="fixed reply length")
-    p.add_argument("--baseline", choices=["transformers", "none"], default="none")
+    p.add_argument("--baseline", choices=["transformers", "none"], default="none",
+                   help="also replay the trace with transformers generate (KV kept across turns) to compare")
     p.add_argument("--no-prefix-cache", action="store_true", help="also replay with the prefix cache off (ablation)")
     p.add_argument("--micro-context", type=int, default=256, help="short context of the copy/roofline measurements")
     p.add_argument("--parallel", type=int, default=8, help="concurrent requests for the parallel decode measurement")
-    p.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
-    p.add_argument("--plot", help="draw TTFT per turn to this .svg (or .png with matplotlib installed)")
+    p.add_argument("--json", dest="json_path", help="write every figure to this JSON file (default: none)")
+    p.add_argument("--plot", help="draw TTFT per turn to this .svg (or .png with matplotlib installed) (default: none)")
     p.set_defaults(func=run_cli)
     return p
 
