@@ -604,7 +604,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         _write_json(tmp / "tokenizer_config.json", build_tokenizer_config(gf, config))
         _write_json(tmp / "generation_config.json", build_generation_config(gf, config))
-        _write_json(tmp / INFO_FILE, _import_info(gf, dtype))
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}  # what a damaged copy is checked against
+        _write_json(tmp / INFO_FILE, _import_info(gf, dtype, files))
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -612,7 +613,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
     return out_dir
 
 
-def _import_info(gf: GgufFile, dtype: str) -> dict[str, Any]:
+def _import_info(gf: GgufFile, dtype: str, files: dict[str, int]) -> dict[str, Any]:
     from gguf import LlamaFileType
 
     file_type = gf.get("general.file_type")
@@ -621,8 +622,66 @@ def _import_info(gf: GgufFile, dtype: str) -> dict[str, Any]:
     except ValueError:
         pass
     return {"importer_version": IMPORTER_VERSION, "source": gf.path.name, "source_bytes": gf.path.stat().st_size,
-            "name": gf.get("general.name"), "architecture": gf.arch, "file_type": file_type, "dtype": dtype}
+            "source_path": str(gf.path.resolve()), "name": gf.get("general.name"), "architecture": gf.arch,
+            "file_type": file_type, "dtype": dtype, "files": files}
 
+
+def import_damage(model_dir: str | Path) -> str | None:
+    """What is wrong with a directory `import_gguf` wrote (a file missing, truncated or grown since), or None.
+
+    Imports that recorded their files' sizes are checked against them; older ones by their safetensors headers
+    (the data a header describes must end where the file ends). Cheap: no weight is read."""
+    model_dir = Path(model_dir)
+    try:
+        info = json.loads((model_dir / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"{model_dir / INFO_FILE} is missing or unreadable"
+    recorded = info.get("files")
+    if isinstance(recorded, dict):
+        for name, size in recorded.items():
+            path = model_dir / name
+            if not path.is_file():
+                return f"{path} is missing"
+            if path.stat().st_size != size:
+                return f"{path} has {path.stat().st_size} bytes, not the {size} it was written with (truncated?)"
+        return None
+    for path in sorted(model_dir.glob("*.safetensors")):
+        problem = _safetensors_size_problem(path)
+        if problem:
+            return problem
+    return None
+
+
+def _safetensors_size_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else size
+            header = json.loads(f.read(header_len)) if 8 + header_len <= size else None
+    except (OSError, ValueError):
+        header = None
+    if not isinstance(header, dict):
+        return f"{path} has no readable safetensors header (truncated?)"
+    ends = [info["data_offsets"][1] for name, info in header.items()
+            if name != "__metadata__" and isinstance(info, dict) and isinstance(info.get("data_offsets"), list)
+            and len(info["data_offsets"]) == 2]
+    expected = 8 + header_len + max(ends, default=0)
+    if expected == size:
+        return None
+    return f"{path} has {size} bytes, not the {expected} its header describes (truncated?)"
+
+
+def reimport_command(model_dir: str | Path) -> str | None:
+    """The command that re-imports a directory `import_gguf` wrote (None for any other directory)."""
+    model_dir = Path(model_dir)
+    try:
+        info = json.loads((model_dir / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    source = info.get("source_path") or info.get("source") or "FILE.gguf"
+    dtype = info.get("dtype") or "float32"
+    return f"tsterm import-gguf {source} --out {model_dir} --dtype {dtype} --force"
 
 
 
@@ -655,6 +714,9 @@ def ensure_default_model(cache_dir: str | Path | None = None, progress: Progress
     target = root / "models" / DEFAULT_MODEL_NAME
     if _is_current_import(target, source):
         return target
+    damage = import_damage(target) if (target / INFO_FILE).is_file() else None
+    if damage:  # a copy of ours that something cut short (a full disk, a killed copy): ours to redo, not the user's
+        print(f"tsterm: {damage}: importing {DEFAULT_MODEL_NAME} again from {source}", file=sys.stderr, flush=True)
     try:
         return import_gguf(source, target, progress=progress, dtype="float32", overwrite=True)
     except OSError:  # another process finished the same import first and its rename won
@@ -669,7 +731,7 @@ def _is_current_import(target: Path, source: Path) -> bool:
     except (OSError, ValueError):
         return False
     return info.get("importer_version") == IMPORTER_VERSION and info.get("source") == source.name \
-        and info.get("source_bytes") == source.stat().st_size
+        and info.get("source_bytes") == source.stat().st_size and import_damage(target) is None
 
 
 # --------------------------------------------------------------------------------------------------

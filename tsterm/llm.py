@@ -1,6 +1,7 @@
 """LLM: the offline Python API. `LLM(model_dir).generate(prompts, SamplingParams(temperature=0))`."""
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -8,6 +9,7 @@ from tsterm.config import EngineConfig, SamplingParams
 from tsterm.engine.engine import Engine
 from tsterm.engine.executor import ExecutorFactory
 from tsterm.engine.model_runner import ModelRunner
+from tsterm.errors import ModelLoadError
 from tsterm.model.loader import ProgressFn
 from tsterm.outputs import RequestOutput
 
@@ -23,12 +25,48 @@ def executor_for(config: EngineConfig) -> ExecutorFactory:
     return DistributedExecutor
 
 
+def _with_reimport_hint(error: ModelLoadError, model_dir: str) -> ModelLoadError:
+    """A damaged file in a directory `tsterm import-gguf` wrote is fixed by importing again, not by a download."""
+    from tsterm.gguf_import import reimport_command
+
+    command = reimport_command(model_dir)
+    if command is None:
+        return error
+    message = re.sub(r";? ?\(?re-download it\)?", "", str(error)).rstrip()
+    return ModelLoadError(f"{message}; {model_dir} is tsterm's import of a GGUF file: import it again with `{command}`")
+
+
 class LLM:
+    """An engine in this process. `model`: what the CLI's `--model` takes - a model directory, a shipped model name
+    (`smollm2-135m-instruct`, imported on first use) or `demo:NAME` (generated on first use).
+
+    `sampling` is what `generate`/`chat` use when given no params (default: `SamplingParams()`), `system_prompt` what
+    `chat` puts first in a conversation that has no system message; `from_profile` sets both from the profile."""
+
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", progress: ProgressFn | None = None,
-                 **engine_options: Any):
-        self.config = EngineConfig.from_options(str(model), dtype=dtype, device=device, **engine_options)
-        self.engine = Engine(self.config, progress=progress, executor=executor_for(self.config))
+                 sampling: SamplingParams | None = None, system_prompt: str | None = None, **engine_options: Any):
+        from tsterm.profiles import resolve_model
+
+        self.config = EngineConfig.from_options(resolve_model(str(model)), dtype=dtype, device=device,
+                                                **engine_options)
+        try:
+            self.engine = Engine(self.config, progress=progress, executor=executor_for(self.config))
+        except ModelLoadError as e:
+            raise _with_reimport_hint(e, self.config.model) from None
         self.tokenizer = self.engine.tokenizer
+        self.sampling = sampling or SamplingParams()
+        self.system_prompt = system_prompt
+
+    @classmethod
+    def from_profile(cls, profile: str, progress: ProgressFn | None = None, **engine_options: Any) -> LLM:
+        """The engine a profile (name or YAML path) describes, with its sampling defaults and system prompt;
+        `engine_options` (dtype, device, kv_cache_memory, ...) override the profile's keys."""
+        from tsterm.profiles import load_profile
+
+        loaded = load_profile(profile)
+        options = {**loaded.engine_options(), **engine_options}
+        return cls(loaded.model_dir(), progress=progress, sampling=loaded.sampling_params(),
+                   system_prompt=loaded.system_prompt, **options)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
@@ -38,7 +76,7 @@ class LLM:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        params_list = list(params) if isinstance(params, Sequence) else [params or self.sampling] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids: list[str] = []
@@ -62,6 +100,9 @@ class LLM:
              tools: list[dict] | None = None, **template_kwargs: Any) -> list[RequestOutput]:
         """Renders conversation(s) with the model's chat template, then generates the assistant reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.system_prompt:
+            conversations = [c if c and c[0].get("role") == "system" else
+                             [{"role": "system", "content": self.system_prompt}, *c] for c in conversations]
         prompts = [self.tokenizer.apply_chat_template(c, tools=tools, add_generation_prompt=True, tokenize=True,
                                                       **template_kwargs) for c in conversations]
         return self.generate(prompts, params)
