@@ -113,7 +113,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     assert num_v_heads % num_k_heads == 0, f"{num_v_heads} value heads for {num_k_heads} key heads"
     assert g.shape == beta.shape == (num_seqs, num_v_heads) and g.stride(1) == 1 and beta.stride(1) == 1, \
         f"g, beta must be [{num_seqs}, {num_v_heads}]"
-    assert state.shape == (num_seqs, num_v_heads, k_dim, v_dim), f"state must be [S, Hv, dk, dv], got {tuple(state.shape)}"
+    assert state.shape == (num_seqs, num_v_heads, k_dim, v_dim), \
+        f"state must be [S, Hv, dk, dv], got {tuple(state.shape)}"
     assert q.device == k.device == v.device == g.device == beta.device == state.device
     state = state.float().contiguous()
     out = torch.empty((num_seqs, num_v_heads, v_dim), dtype=torch.float32, device=q.device)

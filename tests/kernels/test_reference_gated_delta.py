@@ -36,7 +36,8 @@ def oracle(q, k, v, g, beta, state):
     out = []
     for t in range(v.shape[0]):
         s = s * g[t].double().exp()[:, None, None]
-        s = s + k[t][:, :, None] * (beta[t].double()[:, None] * (v[t].double() - torch.einsum("hkv,hk->hv", s, k[t])))[:, None]
+        delta = beta[t].double()[:, None] * (v[t].double() - torch.einsum("hkv,hk->hv", s, k[t]))  # [Hv, dv]
+        s = s + k[t][:, :, None] * delta[:, None]
         out.append(torch.einsum("hkv,hk->hv", s, q[t]) / q.shape[-1] ** 0.5)
     return torch.stack(out), s
 

@@ -37,7 +37,7 @@ def test_conv_update_matches_twin(kernels, poison, dtype, num_seqs, channels, ke
 @pytest.mark.parametrize("num_seqs, hk, hv, dk, dv", [(1, 2, 2, 16, 16), (3, 1, 3, 8, 20), (2, 2, 4, 32, 8)])
 def test_recurrent_step_matches_twin(kernels, poison, dtype, num_seqs, hk, hv, dk, dv):
     gen = torch.Generator().manual_seed(num_seqs * 100 + dv)
-    qkv = torch.randn(num_seqs, 2 * hk * dk + hv * dv, generator=gen).to(dtype)  # views of one projection, as in the layer
+    qkv = torch.randn(num_seqs, 2 * hk * dk + hv * dv, generator=gen).to(dtype)  # q, k, v: views of one projection
     q = qkv[:, :hk * dk].view(num_seqs, hk, dk)
     k = qkv[:, hk * dk:2 * hk * dk].view(num_seqs, hk, dk)
     v = qkv[:, 2 * hk * dk:].view(num_seqs, hv, dv)

@@ -42,6 +42,9 @@ PHASES = {
     "store_kv": "kv_write",
     "paged_attention": "attention",
     "Attention.__call__": "attention",
+    "GatedAttention.__call__": "attention",
+    "GatedDeltaNet._mix": "linear_state",  # the recurrent state's reads and writes (slots, conv windows)
+    "GatedDeltaNet.__call__": "linear_attention",
     "moe_route": "moe",
     "fused_moe": "moe",
     "SparseMoE.__call__": "moe",

@@ -33,7 +33,8 @@ class GatedAttention:
             raise ModelLoadError(f"{cfg.source}: tensor parallelism is not implemented for gated attention yet "
                                  "(use expert_parallel_size to spread a hybrid model's experts)")
         self.ctx, self.ops = ctx, ops
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkvg, self.o_proj = w[prefix + "qkvg"], w[prefix + "o_proj"]
