@@ -217,13 +217,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelLoadError(f"{model_dir}: no config.json (expected an HF-format model directory)")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_config_json(path), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -395,3 +389,14 @@ def _parse_rope(raw: dict[str, Any], head_dim: int, source: str, allow_partial: 
         raise ModelLoadError(f"{source}: llama3 rope needs high_freq_factor != low_freq_factor "
                              f"(both are {rope.low_freq_factor})")
     return rope
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A config.json as a dict; ModelLoadError naming the file when it is not a JSON object."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw

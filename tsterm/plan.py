@@ -27,6 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from tsterm.config import read_config_json
 from tsterm.errors import ConfigError, ModelLoadError
 
 GB = 10**9  # GPU memory figures are decimal GB, bandwidth decimal TB/s
@@ -272,13 +273,7 @@ def load_config(path: str | Path) -> tuple[dict[str, Any], str]:
                                  f"path of its config.json)")
     elif not p.is_file():
         raise ModelLoadError(f"{path}: no such file or directory (give an HF model directory or a config.json)")
-    try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{p}: invalid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{p}: expected a JSON object, got {type(raw).__name__}")
-    return raw, str(p)
+    return read_config_json(p), str(p)
 
 
 def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:

@@ -7,7 +7,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from tsterm import LLM, SamplingParams
 from tsterm.errors import DistributedError
@@ -15,14 +14,6 @@ from tsterm.errors import DistributedError
 from tests.helpers.checkpoints import make_checkpoint
 
 TIMEOUT_S = 4.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

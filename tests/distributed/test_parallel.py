@@ -18,14 +18,6 @@ BLOCK = 4
 OPTIONS = dict(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=40, distributed_timeout_s=30)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel")
