@@ -29,7 +29,7 @@ echo "== environment =="
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: n/a"
 "$PYTHON" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 
-GPU_TESTS=(tests/kernels/test_triton_gpu.py tests/engine/test_decode_graphs_gpu.py)
+GPU_TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_gated_delta_gpu.py tests/engine/test_decode_graphs_gpu.py)
 echo; echo "== GPU tests: kernels in bf16 at real sizes, the CUDA decode path (${GPU_TESTS[*]}) =="
 test_log=$(mktemp)
 timeout "$(limit 190)" "$PYTHON" -m pytest --noconftest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 | tee "$test_log"
