@@ -19,8 +19,9 @@ def model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(autouse=True)
-def small_kv_pool(monkeypatch):
+def small_kv_pool(monkeypatch, tmp_path):
     monkeypatch.setattr("tsterm.engine.executor.CPU_DEFAULT_KV_BYTES", 8 << 20)
+    monkeypatch.setenv("TSTERM_DATA_DIR", str(tmp_path / "data"))  # line-mode chats are saved in the store
 
 
 def chat(model_dir: str, stdin: str, monkeypatch, capsys, *extra: str) -> tuple[int, list[str], list[tuple[int, int]]]:
@@ -42,16 +43,16 @@ def test_two_turns_reuse_the_first_turns_tokens(model_dir, monkeypatch, capsys):
 
 
 def test_next_prompt_is_the_kept_ids_plus_the_tokens_of_the_new_text(model_dir, monkeypatch, capsys):
-    from tsterm.llm import LLM
-    calls: list[tuple[LLM, list[int], object]] = []
-    generate = LLM.generate
+    from tsterm.line_chat import LineChat
+    calls: list[tuple[object, list[int], object]] = []
+    generate = LineChat._generate
 
-    def recording(self, prompt, *args, **kwargs):
-        out = generate(self, prompt, *args, **kwargs)[0]
-        calls.append((self, list(prompt), out))
-        return [out]
+    def recording(self, prompt_ids):
+        out = generate(self, prompt_ids)
+        calls.append((self.llm, list(prompt_ids), out))
+        return out
 
-    monkeypatch.setattr(LLM, "generate", recording)
+    monkeypatch.setattr(LineChat, "_generate", recording)
     code, _, _ = chat(model_dir, "hi\nmore\n", monkeypatch, capsys, "--system", "Be brief.")
     assert code == 0 and len(calls) == 2
     (llm, prompt_1, out_1), (_, prompt_2, _) = calls

@@ -59,12 +59,11 @@ def _require_text(text: str, what: str) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Line-mode chat on a pipe or with --plain (keeping the exact token ids between turns); else the TUI."""
+    """Line mode (tsterm.line_chat) on a pipe or with --plain; else the TUI."""
     if not args.plain and not args.model and sys.stdin.isatty():
         from tsterm.tui import main as tui
-        return tui(args.profile or "default")
-    from tsterm.chat.session import Session, TurnStats
-    from tsterm.errors import RequestError
+        return tui(args.profile or "default", engine_options=_parallel_options(args))
+    from tsterm import line_chat
     from tsterm.launch import llm_from_args, profile_from_args
 
     if not args.model and not args.profile:
@@ -72,42 +71,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     profile = profile_from_args(args)
     params = _sampling_params(args, profile)
     llm = llm_from_args(args, profile)
-    tokenizer = llm.tokenizer
-    session = Session(id="plain")  # keeps the exact ids the engine saw and produced, turn after turn
-    session.set_system_prompt(args.system if args.system is not None else (profile.system_prompt if profile else None))
+    system = args.system if args.system is not None else (profile.system_prompt if profile else None)
+    return line_chat.run(llm, params, system)
 
-    def render(messages: list[dict]) -> str:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    def stream(out) -> None:
-        if out.outputs[0].delta_text:
-            sys.stdout.write(out.outputs[0].delta_text)
-            sys.stdout.flush()
-
-    while (line := sys.stdin.readline()):
-        text = line.rstrip("\n")
-        if text.strip() == "/exit":
-            break
-        if not text.strip():
-            continue
-        session.add_user(text)
-        try:
-            plan = session.plan(render, tokenizer)
-            out = llm.generate(plan.token_ids, params, on_output=stream)[0]
-        except RequestError as e:  # e.g. the conversation outgrew the context: report it, keep the chat as it was
-            session.drop_last_user()
-            print(f"tsterm: error: {e}", file=sys.stderr)
-            continue
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        session.record_reply(plan, out.text, list(out.token_ids), TurnStats(
-            len(plan.token_ids), out.num_cached_tokens, plan.kept_tokens, len(out.token_ids), plan.miss,
-            plan.diverged_at, finish_reason=out.finish_reason))
-        if plan.miss:
-            print(f"[prefix miss: the chat template re-rendered this history differently from token "
-                  f"{plan.diverged_at}]", file=sys.stderr)
-        print(f"[cached {out.num_cached_tokens}/{len(plan.token_ids)} tokens]", file=sys.stderr, flush=True)
-    return 0
+def _parallel_options(args: argparse.Namespace) -> dict[str, int | None]:
+    return {name: getattr(args, name, None) for name in ("tensor_parallel_size", "expert_parallel_size")}
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
@@ -204,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workspace", help="the directory TUI agent sessions' tools work in (default: the profile's)")
     from tsterm.server.serve import add_workstation_serve_arguments
     add_workstation_serve_arguments(parser)
+    from tsterm.launch import add_parallel_arguments
+    add_parallel_arguments(parser)
     sub = parser.add_subparsers(dest="command")
 
-    from tsterm.launch import add_parallel_arguments
     run = sub.add_parser("run", help="one-shot generation, streamed to stdout", formatter_class=HelpFormatter)
     run.add_argument("--model", help=MODEL_HELP)
     run.add_argument("--profile", dest="profile", default=argparse.SUPPRESS,
@@ -274,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             serve = workstation_serve_overrides(args)
         except TstermError as e:
             parser.error(str(e))
-        return tui(args.profile or "default", auto_approve=args.auto, workspace=args.workspace, serve=serve)
+        return tui(args.profile or "default", auto_approve=args.auto, workspace=args.workspace, serve=serve,
+                   engine_options=_parallel_options(args))
     try:
         return args.func(args)
     except TstermError as e:

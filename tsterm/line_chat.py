@@ -34,10 +34,12 @@ class LineChat:
     """One line-mode conversation loop over an LLM; `store` None keeps nothing (tests)."""
 
     def __init__(self, llm: Any, params: SamplingParams, system_prompt: str | None, store: SessionStore | None,
-                 stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
+                 stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
                  interactive: bool | None = None):
+        """`stdin`/`stdout`/`stderr` default to the process's streams as they are now (not at import)."""
         self.llm, self.params, self.store = llm, params, store
-        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+        self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+        stdin, stdout = self.stdin, self.stdout
         self.interactive = stdin.isatty() and stdout.isatty() if interactive is None else interactive
         self.system_prompt = system_prompt
         self.model_key = str(Path(llm.engine.config.model).resolve())

@@ -1,0 +1,80 @@
+"""`tsterm chat --plain` on a real terminal (a pty): the `>>> ` prompt, ctrl+c stops the reply and not the chat,
+keys typed during a reply do not land in it, ctrl+d leaves with exit 0, and the chat is in the TUI's store."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import sys
+import time
+from pathlib import Path
+
+AGENT_DEMO = Path(__file__).resolve().parents[1] / "tsterm" / "models" / "agent_demo"
+
+
+class Terminal:
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the pty is its controlling terminal
+            os.execve(sys.executable, [sys.executable, *argv], env)
+        self.output = b""
+
+    def read_until(self, marker: bytes, timeout: float = 60.0, start: int = 0) -> bytes:
+        deadline = time.monotonic() + timeout
+        while marker not in self.output[start:]:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"no {marker!r} in {self.output[start:]!r}"
+            if not self._read(min(remaining, 0.2)):
+                break
+        return self.output[start:]
+
+    def _read(self, timeout: float) -> bool:
+        """Take what the child wrote within `timeout`; False once it closed the terminal."""
+        if select.select([self.fd], [], [], timeout)[0]:
+            try:
+                self.output += os.read(self.fd, 4096)
+            except OSError:
+                return False
+        return True
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            self._read(0.05)
+        os.kill(self.pid, 9)
+        raise AssertionError(f"still running; output {self.output!r}")
+
+
+def test_ctrl_c_stops_the_reply_not_the_chat(tmp_path):
+    profile = tmp_path / "long.yaml"  # replies that never end on their own: only ctrl+c stops them
+    profile.write_text(f"model: {AGENT_DEMO}\ndevice: cpu\nsampling:\n  temperature: 0\n  max_tokens: 100000\n"
+                       "  ignore_eos: true\n")
+    env = {**os.environ, "TSTERM_DATA_DIR": str(tmp_path / "data"), "TERM": "dumb"}
+    term = Terminal(["-c", "import sys; from tsterm.cli import main; sys.exit(main(sys.argv[1:]))", "chat", "--plain",
+                     "--profile", str(profile)], env)
+    term.read_until(b">>> ")
+    at = len(term.output)
+    term.send(b"What is 6 * 7?\r")
+    term.read_until(b"\n", start=at)  # the line is echoed, then the reply streams
+    time.sleep(1.0)
+    term.send(b"xyzzy")  # typed while the reply streams: neither echoed into it nor kept
+    time.sleep(0.5)
+    term.send(b"\x03")  # ctrl+c
+    after = term.read_until(b">>> ", start=at)
+    assert b"(stopped)" in after and b"xyzzy" not in after
+    at = len(term.output)
+    term.send(b"/help\r")
+    assert b"/bye" in term.read_until(b">>> ", start=at)
+    term.send(b"\x04")  # ctrl+d at the prompt: leave
+    assert term.wait() == 0
+    [saved] = list((tmp_path / "data" / "sessions").glob("*.json"))
+    session = json.loads(saved.read_text())
+    assert [m["content"] for m in session["messages"] if m["role"] == "user"] == ["What is 6 * 7?"]
+    assert session["turns"][0]["finish_reason"] == "abort" and session["turns"][0]["generated_tokens"] > 0
