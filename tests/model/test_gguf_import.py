@@ -184,6 +184,24 @@ def test_chat_answers_paris(llm):
     assert "Paris" in out.text
 
 
+def test_readme_first_answer_is_what_the_default_profile_gives(llm):
+    """The README's first command, `tsterm run --profile default --prompt ... --temperature 0`, keeps the profile's
+    penalties at temperature 0: a repetition penalty (it also pushes away the question's own words) once made this
+    "The capital of France, also known as Paris, is La Dame de France" while the README said otherwise (issue 19)."""
+    from pathlib import Path
+
+    from tsterm.profiles import load_profile
+
+    command = '.venv/bin/tsterm run --profile default --prompt "What is the capital of France?" --temperature 0\n# '
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    expected = readme.split(command, 1)[1].split("\n", 1)[0]
+    profile = load_profile("default")
+    messages = [{"role": "system", "content": profile.system_prompt},
+                {"role": "user", "content": "What is the capital of France?"}]
+    ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert llm.generate(ids, profile.sampling_params(temperature=0))[0].text == expected
+
+
 def test_ensure_default_model_is_idempotent(imported, cache_root, monkeypatch):
     monkeypatch.setenv("TSTERM_CACHE_DIR", str(cache_root))
     weights = imported / "model.safetensors"
