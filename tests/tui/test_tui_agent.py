@@ -96,8 +96,8 @@ async def test_a_write_asks_first_deny_refuses_allow_writes(make_profile, data_d
         session = await new_agent(pilot)
 
         await say(pilot, "write hello to out.txt", wait_turn=False)
-        dialog = await wait_until(pilot, lambda: isinstance(app.screen, ApproveTool) and app.screen,
-                                  what="the approval dialog")
+        dialog = await wait_until(pilot, lambda: isinstance(app.screen, ApproveTool) and app.screen.query(
+            "#approve-cwd") and app.screen, what="the approval dialog, composed")
         assert dialog.tool == "write_file" and dialog.arguments == {"path": "out.txt", "content": "hello"}
         assert str(workspace) in text_of(dialog.query_one("#approve-cwd"))
         assert '"content": "hello"' in text_of(dialog.query_one("#approve-args"))

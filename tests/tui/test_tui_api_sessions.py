@@ -87,11 +87,11 @@ async def test_an_api_conversation_is_a_live_session_and_its_next_turn_reuses_th
         text = await streamed
         await wait_until(pilot, lambda: len(session.turns) == 3 and not screen.api_busy, what="turn 3")
         assert session.messages[-1] == {"role": "assistant", "content": text} and session.turns[2].cached_tokens > 0
-        assert not live.is_attached or live.text == text
         replies = await wait_until(pilot, lambda: (views := [v for v in screen.chat_log.query(MessageView)
                                                              if v.role == "assistant"]) and len(views) == 3 and views,
                                    what="the log re-rendered with the finished reply")
-        assert " · cached " in text_of(replies[-1].query_one(".turn-stats"))
+        assert " · cached " in text_of(replies[-1].query_one(".turn-stats")) and not live.is_attached
+        assert replies[-1].text == text  # the finished reply replaces the live one
 
         # typing into it is refused (it is the client's); a fork is a local chat on the same ids
         await say(pilot, "hello?", wait_turn=False)
