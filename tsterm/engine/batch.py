@@ -1,7 +1,7 @@
 """What one engine step computes: the scheduler's output, the executor's input."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tsterm.engine.sequence import Sequence
 
@@ -14,6 +14,10 @@ class ScheduledBatch:
     num_new: list[int]
     slot_mappings: list[list[int]]
     cow_copies: list[tuple[int, int]]  # (src_block, dst_block) pairs to copy before the forward
+    # hybrid models: (snapshot slot, state slot) pairs to copy before the forward (a cached prefix resumed), and per
+    # sequence the position whose state the model keeps in its snapshot slot this step (0: none)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,7 @@ class Block:
       cached      ref_cnt == 0, pin_cnt == 0, block_hash set, in the pool's LRU of evictable blocks
     """
 
-    __slots__ = ("block_id", "ref_cnt", "pin_cnt", "block_hash", "token_ids", "parent_hash")
+    __slots__ = ("block_id", "ref_cnt", "pin_cnt", "block_hash", "token_ids", "parent_hash", "snapshot")
 
     def __init__(self, block_id: int):
         self.block_id = block_id  # fixed for life: the index into every layer's KV pool
@@ -40,6 +40,10 @@ class Block:
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None  # the B token ids it holds, re-checked on every hit
         self.parent_hash: int | None = None  # chain hash of the previous block; None for a sequence's first
+        # Hybrid models: the state slot holding the recurrent state after this block's last token, so that a prefix
+        # ending here can resume. Set only while the block is hashed (unregistering releases it); only BlockPool
+        # changes it.
+        self.snapshot: int | None = None
 
     def __repr__(self) -> str:
         h = None if self.block_hash is None else f"{self.block_hash:032x}"[:8]
@@ -65,10 +69,15 @@ class BlockPool:
     `fingerprint` names the model (and anything else that changes KV for equal token ids): it seeds the root
     of every hash chain, so two models never share blocks.
     `max_pinned_blocks` caps the distinct blocks that pins hold (None: no cap beyond the pool).
+
+    `num_state_slots` (hybrid models): ids of the model's recurrent-state slots, handed out here too. A live
+    sequence holds its working slot and, with prefix caching, a snapshot slot; a finished sequence's snapshot is
+    attached to the hashed block it ends at (`attach_snapshot`). An attached snapshot is released with its block's
+    hash, or taken back least recently used first when a live sequence needs a slot and none is free.
     """
 
     def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True,
-                 max_pinned_blocks: int | None = None):
+                 max_pinned_blocks: int | None = None, num_state_slots: int = 0):
         assert num_blocks >= 1 and block_size >= 1, (num_blocks, block_size)
         assert max_pinned_blocks is None or 0 <= max_pinned_blocks <= num_blocks, max_pinned_blocks
         self.num_blocks = num_blocks
@@ -89,6 +98,11 @@ class BlockPool:
         self._pins: dict[str, Pin] = {}
         self._num_pinned = 0  # blocks with pin_cnt > 0, kept up to date so stats() and the cap are O(1)
         self.num_pins_expired = 0
+        self.num_state_slots = num_state_slots
+        self._free_state_slots = list(range(num_state_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
+        # blocks holding a snapshot (Block.snapshot), least recently attached or used first
+        self._snapshots: OrderedDict[int, None] = OrderedDict()
+        self.num_snapshot_evictions = 0
 
     # ---- hashing and lookup
 
@@ -209,6 +223,46 @@ class BlockPool:
         assert block.pin_cnt == 0, f"unregister of pinned {block}"
         del self._hash_to_block[block.block_hash]
         block.block_hash = block.token_ids = block.parent_hash = None
+        if block.snapshot is not None:
+            self._detach_snapshot(block)
+
+    # ---- recurrent-state slots and snapshots (hybrid models)
+
+    def allocate_state_slot(self) -> int:
+        """A state slot for a live sequence: a free one, else the least recently used snapshot's (its block stays
+        cached, without a state to resume from)."""
+        if not self._free_state_slots and self._snapshots:
+            block = self.blocks[next(iter(self._snapshots))]
+            self._detach_snapshot(block)
+            self.num_snapshot_evictions += 1
+        if not self._free_state_slots:
+            raise NoFreeBlocksError(f"all {self.num_state_slots} recurrent-state slots are held by live sequences")
+        return self._free_state_slots.pop()
+
+    def release_state_slot(self, slot: int) -> None:
+        assert 0 <= slot < self.num_state_slots and slot not in self._free_state_slots, f"release of state slot {slot}"
+        self._free_state_slots.append(slot)
+
+    def attach_snapshot(self, block_id: int, slot: int) -> bool:
+        """Keep `slot` (the state after `block_id`'s last token) with the block; False (and the slot released) when
+        the block is not hashed or already has one (the same prefix: the same state)."""
+        block = self.blocks[block_id]
+        if block.block_hash is None or block.snapshot is not None:
+            self.release_state_slot(slot)
+            return False
+        block.snapshot = slot
+        self._snapshots[block_id] = None
+        return True
+
+    def use_snapshot(self, block_id: int) -> int:
+        """The snapshot slot of `block_id`, marked most recently used."""
+        self._snapshots.move_to_end(block_id)
+        return self.blocks[block_id].snapshot
+
+    def _detach_snapshot(self, block: Block) -> None:
+        del self._snapshots[block.block_id]
+        self.release_state_slot(block.snapshot)
+        block.snapshot = None
 
     # ---- pins
 
@@ -272,7 +326,8 @@ class BlockPool:
         free, cached = len(self._free), len(self._cached)
         return {"num_blocks": self.num_blocks, "free": free, "used": self.num_blocks - free - cached,
                 "cached": cached, "shared": self._num_shared, "evictions": self.num_evictions,
-                "pinned_blocks": self._num_pinned, "pins": len(self._pins), "pins_expired": self.num_pins_expired}
+                "pinned_blocks": self._num_pinned, "pins": len(self._pins), "pins_expired": self.num_pins_expired,
+                "state_snapshots": len(self._snapshots), "state_snapshot_evictions": self.num_snapshot_evictions}
 
     def check_invariants(self) -> None:
         """O(num_blocks) consistency check for tests."""
@@ -306,3 +361,7 @@ class BlockPool:
         assert self._num_pinned == len(pin_holders) <= self.max_pinned_blocks
         if not self.enable_prefix_caching:
             assert not self._hash_to_block and not self._cached
+        assert set(self._snapshots) == {b.block_id for b in self.blocks if b.snapshot is not None}
+        assert all(self.blocks[i].block_hash is not None for i in self._snapshots), "a snapshot on an unhashed block"
+        held = [self.blocks[i].snapshot for i in self._snapshots] + self._free_state_slots
+        assert len(held) == len(set(held)), "a state slot both free and attached, or attached twice"

@@ -49,6 +49,7 @@ PHASES = {
     "fused_moe": "moe",
     "SparseMoE.__call__": "moe",
     "PagedKVPool.copy_blocks": "kv_cow",
+    "RecurrentStatePool.copy_slots": "state_restore",  # a hybrid's cached prefix: its snapshot copied in
     "ModelRunner.prepare": "metadata",
     "Sampler.__call__": "sampling",
     "DecoderModel.logits": "logits",

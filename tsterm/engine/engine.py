@@ -24,6 +24,8 @@ from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.stats import EngineMetrics
 from tsterm.errors import ModelLoadError, RequestError
+from tsterm.model.arch import ARCHITECTURES
+from tsterm.model.cache import num_state_slots
 from tsterm.model.loader import ProgressFn
 from tsterm.outputs import RequestOutput
 from tsterm.tokenizer import Tokenizer
@@ -102,9 +104,14 @@ class Engine:
         self.max_model_len = self.executor.max_model_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         num_blocks = self.executor.num_blocks
+        # A hybrid model's linear-attention layers keep one state per running sequence, in slots its executor holds
+        # (`num_state_slots`); with prefix caching, snapshots of it at block boundaries let a cached prefix resume.
+        self.num_state_slots = num_state_slots(ARCHITECTURES[cfg.model_type].layer_types(cfg), config.max_num_seqs,
+                                               config.enable_prefix_caching)
         pool = BlockPool(num_blocks, config.block_size, fingerprint=f"{model_dir.resolve()}:{self.dtype}",
                          enable_prefix_caching=config.enable_prefix_caching,
-                         max_pinned_blocks=int(config.max_pinned_fraction * num_blocks))
+                         max_pinned_blocks=int(config.max_pinned_fraction * num_blocks),
+                         num_state_slots=self.num_state_slots)
         self.kv = KVCacheManager(pool)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
@@ -136,6 +143,9 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
                                "(prompt + at least one generated token); shorten it or raise max_model_len / the KV budget")
+        if params.n > 1 and self.num_state_slots:
+            raise RequestError(f"n={params.n}: several samples of one prompt are not supported yet for a model with "
+                               "linear-attention layers (forking a recurrent state is not implemented); use n=1")
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.requests:
@@ -340,6 +350,7 @@ class Engine:
             preemptions=self.scheduler.num_preemptions, steps=self.num_steps,
             generated_tokens=self.num_generated_tokens, prefill_tokens=self.num_prefill_tokens,
             block_size=self.config.block_size, kv_bytes_per_block=self.executor.kv_bytes_per_block,
+            state_bytes=self.executor.state_bytes,
         )
         s.update(self.executor.counters())
         # The other side of the copy ledger: KV taken by reference. A design that deep-copies the prefix each

@@ -41,7 +41,10 @@ class Executor(ABC):
     - `num_blocks`: KV blocks of `config.block_size` tokens in the cache (the engine's block pool mirrors them);
     - `max_model_len`: the longest sequence the cache and the model's positions can hold;
     - `kv_bytes_per_block`: device bytes one block costs over every layer (all ranks together);
-    - `kernels`: the name of the kernel implementation the model runs ("torch" or "triton").
+    - `kernels`: the name of the kernel implementation the model runs ("torch" or "triton");
+    - `num_state_slots`: recurrent-state slots the model holds (0: it keeps no such state; else the engine hands
+      them out, `Sequence.state_slot` and its snapshots, `tsterm.model.cache.num_state_slots`), and `state_bytes`
+      they cost in all.
 
     Calls come from one thread (the engine's), one step at a time.
     """
@@ -50,6 +53,8 @@ class Executor(ABC):
     max_model_len: int
     kv_bytes_per_block: int
     kernels: str
+    num_state_slots: int = 0
+    state_bytes: int = 0
 
     @abstractmethod
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -82,12 +87,14 @@ ExecutorFactory = Callable[[ExecutorSpec], Executor]
 
 
 def size_cache(spec: ExecutorSpec, bytes_per_block: int,
-               agree: Callable[[int], int] = lambda num_blocks: num_blocks) -> tuple[int, int]:
+               agree: Callable[[int], int] = lambda num_blocks: num_blocks,
+               reserved_bytes: int = 0) -> tuple[int, int]:
     """(num_blocks, max_model_len) for a cache of `bytes_per_block` per block, from the engine options.
 
     Call it after loading the weights: on CUDA the default budget is a fraction of the memory still free. A
     sequence never outgrows the pool, so one request alone always fits (no self-preemption loop). `agree`: the
-    block count every rank can hold, from this rank's (a multi-rank executor passes its ranks' minimum)."""
+    block count every rank can hold, from this rank's (a multi-rank executor passes its ranks' minimum).
+    `reserved_bytes`: what the budget holds besides KV blocks (recurrent-state slots), taken off it first."""
     config = spec.config
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
@@ -98,7 +105,7 @@ def size_cache(spec: ExecutorSpec, bytes_per_block: int,
                 budget = int(free * config.kv_cache_fraction)
             else:
                 budget = CPU_DEFAULT_KV_BYTES
-        num_blocks = max(2, budget // max(bytes_per_block, 1))
+        num_blocks = max(2, max(budget - reserved_bytes, 0) // max(bytes_per_block, 1))
     num_blocks = agree(num_blocks)
     max_model_len = min(config.max_model_len or spec.model_config.max_position_embeddings,
                         num_blocks * config.block_size)

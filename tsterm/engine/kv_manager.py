@@ -11,16 +11,18 @@ class KVCacheManager:
     Per sequence it keeps the chain hashes of its committed full blocks, so `commit` only hashes the blocks
     filled since the last call (one hash per B decoded tokens).
 
-    A model with recurrent layers (the hybrids' linear attention) also keeps one state per sequence, in one of
-    `num_state_slots` slots of its state pool: a sequence takes a slot with its first blocks and gives it back when
-    it is freed (finished, aborted or preempted), so `Sequence.state_slot` is set exactly while it holds blocks.
+    A model with recurrent layers (the hybrids' linear attention) also keeps one state per sequence, in a slot of its
+    state pool (ids from `pool.allocate_state_slot`): a sequence takes its slot with its first blocks and gives it
+    back when it is freed (finished, aborted or preempted), so `Sequence.state_slot` is set exactly while it holds
+    blocks. With prefix caching, a sequence also holds a snapshot slot, where the model keeps its state at the last
+    block boundary it computed (`snapshot_at`); when it is freed, that snapshot stays with the block it ends at, and
+    a later prompt with that prefix resumes there (`match_prefix`) from a copy of it (`state_restore`).
     """
 
-    def __init__(self, pool: BlockPool, num_state_slots: int = 0):
+    def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
-        self.num_state_slots = num_state_slots
-        self._free_state_slots = list(range(num_state_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
+        self.num_state_slots = pool.num_state_slots
         self._chain: dict[int, list[int]] = {}  # seq_id -> chain hash of each committed full block
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -32,7 +34,13 @@ class KVCacheManager:
         number of cached tokens."""
         assert not seq.block_table, f"match_prefix on {seq}: it already holds blocks"
         chain: list[int] = []
-        for block_id, block_hash in self._cached_run(seq.token_ids, (len(seq.token_ids) - 1) // self.block_size):
+        run = self._cached_run(seq.token_ids, (len(seq.token_ids) - 1) // self.block_size)
+        if self.num_state_slots:  # a hybrid resumes only where a state snapshot was kept: the run is cut there
+            while run and self.pool.blocks[run[-1][0]].snapshot is None:
+                run.pop()
+            if run:
+                seq.state_restore = self.pool.use_snapshot(run[-1][0])
+        for block_id, block_hash in run:
             self.pool.acquire(block_id)
             seq.block_table.append(block_id)
             chain.append(block_hash)
@@ -92,11 +100,10 @@ class KVCacheManager:
         if not pool.can_allocate(num_new + len(cow)):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {num_new + len(cow)} KV blocks, "
                                     f"{pool.num_free} free or evictable")
-        if self.num_state_slots and seq.state_slot < 0:
-            if not self._free_state_slots:  # the scheduler runs at most as many sequences as there are slots
-                raise NoFreeBlocksError(f"sequence {seq.seq_id} needs a recurrent-state slot; all "
-                                        f"{self.num_state_slots} are taken")
-            seq.state_slot = self._free_state_slots.pop()
+        if self.num_state_slots and seq.state_slot < 0:  # (the pool has slots for every sequence that may run)
+            seq.state_slot = pool.allocate_state_slot()
+            if pool.enable_prefix_caching:
+                seq.snapshot_slot = pool.allocate_state_slot()
         copies = []
         for i in cow:
             src, dst = table[i], pool.allocate()
@@ -114,6 +121,18 @@ class KVCacheManager:
             new.append(pool.allocate(prefer=None if last is None else last + 1))
         table.extend(sorted(new))
         return copies
+
+    def snapshot_at(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Where the model snapshots `seq`'s state while computing its next `num_new_tokens`: the last block boundary
+        they reach (0: none). Recorded on the sequence, for `free`."""
+        if seq.snapshot_slot < 0:
+            return 0
+        start, B = seq.num_computed_tokens, self.block_size
+        boundary = (start + num_new_tokens) // B * B
+        if boundary <= start:
+            return 0
+        seq.snapshot_position = boundary
+        return boundary
 
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat KV slot of each position in [start, end): block_table[p // B] * B + p % B."""
@@ -141,17 +160,25 @@ class KVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` and reset it to nothing computed (e.g. for re-admission)."""
+        if seq.snapshot_slot >= 0:  # kept with the block the snapshot ends at (if that block is hashed)
+            position = seq.snapshot_position
+            if position and position <= seq.num_computed_tokens:
+                self.pool.attach_snapshot(seq.block_table[position // self.block_size - 1], seq.snapshot_slot)
+            else:
+                self.pool.release_state_slot(seq.snapshot_slot)
+            seq.snapshot_slot, seq.snapshot_position = -1, 0
+        if seq.state_restore >= 0:  # admitted, then freed before its first step: nothing to restore any more
+            seq.state_restore = -1
         for block_id in reversed(seq.block_table):  # tail blocks become least recent: evicted first
             self.pool.release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._chain.pop(seq.seq_id, None)
         if seq.state_slot >= 0:  # its state is stale from here on: the next holder starts from position 0
-            self._free_state_slots.append(seq.state_slot)
+            self.pool.release_state_slot(seq.state_slot)
             seq.state_slot = -1
 
     def stats(self) -> dict[str, int]:
         return {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "cow_copies": self.cow_copies,
-                "state_slots": self.num_state_slots,
-                "state_slots_used": self.num_state_slots - len(self._free_state_slots)}
+                "state_slots": self.num_state_slots}

@@ -27,8 +27,9 @@ from tsterm.engine.step_inputs import (
     step_inputs,
 )
 from tsterm.model.arch import ARCHITECTURES
-from tsterm.model.cache import ModelCache
+from tsterm.model.cache import ModelCache, num_state_slots
 from tsterm.model.decoder import DecoderModel
+from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
 from tsterm.model.parallel import ParallelContext, SingleRank
 
@@ -49,24 +50,34 @@ class ModelRunner(Executor):
         self.ops = dispatch.load(kernels_for(config.kernels, spec.device))
         self.kernels = self.ops.name
         layout = par.layout
-        weights = load_weights(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout)
         layer_types = ARCHITECTURES[cfg.model_type].layer_types(cfg)
+        # state slots for the sequences the scheduler may run at once (and their snapshots, with prefix caching),
+        # allocated up front and taken off the KV budget
+        self.num_state_slots = num_state_slots(layer_types, config.max_num_seqs, config.enable_prefix_caching)
+        recurrent = self.num_state_slots > 0
+        load = load_hybrid_weights if recurrent else load_weights
+        weights = load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
         self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
-        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min)
-        self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout)
+        self.state_bytes = self.num_state_slots * ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)
+        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min,
+                                                         reserved_bytes=self.state_bytes)
+        self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
+                                num_state_slots=self.num_state_slots)
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
         self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]
         for mlp in self.moe_layers:  # tokens routed per expert, accumulated on the device, read rarely
             mlp.expert_load = torch.zeros(mlp.router.shape[0], dtype=torch.int64, device=self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.cow_bytes = 0
+        self.state_copy_bytes = 0  # recurrent states copied from a snapshot (a hybrid's cached prefix resumed)
         self.staging = HostStaging(self.device)
         self.buffers = DeviceBuffers(self.staging)
         # Decode steps replay CUDA graphs on CUDA with the Triton ops (the torch twins read host lists per step).
-        # (Not with several ranks yet: a graph would have to capture the collectives too.)
+        # (Not with several ranks yet: a graph would have to capture the collectives too. Nor for linear-attention
+        # layers yet: their torch twins read the step's host lists.)
         use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
-                      and layout.world_size == 1)
+                      and layout.world_size == 1 and not recurrent)
         self.graphs = DecodeGraphs(self, config.max_num_seqs) if use_graphs else None
         self.graph_steps = 0  # steps replayed from a CUDA graph
         self.eager_steps = 0
@@ -81,7 +92,8 @@ class ModelRunner(Executor):
         return torch.stack([mlp.expert_load for mlp in self.moe_layers]).tolist()  # one host read for all layers
 
     def counters(self) -> dict[str, int]:
-        return {"cow_bytes": self.cow_bytes, "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
+        return {"cow_bytes": self.cow_bytes, "state_copy_bytes": self.state_copy_bytes,
+                "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
 
     def host_step(self, batch: ScheduledBatch, with_runs: bool) -> HostStep:
         """The batch as host lists. `with_runs`: also the contiguous block runs the torch attention twin reads."""
@@ -97,6 +109,10 @@ class ModelRunner(Executor):
             step.block_tables.append(seq.block_table[:num_blocks])
             step.block_runs.append(contiguous_runs(seq.block_table, num_blocks) if with_runs else [])
             step.state_slots.append(seq.state_slot)
+        if self.num_state_slots:
+            step.snapshot_slots = [seq.snapshot_slot for seq in batch.seqs]
+            step.snapshot_positions = list(batch.snapshots)
+            step.state_copies = list(batch.state_copies)
         step.sample_rows = [step.query_start_loc[i + 1] - 1 for i, sample in enumerate(batch.sample_mask()) if sample]
         return step
 
@@ -123,7 +139,10 @@ class ModelRunner(Executor):
         them (a rank whose logits nobody reads passes False, and gets None)."""
         self.eager_steps += 1
         inputs = self.prepare_step(step)
-        with self.model.step_context(inputs.meta, state_slots=inputs.state_slots):
+        if step.state_copies:  # before the forward: a resumed prefix's state, from its snapshot
+            self.state_copy_bytes += self.cache.copy_slots([tuple(pair) for pair in step.state_copies])
+        snapshots = list(zip(step.snapshot_slots, step.snapshot_positions)) if any(step.snapshot_positions) else None
+        with self.model.step_context(inputs.meta, state_slots=inputs.state_slots, snapshots=snapshots):
             hidden = self.model.forward(inputs.input_ids, inputs.positions)  # [T, H]
         if not logits:
             return None

@@ -66,6 +66,12 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.state_slot = -1  # its slot in the model's recurrent-state pools (-1: the model keeps no state)
+        # Hybrid models with prefix caching (only the KV manager sets these): the slot where the model keeps its
+        # state at `snapshot_position` (its last block boundary scheduled), and the snapshot its cached prefix
+        # resumes from, copied into `state_slot` before its first step (-1: none)
+        self.snapshot_slot = -1
+        self.snapshot_position = 0
+        self.state_restore = -1
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
         self.finish_reason: str | None = None

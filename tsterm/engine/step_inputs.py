@@ -58,6 +58,11 @@ class HostStep:
     block_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # [S] (torch twin only; else empty)
     sample_rows: list[int] = field(default_factory=list)  # rows of the hidden states that the sampler reads
     state_slots: list[int] = field(default_factory=list)  # [S] each sequence's recurrent-state slot; -1: none
+    # hybrid models with prefix caching: [S] the slot that keeps each sequence's state at [S] position (0: none),
+    # and (snapshot slot, state slot) pairs copied before the forward (a cached prefix resumed)
+    snapshot_slots: list[int] = field(default_factory=list)
+    snapshot_positions: list[int] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def table_width(self) -> int:
@@ -73,6 +78,8 @@ class HostStep:
             self.seq_lens.append(0)
             self.block_tables.append([])
             self.state_slots.append(-1)
+            self.snapshot_slots.append(-1)
+            self.snapshot_positions.append(0)
 
 
 @dataclass(slots=True)

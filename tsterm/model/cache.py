@@ -3,8 +3,9 @@
 A layer's token mixer decides what it keeps between steps. Full attention keeps every token's K/V in fixed-size
 blocks of a paged pool (the block tables, prefix sharing and copy-on-write are the KV manager's bookkeeping; the
 pool only holds the data). A recurrent mixer (linear attention, in the hybrid families) keeps one fixed-size
-state per sequence instead: it will get a pool of per-sequence state slots, addressed through the step's
-`state_slots` input (`tsterm.engine.step_inputs`), registered here in POOLS under its mixer's name.
+state per sequence instead: a pool of per-sequence state slots (`RecurrentStatePool`), addressed through the step's
+`state_slots` input (`tsterm.engine.step_inputs`); the engine gives a sequence its slot when it is admitted and takes
+it back when it is freed. Each pool is registered in POOLS under its mixer's name.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from tsterm.config import ModelConfig
-from tsterm.model.arch import FULL_ATTENTION, LayerType
+from tsterm.model.arch import FULL_ATTENTION, LINEAR_ATTENTION, LayerType
 from tsterm.model.parallel import ParallelLayout
 
 
@@ -27,6 +28,8 @@ class CachePool(ABC):
       copied (the only cache data ever copied, and counted). A pool that is not paged copies nothing.
     - `bytes_per_block(...)`: what one KV block of `block_size` tokens costs in this pool over `num_layers` layers,
       used to size the pool from a memory budget (0 for a pool whose size does not grow with context).
+    - `bytes_per_slot(...)`: what one sequence's state slot costs over `num_layers` layers (0 for a paged pool); the
+      slots are allocated up front, and their bytes come off the KV budget.
 
     A pool holds one rank's share (`layout`): the heads that rank computes, under the same block ids on every rank.
     """
@@ -44,13 +47,21 @@ class CachePool(ABC):
     def bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
                         layout: ParallelLayout) -> int: ...
 
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, layout: ParallelLayout) -> int:
+        return 0
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> int:
+        """Copy per-sequence states `(src, dst)` slot to slot (a snapshot resumed); returns the bytes copied."""
+        return 0
+
 
 class PagedKVPool(CachePool):
     """K and V of full-attention layers: `[L_attn, 2 (k, v), num_blocks, block_size, Hkv, D]`, zeroed once
     (Hkv: the rank's KV heads)."""
 
     def __init__(self, cfg: ModelConfig, layers: tuple[int, ...], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout):
+                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout, num_slots: int = 0):
         self.layers = layers
         self._index = {layer: i for i, layer in enumerate(layers)}
         _, num_kv_heads = layout.kv_heads(cfg)
@@ -74,8 +85,56 @@ class PagedKVPool(CachePool):
         return 2 * num_layers * block_size * num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+class RecurrentStatePool(CachePool):
+    """Per-sequence states of Gated DeltaNet layers, one slot per live sequence, zeroed once (a sequence starting at
+    position 0 clears its own slot): the conv's last K-1 inputs `[L_lin, num_slots, C, K-1]` in the model dtype and
+    the delta rule's state `[L_lin, num_slots, Hv, dk, dv]` in float32 (it accumulates over the whole context)."""
+
+    def __init__(self, cfg: ModelConfig, layers: tuple[int, ...], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout, num_slots: int = 0):
+        assert num_slots > 0, "a recurrent-state pool needs slots (one per sequence the engine may run at once)"
+        self.layers = layers
+        self._index = {layer: i for i, layer in enumerate(layers)}
+        conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        self.conv = torch.zeros((len(layers), num_slots, conv_channels, cfg.linear_conv_kernel_dim - 1),
+                                dtype=dtype, device=device)
+        self.recurrent = torch.zeros((len(layers), num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                      cfg.linear_value_head_dim), dtype=torch.float32, device=device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv_states [num_slots, C, K-1], recurrent_states [num_slots, Hv, dk, dv]) of model layer `index`: views."""
+        i = self._index[index]
+        return self.conv[i], self.recurrent[i]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> int:
+        return 0  # not paged: no block of KV lives here
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> int:
+        for src, dst in pairs:
+            if src != dst:
+                self.conv[:, dst].copy_(self.conv[:, src])
+                self.recurrent[:, dst].copy_(self.recurrent[:, src])
+        per_slot = self.conv[:, 0].numel() * self.conv.element_size() + \
+            self.recurrent[:, 0].numel() * self.recurrent.element_size()
+        return sum(src != dst for src, dst in pairs) * per_slot
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
+                        layout: ParallelLayout) -> int:
+        return 0
+
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, layout: ParallelLayout) -> int:
+        conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        conv = conv_channels * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
+        recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        return num_layers * (conv + recurrent)
+
+
 # mixer name -> the pool that holds its layers' cache
-POOLS: dict[str, type[CachePool]] = {FULL_ATTENTION: PagedKVPool}
+POOLS: dict[str, type[CachePool]] = {FULL_ATTENTION: PagedKVPool, LINEAR_ATTENTION: RecurrentStatePool}
 
 
 def _layers_by_mixer(layer_types: tuple[LayerType, ...]) -> dict[str, tuple[int, ...]]:
@@ -89,10 +148,12 @@ class ModelCache:
     """Every pool of one model instance, one per mixer kind present; `layer(i)` routes to the right pool."""
 
     def __init__(self, cfg: ModelConfig, layer_types: tuple[LayerType, ...], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout = ParallelLayout()):
-        self.num_blocks, self.block_size = num_blocks, block_size
+                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout = ParallelLayout(),
+                 num_state_slots: int = 0):
+        """num_state_slots: sequences a recurrent-state pool holds at once (`state_slots` the engine hands out)."""
+        self.num_blocks, self.block_size, self.num_state_slots = num_blocks, block_size, num_state_slots
         self.pools: dict[str, CachePool] = {
-            mixer: POOLS[mixer](cfg, layers, num_blocks, block_size, dtype, device, layout)
+            mixer: POOLS[mixer](cfg, layers, num_blocks, block_size, dtype, device, layout, num_slots=num_state_slots)
             for mixer, layers in _layers_by_mixer(layer_types).items()}
         self._pool_of = {layer: pool for pool in self.pools.values() for layer in pool.layers}
 
@@ -103,6 +164,10 @@ class ModelCache:
         """Copy-on-write of forked partial blocks in every pool; returns the bytes copied."""
         return sum(pool.copy_blocks(pairs) for pool in self.pools.values()) if pairs else 0
 
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> int:
+        """Copy per-sequence states slot to slot in every state pool (a snapshot resumed); returns the bytes copied."""
+        return sum(pool.copy_slots(pairs) for pool in self.pools.values()) if pairs else 0
+
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, layer_types: tuple[LayerType, ...], block_size: int,
                         dtype: torch.dtype, layout: ParallelLayout = ParallelLayout()) -> int:
@@ -110,3 +175,20 @@ class ModelCache:
         rank `layout` names."""
         return sum(POOLS[mixer].bytes_per_block(cfg, len(layers), block_size, dtype, layout)
                    for mixer, layers in _layers_by_mixer(layer_types).items())
+
+    @staticmethod
+    def bytes_per_slot(cfg: ModelConfig, layer_types: tuple[LayerType, ...], dtype: torch.dtype,
+                       layout: ParallelLayout = ParallelLayout()) -> int:
+        """Bytes one sequence's state slot costs over every pool (0 for a model without recurrent layers)."""
+        return sum(POOLS[mixer].bytes_per_slot(cfg, len(layers), dtype, layout)
+                   for mixer, layers in _layers_by_mixer(layer_types).items())
+
+
+def num_state_slots(layer_types: tuple[LayerType, ...], max_num_seqs: int, prefix_caching: bool) -> int:
+    """State slots a model holds when some layer keeps a per-sequence state (linear attention), else 0: one per
+    sequence the engine may run at once; with prefix caching also one snapshot per running sequence and as many
+    again for finished ones' snapshots kept for reuse. The executor sizes its pool and the engine numbers its slots
+    by this."""
+    if not any(layer_type.mixer == LINEAR_ATTENTION for layer_type in layer_types):
+        return 0
+    return 3 * max_num_seqs if prefix_caching else max_num_seqs

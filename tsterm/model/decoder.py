@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from tsterm.config import ModelConfig
-from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION
+from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION
 from tsterm.model.cache import ModelCache
+from tsterm.model.gated_attention import GatedAttention
+from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.rope import RotaryEmbedding, rotate
 from tsterm_kernels.dispatch import KernelOps
@@ -38,11 +40,14 @@ class StepContext:
     pair_weights [T * top_k]: what each (token, expert) pair adds to the expert load (a padded CUDA-graph step
     passes 1 for its real rows, 0 for the padding); None counts every pair once.
     state_slots [S] int32: each sequence's slot in the recurrent-state pools (-1: none), for state-keeping mixers.
+    snapshots: per sequence (host ints), (slot, position): where a state-keeping mixer keeps a copy of the state at
+    that position, reached during this step (position 0: none); None: no snapshot this step.
     """
 
     meta: AttentionMetadata | None = None
     pair_weights: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
+    snapshots: list[tuple[int, int]] | None = None
 
 
 class Attention:
@@ -143,7 +148,9 @@ class SparseMoE:
 
 
 # mixer name (a `LayerType.mixer`) -> its layer class: (cfg, weights, prefix, cache views, ctx, ops, par) -> callable
-MIXERS = {FULL_ATTENTION: Attention}
+MIXERS = {FULL_ATTENTION: Attention, LINEAR_ATTENTION: GatedDeltaNet}
+# the hybrid families' layers (`ArchSpec.attention_output_gate`): their full attention is gated
+GATED_MIXERS = {**MIXERS, FULL_ATTENTION: GatedAttention}
 
 
 class DecoderModel:
@@ -158,27 +165,30 @@ class DecoderModel:
         self.ctx = StepContext()
         self.vocab_first, _, self.vocab_per_rank = par.layout.vocab(cfg.vocab_size)
         device = weights["embed"].device
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, max_positions, cfg.max_position_embeddings, device)
         self.embed, self.final_norm, self.lm_head = weights["embed"], weights["final_norm"], weights["lm_head"]
         self.eps = cfg.rms_norm_eps
-        self.layer_types = ARCHITECTURES[cfg.model_type].layer_types(cfg)
+        spec = ARCHITECTURES[cfg.model_type]
+        self.layer_types = spec.layer_types(cfg)
+        mixers = GATED_MIXERS if spec.attention_output_gate else MIXERS
         self.layers = []
         for i, layer_type in enumerate(self.layer_types):
             p = f"layers.{i}."
-            mixer = MIXERS[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par)
+            mixer = mixers[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par)
             self.layers.append((weights[p + "input_norm"], mixer, weights[p + "post_attn_norm"],
                                 SparseMoE(cfg, weights, p, self.ctx, ops, par)))
 
     @contextlib.contextmanager
     def step_context(self, meta: AttentionMetadata, pair_weights: torch.Tensor | None = None,
-                     state_slots: torch.Tensor | None = None) -> Iterator[StepContext]:
+                     state_slots: torch.Tensor | None = None,
+                     snapshots: list[tuple[int, int]] | None = None) -> Iterator[StepContext]:
         """Set this model's step metadata for the forward inside the block (see StepContext)."""
         ctx = self.ctx
-        ctx.meta, ctx.pair_weights, ctx.state_slots = meta, pair_weights, state_slots
+        ctx.meta, ctx.pair_weights, ctx.state_slots, ctx.snapshots = meta, pair_weights, state_slots, snapshots
         try:
             yield ctx
         finally:
-            ctx.meta = ctx.pair_weights = ctx.state_slots = None
+            ctx.meta = ctx.pair_weights = ctx.state_slots = ctx.snapshots = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

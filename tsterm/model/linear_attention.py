@@ -3,7 +3,10 @@
 Instead of a KV cache, each sequence keeps a fixed-size state in its slot of the recurrent-state pool
 (`tsterm.model.cache.RecurrentStatePool`, addressed by the step's `state_slots`): the causal conv's last K-1 inputs
 and the gated delta rule's matrix state per value head. A sequence whose first new token is at position 0 starts
-from zeros (its slot is cleared here, so a slot needs no cleaning when it changes hands). Prompt chunks run the
+from zeros (its slot is cleared here, so a slot needs no cleaning when it changes hands); one resuming a cached
+prefix finds its state already copied from that prefix's snapshot. Where the step says so (`StepContext.snapshots`),
+the layer also copies a sequence's state at a block boundary into the sequence's snapshot slot, splitting a prompt
+chunk there, so that a later prompt with that prefix can resume from it. Prompt chunks run the
 chunked form of the rule, one sequence at a time; decode tokens run the recurrent form, every sequence of the step
 at once, through the model's kernel ops (Triton on CUDA); prompt chunks run the torch twin of the chunked form
 (`tsterm_kernels.reference_gated_delta`) on every device, as no kernel of it exists yet.
@@ -73,11 +76,11 @@ class GatedDeltaNet:
                 qkv[:, 2 * K:].view(n, self.num_v_heads, self.v_dim))
 
     def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """The conv and the delta rule of every sequence of the step, reading and writing their state slots."""
-        meta, slots = self.ctx.meta, self.ctx.state_slots  # slots: [S] int32 on the pool's device
-        starts, seq_lens = meta.query_start_loc, meta.seq_lens
+        """The conv and the delta rule of every sequence of the step, reading and writing their state slots (and
+        keeping a copy of a state in its snapshot slot where the step says so)."""
+        meta, slots = self.ctx.meta, self.ctx.state_slots.long()  # slots: [S] on the pool's device
+        starts, seq_lens, snapshots = meta.query_start_loc, meta.seq_lens, self.ctx.snapshots
         conv_states, states = self.conv_states, self.recurrent_states
-        slots = slots.long()
         fresh = [i for i, seq_len in enumerate(seq_lens) if seq_len == starts[i + 1] - starts[i]]  # from position 0
         if fresh:
             fresh_slots = slots[fresh] if len(fresh) < len(seq_lens) else slots
@@ -86,26 +89,47 @@ class GatedDeltaNet:
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
         decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
         if decode:  # one token per sequence: every sequence at once
-            rows = decode if len(decode) < len(seq_lens) else slice(None)
-            step_slots = slots[rows]  # [S_dec]
-            row_ids = [starts[i] for i in decode] if len(decode) < len(seq_lens) else slice(None)
-            qkv = self.ops.causal_conv1d_update(mixed[row_ids], self.conv, conv_states, step_slots)  # [S_dec, C]
+            every = len(decode) == len(seq_lens)
+            step_slots = slots if every else slots[decode]  # [S_dec]
+            rows = slice(None) if every else [starts[i] for i in decode]
+            qkv = self.ops.causal_conv1d_update(mixed[rows], self.conv, conv_states, step_slots)  # [S_dec, C]
             q, k, v = self._split(qkv)
-            o, new = self.ops.recurrent_gated_delta_rule(q, k, v, g[row_ids], beta[row_ids],
+            o, new = self.ops.recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows],
                                                          states.index_select(0, step_slots))
             states.index_copy_(0, step_slots, new)
-            out[row_ids] = o
+            out[rows] = o
+            if snapshots:  # a decode token that completes a block: its state is kept
+                kept = [i for i in decode if snapshots[i][1] == seq_lens[i]]
+                if kept:
+                    self._keep([snapshots[i][0] for i in kept], slots[kept])
         for i in range(len(seq_lens)):  # prompt chunks: one sequence at a time, chunked
             start, end = starts[i], starts[i + 1]
             if end - start <= 1:
                 continue
             slot = slots[i:i + 1]  # [1]
-            conv_state = conv_states.index_select(0, slot)[0]  # [C, K-1]
-            qkv = gdn.causal_conv1d(mixed[start:end], self.conv, conv_state)  # [n, C]; conv_state updated
-            conv_states.index_copy_(0, slot, conv_state[None])
-            q, k, v = self._split(qkv)
-            o, new = gdn.chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end],
-                                                states.index_select(0, slot)[0])
-            states.index_copy_(0, slot, new[None])
-            out[start:end] = o
+            position = snapshots[i][1] if snapshots else 0
+            cut = start + position - (seq_lens[i] - (end - start)) if position else end  # the row where it is reached
+            self._chunk(mixed, g, beta, start, cut, slot, out)
+            if position:
+                self._keep([snapshots[i][0]], slot)
+                if cut < end:
+                    self._chunk(mixed, g, beta, cut, end, slot, out)
         return out
+
+    def _chunk(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, start: int, end: int,
+               slot: torch.Tensor, out: torch.Tensor) -> None:
+        """Rows [start, end) of one sequence through the conv and the chunked rule, from and into its slot [1]."""
+        conv_state = self.conv_states.index_select(0, slot)[0]  # [C, K-1]
+        qkv = gdn.causal_conv1d(mixed[start:end], self.conv, conv_state)  # [n, C]; conv_state updated
+        self.conv_states.index_copy_(0, slot, conv_state[None])
+        q, k, v = self._split(qkv)
+        o, new = gdn.chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end],
+                                            self.recurrent_states.index_select(0, slot)[0])
+        self.recurrent_states.index_copy_(0, slot, new[None])
+        out[start:end] = o
+
+    def _keep(self, snapshot_slots: list[int], slots: torch.Tensor) -> None:
+        """Copy the states in `slots` [n] into `snapshot_slots` (a prefix's state, kept for reuse)."""
+        dst = torch.tensor(snapshot_slots, device=slots.device)
+        self.conv_states.index_copy_(0, dst, self.conv_states.index_select(0, slots))
+        self.recurrent_states.index_copy_(0, dst, self.recurrent_states.index_select(0, slots))

@@ -27,7 +27,7 @@ import torch
 
 from tsterm.config import ModelConfig
 from tsterm.errors import ConfigError
-from tsterm.model.arch import ARCHITECTURES
+from tsterm.model.arch import ARCHITECTURES, LINEAR_ATTENTION
 
 
 def split(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -71,6 +71,9 @@ class ParallelLayout:
         if tp > 1 and ARCHITECTURES[cfg.model_type].qk_norm == "full":  # a q/k RMSNorm over every head
             raise ConfigError(f"tensor_parallel_size={tp}: {cfg.model_type} normalises q and k over all heads, which "
                               "tensor parallelism does not split yet; use expert_parallel_size instead")
+        if tp > 1 and LINEAR_ATTENTION in ARCHITECTURES[cfg.model_type].mixers:
+            raise ConfigError(f"tensor_parallel_size={tp}: tensor parallelism does not split {cfg.model_type}'s "
+                              "linear-attention and gated-attention layers yet; use expert_parallel_size instead")
         widths = {"intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size}
         for name, width in widths.items():
             if width and width % tp:

@@ -1,0 +1,158 @@
+"""A hybrid model (linear-attention layers with per-sequence state) through the engine: each running sequence holds
+a state slot and a snapshot slot, given back when it finishes or is preempted (the snapshot stays with the block it
+ends at, for reuse); a later turn resumes from that snapshot and its cached prefix, with the same tokens as a fresh
+engine; the slots' bytes come off the KV budget; n > 1 is refused with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsterm import LLM, SamplingParams
+from tsterm.errors import RequestError
+
+from tests.helpers.checkpoints import make_hybrid_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are op-overhead bound: one thread is faster than two, and does not fight other test processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid") / "m", "qwen3_next")
+    return str(path)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 300, (5 + 3 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def alone(model: str, prompt: list[int]) -> list[int]:
+    """What a fresh engine without prefix caching answers."""
+    return LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
+               enable_prefix_caching=False).generate([prompt], GREEDY)[0].token_ids
+
+
+def test_each_running_sequence_holds_its_own_slot_and_gives_it_back(hybrid):
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=2)
+    engine = llm.engine
+    assert engine.executor.num_state_slots == 6  # per running sequence: its state and its snapshot; + 2 kept
+    ps = prompts(3)
+    for p in ps:
+        engine.add_request(p, GREEDY)
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+        slots = [s for seq in engine.scheduler.running for s in (seq.state_slot, seq.snapshot_slot)]
+        assert len(set(slots)) == len(slots) and all(0 <= s < 6 for s in slots)
+        assert all(seq.state_slot == seq.snapshot_slot == -1 for seq in engine.scheduler.waiting)
+        engine.kv.pool.check_invariants()
+    assert engine.stats()["state_snapshots"] == 3  # each finished sequence's last block boundary, kept
+    # the third prompt ran in a slot another sequence had used: it started from zeros all the same
+    assert [outputs[f"req-{i}"] for i in range(3)] == [alone(hybrid, p) for p in ps]
+
+
+def test_preempted_sequences_recompute_their_state(hybrid):
+    # 9 blocks of 4 tokens for three sequences growing to 17-23 tokens: some are preempted and start over
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=9, block_size=4, max_num_seqs=3)
+    ps = prompts(3, seed=1)
+    outs = llm.generate(ps, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == [alone(hybrid, p) for p in ps]
+
+
+def test_each_turn_resumes_from_the_last_ones_snapshot(hybrid):
+    """Turns 2 and 3 of a conversation take every full block of the previous turn from the cache (the block-aligned
+    maximum) and its recurrent state from the snapshot kept at that block's end, and answer as a fresh engine."""
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4)
+    conversation = prompts(1, seed=2)[0]
+    for turn in range(3):
+        out = llm.generate([conversation], GREEDY)[0]
+        if turn:
+            computed_before = len(previous) - 1  # the last sampled token of a turn is never computed
+            assert out.num_cached_tokens == computed_before // 4 * 4
+        assert out.token_ids == alone(hybrid, conversation), f"turn {turn + 1}"
+        previous = conversation + out.token_ids
+        conversation = previous + [11 + turn, 12, 13, 14, 15][:3 + turn]  # the user's next message
+    stats = llm.stats()
+    executor = llm.engine.executor
+    assert stats["state_copy_bytes"] == 2 * executor.state_bytes // executor.num_state_slots  # two slots restored
+    llm.engine.kv.pool.check_invariants()
+
+
+def test_a_snapshot_taken_inside_a_prefill_chunk_resumes_right(hybrid):
+    """A one-token answer: the turn's last block boundary (8) lies inside a prefill chunk (5..10), where the layer
+    splits the chunk to keep the state."""
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_batched_tokens=5)
+    prompt = prompts(3, seed=4)[2]  # 11 tokens: chunks 0..5, 5..10, 10..11
+    answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].token_ids
+    turn2 = prompt + answer + [21, 22, 23]
+    with_logprobs = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    out = llm.generate([turn2], with_logprobs)[0]
+    fresh = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
+                enable_prefix_caching=False).generate([turn2], with_logprobs)[0]
+    assert out.num_cached_tokens == 8 and out.token_ids == fresh.token_ids
+    torch.testing.assert_close(torch.tensor([lp["logprob"] for lp in out.outputs[0].logprobs]),
+                               torch.tensor([lp["logprob"] for lp in fresh.outputs[0].logprobs]), atol=1e-5, rtol=1e-4)
+
+
+def test_snapshots_make_way_for_live_sequences(hybrid):
+    """With every slot taken, a new sequence takes the least recently used snapshot's slot; its block stays cached
+    but no longer resumes a hybrid prefix, which then starts over and still answers right."""
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=1)  # 3 slots
+    # first: its state and snapshot slots, the snapshot kept (2 free); second: the 2 free ones (1 free); third: the
+    # free one and first's snapshot's slot
+    first, second, third = (p + llm.generate([p], GREEDY)[0].token_ids + [7] for p in prompts(3, seed=3))
+    stats = llm.stats()
+    assert stats["state_snapshot_evictions"] == 1 and stats["state_snapshots"] == 2
+    resumed = llm.generate([third], GREEDY)[0]  # third's next turn: from its snapshot
+    assert resumed.num_cached_tokens == (len(third) - 2) // 4 * 4 and resumed.token_ids == alone(hybrid, third)
+    again = llm.generate([first], GREEDY)[0]  # first's next turn: its blocks are cached, its state is not
+    assert again.num_cached_tokens == 0 and again.token_ids == alone(hybrid, first)
+    llm.engine.kv.pool.check_invariants()
+
+
+def test_several_samples_of_one_prompt_are_refused(hybrid):
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
+    with pytest.raises(RequestError, match=r"n=2: .*linear-attention layers .*use n=1"):
+        llm.engine.add_request([1, 2, 3], SamplingParams(n=2))
+
+
+def test_the_state_slots_come_off_the_kv_budget(hybrid):
+    budget = 1 << 20
+    llm = LLM(hybrid, dtype="float32", device="cpu", kv_cache_memory=budget, block_size=4, max_num_seqs=8)
+    ex = llm.engine.executor
+    pool = ex.cache.pools["linear_attention"]
+    assert ex.state_bytes == pool.conv.numel() * 4 + pool.recurrent.numel() * 4 > 0
+    assert pool.recurrent.shape[1] == 24  # per sequence the scheduler may run: its state, its snapshot, one kept
+    assert ex.num_blocks == (budget - ex.state_bytes) // ex.kv_bytes_per_block
+    assert llm.stats()["state_bytes"] == ex.state_bytes
+
+
+def test_the_recurrent_state_traffic_per_decoded_token_does_not_grow_with_context(hybrid):
+    """The copy audit labels the state's reads and writes `linear_state`: a fixed number of bytes per decoded
+    token, whatever the context (the attention layers read their KV in place)."""
+    engine = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4,
+                 enable_prefix_caching=False).engine  # (no snapshots: every decode step moves the same bytes)
+    assert engine.executor.num_state_slots == 64
+    per_token = []
+    for context in (6, 60):
+        engine.add_request(list(range(1, context + 1)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engine.step()  # the prefill (and the first token)
+        audit = engine.enable_copy_audit()  # from here on: decode steps only
+        while engine.has_unfinished():
+            engine.step()
+        state_bytes = sum(n for (phase, _), n in audit.copy_bytes.items() if phase == "linear_state")
+        per_token.append(state_bytes / audit.audited_tokens)
+    # per linear layer: the slot's conv state and delta-rule state read and written back, and the conv window
+    assert per_token[0] == per_token[1] > 2 * engine.executor.state_bytes / engine.executor.num_state_slots

@@ -1,0 +1,54 @@
+"""BlockPool's recurrent-state slots and snapshots (hybrid models), ids only: a snapshot lives while its block is
+hashed and leaves with it; when slots run out, live sequences take the least recently used snapshot's slot."""
+from __future__ import annotations
+
+import pytest
+
+from tsterm.engine.block_pool import BlockPool, NoFreeBlocksError
+
+
+def filled(pool: BlockPool, tokens: list[int]) -> int:
+    """A referenced, registered block holding `tokens`."""
+    block_id = pool.allocate()
+    pool.register(block_id, None, tokens)
+    return block_id
+
+
+def test_a_snapshot_lives_with_its_block_and_leaves_with_its_hash():
+    pool = BlockPool(2, 2, num_state_slots=3)
+    block = filled(pool, [1, 2])
+    slot = pool.allocate_state_slot()
+    assert pool.attach_snapshot(block, slot) and pool.blocks[block].snapshot == slot
+    assert not pool.attach_snapshot(block, pool.allocate_state_slot())  # one per block: the second is released
+    pool.release(block)  # cached, snapshot and all
+    pool.check_invariants()
+    assert pool.use_snapshot(block) == slot
+    other = pool.allocate()  # the free block
+    evicting = pool.allocate()  # evicts the cached one: its snapshot's slot is free again
+    assert evicting == block and pool.blocks[block].snapshot is None
+    assert sorted(pool.allocate_state_slot() for _ in range(3)) == [0, 1, 2]
+    pool.release(other)
+    pool.release(evicting)
+    pool.check_invariants()
+
+
+def test_an_unhashed_block_keeps_no_snapshot():
+    pool = BlockPool(2, 2, num_state_slots=1)
+    block = pool.allocate()  # never registered (a partial block, or prefix caching off)
+    assert not pool.attach_snapshot(block, pool.allocate_state_slot())
+    assert pool.allocate_state_slot() == 0  # released back
+
+
+def test_live_sequences_take_the_least_recently_used_snapshot():
+    pool = BlockPool(4, 2, num_state_slots=2)
+    a, b = filled(pool, [1, 2]), filled(pool, [3, 4])
+    pool.attach_snapshot(a, pool.allocate_state_slot())
+    pool.attach_snapshot(b, pool.allocate_state_slot())
+    pool.use_snapshot(a)  # a is now the most recently used
+    slot = pool.allocate_state_slot()
+    assert pool.blocks[b].snapshot is None and pool.blocks[a].snapshot not in (None, slot)
+    assert pool.stats()["state_snapshot_evictions"] == 1 and pool.stats()["state_snapshots"] == 1
+    pool.allocate_state_slot()  # a's
+    with pytest.raises(NoFreeBlocksError, match="all 2 recurrent-state slots are held by live sequences"):
+        pool.allocate_state_slot()
+    pool.check_invariants()
