@@ -4,6 +4,19 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import pytest  # noqa: E402 - after TRITON_INTERPRET, like everything that may import triton
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): tiny models
+    are op-overhead bound, one thread is faster than two, and multi-rank tests do not oversubscribe 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 def pytest_addoption(parser):
     # Here, not in tests/tui/conftest.py: an option must be known before pytest reads the sub-folders' conftests

@@ -3,12 +3,8 @@ or four ranks on a 2-core machine do not oversubscribe it."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def single_threaded(one_torch_thread):
     yield
-    torch.set_num_threads(threads)

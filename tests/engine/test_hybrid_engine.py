@@ -15,13 +15,7 @@ from tests.helpers.checkpoints import make_hybrid_checkpoint
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are op-overhead bound: one thread is faster than two, and does not fight other test processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-overhead bound
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,7 @@ from tsterm import LLM, SamplingParams
 from tests.helpers.checkpoints import make_hybrid_checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are op-overhead bound: one thread is faster than two, and does not fight other test processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-overhead bound
 
 
 def test_hybrid_generation_matches_torch_ops(tmp_path):

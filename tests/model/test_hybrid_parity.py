@@ -14,13 +14,7 @@ from tests.helpers.checkpoints import make_hybrid_checkpoint
 NEW_TOKENS = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are op-overhead bound: one thread is faster than two, and does not fight other test processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-overhead bound
 
 # (name, model_type, config overrides, engine options): head counts and dims, conv kernel sizes and layer mixes vary
 CASES = [

@@ -17,13 +17,7 @@ from tsterm_kernels.metadata import AttentionMetadata
 from tests.helpers.checkpoints import make_hybrid_checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are op-overhead bound: one thread is faster than two, and does not fight other test processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-overhead bound
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe_text"])
