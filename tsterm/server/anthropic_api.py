@@ -26,13 +26,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tsterm.config import SamplingParams
-from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
-    Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, engine_error, generate, gone,
-    render_messages, run_to_end,
+    LAST, Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, generate, gone, render_messages,
+    run_to_end, sse_events,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
@@ -239,7 +238,8 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages)
     parser = reply_parser(tools, prompt.forced, prefix="toolu")
     if body.stream:
-        return SSEResponse(_stream(state, metrics, lease, tools, parser, info, params), lease.release,
+        events = _stream(state, metrics, tools, parser, info, params)
+        return SSEResponse(sse_events(events, lease, metrics, _error_event), lease.release,
                            media_type="text/event-stream")
     out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
@@ -258,60 +258,49 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
                          "usage": _usage(out)})
 
 
-async def _stream(state: ServerState, metrics: ServerMetrics, lease: Lease, tools: ToolUse, parser: ReplyParser,
+async def _stream(state: ServerState, metrics: ServerMetrics, tools: ToolUse, parser: ReplyParser,
                   info: RequestInfo, params: SamplingParams) -> AsyncIterator[str]:
-    last, ended, index, text_open = None, False, 0, False
-    try:
-        start = {"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
-                 "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {**_usage(None), "input_tokens": len(info.prompt_ids)}}
-        yield _event("message_start", {"message": start})
-        o = None
-        async for out in generate(state, info, params):
-            last = out
-            (o,) = out.outputs
-            for piece in parser.feed(o.delta_text, o.finish_reason is not None, o.stop_reason):
-                if isinstance(piece, str):
-                    if not text_open and not piece.strip():
-                        continue
-                    if not text_open:
-                        yield _event("content_block_start", {"index": index,
-                                                             "content_block": {"type": "text", "text": ""}})
-                        text_open = True
-                    yield _event("content_block_delta", {"index": index,
-                                                         "delta": {"type": "text_delta", "text": piece}})
+    last, index, text_open = None, 0, False
+    start = {"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
+             "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**_usage(None), "input_tokens": len(info.prompt_ids)}}
+    yield _event("message_start", {"message": start})
+    o = None
+    async for out in generate(state, info, params):
+        last = out
+        (o,) = out.outputs
+        for piece in parser.feed(o.delta_text, o.finish_reason is not None, o.stop_reason):
+            if isinstance(piece, str):
+                if not text_open and not piece.strip():
                     continue
-                if text_open:
-                    yield _event("content_block_stop", {"index": index})
-                    index, text_open = index + 1, False
-                if isinstance(piece, CallStart):
-                    yield _event("content_block_start", {"index": index, "content_block": {
-                        "type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}})
-                elif isinstance(piece, CallArguments):
-                    yield _event("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": piece.text}})
-                else:
-                    yield _event("content_block_stop", {"index": index})
-                    index += 1
-        if o is None or last is None:
-            raise APIError(500, "the request ended without output", type_="api_error")
-        if tools.required and not parser.calls:
-            raise unsatisfied()
-        if text_open:
-            yield _event("content_block_stop", {"index": index})
-        count_usage(metrics, last)
-        stop_reason, stop_sequence = _stop(o, parser)
-        yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                       "usage": _usage(last)})
-        ended = True
-        yield _event("message_stop", {})
-    except APIError as e:
-        ended = True
-        yield _error_event(e)
-    except TstermError as e:
-        ended = True
-        yield _error_event(engine_error(e))
-    finally:
-        lease.release()
-        if not ended:
-            metrics.disconnects.inc()
+                if not text_open:
+                    yield _event("content_block_start", {"index": index,
+                                                         "content_block": {"type": "text", "text": ""}})
+                    text_open = True
+                yield _event("content_block_delta", {"index": index,
+                                                     "delta": {"type": "text_delta", "text": piece}})
+                continue
+            if text_open:
+                yield _event("content_block_stop", {"index": index})
+                index, text_open = index + 1, False
+            if isinstance(piece, CallStart):
+                yield _event("content_block_start", {"index": index, "content_block": {
+                    "type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}})
+            elif isinstance(piece, CallArguments):
+                yield _event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": piece.text}})
+            else:
+                yield _event("content_block_stop", {"index": index})
+                index += 1
+    if o is None or last is None:
+        raise APIError(500, "the request ended without output", type_="api_error")
+    if tools.required and not parser.calls:
+        raise unsatisfied()
+    if text_open:
+        yield _event("content_block_stop", {"index": index})
+    count_usage(metrics, last)
+    stop_reason, stop_sequence = _stop(o, parser)
+    yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                   "usage": _usage(last)})
+    yield LAST
+    yield _event("message_stop", {})

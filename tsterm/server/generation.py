@@ -193,6 +193,34 @@ async def _run_to_end(request: Request, state: ServerState, metrics: ServerMetri
                 await task
 
 
+LAST = object()  # a stream yields it just before its closing event: a client leaving after that did not leave early
+
+
+async def sse_events(events: AsyncIterator[Any], lease: Lease, metrics: ServerMetrics,
+                     error_event: Any) -> AsyncIterator[str]:
+    """A route's SSE events, ended the same way for every route: an APIError or an engine error becomes the route's
+    error event (`error_event(APIError)`); the lease is released once; a stream that stops before its `LAST` marker
+    (the client left) counts as a disconnect. Closing this closes `events` at once (its request is aborted)."""
+    ended = False
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                if event is LAST:
+                    ended = True
+                else:
+                    yield event
+    except APIError as e:
+        ended = True
+        yield error_event(e)
+    except TstermError as e:
+        ended = True
+        yield error_event(engine_error(e))
+    finally:
+        lease.release()
+        if not ended:
+            metrics.disconnects.inc()
+
+
 def gone() -> Response:
     return Response(status_code=499)  # nobody reads it: the client has left
 

@@ -29,12 +29,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from tsterm.config import SamplingParams
-from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.generation import (
-    Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, engine_error, generate, gone,
-    render_messages, run_to_end,
+    LAST, Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, generate, gone, render_messages,
+    run_to_end, sse_events,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.metrics import ServerMetrics
@@ -196,8 +195,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     parsers = [reply_parser(tools, prompt.forced) for _ in range(params.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_chat_stream(state, metrics, lease, body, tools, parsers, info, params, include_usage),
-                           lease.release, media_type="text/event-stream")
+        events = _chat_stream(state, metrics, body, tools, parsers, info, params, include_usage)
+        return SSEResponse(sse_events(events, lease, metrics, _sse_error), lease.release,
+                           media_type="text/event-stream")
     out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
@@ -222,7 +222,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
-async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: ChatCompletionRequest,
+async def _chat_stream(state: ServerState, metrics: ServerMetrics, body: ChatCompletionRequest,
                        tools: ToolUse, parsers: list[ReplyParser], info: RequestInfo, params: SamplingParams,
                        include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
@@ -232,46 +232,35 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, lease: Lease,
                                         usage=usage))
 
     sent_logprobs, done = [0] * params.n, set()
-    last, ended = None, False
-    try:
-        for index in range(params.n):
-            yield chunk([ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))])
-        async for out in generate(state, info, params):
-            last = out
-            for o in out.outputs:
-                if o.index in done:
-                    continue
-                i, final, parser = o.index, o.finish_reason is not None, parsers[o.index]
-                text, deltas = _call_deltas(parser.feed(o.delta_text, final, o.stop_reason))
-                logprobs = None
-                if body.logprobs:
-                    entries = _new_logprobs(o, sent_logprobs)
-                    logprobs = _chat_logprobs(state, entries) if entries else None
-                if text or logprobs:
-                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=text or None), logprobs=logprobs)])
-                for delta in deltas:  # one call delta a chunk, in the order the model wrote them
-                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(tool_calls=[delta]))])
-                if final:
-                    done.add(i)
-                    if tools.required and not parser.calls:
-                        raise unsatisfied()
-                    yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(),
-                                             finish_reason=parser.finish_reason(o.finish_reason))])
-        count_usage(metrics, last)
-        if include_usage and last is not None:
-            yield chunk([], usage=_usage(last))
-        ended = True
-        yield "data: [DONE]\n\n"
-    except APIError as e:
-        ended = True
-        yield _sse_error(e)
-    except TstermError as e:
-        ended = True
-        yield _sse_error(engine_error(e))
-    finally:
-        lease.release()
-        if not ended:
-            metrics.disconnects.inc()
+    last = None
+    for index in range(params.n):
+        yield chunk([ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))])
+    async for out in generate(state, info, params):
+        last = out
+        for o in out.outputs:
+            if o.index in done:
+                continue
+            i, final, parser = o.index, o.finish_reason is not None, parsers[o.index]
+            text, deltas = _call_deltas(parser.feed(o.delta_text, final, o.stop_reason))
+            logprobs = None
+            if body.logprobs:
+                entries = _new_logprobs(o, sent_logprobs)
+                logprobs = _chat_logprobs(state, entries) if entries else None
+            if text or logprobs:
+                yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(content=text or None), logprobs=logprobs)])
+            for delta in deltas:  # one call delta a chunk, in the order the model wrote them
+                yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(tool_calls=[delta]))])
+            if final:
+                done.add(i)
+                if tools.required and not parser.calls:
+                    raise unsatisfied()
+                yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(),
+                                         finish_reason=parser.finish_reason(o.finish_reason))])
+    count_usage(metrics, last)
+    if include_usage and last is not None:
+        yield chunk([], usage=_usage(last))
+    yield LAST
+    yield "data: [DONE]\n\n"
 
 
 def _new_logprobs(o: CompletionOutput, sent: list[int]) -> list[dict]:
@@ -328,8 +317,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     info = RequestInfo(f"cmpl-{uuid.uuid4().hex}", "completions", prompt, params.n, prompt=text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_completion_stream(state, metrics, lease, body, info, params, include_usage),
-                           lease.release, media_type="text/event-stream")
+        events = _completion_stream(state, metrics, body, info, params, include_usage)
+        return SSEResponse(sse_events(events, lease, metrics, _sse_error), lease.release,
+                           media_type="text/event-stream")
     out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
@@ -341,7 +331,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     return JSONResponse(result.model_dump(exclude_none=True))
 
 
-async def _completion_stream(state: ServerState, metrics: ServerMetrics, lease: Lease, body: CompletionRequest,
+async def _completion_stream(state: ServerState, metrics: ServerMetrics, body: CompletionRequest,
                              info: RequestInfo, params: SamplingParams, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
@@ -349,31 +339,23 @@ async def _completion_stream(state: ServerState, metrics: ServerMetrics, lease: 
         return _sse(Completion(id=info.request_id, created=created, model=state.model_name, choices=choices, usage=usage))
 
     sent_logprobs, offsets, done = [0] * params.n, [0] * params.n, set()
-    last, ended = None, False
-    try:
-        async for out in generate(state, info, params):
-            last = out
-            for o in out.outputs:
-                if o.index in done:
-                    continue
-                logprobs = None
-                if body.logprobs is not None:
-                    logprobs = _completion_logprobs(state, _new_logprobs(o, sent_logprobs), offsets[o.index])
-                offsets[o.index] += len(o.delta_text)
-                if o.delta_text or o.finish_reason:
-                    yield chunk([CompletionChoice(index=o.index, text=o.delta_text, finish_reason=o.finish_reason,
-                                                  logprobs=logprobs)])
-                if o.finish_reason is not None:
-                    done.add(o.index)
-        count_usage(metrics, last)
-        if include_usage and last is not None:
-            yield chunk([], usage=_usage(last))
-        ended = True
-        yield "data: [DONE]\n\n"
-    except TstermError as e:
-        ended = True
-        yield _sse_error(engine_error(e))
-    finally:
-        lease.release()
-        if not ended:
-            metrics.disconnects.inc()
+    last = None
+    async for out in generate(state, info, params):
+        last = out
+        for o in out.outputs:
+            if o.index in done:
+                continue
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _completion_logprobs(state, _new_logprobs(o, sent_logprobs), offsets[o.index])
+            offsets[o.index] += len(o.delta_text)
+            if o.delta_text or o.finish_reason:
+                yield chunk([CompletionChoice(index=o.index, text=o.delta_text, finish_reason=o.finish_reason,
+                                              logprobs=logprobs)])
+            if o.finish_reason is not None:
+                done.add(o.index)
+    count_usage(metrics, last)
+    if include_usage and last is not None:
+        yield chunk([], usage=_usage(last))
+    yield LAST
+    yield "data: [DONE]\n\n"
