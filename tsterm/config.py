@@ -92,6 +92,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
+    # hybrid models with prefix caching: besides each turn's end, keep a sequence's recurrent state every this many
+    # prompt tokens (rounded down to whole blocks; 0: only at turn ends), so prompts that share only part of a prefix
+    # (one system prompt, different tasks) resume from it; such snapshots only take state slots that are free
+    state_snapshot_interval: int = 512
     seed: int = 0
     kernels: str = "auto"  # auto: Triton on CUDA, the torch twins on the CPU; or force "torch" / "triton"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA with the Triton kernels; ignored elsewhere)
@@ -130,6 +134,9 @@ class EngineConfig:
         _check(isinstance(self.distributed_timeout_s, (int, float)) and not isinstance(self.distributed_timeout_s, bool)
                and 0 < self.distributed_timeout_s <= 86400,
                f"distributed_timeout_s must be seconds in (0, 86400], got {self.distributed_timeout_s!r}")
+        _check(isinstance(self.state_snapshot_interval, int) and not isinstance(self.state_snapshot_interval, bool)
+               and self.state_snapshot_interval >= 0,
+               f"state_snapshot_interval must be tokens >= 0 (0: off), got {self.state_snapshot_interval!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
