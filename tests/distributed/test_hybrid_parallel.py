@@ -29,12 +29,17 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 def test_expert_parallel_hybrid_equals_one_process(hybrid):
-    want = run(LLM(hybrid, **OPTIONS))
+    one = LLM(hybrid, **OPTIONS)
+    want = run(one)
     llm = LLM(hybrid, expert_parallel_size=2, **OPTIONS)
     try:
         got = run(llm)
+        stats, single = llm.stats(), one.stats()
     finally:
         llm.engine.shutdown()
+    # every rank holds each slot of the replicated layers and keeps its snapshots: twice one process's bytes
+    assert stats["state_bytes"] == 2 * single["state_bytes"] > 0
+    assert stats["state_snapshot_bytes"] == 2 * single["state_snapshot_bytes"] > 0
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=1e-4)

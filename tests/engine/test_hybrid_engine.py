@@ -1,7 +1,8 @@
 """A hybrid model (linear-attention layers with per-sequence state) through the engine: each running sequence holds
 a state slot and a snapshot slot, given back when it finishes or is preempted (the snapshot stays with the block it
 ends at, for reuse); a later turn resumes from that snapshot and its cached prefix, with the same tokens as a fresh
-engine; the slots' bytes come off the KV budget; n > 1 is refused with a clear error."""
+engine; the slots' bytes come off the KV budget; n > 1 forks the state; prompts that share only a start resume
+from the snapshots a sequence leaves every state_snapshot_interval tokens."""
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-over
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid") / "m", "qwen3_next")
-    return str(path)
+def hybrid_and_oracle(tmp_path_factory):
+    path, model = make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid") / "m", "qwen3_next")
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_and_oracle):
+    return hybrid_and_oracle[0]
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -116,10 +122,93 @@ def test_snapshots_make_way_for_live_sequences(hybrid):
     llm.engine.kv.pool.check_invariants()
 
 
-def test_several_samples_of_one_prompt_are_refused(hybrid):
-    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=16, block_size=4)
-    with pytest.raises(RequestError, match=r"n=2: .*linear-attention layers .*use n=1"):
-        llm.engine.add_request([1, 2, 3], SamplingParams(n=2))
+def test_several_samples_of_one_prompt_fork_the_state(hybrid_and_oracle):
+    """n = 3: the prompt is computed once; each sample starts from a copy of its state (counted) and goes its own
+    way. Each sample's logprobs are those transformers computes for its whole token sequence from scratch."""
+    hybrid, oracle = hybrid_and_oracle
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=3)
+    prompt = prompts(3, seed=6)[2]  # 11 tokens
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=10, ignore_eos=True, logprobs=0)
+    out = llm.generate([prompt], params)[0]
+    samples = [c.token_ids for c in out.outputs]
+    assert len(samples) == 3 and len({tuple(t) for t in samples}) > 1, samples
+    executor = llm.engine.executor
+    stats = llm.stats()
+    assert stats["prefill_tokens"] == len(prompt)  # the prompt once, not once per sample
+    assert stats["state_copy_bytes"] == 2 * executor.state_bytes // executor.num_state_slots  # two forks
+    for completion in out.outputs:
+        ids = prompt + completion.token_ids
+        with torch.no_grad():
+            reference = torch.log_softmax(oracle(torch.tensor([ids])).logits[0].float(), dim=-1)
+        expected = reference[len(prompt) - 1:-1].gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([lp["logprob"] for lp in completion.logprobs]), expected,
+                                   atol=1e-4, rtol=1e-4)
+    llm.engine.kv.pool.check_invariants()
+
+
+def test_samples_wait_until_they_can_all_run(hybrid):
+    """A prompt of n samples is admitted only when all n fit under max_num_seqs (each holds state slots); n above
+    max_num_seqs is refused outright."""
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=3)
+    engine = llm.engine
+    with pytest.raises(RequestError, match=r"n=4 samples run at once, but .*max_num_seqs=3"):
+        engine.add_request([1, 2, 3], SamplingParams(n=4))
+    first, second = prompts(2, seed=7)
+    engine.add_request(first, GREEDY)
+    engine.add_request(second, SamplingParams(temperature=0, n=3, max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == 1  # 1 + 3 > 3: it waits
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = [c.token_ids for c in out.outputs]
+        assert len(engine.scheduler.running) <= 3
+    assert outputs["req-1"] == [alone(hybrid, second)[:4]] * 3  # greedy: every sample is the one answer
+
+
+def test_prompts_sharing_a_start_resume_from_an_interval_snapshot(hybrid):
+    """With state_snapshot_interval 8, a 19-token prompt is computed in chunks ending at 8 and 16, and leaves
+    its states there; a second prompt sharing only its first 17 tokens resumes at 16 (the first one's own snapshot,
+    at its last block boundary 16 too here, is not reachable: block 4 differs), and both answer as fresh engines."""
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, state_snapshot_interval=8)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(8)
+    shared = torch.randint(0, 300, (17,), generator=gen).tolist()
+    first, second = shared + [5, 6, 7, 8, 9], shared + [10, 11, 12]
+    engine.add_request(first, GREEDY)
+    chunks = []
+    while engine.has_unfinished():
+        batch = engine.scheduler.schedule()  # (a look at the step the engine runs next, then run it)
+        chunks.append(batch.num_new[0])
+        logits = engine.executor.execute(batch)
+        engine._postprocess(batch, logits)
+    assert chunks[:3] == [8, 8, 6]  # prompt chunks end at the interval boundaries
+    assert engine.stats()["state_interval_snapshots"] == 2
+    out = llm.generate([second], GREEDY)[0]
+    assert out.num_cached_tokens == 16 and out.token_ids == alone(hybrid, second)
+    assert llm.generate([first], GREEDY)[0].token_ids == alone(hybrid, first)
+    engine.kv.pool.check_invariants()
+
+
+def test_interval_snapshots_take_only_free_slots(hybrid):
+    """With every spare slot kept by turn-end snapshots, a long prompt leaves no interval snapshot behind (it would
+    have to evict one) and is not cut into chunks for it."""
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=1,
+              state_snapshot_interval=8)  # 3 slots
+    engine = llm.engine
+    short = prompts(1, seed=9)[0]  # 5 tokens + 12 generated: its turn-end snapshot kept, at 16 (none in a reply)
+    llm.generate([short], GREEDY)
+    assert engine.stats()["state_snapshots"] == 1 and engine.stats()["state_interval_snapshots"] == 0
+    llm.generate([[3] + short], GREEDY)  # another kept: one slot is free, and the next sequence holds two
+    before = engine.stats()
+    assert before["state_snapshots"] == 2
+    long = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(10)).tolist()
+    out = llm.generate([long], GREEDY)[0]
+    after = engine.stats()
+    assert after["state_interval_snapshots"] == before["state_interval_snapshots"]
+    assert after["steps"] - before["steps"] == GREEDY.max_tokens  # one prefill step: no chunk cut
+    assert out.token_ids == alone(hybrid, long)
 
 
 def test_the_state_slots_come_off_the_kv_budget(hybrid):

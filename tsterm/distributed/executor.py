@@ -91,6 +91,8 @@ class DistributedExecutor(Executor):
         self.num_blocks, self.max_model_len = self.runner.num_blocks, self.runner.max_model_len
         self.kv_bytes_per_block = self.runner.kv_bytes_per_block * world  # every rank holds as many KV heads
         self.kernels = self.runner.kernels
+        self.num_state_slots = self.runner.num_state_slots
+        self.state_bytes = self.runner.state_bytes * world  # every rank holds its share of each slot
 
     def _spawn(self, spec: ExecutorSpec, store_port: int) -> list[multiprocessing.Process]:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or CUDA state
@@ -178,7 +180,8 @@ class DistributedExecutor(Executor):
 
     def counters(self) -> dict[str, int]:
         counters = dict(self.runner.counters())
-        counters["cow_bytes"] *= self.layout.world_size  # each rank copies its heads' share of the block
+        for name in ("cow_bytes", "state_copy_bytes", "state_snapshot_bytes"):  # each rank copies its share
+            counters[name] *= self.layout.world_size
         counters["ranks"] = self.layout.world_size
         return counters
 

@@ -72,8 +72,10 @@ class BlockPool:
 
     `num_state_slots` (hybrid models): ids of the model's recurrent-state slots, handed out here too. A live
     sequence holds its working slot and, with prefix caching, a snapshot slot; a finished sequence's snapshot is
-    attached to the hashed block it ends at (`attach_snapshot`). An attached snapshot is released with its block's
-    hash, or taken back least recently used first when a live sequence needs a slot and none is free.
+    attached to the hashed block it ends at (`attach_snapshot`), and so is a live sequence's at a stride boundary
+    of its prompt when a free slot can take its place (`take_free_state_slot`). An attached snapshot is released
+    with its block's hash, or taken back least recently used first when a live sequence needs a slot and none is
+    free.
     """
 
     def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True,
@@ -239,6 +241,15 @@ class BlockPool:
             raise NoFreeBlocksError(f"all {self.num_state_slots} recurrent-state slots are held by live sequences")
         return self._free_state_slots.pop()
 
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_state_slots)
+
+    def take_free_state_slot(self) -> int | None:
+        """A free state slot, or None: unlike `allocate_state_slot`, never takes a kept snapshot's (for snapshots
+        that are worth keeping only while slots are spare)."""
+        return self._free_state_slots.pop() if self._free_state_slots else None
+
     def release_state_slot(self, slot: int) -> None:
         assert 0 <= slot < self.num_state_slots and slot not in self._free_state_slots, f"release of state slot {slot}"
         self._free_state_slots.append(slot)
@@ -246,13 +257,17 @@ class BlockPool:
     def attach_snapshot(self, block_id: int, slot: int) -> bool:
         """Keep `slot` (the state after `block_id`'s last token) with the block; False (and the slot released) when
         the block is not hashed or already has one (the same prefix: the same state)."""
-        block = self.blocks[block_id]
-        if block.block_hash is None or block.snapshot is not None:
+        if not self.can_attach_snapshot(block_id):
             self.release_state_slot(slot)
             return False
+        block = self.blocks[block_id]
         block.snapshot = slot
         self._snapshots[block_id] = None
         return True
+
+    def can_attach_snapshot(self, block_id: int) -> bool:
+        block = self.blocks[block_id]
+        return block.block_hash is not None and block.snapshot is None
 
     def use_snapshot(self, block_id: int) -> int:
         """The snapshot slot of `block_id`, marked most recently used."""

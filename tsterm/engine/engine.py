@@ -112,7 +112,7 @@ class Engine:
                          enable_prefix_caching=config.enable_prefix_caching,
                          max_pinned_blocks=int(config.max_pinned_fraction * num_blocks),
                          num_state_slots=self.num_state_slots)
-        self.kv = KVCacheManager(pool)
+        self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
         self.scheduler = Scheduler(config, self.kv)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _Request] = {}
@@ -143,9 +143,9 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
                                "(prompt + at least one generated token); shorten it or raise max_model_len / the KV budget")
-        if params.n > 1 and self.num_state_slots:
-            raise RequestError(f"n={params.n}: several samples of one prompt are not supported yet for a model with "
-                               "linear-attention layers (forking a recurrent state is not implemented); use n=1")
+        if params.n > self.config.max_num_seqs:
+            raise RequestError(f"n={params.n} samples run at once, but the engine runs at most max_num_seqs="
+                               f"{self.config.max_num_seqs} sequences; lower n or raise max_num_seqs")
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.requests:
@@ -247,6 +247,7 @@ class Engine:
         for seq, n, sample in zip(batch.seqs, batch.num_new, batch.sample_mask()):
             seq.num_computed_tokens += n
             self.kv.commit(seq)
+            self.kv.keep_interval_snapshot(seq)
             if seq.num_output_tokens == 0:
                 prefill_tokens += n
             if sample:

@@ -17,12 +17,18 @@ class KVCacheManager:
     blocks. With prefix caching, a sequence also holds a snapshot slot, where the model keeps its state at the last
     block boundary it computed (`snapshot_at`); when it is freed, that snapshot stays with the block it ends at, and
     a later prompt with that prefix resumes there (`match_prefix`) from a copy of it (`state_restore`).
+    Every `snapshot_interval` prompt tokens (whole blocks; 0: never) a sequence also leaves a snapshot behind while
+    it runs, when a free slot can replace it (`keep_interval_snapshot`), so that prompts sharing only the start of a
+    prefix with it (one system prompt, different tasks) resume from there; chunks of its prompt end at those
+    positions (`chunk_limit`), where the model keeps the state.
     """
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, snapshot_interval: int = 0):
         self.pool = pool
         self.block_size = pool.block_size
         self.num_state_slots = pool.num_state_slots
+        self.snapshot_interval = snapshot_interval // pool.block_size * pool.block_size
+        self.interval_snapshots = 0  # snapshots left behind by live sequences at interval boundaries
         self._chain: dict[int, list[int]] = {}  # seq_id -> chain hash of each committed full block
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -134,6 +140,36 @@ class KVCacheManager:
         seq.snapshot_position = boundary
         return boundary
 
+    def chunk_limit(self, seq: Sequence, num_new_tokens: int) -> int:
+        """`num_new_tokens`, or fewer so that the chunk ends at the next interval boundary it would cross, where the
+        model keeps the state for `keep_interval_snapshot` (only while a free slot can take the snapshot's place)."""
+        interval = self.snapshot_interval
+        if not interval or not self.pool.enable_prefix_caching or not self.num_state_slots:
+            return num_new_tokens
+        start = seq.num_computed_tokens
+        boundary = (start // interval + 1) * interval
+        taking = 0 if seq.state_slot >= 0 else 2  # a sequence's first chunk takes its state and snapshot slots first
+        if start + num_new_tokens <= boundary or self.pool.num_free_state_slots <= taking:
+            return num_new_tokens
+        return boundary - start
+
+    def keep_interval_snapshot(self, seq: Sequence) -> None:
+        """After a step: if `seq`'s snapshot was just kept at an interval boundary of its prompt, leave it with its
+        block (for any prompt with that prefix) and take a free slot for the next one. Nothing when none is free."""
+        position = seq.snapshot_position
+        if (not self.snapshot_interval or seq.snapshot_slot < 0 or not position or position % self.snapshot_interval
+                or position > min(seq.num_computed_tokens, seq.num_prompt_tokens)):  # (a prompt's, not a reply's)
+            return
+        block_id = seq.block_table[position // self.block_size - 1]
+        if not self.pool.can_attach_snapshot(block_id):
+            return
+        slot = self.pool.take_free_state_slot()
+        if slot is None:
+            return
+        self.pool.attach_snapshot(block_id, seq.snapshot_slot)
+        seq.snapshot_slot, seq.snapshot_position = slot, 0
+        self.interval_snapshots += 1
+
     def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Flat KV slot of each position in [start, end): block_table[p // B] * B + p % B."""
         B, table = self.block_size, seq.block_table
@@ -149,9 +185,16 @@ class KVCacheManager:
             chain.append(self.pool.register(seq.block_table[i], parent, seq.token_ids[i * B:(i + 1) * B]))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give `child` (already holding parent's token ids) every block of `parent` by reference."""
+        """Give `child` (already holding parent's token ids) every block of `parent` by reference. A hybrid's child
+        takes slots of its own and starts from a copy of the parent's state (`state_restore`, made before the
+        child's first step writes its own slot: the one copy a fork of a recurrent state needs)."""
         assert not child.block_table and len(child.token_ids) >= parent.num_computed_tokens
-        assert not self.num_state_slots, "forking a sequence's recurrent state is not implemented (the engine refuses n > 1)"
+        if self.num_state_slots:
+            assert parent.state_slot >= 0, f"fork of {parent}: it holds no state"
+            child.state_slot = self.pool.allocate_state_slot()
+            if self.pool.enable_prefix_caching:
+                child.snapshot_slot = self.pool.allocate_state_slot()
+            child.state_restore = parent.state_slot
         for block_id in parent.block_table:
             self.pool.acquire(block_id)
         child.block_table = list(parent.block_table)
@@ -181,4 +224,4 @@ class KVCacheManager:
     def stats(self) -> dict[str, int]:
         return {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "cow_copies": self.cow_copies,
-                "state_slots": self.num_state_slots}
+                "state_slots": self.num_state_slots, "state_interval_snapshots": self.interval_snapshots}

@@ -59,7 +59,8 @@ class ModelRunner(Executor):
         weights = load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
         self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
-        self.state_bytes = self.num_state_slots * ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)
+        self.state_bytes_per_slot = ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)
+        self.state_bytes = self.num_state_slots * self.state_bytes_per_slot
         self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min,
                                                          reserved_bytes=self.state_bytes)
         self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
@@ -70,7 +71,8 @@ class ModelRunner(Executor):
             mlp.expert_load = torch.zeros(mlp.router.shape[0], dtype=torch.int64, device=self.device)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.cow_bytes = 0
-        self.state_copy_bytes = 0  # recurrent states copied from a snapshot (a hybrid's cached prefix resumed)
+        self.state_copy_bytes = 0  # recurrent states copied into a slot (a cached prefix resumed, a sample forked)
+        self.state_snapshot_bytes = 0  # recurrent states the model kept in snapshot slots (at block boundaries)
         self.staging = HostStaging(self.device)
         self.buffers = DeviceBuffers(self.staging)
         # Decode steps replay CUDA graphs on CUDA with the Triton ops (the torch twins read host lists per step).
@@ -93,6 +95,7 @@ class ModelRunner(Executor):
 
     def counters(self) -> dict[str, int]:
         return {"cow_bytes": self.cow_bytes, "state_copy_bytes": self.state_copy_bytes,
+                "state_snapshot_bytes": self.state_snapshot_bytes,
                 "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
 
     def host_step(self, batch: ScheduledBatch, with_runs: bool) -> HostStep:
@@ -142,6 +145,8 @@ class ModelRunner(Executor):
         if step.state_copies:  # before the forward: a resumed prefix's state, from its snapshot
             self.state_copy_bytes += self.cache.copy_slots([tuple(pair) for pair in step.state_copies])
         snapshots = list(zip(step.snapshot_slots, step.snapshot_positions)) if any(step.snapshot_positions) else None
+        if snapshots:  # each one a whole state copied by the layers (GatedDeltaNet._keep)
+            self.state_snapshot_bytes += sum(1 for _, position in snapshots if position) * self.state_bytes_per_slot
         with self.model.step_context(inputs.meta, state_slots=inputs.state_slots, snapshots=snapshots):
             hidden = self.model.forward(inputs.input_ids, inputs.positions)  # [T, H]
         if not logits:

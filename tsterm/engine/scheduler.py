@@ -34,7 +34,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self.kv.chunk_limit(seq, min(seq.num_uncomputed_tokens, budget))
             while not self.kv.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -51,12 +51,14 @@ class Scheduler:
         preempted = self.num_preemptions > preemptions_before
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if len(self.running) + self._samples_of(seq) > self.max_num_seqs:
+                break  # its n samples will all run: they wait for room together
             first_admission = seq.metrics.first_scheduled_time is None
             cached_before = seq.num_cached_tokens
             self.kv.match_prefix(seq)
             if not first_admission:  # a preempted request keeps its first admission's cache report
                 seq.num_cached_tokens = cached_before
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self.kv.chunk_limit(seq, min(seq.num_uncomputed_tokens, budget))
             if preempted or not self.kv.can_append(seq, n):
                 self.kv.free(seq)
                 break
@@ -70,6 +72,11 @@ class Scheduler:
             self._add_to_batch(batch, seq, n)
             budget -= n
         return batch if batch.seqs else None
+
+    @staticmethod
+    def _samples_of(seq: Sequence) -> int:
+        """Sequences `seq` runs as: a prompt not yet sampled forks into its n samples (`Engine._fork_new_samples`)."""
+        return seq.params.n if seq.num_output_tokens == 0 else 1
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.cow_copies.extend(self.kv.allocate_slots(seq, n))

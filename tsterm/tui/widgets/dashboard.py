@@ -144,7 +144,10 @@ class Dashboard(VerticalScroll):
             reused = s.get("prefix_hit_tokens", 0) * s.get("kv_bytes_per_block", 0) // s["block_size"]
         self.query_one("#copies", Static).update(
             f"CoW copied   {human_bytes(s.get('cow_bytes', 0))} ({s.get('cow_copies', 0)} blocks)\n"
-            f"by reference {human_bytes(reused)} ({s.get('prefix_hit_tokens', 0)} cached tok)")
+            f"by reference {human_bytes(reused)} ({s.get('prefix_hit_tokens', 0)} cached tok)"
+            + (f"\nstate kept   {human_bytes(s.get('state_snapshot_bytes', 0))} ({s.get('state_snapshots', 0)} "
+               f"snapshots held)\nstate copied {human_bytes(s.get('state_copy_bytes', 0))} (resumed, forked)"
+               if s.get("state_slots") else ""))  # a hybrid's recurrent-state snapshots
         if memory.get("kind") == "cuda":
             mem = (f"{human_bytes(memory['allocated'])} alloc / {human_bytes(memory['reserved'])} reserved / "
                    f"{human_bytes(memory['total'])}")
@@ -154,7 +157,8 @@ class Dashboard(VerticalScroll):
         pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0)
         self._draw_ranks()
         self.query_one("#engine", Static).update(
-            f"{self.device}\n{mem}  KV pool {human_bytes(pool)}\n"
+            f"{self.device}\n{mem}  KV pool {human_bytes(pool)}"
+            + (f"  state {human_bytes(s['state_bytes'])}" if s.get("state_bytes") else "") + "\n"
             f"running {s.get('running', 0)}  waiting {s.get('waiting', 0)}  steps {s.get('steps', 0)}")
 
     def _draw_ranks(self) -> None:
