@@ -131,6 +131,15 @@ class EngineMetrics:
         metric("kv_cow_bytes", "counter", "Bytes copied by KV copy-on-write.", s["cow_bytes"])
         metric("kv_reused_bytes", "counter", "KV bytes reused by reference (cached tokens x KV bytes per token).",
                s.get("kv_reused_bytes", 0))
+        if s.get("state_slots"):  # a hybrid model's recurrent-state pool and its snapshots
+            metric("state_pool_bytes", "gauge", "Bytes of the recurrent-state slots (linear-attention layers).",
+                   s["state_bytes"])
+            metric("state_snapshots", "gauge", "Recurrent-state snapshots kept with cached blocks for prefix reuse.",
+                   s["state_snapshots"])
+            metric("state_snapshot_bytes", "counter", "Recurrent-state bytes copied into snapshot slots.",
+                   s["state_snapshot_bytes"])
+            metric("state_copy_bytes", "counter", "Recurrent-state bytes copied into a sequence's slot (a cached "
+                   "prefix resumed, a sample forked).", s["state_copy_bytes"])
         metric("prompt_tokens", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
         metric("generation_tokens", "counter", "Generated tokens.", self.generation_tokens)
         snap = self.snapshot()
