@@ -1,7 +1,9 @@
-"""A hybrid model (Gated DeltaNet + gated attention) on expert-parallel gloo CPU ranks: each rank keeps every
-sequence's recurrent state in its own state pool (the linear-attention layers are replicated), the engine on rank 0
-hands out the slots for all of them, and the tokens and logprobs equal one process's. Tensor parallelism is refused
-for these layers before any worker starts (not implemented yet)."""
+"""A hybrid model (Gated DeltaNet + gated attention) on gloo CPU ranks: with expert parallelism each rank keeps every
+sequence's whole recurrent state in its own state pool (the linear-attention layers are replicated); with tensor
+parallelism each rank holds its heads of both mixers and their share of each state slot. The engine on rank 0 hands
+out the slots for all of them, and the tokens and logprobs equal one process's, for both checkpoint layouts
+(Qwen3-Next's per-key-head projections, Qwen3.5's flat ones). A size that does not divide the key heads is refused
+before any worker starts."""
 from __future__ import annotations
 
 import pytest
@@ -45,7 +47,34 @@ def test_expert_parallel_hybrid_equals_one_process(hybrid):
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=1e-4)
 
 
-def test_tensor_parallel_hybrid_is_refused_before_starting_workers(hybrid):
-    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: tensor parallelism does not split qwen3_next's "
-                                          r"linear-attention and gated-attention layers yet; use expert_parallel_size"):
-        LLM(hybrid, tensor_parallel_size=2, **OPTIONS)
+@pytest.fixture(scope="module")
+def hybrid35(tmp_path_factory):
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("hybrid35_parallel") / "m", "qwen3_5_moe_text",
+                                     dict(num_hidden_layers=2, layer_types=["full_attention", "linear_attention"]))
+    return str(path)
+
+
+@pytest.mark.parametrize("checkpoint,sizes", [("hybrid", dict(tensor_parallel_size=2)),
+                                               ("hybrid35", dict(tensor_parallel_size=2, expert_parallel_size=2))],
+                         ids=["qwen3_next-tp2", "qwen3_5_moe_text-tp2xep2"])
+def test_tensor_parallel_hybrid_equals_one_process(request, checkpoint, sizes):
+    model = request.getfixturevalue(checkpoint)
+    one = LLM(model, **OPTIONS)
+    want = run(one)
+    llm = LLM(model, **sizes, **OPTIONS)
+    try:
+        got = run(llm)
+        stats = llm.stats()
+    finally:
+        llm.engine.shutdown()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=1e-4, rtol=1e-4)
+    # each tp rank holds half of every state slot; each ep group holds all of it
+    assert stats["state_bytes"] == sizes.get("expert_parallel_size", 1) * one.stats()["state_bytes"]
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_key_heads_is_refused_before_starting_workers(hybrid):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4: .* has 2 linear-attention key heads, not a "
+                                          r"multiple of 4"):
+        LLM(hybrid, tensor_parallel_size=4, **OPTIONS)

@@ -88,19 +88,25 @@ class PagedKVPool(CachePool):
 class RecurrentStatePool(CachePool):
     """Per-sequence states of Gated DeltaNet layers, one slot per live sequence, zeroed once (a sequence starting at
     position 0 clears its own slot): the conv's last K-1 inputs `[L_lin, num_slots, C, K-1]` in the model dtype and
-    the delta rule's state `[L_lin, num_slots, Hv, dk, dv]` in float32 (it accumulates over the whole context)."""
+    the delta rule's state `[L_lin, num_slots, Hv, dk, dv]` in float32 (it accumulates over the whole context);
+    C and Hv of this rank's heads (`ParallelLayout.linear_heads`)."""
 
     def __init__(self, cfg: ModelConfig, layers: tuple[int, ...], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, layout: ParallelLayout, num_slots: int = 0):
         assert num_slots > 0, "a recurrent-state pool needs slots (one per sequence the engine may run at once)"
         self.layers = layers
         self._index = {layer: i for i, layer in enumerate(layers)}
-        conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        self.conv = torch.zeros((len(layers), num_slots, conv_channels, cfg.linear_conv_kernel_dim - 1),
-                                dtype=dtype, device=device)
-        self.recurrent = torch.zeros((len(layers), num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+        _, _, _, num_v_heads = layout.linear_heads(cfg)  # this rank's heads
+        self.conv = torch.zeros((len(layers), num_slots, self._conv_channels(cfg, layout),
+                                 cfg.linear_conv_kernel_dim - 1), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((len(layers), num_slots, num_v_heads, cfg.linear_key_head_dim,
                                       cfg.linear_value_head_dim), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _conv_channels(cfg: ModelConfig, layout: ParallelLayout) -> int:
+        """The conv's channels on this rank: q and k of its key heads, v of its value heads."""
+        _, num_k_heads, _, num_v_heads = layout.linear_heads(cfg)
+        return 2 * num_k_heads * cfg.linear_key_head_dim + num_v_heads * cfg.linear_value_head_dim
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv_states [num_slots, C, K-1], recurrent_states [num_slots, Hv, dk, dv]) of model layer `index`: views."""
@@ -126,10 +132,9 @@ class RecurrentStatePool(CachePool):
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, num_layers: int, dtype: torch.dtype, layout: ParallelLayout) -> int:
-        conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        conv = conv_channels * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
-        recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        _, _, _, num_v_heads = layout.linear_heads(cfg)
+        conv = RecurrentStatePool._conv_channels(cfg, layout) * (cfg.linear_conv_kernel_dim - 1) * dtype.itemsize
+        recurrent = num_v_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         return num_layers * (conv + recurrent)
 
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from tsterm_kernels.reference import linear
 
 from tsterm.config import ModelConfig
-from tsterm.errors import ModelLoadError
 from tsterm.model.parallel import ParallelContext
 from tsterm.model.rope import rotate
 
@@ -25,15 +24,13 @@ if TYPE_CHECKING:
 
 class GatedAttention:
     """Weights (`tsterm.model.hybrid_loader`): `qkvg` [(2 Hq + 2 Hkv) D, H] (rows: q, k, v, gate), `o_proj`
-    [H, Hq D], `q_norm`, `k_norm` [D]."""
+    [H, Hq D], `q_norm`, `k_norm` [D]; Hq, Hkv: this rank's heads."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
                  cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext):
-        if par.layout.tp_size > 1:
-            raise ModelLoadError(f"{cfg.source}: tensor parallelism is not implemented for gated attention yet "
-                                 "(use expert_parallel_size to spread a hybrid model's experts)")
-        self.ctx, self.ops = ctx, ops
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        """par: the rank this layer is a shard of; it computes that rank's query heads (and KV heads)."""
+        self.ctx, self.ops, self.par = ctx, ops, par
+        self.num_heads, self.num_kv_heads = par.layout.q_heads(cfg)[1], par.layout.kv_heads(cfg)[1]
         self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -60,4 +57,6 @@ class GatedAttention:
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write, in place
         o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
         o = o.reshape(T, self.q_size) * torch.sigmoid(gate)  # [T, Hq D]
-        return linear(o, self.o_proj)  # [T, H]
+        out = linear(o, self.o_proj)  # [T, H]: this rank's heads' part
+        self.par.all_reduce_tp(out)
+        return out

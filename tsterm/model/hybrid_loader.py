@@ -24,12 +24,10 @@ from tsterm.model.parallel import ParallelLayout
 def load_hybrid_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                         progress: ProgressFn | None = None,
                         layout: ParallelLayout = ParallelLayout()) -> dict[str, torch.Tensor]:
-    """The decoder's weights by canonical name, as `tsterm.model.loader.load_weights` returns them. Expert
-    parallelism splits the experts as for every family; tensor parallelism is refused (not implemented yet)."""
+    """The decoder's weights by canonical name, as `tsterm.model.loader.load_weights` returns them: `layout.rank`'s
+    shard (the experts split as for every family; the heads of both mixers, the embedding and the LM head over the
+    tensor-parallel ranks, as `tsterm.model.parallel` describes)."""
     spec = ARCHITECTURES[cfg.model_type]
-    if layout.tp_size > 1:
-        raise ModelLoadError(f"{cfg.source}: tensor parallelism is not implemented for {cfg.model_type} yet "
-                             "(use expert_parallel_size to spread its experts)")
     if cfg.attention_bias:
         raise ModelLoadError(f"{cfg.source}: attention_bias is not supported for {cfg.model_type}")
     src = WeightSource(find_weight_files(Path(model_dir)), dtype, device, progress)
@@ -38,27 +36,28 @@ def load_hybrid_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dt
             if name.startswith(spec.skipped_weights):
                 src.skip(name)
     P, H = spec.weight_prefix, cfg.hidden_size
+    vocab_first, vocab_count, _ = layout.vocab(cfg.vocab_size)
     w: dict[str, torch.Tensor] = {}
-    w["embed"] = src.get(P + "embed_tokens.weight", (cfg.vocab_size, H))
+    w["embed"] = src.get(P + "embed_tokens.weight", (cfg.vocab_size, H), rows=(vocab_first, vocab_count))
     w["final_norm"] = _norm(src, spec, P + "norm.weight", H)
     if cfg.tie_word_embeddings:
         if src.has("lm_head.weight"):
             src.skip("lm_head.weight")
         w["lm_head"] = w["embed"]
     else:
-        w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H))
+        w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H), rows=(vocab_first, vocab_count))
     for i, layer_type in enumerate(spec.layer_types(cfg)):
         p, o = f"{P}layers.{i}.", f"layers.{i}."
         w[o + "input_norm"] = _norm(src, spec, p + "input_layernorm.weight", H)
         w[o + "post_attn_norm"] = _norm(src, spec, p + "post_attention_layernorm.weight", H)
         if layer_type.mixer == LINEAR_ATTENTION:
-            _load_gated_deltanet(src, cfg, p + "linear_attn.", o, w)
+            _load_gated_deltanet(src, cfg, p + "linear_attn.", o, w, layout)
         else:
-            _load_gated_attention(src, cfg, spec, p + "self_attn.", o, w)
+            _load_gated_attention(src, cfg, spec, p + "self_attn.", o, w, layout)
         if layer_type.mlp == "moe":
             _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout)
         else:
-            _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w)
+            _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w, (layout.tp_rank, layout.tp_size))
     src.check_all_used()
     return w
 
@@ -70,36 +69,49 @@ def _norm(src: WeightSource, spec: ArchSpec, name: str, size: int) -> torch.Tens
 
 
 def _load_gated_attention(src: WeightSource, cfg: ModelConfig, spec: ArchSpec, p: str, o: str,
-                          w: dict[str, torch.Tensor]) -> None:
+                          w: dict[str, torch.Tensor], layout: ParallelLayout) -> None:
     H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    q_gate = src.get(p + "q_proj.weight", (Hq * 2 * D, H)).view(Hq, 2 * D, H)  # per head: D query rows, D gate rows
-    w[o + "qkvg"] = torch.cat([q_gate[:, :D].reshape(Hq * D, H), src.get(p + "k_proj.weight", (Hkv * D, H)),
-                               src.get(p + "v_proj.weight", (Hkv * D, H)), q_gate[:, D:].reshape(Hq * D, H)])
-    w[o + "o_proj"] = src.get(p + "o_proj.weight", (H, Hq * D))
+    (q0, nq), (kv0, nkv) = layout.q_heads(cfg), layout.kv_heads(cfg)
+    # per query head: D query rows, then D gate rows; this rank's heads
+    q_gate = src.get(p + "q_proj.weight", (Hq * 2 * D, H), rows=(q0 * 2 * D, nq * 2 * D)).view(nq, 2 * D, H)
+    kv_rows = (kv0 * D, nkv * D)
+    w[o + "qkvg"] = torch.cat([q_gate[:, :D].reshape(nq * D, H), src.get(p + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
+                               src.get(p + "v_proj.weight", (Hkv * D, H), rows=kv_rows), q_gate[:, D:].reshape(nq * D, H)])
+    w[o + "o_proj"] = src.get(p + "o_proj.weight", (H, Hq * D), cols=(q0 * D, nq * D))
     w[o + "q_norm"] = _norm(src, spec, p + "q_norm.weight", D)
     w[o + "k_norm"] = _norm(src, spec, p + "k_norm.weight", D)
 
 
-def _load_gated_deltanet(src: WeightSource, cfg: ModelConfig, p: str, o: str, w: dict[str, torch.Tensor]) -> None:
+def _load_gated_deltanet(src: WeightSource, cfg: ModelConfig, p: str, o: str, w: dict[str, torch.Tensor],
+                         layout: ParallelLayout) -> None:
+    """`in_proj` [q | k | v | z | b | a] rows and `conv` [q | k | v] channels of this rank's key heads and the value
+    heads that read them; its columns of `out_proj`."""
     H, Hk, Hv = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, K = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     key_size, value_size = Hk * dk, Hv * dv
     conv_size = 2 * key_size + value_size
+    k0, nk, v0, nv = layout.linear_heads(cfg)
     if src.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: per key head, [q dk | k dk | v r dv | z r dv] and [b r | a r]
-        r = Hv // Hk  # value heads per key head
-        qkvz = src.get(p + "in_proj_qkvz.weight", (2 * key_size + 2 * value_size, H)).view(Hk, 2 * dk + 2 * r * dv, H)
-        ba = src.get(p + "in_proj_ba.weight", (2 * Hv, H)).view(Hk, 2 * r, H)
+        r = Hv // Hk  # value heads per key head: this rank's key heads carry exactly its value heads
+        per_head = 2 * dk + 2 * r * dv
+        qkvz = src.get(p + "in_proj_qkvz.weight", (2 * key_size + 2 * value_size, H),
+                       rows=(k0 * per_head, nk * per_head)).view(nk, per_head, H)
+        ba = src.get(p + "in_proj_ba.weight", (2 * Hv, H), rows=(k0 * 2 * r, nk * 2 * r)).view(nk, 2 * r, H)
         v_end = 2 * dk + r * dv
         rows = [qkvz[:, :dk], qkvz[:, dk:2 * dk], qkvz[:, 2 * dk:v_end], qkvz[:, v_end:], ba[:, :r], ba[:, r:]]
         w[o + "in_proj"] = torch.cat([part.reshape(-1, H) for part in rows])
     else:  # Qwen3.5: flat [q all heads | k | v], z, b, a
-        w[o + "in_proj"] = torch.cat([src.get(p + "in_proj_qkv.weight", (conv_size, H)),
-                                      src.get(p + "in_proj_z.weight", (value_size, H)),
-                                      src.get(p + "in_proj_b.weight", (Hv, H)),
-                                      src.get(p + "in_proj_a.weight", (Hv, H))])  # [C + Vd + 2 Hv, H]
-    w[o + "conv"] = src.get(p + "conv1d.weight", (conv_size, 1, K)).reshape(conv_size, K)
-    a_log = src.get(p + "A_log", (Hv,), convert=False)
+        qkv = src.get(p + "in_proj_qkv.weight", (conv_size, H))
+        w[o + "in_proj"] = torch.cat([qkv[k0 * dk:(k0 + nk) * dk], qkv[key_size + k0 * dk:key_size + (k0 + nk) * dk],
+                                      qkv[2 * key_size + v0 * dv:2 * key_size + (v0 + nv) * dv],
+                                      src.get(p + "in_proj_z.weight", (value_size, H), rows=(v0 * dv, nv * dv)),
+                                      src.get(p + "in_proj_b.weight", (Hv, H), rows=(v0, nv)),
+                                      src.get(p + "in_proj_a.weight", (Hv, H), rows=(v0, nv))])  # [C + Vd + 2 Hv, H]
+    conv = src.get(p + "conv1d.weight", (conv_size, 1, K)).reshape(conv_size, K)
+    w[o + "conv"] = torch.cat([conv[k0 * dk:(k0 + nk) * dk], conv[key_size + k0 * dk:key_size + (k0 + nk) * dk],
+                               conv[2 * key_size + v0 * dv:2 * key_size + (v0 + nv) * dv]])
+    a_log = src.get(p + "A_log", (Hv,), convert=False)[v0:v0 + nv]
     w[o + "neg_A"] = -a_log.float().exp().to(src.device)  # float32: exp of a half-precision A_log can overflow
-    w[o + "dt_bias"] = src.get(p + "dt_bias", (Hv,), convert=False).float().to(src.device)
+    w[o + "dt_bias"] = src.get(p + "dt_bias", (Hv,), convert=False)[v0:v0 + nv].float().to(src.device)
     w[o + "gated_norm"] = src.get(p + "norm.weight", (dv,))  # a plain scale (not zero-centred)
-    w[o + "out_proj"] = src.get(p + "out_proj.weight", (H, value_size))
+    w[o + "out_proj"] = src.get(p + "out_proj.weight", (H, value_size), cols=(v0 * dv, nv * dv))

@@ -21,7 +21,6 @@ from tsterm_kernels import reference_gated_delta as gdn
 from tsterm_kernels.reference import linear
 
 from tsterm.config import ModelConfig
-from tsterm.errors import ModelLoadError
 from tsterm.model.parallel import ParallelContext
 
 if TYPE_CHECKING:
@@ -40,12 +39,9 @@ class GatedDeltaNet:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
                  cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext):
         """cache: (conv_states [num_slots, C, K-1], recurrent_states [num_slots, Hv, dk, dv] float32) views of the
-        pool."""
-        if par.layout.tp_size > 1:
-            raise ModelLoadError(f"{cfg.source}: tensor parallelism is not implemented for linear-attention layers "
-                                 "yet (use expert_parallel_size to spread a hybrid model's experts)")
-        self.ctx, self.ops = ctx, ops
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        pool; par: the rank this layer is a shard of (its key heads and the value heads that read them)."""
+        self.ctx, self.ops, self.par = ctx, ops, par
+        _, self.num_k_heads, _, self.num_v_heads = par.layout.linear_heads(cfg)  # this rank's heads
         self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_size = 2 * self.key_size + self.value_size
@@ -67,7 +63,9 @@ class GatedDeltaNet:
         core = self._mix(mixed, g, beta)  # [T, Hv, dv] float32
         core = F.rms_norm(core, (self.v_dim,), eps=self.eps).to(x.dtype) * self.gated_norm  # [T, Hv, dv]
         core = (core.float() * F.silu(z.float())).to(x.dtype)  # gated by silu(z)
-        return linear(core.view(T, self.value_size), self.out_proj)  # [T, H]
+        out = linear(core.view(T, self.value_size), self.out_proj)  # [T, H]: this rank's heads' part
+        self.par.all_reduce_tp(out)
+        return out
 
     def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[n, C] -> q, k [n, Hk, dk], v [n, Hv, dv] (views)."""

@@ -9,7 +9,10 @@ module does not import torch.distributed.
 How the shards are cut (every rank of the same tensor-parallel rank holds the same attention and dense shards):
 - attention: query heads split over the tp ranks; KV heads split too, or, when there are fewer KV heads than
   tp ranks, each rank keeps the one KV head its query heads read (replicated). o_proj by columns; one
-  all-reduce over the tp group.
+  all-reduce over the tp group. A gated attention layer's gate rows go with their query heads.
+- linear attention (Gated DeltaNet): key heads and the value heads that read them split over the tp ranks, with
+  their conv channels and their recurrent state (each rank's state slots hold its heads only); out_proj by
+  columns; one all-reduce over the tp group.
 - dense MLPs: gate/up by rows, down by columns of the intermediate dimension; one all-reduce over the tp group.
 - routed experts: the experts split over the ep groups, each expert's intermediate dimension over the tp ranks
   of the group; the shared expert's intermediate dimension over all ranks. Every rank computes its pieces for all
@@ -71,9 +74,10 @@ class ParallelLayout:
         if tp > 1 and ARCHITECTURES[cfg.model_type].qk_norm == "full":  # a q/k RMSNorm over every head
             raise ConfigError(f"tensor_parallel_size={tp}: {cfg.model_type} normalises q and k over all heads, which "
                               "tensor parallelism does not split yet; use expert_parallel_size instead")
-        if tp > 1 and LINEAR_ATTENTION in ARCHITECTURES[cfg.model_type].mixers:
-            raise ConfigError(f"tensor_parallel_size={tp}: tensor parallelism does not split {cfg.model_type}'s "
-                              "linear-attention and gated-attention layers yet; use expert_parallel_size instead")
+        if LINEAR_ATTENTION in ARCHITECTURES[cfg.model_type].mixers and cfg.linear_num_key_heads % tp:
+            raise ConfigError(f"tensor_parallel_size={tp}: {model} has {cfg.linear_num_key_heads} linear-attention "
+                              f"key heads, not a multiple of {tp}; use a tensor_parallel_size that divides "
+                              f"{cfg.linear_num_key_heads}")
         widths = {"intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size}
         for name, width in widths.items():
             if width and width % tp:
@@ -98,6 +102,12 @@ class ParallelLayout:
             return split(hkv, self.tp_size, self.tp_rank)
         first_q, _ = self.q_heads(cfg)
         return first_q // (cfg.num_attention_heads // hkv), 1
+
+    def linear_heads(self, cfg: ModelConfig) -> tuple[int, int, int, int]:
+        """(first, count) of this rank's linear-attention key heads, then of its value heads: the value heads
+        that read those key heads (value head j reads key head j // (Hv / Hk))."""
+        k_first, k_count = split(cfg.linear_num_key_heads, self.tp_size, self.tp_rank)
+        return (k_first, k_count) + split(cfg.linear_num_value_heads, self.tp_size, self.tp_rank)
 
     def experts(self, num_experts: int) -> tuple[int, int]:
         """(first, count) of this rank's routed experts."""
