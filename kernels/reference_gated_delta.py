@@ -1,19 +1,26 @@
 """Torch reference twins of the Gated DeltaNet ops (the linear-attention layers of the Qwen3-Next / Qwen3.5 hybrids):
-the CPU path, in float32, and the oracle future Triton kernels (`triton_gated_delta.py`) will be tested against.
+the CPU path, in float32, and the oracle the Triton kernels (`triton_gated_delta.py`) are tested against.
 
 The gated delta rule keeps one state per head, S [dk, dv], and for each token t (decay g_t <= 0 in log space,
 beta_t in (0, 1), q_t and k_t L2-normalised):
 
     S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - exp(g_t) S_{t-1}^T k_t)^T        o_t = S_t^T q_t / sqrt(dk)
 
-`recurrent_gated_delta_rule` runs that step for a batch of sequences at once (decode: one token each);
-`chunk_gated_delta_rule` runs a whole prompt chunk by chunk (prefill): within a chunk the corrections u_t that
-each token writes into the state solve one unit lower-triangular system, so a chunk costs a few matmuls instead of
-one state update per token. Both read the initial state and return the final state; neither mutates its inputs.
+Every sequence's state lives in its slot of a pool, `states [num_slots, Hv, dk, dv]` float32, and the ops update
+the slots they are given in place (no gather of the states into a batch and scatter back: the state is the
+largest thing a decode step touches). `recurrent_gated_delta_rule` runs one token of each of a batch of sequences
+(decode); `chunk_gated_delta_rule` runs the prompt rows of each of a batch of sequences chunk by chunk (prefill):
+within a chunk the corrections u_t that each token writes into the state solve one unit lower-triangular system,
+so a chunk costs a few matmuls instead of one state update per token. `gated_delta_step` and `gated_delta_chunked`
+are the same two forms for states given as tensors (views), updated in place.
 
-The causal depthwise conv that feeds q/k/v keeps the last K-1 inputs of each channel as its state:
-`causal_conv1d` runs a prompt chunk of one sequence (state read and rewritten in place), `causal_conv1d_update`
-one token of each of a batch of sequences (states gathered and scattered by slot).
+The causal depthwise conv that feeds q/k/v keeps the last K-1 inputs of each channel as its state, in a pool
+`conv_states [num_slots, C, K-1]`: `causal_conv1d` runs the prompt rows of each of a batch of sequences,
+`causal_conv1d_update` one token of each; both rewrite the slots in place.
+
+Prompt ops take `bounds [N, 2]` (int): sequence i's rows [bounds[i, 0], bounds[i, 1]) of the step's flattened
+tokens, its state in slot `slots[i]`; they write only those rows of `out`. The twins read slots and bounds on the
+host (free on the CPU, their device).
 """
 from __future__ import annotations
 
@@ -37,29 +44,66 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.
     return q, k, q.shape[-1] ** -0.5
 
 
-def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of each of S sequences.
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, first slot, length) of each run of consecutive slots in `ids`."""
+    runs: list[tuple[int, int, int]] = []
+    for row, slot in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, slot, 1))
+    return runs
 
-    q, k: [S, Hk, dk]; v: [S, Hv, dv]; g, beta: [S, Hv]; state: [S, Hv, dk, dv] (not mutated).
-    Returns (o [S, Hv, dv] float32, new state [S, Hv, dk, dv] float32).
+
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+          state: torch.Tensor) -> torch.Tensor:
+    """Prepared q, k [S, Hv, dk]; v [S, Hv, dv]; g, beta [S, Hv] float32; state [S, Hv, dk, dv] float32 updated in
+    place (a view of consecutive slots of a contiguous pool). Returns o [S, Hv, dv]."""
+    num_seqs, num_v_heads, dk, dv = state.shape
+    state.mul_(g.exp()[..., None, None])  # decayed
+    flat = state.view(num_seqs * num_v_heads, dk, dv)  # one [dk, dv] matrix per (sequence, head)
+    predicted = torch.bmm(k.reshape(-1, 1, dk), flat).view(num_seqs, num_v_heads, dv)  # what the state recalls for k
+    delta = (v.float() - predicted) * beta[..., None]  # [S, Hv, dv]
+    flat.baddbmm_(k.reshape(-1, dk, 1), delta.view(-1, 1, dv))  # the rank-1 write, in place
+    return torch.bmm(q.reshape(-1, 1, dk), flat).view(num_seqs, num_v_heads, dv) * scale  # [S, Hv, dv]
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+    """One token of each of S sequences. q, k: [S, Hk, dk]; v: [S, Hv, dv]; g, beta: [S, Hv]; state [S, Hv, dk, dv]
+    float32, updated in place. Returns o [S, Hv, dv] float32."""
+    q, k, scale = _prepare(q, k, v.shape[-2])
+    return _step(q, k, v, g.float(), beta.float(), scale, state)
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """One token of each of S sequences, sequence i's state in slot `slots[i]` of the pool.
+
+    q, k: [S, Hk, dk]; v: [S, Hv, dv]; g, beta: [S, Hv]; states: [num_slots, Hv, dk, dv] float32, the rows `slots`
+    [S] (int, distinct) updated in place. Returns o [S, Hv, dv] float32.
+
+    Each run of consecutive slots is one view of the pool, updated in one batched step (the engine hands slots out
+    from the bottom of a stack, so a batch is usually one run). Measured at 32 value heads of 128 x 128 (2 MB of
+    state per sequence), 1 thread on the shared 2-core machine: 1 sequence 0.8 ms against 2.8 ms for a gather of
+    the states, the step and a scatter back; 8 sequences 6-15 ms against 46 ms (per-slot views: within the noise of
+    per-run views).
     """
     q, k, scale = _prepare(q, k, v.shape[-2])
-    s = state.float() * g.float().exp()[..., None, None]  # [S, Hv, dk, dv]: decayed
-    predicted = torch.einsum("shkv,shk->shv", s, k)  # [S, Hv, dv]: what the state recalls for k
-    delta = (v.float() - predicted) * beta.float()[..., None]  # [S, Hv, dv]
-    s = s + k[..., :, None] * delta[..., None, :]  # rank-1 write
-    o = torch.einsum("shkv,shk->shv", s, q) * scale  # [S, Hv, dv]
-    return o, s
+    g, beta = g.float(), beta.float()
+    runs = _runs(slots.tolist())
+    if len(runs) == 1:
+        return _step(q, k, v, g, beta, scale, states.narrow(0, runs[0][1], runs[0][2]))
+    return torch.cat([_step(q[r:r + n], k[r:r + n], v[r:r + n], g[r:r + n], beta[r:r + n], scale,
+                            states.narrow(0, slot, n)) for r, slot, n in runs])
 
 
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor | None = None,
-                           chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
     """n tokens of one sequence, chunk by chunk.
 
-    q, k: [n, Hk, dk]; v: [n, Hv, dv]; g, beta: [n, Hv]; state: [Hv, dk, dv] or None (zeros); not mutated.
-    Returns (o [n, Hv, dv] float32, final state [Hv, dk, dv] float32).
+    q, k: [n, Hk, dk]; v: [n, Hv, dv]; g, beta: [n, Hv]; state: [Hv, dk, dv] float32 (a view is fine), the state
+    before the first token, updated in place to the state after the last. Returns o [n, Hv, dv] float32.
 
     In a chunk starting from state S0, with G_i the decay summed over the chunk's tokens up to i, every state is
     S_i = exp(G_i) S0 + sum_{j<=i} exp(G_i - G_j) k_j u_j^T, where u_j is what token j writes. Substituting into the
@@ -68,7 +112,6 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     n, num_v_heads, dv = v.shape
     q, k, scale = _prepare(q, k, num_v_heads)
-    dk = k.shape[-1]
     pad = -n % chunk_size
     num_chunks, C = (n + pad) // chunk_size, chunk_size
 
@@ -89,38 +132,74 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     u_state = torch.linalg.solve_triangular(system, kc * (bc * G.exp())[..., None], upper=False, unitriangular=True)
     scores = (qc @ kc.transpose(-1, -2)) * decay  # [Hv, N, C, C]: q_i.k_j exp(G_i - G_j), j <= i
     q_decayed = qc * G.exp()[..., None]  # [Hv, N, C, dk]: what S0 contributes to o_i
-    k_to_end = kc * (G[..., -1:] - G).exp()[..., None]  # [Hv, N, C, dk]: k_j decayed to the chunk's end
-    s = (torch.zeros(num_v_heads, dk, dv, device=q.device) if state is None else state.float())  # [Hv, dk, dv]
+    k_to_end = (kc * (G[..., -1:] - G).exp()[..., None]).transpose(-1, -2)  # [Hv, N, dk, C]: decayed to the end
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [Hv, N, 1, 1]
     out = torch.empty_like(vc)  # [Hv, N, C, dv]
     for c in range(num_chunks):
-        u = u_free[:, c] - u_state[:, c] @ s  # [Hv, C, dv]
-        out[:, c] = q_decayed[:, c] @ s + scores[:, c] @ u
-        s = s * G[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ u
-    o = out.movedim(0, 2).reshape(num_chunks * C, num_v_heads, dv)[:n]  # [n, Hv, dv]
-    return o, s
+        u = u_free[:, c] - u_state[:, c] @ state  # [Hv, C, dv]
+        out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ u
+        state.mul_(chunk_decay[:, c]).baddbmm_(k_to_end[:, c], u)  # [Hv, dk, dv], in place
+    return out.movedim(0, 2).reshape(num_chunks * C, num_v_heads, dv)[:n]  # [n, Hv, dv]
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv + SiLU over n new tokens of one sequence, continuing from its state.
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           states: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, out: torch.Tensor,
+                           chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """The prompt rows of each of N sequences (prefill), chunk by chunk.
 
-    x: [n, C]; weight: [C, K]; conv_state: [C, K-1], the sequence's K-1 previous inputs (zeros at its start),
-    overwritten in place with the last K-1 inputs. Returns [n, C] in x's dtype.
+    q, k: [T, Hk, dk]; v: [T, Hv, dv]; g, beta: [T, Hv]: the step's rows; states: [num_slots, Hv, dk, dv] float32,
+    the rows `slots` [N] (int, distinct) updated in place; bounds: [N, 2] (int), each sequence's rows; out:
+    [T, Hv, dv] float32, written at those rows. Returns out.
     """
+    for (start, end), slot in zip(bounds.tolist(), slots.tolist()):
+        if end > start:
+            out[start:end] = gated_delta_chunked(q[start:end], k[start:end], v[start:end], g[start:end],
+                                                 beta[start:end], states[slot], chunk_size)
+    return out
+
+
+def _conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """x [n, C] after the K-1 inputs in conv_state [C, K-1] (rewritten in place with the last K-1): SiLU(conv)."""
     n, channels = x.shape
     full = torch.cat((conv_state.to(x.dtype), x.t()), dim=1)  # [C, K-1+n]: the window each output needs
-    out = F.conv1d(full[None].to(weight.dtype), weight[:, None], groups=channels)[0]  # [C, n]
+    result = F.conv1d(full[None].to(weight.dtype), weight[:, None], groups=channels)[0]  # [C, n]
     conv_state.copy_(full[:, n:])  # [C, K-1]: the last K-1 inputs (old state included when n < K-1)
-    return F.silu(out).t().to(x.dtype)
+    return F.silu(result).t().to(x.dtype)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                  bounds: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over the prompt rows of each of N sequences, each continuing from its state.
+
+    x: [T, C]; weight: [C, K]; conv_states: [num_slots, C, K-1], slot i holding its sequence's K-1 previous inputs
+    (zeros at its start), the rows `slots` [N] overwritten in place with their last K-1 inputs; bounds: [N, 2]
+    (int), each sequence's rows; out: [T, C] in x's dtype, written at those rows. Returns out.
+    """
+    for (start, end), slot in zip(bounds.tolist(), slots.tolist()):
+        if end > start:
+            out[start:end] = _conv(x[start:end], weight, conv_states[slot])
+    return out
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                          slots: torch.Tensor) -> torch.Tensor:
     """One new token of each of S sequences: the decode step of `causal_conv1d`.
 
-    x: [S, C]; weight: [C, K]; conv_states: [num_slots, C, K-1], the rows `slots` [S] (int) read and rewritten in
-    place. Returns [S, C] in x's dtype.
+    x: [S, C]; weight: [C, K]; conv_states: [num_slots, C, K-1], the rows `slots` [S] (int, distinct) read and
+    rewritten in place. Returns [S, C] in x's dtype.
     """
-    window = torch.cat((conv_states.index_select(0, slots).to(x.dtype), x[:, :, None]), dim=2)  # [S, C, K]
-    out = (window.to(weight.dtype) * weight).sum(-1)  # [S, C]
-    conv_states.index_copy_(0, slots, window[:, :, 1:].to(conv_states.dtype))
-    return F.silu(out).to(x.dtype)
+    runs = _runs(slots.tolist())
+    if len(runs) == 1:
+        return _conv_step(x, weight, conv_states.narrow(0, runs[0][1], runs[0][2]))
+    return torch.cat([_conv_step(x[r:r + n], weight, conv_states.narrow(0, slot, n)) for r, slot, n in runs])
+
+
+def _conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """x [S, C], one token after the K-1 inputs in conv_state [S, C, K-1] (shifted in place): SiLU(conv)."""
+    past = weight.shape[1] - 1
+    result = (conv_state.to(weight.dtype) * weight[:, :past]).sum(-1) + x.to(weight.dtype) * weight[:, past]  # [S, C]
+    for j in range(past - 1):  # shift left by one, column by column (an overlapping copy_ is refused)
+        conv_state[:, :, j].copy_(conv_state[:, :, j + 1])
+    if past:
+        conv_state[:, :, past - 1].copy_(x)
+    return F.silu(result).to(x.dtype)

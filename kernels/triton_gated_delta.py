@@ -1,5 +1,5 @@
 """Gated DeltaNet decode: the causal conv's one-token update and one step of the gated delta rule, for every
-sequence of a step at once.
+sequence of a step at once, each reading and writing its state in its slot of the pool (in place).
 
 Twins: `tsterm_kernels.reference_gated_delta.causal_conv1d_update` and `.recurrent_gated_delta_rule` (the math and
 the shapes are documented there). The chunked prefill form has no kernel yet: prompts run the torch twin on the
@@ -69,11 +69,11 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 @triton.jit
 def _recurrent_step_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, new_state_ptr,
-    # sizes and strides (head dims are unit-stride; states are contiguous [S, Hv, dk, dv])
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, out_ptr,
+    # sizes and strides (head dims are unit-stride; each slot of the pool is a contiguous [Hv, dk, dv])
     num_v_heads, group, k_dim, v_dim, scale,
     stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head, stride_g_seq,
-    stride_beta_seq,
+    stride_beta_seq, stride_state_slot,
     # meta-parameters
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -83,6 +83,7 @@ def _recurrent_step_kernel(
     rows = tl.arange(0, BLOCK_K)  # [BLOCK_K] key dims
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] value dims
     row_mask, col_mask = rows < k_dim, cols < v_dim
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
 
     # ---- q and k of this head's key head, L2-normalised
     q = tl.load(q_ptr + seq * stride_q_seq + key_head * stride_q_head + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -93,18 +94,18 @@ def _recurrent_step_kernel(
     decay = tl.exp(tl.load(g_ptr + seq * stride_g_seq + head).to(tl.float32))
     beta = tl.load(beta_ptr + seq * stride_beta_seq + head).to(tl.float32)
 
-    # ---- decay, the delta write, the read-out
-    offsets = seq_head.to(tl.int64) * k_dim * v_dim + rows[:, None] * v_dim + cols[None, :]  # [BLOCK_K, BLOCK_V]
+    # ---- decay, the delta write, the read-out; the state tile is read from its slot and written back there
+    state = states_ptr + slot * stride_state_slot + head * k_dim * v_dim + rows[:, None] * v_dim + cols[None, :]
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    s = tl.load(state_ptr + offsets, mask=tile_mask, other=0.0).to(tl.float32) * decay
+    s = tl.load(state, mask=tile_mask, other=0.0) * decay  # [BLOCK_K, BLOCK_V]
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BLOCK_V]
     s += k[:, None] * delta[None, :]
-    tl.store(new_state_ptr + offsets, s, mask=tile_mask)
+    tl.store(state, s, mask=tile_mask)
     tl.store(out_ptr + seq_head.to(tl.int64) * v_dim + cols, tl.sum(s * q[:, None], axis=0), mask=col_mask)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                               states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     assert q.dim() == 3 and q.shape == k.shape and q.stride(2) == 1 and k.stride(2) == 1, \
         f"q, k must be [S, Hk, dk] with unit last stride, got {tuple(q.shape)}, {tuple(k.shape)}"
     num_seqs, num_k_heads, k_dim = q.shape
@@ -113,20 +114,25 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     assert num_v_heads % num_k_heads == 0, f"{num_v_heads} value heads for {num_k_heads} key heads"
     assert g.shape == beta.shape == (num_seqs, num_v_heads) and g.stride(1) == 1 and beta.stride(1) == 1, \
         f"g, beta must be [{num_seqs}, {num_v_heads}]"
-    assert state.shape == (num_seqs, num_v_heads, k_dim, v_dim), \
-        f"state must be [S, Hv, dk, dv], got {tuple(state.shape)}"
-    assert q.device == k.device == v.device == g.device == beta.device == state.device
-    state = state.float().contiguous()
+    _check_states(states, num_v_heads, k_dim, v_dim)
+    assert slots.shape == (num_seqs,) and not slots.is_floating_point(), "slots must be [S] integers"
+    assert q.device == k.device == v.device == g.device == beta.device == states.device == slots.device
     out = torch.empty((num_seqs, num_v_heads, v_dim), dtype=torch.float32, device=q.device)
-    new_state = torch.empty_like(state)
     if num_seqs == 0:
-        return out, new_state
+        return out
     block_k = triton.next_power_of_2(k_dim)
     block_v = min(triton.next_power_of_2(v_dim), max(16, 8192 // block_k))  # a [dk, BLOCK_V] tile per program
     _recurrent_step_kernel[(num_seqs * num_v_heads, triton.cdiv(v_dim, block_v))](
-        q, k, v, g, beta, state, out, new_state,
+        q, k, v, g, beta, states, slots, out,
         num_v_heads, num_v_heads // num_k_heads, k_dim, v_dim, k_dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        states.stride(0),
         BLOCK_K=block_k, BLOCK_V=block_v,
     )
-    return out, new_state
+    return out
+
+
+def _check_states(states: torch.Tensor, num_v_heads: int, k_dim: int, v_dim: int) -> None:
+    assert states.dim() == 4 and states.shape[1:] == (num_v_heads, k_dim, v_dim) and states.dtype == torch.float32, \
+        f"states must be a float32 pool [slots, {num_v_heads}, {k_dim}, {v_dim}], got {tuple(states.shape)}"
+    assert states.stride()[1:] == (k_dim * v_dim, v_dim, 1), "each slot of the state pool must be contiguous"

@@ -47,29 +47,60 @@ def oracle(q, k, v, g, beta, state):
 def test_chunked_equals_recurrent_equals_oracle(shape, with_state):
     n, hk, hv, dk, dv, chunk = shape
     q, k, v, g, beta, state = random_inputs(n, hk, hv, dk, dv, seed=n, with_state=with_state)
-    o_chunk, s_chunk = gdn.chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk)
-    s = torch.zeros(1, hv, dk, dv) if state is None else state[None]
-    steps = []
-    for t in range(n):  # decode: one token at a time, the state carried between calls
-        o_t, s = gdn.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
-        steps.append(o_t[0])
+    s_chunk = torch.zeros(hv, dk, dv) if state is None else state.clone()
+    o_chunk = gdn.gated_delta_chunked(q, k, v, g, beta, s_chunk, chunk_size=chunk)  # s_chunk: updated in place
+    pool = torch.randn(3, hv, dk, dv)  # decode: one token at a time, the state carried in slot 1
+    pool[1] = 0 if state is None else state
+    others = pool[[0, 2]].clone()
+    steps = [gdn.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], pool,
+                                            torch.tensor([1]))[0] for t in range(n)]
     o_ref, s_ref = oracle(q, k, v, g, beta, state)
     assert o_chunk.shape == (n, hv, dv) and s_chunk.shape == (hv, dk, dv)
     torch.testing.assert_close(o_chunk.double(), o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s_chunk.double(), s_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.stack(steps), o_chunk, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(s[0], s_chunk, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool[1], s_chunk, rtol=1e-4, atol=1e-4)
+    assert torch.equal(pool[[0, 2]], others)
 
 
-def test_the_recurrent_step_is_batched_over_sequences():
+@pytest.mark.parametrize("slots", [[2, 3, 4], [4, 0, 2], [1, 2, 0]], ids=["one-run", "scattered", "two-runs"])
+def test_the_recurrent_step_updates_its_slots_in_place(slots):
+    """A batch of sequences in any slots equals each one alone; the other slots stay as they were."""
     rows = [random_inputs(1, 2, 4, 8, 8, seed=10 + i) for i in range(3)]
     batched = [torch.cat(parts) for parts in zip(*(r[:5] for r in rows))]
-    states = torch.stack([r[5] for r in rows])
-    o, s = gdn.recurrent_gated_delta_rule(*batched, states)
+    pool = torch.randn(6, 4, 8, 8)
+    for slot, r in zip(slots, rows):
+        pool[slot] = r[5]
+    untouched = [s for s in range(6) if s not in slots]
+    others = pool[untouched].clone()
+    o = gdn.recurrent_gated_delta_rule(*batched, pool, torch.tensor(slots))
     for i, (q, k, v, g, beta, state) in enumerate(rows):
-        o_i, s_i = gdn.recurrent_gated_delta_rule(q, k, v, g, beta, state[None])
-        torch.testing.assert_close(o[i], o_i[0])
-        torch.testing.assert_close(s[i], s_i[0])
+        state = state[None].clone()
+        torch.testing.assert_close(o[i], gdn.gated_delta_step(q, k, v, g, beta, state)[0])
+        torch.testing.assert_close(pool[slots[i]], state[0])
+    assert torch.equal(pool[untouched], others)
+
+
+def test_the_prompt_op_runs_each_sequence_from_its_slot():
+    """`chunk_gated_delta_rule` over the rows of three sequences (one empty) equals each one alone; it writes only
+    their rows of out and their slots."""
+    lengths, slots, hv, dk, dv = [7, 0, 20], [3, 0, 1], 4, 8, 8
+    parts = [random_inputs(n, 2, hv, dk, dv, seed=30 + n) for n in lengths]
+    q, k, v, g, beta = (torch.cat([torch.zeros(2, *parts[0][i].shape[1:])] + [p[i] for p in parts]) for i in range(5))
+    starts = [2, 9, 9]  # two rows before the first sequence that are none of its business
+    bounds = torch.tensor([[s, s + n] for s, n in zip(starts, lengths)])
+    pool = torch.randn(5, hv, dk, dv)
+    for slot, p in zip(slots, parts):
+        pool[slot] = p[5]
+    want_pool = pool.clone()
+    out = torch.full((29, hv, dv), float("nan"))
+    gdn.chunk_gated_delta_rule(q, k, v, g, beta, pool, torch.tensor(slots), bounds, out, chunk_size=8)
+    for (qi, ki, vi, gi, bi, _), slot, start, n in zip(parts, slots, starts, lengths):
+        if n:
+            want = gdn.gated_delta_chunked(qi, ki, vi, gi, bi, want_pool[slot], chunk_size=8)
+            torch.testing.assert_close(out[start:start + n], want)
+    torch.testing.assert_close(pool, want_pool)
+    assert out[:2].isnan().all() and not out[2:].isnan().any()
 
 
 @pytest.mark.parametrize("shape", [(5, 1, 2, 16, 8, 4), (37, 2, 4, 8, 16, 16), (70, 2, 2, 8, 8, 64)])
@@ -79,13 +110,15 @@ def test_both_forms_equal_transformers(shape):
     ref_o, ref_s = hf.torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], chunk_size=chunk,
                                                    initial_state=state[None], output_final_state=True,
                                                    use_qk_l2norm_in_kernel=True)
-    o, s = gdn.chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=chunk)
+    s = state.clone()
+    o = gdn.gated_delta_chunked(q, k, v, g, beta, s, chunk_size=chunk)
     torch.testing.assert_close(o, ref_o[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s, ref_s[0], rtol=1e-4, atol=1e-5)
     ref_o1, ref_s1 = hf.torch_recurrent_gated_delta_rule(q[None, :1], k[None, :1], v[None, :1], g[None, :1],
                                                          beta[None, :1], initial_state=state[None],
                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o1, s1 = gdn.recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], state[None])
+    s1 = state[None].clone()
+    o1 = gdn.recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta[:1], s1, torch.tensor([0]))
     torch.testing.assert_close(o1, ref_o1[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s1, ref_s1, rtol=1e-5, atol=1e-6)
 
@@ -100,19 +133,20 @@ def test_causal_conv_in_pieces_equals_transformers_over_the_whole(kernel, split)
     x = torch.randn(n, channels, generator=gen)
     weight = torch.randn(channels, kernel, generator=gen)
     ref = hf.causal_conv1d_fn(x.t()[None], weight, None, activation="silu")[0].t()  # [n, C]
-    state = torch.zeros(channels, kernel - 1)
-    pieces, start = [], 0
+    pool = torch.randn(3, channels, kernel - 1, generator=gen)
+    pool[1] = 0  # the sequence's slot, at its start
+    others = pool[[0, 2]].clone()
+    out = torch.full((n, channels), float("nan"))
+    start = 0
     for size in split:
-        if size == 1:  # a decode step: slot 1 of a pool of 3
-            pool = torch.randn(3, channels, kernel - 1, generator=gen)
-            pool[1] = state
-            pieces.append(gdn.causal_conv1d_update(x[start:start + 1], weight, pool, torch.tensor([1])))
-            state = pool[1].clone()
-        else:
-            pieces.append(gdn.causal_conv1d(x[start:start + size], weight, state))
+        if size == 1:  # a decode step
+            out[start] = gdn.causal_conv1d_update(x[start:start + 1], weight, pool, torch.tensor([1]))[0]
+        else:  # a prompt chunk: the op reads its rows of the whole x
+            gdn.causal_conv1d(x, weight, pool, torch.tensor([1]), torch.tensor([[start, start + size]]), out)
         start += size
-    torch.testing.assert_close(torch.cat(pieces), ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(state, x[n - (kernel - 1):].t())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool[1], x[n - (kernel - 1):].t())
+    assert torch.equal(pool[[0, 2]], others)
 
 
 def test_causal_conv_update_equals_transformers_update():

@@ -43,13 +43,13 @@ def test_recurrent_step_matches_twin(kernels, poison, dtype, num_seqs, hk, hv, d
     v = qkv[:, 2 * hk * dk:].view(num_seqs, hv, dv)
     g = -torch.rand(num_seqs, hv, generator=gen) * 2
     beta = torch.rand(num_seqs, hv, generator=gen)
-    state = torch.randn(num_seqs, hv, dk, dv, generator=gen)
-    state0 = state.clone()
-    want_o, want_s = twin.recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    got_o, got_s = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got_s, want_s, atol=1e-5, rtol=1e-5)
-    assert torch.equal(state, state0)
+    pool = torch.randn(5, hv, dk, dv, generator=gen)
+    slots = torch.tensor([3, 0, 4][:num_seqs])  # out of order, not a run
+    want_pool = pool.clone()
+    want = twin.recurrent_gated_delta_rule(q, k, v, g, beta, want_pool, slots)
+    got = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)  # updated in place, the other slots unchanged
 
 
 def test_decode_steps_follow_the_chunked_prefill(kernels):
@@ -60,11 +60,11 @@ def test_decode_steps_follow_the_chunked_prefill(kernels):
     v = torch.randn(n, hv, dv, generator=gen)
     g = -F.softplus(torch.randn(n, hv, generator=gen))
     beta = torch.rand(n, hv, generator=gen)
-    want, _ = twin.chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=4)
-    got, state = twin.chunk_gated_delta_rule(q[:8], k[:8], v[:8], g[:8], beta[:8], chunk_size=4)
-    steps, state = [got], state[None]
+    want = twin.gated_delta_chunked(q, k, v, g, beta, torch.zeros(hv, dk, dv), chunk_size=4)
+    pool = torch.randn(3, hv, dk, dv, generator=gen)
+    pool[2] = 0
+    steps = [twin.gated_delta_chunked(q[:8], k[:8], v[:8], g[:8], beta[:8], pool[2], chunk_size=4)]
     for t in range(8, n):
-        o, state = kernels.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
-                                                      state)
-        steps.append(o)
+        steps.append(kernels.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
+                                                        beta[t:t + 1], pool, torch.tensor([2])))
     torch.testing.assert_close(torch.cat(steps), want, atol=1e-5, rtol=1e-5)

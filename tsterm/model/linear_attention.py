@@ -92,10 +92,11 @@ class GatedDeltaNet:
             rows = slice(None) if every else [starts[i] for i in decode]
             qkv = self.ops.causal_conv1d_update(mixed[rows], self.conv, conv_states, step_slots)  # [S_dec, C]
             q, k, v = self._split(qkv)
-            o, new = self.ops.recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows],
-                                                         states.index_select(0, step_slots))
-            states.index_copy_(0, step_slots, new)
-            out[rows] = o
+            o = self.ops.recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], states, step_slots)  # in place
+            if every:
+                out = o
+            else:
+                out[rows] = o
             if snapshots:  # a decode token that completes a block: its state is kept
                 kept = [i for i in decode if snapshots[i][1] == seq_lens[i]]
                 if kept:
@@ -118,13 +119,12 @@ class GatedDeltaNet:
                slot: torch.Tensor, out: torch.Tensor) -> None:
         """Rows [start, end) of one sequence through the conv and the chunked rule, from and into its slot [1]."""
         conv_state = self.conv_states.index_select(0, slot)[0]  # [C, K-1]
-        qkv = gdn.causal_conv1d(mixed[start:end], self.conv, conv_state)  # [n, C]; conv_state updated
+        qkv = gdn._conv(mixed[start:end], self.conv, conv_state)  # [n, C]; conv_state updated
         self.conv_states.index_copy_(0, slot, conv_state[None])
         q, k, v = self._split(qkv)
-        o, new = gdn.chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end],
-                                            self.recurrent_states.index_select(0, slot)[0])
-        self.recurrent_states.index_copy_(0, slot, new[None])
-        out[start:end] = o
+        state = self.recurrent_states.index_select(0, slot)[0]  # [Hv, dk, dv]
+        out[start:end] = gdn.gated_delta_chunked(q, k, v, g[start:end], beta[start:end], state)
+        self.recurrent_states.index_copy_(0, slot, state[None])
 
     def _keep(self, snapshot_slots: list[int], slots: torch.Tensor) -> None:
         """Copy the states in `slots` [n] into `snapshot_slots` (a prefix's state, kept for reuse)."""
