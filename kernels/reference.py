@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tsterm_kernels.metadata import AttentionMetadata
+from tsterm_kernels.quant import QuantizedWeight, quantized_linear
 # Gated DeltaNet decode ops: their twins live in their own module, with the chunked prefill form
 from tsterm_kernels.reference_gated_delta import causal_conv1d_update, recurrent_gated_delta_rule
 
@@ -27,7 +28,11 @@ _FEW_PAIRS = 64  # fused_moe groups at most this many (token, expert) pairs on t
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); x: [M, I], weight: [O, I] -> [M, O]. On the CPU, small M runs as a row-split bmm."""
+    """F.linear(x, weight, bias); x: [M, I], weight: [O, I] -> [M, O]. On the CPU, small M runs as a row-split bmm.
+
+    The model's one matmul seam: a `QuantizedWeight` (weight-only int8 / int4) runs its quantized kernel here."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight, bias)
     rows, (out_features, in_features) = x.shape[0], weight.shape
     if (x.device.type != "cpu" or rows > _SPLIT_MAX_ROWS or x.dim() != 2 or out_features % _SPLITS
             or not weight.is_contiguous()):

@@ -62,19 +62,23 @@ def profile_from_args(args: argparse.Namespace) -> Profile | None:
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """The tensor/expert parallel flags of a command that starts an engine (they override the profile's keys)."""
+    """The tensor/expert parallel and weight quantization flags of a command that starts an engine (they override
+    the profile's keys)."""
     parser.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size", metavar="N",
                         help="split attention, dense MLPs and the vocabulary over N ranks (one process each) "
                              "(default: the profile's, else 1)")
     parser.add_argument("--expert-parallel-size", type=int, dest="expert_parallel_size", metavar="N",
                         help="split the routed experts over N groups of ranks (x tensor-parallel size ranks in all) "
                              "(default: the profile's, else 1)")
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"],
+                        help="store the linear layers' weights as int8 (per output row) or int4 (groups of 32) "
+                             "at load, CPU only (default: the profile's, else none)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a command line sets over its profile (None: not given)."""
     return {name: getattr(args, name, None)
-            for name in ("dtype", "device", "tensor_parallel_size", "expert_parallel_size")}
+            for name in ("dtype", "device", "tensor_parallel_size", "expert_parallel_size", "quantization")}
 
 
 def llm_from_args(args: argparse.Namespace, profile: Profile | None = None):

@@ -32,6 +32,7 @@ from tsterm.model.decoder import DecoderModel
 from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
 from tsterm.model.parallel import ParallelContext, SingleRank
+from tsterm.model.quant import quantize_weights
 
 def kernels_for(name: str, device: torch.device) -> str:
     """The kernel implementation an engine option names; "auto": Triton on CUDA, the torch twins elsewhere."""
@@ -56,7 +57,8 @@ class ModelRunner(Executor):
         self.num_state_slots = num_state_slots(layer_types, config.max_num_seqs, config.enable_prefix_caching)
         recurrent = self.num_state_slots > 0
         load = load_hybrid_weights if recurrent else load_weights
-        weights = load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout)
+        weights = quantize_weights(load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout),
+                                   config.quantization)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
         self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
         self.state_bytes_per_slot = ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)

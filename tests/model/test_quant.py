@@ -1,0 +1,140 @@
+"""Weight-only int8 / int4 models (`quantization`) against float models whose weights are the dequantized weights.
+
+The reference checkpoint holds, for every matrix tsterm quantizes, `quantize(w).dequantize()` in float32, so both
+models compute with the same effective weights and only the kernels differ: the quantized model must pick the same
+greedy tokens and give the same log-probabilities up to float32 reassociation. The float model of the original
+weights is the control: quantization error is far larger than the tolerance, so the test sees which model it ran.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tsterm_kernels.quant import QuantizedWeight
+
+from tsterm import LLM, SamplingParams, launch
+from tsterm.cli import build_parser
+from tsterm.config import EngineConfig, ModelConfig
+from tsterm.errors import ConfigError
+from tsterm.model.loader import load_weights
+from tsterm.model.quant import quantize, quantize_weights, weight_bytes
+from tsterm.profiles import load_profile
+
+from tests.helpers.checkpoints import make_checkpoint
+
+# Shapes int4 takes everywhere (inputs multiples of 32, outputs of 16), so every matrix really is int4.
+SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, head_dim=16)
+CASES = {"qwen3_moe": dict(SIZES, num_experts=4, num_experts_per_tok=2), "llama": SIZES}
+OPTIONS = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+NEW_TOKENS = 12
+# Max |difference| of log-probabilities (and of the last logits, relative to their largest) allowed between a
+# quantized model and its dequantized float twin. Both run the same weights in float32; only the summation order
+# differs (fused dequant kernels vs MKL), a few float32 ulps per dot product that three layers grow to ~1e-6 on these
+# O(1) values (measured: see the note in BENCHMARKS.md). Quantization itself moves them by > 1e-3 (the controls
+# below), so 1e-4 tells the two apart.
+TOLERANCE = 1e-4
+
+
+def _is_quantized_in_tsterm(name: str, tensor: torch.Tensor) -> bool:
+    """The HF tensors that become the matrices tsterm.model.quant quantizes (the router and norms do not)."""
+    return tensor.dim() >= 2 and not name.endswith(("embed_tokens.weight", "mlp.gate.weight"))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    model_type = request.param
+    path, _ = make_checkpoint(tmp_path_factory.mktemp(model_type) / "float", model_type, CASES[model_type])
+    return model_type, path
+
+
+def _dequantized_twin(src: Path, dst: Path, mode: str) -> Path:
+    shutil.copytree(src, dst)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({name: quantize(t, mode).dequantize() if _is_quantized_in_tsterm(name, t) else t
+                   for name, t in tensors.items()}, file)
+    return dst
+
+
+def _generate(model_dir: Path, prompts: list[list[int]], **options) -> list:
+    llm = LLM(str(model_dir), **OPTIONS, **options)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    return llm.generate(prompts, params)
+
+
+def _logprobs(out) -> torch.Tensor:
+    """The chosen token's log-probability at each step: [new]."""
+    return torch.cat([torch.tensor(step["logprob"]).reshape(1) for step in out.outputs[0].logprobs])
+
+
+def _last_logits(model_dir: Path, prompt: list[int], **options) -> torch.Tensor:
+    """The whole [V] float32 logits row after a prompt (one prefill step)."""
+    engine = LLM(str(model_dir), **OPTIONS, **options).engine
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    return engine.executor.execute(engine.scheduler.schedule())[0]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_generates_like_its_dequantized_float_twin(checkpoint, tmp_path, mode):
+    model_type, float_dir = checkpoint
+    twin_dir = _dequantized_twin(float_dir, tmp_path / "twin", mode)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 17)]
+    quantized = _generate(float_dir, prompts, quantization=mode)
+    twin = _generate(twin_dir, prompts)
+    original = _generate(float_dir, prompts)
+    for q_out, t_out, f_out in zip(quantized, twin, original):
+        assert q_out.token_ids == t_out.token_ids
+        gap = (_logprobs(q_out) - _logprobs(t_out)).abs().max()
+        assert gap < TOLERANCE, f"{model_type} {mode}: log-probabilities differ by {gap:.2e}"
+        # the control: the float model of the unquantized weights is measurably another model
+        assert q_out.token_ids != f_out.token_ids or (_logprobs(q_out) - _logprobs(f_out)).abs().max() > 10 * TOLERANCE
+    logits = [_last_logits(d, prompts[1], **o) for d, o in ((float_dir, dict(quantization=mode)), (twin_dir, {}),
+                                                              (float_dir, {}))]
+    assert (logits[0] - logits[1]).abs().max() < TOLERANCE * logits[1].abs().max()
+    assert (logits[0] - logits[2]).abs().max() > 10 * TOLERANCE * logits[2].abs().max()
+
+
+@pytest.mark.parametrize("mode,bits", [("int8", 8), ("int4", 4)])
+def test_weights_are_stored_quantized(checkpoint, mode, bits):
+    model_type, float_dir = checkpoint
+    cfg = ModelConfig.from_dir(float_dir)
+    weights = load_weights(float_dir, cfg, torch.float32, torch.device("cpu"))
+    float_bytes = weight_bytes(weights)
+    linear_params = sum(w.numel() for name, w in weights.items() if name.rsplit(".", 1)[-1] in
+                        ("qkv", "o_proj", "w13", "w2") or name == "lm_head")
+    quantize_weights(weights, mode)
+    kinds = {w.kind for w in weights.values() if isinstance(w, QuantizedWeight)}
+    assert kinds == {mode}
+    assert isinstance(weights["lm_head"], QuantizedWeight) and not isinstance(weights["embed"], QuantizedWeight)
+    assert isinstance(weights["layers.0.w13"], QuantizedWeight) and weights["layers.0.w13"].data.dtype in \
+        (torch.int8, torch.uint8)
+    # each linear parameter went from 4 bytes to bits/8 (+ its share of the scales)
+    saved = float_bytes - weight_bytes(weights)
+    assert saved > linear_params * (4 - bits / 8) * 0.85, (saved, linear_params)
+
+
+def test_quantization_option_is_checked():
+    assert EngineConfig(model="m", quantization="int4").quantization == "int4"
+    with pytest.raises(ConfigError, match="quantization must be none, int8 or int4"):
+        EngineConfig(model="m", quantization="fp4")
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_the_flag_and_the_profile_key_reach_the_engine_options(monkeypatch, tmp_path, command):
+    seen = {}
+    monkeypatch.setattr(launch, "load_llm", lambda profile, model, **overrides: seen.update(overrides))
+    extra = ["--prompt", "hi"] if command == "run" else []
+    launch.llm_from_args(build_parser().parse_args([command, "--model", "m", "--quantization", "int4", *extra]))
+    assert seen["quantization"] == "int4"
+    launch.llm_from_args(build_parser().parse_args([command, "--model", "m", *extra]))
+    assert seen["quantization"] is None  # not given: the profile's value (or none) stands
+    profile = tmp_path / "q.yaml"
+    profile.write_text("model: some/dir\nquantization: int8\n")
+    assert load_profile(str(profile)).engine_options()["quantization"] == "int8"
+    profile.write_text("model: some/dir\nquantization: q4\n")
+    with pytest.raises(ConfigError, match=r"q\.yaml:2"):
+        load_profile(str(profile))

@@ -1,0 +1,63 @@
+"""Quantize-on-load: the decoder's linear weights replaced by weight-only int8 / int4 ones (EngineConfig.quantization).
+
+What is quantized: every matrix the decoder multiplies through `tsterm_kernels.reference.linear` - fused q/k/v
+(and the hybrids' q/k/v/gate and linear-attention projections), o_proj / out_proj, the experts' and dense MLPs'
+`w13` / `w2` stacks (per expert), the shared expert, and the LM head. What stays in the float dtype: the
+embedding (a row lookup), norms, biases, the router and the shared expert's gate (a few KB that decide routing),
+the convolution and the linear-attention decay parameters.
+
+int4 groups 32 inputs (GGUF Q4's block size); a matrix whose shape torch's int4 GEMM cannot take (inputs not a
+multiple of 32, outputs not a multiple of 16) is stored as int8 instead. Each float matrix is dropped as soon as
+its quantized form exists, so the float copies made at load (fused q/k/v, stacked experts) go one by one.
+"""
+from __future__ import annotations
+
+import torch
+from tsterm_kernels.quant import QuantizedWeight, int4_supported, quantize_int4, quantize_int8
+
+from tsterm.errors import ConfigError
+
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZE = 32
+# canonical weight names (tsterm.model.loader / hybrid_loader) of the matrices `linear` multiplies by
+LINEAR_NAMES = ("qkv", "qkvg", "o_proj", "in_proj", "out_proj", "w13", "w2", "shared_w13", "shared_w2")
+
+
+def is_linear_weight(name: str) -> bool:
+    return name == "lm_head" or name.rsplit(".", 1)[-1] in LINEAR_NAMES
+
+
+def quantize(weight: torch.Tensor, mode: str) -> QuantizedWeight:
+    """One [..., O, I] weight as `mode` ("int8" or "int4"; int4 falls back to int8 for shapes it cannot take)."""
+    if mode == "int4" and int4_supported(weight.shape, INT4_GROUP_SIZE):
+        return quantize_int4(weight, INT4_GROUP_SIZE)
+    return quantize_int8(weight)
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+    """Replace the linear weights of a loaded model (in `weights`, in place) by their `mode` form; returns it."""
+    if mode not in QUANTIZATIONS:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "none":
+        return weights
+    device = weights["embed"].device
+    if device.type != "cpu":
+        raise ConfigError(f"quantization: {mode} weights run on the CPU only for now (device is {device}); "
+                          "use quantization: none on a GPU")
+    tied = weights["lm_head"] is weights["embed"]
+    for name in [n for n in weights if is_linear_weight(n)]:
+        if name == "lm_head" and tied:  # the embedding stays float for its lookup; the head gets its own copy
+            weights[name] = quantize(weights["embed"], mode)
+            continue
+        weights[name] = quantize(weights[name], mode)  # the float tensor is released here
+    return weights
+
+
+def weight_bytes(weights: dict[str, torch.Tensor]) -> int:
+    """Bytes the model's weights hold (a tied head counted once; a mapped file's pages count as they are read)."""
+    seen, total = set(), 0
+    for weight in weights.values():
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            total += weight.nbytes if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
+    return total
