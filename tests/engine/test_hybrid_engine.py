@@ -126,6 +126,20 @@ def test_snapshots_make_way_for_live_sequences(hybrid):
     llm.engine.kv.pool.check_invariants()
 
 
+def test_a_pinned_conversation_keeps_its_snapshot(hybrid):
+    """A pin (an agent waiting on a tool) protects its prefix's snapshot too: a live sequence that needs a slot
+    takes an unpinned snapshot's, even a more recent one, and the pinned conversation resumes where it was."""
+    llm = LLM(hybrid, dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, max_num_seqs=1)  # 3 slots
+    first, second = (p + llm.generate([p], GREEDY)[0].token_ids + [7] for p in prompts(2, seed=11))
+    llm.engine.pin(first[:-1])  # first is the least recently used snapshot; the third sequence needs one slot
+    llm.generate([prompts(3, seed=11)[2]], GREEDY)
+    stats = llm.stats()
+    assert stats["state_snapshot_evictions"] == 1 and stats["state_snapshots"] == 2
+    resumed = llm.generate([first], GREEDY)[0]
+    assert resumed.num_cached_tokens == (len(first) - 2) // 4 * 4 and resumed.token_ids == alone(hybrid, first)
+    llm.engine.kv.pool.check_invariants()
+
+
 def test_several_samples_of_one_prompt_fork_the_state(hybrid_and_oracle):
     """n = 3: the prompt is computed once; each sample starts from a copy of its state (counted) and goes its own
     way. Each sample's logprobs are those transformers computes for its whole token sequence from scratch."""

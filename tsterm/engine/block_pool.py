@@ -232,9 +232,11 @@ class BlockPool:
 
     def allocate_state_slot(self) -> int:
         """A state slot for a live sequence: a free one, else the least recently used snapshot's (its block stays
-        cached, without a state to resume from)."""
+        cached, without a state to resume from); one on a pinned block (a session waiting on a tool or its user)
+        only when every kept snapshot is pinned."""
         if not self._free_state_slots and self._snapshots:
-            block = self.blocks[next(iter(self._snapshots))]
+            unpinned = (block_id for block_id in self._snapshots if self.blocks[block_id].pin_cnt == 0)
+            block = self.blocks[next(unpinned, next(iter(self._snapshots)))]
             self._detach_snapshot(block)
             self.num_snapshot_evictions += 1
         if not self._free_state_slots:
