@@ -1,0 +1,56 @@
+"""Held-out perplexity of the shipped moe-demo model (trained on Shakespeare) with int8 / int4 weights vs float.
+
+The quantized model's weights are `quantize(w).dequantize()` of every matrix tsterm quantizes, run by transformers:
+tests/model/test_quant.py shows tsterm's quantized kernels compute exactly these weights (greedy tokens equal,
+log-probs within 1e-4), so this measures what the quantization costs, on held-out text, in one run. The figures
+printed here are the ones BENCHMARKS.md records ("Quantized weights").
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+import tsterm
+from tsterm.model.quant import quantize
+
+MODEL_DIR = Path(tsterm.__file__).parent / "models" / "moe_demo"
+WINDOW = 256
+
+transformers = pytest.importorskip("transformers")
+
+
+def _is_quantized_in_tsterm(name: str, tensor: torch.Tensor) -> bool:
+    return tensor.dim() >= 2 and not name.endswith(("embed_tokens.weight", "mlp.gate.weight"))
+
+
+@pytest.fixture(scope="module")
+def windows() -> torch.Tensor:
+    ids = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).encode(
+        (MODEL_DIR / "heldout.txt").read_text(encoding="utf-8")).ids
+    count = len(ids) // WINDOW
+    return torch.tensor(ids[:count * WINDOW]).view(count, WINDOW)  # [N, T]
+
+
+def _perplexity(model, originals: dict[str, torch.Tensor], mode: str, windows: torch.Tensor) -> float:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in originals:
+                param.copy_(originals[name] if mode == "none" else quantize(originals[name], mode).dequantize())
+        logits = model(windows).logits  # [N, T, V]
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten())
+    return math.exp(nll.item())
+
+
+def test_int8_perplexity_within_one_percent_of_float_and_int4_reported(windows):
+    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    originals = {name: p.detach().clone() for name, p in model.named_parameters() if _is_quantized_in_tsterm(name, p)}
+    ppl = {mode: _perplexity(model, originals, mode, windows) for mode in ("none", "int8", "int4")}
+    print(f"moe-demo held-out perplexity ({windows.numel()} tokens): "
+          + ", ".join(f"{mode} {value:.3f} ({value / ppl['none'] - 1:+.2%})" for mode, value in ppl.items()))
+    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01
+    assert ppl["int4"] != ppl["none"]  # the weights really changed
+    assert ppl["int4"] / ppl["none"] - 1 < 0.10  # int4 in groups of 32 costs a few percent, not a broken model
