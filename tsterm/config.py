@@ -212,6 +212,9 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
+    # a fine-grained FP8 checkpoint (quantization_config.quant_method "fp8"): the [rows, cols] blocks each
+    # `weight_scale_inv` value covers; (0, 0): one scale per tensor; None: not an FP8 checkpoint
+    fp8_block_size: tuple[int, int] | None = None
     source: str = "config.json"
 
     @property
@@ -243,6 +246,7 @@ class ModelConfig:
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
 
         spec = ARCHITECTURES[model_type]
+        fp8_block_size = _parse_quantization(raw.get("quantization_config"), source)
         if spec.text_config:  # a multimodal release: its language model is described by the nested text_config
             text = raw.get("text_config")
             if not isinstance(text, dict):
@@ -333,6 +337,7 @@ class ModelConfig:
             linear_value_head_dim=get("linear_value_head_dim", 0),
             linear_conv_kernel_dim=get("linear_conv_kernel_dim", 0),
             eos_token_ids=eos_ids,
+            fp8_block_size=fp8_block_size,
             source=source,
         )
         for key in ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
@@ -351,6 +356,26 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: partial_rotary_factor {config.rope.partial_rotary_factor} leaves "
                                  f"{config.rotary_dim} rotated dims of head_dim {head_dim} (needs an even number >= 2)")
         return config
+
+
+def _parse_quantization(qc: Any, source: str) -> tuple[int, int] | None:
+    """The FP8 block size of a checkpoint's `quantization_config` (see ModelConfig.fp8_block_size); any other
+    quantization method is refused by name."""
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported (tsterm loads "
+                             "fine-grained FP8 checkpoints, quant_method \"fp8\", and unquantized ones; for int8 / int4 "
+                             "weights load the float checkpoint with quantization: int8 or int4)")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return (0, 0)
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ModelLoadError(f"{source}: quantization_config.weight_block_size must be two positive integers, "
+                             f"got {block!r}")
+    return (block[0], block[1])
 
 
 def _parse_rope(raw: dict[str, Any], head_dim: int, source: str, allow_partial: bool = False) -> RopeConfig:

@@ -30,7 +30,7 @@ def load_hybrid_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dt
     spec = ARCHITECTURES[cfg.model_type]
     if cfg.attention_bias:
         raise ModelLoadError(f"{cfg.source}: attention_bias is not supported for {cfg.model_type}")
-    src = WeightSource(find_weight_files(Path(model_dir)), dtype, device, progress)
+    src = WeightSource(find_weight_files(Path(model_dir)), dtype, device, progress, cfg.fp8_block_size)
     if spec.skipped_weights:
         for name in sorted(src.unused):
             if name.startswith(spec.skipped_weights):

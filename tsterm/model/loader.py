@@ -26,6 +26,7 @@ ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # fine-grained FP8 / compressed-tensors checkpoints
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Span = tuple[int, int] | None  # (first, count) along one dimension; None: all of it
 
@@ -59,8 +60,12 @@ def find_weight_files(model_dir: Path) -> list[Path]:
 class WeightSource:
     """Name -> tensor over all shards, tracking which names were used so leftovers can be reported."""
 
-    def __init__(self, files: list[Path], dtype: torch.dtype, device: torch.device, progress: ProgressFn | None):
+    def __init__(self, files: list[Path], dtype: torch.dtype, device: torch.device, progress: ProgressFn | None,
+                 fp8_block_size: tuple[int, int] | None = None):
+        """fp8_block_size: `ModelConfig.fp8_block_size` (an FP8 weight with a `_scale_inv` is dequantized to `dtype`
+        block by block as it is read)."""
         self.dtype, self.device, self.progress = dtype, device, progress
+        self.fp8_block_size = fp8_block_size
         self.where: dict[str, SafetensorsFile] = {}
         for path in files:
             shard = SafetensorsFile(path)
@@ -92,11 +97,40 @@ class WeightSource:
                                  f"does not load as a weight (it loads {', '.join(WEIGHT_DTYPES)}); convert the "
                                  "checkpoint to one of those")
         self._mark_used(name)
+        if tensor.dtype in FP8_DTYPES and self.has(name + "_scale_inv"):
+            tensor, rows, cols = self._dequantize_fp8(name, tensor, rows, cols), None, None
         if rows is not None and rows != (0, tensor.shape[0]):
             tensor = tensor.narrow(0, *rows)  # a view of the mapping: only these rows' pages are read
         if cols is not None and cols != (0, tensor.shape[1]):
             tensor = tensor.narrow(1, *cols).contiguous()  # this rank's columns, copied once
         return self.to_target(tensor) if convert else tensor
+
+    def _dequantize_fp8(self, name: str, tensor: torch.Tensor, rows: Span, cols: Span) -> torch.Tensor:
+        """Rows x cols of a block-scaled FP8 weight [O, I] as float32: each value times the `weight_scale_inv` of
+        its block (Qwen's and DeepSeek's fine-grained FP8). Only the span's fp8 bytes and scales are read."""
+        scale_name = name + "_scale_inv"
+        shard = self.where[scale_name]
+        scale = shard.tensor(scale_name)
+        self._mark_used(scale_name)
+        if tensor.dim() != 2:
+            raise ModelLoadError(f"{shard.path.name}: FP8 tensor {name!r} has {tensor.dim()} dimensions; tsterm "
+                                 "dequantizes block-scaled FP8 matrices only")
+        out_f, in_f = tensor.shape
+        block = self.fp8_block_size
+        if block is None:
+            raise ModelLoadError(f"{shard.path.name}: {scale_name!r} scales an FP8 weight, but config.json has no "
+                                 "quantization_config with quant_method \"fp8\"")
+        b0, b1 = block if block != (0, 0) else (out_f, in_f)  # (0, 0): one scale for the whole tensor
+        expected = (-(-out_f // b0), -(-in_f // b1))
+        if scale.numel() != expected[0] * expected[1]:
+            raise ModelLoadError(f"{shard.path.name}: {scale_name!r} has shape {list(scale.shape)}; blocks of "
+                                 f"{[b0, b1]} over {name!r} {[out_f, in_f]} need {list(expected)}")
+        r0, nr = rows if rows is not None else (0, out_f)
+        c0, nc = cols if cols is not None else (0, in_f)
+        scale = scale.reshape(expected).float()
+        block_rows = torch.arange(r0, r0 + nr) // b0
+        block_cols = torch.arange(c0, c0 + nc) // b1
+        return tensor[r0:r0 + nr, c0:c0 + nc].float() * scale[block_rows][:, block_cols]
 
     def skip(self, name: str) -> None:
         """Accept a tensor the model does not read (a tied lm_head saved anyway)."""
@@ -129,8 +163,9 @@ class WeightSource:
             files = ", ".join(sorted({self.where[n].path.name for n in extra}))
             scales = [n for n in extra if n.endswith(SCALE_SUFFIXES)]
             if scales:
-                raise ModelLoadError(f"{files}: quantization scales such as {scales[0]!r}: tsterm loads FP8 weights "
-                                     "as plain tensors, not block-scaled ones; dequantize the checkpoint to bf16 first")
+                raise ModelLoadError(f"{files}: quantization scales such as {scales[0]!r} that tsterm did not read "
+                                     "(it reads a `weight_scale_inv` next to an FP8 weight, in a checkpoint whose "
+                                     "config.json says quant_method fp8); dequantize the checkpoint to bf16 first")
             raise ModelLoadError(f"unexpected tensor(s) in {files}: {', '.join(extra[:5])}{more} "
                                  "(does config.json match these weights?)")
 
@@ -140,7 +175,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     """Returns the decoder's weights by canonical name (see `tsterm.model.decoder`): `layout.rank`'s shard."""
     model_dir = Path(model_dir)
     spec = ARCHITECTURES[cfg.model_type]
-    src = WeightSource(find_weight_files(model_dir), dtype, device, progress)
+    src = WeightSource(find_weight_files(model_dir), dtype, device, progress, cfg.fp8_block_size)
     H, D = cfg.hidden_size, cfg.head_dim
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     vocab_first, vocab_count, _ = layout.vocab(cfg.vocab_size)
