@@ -9,11 +9,12 @@ import torch.nn.functional as F
 
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import QuantizedWeight, quantized_linear
-# Gated DeltaNet decode ops: their twins live in their own module, with the chunked prefill form
-from tsterm_kernels.reference_gated_delta import causal_conv1d_update, recurrent_gated_delta_rule
+# Gated DeltaNet ops (decode and prefill): their twins live in their own module
+from tsterm_kernels.reference_gated_delta import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
+                                                  recurrent_gated_delta_rule)
 
-__all__ = ["causal_conv1d_update", "expert_mlp", "fused_moe", "linear", "moe_route", "paged_attention",
-           "recurrent_gated_delta_rule", "rms_norm", "store_kv"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "expert_mlp", "fused_moe", "linear",
+           "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm", "store_kv"]
 
 
 # Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory

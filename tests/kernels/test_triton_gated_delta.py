@@ -68,3 +68,72 @@ def test_decode_steps_follow_the_chunked_prefill(kernels):
         steps.append(kernels.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
                                                         beta[t:t + 1], pool, torch.tensor([2])))
     torch.testing.assert_close(torch.cat(steps), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lengths, channels, kernel", [([5, 2, 0, 20], 24, 4), ([1, 9], 40, 2), ([3], 300, 3)],
+                         ids=["short-empty-long", "k2", "wide"])
+def test_conv_prefill_matches_twin(kernels, poison, dtype, lengths, channels, kernel):
+    """Several sequences' prompt rows (fewer than K-1 of them, none, several row blocks), each from its slot."""
+    gen = torch.Generator().manual_seed(channels + len(lengths))
+    rows = 3 + sum(lengths)  # 3 rows first that belong to no sequence here (a decode token's, say)
+    x = torch.randn(rows, channels + 8, generator=gen).to(dtype)[:, 8:]  # a column slice: row stride != C
+    weight = torch.randn(channels, kernel, generator=gen).to(dtype)
+    pool = torch.randn(6, channels, kernel - 1, generator=gen).to(dtype)
+    slots = torch.tensor([5, 0, 3, 2][:len(lengths)])
+    starts = torch.tensor([3] + lengths[:-1]).cumsum(0)
+    bounds = torch.stack((starts, starts + torch.tensor(lengths)), dim=1)
+    want_pool, want = pool.clone(), torch.full((rows, channels), float("nan"), dtype=dtype)
+    twin.causal_conv1d(x, weight, want_pool, slots, bounds, want)
+    got = torch.full((rows, channels), float("nan"), dtype=dtype)
+    kernels.causal_conv1d(x, weight, pool, slots, bounds, got)
+    torch.testing.assert_close(got, want, equal_nan=True, **TOLERANCE[dtype])
+    torch.testing.assert_close(pool, want_pool, atol=0, rtol=0)  # the last K-1 inputs; the other slots unchanged
+
+
+# (key heads, value heads, dk, dv, chunk size): GQA, head dims below a tile and not powers of 2, several chunks
+PREFILL_SHAPES = [(2, 2, 16, 16, 16), (1, 3, 8, 20, 16), (2, 4, 32, 8, 32)]
+
+
+@pytest.mark.parametrize("num_k_heads, num_v_heads, dk, dv, chunk", PREFILL_SHAPES,
+                         ids=[f"hk{s[0]}-hv{s[1]}-dk{s[2]}-dv{s[3]}-c{s[4]}" for s in PREFILL_SHAPES])
+def test_chunked_prefill_matches_twin(kernels, poison, num_k_heads, num_v_heads, dk, dv, chunk):
+    """Sequences of different lengths (one chunk and a bit, less than one, none, exactly two), each resuming from
+    the state in its slot, their rows interleaved with rows of no sequence."""
+    gen = torch.Generator().manual_seed(dk * dv + chunk)
+    lengths = [chunk + 5, 3, 0, 2 * chunk]
+    rows = 2 + sum(lengths)
+    qkv = torch.randn(rows, 2 * num_k_heads * dk + num_v_heads * dv, generator=gen)  # q, k, v: views of one projection
+    key_size = num_k_heads * dk
+    q = qkv[:, :key_size].view(rows, num_k_heads, dk)
+    k = qkv[:, key_size:2 * key_size].view(rows, num_k_heads, dk)
+    v = qkv[:, 2 * key_size:].view(rows, num_v_heads, dv)
+    g = -torch.rand(num_v_heads, generator=gen).mul(3).exp() * torch.rand(rows, num_v_heads, generator=gen)
+    beta = torch.rand(rows, num_v_heads, generator=gen)
+    pool = torch.randn(6, num_v_heads, dk, dv, generator=gen)
+    slots = torch.tensor([4, 1, 0, 3])
+    starts = torch.tensor([2] + lengths[:-1]).cumsum(0)
+    bounds = torch.stack((starts, starts + torch.tensor(lengths)), dim=1)
+    want_pool, want = pool.clone(), torch.full((rows, num_v_heads, dv), float("nan"))
+    twin.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want, chunk_size=chunk)
+    got = torch.full((rows, num_v_heads, dv), float("nan"))
+    kernels.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, got, chunk_size=chunk)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(pool, want_pool, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_of_a_repeated_token(kernels):
+    """The same key again and again with beta near 1 and no decay: the within-chunk system is as ill-conditioned as
+    it gets ((I + A) is all ones below the diagonal), and the kernel still follows the twin."""
+    gen = torch.Generator().manual_seed(2)
+    n, hv, dk, dv = 40, 2, 16, 16
+    q = torch.randn(n, 1, dk, generator=gen)
+    k = torch.randn(1, 1, dk, generator=gen).expand(n, 1, dk).contiguous()
+    v = torch.randn(n, hv, dv, generator=gen)
+    g, beta = torch.zeros(n, hv), torch.full((n, hv), 0.999)
+    pool, slots, bounds = torch.randn(1, hv, dk, dv, generator=gen), torch.tensor([0]), torch.tensor([[0, n]])
+    want_pool, want = pool.clone(), torch.empty(n, hv, dv)
+    twin.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want, chunk_size=32)
+    got = kernels.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, torch.empty(n, hv, dv), chunk_size=32)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool, want_pool, atol=1e-4, rtol=1e-4)

@@ -7,9 +7,9 @@ from zeros (its slot is cleared here, so a slot needs no cleaning when it change
 prefix finds its state already copied from that prefix's snapshot. Where the step says so (`StepContext.snapshots`),
 the layer also copies a sequence's state at a block boundary into the sequence's snapshot slot, splitting a prompt
 chunk there, so that a later prompt with that prefix can resume from it. Prompt chunks run the
-chunked form of the rule, one sequence at a time; decode tokens run the recurrent form, every sequence of the step
-at once, through the model's kernel ops (Triton on CUDA); prompt chunks run the torch twin of the chunked form
-(`tsterm_kernels.reference_gated_delta`) on every device, as no kernel of it exists yet.
+chunked form of the rule, decode tokens the recurrent form, each kind every sequence of the step at once (a prompt
+split at a snapshot: the rows before the cut, then the rows after it), through the model's kernel ops (Triton on
+CUDA), which update each sequence's state in its slot in place.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from tsterm_kernels import reference_gated_delta as gdn
 from tsterm_kernels.reference import linear
 
 from tsterm.config import ModelConfig
@@ -101,30 +100,35 @@ class GatedDeltaNet:
                 kept = [i for i in decode if snapshots[i][1] == seq_lens[i]]
                 if kept:
                     self._keep([snapshots[i][0] for i in kept], slots[kept])
-        for i in range(len(seq_lens)):  # prompt chunks: one sequence at a time, chunked
-            start, end = starts[i], starts[i + 1]
-            if end - start <= 1:
-                continue
-            slot = slots[i:i + 1]  # [1]
-            position = snapshots[i][1] if snapshots else 0
-            cut = start + position - (seq_lens[i] - (end - start)) if position else end  # the row where it is reached
-            self._chunk(mixed, g, beta, start, cut, slot, out)
-            if position:
-                self._keep([snapshots[i][0]], slot)
-                if cut < end:
-                    self._chunk(mixed, g, beta, cut, end, slot, out)
+        prompts = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
+        if prompts:  # prompt chunks: every sequence at once, chunked; split where a snapshot is kept
+            before, after, kept = [], [], []  # (sequence, first row, end row); sequences keeping a snapshot
+            for i in prompts:
+                start, end = starts[i], starts[i + 1]
+                position = snapshots[i][1] if snapshots else 0
+                cut = start + position - (seq_lens[i] - (end - start)) if position else end  # the row reaching it
+                before.append((i, start, cut))
+                if position:
+                    kept.append(i)
+                    if cut < end:
+                        after.append((i, cut, end))
+            qkv = torch.empty_like(mixed)  # [T, C]: the conv's output at the prompt rows
+            self._prefill(mixed, qkv, g, beta, before, slots, out)
+            if kept:
+                self._keep([snapshots[i][0] for i in kept], slots[kept])
+            if after:
+                self._prefill(mixed, qkv, g, beta, after, slots, out)
         return out
 
-    def _chunk(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, start: int, end: int,
-               slot: torch.Tensor, out: torch.Tensor) -> None:
-        """Rows [start, end) of one sequence through the conv and the chunked rule, from and into its slot [1]."""
-        conv_state = self.conv_states.index_select(0, slot)[0]  # [C, K-1]
-        qkv = gdn._conv(mixed[start:end], self.conv, conv_state)  # [n, C]; conv_state updated
-        self.conv_states.index_copy_(0, slot, conv_state[None])
+    def _prefill(self, mixed: torch.Tensor, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 rows: list[tuple[int, int, int]], slots: torch.Tensor, out: torch.Tensor) -> None:
+        """(sequence, first row, end row) of each prompt piece: through the conv (into qkv [T, C]) and the chunked
+        rule (into out [T, Hv, dv]), each from and into its state slot, in place."""
+        seq_slots = slots if len(rows) == len(slots) else slots[[i for i, _, _ in rows]]  # [N]
+        bounds = torch.tensor([[start, end] for _, start, end in rows], dtype=torch.int32, device=slots.device)
+        self.ops.causal_conv1d(mixed, self.conv, self.conv_states, seq_slots, bounds, qkv)
         q, k, v = self._split(qkv)
-        state = self.recurrent_states.index_select(0, slot)[0]  # [Hv, dk, dv]
-        out[start:end] = gdn.gated_delta_chunked(q, k, v, g[start:end], beta[start:end], state)
-        self.recurrent_states.index_copy_(0, slot, state[None])
+        self.ops.chunk_gated_delta_rule(q, k, v, g, beta, self.recurrent_states, seq_slots, bounds, out)
 
     def _keep(self, snapshot_slots: list[int], slots: torch.Tensor) -> None:
         """Copy the states in `slots` [n] into `snapshot_slots` (a prefix's state, kept for reuse)."""
