@@ -150,7 +150,7 @@ def test_qwen35_kv_and_state():
 
 def test_qwen35_tp8_on_8xb200():
     m = model(QWEN35_397B)
-    lay = layout(plan_layouts(m, 8, B200, context=8192), 8, 1)
+    lay = layout(plan_layouts(m, 8, B200, state_dtype="bf16", context=8192), 8, 1)
     # per rank, TP8 x EP1:
     # full attention: q 4 heads x 256 x 2 (gate) = 2048 x 4096 = 8,388,608; 2 kv heads on 8 ranks -> 1 (replicated):
     #   k, v 256x4096 = 1,048,576 each; o 4096x1024 4,194,304 = 14,680,064; x15 = 220,200,960; q/k norms 7,680
@@ -212,7 +212,8 @@ def test_cli_table_with_reference(capsys, tmp_path):
     assert main(["plan", "--model", str(tmp_path), "--gpus", "8xB200", "--dtype", "fp8"]) == 0
     out = capsys.readouterr().out
     assert "TP8 x EP1" in out and "TP1 x EP8" in out
-    assert "30,720 bytes per token" in out and "97,689,600 bytes per sequence" in out
+    # the state as tsterm keeps it, in float32 by default: twice the bf16 figure (97,689,600)
+    assert "30,720 bytes per token" in out and "195,379,200 bytes per sequence (fp32" in out
     assert "580 tok/s" in out and "MTP speculative decoding" in out
 
 

@@ -240,7 +240,7 @@ class Layout:
 
 
 def plan_layouts(m: PlanModel, gpus: int, gpu: GpuSpec, dtype: str = "bf16", kv_dtype: str = "bf16",
-                 state_dtype: str = "bf16", context: int = 8192, headroom: float = 0.1) -> list[Layout]:
+                 state_dtype: str = "fp32", context: int = 8192, headroom: float = 0.1) -> list[Layout]:
     """Every TP x EP = gpus layout (EP only for MoE models; TP must divide the attention heads)."""
     layouts = []
     for tp in range(1, gpus + 1):
@@ -487,8 +487,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="memory bandwidth per GPU in TB/s (custom; overrides a preset)")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="weight format (default bf16)")
     p.add_argument("--kv-dtype", dest="kv_dtype", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--state-dtype", dest="state_dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="Gated DeltaNet state format (hybrid models)")
+    p.add_argument("--state-dtype", dest="state_dtype", choices=("bf16", "fp32"), default="fp32",
+                   help="Gated DeltaNet state format (hybrid models; default fp32, what tsterm keeps)")
     p.add_argument("--context", type=int, default=8192, help="tokens of context for the decode bound (default 8192)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of GPU memory kept for activations, buffers and fragmentation (default 0.1)")
