@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU session (one call, well under 8 minutes): the GPU tests (kernels compiled on the device, the CUDA
-# decode path: no host syncs, graph replay = eager, greedy output = CPU reference), the kernel microbenchmarks, then
+# decode path: no host syncs, graph replay = eager, greedy output = CPU reference), the kernel microbenchmarks (and the
+# Gated DeltaNet ones: prefill time per chunk, decode), then
 # batch-1 decode of a Qwen3-30B-A3B-shaped model, eager vs CUDA graphs, against its roofline, then one GPU vs
 # tensor/expert parallel ranks where the machine has 2+ GPUs (it says so where it has one); a summary table prints last. Usage, from anywhere: bash scripts/gpu_check.sh
 # Works without installing anything: uses $PYTHON (default python3, the GPU machine's own interpreter) and, when
@@ -38,8 +39,13 @@ tests_line=$(grep -E "passed|failed|error|skipped" "$test_log" | tail -n 1)
 
 echo; echo "== kernel microbenchmarks =="
 kernel_summary=$(mktemp)
-timeout "$(limit 110)" "$PYTHON" benchmarks/gpu_kernels.py --summary-file "$kernel_summary"
+timeout "$(limit 150)" "$PYTHON" benchmarks/gpu_kernels.py --summary-file "$kernel_summary"
 kernel_rc=$?
+
+echo; echo "== Gated DeltaNet kernels: varlen chunked prefill and decode, against the twins on the device =="
+gated_summary=$(mktemp)
+timeout "$(limit 110)" "$PYTHON" benchmarks/gpu_gated_delta.py --summary-file "$gated_summary"
+gated_rc=$?
 
 echo; echo "== batch-1 decode: Qwen3-30B-A3B shape, eager vs CUDA graphs =="
 decode_summary=$(mktemp)
@@ -55,16 +61,19 @@ status() { [ "$1" = 0 ] && echo ok || { [ "$1" = 124 ] && echo "TIMEOUT" || echo
 echo; echo "================================ summary ================================"
 printf '%-26s rc=%-3s %s\n' "GPU tests" "$tests_rc" "${tests_line:-no result (timeout?)}"
 printf '%-26s rc=%-3s %s\n' "kernel microbenchmarks" "$kernel_rc" "$(status "$kernel_rc")"
+printf '%-26s rc=%-3s %s\n' "gated delta kernels" "$gated_rc" "$(status "$gated_rc")"
 printf '%-26s rc=%-3s %s\n' "decode benchmark" "$decode_rc" "$(status "$decode_rc")"
 printf '%-26s rc=%-3s %s\n' "parallel comparison" "$parallel_rc" "$(status "$parallel_rc")"
 printf '%-26s %ss of %ss\n' "wall time" "$SECONDS" "$DEADLINE"
 [ -s "$kernel_summary" ] && { echo; cat "$kernel_summary"; }
+[ -s "$gated_summary" ] && { echo; cat "$gated_summary"; }
 [ -s "$decode_summary" ] && { echo; cat "$decode_summary"; }
 [ -s "$parallel_summary" ] && { echo; cat "$parallel_summary"; }
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
   cp "$test_log" "$OUT/gpu_tests.log"
   [ -s "$kernel_summary" ] && cp "$kernel_summary" "$OUT/gpu_bench_summary.txt"
+  [ -s "$gated_summary" ] && cp "$gated_summary" "$OUT/gpu_gated_delta_summary.txt"
   [ -s "$decode_summary" ] && cp "$decode_summary" "$OUT/gpu_decode_summary.txt"
   [ -s "$parallel_summary" ] && cp "$parallel_summary" "$OUT/gpu_parallel_summary.txt"
 fi
-[ "$tests_rc" = 0 ] && [ "$kernel_rc" = 0 ] && [ "$decode_rc" = 0 ] && [ "$parallel_rc" = 0 ]
+[ "$tests_rc" = 0 ] && [ "$kernel_rc" = 0 ] && [ "$gated_rc" = 0 ] && [ "$decode_rc" = 0 ] && [ "$parallel_rc" = 0 ]
