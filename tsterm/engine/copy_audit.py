@@ -44,6 +44,7 @@ PHASES = {
     "Attention.__call__": "attention",
     "GatedAttention.__call__": "attention",
     "GatedDeltaNet._mix": "linear_state",  # the recurrent state's reads and writes (slots, conv windows)
+    "GatedDeltaNet._keep": "state_snapshot",  # a state kept at a block boundary, for prefix reuse
     "GatedDeltaNet.__call__": "linear_attention",
     "moe_route": "moe",
     "fused_moe": "moe",
