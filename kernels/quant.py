@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers: int8 per output channel, int4 per group of inputs.
+"""Weight-only quantized linear layers: int8 per output channel, int4 per group of inputs, fp16.
 
 A `QuantizedWeight` stands where a float weight [O, I] (or a stack of them, [E, O, I]) stood; the model's matmul
 seam, `tsterm_kernels.reference.linear`, sends it here. Only the quantized bytes are kept: no float copy exists
@@ -9,10 +9,16 @@ Formats:
 - int4: `data` uint8 [..., O, I/2] in the layout of torch's CPU int4 GEMM (`_convert_weight_to_int4pack_for_cpu`),
   `scale` float32 [..., I/G, O, 2] holding (scale, zero) per group of G inputs; W = (q - 8) * scale + zero with
   q in [0, 15] (asymmetric: zero = min + 8 * scale, which is GGUF Q4_1's block form for G = 32).
+- fp16: each [O, I] matrix as fbgemm's packed half-precision GEMM matrix (`fbgemm_pack_gemm_matrix_fp16`; `packed`
+  holds one opaque handle per matrix, the bytes live in fbgemm), run by `fbgemm_linear_fp16_weight`: the float32
+  activations times the fp16 weights, accumulated in float32. Exact for weights that are bfloat16 values within
+  fp16's range (most released checkpoints); otherwise each weight is rounded to 11 significant bits.
 
 Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): int4 runs torch's
-`_weight_int4pack_mm_for_cpu`; int8 runs `_weight_int8pack_mm`. Both read only the quantized bytes. On other
-devices the weight is dequantized per call (correct, not fast: no GPU kernel reads these formats yet).
+`_weight_int4pack_mm_for_cpu`; int8 runs `_weight_int8pack_mm`; fp16 fbgemm's AVX2 GEMM. All read only the
+quantized bytes. On these AVX2 cores only fp16 is faster than float32 (2-4x per matmul); int8 / int4 save memory
+(4x / 7x) but their torch kernels run 2-5x slower than float32. On other devices the weight is dequantized per
+call (correct, not fast: no GPU kernel reads these formats yet).
 """
 from __future__ import annotations
 
@@ -32,14 +38,16 @@ class QuantizedWeight:
     are read in place like their float stacks."""
 
     kind: str
-    data: torch.Tensor
-    scale: torch.Tensor
+    data: torch.Tensor  # int8 / int4 codes; fp16: empty (the bytes are in `packed`)
+    scale: torch.Tensor  # int8 / int4 only
     group_size: int = 0  # int4 only
     in_features: int = 0
+    dims: tuple[int, ...] = ()  # the float weight's shape [..., O, I]
+    packed: tuple[torch.Tensor, ...] = ()  # fp16: fbgemm's handle of each [O, I] matrix
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((*self.data.shape[:-1], self.in_features))
+        return torch.Size(self.dims)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -50,27 +58,38 @@ class QuantizedWeight:
         return self.data.device
 
     def dim(self) -> int:
-        return self.data.dim()
+        return len(self.dims)
 
     @property
     def nbytes(self) -> int:
+        if self.kind == "fp16":
+            return 2 * torch.Size(self.dims).numel()
         return self.data.nbytes + self.scale.nbytes
 
     def __getitem__(self, index: int) -> "QuantizedWeight":
-        assert self.data.dim() == 3, "only a stack of weights [E, O, I] is indexed"
-        return QuantizedWeight(self.kind, self.data[index], self.scale[index], self.group_size, self.in_features)
+        assert len(self.dims) == 3, "only a stack of weights [E, O, I] is indexed"
+        if self.kind == "fp16":
+            return QuantizedWeight("fp16", self.data, self.scale, 0, self.in_features, self.dims[1:],
+                                   (self.packed[index],))
+        return QuantizedWeight(self.kind, self.data[index], self.scale[index], self.group_size, self.in_features,
+                               self.dims[1:])
 
     def clone(self) -> "QuantizedWeight":
-        return QuantizedWeight(self.kind, self.data.clone(), self.scale.clone(), self.group_size, self.in_features)
+        if self.kind == "fp16":
+            return quantize_fp16(self.dequantize())
+        return QuantizedWeight(self.kind, self.data.clone(), self.scale.clone(), self.group_size, self.in_features,
+                               self.dims)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these bytes stand for (tests, references; the matmuls never build it)."""
-        if self.data.dim() == 3:
-            return torch.stack([self[i].dequantize() for i in range(self.data.shape[0])])
+        if len(self.dims) == 3:
+            return torch.stack([self[i].dequantize() for i in range(self.dims[0])])
         if self.kind == "int8":
             return self.data.float() * self.scale[:, None]
         eye = torch.eye(self.in_features, dtype=torch.float32, device=self.device)
-        return _int4_mm(eye, self).t().contiguous()  # exact: one 1 per row of the identity
+        # exact: one 1 per row of the identity
+        mm = _int4_mm if self.kind == "int4" else _fp16_mm
+        return mm(eye, self).t().contiguous()
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
@@ -78,7 +97,15 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     w = weight.float()
     scale = w.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [..., O]
     data = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)  # [..., O, I]
-    return QuantizedWeight("int8", data, scale.contiguous(), 0, weight.shape[-1])
+    return QuantizedWeight("int8", data, scale.contiguous(), 0, weight.shape[-1], tuple(weight.shape))
+
+
+def quantize_fp16(weight: torch.Tensor) -> QuantizedWeight:
+    """A float weight [..., O, I] as fbgemm's packed fp16 matrices (one per [O, I])."""
+    mats = weight.float().reshape(-1, *weight.shape[-2:])
+    packed = tuple(torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(m.contiguous()) for m in mats)
+    empty = torch.empty(0, device=weight.device)
+    return QuantizedWeight("fp16", empty, empty, 0, weight.shape[-1], tuple(weight.shape), packed)
 
 
 def int4_supported(shape: torch.Size | tuple[int, ...], group_size: int) -> bool:
@@ -95,7 +122,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
     if weight.dim() == 3:
         parts = [quantize_int4(w, group_size) for w in weight]
         return QuantizedWeight("int4", torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]),
-                               group_size, weight.shape[-1])
+                               group_size, weight.shape[-1], tuple(weight.shape))
     out_f, in_f = weight.shape
     w = weight.float().view(out_f, in_f // group_size, group_size)  # [O, I/G, G]
     low, high = w.amin(-1), w.amax(-1)  # [O, I/G]
@@ -108,17 +135,23 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_si
     """int4 weight from codes q [O, I] in [0, 15] and per-group scale, zero [O, I/G]: W = (q - 8) * scale + zero."""
     data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)  # [O, I/2]
     scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).float().contiguous()  # [I/G, O, 2]
-    return QuantizedWeight("int4", data, scales_and_zeros, group_size, q.shape[1])
+    return QuantizedWeight("int4", data, scales_and_zeros, group_size, q.shape[1], tuple(q.shape))
 
 
 def _int4_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.data, w.group_size, w.scale)
 
 
+def _fp16_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    return torch.ops.aten.fbgemm_linear_fp16_weight(x, w.packed[0], None)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, I] @ W.T (+ bias) -> [M, O] float32, reading only the quantized bytes of `weight` [O, I] on the CPU."""
     if x.device.type != "cpu":  # no device kernel reads these formats yet
         y = torch.nn.functional.linear(x, weight.dequantize().to(x.dtype))
+    elif weight.kind == "fp16":
+        y = _fp16_mm(x.float(), weight)
     elif weight.kind == "int8":
         y = torch._weight_int8pack_mm(x.float(), weight.data, weight.scale)
     else:

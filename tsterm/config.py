@@ -98,8 +98,8 @@ class EngineConfig:
     state_snapshot_interval: int = 512
     seed: int = 0
     kernels: str = "auto"  # auto: Triton on CUDA, the torch twins on the CPU; or force "torch" / "triton"
-    # weight-only quantization of the linear layers at load (tsterm.model.quant): none, int8 (per output row) or
-    # int4 (groups of 32 inputs); CPU only for now
+    # weight-only quantization of the linear layers at load (tsterm.model.quant): none, fp16, int8 (per output row)
+    # or int4 (groups of 32 inputs); CPU only for now
     quantization: str = "none"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA with the Triton kernels; ignored elsewhere)
     max_pinned_fraction: float = 0.5  # share of the KV blocks that pins (Engine.pin) may hold; 0 disables pinning
@@ -125,8 +125,8 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.kernels in ("auto", "torch", "triton"), f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        _check(self.quantization in ("none", "int8", "int4"),
-               f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        _check(self.quantization in ("none", "fp16", "int8", "int4"),
+               f"quantization must be none, fp16, int8 or int4, got {self.quantization!r}")
         _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         _check(isinstance(self.max_pinned_fraction, (int, float)) and not isinstance(self.max_pinned_fraction, bool)
                and 0.0 <= self.max_pinned_fraction <= 1.0,

@@ -1,4 +1,4 @@
-"""Held-out perplexity of the shipped moe-demo model (trained on Shakespeare) with int8 / int4 weights vs float.
+"""Held-out perplexity of the shipped moe-demo model (trained on Shakespeare) with fp16 / int8 / int4 weights vs float.
 
 The quantized model's weights are `quantize(w).dequantize()` of every matrix tsterm quantizes, run by transformers:
 tests/model/test_quant.py shows tsterm's quantized kernels compute exactly these weights (greedy tokens equal,
@@ -48,9 +48,10 @@ def _perplexity(model, originals: dict[str, torch.Tensor], mode: str, windows: t
 def test_int8_perplexity_within_one_percent_of_float_and_int4_reported(windows):
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
     originals = {name: p.detach().clone() for name, p in model.named_parameters() if _is_quantized_in_tsterm(name, p)}
-    ppl = {mode: _perplexity(model, originals, mode, windows) for mode in ("none", "int8", "int4")}
+    ppl = {mode: _perplexity(model, originals, mode, windows) for mode in ("none", "fp16", "int8", "int4")}
     print(f"moe-demo held-out perplexity ({windows.numel()} tokens): "
           + ", ".join(f"{mode} {value:.3f} ({value / ppl['none'] - 1:+.2%})" for mode, value in ppl.items()))
+    assert abs(ppl["fp16"] / ppl["none"] - 1) < 0.001  # a bfloat16 checkpoint: fp16 holds its weights exactly
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01
     assert ppl["int4"] != ppl["none"]  # the weights really changed
     assert ppl["int4"] / ppl["none"] - 1 < 0.10  # int4 in groups of 32 costs a few percent, not a broken model

@@ -1,4 +1,4 @@
-"""Quantize-on-load: the decoder's linear weights replaced by weight-only int8 / int4 ones (EngineConfig.quantization).
+"""Quantize-on-load: the decoder's linear weights as weight-only fp16 / int8 / int4 ones (EngineConfig.quantization).
 
 What is quantized: every matrix the decoder multiplies through `tsterm_kernels.reference.linear` - fused q/k/v
 (and the hybrids' q/k/v/gate and linear-attention projections), o_proj / out_proj, the experts' and dense MLPs'
@@ -13,11 +13,11 @@ its quantized form exists, so the float copies made at load (fused q/k/v, stacke
 from __future__ import annotations
 
 import torch
-from tsterm_kernels.quant import QuantizedWeight, int4_supported, quantize_int4, quantize_int8
+from tsterm_kernels.quant import QuantizedWeight, int4_supported, quantize_fp16, quantize_int4, quantize_int8
 
 from tsterm.errors import ConfigError
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "fp16", "int8", "int4")
 INT4_GROUP_SIZE = 32
 # canonical weight names (tsterm.model.loader / hybrid_loader) of the matrices `linear` multiplies by
 LINEAR_NAMES = ("qkv", "qkvg", "o_proj", "in_proj", "out_proj", "w13", "w2", "shared_w13", "shared_w2")
@@ -28,7 +28,10 @@ def is_linear_weight(name: str) -> bool:
 
 
 def quantize(weight: torch.Tensor, mode: str) -> QuantizedWeight:
-    """One [..., O, I] weight as `mode` ("int8" or "int4"; int4 falls back to int8 for shapes it cannot take)."""
+    """One [..., O, I] weight as `mode` ("fp16", "int8" or "int4"; int4 falls back to int8 for shapes it cannot
+    take)."""
+    if mode == "fp16":
+        return quantize_fp16(weight)
     if mode == "int4" and int4_supported(weight.shape, INT4_GROUP_SIZE):
         return quantize_int4(weight, INT4_GROUP_SIZE)
     return quantize_int8(weight)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tsterm_kernels.quant import QuantizedWeight, quantize_int4, quantize_int8, quantized_linear
+from tsterm_kernels.quant import QuantizedWeight, quantize_fp16, quantize_int4, quantize_int8, quantized_linear
 from tsterm_kernels.reference import expert_mlp, linear
 
 
@@ -13,8 +13,8 @@ def _weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(out_f, in_f, generator=gen) * torch.rand(out_f, 1, generator=gen)  # rows of varied scale
 
 
-@pytest.mark.parametrize("quantize", [quantize_int8, lambda w: quantize_int4(w, 32), lambda w: quantize_int4(w, 64)],
-                         ids=["int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("quantize", [quantize_fp16, quantize_int8, lambda w: quantize_int4(w, 32),
+                                      lambda w: quantize_int4(w, 64)], ids=["fp16", "int8", "int4-g32", "int4-g64"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_quantized_linear_equals_linear_of_the_dequantized_weight(quantize, rows):
     weight, bias = _weight(48, 128), torch.randn(48)
@@ -47,10 +47,11 @@ def test_int4_rounds_each_weight_to_its_group_grid():
 def test_a_stack_of_experts_is_indexed_in_place():
     gen = torch.Generator().manual_seed(5)
     w13, w2 = torch.randn(3, 64, 32, generator=gen) * 0.2, torch.randn(3, 32, 32, generator=gen) * 0.2
-    for quantize in (quantize_int8, lambda w: quantize_int4(w, 32)):
+    for quantize in (quantize_fp16, quantize_int8, lambda w: quantize_int4(w, 32)):
         q13, q2 = quantize(w13), quantize(w2)
         assert isinstance(q13[1], QuantizedWeight) and q13.shape == (3, 64, 32) and q13[1].shape == (64, 32)
-        assert q13[1].data.data_ptr() == q13.data[1].data_ptr()  # a view, not a copy
+        if q13.kind != "fp16":
+            assert q13[1].data.data_ptr() == q13.data[1].data_ptr()  # a view, not a copy
         x = torch.randn(2, 32, generator=gen)
         torch.testing.assert_close(expert_mlp(x, q13[2], q2[2]), expert_mlp(x, q13.dequantize()[2], q2.dequantize()[2]),
                                    rtol=1e-5, atol=1e-5)
@@ -61,3 +62,10 @@ def test_int4_refuses_shapes_torch_cannot_pack():
         quantize_int4(torch.randn(24, 64), 32)
     with pytest.raises(ValueError, match="int4 needs"):
         quantize_int4(torch.randn(32, 48), 32)
+
+
+def test_fp16_weights_are_the_half_precision_values():
+    weight = _weight(32, 64)
+    q = quantize_fp16(weight)
+    assert torch.equal(q.dequantize(), weight.half().float()) and q.nbytes == 32 * 64 * 2
+    assert not torch.equal(q.dequantize(), weight)
