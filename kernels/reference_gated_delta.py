@@ -55,6 +55,22 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _in_slot_order(ids: list[int], rows: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor],
+                                                                       torch.Tensor | None]:
+    """The slots sorted, and the step's per-sequence rows in that order (one token's inputs each: small), so that a
+    batch holding a range of slots in any order (the engine's slot stack hands them out descending after an
+    ascending batch is freed) is one run; and the order, to put the outputs back (None: already sorted)."""
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if order == list(range(len(ids))):
+        return ids, rows, None
+    perm = torch.tensor(order, device=rows[0].device)
+    return [ids[i] for i in order], [x.index_select(0, perm) for x in rows], perm
+
+
+def _unsort(out: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    return out if perm is None else torch.empty_like(out).index_copy_(0, perm, out)
+
+
 def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
           state: torch.Tensor) -> torch.Tensor:
     """Prepared q, k [S, Hv, dk]; v [S, Hv, dv]; g, beta [S, Hv] float32; state [S, Hv, dk, dv] float32 updated in
@@ -83,19 +99,19 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q, k: [S, Hk, dk]; v: [S, Hv, dv]; g, beta: [S, Hv]; states: [num_slots, Hv, dk, dv] float32, the rows `slots`
     [S] (int, distinct) updated in place. Returns o [S, Hv, dv] float32.
 
-    Each run of consecutive slots is one view of the pool, updated in one batched step (the engine hands slots out
-    from the bottom of a stack, so a batch is usually one run). Measured at 32 value heads of 128 x 128 (2 MB of
+    Each run of consecutive slots (the rows taken in slot order) is one view of the pool, updated in one batched
+    step (the engine hands slots out from a stack, so a batch is usually one run). Measured at 32 value heads of 128 x 128 (2 MB of
     state per sequence), 1 thread on the shared 2-core machine: 1 sequence 0.8 ms against 2.8 ms for a gather of
     the states, the step and a scatter back; 8 sequences 6-15 ms against 46 ms (per-slot views: within the noise of
     per-run views).
     """
     q, k, scale = _prepare(q, k, v.shape[-2])
-    g, beta = g.float(), beta.float()
-    runs = _runs(slots.tolist())
+    ids, (q, k, v, g, beta), perm = _in_slot_order(slots.tolist(), [q, k, v, g.float(), beta.float()])
+    runs = _runs(ids)
     if len(runs) == 1:
-        return _step(q, k, v, g, beta, scale, states.narrow(0, runs[0][1], runs[0][2]))
-    return torch.cat([_step(q[r:r + n], k[r:r + n], v[r:r + n], g[r:r + n], beta[r:r + n], scale,
-                            states.narrow(0, slot, n)) for r, slot, n in runs])
+        return _unsort(_step(q, k, v, g, beta, scale, states.narrow(0, runs[0][1], runs[0][2])), perm)
+    return _unsort(torch.cat([_step(q[r:r + n], k[r:r + n], v[r:r + n], g[r:r + n], beta[r:r + n], scale,
+                                    states.narrow(0, slot, n)) for r, slot, n in runs]), perm)
 
 
 def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -188,10 +204,12 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     x: [S, C]; weight: [C, K]; conv_states: [num_slots, C, K-1], the rows `slots` [S] (int, distinct) read and
     rewritten in place. Returns [S, C] in x's dtype.
     """
-    runs = _runs(slots.tolist())
+    ids, (x,), perm = _in_slot_order(slots.tolist(), [x])
+    runs = _runs(ids)
     if len(runs) == 1:
-        return _conv_step(x, weight, conv_states.narrow(0, runs[0][1], runs[0][2]))
-    return torch.cat([_conv_step(x[r:r + n], weight, conv_states.narrow(0, slot, n)) for r, slot, n in runs])
+        return _unsort(_conv_step(x, weight, conv_states.narrow(0, runs[0][1], runs[0][2])), perm)
+    return _unsort(torch.cat([_conv_step(x[r:r + n], weight, conv_states.narrow(0, slot, n)) for r, slot, n in runs]),
+                   perm)
 
 
 def _conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:

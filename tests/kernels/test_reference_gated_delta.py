@@ -63,7 +63,8 @@ def test_chunked_equals_recurrent_equals_oracle(shape, with_state):
     assert torch.equal(pool[[0, 2]], others)
 
 
-@pytest.mark.parametrize("slots", [[2, 3, 4], [4, 0, 2], [1, 2, 0]], ids=["one-run", "scattered", "two-runs"])
+@pytest.mark.parametrize("slots", [[2, 3, 4], [4, 3, 2], [4, 0, 2], [1, 2, 0]],
+                         ids=["one-run", "one-run-descending", "scattered", "one-run-shuffled"])
 def test_the_recurrent_step_updates_its_slots_in_place(slots):
     """A batch of sequences in any slots equals each one alone; the other slots stay as they were."""
     rows = [random_inputs(1, 2, 4, 8, 8, seed=10 + i) for i in range(3)]
