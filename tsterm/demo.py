@@ -1,7 +1,9 @@
 """Random-weight Qwen3-MoE checkpoints that tsterm makes itself, without transformers or a model hub.
 
 `ensure_demo_model("tiny")` backs the Quickstart (`tsterm run` before a real default model ships); the "bench"
-preset is a memory-bound MoE for `tsterm bench`. The output is an ordinary HF model directory: config.json,
+preset is a memory-bound MoE for `tsterm bench`, and "bench-hybrid" its Qwen3.5-MoE-shaped twin (Gated DeltaNet
+and gated attention layers 3:1, routed experts plus a gated shared expert) for `tsterm bench --profile
+bench-hybrid`. The output is an ordinary HF model directory: config.json,
 generation_config.json, safetensors weights with HF names, and a byte-level BPE tokenizer with a ChatML template.
 Everything is deterministic: the same spec gives byte-identical files.
 """
@@ -64,6 +66,40 @@ class RandomMoESpec:
             raise ConfigError(f"RandomMoESpec.num_experts_per_tok must be in [1, {self.num_experts}]")
 
 
+@dataclass(frozen=True)
+class RandomHybridSpec(RandomMoESpec):
+    """A random Qwen3.5-MoE language model (`qwen3_5_moe_text`): every `full_attention_interval`-th layer is gated
+    full attention (an output gate from q_proj, RoPE on the leading `partial_rotary_factor` of each head), the
+    others Gated DeltaNet linear attention; every layer's MLP is routed experts plus a sigmoid-gated shared expert.
+    Norm weights are zero-centred (stored as scale - 1), except the Gated DeltaNet output norm's."""
+
+    shared_expert_intermediate_size: int = 512
+    linear_num_key_heads: int = 8
+    linear_num_value_heads: int = 16
+    linear_key_head_dim: int = 64
+    linear_value_head_dim: int = 64
+    linear_conv_kernel_dim: int = 4
+    full_attention_interval: int = 4
+    partial_rotary_factor: float = 0.25
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("RandomHybridSpec.linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.full_attention_interval < 1:
+            raise ConfigError("RandomHybridSpec.full_attention_interval must be >= 1")
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+                for i in range(self.num_hidden_layers)]
+
+    @property
+    def linear_conv_channels(self) -> int:  # q, k and v go through the causal conv
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
+            self.linear_num_value_heads * self.linear_value_head_dim
+
+
 SPECS: dict[str, RandomMoESpec] = {
     # 4 x (12 KB attention + 8 x 3 x 64 x 64 experts) + 2 x 1024 x 64 embed/lm_head = 0.6 M params: 2.4 MB fp32
     "tiny": RandomMoESpec(vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -79,11 +115,25 @@ SPECS: dict[str, RandomMoESpec] = {
     "bench": RandomMoESpec(vocab_size=1024, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                            num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
                            moe_intermediate_size=512, max_position_embeddings=32768, dtype="float32"),
+    # "bench" as a Qwen3.5-MoE hybrid: 8 layers, 6 Gated DeltaNet + 2 gated attention (layers 3 and 7), the same
+    # H 1024 and experts (16 x I 512, top-4) plus a shared expert of I 512. Float32 for the reason given above.
+    #   Gated DeltaNet per layer: in_proj_qkv 2048 x 1024 + z 1024 x 1024 + b, a 2 x 16 x 1024 + out 1024 x 1024
+    #     = 4.23 M params = 16.9 MB; its state: 16 value heads x 64 x 64 float32 = 256 KB (+ 24 KB of conv)
+    #   gated attention per layer: q (+ gate) 2048 x 1024 + k, v 256 x 1024 + o 1024 x 1024 = 3.67 M = 14.7 MB
+    #   experts: 4 x 6.3 MB routed + 6.3 MB shared; router 0.07 MB
+    #   read per token: 6 x 16.9 + 2 x 14.7 + 8 x (25.2 + 6.3 + 0.07) MB + lm_head 4.2 MB = ~388 MB
+    #   whole checkpoint: 8 x (16 x 6.3 + 6.3) MB + mixers + embed + lm_head = ~1.0 GB (2 shards)
+    "bench-hybrid": RandomHybridSpec(vocab_size=1024, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                                     num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
+                                     moe_intermediate_size=512, max_position_embeddings=32768, dtype="float32"),
 }
 
 
 def _tensor_plan(spec: RandomMoESpec) -> Iterator[tuple[str, tuple[int, ...]]]:
     """HF Qwen3-MoE tensor names and shapes, in the (fixed) order they are generated and written."""
+    if isinstance(spec, RandomHybridSpec):
+        yield from _hybrid_tensor_plan(spec)
+        return
     H, D, I = spec.hidden_size, spec.head_dim, spec.moe_intermediate_size
     yield "model.embed_tokens.weight", (spec.vocab_size, H)
     for i in range(spec.num_hidden_layers):
@@ -105,6 +155,58 @@ def _tensor_plan(spec: RandomMoESpec) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (spec.vocab_size, H)
 
 
+def _hybrid_tensor_plan(spec: RandomHybridSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """HF Qwen3.5-MoE (text) names and shapes; experts in transformers 5's stacked layout (`experts.gate_up_proj`
+    [E, 2I, H], gate rows first, and `experts.down_proj` [E, H, I]), which tsterm's loader also reads."""
+    H, D, I, E = spec.hidden_size, spec.head_dim, spec.moe_intermediate_size, spec.num_experts
+    Hv, Dv = spec.linear_num_value_heads, spec.linear_value_head_dim
+    yield "model.embed_tokens.weight", (spec.vocab_size, H)
+    for i, kind in enumerate(spec.layer_types):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (H,)
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            yield a + "in_proj_qkv.weight", (spec.linear_conv_channels, H)
+            yield a + "in_proj_z.weight", (Hv * Dv, H)
+            yield a + "in_proj_b.weight", (Hv, H)
+            yield a + "in_proj_a.weight", (Hv, H)
+            yield a + "conv1d.weight", (spec.linear_conv_channels, 1, spec.linear_conv_kernel_dim)
+            yield a + "dt_bias", (Hv,)
+            yield a + "A_log", (Hv,)
+            yield a + "norm.weight", (Dv,)
+            yield a + "out_proj.weight", (H, Hv * Dv)
+        else:
+            yield p + "self_attn.q_proj.weight", (spec.num_attention_heads * 2 * D, H)  # per head: query, gate
+            yield p + "self_attn.k_proj.weight", (spec.num_key_value_heads * D, H)
+            yield p + "self_attn.v_proj.weight", (spec.num_key_value_heads * D, H)
+            yield p + "self_attn.o_proj.weight", (H, spec.num_attention_heads * D)
+            yield p + "self_attn.q_norm.weight", (D,)
+            yield p + "self_attn.k_norm.weight", (D,)
+        yield p + "post_attention_layernorm.weight", (H,)
+        yield p + "mlp.gate.weight", (E, H)
+        yield p + "mlp.experts.gate_up_proj", (E, 2 * I, H)
+        yield p + "mlp.experts.down_proj", (E, H, I)
+        S = spec.shared_expert_intermediate_size
+        yield p + "mlp.shared_expert.gate_proj.weight", (S, H)
+        yield p + "mlp.shared_expert.up_proj.weight", (S, H)
+        yield p + "mlp.shared_expert.down_proj.weight", (H, S)
+        yield p + "mlp.shared_expert_gate.weight", (1, H)
+    yield "model.norm.weight", (H,)
+    yield "lm_head.weight", (spec.vocab_size, H)
+
+
+def _random_values(spec: RandomMoESpec, name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    values = torch.randn(shape, generator=gen) * spec.init_std
+    hybrid = isinstance(spec, RandomHybridSpec)
+    if name.endswith("A_log"):  # decay rates exp(A_log) in [1, 16], as transformers initialises them
+        return torch.log(1.0 + 15.0 * torch.rand(shape, generator=gen))
+    if name.endswith("dt_bias"):
+        return values + 1.0
+    if len(shape) == 1 and (not hybrid or name.endswith("linear_attn.norm.weight")):
+        values += 1.0  # RMSNorm weights: around 1, as trained models have them (zero-centred ones: around 0)
+    return values
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -121,6 +223,11 @@ def bytes_read_per_token(spec: RandomMoESpec) -> int:
     """Weight bytes one decoded token reads: one embedding row, attention, norms, router, the top-k experts of
     every layer, and lm_head. The other experts stay untouched: that is what makes an MoE memory-cheap."""
     H, D, I = spec.hidden_size, spec.head_dim, spec.moe_intermediate_size
+    if isinstance(spec, RandomHybridSpec):  # every tensor is read whole but the embedding (one row) and the experts
+        skipped = ("embed_tokens.weight", "experts.gate_up_proj", "experts.down_proj")
+        params = sum(_numel(shape) for name, shape in _tensor_plan(spec) if not name.endswith(skipped))
+        params += H + spec.num_hidden_layers * spec.num_experts_per_tok * 3 * H * I
+        return params * _DTYPES[spec.dtype].itemsize
     attention = (2 * spec.num_attention_heads + 2 * spec.num_key_value_heads) * D * H + 2 * D
     layer = attention + 2 * H + spec.num_experts * H + spec.num_experts_per_tok * 3 * H * I
     params = H + spec.num_hidden_layers * layer + H + spec.vocab_size * H
@@ -152,10 +259,7 @@ def _write_weights(out: Path, spec: RandomMoESpec, progress: ProgressFn | None) 
     for file_name, plan in zip(names, shards):
         tensors = {}
         for name, shape in plan:
-            values = torch.randn(shape, generator=gen) * spec.init_std
-            if len(shape) == 1:  # RMSNorm weights: around 1, as trained models have them
-                values += 1.0
-            tensors[name] = values.to(dtype)
+            tensors[name] = _random_values(spec, name, shape, gen).to(dtype)
             weight_map[name] = file_name
             done += tensors[name].numel() * dtype.itemsize
             if progress:
@@ -172,6 +276,8 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def model_config_dict(spec: RandomMoESpec, eos_id: int, bos_id: int) -> dict:
+    if isinstance(spec, RandomHybridSpec):
+        return hybrid_config_dict(spec, eos_id, bos_id)
     # Both spellings where transformers versions differ (num_experts / num_local_experts, rope_theta /
     # rope_parameters), so any transformers 4.5x/5.x and tsterm read the same model.
     return {
@@ -201,6 +307,48 @@ def model_config_dict(spec: RandomMoESpec, eos_id: int, bos_id: int) -> dict:
         "norm_topk_prob": spec.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "initializer_range": spec.init_std,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "dtype": spec.dtype,
+    }
+
+
+def hybrid_config_dict(spec: RandomHybridSpec, eos_id: int, bos_id: int) -> dict:
+    """config.json of a `qwen3_5_moe_text` model as transformers 5 writes it (`rope_parameters`), plus the
+    explicit `layer_types`."""
+    return {
+        "architectures": ["Qwen3_5MoeForCausalLM"],
+        "model_type": "qwen3_5_moe_text",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta,
+                            "partial_rotary_factor": spec.partial_rotary_factor},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "layer_types": spec.layer_types,
+        "full_attention_interval": spec.full_attention_interval,
+        "linear_num_key_heads": spec.linear_num_key_heads,
+        "linear_num_value_heads": spec.linear_num_value_heads,
+        "linear_key_head_dim": spec.linear_key_head_dim,
+        "linear_value_head_dim": spec.linear_value_head_dim,
+        "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
+        "norm_topk_prob": spec.norm_topk_prob,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
         "initializer_range": spec.init_std,
@@ -350,7 +498,7 @@ def _write_tokenizer(out: Path, spec: RandomMoESpec) -> tuple[int, int]:
 
 # ---- checkpoints
 def make_random_moe(out_dir: str | Path, spec: RandomMoESpec, progress: ProgressFn | None = None) -> Path:
-    """Writes a complete HF Qwen3-MoE directory at `out_dir` (replacing a model that is there) and returns it.
+    """Writes a complete HF Qwen3-MoE (or, for a RandomHybridSpec, Qwen3.5-MoE) directory at `out_dir` (replacing a model that is there) and returns it.
 
     Everything is built in a temp dir next to `out_dir` and renamed into place, so a crash never leaves a
     half-written checkpoint behind. `progress(done, total, what)` counts weight bytes."""
@@ -372,10 +520,6 @@ def make_random_moe(out_dir: str | Path, spec: RandomMoESpec, progress: Progress
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-
-
 
 
 def is_complete(model_dir: Path, spec: RandomMoESpec) -> bool:

@@ -7,6 +7,7 @@ import torch
 
 from tsterm.config import ModelConfig, SamplingParams
 from tsterm.engine.engine import Engine
+from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION
 
 
 def _best_time(device: torch.device, work, repeats: int) -> float:
@@ -36,13 +37,37 @@ def read_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int =
     return nbytes / _best_time(device, src.sum, repeats)
 
 
+def _mixers(cfg: ModelConfig) -> tuple[str, ...]:
+    return cfg.layer_types or (FULL_ATTENTION,) * cfg.num_hidden_layers
+
+
+def sequence_bytes(cfg: ModelConfig, dtype_bytes: int, context: int) -> int:
+    """Bytes of one sequence's own cache a decode step reads: the KV of its context in the full-attention layers
+    and, in a hybrid's Gated DeltaNet layers, its recurrent state (float32) and conv state (whatever the context)."""
+    mixers = _mixers(cfg)
+    kv = context * 2 * mixers.count(FULL_ATTENTION) * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+             + conv_channels * max(cfg.linear_conv_kernel_dim - 1, 0) * dtype_bytes)
+    return kv + mixers.count(LINEAR_ATTENTION) * state
+
+
 def bytes_read_per_token(cfg: ModelConfig, dtype_bytes: int, context: int) -> int:
-    """Bytes a batch-1 decode step must read: the active weights (top-k experts only) plus the KV of the context."""
+    """Bytes a batch-1 decode step must read: the active weights (top-k experts only) plus the sequence's cache
+    (`sequence_bytes`). Gated attention's q_proj also yields the output gate; a Gated DeltaNet layer reads its
+    q/k/v/z/b/a projections, conv weights and out_proj."""
     H, D, V = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    attention = H * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D + cfg.num_attention_heads * D * H
+    gate = 2 if ARCHITECTURES[cfg.model_type].attention_output_gate else 1
+    attention = H * (gate * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D + cfg.num_attention_heads * D * H
+    conv_channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    value_width = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    linear = H * (conv_channels + value_width + 2 * cfg.linear_num_value_heads) + value_width * H \
+        + conv_channels * cfg.linear_conv_kernel_dim
     total = 0
-    for layer in range(cfg.num_hidden_layers):
-        total += attention + 2 * H
+    for layer, mixer in enumerate(_mixers(cfg)):
+        total += (linear if mixer == LINEAR_ATTENTION else attention) + 2 * H
         if cfg.is_moe_layer(layer):
             total += cfg.num_experts * H + cfg.num_experts_per_tok * 3 * H * cfg.moe_intermediate_size
             if cfg.shared_expert_intermediate_size:
@@ -50,27 +75,25 @@ def bytes_read_per_token(cfg: ModelConfig, dtype_bytes: int, context: int) -> in
         else:
             total += 3 * H * cfg.intermediate_size
     total += V * H + H + H  # lm_head, the embedding row, final norm
-    kv = context * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * D
-    return (total + kv) * dtype_bytes
+    return total * dtype_bytes + sequence_bytes(cfg, dtype_bytes, context)
 
 
 def parallel_ceiling(cfg: ModelConfig, dtype_bytes: int, context: int, batch: int) -> float:
     """Memory-bound ceiling of batch-`batch` decode over batch-1 decode, in aggregate tokens/s.
 
-    A batch step reads the dense weights once, every KV context, and each expert that at least one of its tokens
-    routes to: with top-k of E experts chosen uniformly, E * (1 - (1 - k/E)^batch) of them per layer, against k
-    at batch 1. The ceiling is batch x (batch-1 bytes) / (batch-step bytes).
+    A batch step reads the dense weights once, every sequence's own cache (KV, recurrent state), and each expert
+    that at least one of its tokens routes to: with top-k of E experts chosen uniformly, E * (1 - (1 - k/E)^batch)
+    of them per layer, against k at batch 1. The ceiling is batch x (batch-1 bytes) / (batch-step bytes).
     """
     one = bytes_read_per_token(cfg, dtype_bytes, context)
+    own = sequence_bytes(cfg, dtype_bytes, context)
     if not cfg.num_experts:
-        return batch * one / (one + (batch - 1) * context * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads
-                              * cfg.head_dim * dtype_bytes)
+        return batch * one / (one + (batch - 1) * own)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
     moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers))
     touched = E * (1 - (1 - k / E) ** batch)
-    kv = context * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
-    step = one + moe_layers * (touched - k) * expert + (batch - 1) * kv
+    step = one + moe_layers * (touched - k) * expert + (batch - 1) * own
     return batch * one / step
 
 
