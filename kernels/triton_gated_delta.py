@@ -5,7 +5,7 @@ once. Prefill: the prompt rows of every sequence of a step in one launch each, t
 (`bounds [N, 2]`: each sequence's rows). The chunked kernel runs one program per (sequence, value head, block of
 value dims), which walks its sequence 64 tokens at a time with the state tile in registers: per chunk the
 (I + A)^-1 of the within-chunk system by forward substitution (row by row: stable where A is close to singular,
-e.g. a repeated token; a product of powers of A is not), then a few matmuls (`tl.dot`, IEEE float32).
+e.g. a repeated token; a product of powers of A is not), then a few matmuls (`tl.dot`, float32-accurate tf32x3).
 
 Twins: the functions of the same names in `tsterm_kernels.reference_gated_delta` (the math and the shapes are
 documented there).
@@ -15,6 +15,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# The chunked kernel's matmuls: float32-accurate from three tf32 tensor-core products ("ieee" runs them on the FMA
+# units, which needs every operand row in registers: it spilled 52 KB per thread at dk = 128 in sm90_compile.py)
+DOT_PRECISION = "tf32x3"
 
 
 @triton.jit
@@ -229,7 +233,7 @@ def _chunk_prefill_kernel(
     stride_q_row, stride_q_head, stride_k_row, stride_k_head, stride_v_row, stride_v_head, stride_g_row,
     stride_beta_row, stride_state_slot, stride_out_row, stride_out_head,
     # meta-parameters
-    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq_head = tl.program_id(0)
     seq, head = seq_head // num_v_heads, seq_head % num_v_heads
@@ -253,14 +257,6 @@ def _chunk_prefill_kernel(
         row_mask = rows < end  # past the end: zeros, g = 0 (no decay), beta = 0 (no write)
         rows64 = rows.to(tl.int64)
         qk_mask = row_mask[:, None] & dim_mask[None, :]
-        q = tl.load(q_ptr + rows64[:, None] * stride_q_row + key_head * stride_q_head + dims[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)  # [C, BLOCK_K]
-        k = tl.load(k_ptr + rows64[:, None] * stride_k_row + key_head * stride_k_head + dims[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)  # [C, BLOCK_K]
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        v = tl.load(v_ptr + rows64[:, None] * stride_v_row + head * stride_v_head + cols[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [C, BLOCK_V]
         g = tl.load(g_ptr + rows64 * stride_g_row + head, mask=row_mask, other=0.0).to(tl.float32)  # [C]
         beta = tl.load(beta_ptr + rows64 * stride_beta_row + head, mask=row_mask, other=0.0).to(tl.float32)  # [C]
 
@@ -269,27 +265,40 @@ def _chunk_prefill_kernel(
         decay = tl.where(causal, tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)  # [C, C]
         G_end = tl.sum(g, axis=0)
 
-        # ---- (I + A)^-1, A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i): forward substitution, row by row
-        A = tl.where(earlier, tl.dot(k, tl.trans(k), input_precision="ieee") * decay * beta[:, None], 0.0)
+        # ---- everything that needs k, then q, before the solve; k is reloaded after it (fewer live registers)
+        k = tl.load(k_ptr + rows64[:, None] * stride_k_row + key_head * stride_k_head + dims[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)  # [C, BLOCK_K]
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        # A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i)
+        A = tl.where(earlier, tl.dot(k, tl.trans(k), input_precision=PRECISION) * decay * beta[:, None], 0.0)
+        # what each token writes, before the solve: beta V - beta exp(G) K S0
+        v = tl.load(v_ptr + rows64[:, None] * stride_v_row + head * stride_v_head + cols[None, :],
+                    mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # [C, BLOCK_V]
+        rhs = v * beta[:, None] - tl.dot(k * (beta * tl.exp(G))[:, None], s, input_precision=PRECISION)
+        q = tl.load(q_ptr + rows64[:, None] * stride_q_row + key_head * stride_q_head + dims[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)  # [C, BLOCK_K]
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay  # [C, C]: exp(G_i - G_j) q_i.k_j, j <= i
+        o = tl.dot(q * tl.exp(G)[:, None], s, input_precision=PRECISION)  # [C, BLOCK_V]: what S0 gives o_i
+
+        # ---- U = (I + A)^-1 rhs; the inverse by forward substitution, row by row (rows j < i are final)
         inverse = identity
         for i in range(1, CHUNK):
             a = tl.sum(tl.where(t[:, None] == i, A, 0.0), axis=0)  # [C]: row i of A
-            row = tl.sum(a[:, None] * inverse, axis=0)  # [C]: sum_j A_ij inverse_j (rows j < i are final)
+            row = tl.sum(a[:, None] * inverse, axis=0)  # [C]: sum_j A_ij inverse_j
             inverse = tl.where(t[:, None] == i, inverse - row[None, :], inverse)
-
-        # ---- what each token writes: U = (I + A)^-1 (beta V - beta exp(G) K S0)
-        rhs = v * beta[:, None] - tl.dot(k * (beta * tl.exp(G))[:, None], s, input_precision="ieee")  # [C, BLOCK_V]
-        u = tl.dot(inverse, rhs, input_precision="ieee")  # [C, BLOCK_V]
+        u = tl.dot(inverse, rhs, input_precision=PRECISION)  # [C, BLOCK_V]
 
         # ---- outputs: o_i = exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * decay  # [C, C]
-        o = tl.dot(q * tl.exp(G)[:, None], s, input_precision="ieee") + tl.dot(scores, u, input_precision="ieee")
+        o += tl.dot(scores, u, input_precision=PRECISION)
         tl.store(out_ptr + rows64[:, None] * stride_out_row + head * stride_out_head + cols[None, :], o,
                  mask=row_mask[:, None] & col_mask[None, :])
 
         # ---- the state at the chunk's end: S = exp(G_end) S0 + sum_j exp(G_end - G_j) k_j u_j^T
-        k_to_end = k * tl.exp(G_end - G)[:, None]  # [C, BLOCK_K]
-        s = s * tl.exp(G_end) + tl.dot(tl.trans(k_to_end), u, input_precision="ieee")
+        k = tl.load(k_ptr + rows64[:, None] * stride_k_row + key_head * stride_k_head + dims[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)  # [C, BLOCK_K]
+        k = k * (tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6) * tl.exp(G_end - G))[:, None]  # decayed to the chunk's end
+        s = s * tl.exp(G_end) + tl.dot(tl.trans(k), u, input_precision=PRECISION)
 
     tl.store(state, s, mask=state_mask)
 
@@ -320,7 +329,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         num_v_heads, num_v_heads // num_k_heads, k_dim, v_dim, k_dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         states.stride(0), out.stride(0), out.stride(1),
-        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=8,
+        CHUNK=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=DOT_PRECISION, num_warps=8,
     )
     return out
 

@@ -28,6 +28,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from tsterm_kernels import triton_fused_moe, triton_paged_attention  # noqa: E402
 from tsterm_kernels.metadata import AttentionMetadata  # noqa: E402
+from tsterm_kernels.triton_gated_delta import (  # noqa: E402
+    causal_conv1d, causal_conv1d_update, recurrent_gated_delta_rule)
 from tsterm_kernels.triton_ops import fused_moe, moe_route, paged_attention, rms_norm, store_kv  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -134,6 +136,22 @@ def main() -> int:
     shared_w2 = torch.empty((1, hidden, 5632), dtype=BF16, device=META)
     fused_moe(x, shared_w13, shared_w2, torch.empty((8, 1), device=META),
               torch.zeros((8, 1), dtype=torch.int64, device=META), torch.empty_like(x))
+
+    # Gated DeltaNet at Qwen3-Next (32 value heads) and Qwen3.5-397B (64) linear-attention sizes: 16 key heads of 128
+    for value_heads in (32, 64):
+        rows, channels, slots = 300, 2 * 16 * 128 + value_heads * 128, torch.zeros(3, dtype=torch.int64, device=META)
+        qkv = torch.empty((rows, channels), dtype=BF16, device=META)
+        q, k = qkv[:, :2048].view(rows, 16, 128), qkv[:, 2048:4096].view(rows, 16, 128)
+        v = qkv[:, 4096:].view(rows, value_heads, 128)
+        g, beta = (torch.empty((rows, value_heads), device=META) for _ in range(2))
+        states = torch.empty((8, value_heads, 128, 128), device=META)
+        weight, conv_states = (torch.empty((channels, 4), dtype=BF16, device=META),
+                               torch.empty((8, channels, 3), dtype=BF16, device=META))
+        bounds = torch.zeros((3, 2), dtype=torch.int32, device=META)
+        causal_conv1d_update(qkv[:3], weight, conv_states, slots)
+        recurrent_gated_delta_rule(q[:3], k[:3], v[:3], g[:3], beta[:3], states, slots)
+        causal_conv1d(qkv, weight, conv_states, slots, bounds, torch.empty_like(qkv))
+        # not yet chunk_gated_delta_rule: it compiles but spills (3.5 KB per thread at dk = 128, CHUNK = 64)
 
     print(f"{len(seen)} kernel variants compiled for sm_90, {len(failures)} failures")
     for failure in failures:
