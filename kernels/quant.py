@@ -7,7 +7,8 @@ after quantization, and every matmul reads the int8 / int4 data.
 Formats:
 - int8: `data` int8 [..., O, I], `scale` float32 [..., O]; W = data * scale[:, None] (symmetric, per row).
 - int4: `data` uint8 [..., O, I/2] in the layout of torch's CPU int4 GEMM (`_convert_weight_to_int4pack_for_cpu`),
-  `scale` float32 [..., I/G, O, 2] holding (scale, zero) per group of G inputs; W = (q - 8) * scale + zero with
+  `scale` float32 [..., I/G, O, 2] holding (scale, zero) per group of G inputs (O padded with zero rows to a
+  multiple of 16, as torch packs them); W = (q - 8) * scale + zero with
   q in [0, 15] (asymmetric: zero = min + 8 * scale, which is GGUF Q4_1's block form for G = 32).
 - fp16: each [O, I] matrix as fbgemm's packed half-precision GEMM matrix (`fbgemm_pack_gemm_matrix_fp16`; `packed`
   holds one opaque handle per matrix, the bytes live in fbgemm), run by `fbgemm_linear_fp16_weight`: the float32
@@ -109,16 +110,16 @@ def quantize_fp16(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def int4_supported(shape: torch.Size | tuple[int, ...], group_size: int) -> bool:
-    """Whether torch's CPU int4 GEMM takes a weight of this [..., O, I] shape in groups of `group_size`."""
-    return (group_size in INT4_GROUP_SIZES and shape[-1] % group_size == 0
-            and shape[-2] % _INT4_ROW_MULTIPLE == 0)
+    """Whether a weight of this [..., O, I] shape quantizes to int4 in groups of `group_size` (any O: the rows are
+    padded to torch's multiple of 16 with zeros, which the matmul's output drops)."""
+    return group_size in INT4_GROUP_SIZES and shape[-1] % group_size == 0
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
     """Asymmetric int4 per group of `group_size` inputs (min/max), of a float weight [..., O, I]."""
     if not int4_supported(weight.shape, group_size):
-        raise ValueError(f"int4 needs O % {_INT4_ROW_MULTIPLE} == 0 and I % group_size == 0 with group_size in "
-                         f"{INT4_GROUP_SIZES}; got shape {tuple(weight.shape)}, group_size {group_size}")
+        raise ValueError(f"int4 needs I % group_size == 0 with group_size in {INT4_GROUP_SIZES}; got shape "
+                         f"{tuple(weight.shape)}, group_size {group_size}")
     if weight.dim() == 3:
         parts = [quantize_int4(w, group_size) for w in weight]
         return QuantizedWeight("int4", torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]),
@@ -133,13 +134,19 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> QuantizedWeight:
     """int4 weight from codes q [O, I] in [0, 15] and per-group scale, zero [O, I/G]: W = (q - 8) * scale + zero."""
-    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)  # [O, I/2]
-    scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).float().contiguous()  # [I/G, O, 2]
-    return QuantizedWeight("int4", data, scales_and_zeros, group_size, q.shape[1], tuple(q.shape))
+    out_f = q.shape[0]
+    pad = -out_f % _INT4_ROW_MULTIPLE  # zero rows (code 8, scale 0, zero 0) up to torch's multiple of 16
+    q = torch.nn.functional.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
+    scale, zero = (torch.nn.functional.pad(t.float(), (0, 0, 0, pad)) for t in (scale, zero))
+    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # [O + pad, I/2]
+    scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()  # [I/G, O + pad, 2]
+    return QuantizedWeight("int4", data, scales_and_zeros, group_size, q.shape[1], (out_f, q.shape[1]))
 
 
 def _int4_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.data, w.group_size, w.scale)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.data, w.group_size, w.scale)  # [M, O + pad]
+    out_f = w.dims[-2]
+    return y if y.shape[1] == out_f else y[:, :out_f].contiguous()
 
 
 def _fp16_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

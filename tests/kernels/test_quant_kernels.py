@@ -57,9 +57,13 @@ def test_a_stack_of_experts_is_indexed_in_place():
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_int4_refuses_shapes_torch_cannot_pack():
-    with pytest.raises(ValueError, match="int4 needs"):
-        quantize_int4(torch.randn(24, 64), 32)
+def test_int4_pads_rows_torch_cannot_pack_and_refuses_partial_groups():
+    weight = _weight(40, 64)  # torch packs rows in sixteens: padded to 48, the output cut back to 40
+    q = quantize_int4(weight, 32)
+    assert q.shape == (40, 64) and q.dequantize().shape == (40, 64)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(quantized_linear(x, q), F.linear(x, q.dequantize()), rtol=1e-5, atol=1e-5)
+    assert ((q.dequantize() - weight).abs() < 0.5).all()  # the real rows, not the padding
     with pytest.raises(ValueError, match="int4 needs"):
         quantize_int4(torch.randn(32, 48), 32)
 

@@ -19,15 +19,17 @@ from tsterm import LLM, SamplingParams, launch
 from tsterm.cli import build_parser
 from tsterm.config import EngineConfig, ModelConfig
 from tsterm.errors import ConfigError
+from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
 from tsterm.model.quant import quantize, quantize_weights, weight_bytes
 from tsterm.profiles import load_profile
 
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
 
 # Shapes int4 takes everywhere (inputs multiples of 32, outputs of 16), so every matrix really is int4.
 SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, head_dim=16)
-CASES = {"qwen3_moe": dict(SIZES, num_experts=4, num_experts_per_tok=2), "llama": SIZES}
+CASES = {"qwen3_moe": dict(SIZES, num_experts=4, num_experts_per_tok=2), "llama": SIZES,
+         "qwen3_next": {}}  # a hybrid (Gated DeltaNet + gated attention + shared expert) at the helpers' sizes
 OPTIONS = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
 NEW_TOKENS = 12
 # Max |difference| of log-probabilities (and of the last logits, relative to their largest) allowed between a
@@ -39,14 +41,16 @@ TOLERANCE = 2e-5
 
 
 def _is_quantized_in_tsterm(name: str, tensor: torch.Tensor) -> bool:
-    """The HF tensors that become the matrices tsterm.model.quant quantizes (the router and norms do not)."""
-    return tensor.dim() >= 2 and not name.endswith(("embed_tokens.weight", "mlp.gate.weight"))
+    """The HF tensors that become the matrices tsterm.model.quant quantizes (not the router, norms, conv, gates)."""
+    return tensor.dim() >= 2 and not name.endswith(("embed_tokens.weight", "mlp.gate.weight", "conv1d.weight",
+                                                    "shared_expert_gate.weight"))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     model_type = request.param
-    path, _ = make_checkpoint(tmp_path_factory.mktemp(model_type) / "float", model_type, CASES[model_type])
+    make = make_hybrid_checkpoint if model_type == "qwen3_next" else make_checkpoint
+    path, _ = make(tmp_path_factory.mktemp(model_type) / "float", model_type, CASES[model_type])
     return model_type, path
 
 
@@ -102,18 +106,24 @@ def test_quantized_model_generates_like_its_dequantized_float_twin(checkpoint, t
 def test_weights_are_stored_quantized(checkpoint, mode, bits):
     model_type, float_dir = checkpoint
     cfg = ModelConfig.from_dir(float_dir)
-    weights = load_weights(float_dir, cfg, torch.float32, torch.device("cpu"))
+    load = load_hybrid_weights if model_type == "qwen3_next" else load_weights
+    weights = load(float_dir, cfg, torch.float32, torch.device("cpu"))
     float_bytes = weight_bytes(weights)
-    linear_params = sum(w.numel() for name, w in weights.items() if name.rsplit(".", 1)[-1] in
-                        ("qkv", "o_proj", "w13", "w2") or name == "lm_head")
+    matrices = ("qkv", "qkvg", "o_proj", "in_proj", "out_proj", "w13", "w2", "shared_w13", "shared_w2")
+    linear_params = sum(w.numel() for name, w in weights.items() if name.rsplit(".", 1)[-1] in matrices
+                        or name == "lm_head")
     quantize_weights(weights, mode)
     kinds = {w.kind for w in weights.values() if isinstance(w, QuantizedWeight)}
-    assert kinds == {mode}
+    # the helpers' hybrid has matrices of 24 and 40 inputs, not whole groups of 32: those are int8
+    assert kinds == {mode} or (model_type == "qwen3_next" and mode == "int4" and kinds == {"int4", "int8"})
+    names = [n for n, w in weights.items() if n.rsplit(".", 1)[-1] in matrices]
+    assert names and all(isinstance(weights[n], QuantizedWeight) for n in names)
     assert isinstance(weights["lm_head"], QuantizedWeight) and not isinstance(weights["embed"], QuantizedWeight)
     w13 = weights["layers.0.w13"]
     assert isinstance(w13, QuantizedWeight) and (w13.data.dtype in (torch.int8, torch.uint8) or len(w13.packed) >= 1)
     # each linear parameter went from 4 bytes to bits/8 (+ its share of the scales)
     saved = float_bytes - weight_bytes(weights)
+    bits = 8 if model_type == "qwen3_next" and mode == "int4" else bits  # at least int8's saving
     assert saved > linear_params * (4 - bits / 8) * 0.85, (saved, linear_params)
 
 

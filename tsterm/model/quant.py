@@ -6,9 +6,9 @@ What is quantized: every matrix the decoder multiplies through `tsterm_kernels.r
 embedding (a row lookup), norms, biases, the router and the shared expert's gate (a few KB that decide routing),
 the convolution and the linear-attention decay parameters.
 
-int4 groups 32 inputs (GGUF Q4's block size); a matrix whose shape torch's int4 GEMM cannot take (inputs not a
-multiple of 32, outputs not a multiple of 16) is stored as int8 instead. Each float matrix is dropped as soon as
-its quantized form exists, so the float copies made at load (fused q/k/v, stacked experts) go one by one.
+int4 groups 32 inputs (GGUF Q4's block size); a matrix whose inputs are not a multiple of 32 is stored as int8
+instead (a row-local rule: fused and separate projections get the same format). Each float matrix is dropped as
+soon as its quantized form exists, so the float copies made at load (fused q/k/v, stacked experts) go one by one.
 """
 from __future__ import annotations
 
