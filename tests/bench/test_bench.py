@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tsterm import LLM
 from tsterm.bench import RATE_SAMPLES, run_bench
 from tsterm.bench.measure import bytes_read_per_token, parallel_ceiling
+from tsterm.bench.replay import load_transformers, replay_transformers
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, agent_trace, load_agent_trace, make_trace, theoretical_cached
 from tsterm.errors import ConfigError
@@ -13,7 +15,8 @@ from tsterm.errors import ConfigError
 from tests.helpers.checkpoints import make_checkpoint
 
 SUMMARY_KEYS = ("speedup_vs_baseline", "ttft_last_over_turn2", "hit_rate_vs_theoretical",
-                "copy_bytes_per_token_long_over_short", "roofline_fraction", "parallel_speedup")
+                "copy_bytes_per_token_long_over_short", "roofline_fraction", "parallel_speedup",
+                "parallel_fraction_of_ceiling")
 
 
 def test_trace_shape_and_theoretical_maximum():
@@ -41,7 +44,8 @@ def llm(tmp_path_factory):
 
 def test_bench_reports_every_figure(llm, tmp_path):
     spec = TraceSpec(sessions=2, turns=3, system_tokens=30, task_tokens=5, turn_tokens=9, output_tokens=4)
-    r = run_bench(llm, spec, baseline="transformers", ablation=True, micro_context=16, parallel=2)
+    r = run_bench(llm, spec, baseline=["transformers-cache", "transformers"], ablation=True, micro_context=16,
+                  parallel=2)
     for key in SUMMARY_KEYS:
         assert isinstance(r[key], float), key
     assert r["hit_rate_vs_theoretical"] == 1.0
@@ -54,17 +58,63 @@ def test_bench_reports_every_figure(llm, tmp_path):
     assert r["roofline_fraction"] == pytest.approx(
         r["decode"]["batch1_tokens_per_s"] * r["roofline"]["bytes_read_per_token"] / max(samples["read_bandwidth"]))
     assert r["parallel_speedup"] == max(samples["batched"]) / max(samples["single"])
+    assert r["parallel_fraction_of_ceiling"] == pytest.approx(r["parallel_speedup"] / r["decode"]["parallel_ceiling"])
     ours, ablation = r["replays"]["tsterm"], r["replays"]["no_prefix_cache"]
     assert all(t["cached_tokens"] == t["theoretical_cached"] for t in ours["turns"] if t["turn"] > 0)
     assert all(t["cached_tokens"] == 0 for t in ablation["turns"])
-    assert len(r["replays"]["transformers"]["turns"]) == 6
-    assert "speedup_vs_baseline" in format_table(r)
+    cache, scratch = r["replays"]["transformers-cache"], r["replays"]["transformers"]
+    assert len(scratch["turns"]) == len(cache["turns"]) == 6
+    # greedy tokens: the same from tsterm, transformers with its cache kept and transformers from scratch
+    outputs = [{(t["session"], t["turn"]): t["output_token_ids"] for t in rep["turns"]} for rep in (ours, cache, scratch)]
+    assert outputs[0] == outputs[1] == outputs[2] and all(len(ids) == 4 for ids in outputs[0].values())
+    # the kept cache holds each conversation up to its last reply's last token (never fed back): 35 + 4 - 1, ...
+    assert [t["cached_tokens"] for t in cache["turns"] if t["session"] == 0] == [0, 38, 51]
+    assert all(t["cached_tokens"] == 0 for t in scratch["turns"])
+    assert r["speedup_vs"] == {name: pytest.approx(r["replays"][name]["wall_s"] / ours["wall_s"])
+                               for name in ("transformers-cache", "transformers")}
+    assert r["speedup_vs_baseline"] == min(r["speedup_vs"].values())
+    table = format_table(r)
+    assert "speedup_vs_transformers-cache" in table and "speedup_vs_transformers " in table
+    assert f"ceiling {r['decode']['parallel_ceiling']:.2f}" in table and "parallel_fraction_of_ceiling" in table
     svg = tmp_path / "ttft.svg"
     write_plot(r, str(svg))
     assert svg.read_text().startswith("<svg") and "no_prefix_cache" in svg.read_text()
     with pytest.raises(ConfigError):
         write_plot(r, str(tmp_path / "ttft.gif"))
     assert llm.stats()["used"] == 0
+
+
+def test_table_judges_each_baseline_and_the_parallel_share_of_the_ceiling(llm):
+    r = run_bench(llm, TraceSpec(turns=2, system_tokens=8, task_tokens=4, turn_tokens=4, output_tokens=2),
+                  micro_context=16, parallel=2)
+    assert r["speedup_vs"] == {} and r["speedup_vs_baseline"] is None
+    rows = {line.split()[0]: line.split()[1:] for line in format_table(r).splitlines()[-8:]}
+    assert rows["speedup_vs_baseline"][0] == "n/a"
+    r.update(speedup_vs={"transformers-cache": 2.5, "transformers": 4.0}, parallel_speedup=2.1,
+             parallel_fraction_of_ceiling=2.1 / 2.78)
+    r["decode"]["parallel_ceiling"] = 2.78
+    rows = {line.split()[0]: line.split()[1:] for line in format_table(r).splitlines()}
+    assert rows["speedup_vs_transformers-cache"] == ["2.500", ">=", "2.0", "yes"]
+    assert rows["speedup_vs_transformers"] == ["4.000", ">=", "5.0", "NO"]
+    assert rows["parallel_speedup"] == ["2.100", "ceiling", "2.78", "-"]  # 2.1x of 8 would fail a 4x target
+    assert rows["parallel_fraction_of_ceiling"] == ["0.755", ">=", "0.75", "yes"]
+    with pytest.raises(ConfigError, match="unknown baseline"):
+        run_bench(llm, TraceSpec(turns=2), baseline=["vllm"])
+
+
+@pytest.mark.parametrize("keep_cache, forwards", [
+    (True, [25, 1, 1, 7, 1, 1, 7, 1, 1]),  # turn 2: 34 prompt ids, 27 in the cache (the last reply token never fed)
+    (False, [25, 1, 1, 34, 1, 1, 43, 1, 1]),
+])
+def test_transformers_with_its_cache_encodes_only_what_each_turn_adds(llm, keep_cache, forwards):
+    model = load_transformers(llm.engine.config.model, torch.float32)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    trace = make_trace(TraceSpec(turns=3, system_tokens=20, task_tokens=5, turn_tokens=6, output_tokens=3), 300)
+    result = replay_transformers(model, trace, keep_cache=keep_cache)
+    assert seen == forwards  # per turn: one forward over the ids not in the cache, then one per further token
+    assert [t.cached_tokens for t in result.turns] == ([0, 27, 36] if keep_cache else [0, 0, 0])
 
 
 def test_parallel_ceiling_counts_the_experts_a_batch_touches(llm):

