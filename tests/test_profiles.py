@@ -179,7 +179,8 @@ def test_search_path_precedence(tmp_path):
 # check: no model is loaded
 
 def test_shipped_profiles_pass_check_without_loading(no_model_loading, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("QWEN3_30B_A3B_DIR", str(tmp_path))
+    for name in ("QWEN3_30B_A3B_DIR", "QWEN3_5_397B_A17B_DIR", "QWEN3_NEXT_80B_A3B_DIR"):
+        monkeypatch.setenv(name, str(tmp_path))
     for path in sorted(SHIPPED_DIR.glob("*.yaml")):
         assert main(["profiles", "check", str(path)]) == 0
         out, err = capsys.readouterr()
@@ -222,8 +223,9 @@ def test_profiles_list(tmp_path, capsys):
     write(tmp_path / "profiles" / "default.yaml", "description: my own default\nmodel: m\n")
     assert main(["profiles", "list"]) == 0
     out = capsys.readouterr().out
-    assert [line.split()[0] for line in out.splitlines()] == ["agent-demo", "bench", "default", "moe-demo",
-                                                                 "qwen3-30b-a3b"]
+    assert [line.split()[0] for line in out.splitlines()] == ["agent-demo", "bench", "bench-hybrid", "default",
+                                                                 "moe-demo", "qwen3-30b-a3b", "qwen3-next-80b-a3b",
+                                                                 "qwen3.5-397b-a17b"]
     assert "my own default" in out and str(tmp_path / "profiles" / "default.yaml") in out
     assert str(SHIPPED_DIR / "default.yaml") not in out
 
