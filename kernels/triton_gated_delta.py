@@ -3,9 +3,10 @@
 Decode: the causal conv's one-token update and one step of the gated delta rule, for every sequence of a step at
 once. Prefill: the prompt rows of every sequence of a step in one launch each, the conv and then the chunked rule
 (`bounds [N, 2]`: each sequence's rows). The chunked kernel runs one program per (sequence, value head, block of
-value dims), which walks its sequence 64 tokens at a time with the state tile in registers: per chunk the
-(I + A)^-1 of the within-chunk system by forward substitution (row by row: stable where A is close to singular,
-e.g. a repeated token; a product of powers of A is not), then a few matmuls (`tl.dot`, float32-accurate tf32x3).
+value dims), which walks its sequence 64 tokens at a time with the state tile in registers: per chunk a few
+matmuls (`tl.dot`, float32-accurate tf32x3) and the within-chunk unit lower-triangular system solved by forward
+substitution, row by row (stable where it is close to singular, e.g. a repeated token; a product of powers of A
+is not).
 
 Twins: the functions of the same names in `tsterm_kernels.reference_gated_delta` (the math and the shapes are
 documented there).
@@ -245,7 +246,6 @@ def _chunk_prefill_kernel(
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     t = tl.arange(0, CHUNK)  # [C] a token's place in its chunk
     causal, earlier = t[:, None] >= t[None, :], t[:, None] > t[None, :]  # [C, C]: j <= i, j < i
-    identity = tl.where(t[:, None] == t[None, :], 1.0, 0.0)  # [C, C]
 
     # ---- the state tile [BLOCK_K, BLOCK_V], from the slot; carried in registers from chunk to chunk
     state = states_ptr + slot * stride_state_slot + head * k_dim * v_dim + dims[:, None] * v_dim + cols[None, :]
@@ -281,13 +281,12 @@ def _chunk_prefill_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay  # [C, C]: exp(G_i - G_j) q_i.k_j, j <= i
         o = tl.dot(q * tl.exp(G)[:, None], s, input_precision=PRECISION)  # [C, BLOCK_V]: what S0 gives o_i
 
-        # ---- U = (I + A)^-1 rhs; the inverse by forward substitution, row by row (rows j < i are final)
-        inverse = identity
+        # ---- U = (I + A)^-1 rhs by forward substitution, row by row: u_i = rhs_i - sum_{j<i} A_ij u_j (rows j < i
+        # are final); stable where I + A is close to singular (a repeated token), unlike a product of powers of A
+        u = rhs  # [C, BLOCK_V]
         for i in range(1, CHUNK):
             a = tl.sum(tl.where(t[:, None] == i, A, 0.0), axis=0)  # [C]: row i of A
-            row = tl.sum(a[:, None] * inverse, axis=0)  # [C]: sum_j A_ij inverse_j
-            inverse = tl.where(t[:, None] == i, inverse - row[None, :], inverse)
-        u = tl.dot(inverse, rhs, input_precision=PRECISION)  # [C, BLOCK_V]
+            u = tl.where(t[:, None] == i, u - tl.sum(a[:, None] * u, axis=0)[None, :], u)
 
         # ---- outputs: o_i = exp(G_i) q_i S0 + sum_{j<=i} exp(G_i - G_j) (q_i.k_j) u_j
         o += tl.dot(scores, u, input_precision=PRECISION)

@@ -151,7 +151,7 @@ def main() -> int:
         causal_conv1d_update(qkv[:3], weight, conv_states, slots)
         recurrent_gated_delta_rule(q[:3], k[:3], v[:3], g[:3], beta[:3], states, slots)
         causal_conv1d(qkv, weight, conv_states, slots, bounds, torch.empty_like(qkv))
-        # not yet chunk_gated_delta_rule: it compiles but spills (3.5 KB per thread at dk = 128, CHUNK = 64)
+        # not yet chunk_gated_delta_rule: it compiles but spills (2.5 KB per thread at dk = 128, CHUNK = 64)
 
     print(f"{len(seen)} kernel variants compiled for sm_90, {len(failures)} failures")
     for failure in failures:
