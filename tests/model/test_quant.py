@@ -112,7 +112,11 @@ def test_weights_are_stored_quantized(checkpoint, mode, bits):
     matrices = ("qkv", "qkvg", "o_proj", "in_proj", "out_proj", "w13", "w2", "shared_w13", "shared_w2")
     linear_params = sum(w.numel() for name, w in weights.items() if name.rsplit(".", 1)[-1] in matrices
                         or name == "lm_head")
+    mapped = weights["embed"]  # a view of the checkpoint file's mapping, held so that its address stays taken
+    mapping = mapped.untyped_storage().data_ptr()
     quantize_weights(weights, mode)
+    # no float tensor left is a view of the mapping, so it can be unmapped (its pages counted in RSS no more)
+    assert all(w.untyped_storage().data_ptr() != mapping for w in weights.values() if isinstance(w, torch.Tensor))
     kinds = {w.kind for w in weights.values() if isinstance(w, QuantizedWeight)}
     # the helpers' hybrid has matrices of 24 and 40 inputs, not whole groups of 32: those are int8
     assert kinds == {mode} or (model_type == "qwen3_next" and mode == "int4" and kinds == {"int4", "int8"})
