@@ -17,7 +17,7 @@ Formats:
 
 Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): int4 runs torch's
 `_weight_int4pack_mm_for_cpu`; int8 runs `_weight_int8pack_mm`; fp16 fbgemm's AVX2 GEMM. All read only the
-quantized bytes. On these AVX2 cores only fp16 is faster than float32 (2-4x per matmul); int8 / int4 save memory
+quantized bytes. On these AVX2 cores only fp16 is faster than float32 (1.6-4.9x per matmul); int8 / int4 save memory
 (4x / 7x) but their torch kernels run 2-5x slower than float32. On other devices the weight is dequantized per
 call (correct, not fast: no GPU kernel reads these formats yet).
 """

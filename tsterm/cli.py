@@ -75,8 +75,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return line_chat.run(llm, params, system)
 
 
-def _parallel_options(args: argparse.Namespace) -> dict[str, int | None]:
-    return {name: getattr(args, name, None) for name in ("tensor_parallel_size", "expert_parallel_size")}
+def _parallel_options(args: argparse.Namespace) -> dict[str, int | str | None]:
+    """The engine flags `add_parallel_arguments` adds (parallel sizes, quantization), for the TUI's engine."""
+    return {name: getattr(args, name, None) for name in ("tensor_parallel_size", "expert_parallel_size",
+                                                         "quantization")}
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from tsterm_kernels.quant import QuantizedWeight
 
 from tsterm import LLM, SamplingParams, launch
+from tsterm import cli
 from tsterm.cli import build_parser
 from tsterm.config import EngineConfig, ModelConfig
 from tsterm.errors import ConfigError
@@ -146,6 +147,8 @@ def test_the_flag_and_the_profile_key_reach_the_engine_options(monkeypatch, tmp_
     assert seen["quantization"] == "int4"
     launch.llm_from_args(build_parser().parse_args([command, "--model", "m", *extra]))
     assert seen["quantization"] is None  # not given: the profile's value (or none) stands
+    # the TUI's engine (`tsterm --quantization ...`) takes it too
+    assert cli._parallel_options(build_parser().parse_args(["--quantization", "fp16"]))["quantization"] == "fp16"
     profile = tmp_path / "q.yaml"
     profile.write_text("model: some/dir\nquantization: int8\n")
     assert load_profile(str(profile)).engine_options()["quantization"] == "int8"

@@ -22,4 +22,5 @@ if __name__ == "__main__":
     except ValueError as e:  # ConfigError
         parser.error(str(e))
     sys.exit(main(args.profile, args.auto, args.workspace, serve,
-                  {"tensor_parallel_size": args.tensor_parallel_size, "expert_parallel_size": args.expert_parallel_size}))
+                  {"tensor_parallel_size": args.tensor_parallel_size, "expert_parallel_size": args.expert_parallel_size,
+                   "quantization": args.quantization}))
