@@ -92,9 +92,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
-    # hybrid models with prefix caching: besides each turn's end, keep a sequence's recurrent state every this many
-    # prompt tokens (rounded down to whole blocks; 0: only at turn ends), so prompts that share only part of a prefix
-    # (one system prompt, different tasks) resume from it; such snapshots only take state slots that are free
+    # hybrid models with prefix caching: besides each turn's end, keep a sequence's recurrent state at the last
+    # multiple of this many tokens (rounded down to whole blocks; 0: only at turn ends) in each prompt chunk, so
+    # prompts that share only part of a prefix (one system prompt, different tasks) resume from it; such snapshots
+    # only take state slots that are free
     state_snapshot_interval: int = 512
     seed: int = 0
     kernels: str = "auto"  # auto: Triton on CUDA, the torch twins on the CPU; or force "torch" / "triton"

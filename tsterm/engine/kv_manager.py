@@ -17,10 +17,10 @@ class KVCacheManager:
     blocks. With prefix caching, a sequence also holds a snapshot slot, where the model keeps its state at the last
     block boundary it computed (`snapshot_at`); when it is freed, that snapshot stays with the block it ends at, and
     a later prompt with that prefix resumes there (`match_prefix`) from a copy of it (`state_restore`).
-    Every `snapshot_interval` prompt tokens (whole blocks; 0: never) a sequence also leaves a snapshot behind while
-    it runs, when a free slot can replace it (`keep_interval_snapshot`), so that prompts sharing only the start of a
-    prefix with it (one system prompt, different tasks) resume from there; chunks of its prompt end at those
-    positions (`chunk_limit`), where the model keeps the state.
+    At the last multiple of `snapshot_interval` (whole blocks; 0: never) inside each prompt chunk but the last, a
+    sequence also leaves a snapshot behind, when a free slot can replace it (`keep_interval_snapshot`), so that
+    prompts sharing only the start of a prefix with it (one system prompt, different tasks) resume from there. The
+    chunks are not cut for it: the layer splits a chunk where a snapshot is taken.
     """
 
     def __init__(self, pool: BlockPool, snapshot_interval: int = 0):
@@ -130,28 +130,20 @@ class KVCacheManager:
 
     def snapshot_at(self, seq: Sequence, num_new_tokens: int) -> int:
         """Where the model snapshots `seq`'s state while computing its next `num_new_tokens`: the last block boundary
-        they reach (0: none). Recorded on the sequence, for `free`."""
+        they reach, or, in a chunk that more of the prompt follows, the last interval boundary in it (where the
+        layer splits the chunk; `keep_interval_snapshot` then leaves it with its block). 0: none. Recorded on the
+        sequence, for `free`."""
         if seq.snapshot_slot < 0:
             return 0
-        start, B = seq.num_computed_tokens, self.block_size
-        boundary = (start + num_new_tokens) // B * B
+        start, B, interval = seq.num_computed_tokens, self.block_size, self.snapshot_interval
+        end = start + num_new_tokens
+        boundary = end // B * B
+        if interval and end < len(seq.token_ids) and end // interval * interval > start:
+            boundary = end // interval * interval  # (a later chunk takes the block boundaries after it)
         if boundary <= start:
             return 0
         seq.snapshot_position = boundary
         return boundary
-
-    def chunk_limit(self, seq: Sequence, num_new_tokens: int) -> int:
-        """`num_new_tokens`, or fewer so that the chunk ends at the next interval boundary it would cross, where the
-        model keeps the state for `keep_interval_snapshot` (only while a free slot can take the snapshot's place)."""
-        interval = self.snapshot_interval
-        if not interval or not self.pool.enable_prefix_caching or not self.num_state_slots:
-            return num_new_tokens
-        start = seq.num_computed_tokens
-        boundary = (start // interval + 1) * interval
-        taking = 0 if seq.state_slot >= 0 else 2  # a sequence's first chunk takes its state and snapshot slots first
-        if start + num_new_tokens <= boundary or self.pool.num_free_state_slots <= taking:
-            return num_new_tokens
-        return boundary - start
 
     def keep_interval_snapshot(self, seq: Sequence) -> None:
         """After a step: if `seq`'s snapshot was just kept at an interval boundary of its prompt, leave it with its

@@ -34,7 +34,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self.kv.chunk_limit(seq, min(seq.num_uncomputed_tokens, budget))
+            n = min(seq.num_uncomputed_tokens, budget)
             while not self.kv.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -58,7 +58,7 @@ class Scheduler:
             self.kv.match_prefix(seq)
             if not first_admission:  # a preempted request keeps its first admission's cache report
                 seq.num_cached_tokens = cached_before
-            n = self.kv.chunk_limit(seq, min(seq.num_uncomputed_tokens, budget))
+            n = min(seq.num_uncomputed_tokens, budget)
             if preempted or not self.kv.can_append(seq, n):
                 self.kv.free(seq)
                 break
