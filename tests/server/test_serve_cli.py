@@ -68,6 +68,6 @@ def test_serve_takes_the_parallel_flags():
     from tsterm.launch import overrides_from_args
 
     args = build_parser().parse_args(["serve", "--profile", "agent-demo", "--tensor-parallel-size", "2",
-                                      "--expert-parallel-size", "2"])
+                                      "--expert-parallel-size", "2", "--quantization", "int8"])
     assert overrides_from_args(args) | {"dtype": None, "device": None} == {
-        "dtype": None, "device": None, "tensor_parallel_size": 2, "expert_parallel_size": 2}
+        "dtype": None, "device": None, "tensor_parallel_size": 2, "expert_parallel_size": 2, "quantization": "int8"}
