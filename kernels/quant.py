@@ -1,39 +1,42 @@
-"""Weight-only quantized linear layers: int8 per output channel, int4 per group of inputs, fp16.
+"""Weight-only quantized linear layers: int8 and int4 in blocks of 32 inputs (GGUF Q8_0 / Q4_1's form), fp16.
 
 A `QuantizedWeight` stands where a float weight [O, I] (or a stack of them, [E, O, I]) stood; the model's matmul
 seam, `tsterm_kernels.reference.linear`, sends it here. Only the quantized bytes are kept: no float copy exists
-after quantization, and every matmul reads the int8 / int4 data.
+after quantization, and every matmul of few rows reads the int8 / int4 data.
 
-Formats:
-- int8: `data` int8 [..., O, I], `scale` float32 [..., O]; W = data * scale[:, None] (symmetric, per row).
-- int4: `data` uint8 [..., O, I/2] in the layout of torch's CPU int4 GEMM (`_convert_weight_to_int4pack_for_cpu`),
-  `scale` float32 [..., I/G, O, 2] holding (scale, zero) per group of G inputs (O padded with zero rows to a
-  multiple of 16, as torch packs them); W = (q - 8) * scale + zero with
-  q in [0, 15] (asymmetric: zero = min + 8 * scale, which is GGUF Q4_1's block form for G = 32).
+Formats (I a multiple of 32; fp16 scales, as GGUF stores them):
+- int8: `data` int8 [..., O, I], `scale` fp16 [..., O, I/32]: W = code * d. GGUF Q8_0 blocks are these bytes.
+- int4: `data` uint8 [..., O, I/2], `scale` fp16 [..., O, I/32, 2] holding (d, m): W = code * d + m, code in [0, 15];
+  byte j of a block's 16 holds input j in its low nibble and input j + 16 in its high one. GGUF Q4_1 blocks are
+  these bytes; Q4_0's are too, with m = -8 d.
 - fp16: each [O, I] matrix as fbgemm's packed half-precision GEMM matrix (`fbgemm_pack_gemm_matrix_fp16`; `packed`
   holds one opaque handle per matrix, the bytes live in fbgemm), run by `fbgemm_linear_fp16_weight`: the float32
   activations times the fp16 weights, accumulated in float32. Exact for weights that are bfloat16 values within
   fp16's range (most released checkpoints); otherwise each weight is rounded to 11 significant bits.
 
-Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): int4 runs torch's
-`_weight_int4pack_mm_for_cpu`; int8 runs `_weight_int8pack_mm`; fp16 fbgemm's AVX2 GEMM. All read only the
-quantized bytes. On these AVX2 cores only fp16 is faster than float32 (1.6-4.9x per matmul); int8 / int4 save memory
-(4x / 7x) but their torch kernels run 2-5x slower than float32. On other devices the weight is dequantized per
-call (correct, not fast: no GPU kernel reads these formats yet).
+Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): up to NATIVE_MAX_ROWS rows of x, int8 and
+int4 run tsterm's C kernels (`tsterm_kernels.cpu_native`, csrc/gemv.c), which quantize each row of x to int8 per
+block of 32 and sum integer products, as llama.cpp does for these formats (`reference_matmul` is that arithmetic in
+torch); more rows (a prefill) dequantize the weight to float32 and run torch's GEMM, exact up to float summation
+order. fp16 runs fbgemm's AVX2 GEMM. Without the C kernels (no compiler), or on another device, the weight is
+dequantized per call: correct, not fast.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 GEMM accepts
-_INT4_ROW_MULTIPLE = 16  # ... and it packs output rows in sixteens
+from tsterm_kernels import cpu_native
+
+BLOCK = 32  # inputs per int8 / int4 block
+NATIVE_MAX_ROWS = 16  # up to this many rows of x, the C kernels; more: dequantize + torch's GEMM
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A quantized [..., O, I] weight. `kind` is "int8" or "int4"; see the module docstring for the layouts.
+    """A quantized [..., O, I] weight. `kind` is "int8", "int4" or "fp16"; see the module docstring for layouts.
 
     Indexing the leading (expert) axis returns that expert's weight as views, so stacked experts quantize once and
     are read in place like their float stacks."""
@@ -41,10 +44,24 @@ class QuantizedWeight:
     kind: str
     data: torch.Tensor  # int8 / int4 codes; fp16: empty (the bytes are in `packed`)
     scale: torch.Tensor  # int8 / int4 only
-    group_size: int = 0  # int4 only
-    in_features: int = 0
     dims: tuple[int, ...] = ()  # the float weight's shape [..., O, I]
     packed: tuple[torch.Tensor, ...] = ()  # fp16: fbgemm's handle of each [O, I] matrix
+
+    @classmethod
+    def blocks(cls, kind: str, data: torch.Tensor, scale: torch.Tensor) -> "QuantizedWeight":
+        """An int8 / int4 weight from its codes and fp16 scales in the module's layout (GGUF blocks repacked)."""
+        *lead, out_f, code_cols = data.shape
+        in_f = code_cols * (2 if kind == "int4" else 1)
+        want = {"int8": (torch.int8, (*lead, out_f, in_f // BLOCK)),
+                "int4": (torch.uint8, (*lead, out_f, in_f // BLOCK, 2))}
+        if kind not in want:
+            raise ValueError(f"quantized weight kind must be int8 or int4, got {kind!r}")
+        dtype, scale_shape = want[kind]
+        if data.dtype != dtype or in_f % BLOCK or scale.dtype != torch.float16 or tuple(scale.shape) != scale_shape:
+            raise ValueError(f"{kind} weight needs {dtype} codes with inputs a multiple of {BLOCK} and float16 "
+                             f"scales of shape {scale_shape}; got {data.dtype} {tuple(data.shape)} codes, "
+                             f"{scale.dtype} {tuple(scale.shape)} scales")
+        return cls(kind, data.contiguous(), scale.contiguous(), (*lead, out_f, in_f))
 
     @property
     def shape(self) -> torch.Size:
@@ -70,35 +87,85 @@ class QuantizedWeight:
     def __getitem__(self, index: int) -> "QuantizedWeight":
         assert len(self.dims) == 3, "only a stack of weights [E, O, I] is indexed"
         if self.kind == "fp16":
-            return QuantizedWeight("fp16", self.data, self.scale, 0, self.in_features, self.dims[1:],
-                                   (self.packed[index],))
-        return QuantizedWeight(self.kind, self.data[index], self.scale[index], self.group_size, self.in_features,
-                               self.dims[1:])
+            return QuantizedWeight("fp16", self.data, self.scale, self.dims[1:], (self.packed[index],))
+        return QuantizedWeight(self.kind, self.data[index], self.scale[index], self.dims[1:])
 
     def clone(self) -> "QuantizedWeight":
         if self.kind == "fp16":
             return quantize_fp16(self.dequantize())
-        return QuantizedWeight(self.kind, self.data.clone(), self.scale.clone(), self.group_size, self.in_features,
-                               self.dims)
+        return QuantizedWeight(self.kind, self.data.clone(), self.scale.clone(), self.dims)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight these bytes stand for (tests, references; the matmuls never build it)."""
-        if len(self.dims) == 3:
-            return torch.stack([self[i].dequantize() for i in range(self.dims[0])])
+        """The float32 weight these bytes stand for (tests, references, a prefill's GEMM)."""
+        if self.kind == "fp16":
+            if len(self.dims) == 3:
+                return torch.stack([self[i].dequantize() for i in range(self.dims[0])])
+            eye = torch.eye(self.dims[-1], dtype=torch.float32, device=self.device)
+            return _fp16_mm(eye, self).t().contiguous()  # exact: one 1 per row of the identity
+        *lead, out_f, in_f = self.dims
         if self.kind == "int8":
-            return self.data.float() * self.scale[:, None]
-        eye = torch.eye(self.in_features, dtype=torch.float32, device=self.device)
-        # exact: one 1 per row of the identity
-        mm = _int4_mm if self.kind == "int4" else _fp16_mm
-        return mm(eye, self).t().contiguous()
+            codes = self.data.view(*lead, out_f, in_f // BLOCK, BLOCK).float()
+            return (codes * self.scale.float()[..., None]).view(self.dims)
+        d, m = self.scale.float().unbind(-1)  # [..., O, I/32] each
+        return (int4_codes(self.data).float() * d[..., None] + m[..., None]).view(self.dims)
+
+
+def int4_codes(data: torch.Tensor) -> torch.Tensor:
+    """int4 bytes [..., O, I/2] -> codes [..., O, I/32, 32] (uint8, 0..15) in input order."""
+    blocks = data.view(*data.shape[:-1], data.shape[-1] // 16, 16)
+    return torch.cat((blocks & 15, blocks >> 4), dim=-1)
+
+
+def quantize_supported(shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether a weight of this [..., O, I] shape quantizes to int8 / int4 (whole blocks of 32 inputs)."""
+    return shape[-1] % BLOCK == 0
+
+
+def _blocks_of(weight: torch.Tensor) -> torch.Tensor:
+    if not quantize_supported(weight.shape):
+        raise ValueError(f"int8 / int4 quantize blocks of {BLOCK} inputs; got shape {tuple(weight.shape)}")
+    return weight.float().reshape(*weight.shape[:-1], weight.shape[-1] // BLOCK, BLOCK)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric per-output-row int8 of a float weight [..., O, I]."""
-    w = weight.float()
-    scale = w.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [..., O]
-    data = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)  # [..., O, I]
-    return QuantizedWeight("int8", data, scale.contiguous(), 0, weight.shape[-1], tuple(weight.shape))
+    """Symmetric int8 per block of 32 inputs (GGUF Q8_0) of a float weight [..., O, I]."""
+    w = _blocks_of(weight)  # [..., O, I/32, 32]
+    d = (w.abs().amax(-1) / 127.0).half()  # the stored scale; codes are rounded against it
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros(()))
+    codes = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", codes.view(weight.shape), d, tuple(weight.shape))
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
+    """Asymmetric int4 per block of 32 inputs (min/max; GGUF Q4_1) of a float weight [..., O, I]."""
+    w = _blocks_of(weight)  # [..., O, I/32, 32]
+    low, high = w.amin(-1), w.amax(-1)
+    d, m = ((high - low) / 15.0).half(), low.half()
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros(()))
+    codes = torch.round((w - m.float()[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
+    data = codes[..., :16] | (codes[..., 16:] << 4)  # [..., O, I/32, 16]
+    return QuantizedWeight("int4", data.reshape(*weight.shape[:-1], weight.shape[-1] // 2),
+                           torch.stack((d, m), dim=-1).contiguous(), tuple(weight.shape))
+
+
+def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The C kernels' arithmetic in torch (float64 sums): x [M, I] quantized to int8 per block of 32
+    (dx = max|x| / 127, codes rounded half to even), times the weight's codes, scaled per block. -> [M, O] float32."""
+    rows, in_f = x.shape
+    xb = x.float().view(rows, in_f // BLOCK, BLOCK)
+    dx = xb.abs().amax(-1) / 127.0  # [M, I/32]
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros(()))
+    qx = torch.round(xb * inv[..., None]).double()  # [M, I/32, 32]
+    if weight.kind == "int8":
+        codes = weight.data.view(weight.dims[0], in_f // BLOCK, BLOCK).double()
+        d, m = weight.scale.double(), None
+    else:
+        codes = int4_codes(weight.data).double()
+        d, m = weight.scale.double().unbind(-1)
+    y = torch.einsum("mbk,obk,ob,mb->mo", qx, codes, d, dx.double())
+    if m is not None:
+        y += torch.einsum("mb,ob,mb->mo", qx.sum(-1), m, dx.double())
+    return y.float()
 
 
 def quantize_fp16(weight: torch.Tensor) -> QuantizedWeight:
@@ -106,47 +173,7 @@ def quantize_fp16(weight: torch.Tensor) -> QuantizedWeight:
     mats = weight.float().reshape(-1, *weight.shape[-2:])
     packed = tuple(torch.ops.aten.fbgemm_pack_gemm_matrix_fp16(m.contiguous()) for m in mats)
     empty = torch.empty(0, device=weight.device)
-    return QuantizedWeight("fp16", empty, empty, 0, weight.shape[-1], tuple(weight.shape), packed)
-
-
-def int4_supported(shape: torch.Size | tuple[int, ...], group_size: int) -> bool:
-    """Whether a weight of this [..., O, I] shape quantizes to int4 in groups of `group_size` (any O: the rows are
-    padded to torch's multiple of 16 with zeros, which the matmul's output drops)."""
-    return group_size in INT4_GROUP_SIZES and shape[-1] % group_size == 0
-
-
-def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
-    """Asymmetric int4 per group of `group_size` inputs (min/max), of a float weight [..., O, I]."""
-    if not int4_supported(weight.shape, group_size):
-        raise ValueError(f"int4 needs I % group_size == 0 with group_size in {INT4_GROUP_SIZES}; got shape "
-                         f"{tuple(weight.shape)}, group_size {group_size}")
-    if weight.dim() == 3:
-        parts = [quantize_int4(w, group_size) for w in weight]
-        return QuantizedWeight("int4", torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]),
-                               group_size, weight.shape[-1], tuple(weight.shape))
-    out_f, in_f = weight.shape
-    w = weight.float().view(out_f, in_f // group_size, group_size)  # [O, I/G, G]
-    low, high = w.amin(-1), w.amax(-1)  # [O, I/G]
-    scale = ((high - low) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(out_f, in_f)
-    return pack_int4(q, scale, low + 8 * scale, group_size)
-
-
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> QuantizedWeight:
-    """int4 weight from codes q [O, I] in [0, 15] and per-group scale, zero [O, I/G]: W = (q - 8) * scale + zero."""
-    out_f = q.shape[0]
-    pad = -out_f % _INT4_ROW_MULTIPLE  # zero rows (code 8, scale 0, zero 0) up to torch's multiple of 16
-    q = torch.nn.functional.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
-    scale, zero = (torch.nn.functional.pad(t.float(), (0, 0, 0, pad)) for t in (scale, zero))
-    data = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)  # [O + pad, I/2]
-    scales_and_zeros = torch.stack((scale.t(), zero.t()), dim=-1).contiguous()  # [I/G, O + pad, 2]
-    return QuantizedWeight("int4", data, scales_and_zeros, group_size, q.shape[1], (out_f, q.shape[1]))
-
-
-def _int4_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.data, w.group_size, w.scale)  # [M, O + pad]
-    out_f = w.dims[-2]
-    return y if y.shape[1] == out_f else y[:, :out_f].contiguous()
+    return QuantizedWeight("fp16", empty, empty, tuple(weight.shape), packed)
 
 
 def _fp16_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -154,14 +181,28 @@ def _fp16_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, I] @ W.T (+ bias) -> [M, O] float32, reading only the quantized bytes of `weight` [O, I] on the CPU."""
-    if x.device.type != "cpu":  # no device kernel reads these formats yet
-        y = torch.nn.functional.linear(x, weight.dequantize().to(x.dtype))
-    elif weight.kind == "fp16":
+    """x [M, I] @ W.T (+ bias) -> [M, O] in x's dtype, for W a `QuantizedWeight` [O, I] (see the module docstring)."""
+    native = cpu_native.load() if x.device.type == "cpu" and weight.kind != "fp16" else None
+    if weight.kind == "fp16" and x.device.type == "cpu":
         y = _fp16_mm(x.float(), weight)
-    elif weight.kind == "int8":
-        y = torch._weight_int8pack_mm(x.float(), weight.data, weight.scale)
+    elif native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+        xf = x.float().contiguous()
+        y = torch.empty(x.shape[0], weight.dims[-2], dtype=torch.float32)
+        fn = native.q4_matmul if weight.kind == "int4" else native.q8_matmul
+        if fn(xf.data_ptr(), xf.shape[0], xf.shape[1], weight.data.data_ptr(), weight.scale.data_ptr(),
+              y.shape[1], y.data_ptr()) != 0:
+            raise MemoryError("out of memory for the quantized matmul's scratch")
     else:
-        y = _int4_mm(x.float().contiguous(), weight)
+        y = F.linear(x.float(), dequantize(weight, native))
     y = y.to(x.dtype)
     return y if bias is None else y + bias
+
+
+def dequantize(weight: QuantizedWeight, native: "cpu_native.NativeKernels | None" = None) -> torch.Tensor:
+    """weight.dequantize(), by the C kernels when given (a prefill's GEMM needs it once per call)."""
+    if native is None or weight.kind == "fp16" or len(weight.dims) != 2:
+        return weight.dequantize()
+    out = torch.empty(weight.dims, dtype=torch.float32)
+    fn = native.q4_dequantize if weight.kind == "int4" else native.q8_dequantize
+    fn(weight.data.data_ptr(), weight.scale.data_ptr(), weight.dims[0], weight.dims[1], out.data_ptr())
+    return out

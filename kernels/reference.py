@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tsterm_kernels import cpu_native
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import QuantizedWeight, quantized_linear
 # Gated DeltaNet ops (decode and prefill): their twins live in their own module
@@ -52,8 +53,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm of `x` (+ `residual` first, when given). Returns (normed, new_residual).
 
-    x, residual: [T, H]; weight: [H]. The residual sum is what the next layer adds onto.
+    x, residual: [T, H]; weight: [H]. The residual sum is what the next layer adds onto. On the CPU in float32 it is
+    one C call (`csrc/decode.c`), which adds x into `residual` in place and returns it as the new residual.
     """
+    native = _native_f32(x, weight, *(() if residual is None else (residual,)))
+    if native is not None and x.dim() == 2:
+        out = torch.empty_like(x)
+        native.add_rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                            x.shape[0], x.shape[1], eps, out.data_ptr())
+        return out, residual
     if residual is not None:
         x = x + residual  # [T, H]
         residual = x
@@ -63,6 +71,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [T, H]
     return weight * xf.to(dtype), residual
+
+
+def _native_f32(*tensors: torch.Tensor) -> "cpu_native.NativeKernels | None":
+    """The C kernels, when every tensor is a contiguous float32 CPU tensor and they are available."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+    return cpu_native.load()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -99,6 +115,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
+    if num_tokens == len(meta.seq_lens) and q.stride(2) == 1 and q.stride(1) == head_dim:
+        # decode (one new token per sequence): one C call over every sequence's blocks, however many runs
+        native = _native_f32(k_cache, v_cache) if q.dtype == torch.float32 else None
+        tables = meta.block_tables
+        if native is not None and tables.dtype == torch.int32 and tables.is_contiguous() and tables.device == device:
+            return _native_decode_attention(native, q, k_cache, v_cache, meta, scale)
     flash = device.type == "cpu" and _FLASH_CPU is not None
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
@@ -148,6 +170,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if len(meta.seq_lens) == 1:  # like the one-run decode: no copy into `out` (a view when num_q == 1)
             return o.to(q.dtype)
         out[q_start:q_end] = o.to(q.dtype)
+    return out
+
+
+def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    seq_lens = meta.seq_lens_device
+    if seq_lens is None or seq_lens.device.type != "cpu":
+        seq_lens = meta.seq_lens_device = torch.tensor(meta.seq_lens, dtype=torch.int32)  # once per step
+    out = torch.empty(q.shape, dtype=torch.float32)
+    tables = meta.block_tables
+    if native.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                               tables.shape[1], seq_lens.data_ptr(), len(meta.seq_lens), q.shape[1],
+                               k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, out.data_ptr()) != 0:
+        raise MemoryError("decode attention: out of memory for its partial results (or a query group over 64)")
     return out
 
 

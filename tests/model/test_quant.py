@@ -1,9 +1,12 @@
 """Weight-only int8 / int4 models (`quantization`) against float models whose weights are the dequantized weights.
 
 The reference checkpoint holds, for every matrix tsterm quantizes, `quantize(w).dequantize()` in float32, so both
-models compute with the same effective weights and only the kernels differ: the quantized model must pick the same
-greedy tokens and give the same log-probabilities up to float32 reassociation. The float model of the original
-weights is the control: quantization error is far larger than the tolerance, so the test sees which model it ran.
+models compute with the same effective weights. With the C kernels turned off, every quantized matmul is the float
+matmul of the dequantized weight: the quantized model must pick the same greedy tokens and give the same
+log-probabilities up to float32 reassociation; the float model of the original weights is the control (quantization
+error is far larger than the tolerance, so the test sees which model it ran). With the C kernels (the default), the
+matmuls of few rows also round each activation to int8 per block of 32, as llama.cpp does: that model must equal the
+same model run with `reference_matmul` (the kernels' arithmetic in torch) in place of the C kernels.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tsterm_kernels.quant import QuantizedWeight
+from tsterm_kernels import cpu_native, reference
+from tsterm_kernels.quant import NATIVE_MAX_ROWS, QuantizedWeight, quantized_linear, reference_matmul
 
 from tsterm import LLM, SamplingParams, launch
 from tsterm import cli
@@ -64,6 +68,14 @@ def _dequantized_twin(src: Path, dst: Path, mode: str) -> Path:
     return dst
 
 
+def _c_kernels_twin(x, weight, bias=None):
+    """quantized_linear with `reference_matmul` where the C kernels would run."""
+    if weight.kind == "fp16" or x.shape[0] > NATIVE_MAX_ROWS:
+        return quantized_linear(x, weight, bias)
+    y = reference_matmul(x, weight).to(x.dtype)
+    return y if bias is None else y + bias
+
+
 def _generate(model_dir: Path, prompts: list[list[int]], **options) -> list:
     llm = LLM(str(model_dir), **OPTIONS, **options)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
@@ -83,22 +95,29 @@ def _last_logits(model_dir: Path, prompt: list[int], **options) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mode", ["fp16", "int8", "int4"])
-def test_quantized_model_generates_like_its_dequantized_float_twin(checkpoint, tmp_path, mode):
+def test_quantized_model_generates_like_its_dequantized_float_twin(checkpoint, tmp_path, mode, monkeypatch):
     model_type, float_dir = checkpoint
     twin_dir = _dequantized_twin(float_dir, tmp_path / "twin", mode)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 17)]
+    with_c_kernels = _generate(float_dir, prompts, quantization=mode)
+    monkeypatch.setattr(cpu_native, "load", lambda: None)  # every quantized matmul: dequantized weight, float GEMM
     quantized = _generate(float_dir, prompts, quantization=mode)
+    logits = [_last_logits(d, prompts[1], **o) for d, o in ((float_dir, dict(quantization=mode)), (twin_dir, {}),
+                                                              (float_dir, {}))]
+    monkeypatch.setattr(reference, "quantized_linear", _c_kernels_twin)
+    c_twin = _generate(float_dir, prompts, quantization=mode)
     twin = _generate(twin_dir, prompts)
     original = _generate(float_dir, prompts)
-    for q_out, t_out, f_out in zip(quantized, twin, original):
+    for q_out, t_out, f_out, c_out, c_twin_out in zip(quantized, twin, original, with_c_kernels, c_twin):
         assert q_out.token_ids == t_out.token_ids
         gap = (_logprobs(q_out) - _logprobs(t_out)).abs().max()
         assert gap < TOLERANCE, f"{model_type} {mode}: log-probabilities differ by {gap:.2e}"
         # the control: the float model of the unquantized weights is measurably another model
         assert q_out.token_ids != f_out.token_ids or (_logprobs(q_out) - _logprobs(f_out)).abs().max() > 10 * TOLERANCE
-    logits = [_last_logits(d, prompts[1], **o) for d, o in ((float_dir, dict(quantization=mode)), (twin_dir, {}),
-                                                              (float_dir, {}))]
+        # the C kernels compute their torch twin's arithmetic (float32 vs float64 sums)
+        assert c_out.token_ids == c_twin_out.token_ids
+        assert (_logprobs(c_out) - _logprobs(c_twin_out)).abs().max() < 10 * TOLERANCE
     assert (logits[0] - logits[1]).abs().max() < TOLERANCE * logits[1].abs().max()
     assert (logits[0] - logits[2]).abs().max() > 10 * TOLERANCE * logits[2].abs().max()
 
@@ -119,17 +138,20 @@ def test_weights_are_stored_quantized(checkpoint, mode, bits):
     # no float tensor left is a view of the mapping, so it can be unmapped (its pages counted in RSS no more)
     assert all(w.untyped_storage().data_ptr() != mapping for w in weights.values() if isinstance(w, torch.Tensor))
     kinds = {w.kind for w in weights.values() if isinstance(w, QuantizedWeight)}
-    # the helpers' hybrid has matrices of 24 and 40 inputs, not whole groups of 32: those are int8
-    assert kinds == {mode} or (model_type == "qwen3_next" and mode == "int4" and kinds == {"int4", "int8"})
+    assert kinds == {mode}
+    # every matrix is quantized but those whose inputs are not whole blocks of 32 (the helpers' hybrid has some of
+    # 24 and 40 inputs): those stay float for int8 / int4
     names = [n for n, w in weights.items() if n.rsplit(".", 1)[-1] in matrices]
-    assert names and all(isinstance(weights[n], QuantizedWeight) for n in names)
+    float_left = [n for n in names if not isinstance(weights[n], QuantizedWeight)]
+    assert names and all(mode != "fp16" and weights[n].shape[-1] % 32 for n in float_left)
+    assert len(float_left) < len(names) and (model_type == "qwen3_next" or not float_left)
     assert isinstance(weights["lm_head"], QuantizedWeight) and not isinstance(weights["embed"], QuantizedWeight)
     w13 = weights["layers.0.w13"]
     assert isinstance(w13, QuantizedWeight) and (w13.data.dtype in (torch.int8, torch.uint8) or len(w13.packed) >= 1)
-    # each linear parameter went from 4 bytes to bits/8 (+ its share of the scales)
+    # each quantized linear parameter went from 4 bytes to bits/8 (+ its share of the scales)
+    quantized_params = linear_params - sum(weights[n].numel() for n in float_left)
     saved = float_bytes - weight_bytes(weights)
-    bits = 8 if model_type == "qwen3_next" and mode == "int4" else bits  # at least int8's saving
-    assert saved > linear_params * (4 - bits / 8) * 0.85, (saved, linear_params)
+    assert saved > quantized_params * (4 - bits / 8) * 0.85, (saved, quantized_params)
 
 
 def test_quantization_option_is_checked():

@@ -6,8 +6,8 @@ What is quantized: every matrix the decoder multiplies through `tsterm_kernels.r
 embedding (a row lookup), norms, biases, the router and the shared expert's gate (a few KB that decide routing),
 the convolution and the linear-attention decay parameters.
 
-int4 groups 32 inputs (GGUF Q4's block size); a matrix whose inputs are not a multiple of 32 is stored as int8
-instead (a row-local rule: fused and separate projections get the same format). Each float matrix is dropped as
+int8 and int4 quantize blocks of 32 inputs (GGUF Q8_0 / Q4_1's forms, `tsterm_kernels.quant`); a matrix whose inputs
+are not a multiple of 32 stays float (a row-local rule: fused and separate projections get the same format). Each float matrix is dropped as
 soon as its quantized form exists, so the float copies made at load (fused q/k/v, stacked experts) go one by one.
 """
 from __future__ import annotations
@@ -15,12 +15,11 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from tsterm_kernels.quant import QuantizedWeight, int4_supported, quantize_fp16, quantize_int4, quantize_int8
+from tsterm_kernels.quant import QuantizedWeight, quantize_fp16, quantize_int4, quantize_int8, quantize_supported
 
 from tsterm.errors import ConfigError
 
 QUANTIZATIONS = ("none", "fp16", "int8", "int4")
-INT4_GROUP_SIZE = 32
 # canonical weight names (tsterm.model.loader / hybrid_loader) of the matrices `linear` multiplies by
 LINEAR_NAMES = ("qkv", "qkvg", "o_proj", "in_proj", "out_proj", "w13", "w2", "shared_w13", "shared_w2")
 
@@ -29,14 +28,14 @@ def is_linear_weight(name: str) -> bool:
     return name == "lm_head" or name.rsplit(".", 1)[-1] in LINEAR_NAMES
 
 
-def quantize(weight: torch.Tensor, mode: str) -> QuantizedWeight:
-    """One [..., O, I] weight as `mode` ("fp16", "int8" or "int4"; int4 falls back to int8 for shapes it cannot
-    take)."""
+def quantize(weight: torch.Tensor, mode: str) -> QuantizedWeight | torch.Tensor:
+    """One [..., O, I] weight as `mode` ("fp16", "int8" or "int4"); an int8 / int4 weight whose inputs are not
+    whole blocks of 32 is returned as it is."""
     if mode == "fp16":
         return quantize_fp16(weight)
-    if mode == "int4" and int4_supported(weight.shape, INT4_GROUP_SIZE):
-        return quantize_int4(weight, INT4_GROUP_SIZE)
-    return quantize_int8(weight)
+    if not quantize_supported(weight.shape):
+        return weight
+    return quantize_int4(weight) if mode == "int4" else quantize_int8(weight)
 
 
 def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,126 @@
+"""tsterm's hand-written CPU kernels (`csrc/*.c`), compiled on this machine the first time they are needed.
+
+Why C: the quantized matmuls of batch-1 decode must read 4-bit and 8-bit weights at memory speed, and neither torch's
+CPU int4 / int8 kernels nor torch.compile did on these AVX2 cores (benchmarks/quant_gemv.py, BENCHMARKS.md); and the
+small ops between them (a norm of one row, one query's attention) cost torch 50-150 us each where the work is a
+few microseconds (csrc/decode.c). The
+sources are plain C with AVX2 / FMA / F16C intrinsics and OpenMP; they are built with the system C compiler
+(`$CC`, else `cc`) and `-march=native`, like llama.cpp builds on the machine that runs it, into
+`$TSTERM_CACHE_DIR/kernels/<hash of sources, flags and CPU>/` (default ~/.cache/tsterm), once: later processes load
+the built library. Building takes about a second. They are called through ctypes with tensor data pointers, which
+costs about a microsecond per call.
+
+`load()` returns None, with one warning naming the cause, where the kernels cannot be built (no compiler, a CPU
+without AVX2) or `TSTERM_NATIVE_KERNELS=0` turns them off; callers then take their torch path. The loaded library
+is cached for the process, like an imported module: it holds no state.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+SOURCES_DIR = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+LIB_NAME = "libtsterm_cpu.so"
+
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# exported function -> (restype, argtypes)
+SIGNATURES = {
+    "tsterm_q4_matmul": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P]),
+    "tsterm_q8_matmul": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P]),
+    "tsterm_q4_dequantize": (None, [_P, _P, _I64, _I64, _P]),
+    "tsterm_q8_dequantize": (None, [_P, _P, _I64, _I64, _P]),
+    "tsterm_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P]),
+    "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
+}
+
+
+class NativeKernelError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    """Where built libraries go: $TSTERM_CACHE_DIR/kernels, else $XDG_CACHE_HOME/tsterm/kernels, else
+    ~/.cache/tsterm/kernels (the same root as tsterm's imported models)."""
+    if os.environ.get("TSTERM_CACHE_DIR"):
+        root = Path(os.environ["TSTERM_CACHE_DIR"]).expanduser()
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "tsterm"
+    else:
+        root = Path.home() / ".cache" / "tsterm"
+    return root / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile every source into one shared library (or find it built); returns its path. Raises
+    NativeKernelError with the compiler's message when it cannot be built."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise NativeKernelError(f"the CPU kernels need x86-64 with AVX2 (this machine is {platform.machine()})")
+    if "avx2" not in _cpu_flags() or "f16c" not in _cpu_flags():
+        raise NativeKernelError("the CPU kernels need AVX2, FMA and F16C, which this CPU does not report")
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise NativeKernelError(f"no C compiler ({compiler!r} not found; install gcc or set $CC)")
+    sources = sorted(SOURCES_DIR.glob("*.c"))
+    digest = hashlib.sha256()
+    for item in (compiler, *FLAGS, _cpu_flags(), *(s.name + s.read_text() for s in sources)):
+        digest.update(item.encode())
+    target_dir = (out_dir or cache_dir()) / digest.hexdigest()[:16]
+    target = target_dir / LIB_NAME
+    if target.is_file():
+        return target
+    target_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)  # built aside, renamed: concurrent builds are safe
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise NativeKernelError(f"{compiler} failed to build the CPU kernels:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class NativeKernels:
+    """The built library's functions, typed (see SIGNATURES)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name.removeprefix("tsterm_"), fn)
+
+
+@functools.cache
+def load() -> NativeKernels | None:
+    """The CPU kernels, built on first use; None (with one warning) where they cannot be built or are turned off."""
+    if os.environ.get("TSTERM_NATIVE_KERNELS", "1") == "0":
+        return None
+    try:
+        return NativeKernels(build())
+    except (NativeKernelError, OSError) as e:
+        warnings.warn(f"tsterm's CPU kernels are unavailable, quantized matmuls take a slow torch path: {e}",
+                      RuntimeWarning, stacklevel=2)
+        return None

@@ -1,0 +1,222 @@
+/* The small per-token ops of CPU decode, each one call instead of a handful of torch ops (float32):
+ *
+ * - tsterm_decode_attention: one new query row per sequence attends over its context, read in place from the paged
+ *   KV pool through the block table (any number of runs of blocks: a prefix cache hit leaves several). Work is
+ *   split over (sequence, chunk of CHUNK positions) for the threads; for each KV head, the chunk's scores for the
+ *   head's whole query group are computed, exponentiated against the chunk's max and summed into the chunk's own
+ *   partial output; the partials are merged by their maxima at the end (flash-decoding).
+ * - tsterm_add_rms_norm: residual += x (when given), then out = residual * rsqrt(mean(residual^2) + eps) * w.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define CHUNK 64
+#define MAX_HEADS 64
+#define PREFETCH 4
+
+static inline void prefetch(const float *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for 8 lanes, x <= 0 (scores minus their max): 2^n * e^r with |r| <= ln2 / 2, a degree-6 polynomial for e^r
+ * (relative error below 2e-7); inputs below -87 give 0. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: exact first product */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float s = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* 8 dot products q . k[j] (length D, a multiple of 8) as one vector: per-position accumulators, then a
+ * transposing horizontal reduction (hadd tree) instead of 8 separate horizontal sums. */
+static inline __m256 dot8(const float *q, const float *const k[8], int64_t D) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline void axpy(float a, const float *x, float *y, int64_t n) {
+    const __m256 av = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* q: [S, Hq, D] rows q_stride apart (elements between sequences' rows); caches: [num_blocks, B, Hkv, D];
+ * block_tables: [S, max_blocks]; seq_lens: [S]; out: [S, Hq, D] contiguous. Returns -1 when scratch memory ran out
+ * or there are more than MAX_HEADS query heads, else 0. */
+int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                            const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                            float *out) {
+    const int64_t group = num_heads / num_kv_heads, D = head_dim;
+    if (num_heads > MAX_HEADS) return -1;
+    int64_t max_chunks = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t c = (seq_lens[s] + CHUNK - 1) / CHUNK;
+        if (c > max_chunks) max_chunks = c;
+    }
+    const int64_t tasks = num_seqs * max_chunks;
+    /* per (task, KV head, query row): D partial outputs, then the chunk's max score and sum of exponentials */
+    float *part = malloc(sizeof(float) * (size_t)(tasks * num_heads * (D + 2)));
+    if (!part) return -1;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; task++) {
+        /* a chunk of one sequence's positions, every KV head: each position's K (and V) heads are contiguous */
+        const int64_t s = task / max_chunks, chunk = task % max_chunks, first = chunk * CHUNK;
+        int64_t n = seq_lens[s] - first;
+        if (n > CHUNK) n = CHUNK;
+        const int32_t *table = block_tables + s * max_blocks;
+        const float *rows_k[CHUNK], *rows_v[CHUNK];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t pos = first + i, slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+            rows_k[i] = k_cache + slot * num_kv_heads * D;
+            rows_v[i] = v_cache + slot * num_kv_heads * D;
+        }
+        float *pt = part + task * num_heads * (D + 2);  /* [Hq, D + 2] */
+        if (n <= 0) {
+            for (int64_t r = 0; r < num_heads; r++) pt[r * (D + 2) + D] = -INFINITY, pt[r * (D + 2) + D + 1] = 0.0f;
+            continue;
+        }
+        const int64_t row_bytes = num_kv_heads * D * (int64_t)sizeof(float);
+        float scores[MAX_HEADS][CHUNK] __attribute__((aligned(32)));
+        const float *qs = q + s * q_stride;
+        for (int64_t i = 0; i < n; i += 8) {
+            const int64_t m = n - i < 8 ? n - i : 8;
+            for (int64_t j = 0; j < 8 && i + PREFETCH + j < n; j++) prefetch(rows_k[i + PREFETCH + j], row_bytes);
+            for (int64_t r = 0; r < num_heads; r++) {
+                const float *k[8];
+                for (int64_t j = 0; j < 8; j++) k[j] = rows_k[i + (j < m ? j : 0)] + r / group * D;
+                _mm256_store_ps(&scores[r][i], _mm256_mul_ps(dot8(qs + r * D, k, D), _mm256_set1_ps(scale)));
+            }
+        }
+        for (int64_t r = 0; r < num_heads; r++) {
+            float *sc = scores[r], *acc = pt + r * (D + 2);
+            float mx = -INFINITY;
+            for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
+            __m256 sum8 = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {
+                const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(sc + i), _mm256_set1_ps(mx)));
+                _mm256_store_ps(sc + i, e);
+                sum8 = _mm256_add_ps(sum8, e);
+            }
+            float sum = hsum256(sum8);
+            for (; i < n; i++) {
+                sc[i] = expf(sc[i] - mx);
+                sum += sc[i];
+            }
+            for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+            acc[D] = mx, acc[D + 1] = sum;
+        }
+        for (int64_t r = 0; r < num_heads; r++) {
+            const int64_t off = r / group * D;
+            float *acc = pt + r * (D + 2);
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {  /* 8 accumulators in registers over the chunk's positions */
+                const int64_t width = D - d0 < 64 ? D - d0 : 64;
+                __m256 a[8];
+                for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+                for (int64_t i = 0; i < n; i++) {
+                    const __m256 p = _mm256_set1_ps(scores[r][i]);
+                    const float *v = rows_v[i] + off + d0;
+                    if (width == 64) {
+                        for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), a[k]);
+                    } else {
+                        for (int k = 0; k < width / 8; k++) a[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), a[k]);
+                    }
+                }
+                for (int k = 0; k < width / 8; k++) _mm256_storeu_ps(acc + d0 + 8 * k, a[k]);
+            }
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < num_seqs * num_heads; row++) {
+        const int64_t s = row / num_heads, hq = row % num_heads;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t c = 0; c < max_chunks; c++) {
+            const float m = part[((s * max_chunks + c) * num_heads + hq) * (D + 2) + D];
+            mx = m > mx ? m : mx;
+        }
+        float *o = out + row * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t c = 0; c < max_chunks; c++) {
+            const float *pt = part + ((s * max_chunks + c) * num_heads + hq) * (D + 2);
+            if (pt[D + 1] == 0.0f) continue;
+            const float w = expf(pt[D] - mx);
+            sum += w * pt[D + 1];
+            axpy(w, pt, o, D);
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+    free(part);
+    return 0;
+}
+
+/* x, residual, out: [T, H] contiguous; residual may be NULL (then the norm is of x). residual is updated in place. */
+void tsterm_add_rms_norm(const float *x, float *residual, const float *weight, int64_t rows, int64_t hidden,
+                         float eps, float *out) {
+#pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * hidden;
+        float *src = (float *)xr;
+        if (residual) {
+            float *r = residual + t * hidden;
+            for (int64_t i = 0; i < hidden; i++) r[i] += xr[i];
+            src = r;
+        }
+        double ss = 0.0;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= hidden; i += 8) {
+            const __m256 v = _mm256_loadu_ps(src + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        ss = hsum256(acc);
+        for (; i < hidden; i++) ss += src[i] * src[i];
+        const float inv = 1.0f / sqrtf((float)(ss / (double)hidden) + eps);
+        float *o = out + t * hidden;
+        for (int64_t j = 0; j < hidden; j++) o[j] = src[j] * inv * weight[j];
+    }
+}

@@ -1,0 +1,205 @@
+/* Weight-only quantized matmuls for few rows on the CPU: y[M, O] = x[M, I] @ W[O, I]^T, reading only the quantized
+ * bytes of W. The layouts (tsterm_kernels.quant), in blocks of 32 inputs along each row:
+ *
+ *   q8: codes int8 [O, I], scales fp16 [O, I/32]:           W[o, i] = code * d
+ *   q4: codes uint8 [O, I/2], scales fp16 [O, I/32, 2]:     W[o, i] = code * d + m, code in [0, 15]
+ *       byte j of a block's 16 holds input j in its low nibble and input j + 16 in its high nibble (GGUF's order,
+ *       so Q4_0 / Q4_1 blocks repack by copying their bytes).
+ *
+ * Each row of x is first quantized to int8 per block of 32 (dx = max|x| / 127, qx = round-half-even(x / dx), as
+ * llama.cpp does for these formats), so a block's dot product is an exact integer sum of 32 products
+ * (_mm256_maddubs_epi16, then _mm256_madd_epi16): q8: d * dx * sum(code * qx); q4: d * dx * sum(code * qx) +
+ * m * dx * sum(qx). `tsterm_kernels.quant.reference_matmul` is the same arithmetic in torch.
+ *
+ * Output rows are split over the OpenMP threads (libgomp: the runtime torch's CPU build already loaded), in tiles of
+ * 16 rows; each tile is read from memory once and multiplied by every row of x (4 rows of x at a time), so the
+ * weight stream does not grow with M.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define QBLOCK 32
+#define TILE 16
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One row of x -> int8 codes [I] and per block (dx, dx * sum(codes)) [I/32, 2]. */
+static void quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dsx) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < in_f / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(xb + 8 * k);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float dx = _mm_cvtss_f32(m) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(dx > 0.0f ? 1.0f / dx : 0.0f);
+        __m256i i[4];
+        for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  /* round half to even */
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s = _mm_hadd_epi32(s, s);
+        s = _mm_hadd_epi32(s, s);
+        /* packs work within 128-bit lanes: the permute puts the 32 codes back in order */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+        _mm256_storeu_si256((__m256i *)(qx + b * QBLOCK), _mm256_permutevar8x32_epi32(p, order));
+        dsx[2 * b] = dx;
+        dsx[2 * b + 1] = dx * (float)_mm_cvtsi128_si32(s);
+    }
+}
+
+/* sum over 32 lanes of u8 a * s8 b, as 8 int32 partial sums converted to float */
+static inline __m256 dot_u8s8(__m256i a, __m256i b) {
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(p);
+}
+
+static inline __m256i q4_codes(const uint8_t *c) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)c);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
+}
+
+/* Output rows [o_begin, o_end) times ROWS (1..4) quantized rows of x. */
+#define DEFINE_Q4(ROWS)                                                                                      \
+    static void q4_rows##ROWS(const int8_t *qx, const float *dsx, int64_t in_f, const uint8_t *codes,        \
+                              const uint16_t *scales, int64_t o_begin, int64_t o_end, int64_t out_f, float *y) { \
+        const int64_t nb = in_f / QBLOCK;                                                                    \
+        for (int64_t o = o_begin; o < o_end; o++) {                                                          \
+            const uint8_t *c = codes + o * nb * 16;                                                          \
+            const uint16_t *s = scales + o * nb * 2;                                                         \
+            __m256 acc[ROWS];                                                                                \
+            float macc[ROWS];                                                                                \
+            for (int r = 0; r < ROWS; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }                \
+            for (int64_t b = 0; b < nb; b++) {                                                               \
+                const __m256i w = q4_codes(c + b * 16);                                                      \
+                const float d = _cvtsh_ss(s[2 * b]), m = _cvtsh_ss(s[2 * b + 1]);                           \
+                for (int r = 0; r < ROWS; r++) {                                                             \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * in_f + b * QBLOCK));    \
+                    const float *ds = dsx + (r * nb + b) * 2;                                                \
+                    acc[r] = _mm256_fmadd_ps(dot_u8s8(w, xv), _mm256_set1_ps(d * ds[0]), acc[r]);           \
+                    macc[r] += m * ds[1];                                                                    \
+                }                                                                                            \
+            }                                                                                                \
+            for (int r = 0; r < ROWS; r++) y[r * out_f + o] = hsum256(acc[r]) + macc[r];                     \
+        }                                                                                                    \
+    }
+
+#define DEFINE_Q8(ROWS)                                                                                      \
+    static void q8_rows##ROWS(const int8_t *qx, const float *dsx, int64_t in_f, const int8_t *codes,         \
+                              const uint16_t *scales, int64_t o_begin, int64_t o_end, int64_t out_f, float *y) { \
+        const int64_t nb = in_f / QBLOCK;                                                                    \
+        for (int64_t o = o_begin; o < o_end; o++) {                                                          \
+            const int8_t *c = codes + o * in_f;                                                              \
+            const uint16_t *s = scales + o * nb;                                                             \
+            __m256 acc[ROWS];                                                                                \
+            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();                                     \
+            for (int64_t b = 0; b < nb; b++) {                                                               \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(c + b * QBLOCK));                     \
+                const __m256i aw = _mm256_sign_epi8(w, w);                                                   \
+                const float d = _cvtsh_ss(s[b]);                                                             \
+                for (int r = 0; r < ROWS; r++) {                                                             \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * in_f + b * QBLOCK));    \
+                    const float dx = dsx[(r * nb + b) * 2];                                                  \
+                    acc[r] = _mm256_fmadd_ps(dot_u8s8(aw, _mm256_sign_epi8(xv, w)), _mm256_set1_ps(d * dx), acc[r]); \
+                }                                                                                            \
+            }                                                                                                \
+            for (int r = 0; r < ROWS; r++) y[r * out_f + o] = hsum256(acc[r]);                               \
+        }                                                                                                    \
+    }
+
+DEFINE_Q4(1)
+DEFINE_Q4(2)
+DEFINE_Q4(3)
+DEFINE_Q4(4)
+DEFINE_Q8(1)
+DEFINE_Q8(2)
+DEFINE_Q8(3)
+DEFINE_Q8(4)
+
+typedef void (*rows_fn)(const int8_t *, const float *, int64_t, const void *, const uint16_t *, int64_t, int64_t,
+                        int64_t, float *);
+static const rows_fn Q4_ROWS[4] = {(rows_fn)q4_rows1, (rows_fn)q4_rows2, (rows_fn)q4_rows3, (rows_fn)q4_rows4};
+static const rows_fn Q8_ROWS[4] = {(rows_fn)q8_rows1, (rows_fn)q8_rows2, (rows_fn)q8_rows3, (rows_fn)q8_rows4};
+
+/* Returns 0, or -1 when the scratch for x's codes could not be allocated. */
+static int matmul(const rows_fn *fns, const float *x, int64_t rows, int64_t in_f, const void *codes,
+                  const uint16_t *scales, int64_t out_f, float *y) {
+    const int64_t nb = in_f / QBLOCK;
+    int8_t *qx = aligned_alloc(64, (size_t)((rows * in_f + 63) / 64 * 64));
+    float *dsx = malloc(sizeof(float) * (size_t)(rows * nb * 2));
+    if (!qx || !dsx) {
+        free(qx);
+        free(dsx);
+        return -1;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_f, in_f, qx + r * in_f, dsx + r * nb * 2);
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t tiles = (out_f + TILE - 1) / TILE;
+        const int64_t first = tiles * t / nt * TILE;
+        const int64_t last = tiles * (t + 1) / nt * TILE < out_f ? tiles * (t + 1) / nt * TILE : out_f;
+        for (int64_t o = first; o < last; o += TILE) {
+            const int64_t o_end = o + TILE < last ? o + TILE : last;
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
+                fns[n - 1](qx + r0 * in_f, dsx + r0 * nb * 2, in_f, codes, scales, o, o_end, out_f, y + r0 * out_f);
+            }
+        }
+    }
+    free(qx);
+    free(dsx);
+    return 0;
+}
+
+int tsterm_q4_matmul(const float *x, int64_t rows, int64_t in_f, const uint8_t *codes, const uint16_t *scales,
+                     int64_t out_f, float *y) {
+    return matmul(Q4_ROWS, x, rows, in_f, codes, scales, out_f, y);
+}
+
+int tsterm_q8_matmul(const float *x, int64_t rows, int64_t in_f, const int8_t *codes, const uint16_t *scales,
+                     int64_t out_f, float *y) {
+    return matmul(Q8_ROWS, x, rows, in_f, codes, scales, out_f, y);
+}
+
+/* The float32 weight of q4 / q8 rows [O, I] (a prefill's many rows multiply it with torch's GEMM). */
+void tsterm_q4_dequantize(const uint8_t *codes, const uint16_t *scales, int64_t out_f, int64_t in_f, float *w) {
+    const int64_t nb = in_f / QBLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out_f; o++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *c = codes + (o * nb + b) * 16;
+            const float d = _cvtsh_ss(scales[(o * nb + b) * 2]), m = _cvtsh_ss(scales[(o * nb + b) * 2 + 1]);
+            float *wb = w + o * in_f + b * QBLOCK;
+            for (int j = 0; j < 16; j++) {
+                wb[j] = (float)(c[j] & 15) * d + m;
+                wb[j + 16] = (float)(c[j] >> 4) * d + m;
+            }
+        }
+}
+
+void tsterm_q8_dequantize(const int8_t *codes, const uint16_t *scales, int64_t out_f, int64_t in_f, float *w) {
+    const int64_t nb = in_f / QBLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out_f; o++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float d = _cvtsh_ss(scales[o * nb + b]);
+            for (int j = 0; j < QBLOCK; j++) w[o * in_f + b * QBLOCK + j] = (float)codes[o * in_f + b * QBLOCK + j] * d;
+        }
+}

@@ -1,0 +1,125 @@
+"""tsterm's C kernels for CPU decode (csrc/decode.c) against from-scratch torch, and how they are built."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tsterm_kernels import cpu_native, reference
+from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
+
+
+@pytest.fixture(scope="module")
+def native():
+    kernels = cpu_native.load()
+    assert kernels is not None, "the C kernels must build on the test machine (gcc, AVX2)"
+    return kernels
+
+
+def _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size=4, seed=0):
+    """A pool whose blocks are handed out shuffled (every context in several runs), one query per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for n in blocks_per_seq:
+        tables.append(order[start:start + n])
+        start += n
+    width = max(blocks_per_seq + [1])
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    meta = AttentionMetadata(list(range(len(seq_lens) + 1)), list(seq_lens),
+                             [contiguous_runs(t, len(t)) for t in tables], torch.zeros(len(seq_lens), dtype=torch.long),
+                             block_tables, block_size)
+    q = torch.randn(len(seq_lens), num_heads + num_kv_heads, head_dim, generator=gen)[:, :num_heads]  # a strided view
+    return q, k_cache, v_cache, tables, meta
+
+
+def _from_scratch(q, k_cache, v_cache, tables, seq_lens, scale):
+    """Each sequence's keys gathered into a dense tensor, plain softmax attention in float64."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    out = []
+    for i, n in enumerate(seq_lens):
+        k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)  # [n, Hq, D]
+        v = v_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * scale, -1)
+        out.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("seq_lens,heads,kv_heads,head_dim", [
+    ([1], 4, 4, 64),  # one key
+    ([63, 64, 65, 130], 9, 3, 64),  # SmolLM2's heads, lengths around the 64-position chunks
+    ([200, 7], 8, 1, 128),  # multi-query
+    ([33], 16, 2, 256),  # Qwen3.5's gated-attention head size
+    ([40, 17], 6, 2, 80),  # a head size that is not a multiple of 64
+])
+def test_decode_attention_reads_fragmented_blocks_like_a_from_scratch_softmax(native, seq_lens, heads, kv_heads,
+                                                                              head_dim):
+    q, k_cache, v_cache, tables, meta = _decode_case(seq_lens, heads, kv_heads, head_dim)
+    assert sum(seq_lens) < 8 or any(len(runs) > 1 for runs in meta.block_runs)  # the case really is fragmented
+    got = reference.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5),
+                               rtol=2e-5, atol=2e-5)
+    # the torch path (no C kernels) gives the same result
+    assert meta.seq_lens_device is not None  # the C path ran (it keeps the step's int32 lengths here)
+    torch.testing.assert_close(got, _torch_path(q, k_cache, v_cache, meta, head_dim ** -0.5), rtol=2e-5, atol=2e-5)
+
+
+def _torch_path(q, k_cache, v_cache, meta, scale):
+    saved = cpu_native.load
+    try:
+        cpu_native.load = lambda: None
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    finally:
+        cpu_native.load = saved
+
+
+def test_decode_attention_of_a_long_context_in_one_call(native):
+    q, k_cache, v_cache, tables, meta = _decode_case([3000], 9, 3, 64, block_size=16, seed=3)
+    got = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, [3000], 0.125), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_add_rms_norm_adds_the_residual_in_place_and_norms(native, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual, weight = (torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen),
+                           torch.rand(576, generator=gen))
+    total = x + residual
+    out, new_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    assert new_residual.data_ptr() == residual.data_ptr() and torch.equal(residual, total)  # in place
+    torch.testing.assert_close(out, F.rms_norm(total, (576,), weight, 1e-5), rtol=1e-5, atol=1e-6)
+    alone, none = reference.rms_norm(x, weight, 1e-5)
+    assert none is None
+    torch.testing.assert_close(alone, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_build_reports_a_missing_compiler_and_load_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(cpu_native.NativeKernelError, match="no C compiler"):
+        cpu_native.build(tmp_path)
+    monkeypatch.setenv("TSTERM_NATIVE_KERNELS", "0")
+    cpu_native.load.cache_clear()
+    try:
+        assert cpu_native.load() is None
+    finally:
+        monkeypatch.delenv("TSTERM_NATIVE_KERNELS")
+        cpu_native.load.cache_clear()
+
+
+def test_build_reports_the_compilers_error(monkeypatch, tmp_path):
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "broken.c").write_text("int f( {\n")
+    monkeypatch.setattr(cpu_native, "SOURCES_DIR", src)
+    with pytest.raises(cpu_native.NativeKernelError, match="failed to build the CPU kernels"):
+        cpu_native.build(tmp_path / "out")
+    assert not list((tmp_path / "out").rglob("*.so"))  # nothing half-built is left to be loaded later
+
+
+def test_the_library_is_built_once_per_source_version(tmp_path):
+    first = cpu_native.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
