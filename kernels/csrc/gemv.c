@@ -9,7 +9,7 @@
  * Each row of x is first quantized to int8 per block of 32 (dx = max|x| / 127, qx = round-half-even(x / dx), as
  * llama.cpp does for these formats), so a block's dot product is an exact integer sum of 32 products
  * (_mm256_maddubs_epi16, then _mm256_madd_epi16): q8: d * dx * sum(code * qx); q4: d * dx * sum(code * qx) +
- * m * dx * sum(qx). `tsterm_kernels.quant.reference_matmul` is the same arithmetic in torch.
+ * m * dx * sum(qx). (d * dx is rounded to float32 before it scales the integer sum.) `tsterm_kernels.quant.reference_matmul` is the same arithmetic in torch.
  *
  * Output rows are split over the OpenMP threads (libgomp: the runtime torch's CPU build already loaded), in tiles of
  * 16 rows; each tile is read from memory once and multiplied by every row of x (4 rows of x at a time), so the
@@ -31,8 +31,8 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One row of x -> int8 codes [I] and per block (dx, dx * sum(codes)) [I/32, 2]. */
-static void quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dsx) {
+/* One row of x -> int8 codes [I] and per block dx [I/32] and dx * sum(codes) [I/32]. */
+static void quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx_out, float *sx_out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < in_f / QBLOCK; b++) {
@@ -57,8 +57,8 @@ static void quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dsx) {
         /* packs work within 128-bit lanes: the permute puts the 32 codes back in order */
         const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         _mm256_storeu_si256((__m256i *)(qx + b * QBLOCK), _mm256_permutevar8x32_epi32(p, order));
-        dsx[2 * b] = dx;
-        dsx[2 * b + 1] = dx * (float)_mm_cvtsi128_si32(s);
+        dx_out[b] = dx;
+        sx_out[b] = dx * (float)_mm_cvtsi128_si32(s);
     }
 }
 
@@ -74,51 +74,102 @@ static inline __m256i q4_codes(const uint8_t *c) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), _mm_and_si128(bytes, mask));
 }
 
-/* Output rows [o_begin, o_end) times ROWS (1..4) quantized rows of x. */
+/* 8 fp16 scales -> floats; and 8 interleaved (d, m) fp16 pairs -> d and m in block order. */
+static inline __m256 load_half8(const uint16_t *s) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)); }
+
+static inline void load_dm8(const uint16_t *s, __m256 *d, __m256 *m) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)s);
+    const __m256 a = _mm256_cvtph_ps(_mm256_castsi256_si128(raw)), b = _mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1));
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    *d = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), order);
+    *m = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)), order);
+}
+
+/* Output rows [o_begin, o_end) times ROWS (1..4) quantized rows of x (codes qx [ROWS, I], block scales dx and
+ * dx * sum(codes) sx [ROWS, I/32]). Per output row, the block scales are first combined with x's, 8 blocks at a
+ * time (dd = d * dx; the m terms summed as m . sx), so the loop over blocks is the integer dot product and one
+ * multiply-add. */
 #define DEFINE_Q4(ROWS)                                                                                      \
-    static void q4_rows##ROWS(const int8_t *qx, const float *dsx, int64_t in_f, const uint8_t *codes,        \
-                              const uint16_t *scales, int64_t o_begin, int64_t o_end, int64_t out_f, float *y) { \
+    static void q4_rows##ROWS(const int8_t *qx, const float *dx, const float *sx, int64_t in_f,             \
+                              const uint8_t *codes, const uint16_t *scales, int64_t o_begin, int64_t o_end,  \
+                              int64_t out_f, float *y) {                                                     \
         const int64_t nb = in_f / QBLOCK;                                                                    \
+        float dd[ROWS][nb];                                                                                  \
         for (int64_t o = o_begin; o < o_end; o++) {                                                          \
             const uint8_t *c = codes + o * nb * 16;                                                          \
             const uint16_t *s = scales + o * nb * 2;                                                         \
-            __m256 acc[ROWS];                                                                                \
-            float macc[ROWS];                                                                                \
-            for (int r = 0; r < ROWS; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.0f; }                \
-            for (int64_t b = 0; b < nb; b++) {                                                               \
-                const __m256i w = q4_codes(c + b * 16);                                                      \
-                const float d = _cvtsh_ss(s[2 * b]), m = _cvtsh_ss(s[2 * b + 1]);                           \
+            __m256 acc[ROWS][2], mt[ROWS];                                                                   \
+            float mrest[ROWS];                                                                               \
+            for (int r = 0; r < ROWS; r++)                                                                   \
+                acc[r][0] = acc[r][1] = mt[r] = _mm256_setzero_ps(), mrest[r] = 0.0f;                        \
+            int64_t b = 0;                                                                                   \
+            for (; b + 8 <= nb; b += 8) {                                                                    \
+                __m256 d, m;                                                                                 \
+                load_dm8(s + 2 * b, &d, &m);                                                                 \
                 for (int r = 0; r < ROWS; r++) {                                                             \
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * in_f + b * QBLOCK));    \
-                    const float *ds = dsx + (r * nb + b) * 2;                                                \
-                    acc[r] = _mm256_fmadd_ps(dot_u8s8(w, xv), _mm256_set1_ps(d * ds[0]), acc[r]);           \
-                    macc[r] += m * ds[1];                                                                    \
+                    _mm256_storeu_ps(&dd[r][b], _mm256_mul_ps(d, _mm256_loadu_ps(dx + r * nb + b)));         \
+                    mt[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + r * nb + b), mt[r]);                     \
                 }                                                                                            \
             }                                                                                                \
-            for (int r = 0; r < ROWS; r++) y[r * out_f + o] = hsum256(acc[r]) + macc[r];                     \
+            for (; b < nb; b++)                                                                              \
+                for (int r = 0; r < ROWS; r++) {                                                             \
+                    dd[r][b] = _cvtsh_ss(s[2 * b]) * dx[r * nb + b];                                          \
+                    mrest[r] += _cvtsh_ss(s[2 * b + 1]) * sx[r * nb + b];                                     \
+                }                                                                                            \
+            for (b = 0; b < nb; b += 2) { /* two blocks, two accumulators: one FMA chain bounded the loop */  \
+                const __m256i w0 = q4_codes(c + b * 16);                                                     \
+                const __m256i w1 = b + 1 < nb ? q4_codes(c + b * 16 + 16) : _mm256_setzero_si256();          \
+                for (int r = 0; r < ROWS; r++) {                                                             \
+                    const int8_t *xr = qx + r * in_f + b * QBLOCK;                                           \
+                    acc[r][0] = _mm256_fmadd_ps(dot_u8s8(w0, _mm256_loadu_si256((const __m256i *)xr)),       \
+                                                _mm256_broadcast_ss(&dd[r][b]), acc[r][0]);                  \
+                    if (b + 1 < nb)                                                                          \
+                        acc[r][1] = _mm256_fmadd_ps(dot_u8s8(w1, _mm256_loadu_si256((const __m256i *)(xr + QBLOCK))), \
+                                                    _mm256_broadcast_ss(&dd[r][b + 1]), acc[r][1]);          \
+                }                                                                                            \
+            }                                                                                                \
+            for (int r = 0; r < ROWS; r++)                                                                   \
+                y[r * out_f + o] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum256(mt[r]) + mrest[r];  \
         }                                                                                                    \
     }
 
 #define DEFINE_Q8(ROWS)                                                                                      \
-    static void q8_rows##ROWS(const int8_t *qx, const float *dsx, int64_t in_f, const int8_t *codes,         \
-                              const uint16_t *scales, int64_t o_begin, int64_t o_end, int64_t out_f, float *y) { \
+    static void q8_rows##ROWS(const int8_t *qx, const float *dx, const float *sx, int64_t in_f,             \
+                              const int8_t *codes, const uint16_t *scales, int64_t o_begin, int64_t o_end,   \
+                              int64_t out_f, float *y) {                                                     \
+        (void)sx;                                                                                            \
         const int64_t nb = in_f / QBLOCK;                                                                    \
+        float dd[ROWS][nb];                                                                                  \
         for (int64_t o = o_begin; o < o_end; o++) {                                                          \
             const int8_t *c = codes + o * in_f;                                                              \
             const uint16_t *s = scales + o * nb;                                                             \
-            __m256 acc[ROWS];                                                                                \
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();                                     \
-            for (int64_t b = 0; b < nb; b++) {                                                               \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(c + b * QBLOCK));                     \
-                const __m256i aw = _mm256_sign_epi8(w, w);                                                   \
-                const float d = _cvtsh_ss(s[b]);                                                             \
+            __m256 acc[ROWS][2];                                                                             \
+            for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                      \
+            int64_t b = 0;                                                                                   \
+            for (; b + 8 <= nb; b += 8) {                                                                    \
+                const __m256 d = load_half8(s + b);                                                          \
+                for (int r = 0; r < ROWS; r++)                                                               \
+                    _mm256_storeu_ps(&dd[r][b], _mm256_mul_ps(d, _mm256_loadu_ps(dx + r * nb + b)));         \
+            }                                                                                                \
+            for (; b < nb; b++)                                                                              \
+                for (int r = 0; r < ROWS; r++) dd[r][b] = _cvtsh_ss(s[b]) * dx[r * nb + b];                  \
+            for (b = 0; b < nb; b += 2) {                                                                    \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(c + b * QBLOCK));                    \
+                const __m256i w1 = b + 1 < nb ? _mm256_loadu_si256((const __m256i *)(c + b * QBLOCK + QBLOCK)) \
+                                              : _mm256_setzero_si256();                                      \
+                const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);                  \
                 for (int r = 0; r < ROWS; r++) {                                                             \
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * in_f + b * QBLOCK));    \
-                    const float dx = dsx[(r * nb + b) * 2];                                                  \
-                    acc[r] = _mm256_fmadd_ps(dot_u8s8(aw, _mm256_sign_epi8(xv, w)), _mm256_set1_ps(d * dx), acc[r]); \
+                    const int8_t *xr = qx + r * in_f + b * QBLOCK;                                           \
+                    acc[r][0] = _mm256_fmadd_ps(                                                             \
+                        dot_u8s8(a0, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xr), w0)),         \
+                        _mm256_broadcast_ss(&dd[r][b]), acc[r][0]);                                          \
+                    if (b + 1 < nb)                                                                          \
+                        acc[r][1] = _mm256_fmadd_ps(                                                         \
+                            dot_u8s8(a1, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + QBLOCK)), w1)), \
+                            _mm256_broadcast_ss(&dd[r][b + 1]), acc[r][1]);                                  \
                 }                                                                                            \
             }                                                                                                \
-            for (int r = 0; r < ROWS; r++) y[r * out_f + o] = hsum256(acc[r]);                               \
+            for (int r = 0; r < ROWS; r++) y[r * out_f + o] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));  \
         }                                                                                                    \
     }
 
@@ -131,8 +182,8 @@ DEFINE_Q8(2)
 DEFINE_Q8(3)
 DEFINE_Q8(4)
 
-typedef void (*rows_fn)(const int8_t *, const float *, int64_t, const void *, const uint16_t *, int64_t, int64_t,
-                        int64_t, float *);
+typedef void (*rows_fn)(const int8_t *, const float *, const float *, int64_t, const void *, const uint16_t *,
+                        int64_t, int64_t, int64_t, float *);
 static const rows_fn Q4_ROWS[4] = {(rows_fn)q4_rows1, (rows_fn)q4_rows2, (rows_fn)q4_rows3, (rows_fn)q4_rows4};
 static const rows_fn Q8_ROWS[4] = {(rows_fn)q8_rows1, (rows_fn)q8_rows2, (rows_fn)q8_rows3, (rows_fn)q8_rows4};
 
@@ -141,16 +192,17 @@ static int matmul(const rows_fn *fns, const float *x, int64_t rows, int64_t in_f
                   const uint16_t *scales, int64_t out_f, float *y) {
     const int64_t nb = in_f / QBLOCK;
     int8_t *qx = aligned_alloc(64, (size_t)((rows * in_f + 63) / 64 * 64));
-    float *dsx = malloc(sizeof(float) * (size_t)(rows * nb * 2));
+    float *dsx = malloc(sizeof(float) * (size_t)(rows * nb * 2));  /* dx [rows, I/32], then sx [rows, I/32] */
     if (!qx || !dsx) {
         free(qx);
         free(dsx);
         return -1;
     }
+    float *const sx = dsx + rows * nb;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_f, in_f, qx + r * in_f, dsx + r * nb * 2);
+        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_f, in_f, qx + r * in_f, dsx + r * nb, sx + r * nb);
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t tiles = (out_f + TILE - 1) / TILE;
         const int64_t first = tiles * t / nt * TILE;
@@ -159,7 +211,8 @@ static int matmul(const rows_fn *fns, const float *x, int64_t rows, int64_t in_f
             const int64_t o_end = o + TILE < last ? o + TILE : last;
             for (int64_t r0 = 0; r0 < rows; r0 += 4) {
                 const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
-                fns[n - 1](qx + r0 * in_f, dsx + r0 * nb * 2, in_f, codes, scales, o, o_end, out_f, y + r0 * out_f);
+                fns[n - 1](qx + r0 * in_f, dsx + r0 * nb, sx + r0 * nb, in_f, codes, scales, o, o_end, out_f,
+                           y + r0 * out_f);
             }
         }
     }
