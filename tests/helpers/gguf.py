@@ -3,6 +3,8 @@
 `write_gguf(path, model)` stores the model's weights under llama.cpp names and layout: q/k rows permuted for the
 `llama` arch (interleaved rope pairs), experts as `ffn_{gate,up,down}_exps [E, out, in]`, the qwen2moe shared-expert
 gate squeezed to a vector. The tokenizer is byte-level: the 256 byte symbols, a few merges and control tokens.
+Tensors are quantized with gguf-py's own quantizers (Q8_0, Q4_0, Q4_1, Q5_x, BF16; `quantize=`, or
+`quantize_linear` for every linear weight); k-quants get random blocks.
 """
 from __future__ import annotations
 
@@ -110,6 +112,21 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
                 w = w.reshape(-1)
             out[f"blk.{layer}.{LEAF_NAMES[leaf]}"] = w
     return out
+
+
+# llama.cpp leaf names of the weights a model multiplies by (what a native import keeps as blocks)
+LINEAR_GGUF_LEAVES = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
+                      "ffn_up.weight", "ffn_down.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                      "ffn_down_exps.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+
+
+def quantize_linear(model, qtype, head: bool = True, **overrides) -> dict[str, object]:
+    """A `quantize=` map for `write_gguf`: every linear weight of `model` (and the output / tied embedding when
+    `head`) as `qtype`, then `overrides` (GGUF name -> type) on top."""
+    arch = GGUF_ARCH[model.config.model_type]
+    names = [n for n in gguf_tensors(model, arch)
+             if n.endswith(LINEAR_GGUF_LEAVES) or (head and n in ("output.weight", "token_embd.weight"))]
+    return {**{n: qtype for n in names}, **overrides}
 
 
 def write_gguf(path: Path, model, quantize: dict[str, object] | None = None, chat_template: str | None = CHATML,

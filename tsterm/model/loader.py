@@ -7,6 +7,15 @@ the layout needs is materialised, once, at load: fused q/k/v rows and the stacke
 
 A rank of a parallel layout (`tsterm.model.parallel`) loads only its shard: row slices of a mapped tensor stay views
 of the mapping (only their pages are ever read), column slices are copied once, contiguously, at load.
+
+Quantized weights (a GGUF imported natively, `tsterm.gguf_import`, config.json quant_method "gguf_blocks"): a weight
+stored as `<name>.qcodes` + `<name>.qscales` loads as a `tsterm_kernels.quant.QuantizedWeight` (int8 codes: int8;
+uint8 codes: int4), on the CPU read in place from the mapping like a float weight. Fusing concatenates codes and
+scales along the output rows (q/k/v, gate/up; experts come stacked), which is exact; a fused matrix whose parts are
+not all quantized the same way is dequantized to float, that matrix only. A shard's row slices slice codes and
+scales alike; a column slice (o_proj, down_proj under tensor parallelism) must fall on whole blocks of 32 inputs,
+else loading fails with an error that says to run on one rank or import the GGUF with --dequantize. On any other
+device than the CPU (no kernels for these formats there yet) every quantized weight is dequantized at load.
 """
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tsterm_kernels.quant import BLOCK, QuantizedWeight
 
 from tsterm.config import ModelConfig
 from tsterm.errors import ModelLoadError
@@ -29,6 +39,9 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")  # fine-grained FP8 / compressed-tenso
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Span = tuple[int, int] | None  # (first, count) along one dimension; None: all of it
+CODES, SCALES = ".qcodes", ".qscales"  # a quantized weight's two tensors (tsterm.gguf_import writes them)
+QUANT_KINDS = {torch.int8: "int8", torch.uint8: "int4"}  # codes dtype -> QuantizedWeight kind
+Weight = torch.Tensor | QuantizedWeight
 
 
 def find_weight_files(model_dir: Path) -> list[Path]:
@@ -105,6 +118,47 @@ class WeightSource:
             tensor = tensor.narrow(1, *cols).contiguous()  # this rank's columns, copied once
         return self.to_target(tensor) if convert else tensor
 
+    def is_quantized(self, name: str) -> bool:
+        return name + CODES in self.where
+
+    def weight(self, name: str, shape: tuple[int, ...], rows: Span = None, cols: Span = None) -> Weight:
+        """`get`, or the QuantizedWeight stored as `name`.qcodes / .qscales (dequantized to the target dtype off the
+        CPU). rows: a span of dimension 0; cols: of the last dimension (the inputs)."""
+        if not self.is_quantized(name):
+            if cols is not None and len(shape) > 2:
+                return self.get(name, shape, rows=rows).narrow(-1, *cols).contiguous()
+            return self.get(name, shape, rows=rows, cols=cols)
+        weight = self._blocks(name, shape)
+        if rows is not None and rows != (0, shape[0]):
+            weight = narrow(weight, 0, *rows)
+        if cols is not None and cols != (0, shape[-1]):
+            weight = narrow(weight, len(shape) - 1, *cols, what=name)
+        if self.device.type != "cpu":
+            return self.to_target(weight.dequantize())
+        return weight
+
+    def _blocks(self, name: str, shape: tuple[int, ...]) -> QuantizedWeight:
+        codes_shard, scales_shard = self.where[name + CODES], self.where.get(name + SCALES)
+        if scales_shard is None:
+            raise ModelLoadError(f"{codes_shard.path.name}: {name + CODES!r} has no {name + SCALES!r} beside it")
+        codes, scales = codes_shard.tensor(name + CODES), scales_shard.tensor(name + SCALES)
+        kind = QUANT_KINDS.get(codes.dtype)
+        *lead, out_f, in_f = shape
+        if kind is None or in_f % BLOCK:
+            raise ModelLoadError(f"{codes_shard.path.name}: {name + CODES!r} has dtype {codes.dtype} for a weight of "
+                                 f"shape {list(shape)} (quantized codes are int8 or uint8, inputs whole blocks of "
+                                 f"{BLOCK})")
+        want_codes = (*lead, out_f, in_f if kind == "int8" else in_f // 2)
+        want_scales = (*lead, out_f, in_f // BLOCK, *(() if kind == "int8" else (2,)))
+        if tuple(codes.shape) != want_codes or tuple(scales.shape) != want_scales or scales.dtype != torch.float16:
+            raise ModelLoadError(f"{codes_shard.path.name}: quantized weight {name!r} has {kind} codes "
+                                 f"{list(codes.shape)} and {scales.dtype} scales {list(scales.shape)}; its shape "
+                                 f"{list(shape)} from config.json needs codes {list(want_codes)} and float16 scales "
+                                 f"{list(want_scales)}")
+        self._mark_used(name + CODES)
+        self._mark_used(name + SCALES)
+        return QuantizedWeight.blocks(kind, codes, scales)
+
     def _dequantize_fp8(self, name: str, tensor: torch.Tensor, rows: Span, cols: Span) -> torch.Tensor:
         """Rows x cols of a block-scaled FP8 weight [O, I] as float32: each value times the `weight_scale_inv` of
         its block (Qwen's and DeepSeek's fine-grained FP8). Only the span's fp8 bytes and scales are read."""
@@ -161,6 +215,11 @@ class WeightSource:
             extra = sorted(self.unused)
             more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
             files = ", ".join(sorted({self.where[n].path.name for n in extra}))
+            blocks = [n for n in extra if n.endswith((CODES, SCALES))]
+            if blocks:
+                raise ModelLoadError(f"{files}: quantized blocks such as {blocks[0]!r} for a weight tsterm reads as "
+                                     "floats (only linear layers load quantized); re-import the GGUF with "
+                                     "--dequantize")
             scales = [n for n in extra if n.endswith(SCALE_SUFFIXES)]
             if scales:
                 raise ModelLoadError(f"{files}: quantization scales such as {scales[0]!r} that tsterm did not read "
@@ -168,6 +227,43 @@ class WeightSource:
                                      "config.json says quant_method fp8); dequantize the checkpoint to bf16 first")
             raise ModelLoadError(f"unexpected tensor(s) in {files}: {', '.join(extra[:5])}{more} "
                                  "(does config.json match these weights?)")
+
+
+def narrow(weight: Weight, dim: int, start: int, length: int, what: str = "a quantized weight") -> Weight:
+    """`weight.narrow(dim, start, length)` for a float or quantized weight; a quantized weight's inputs (its last
+    dimension) narrow on whole blocks only."""
+    if isinstance(weight, torch.Tensor):
+        return weight.narrow(dim, start, length)
+    last = len(weight.dims) - 1
+    if dim < last:  # output rows, or experts: codes and scales share these dimensions
+        return QuantizedWeight.blocks(weight.kind, weight.data.narrow(dim, start, length),
+                                      weight.scale.narrow(dim, start, length))
+    if start % BLOCK or length % BLOCK:
+        raise ModelLoadError(f"{what}: a shard's columns [{start}, {start + length}) of this quantized (GGUF block) "
+                             f"weight cut its blocks of {BLOCK} inputs; run the model on one rank, or import the GGUF "
+                             "with --dequantize")
+    per_byte = 2 if weight.kind == "int4" else 1
+    return QuantizedWeight.blocks(weight.kind, weight.data.narrow(last, start // per_byte, length // per_byte),
+                                  weight.scale.narrow(last, start // BLOCK, length // BLOCK))
+
+
+def cat(parts: list[Weight], dim: int, dtype: torch.dtype) -> Weight:
+    """Parts of one fused matrix joined along `dim` (an output dimension, not the inputs): quantized parts of one
+    kind join as blocks (exact); a mix of kinds, or of quantized and float parts, joins as floats of `dtype`."""
+    kinds = {p.kind if isinstance(p, QuantizedWeight) else None for p in parts}
+    if kinds == {None}:
+        return torch.cat(parts, dim)
+    if len(kinds) == 1:
+        return QuantizedWeight.blocks(parts[0].kind, torch.cat([p.data for p in parts], dim),
+                                      torch.cat([p.scale for p in parts], dim))
+    return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts], dim)
+
+
+def unsqueeze(weight: Weight) -> Weight:
+    """[O, I] -> [1, O, I] (a dense MLP as one expert)."""
+    if isinstance(weight, torch.Tensor):
+        return weight[None]
+    return QuantizedWeight.blocks(weight.kind, weight.data[None], weight.scale[None])
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -186,11 +282,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     w: dict[str, torch.Tensor] = {}
     w["embed"] = src.get("model.embed_tokens.weight", (cfg.vocab_size, H), rows=vocab_rows)
     w["final_norm"] = src.get("model.norm.weight", (H,))
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and not src.is_quantized("lm_head.weight"):
         src.skip("lm_head.weight")
         w["lm_head"] = w["embed"]
-    else:
-        w["lm_head"] = src.get("lm_head.weight", (cfg.vocab_size, H), rows=vocab_rows)
+    else:  # (a tied head stored quantized: the embedding's blocks, which the lookup's floats came from)
+        w["lm_head"] = src.weight("lm_head.weight", (cfg.vocab_size, H), rows=vocab_rows)
 
     qkv_bias = cfg.attention_bias if spec.qkv_bias is None else spec.qkv_bias
     for i in range(cfg.num_hidden_layers):
@@ -198,14 +294,14 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         w[o + "input_norm"] = src.get(p + "input_layernorm.weight", (H,))
         w[o + "post_attn_norm"] = src.get(p + "post_attention_layernorm.weight", (H,))
         a = p + "self_attn."
-        w[o + "qkv"] = torch.cat([src.get(a + "q_proj.weight", (Hq * D, H), rows=q_rows),
-                                  src.get(a + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
-                                  src.get(a + "v_proj.weight", (Hkv * D, H), rows=kv_rows)])  # [(Hq + 2 Hkv) D, H]
+        w[o + "qkv"] = cat([src.weight(a + "q_proj.weight", (Hq * D, H), rows=q_rows),
+                            src.weight(a + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
+                            src.weight(a + "v_proj.weight", (Hkv * D, H), rows=kv_rows)], 0, dtype)  # [(Hq+2Hkv)D, H]
         if qkv_bias:
             w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,), rows=q_rows),
                                            src.get(a + "k_proj.bias", (Hkv * D,), rows=kv_rows),
                                            src.get(a + "v_proj.bias", (Hkv * D,), rows=kv_rows)])
-        w[o + "o_proj"] = src.get(a + "o_proj.weight", (H, Hq * D), cols=q_rows)  # [H, Hq D]: this rank's columns
+        w[o + "o_proj"] = src.weight(a + "o_proj.weight", (H, Hq * D), cols=q_rows)  # [H, Hq D]: this rank's columns
         if spec.o_bias_from_config and cfg.attention_bias:
             w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
         if spec.qk_norm == "head":
@@ -227,10 +323,10 @@ def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: di
     """A dense MLP is the trivial MoE: one expert, always on, weight 1. `part` (index, parts): the share of the
     intermediate dimension this rank holds."""
     span = (part[0] * (inter // part[1]), inter // part[1])
-    gate_up = torch.cat([src.get(p + "gate_proj.weight", (inter, H), rows=span),
-                         src.get(p + "up_proj.weight", (inter, H), rows=span)])
-    w[o + "w13"] = gate_up[None]  # [1, 2I, H]
-    w[o + "w2"] = src.get(p + "down_proj.weight", (H, inter), cols=span)[None]  # [1, H, I]
+    gate_up = cat([src.weight(p + "gate_proj.weight", (inter, H), rows=span),
+                   src.weight(p + "up_proj.weight", (inter, H), rows=span)], 0, src.dtype)
+    w[o + "w13"] = unsqueeze(gate_up)  # [1, 2I, H]
+    w[o + "w2"] = unsqueeze(src.weight(p + "down_proj.weight", (H, inter), cols=span))  # [1, H, I]
 
 
 def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor],
@@ -240,14 +336,15 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
     first, count = layout.experts(E)  # this rank's experts ...
     i0, ni = layout.tp_rank * (inter // layout.tp_size), inter // layout.tp_size  # ... and their columns
     w[o + "router"] = src.get(p + "gate.weight", (E, H))  # every rank routes every token (replicated, small)
-    if src.has(p + "experts.gate_up_proj"):  # transformers-5 fused layout, already stacked
-        gate_up = src.get(p + "experts.gate_up_proj", (E, 2 * inter, H), rows=(first, count))
-        down_all = src.get(p + "experts.down_proj", (E, H, inter), rows=(first, count))
+    if src.has(p + "experts.gate_up_proj") or src.is_quantized(p + "experts.gate_up_proj"):  # transformers-5's
+        # fused layout (and tsterm's GGUF import's), already stacked
+        gate_up = src.weight(p + "experts.gate_up_proj", (E, 2 * inter, H), rows=(first, count))
         if ni == inter:  # whole experts: views of the mapping
-            w[o + "w13"], w[o + "w2"] = gate_up, down_all
+            w[o + "w13"] = gate_up
+            w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count))
         else:
-            w[o + "w13"] = torch.cat([gate_up[:, i0:i0 + ni], gate_up[:, inter + i0:inter + i0 + ni]], dim=1)
-            w[o + "w2"] = down_all[:, :, i0:i0 + ni].contiguous()
+            w[o + "w13"] = cat([narrow(gate_up, 1, i0, ni), narrow(gate_up, 1, inter + i0, ni)], 1, src.dtype)
+            w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count), cols=(i0, ni))
     else:
         e = p + "experts."
         w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
