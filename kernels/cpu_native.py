@@ -40,6 +40,8 @@ SIGNATURES = {
     "tsterm_q8_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P]),
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
+    "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
+    "tsterm_store_kv": (None, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P]),
 }
 
 

@@ -6,12 +6,14 @@
  *   head's whole query group are computed, exponentiated against the chunk's max and summed into the chunk's own
  *   partial output; the partials are merged by their maxima at the end (flash-decoding).
  * - tsterm_add_rms_norm: residual += x (when given), then out = residual * rsqrt(mean(residual^2) + eps) * w.
+ * - tsterm_rope: rotate-half RoPE of q and k in place; tsterm_store_kv: the new tokens' K/V rows into their slots.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define CHUNK 64
 #define MAX_HEADS 64
@@ -218,5 +220,35 @@ void tsterm_add_rms_norm(const float *x, float *residual, const float *weight, i
         const float inv = 1.0f / sqrtf((float)(ss / (double)hidden) + eps);
         float *o = out + t * hidden;
         for (int64_t j = 0; j < hidden; j++) o[j] = src[j] * inv * weight[j];
+    }
+}
+
+/* Rotate-half RoPE in place: x [T, H, D] rows x_stride apart (each token's H * D values contiguous);
+ * cos [T, D], sin [T, D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (the halves of each head). */
+void tsterm_rope(float *x, int64_t tokens, int64_t x_stride, int64_t heads, int64_t head_dim, const float *cos,
+                 const float *sin) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * x_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[half + i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* The new tokens' K and V rows (row_len = Hkv * D floats each, rows k_stride / v_stride apart) into their slots of
+ * the paged pools [num_slots, row_len]; a negative slot writes nothing. */
+void tsterm_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens,
+                     int64_t row_len, float *k_cache, float *v_cache, const int64_t *slots) {
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row_len, k + t * k_stride, sizeof(float) * (size_t)row_len);
+        memcpy(v_cache + slots[t] * row_len, v + t * v_stride, sizeof(float) * (size_t)row_len);
     }
 }

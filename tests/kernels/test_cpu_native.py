@@ -123,3 +123,27 @@ def test_the_library_is_built_once_per_source_version(tmp_path):
     first = cpu_native.build(tmp_path)
     mtime = first.stat().st_mtime_ns
     assert cpu_native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+
+
+def test_rope_in_place_equals_the_torch_rotation(native):
+    from tsterm.config import RopeConfig
+    from tsterm.model.rope import RotaryEmbedding, rotate, rotate_
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), 64, 512, 512, torch.device("cpu"))
+    tables = rotary.tables(torch.tensor([0, 5, 511]))
+    qkv = torch.randn(3, (9 + 3 + 3) * 64)
+    qk = qkv[:, :12 * 64].view(3, 12, 64)  # q and k heads of each token, rows 15 heads apart
+    want, v_before = rotate(qk, tables), qkv[:, 12 * 64:].clone()
+    assert rotate_(qk, tables).data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qk, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)  # v untouched
+    assert not torch.equal(qk[0, :, :], torch.zeros(12, 64)) and torch.equal(want[0], qk[0])  # position 0: identity
+
+
+def test_store_kv_writes_rows_of_strided_views_and_skips_padding(native):
+    qkv = torch.randn(3, (4 + 2 + 2) * 8)
+    k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
+    k_cache, v_cache = torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8)
+    reference.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    flat_k, flat_v = k_cache.view(8, 2, 8), v_cache.view(8, 2, 8)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], v[0])
+    assert flat_k[[1, 2, 3, 4, 6, 7]].eq(0).all() and flat_v[[1, 2, 3, 4, 6, 7]].eq(0).all()  # -1: nothing written

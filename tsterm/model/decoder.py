@@ -27,7 +27,7 @@ from tsterm.model.cache import ModelCache
 from tsterm.model.gated_attention import GatedAttention
 from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.parallel import ParallelContext, SingleRank
-from tsterm.model.rope import RotaryEmbedding, rotate
+from tsterm.model.rope import RotaryEmbedding, rotate, rotate_
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.reference import expert_mlp, linear
@@ -89,7 +89,9 @@ class Attention:
         qk = qk.float().view(T, Hq + Hkv, D)  # float32 arithmetic (a no-op for a float32 model)
         if self.qk_norm == "head":  # Qwen3: per head, over head_dim
             qk = F.rms_norm(qk, (D,), eps=self.eps).mul_(self.qk_head_weight)
-        qk = rotate(qk, rope).to(x.dtype)  # [T, Hq + Hkv, D]
+        # [T, Hq + Hkv, D]: a float32 qk is a view of qkv's rows, rotated in place (qkv is this call's own output)
+        in_place = qk.dtype == x.dtype and x.device.type == "cpu"
+        qk = rotate_(qk, rope) if in_place else rotate(qk, rope).to(x.dtype)
         q, k = qk[:, :Hq], qk[:, Hq:]  # views
         meta = self.ctx.meta
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
@@ -117,10 +119,11 @@ class SparseMoE:
         self.shared_w13, self.shared_w2 = w.get(prefix + "shared_w13"), w.get(prefix + "shared_w2")
         self.shared_gate = w.get(prefix + "shared_gate")  # [1, H]
         self.expert_load: torch.Tensor | None = None  # [E] tokens routed per expert, accumulated on the device
+        self.dense = (self.w13[0], self.w2[0]) if self.router is None else None  # the one expert's weights (views)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.router is None:  # dense: the one expert's output is the result (no zeroed buffer, no routing)
-            out = expert_mlp(x, self.w13[0], self.w2[0])  # [T, H]: this rank's columns' part
+            out = expert_mlp(x, *self.dense)  # [T, H]: this rank's columns' part
             self.par.all_reduce_tp(out)
             return out
         out = torch.zeros_like(x)  # [T, H]: every expert's weighted output is accumulated into it in place

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import torch
+from tsterm_kernels import cpu_native
 
 from tsterm.config import RopeConfig
 
@@ -66,6 +67,20 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's rows: (cos [T, 1, D], sin [T, 1, D/2]) for positions [T]."""
         return self.cos[positions][:, None], self.sin[positions][:, None]
+
+
+def rotate_(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`rotate` in place (x [T, H, D] float32); returns x. On the CPU, one C call (tsterm_kernels.cpu_native) where
+    each token's heads are contiguous."""
+    cos, sin = tables
+    native = None
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == x.shape[-1]):
+        native = cpu_native.load()
+    if native is None:
+        return x.copy_(rotate(x, tables))
+    native.rope(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(), sin.data_ptr())
+    return x
 
 
 def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
