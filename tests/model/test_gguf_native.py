@@ -249,6 +249,8 @@ def test_quantize_on_load_of_quantized_weights_is_refused(tmp_path):
     for mode in ("int8", "int4", "fp16"):
         with pytest.raises(ConfigError, match=rf"already quantized \(GGUF blocks.*quantization: {mode} cannot apply"):
             check_quantization(mode, cfg)
+    with pytest.raises(ConfigError, match="already quantized"):  # the engine asks before it loads anything
+        LLM(str(native), dtype="float32", device="cpu", quantization="int4")
 
 
 def test_damaged_block_tensors_are_named(tmp_path):

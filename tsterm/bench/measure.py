@@ -78,6 +78,27 @@ def bytes_read_per_token(cfg: ModelConfig, dtype_bytes: int, context: int) -> in
     return total * dtype_bytes + sequence_bytes(cfg, dtype_bytes, context)
 
 
+def model_weight_bytes(model) -> int:
+    """Bytes of a loaded `DecoderModel`'s weights as stored (quantized blocks count their codes and scales)."""
+    from tsterm.model.quant import weight_bytes
+    weights = {"embed": model.embed, "lm_head": model.lm_head, "final_norm": model.final_norm}
+    for i, (input_norm, mixer, post_norm, mlp) in enumerate(model.layers):
+        for name, value in (*vars(mixer).items(), *vars(mlp).items()):
+            if name not in ("ctx", "ops", "par", "k_cache", "v_cache", "expert_load") and value is not None and \
+                    hasattr(value, "dim"):
+                weights[f"{i}.{type(mixer).__name__}.{name}"] = value
+        weights[f"{i}.norms"], weights[f"{i}.post"] = input_norm, post_norm
+    return weight_bytes(weights)
+
+
+def dense_bytes_read_per_token(model, cfg: ModelConfig, dtype_bytes: int, context: int) -> int:
+    """`bytes_read_per_token` of a dense model from its weights as stored (quantized or not): every weight but the
+    embedding table, of which one row, plus the sequence's cache."""
+    embed = model.embed
+    return model_weight_bytes(model) - embed.numel() * embed.element_size() * (model.lm_head is not embed) \
+        + cfg.hidden_size * embed.element_size() + sequence_bytes(cfg, dtype_bytes, context)
+
+
 def parallel_ceiling(cfg: ModelConfig, dtype_bytes: int, context: int, batch: int) -> float:
     """Memory-bound ceiling of batch-`batch` decode over batch-1 decode, in aggregate tokens/s.
 

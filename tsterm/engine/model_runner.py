@@ -15,6 +15,7 @@ import torch
 from tsterm_kernels import dispatch
 from tsterm_kernels.metadata import contiguous_runs
 
+from tsterm.config import check_quantization
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.cuda_graphs import DecodeGraphs
 from tsterm.engine.executor import Executor, ExecutorSpec, size_cache
@@ -45,6 +46,7 @@ class ModelRunner(Executor):
 
     def __init__(self, spec: ExecutorSpec, par: ParallelContext | None = None):
         config, cfg = spec.config, spec.model_config
+        check_quantization(config.quantization, cfg)  # before the load: a quantized checkpoint takes none
         self.par = par = par if par is not None else SingleRank()
         self.cfg, self.block_size, self.device, self.dtype = cfg, config.block_size, spec.device, spec.dtype
         # The kernels are this executor's own (no process-wide binding), chosen before the long weight load.
