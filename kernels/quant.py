@@ -182,19 +182,21 @@ def _fp16_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, I] @ W.T (+ bias) -> [M, O] in x's dtype, for W a `QuantizedWeight` [O, I] (see the module docstring)."""
-    native = cpu_native.load() if x.device.type == "cpu" and weight.kind != "fp16" else None
-    if weight.kind == "fp16" and x.device.type == "cpu":
-        y = _fp16_mm(x.float(), weight)
-    elif native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
-        xf = x.float().contiguous()
-        y = torch.empty(x.shape[0], weight.dims[-2], dtype=torch.float32)
+    rows = x.shape[0]
+    native = cpu_native.load() if weight.kind != "fp16" and x.is_cpu and rows <= NATIVE_MAX_ROWS else None
+    if native is not None:  # batch-1 decode's every matmul: kept lean (a call here costs ~8 us beyond the C code)
+        xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
+        out_f, in_f = weight.dims[-2], weight.dims[-1]
+        y = torch.empty((rows, out_f), dtype=torch.float32)
         fn = native.q4_matmul if weight.kind == "int4" else native.q8_matmul
-        if fn(xf.data_ptr(), xf.shape[0], xf.shape[1], weight.data.data_ptr(), weight.scale.data_ptr(),
-              y.shape[1], y.data_ptr()) != 0:
+        if fn(xf.data_ptr(), rows, in_f, weight.data.data_ptr(), weight.scale.data_ptr(), out_f, y.data_ptr()):
             raise MemoryError("out of memory for the quantized matmul's scratch")
+    elif weight.kind == "fp16" and x.is_cpu:
+        y = _fp16_mm(x.float(), weight)
     else:
-        y = F.linear(x.float(), dequantize(weight, native))
-    y = y.to(x.dtype)
+        y = F.linear(x.float(), dequantize(weight, cpu_native.load() if x.is_cpu else None))
+    if y.dtype is not x.dtype:
+        y = y.to(x.dtype)
     return y if bias is None else y + bias
 
 

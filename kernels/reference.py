@@ -57,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x, residual: [T, H]; weight: [H]. The residual sum is what the next layer adds onto. On the CPU in float32 it is
     one C call (`csrc/decode.c`), which adds x into `residual` in place and returns it as the new residual.
     """
-    native = _native_f32(x, weight, *(() if residual is None else (residual,)))
+    native = _native_f32(x, weight) if residual is None or _is_f32_cpu(residual) else None
     if native is not None and x.dim() == 2:
         out = torch.empty_like(x)
         native.add_rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
@@ -74,10 +74,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * xf.to(dtype), residual
 
 
+def _is_f32_cpu(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()
+
+
 def _native_f32(*tensors: torch.Tensor) -> "cpu_native.NativeKernels | None":
     """The C kernels, when every tensor is a contiguous float32 CPU tensor and they are available."""
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+        if not _is_f32_cpu(t):
             return None
     return cpu_native.load()
 
