@@ -26,6 +26,7 @@ from tsterm.gguf_import import (  # noqa: E402
 )
 
 from tests.helpers.gguf import gguf_tensors, tiny_model, write_gguf  # noqa: E402
+from tests.helpers.probes import greedy, last_logits  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TEXTS = [
@@ -55,19 +56,6 @@ def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[in
             ids.append(int(logits.argmax()))
             step = torch.tensor([[ids[-1]]])
     return ids, first
-
-
-def greedy(llm: LLM, prompt: list[int], new_tokens: int) -> list[int]:
-    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0].token_ids
-
-
-def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    engine = llm.engine
-    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    try:
-        return engine.executor.execute(engine.scheduler.schedule())[0].float()
-    finally:
-        engine.abort(request_id)
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from tsterm_kernels.quant import QuantizedWeight
 
 from tests.helpers.gguf import LEAF_NAMES, llama_cpp_permute, quantize_linear, tiny_model, write_gguf
+from tests.helpers.probes import greedy, last_logits
 from tsterm import LLM, SamplingParams
 from tsterm.config import ModelConfig, check_quantization
 from tsterm.errors import ConfigError, ModelLoadError
@@ -126,19 +127,6 @@ def test_loaded_weights_are_blocks_of_the_right_kind(tmp_path):
     assert sum(ours[name].nbytes for name in kinds) == file_bytes
     floats = sum(w.numel() * w.element_size() for w in ours.values() if isinstance(w, torch.Tensor))
     assert weight_bytes(ours) == file_bytes + floats < weight_bytes(ref)
-
-
-def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    engine = llm.engine
-    request_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    try:
-        return engine.executor.execute(engine.scheduler.schedule())[0].float()
-    finally:
-        engine.abort(request_id)
-
-
-def greedy(llm: LLM, prompt: list[int], new_tokens: int) -> list[int]:
-    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0].token_ids
 
 
 def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
