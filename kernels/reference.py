@@ -133,11 +133,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
-    if num_tokens == len(meta.seq_lens) and q.stride(2) == 1 and q.stride(1) == head_dim:
+    if num_tokens == len(meta.seq_lens) and q.dtype is torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim:
         # decode (one new token per sequence): one C call over every sequence's blocks, however many runs
-        native = _native_f32(k_cache, v_cache) if q.dtype == torch.float32 else None
+        native = _native_f32(k_cache, v_cache)
         tables = meta.block_tables
-        if native is not None and tables.dtype == torch.int32 and tables.is_contiguous() and tables.device == device:
+        if native is not None and tables.dtype is torch.int32 and tables.is_cpu and tables.is_contiguous():
             return _native_decode_attention(native, q, k_cache, v_cache, meta, scale)
     flash = device.type == "cpu" and _FLASH_CPU is not None
     out = torch.empty_like(q)
@@ -194,7 +194,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     seq_lens = meta.seq_lens_device
-    if seq_lens is None or seq_lens.device.type != "cpu":
+    if seq_lens is None or not seq_lens.is_cpu:
         seq_lens = meta.seq_lens_device = torch.tensor(meta.seq_lens, dtype=torch.int32)  # once per step
     out = torch.empty(q.shape, dtype=torch.float32)
     tables = meta.block_tables

@@ -103,7 +103,9 @@ int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cac
     /* per (task, KV head, query row): D partial outputs, then the chunk's max score and sum of exponentials */
     float *part = malloc(sizeof(float) * (size_t)(tasks * num_heads * (D + 2)));
     if (!part) return -1;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; task++) {
         /* a chunk of one sequence's positions, every KV head: each position's K (and V) heads are contiguous */
         const int64_t s = task / max_chunks, chunk = task % max_chunks, first = chunk * CHUNK;
@@ -172,7 +174,7 @@ int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cac
             }
         }
     }
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)  /* after the implicit barrier: every chunk's partial is written */
     for (int64_t row = 0; row < num_seqs * num_heads; row++) {
         const int64_t s = row / num_heads, hq = row % num_heads;
         float mx = -INFINITY, sum = 0.0f;
@@ -192,6 +194,7 @@ int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cac
         const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
+    }  /* one parallel region for both phases: the threads are woken once */
     free(part);
     return 0;
 }
