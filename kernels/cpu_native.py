@@ -38,6 +38,7 @@ SIGNATURES = {
     "tsterm_q8_matmul": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P]),
     "tsterm_q4_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_q8_dequantize": (None, [_P, _P, _I64, _I64, _P]),
+    "tsterm_f32_matmul": (None, [_P, _I64, _I64, _P, _I64, _P]),
     "tsterm_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P]),
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
     "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),

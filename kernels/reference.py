@@ -27,6 +27,9 @@ __all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "e
 # M = 1/2/3/4: 31.6/29.3/23.0/14.6 (row-split form at M = 3: 14.2; F.linear: 16.7/10.6/9.0/10.7).
 _SPLIT_MAX_ROWS = 32
 _SPLITS = 4
+# Up to this many rows of float32 x, tsterm's C GEMV (csrc/gemv.c) instead: 1.2-1.5x the row-split bmm at M = 1,
+# 1.4-2.3x at M = 4, on the bench model's 2-6 MB matrices (BENCHMARKS.md "C kernels").
+_NATIVE_MAX_ROWS = 4
 _FEW_PAIRS = 64  # fused_moe groups at most this many (token, expert) pairs on the host
 
 
@@ -37,6 +40,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight, bias)
     rows, (out_features, in_features) = x.shape[0], weight.shape
+    if (rows <= _NATIVE_MAX_ROWS and x.dim() == 2 and in_features % 8 == 0 and x.is_cpu and x.dtype is torch.float32
+            and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous() and rows > 0):
+        native = cpu_native.load()
+        if native is not None:
+            x = x if x.is_contiguous() else x.contiguous()
+            y = torch.empty((rows, out_features), dtype=torch.float32)
+            native.f32_matmul(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, y.data_ptr())
+            return y if bias is None else y + bias
     if (x.device.type != "cpu" or rows > _SPLIT_MAX_ROWS or x.dim() != 2 or out_features % _SPLITS
             or not weight.is_contiguous()):
         return F.linear(x, weight, bias)

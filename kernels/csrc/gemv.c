@@ -256,3 +256,48 @@ void tsterm_q8_dequantize(const int8_t *codes, const uint16_t *scales, int64_t o
             for (int j = 0; j < QBLOCK; j++) w[o * in_f + b * QBLOCK + j] = (float)codes[o * in_f + b * QBLOCK + j] * d;
         }
 }
+
+/* float32 weights, 1..4 rows of x: y[M, O] = x[M, I] @ W[O, I]^T (I a multiple of 8), output rows split evenly
+ * over the threads. Each weight row is read once for every row of x, four 8-wide accumulators per x row. */
+#define DEFINE_F32(ROWS)                                                                                     \
+    static void f32_rows##ROWS(const float *x, int64_t in_f, const float *w, int64_t o_begin, int64_t o_end,  \
+                               int64_t out_f, float *y) {                                                    \
+        for (int64_t o = o_begin; o < o_end; o++) {                                                          \
+            const float *wr = w + o * in_f;                                                                  \
+            __m256 acc[ROWS][2];                                                                             \
+            for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                      \
+            int64_t i = 0;                                                                                   \
+            for (; i + 16 <= in_f; i += 16) {                                                                \
+                const __m256 w0 = _mm256_loadu_ps(wr + i), w1 = _mm256_loadu_ps(wr + i + 8);                 \
+                for (int r = 0; r < ROWS; r++) {                                                             \
+                    acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * in_f + i), acc[r][0]);           \
+                    acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * in_f + i + 8), acc[r][1]);       \
+                }                                                                                            \
+            }                                                                                                \
+            for (; i < in_f; i += 8) {                                                                       \
+                const __m256 w0 = _mm256_loadu_ps(wr + i);                                                   \
+                for (int r = 0; r < ROWS; r++)                                                               \
+                    acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * in_f + i), acc[r][0]);           \
+            }                                                                                                \
+            for (int r = 0; r < ROWS; r++) y[r * out_f + o] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));  \
+        }                                                                                                    \
+    }
+
+DEFINE_F32(1)
+DEFINE_F32(2)
+DEFINE_F32(3)
+DEFINE_F32(4)
+
+typedef void (*f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, int64_t, float *);
+static const f32_fn F32_ROWS[4] = {f32_rows1, f32_rows2, f32_rows3, f32_rows4};
+
+void tsterm_f32_matmul(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t out_f, float *y) {
+#pragma omp parallel
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t chunks = (out_f + 7) / 8;
+        const int64_t first = chunks * t / nt * 8;
+        const int64_t last = chunks * (t + 1) / nt * 8 < out_f ? chunks * (t + 1) / nt * 8 : out_f;
+        if (first < last) F32_ROWS[rows - 1](x, in_f, w, first, last, out_f, y);
+    }
+}

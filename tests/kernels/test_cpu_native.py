@@ -147,3 +147,12 @@ def test_store_kv_writes_rows_of_strided_views_and_skips_padding(native):
     flat_k, flat_v = k_cache.view(8, 2, 8), v_cache.view(8, 2, 8)
     assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], v[0])
     assert flat_k[[1, 2, 3, 4, 6, 7]].eq(0).all() and flat_v[[1, 2, 3, 4, 6, 7]].eq(0).all()  # -1: nothing written
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("out_f,in_f", [(37, 64), (200, 24), (16, 40)])
+def test_float32_linear_of_few_rows_is_f_linear(native, rows, out_f, in_f):
+    gen = torch.Generator().manual_seed(rows * out_f)
+    x, w, b = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen), torch.randn(out_f)
+    torch.testing.assert_close(reference.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference.linear(x.t().contiguous().t(), w), F.linear(x, w), rtol=1e-5, atol=1e-5)
