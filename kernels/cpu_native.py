@@ -27,6 +27,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 SOURCES_DIR = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 LIB_NAME = "libtsterm_cpu.so"
@@ -44,6 +46,13 @@ SIGNATURES = {
     "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
     "tsterm_store_kv": (None, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P]),
 }
+
+
+def rows_contiguous_f32(x) -> bool:
+    """A float32 CPU [T, H, D] tensor whose rows (one token's H * D values) are contiguous, at any row stride: what
+    the per-token C kernels (RoPE, the KV store) take."""
+    return (x.is_cpu and x.dtype is torch.float32 and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2])
 
 
 class NativeKernelError(RuntimeError):

@@ -97,12 +97,6 @@ def _native_f32(*tensors: torch.Tensor) -> "cpu_native.NativeKernels | None":
     return cpu_native.load()
 
 
-def _rows_contiguous(x: torch.Tensor) -> bool:
-    """A float32 CPU [T, H, D] tensor whose rows (one token's H * D values) are contiguous, at any row stride."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
-            and x.stride(1) == x.shape[2])
-
-
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write the new tokens' K/V into their slots of the paged pool, in place.
@@ -111,7 +105,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     slot (a padding row of a padded step) writes nothing.
     """
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    native = _native_f32(k_cache, v_cache) if _rows_contiguous(k) and _rows_contiguous(v) else None
+    rows_ok = cpu_native.rows_contiguous_f32(k) and cpu_native.rows_contiguous_f32(v)
+    native = _native_f32(k_cache, v_cache) if rows_ok else None
     # A dispatch mode (tsterm's copy audit) sees torch's copies, not the C call's: it gets the torch path.
     if (native is not None and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
             and _get_current_dispatch_mode() is None):

@@ -139,12 +139,7 @@ def _tensor_plan(spec: RandomMoESpec) -> Iterator[tuple[str, tuple[int, ...]]]:
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", (H,)
-        yield p + "self_attn.q_proj.weight", (spec.num_attention_heads * D, H)
-        yield p + "self_attn.k_proj.weight", (spec.num_key_value_heads * D, H)
-        yield p + "self_attn.v_proj.weight", (spec.num_key_value_heads * D, H)
-        yield p + "self_attn.o_proj.weight", (H, spec.num_attention_heads * D)
-        yield p + "self_attn.q_norm.weight", (D,)
-        yield p + "self_attn.k_norm.weight", (D,)
+        yield from _attention_plan(spec, p, query_width=spec.num_attention_heads * D)
         yield p + "post_attention_layernorm.weight", (H,)
         yield p + "mlp.gate.weight", (spec.num_experts, H)
         for e in range(spec.num_experts):
@@ -153,6 +148,17 @@ def _tensor_plan(spec: RandomMoESpec) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + f"mlp.experts.{e}.down_proj.weight", (H, I)
     yield "model.norm.weight", (H,)
     yield "lm_head.weight", (spec.vocab_size, H)
+
+
+def _attention_plan(spec: RandomMoESpec, p: str, query_width: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """A (Qwen3-style, q/k-normed) attention layer's tensors under prefix `p`; `query_width`: q_proj's rows."""
+    H, D = spec.hidden_size, spec.head_dim
+    yield p + "self_attn.q_proj.weight", (query_width, H)
+    yield p + "self_attn.k_proj.weight", (spec.num_key_value_heads * D, H)
+    yield p + "self_attn.v_proj.weight", (spec.num_key_value_heads * D, H)
+    yield p + "self_attn.o_proj.weight", (H, spec.num_attention_heads * D)
+    yield p + "self_attn.q_norm.weight", (D,)
+    yield p + "self_attn.k_norm.weight", (D,)
 
 
 def _hybrid_tensor_plan(spec: RandomHybridSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -176,12 +182,7 @@ def _hybrid_tensor_plan(spec: RandomHybridSpec) -> Iterator[tuple[str, tuple[int
             yield a + "norm.weight", (Dv,)
             yield a + "out_proj.weight", (H, Hv * Dv)
         else:
-            yield p + "self_attn.q_proj.weight", (spec.num_attention_heads * 2 * D, H)  # per head: query, gate
-            yield p + "self_attn.k_proj.weight", (spec.num_key_value_heads * D, H)
-            yield p + "self_attn.v_proj.weight", (spec.num_key_value_heads * D, H)
-            yield p + "self_attn.o_proj.weight", (H, spec.num_attention_heads * D)
-            yield p + "self_attn.q_norm.weight", (D,)
-            yield p + "self_attn.k_norm.weight", (D,)
+            yield from _attention_plan(spec, p, query_width=spec.num_attention_heads * 2 * D)  # per head: query, gate
         yield p + "post_attention_layernorm.weight", (H,)
         yield p + "mlp.gate.weight", (E, H)
         yield p + "mlp.experts.gate_up_proj", (E, 2 * I, H)
@@ -283,37 +284,15 @@ def model_config_dict(spec: RandomMoESpec, eos_id: int, bos_id: int) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
+        **_shared_config(spec, eos_id, bos_id),
         "intermediate_size": spec.num_experts_per_tok * spec.moe_intermediate_size,  # dense width: unused
-        "num_hidden_layers": spec.num_hidden_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rms_norm_eps": 1e-6,
         "rope_theta": spec.rope_theta,
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
-        "tie_word_embeddings": False,
-        "num_experts": spec.num_experts,
-        "num_experts_per_tok": spec.num_experts_per_tok,
-        "moe_intermediate_size": spec.moe_intermediate_size,
-        "norm_topk_prob": spec.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-        "initializer_range": spec.init_std,
-        "use_cache": True,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "dtype": spec.dtype,
     }
 
 
@@ -323,6 +302,23 @@ def hybrid_config_dict(spec: RandomHybridSpec, eos_id: int, bos_id: int) -> dict
     return {
         "architectures": ["Qwen3_5MoeForCausalLM"],
         "model_type": "qwen3_5_moe_text",
+        **_shared_config(spec, eos_id, bos_id),
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta,
+                            "partial_rotary_factor": spec.partial_rotary_factor},
+        "layer_types": spec.layer_types,
+        "full_attention_interval": spec.full_attention_interval,
+        "linear_num_key_heads": spec.linear_num_key_heads,
+        "linear_num_value_heads": spec.linear_num_value_heads,
+        "linear_key_head_dim": spec.linear_key_head_dim,
+        "linear_value_head_dim": spec.linear_value_head_dim,
+        "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
+        "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
+    }
+
+
+def _shared_config(spec: RandomMoESpec, eos_id: int, bos_id: int) -> dict:
+    """The config.json fields the MoE and hybrid demo models write alike."""
+    return {
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_hidden_layers,
@@ -332,22 +328,12 @@ def hybrid_config_dict(spec: RandomHybridSpec, eos_id: int, bos_id: int) -> dict
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta,
-                            "partial_rotary_factor": spec.partial_rotary_factor},
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "layer_types": spec.layer_types,
-        "full_attention_interval": spec.full_attention_interval,
-        "linear_num_key_heads": spec.linear_num_key_heads,
-        "linear_num_value_heads": spec.linear_num_value_heads,
-        "linear_key_head_dim": spec.linear_key_head_dim,
-        "linear_value_head_dim": spec.linear_value_head_dim,
-        "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
         "num_experts": spec.num_experts,
         "num_experts_per_tok": spec.num_experts_per_tok,
         "moe_intermediate_size": spec.moe_intermediate_size,
-        "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
         "norm_topk_prob": spec.norm_topk_prob,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,

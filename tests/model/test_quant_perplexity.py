@@ -9,7 +9,6 @@ llama.cpp does; that is not in these figures.) The figures printed here are the 
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,12 @@ import torch
 from tokenizers import Tokenizer
 
 import tsterm
-from tsterm.model.quant import quantize
+from tsterm.bench.quality import perplexity, quantizable_parameters
 
 MODEL_DIR = Path(tsterm.__file__).parent / "models" / "moe_demo"
 WINDOW = 256
 
 transformers = pytest.importorskip("transformers")
-
-
-def _is_quantized_in_tsterm(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() >= 2 and not name.endswith(("embed_tokens.weight", "mlp.gate.weight"))
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +32,10 @@ def windows() -> torch.Tensor:
     return torch.tensor(ids[:count * WINDOW]).view(count, WINDOW)  # [N, T]
 
 
-def _perplexity(model, originals: dict[str, torch.Tensor], mode: str, windows: torch.Tensor) -> float:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name in originals:
-                param.copy_(originals[name] if mode == "none" else quantize(originals[name], mode).dequantize())
-        logits = model(windows).logits  # [N, T, V]
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten())
-    return math.exp(nll.item())
-
-
 def test_int8_perplexity_within_one_percent_of_float_and_int4_reported(windows):
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-    originals = {name: p.detach().clone() for name, p in model.named_parameters() if _is_quantized_in_tsterm(name, p)}
-    ppl = {mode: _perplexity(model, originals, mode, windows) for mode in ("none", "fp16", "int8", "int4")}
+    originals = quantizable_parameters(model)
+    ppl = {mode: perplexity(model, originals, mode, windows) for mode in ("none", "fp16", "int8", "int4")}
     print(f"moe-demo held-out perplexity ({windows.numel()} tokens): "
           + ", ".join(f"{mode} {value:.3f} ({value / ppl['none'] - 1:+.2%})" for mode, value in ppl.items()))
     assert abs(ppl["fp16"] / ppl["none"] - 1) < 0.001  # a bfloat16 checkpoint: fp16 holds its weights exactly

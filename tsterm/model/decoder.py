@@ -27,7 +27,7 @@ from tsterm.model.cache import ModelCache
 from tsterm.model.gated_attention import GatedAttention
 from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.parallel import ParallelContext, SingleRank
-from tsterm.model.rope import RotaryEmbedding, rotate, rotate_
+from tsterm.model.rope import RotaryEmbedding, rotate_
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.reference import expert_mlp, linear
@@ -89,9 +89,8 @@ class Attention:
         qk = qk.float().view(T, Hq + Hkv, D)  # float32 arithmetic (a no-op for a float32 model)
         if self.qk_norm == "head":  # Qwen3: per head, over head_dim
             qk = F.rms_norm(qk, (D,), eps=self.eps).mul_(self.qk_head_weight)
-        # [T, Hq + Hkv, D]: a float32 qk is a view of qkv's rows, rotated in place (qkv is this call's own output)
-        in_place = qk.dtype == x.dtype and x.device.type == "cpu"
-        qk = rotate_(qk, rope) if in_place else rotate(qk, rope).to(x.dtype)
+        # [T, Hq + Hkv, D]: qk is this call's own (a view of qkv's rows or a float32 copy): rotated in place
+        qk = rotate_(qk, rope).to(x.dtype)
         q, k = qk[:, :Hq], qk[:, Hq:]  # views
         meta = self.ctx.meta
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place

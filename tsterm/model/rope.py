@@ -70,15 +70,16 @@ class RotaryEmbedding:
 
 
 def rotate_(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """`rotate` in place (x [T, H, D] float32); returns x. On the CPU, one C call (tsterm_kernels.cpu_native) where
-    each token's heads are contiguous."""
+    """`rotate`, in place where it can be: on the CPU, one C call (tsterm_kernels.cpu_native) rotates x [T, H, D]
+    float32 itself when each token's heads are contiguous, and returns x; otherwise `rotate(x, tables)`, a new
+    tensor (x is left as it was). Use the result."""
     cos, sin = tables
     native = None
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == x.shape[-1]):
+    if cpu_native.rows_contiguous_f32(x) and cos.is_contiguous() and sin.is_contiguous() \
+            and cos.shape[-1] == x.shape[-1]:
         native = cpu_native.load()
     if native is None:
-        return x.copy_(rotate(x, tables))
+        return rotate(x, tables)
     native.rope(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], x.shape[2], cos.data_ptr(), sin.data_ptr())
     return x
 
