@@ -45,6 +45,8 @@ SIGNATURES = {
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
     "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
     "tsterm_store_kv": (None, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P]),
+    "tsterm_swiglu": (None, [_P, _I64, _I64, _P]),
+    "tsterm_decode_stack": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]),
 }
 
 
@@ -93,7 +95,7 @@ def build(out_dir: Path | None = None) -> Path:
         raise NativeKernelError(f"no C compiler ({compiler!r} not found; install gcc or set $CC)")
     sources = sorted(SOURCES_DIR.glob("*.c"))
     digest = hashlib.sha256()
-    for item in (compiler, *FLAGS, _cpu_flags(), *(s.name + s.read_text() for s in sources)):
+    for item in (compiler, *FLAGS, _cpu_flags(), *(s.name + s.read_text() for s in sorted(SOURCES_DIR.glob("*.[ch]")))):
         digest.update(item.encode())
     target_dir = (out_dir or cache_dir()) / digest.hexdigest()[:16]
     target = target_dir / LIB_NAME

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 OP_NAMES = ("rms_norm", "store_kv", "paged_attention", "moe_route", "fused_moe", "causal_conv1d_update",
-            "recurrent_gated_delta_rule", "causal_conv1d", "chunk_gated_delta_rule")
+            "recurrent_gated_delta_rule", "causal_conv1d", "chunk_gated_delta_rule", "decode_stack")
 
 # name -> module providing every op in OP_NAMES. Imported on first `load` (Python caches the module), so that
 # importing this package never imports triton (nor needs a GPU).
@@ -37,6 +37,7 @@ class KernelOps:
     recurrent_gated_delta_rule: Callable
     causal_conv1d: Callable  # Gated DeltaNet prefill: every prompt chunk of a step in one call
     chunk_gated_delta_rule: Callable
+    decode_stack: Callable  # a model's dense layers -> one callable for its decode steps, or None (see reference)
 
 
 def load(name: str) -> KernelOps:

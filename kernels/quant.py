@@ -162,7 +162,8 @@ def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     else:
         codes = int4_codes(weight.data).double()
         d, m = weight.scale.double().unbind(-1)
-    y = torch.einsum("mbk,obk,ob,mb->mo", qx, codes, d, dx.double())
+    dd = (d.float()[None] * dx.float()[:, None]).double()  # [M, O, I/32]: d * dx rounded to float32, as in C
+    y = torch.einsum("mbk,obk,mob->mo", qx, codes, dd)
     if m is not None:
         y += torch.einsum("mb,ob,mb->mo", qx.sum(-1), m, dx.double())
     return y.float()

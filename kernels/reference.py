@@ -9,14 +9,15 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from tsterm_kernels import cpu_native
+from tsterm_kernels.cpu_stack import DecodeStack, StackLayer
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import QuantizedWeight, quantized_linear
 # Gated DeltaNet ops (decode and prefill): their twins live in their own module
 from tsterm_kernels.reference_gated_delta import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
                                                   recurrent_gated_delta_rule)
 
-__all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "expert_mlp", "fused_moe", "linear",
-           "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm", "store_kv"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "decode_stack", "expert_mlp", "fused_moe",
+           "linear", "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm", "store_kv"]
 
 
 # Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory
@@ -59,6 +60,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = torch.bmm(x.expand(_SPLITS, rows, in_features), blocks.transpose(1, 2))
         y = y.transpose(0, 1).contiguous().view(rows, out_features)  # [M, O]: a copy of the small output only
     return y if bias is None else y + bias
+
+
+def decode_stack(layers: list[StackLayer], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float) -> DecodeStack | None:
+    """A model's dense decoder layers as one C call per decode step (`tsterm_kernels.cpu_stack`), or None where the
+    C kernels cannot run them; the model then runs every step layer by layer through the ops here."""
+    return DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -300,7 +308,12 @@ def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
     """One SwiGLU expert: x [n, H], w13 [2I, H] (gate rows then up rows), w2 [H, I] -> [n, H]."""
     h = linear(x, w13)  # [n, 2I]
     inter = w2.shape[1]
-    gate = F.silu(h[:, :inter], inplace=True).mul_(h[:, inter:])  # silu(gate) * up, in h's gate half
+    native = _native_f32(h)
+    if native is not None and h.dim() == 2:  # one C call (csrc/decode.c), into a contiguous [n, I]
+        gate = torch.empty((h.shape[0], inter), dtype=torch.float32)
+        native.swiglu(h.data_ptr(), h.shape[0], inter, gate.data_ptr())
+    else:
+        gate = F.silu(h[:, :inter], inplace=True).mul_(h[:, inter:])  # silu(gate) * up, in h's gate half
     return linear(gate, w2)  # [n, H]
 
 

@@ -21,18 +21,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "tsterm.h"
+
 #define QBLOCK 32
 #define TILE 16
 
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* One row of x -> int8 codes [I] and per block dx [I/32] and dx * sum(codes) [I/32]. */
-static void quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx_out, float *sx_out) {
+void tsterm_quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx_out, float *sx_out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t b = 0; b < in_f / QBLOCK; b++) {
@@ -187,6 +181,24 @@ typedef void (*rows_fn)(const int8_t *, const float *, const float *, int64_t, c
 static const rows_fn Q4_ROWS[4] = {(rows_fn)q4_rows1, (rows_fn)q4_rows2, (rows_fn)q4_rows3, (rows_fn)q4_rows4};
 static const rows_fn Q8_ROWS[4] = {(rows_fn)q8_rows1, (rows_fn)q8_rows2, (rows_fn)q8_rows3, (rows_fn)q8_rows4};
 
+static void quant_rows(const rows_fn *fns, const int8_t *qx, const float *dx, const float *sx, int64_t rows,
+                       int64_t in_f, const void *codes, const uint16_t *scales, int64_t first, int64_t last,
+                       int64_t out_f, float *y) {
+    const int64_t nb = in_f / QBLOCK;
+    for (int64_t o = first; o < last; o += TILE) {  /* a tile of weight rows is read once for every row of x */
+        const int64_t o_end = o + TILE < last ? o + TILE : last;
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+            const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
+            fns[n - 1](qx + r0 * in_f, dx + r0 * nb, sx + r0 * nb, in_f, codes, scales, o, o_end, out_f, y + r0 * out_f);
+        }
+    }
+}
+
+void tsterm_quant_rows(int kind, const int8_t *qx, const float *dx, const float *sx, int64_t rows, int64_t in_f,
+                       const void *codes, const uint16_t *scales, int64_t first, int64_t last, int64_t out_f, float *y) {
+    quant_rows(kind == TSTERM_Q4 ? Q4_ROWS : Q8_ROWS, qx, dx, sx, rows, in_f, codes, scales, first, last, out_f, y);
+}
+
 /* Returns 0, or -1 when the scratch for x's codes could not be allocated. */
 static int matmul(const rows_fn *fns, const float *x, int64_t rows, int64_t in_f, const void *codes,
                   const uint16_t *scales, int64_t out_f, float *y) {
@@ -202,19 +214,12 @@ static int matmul(const rows_fn *fns, const float *x, int64_t rows, int64_t in_f
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) quantize_row(x + r * in_f, in_f, qx + r * in_f, dsx + r * nb, sx + r * nb);
+        for (int64_t r = 0; r < rows; r++) tsterm_quantize_row(x + r * in_f, in_f, qx + r * in_f, dsx + r * nb, sx + r * nb);
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t tiles = (out_f + TILE - 1) / TILE;
         const int64_t first = tiles * t / nt * TILE;
         const int64_t last = tiles * (t + 1) / nt * TILE < out_f ? tiles * (t + 1) / nt * TILE : out_f;
-        for (int64_t o = first; o < last; o += TILE) {
-            const int64_t o_end = o + TILE < last ? o + TILE : last;
-            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-                const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
-                fns[n - 1](qx + r0 * in_f, dsx + r0 * nb, sx + r0 * nb, in_f, codes, scales, o, o_end, out_f,
-                           y + r0 * out_f);
-            }
-        }
+        quant_rows(fns, qx, dsx, sx, rows, in_f, codes, scales, first, last, out_f, y);
     }
     free(qx);
     free(dsx);
@@ -291,6 +296,14 @@ DEFINE_F32(4)
 typedef void (*f32_fn)(const float *, int64_t, const float *, int64_t, int64_t, int64_t, float *);
 static const f32_fn F32_ROWS[4] = {f32_rows1, f32_rows2, f32_rows3, f32_rows4};
 
+void tsterm_f32_rows(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t first, int64_t last,
+                     int64_t out_f, float *y) {
+    for (int64_t r0 = 0; first < last && r0 < rows; r0 += 4) {
+        const int64_t n = rows - r0 < 4 ? rows - r0 : 4;
+        F32_ROWS[n - 1](x + r0 * in_f, in_f, w, first, last, out_f, y + r0 * out_f);
+    }
+}
+
 void tsterm_f32_matmul(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t out_f, float *y) {
 #pragma omp parallel
     {
@@ -298,6 +311,6 @@ void tsterm_f32_matmul(const float *x, int64_t rows, int64_t in_f, const float *
         const int64_t chunks = (out_f + 7) / 8;
         const int64_t first = chunks * t / nt * 8;
         const int64_t last = chunks * (t + 1) / nt * 8 < out_f ? chunks * (t + 1) / nt * 8 : out_f;
-        if (first < last) F32_ROWS[rows - 1](x, in_f, w, first, last, out_f, y);
+        tsterm_f32_rows(x, rows, in_f, w, first, last, out_f, y);
     }
 }

@@ -179,6 +179,22 @@ class DecoderModel:
             mixer = mixers[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par)
             self.layers.append((weights[p + "input_norm"], mixer, weights[p + "post_attn_norm"],
                                 SparseMoE(cfg, weights, p, self.ctx, ops, par)))
+        self.stack = self._decode_stack()
+
+    def _decode_stack(self):
+        """The kernels' one-call form of every layer for decode steps (`KernelOps.decode_stack`), where the model is
+        a stack of plain dense layers on one rank that it takes; else None (each step runs layer by layer)."""
+        plain = self.par.layout.tp_size == 1 and self.rotary.cos.shape[-1] == self.cfg.head_dim and all(
+            type(mixer) is Attention and mixer.qk_norm == "none" and mixer.clip is None
+            and mlp.dense is not None and mlp.shared_w13 is None for _, mixer, _, mlp in self.layers)
+        if not plain:
+            return None
+        from tsterm_kernels.cpu_stack import StackLayer
+        att = self.layers[0][1]
+        return self.ops.decode_stack(
+            [StackLayer(norm, post, mixer.qkv, mixer.o_proj, *mlp.dense, mixer.qkv_bias, mixer.o_bias,
+                        mixer.k_cache, mixer.v_cache) for norm, mixer, post, mlp in self.layers],
+            att.num_heads, att.num_kv_heads, att.head_dim, self.eps, att.scale)
 
     @contextlib.contextmanager
     def step_context(self, meta: AttentionMetadata, pair_weights: torch.Tensor | None = None,
@@ -197,6 +213,10 @@ class DecoderModel:
         ops = self.ops
         hidden = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary.tables(positions)  # looked up once per step, shared by every layer
+        stacked = self.stack(hidden, rope, self.ctx.meta) if self.stack is not None else None
+        if stacked is not None:  # a decode step, every layer in one kernel call
+            hidden, residual = stacked
+            return ops.rms_norm(hidden, self.final_norm, self.eps, residual)[0]
         residual = None
         for input_norm, mixer, post_norm, mlp in self.layers:
             if residual is None:

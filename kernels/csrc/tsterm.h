@@ -1,0 +1,79 @@
+/* What the C sources share with each other (not exported from the library: hidden visibility). */
+#pragma once
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TSTERM_INTERNAL __attribute__((visibility("hidden")))
+#define MAX_HEADS 64 /* query heads (of one rank) the decode attention takes */
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x for 8 lanes, x <= 0 (scores minus their max): 2^n * e^r with |r| <= ln2 / 2, a degree-6 polynomial for e^r
+ * (relative error below 2e-7); inputs below -87 give 0. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  /* ln2 in two parts: exact first product */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* gemv.c. Weight kinds: */
+enum { TSTERM_F32 = 0, TSTERM_Q8 = 1, TSTERM_Q4 = 2 };
+/* One row of x [I] -> int8 codes [I], per block of 32: dx [I/32] and dx * sum(codes) sx [I/32]. */
+TSTERM_INTERNAL void tsterm_quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx, float *sx);
+/* Output rows [first, last) of y [rows, O] = x @ W^T for a q8 / q4 weight, x given quantized (qx [rows, I],
+ * dx and sx [rows, I/32]). */
+TSTERM_INTERNAL void tsterm_quant_rows(int kind, const int8_t *qx, const float *dx, const float *sx, int64_t rows,
+                                       int64_t in_f, const void *codes, const uint16_t *scales, int64_t first,
+                                       int64_t last, int64_t out_f, float *y);
+/* Output rows [first, last) of y [rows, O] = x [rows, I] @ W [O, I]^T, float32 (I a multiple of 8). */
+TSTERM_INTERNAL void tsterm_f32_rows(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t first,
+                                     int64_t last, int64_t out_f, float *y);
+
+/* decode.c: decode attention in two phases (tasks over (sequence, chunk), then one merge per query row), so that a
+ * caller's own parallel region can run it. */
+typedef struct {
+    const float *q; /* [S, Hq, D], rows q_stride apart */
+    int64_t q_stride;
+    const float *k_cache, *v_cache; /* [num_blocks, B, Hkv, D] */
+    const int32_t *block_tables;    /* [S, max_blocks] */
+    int64_t max_blocks;
+    const int32_t *seq_lens; /* [S] */
+    int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int64_t max_chunks; /* tsterm_attention_chunks(seq_lens, num_seqs) */
+    float *part;        /* tsterm_attention_part_bytes() of scratch */
+} tsterm_attention;
+
+TSTERM_INTERNAL int64_t tsterm_attention_chunks(const int32_t *seq_lens, int64_t num_seqs);
+static inline size_t tsterm_attention_part_bytes(const tsterm_attention *a) {
+    return sizeof(float) * (size_t)(a->num_seqs * a->max_chunks * a->num_heads * (a->head_dim + 2));
+}
+TSTERM_INTERNAL void tsterm_attention_task(const tsterm_attention *a, int64_t task); /* 0 <= task < S * chunks */
+TSTERM_INTERNAL void tsterm_attention_merge(const tsterm_attention *a, int64_t row, float *out); /* row < S * Hq */
+
+/* out [H] = src * rsqrt(mean(src^2) + eps) * weight */
+TSTERM_INTERNAL void tsterm_rms_norm_row(const float *src, const float *weight, int64_t hidden, float eps,
+                                         float *out);
+/* one token's heads [heads, D] rotated in place (rotate-half): cos [D], sin [D/2] */
+TSTERM_INTERNAL void tsterm_rope_row(float *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin);
+/* out [n] = silu(g) * u */
+TSTERM_INTERNAL void tsterm_swiglu_row(const float *g, const float *u, int64_t n, float *out);
