@@ -45,6 +45,7 @@ SIGNATURES = {
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
     "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
     "tsterm_store_kv": (None, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P]),
+    "tsterm_head_rms_norm": (None, [_P, _I64, _I64, _I64, _I64, _P, _F32]),
     "tsterm_swiglu": (None, [_P, _I64, _I64, _P]),
     "tsterm_decode_stack": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]),
 }

@@ -1,16 +1,18 @@
-"""A decode step's whole stack of dense decoder layers as one C call (csrc/stack.c) on the CPU.
+"""A decode step's whole stack of decoder layers as one C call (csrc/stack.c) on the CPU.
 
 Batch-1 decode of a small model (the default SmolLM2-135M: 30 layers of 1-2 MB of weights each) spends as long
 between its kernels as in them when the layers run op by op from Python: ~10 calls per layer at ~10 us each
-(Python, ctypes, an OpenMP fork / join). `DecodeStack` hands the C code every layer's tensors once, at model build,
-and then runs a decode step's layers in one call, its threads woken once and meeting at barriers between the ops.
+(Python, ctypes, an OpenMP fork / join), more with routed experts. `DecodeStack` hands the C code every layer's
+tensors once, at model build, and then runs a decode step's layers in one call, its threads woken once and meeting
+at barriers between the ops.
 
-It takes what the layer-by-layer path computes with the same C kernels (RMSNorm with the residual add, the
-quantized or float32 matmuls, RoPE, the KV store, paged decode attention) and nothing else: dense layers (one MLP,
-SwiGLU) with full attention and no q/k norm or clipping, one rank, float32 activations and KV, weights float32 or
-int8 / int4 (`tsterm_kernels.quant`), rotary over the whole head. `build` returns None for anything else, and a
-step it does not take (a prefill, more than MAX_ROWS sequences, the copy audit watching) makes `__call__` return
-None: the caller then runs its layers one by one.
+It computes what the layer-by-layer path computes with the same C kernels (RMSNorm with the residual add, the
+quantized or float32 matmuls, RoPE, the KV store, paged decode attention, Qwen3's per-head q/k norms, SwiGLU) plus
+top-k softmax routing, and nothing else: layers of full attention without q/k clipping or OLMoE's whole-projection
+q/k norm, each with one dense SwiGLU MLP or routed SwiGLU experts without a shared expert; one rank; float32
+activations and KV; weights float32 or int8 / int4 (`tsterm_kernels.quant`); rotary over the whole head. `build`
+returns None for anything else, and a step it does not take (a prefill, more than MAX_ROWS sequences, the copy
+audit watching) makes `__call__` return None: the caller then runs its layers one by one.
 """
 from __future__ import annotations
 
@@ -34,12 +36,13 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight),
-                ("down", _Weight), ("qkv_bias", _P), ("o_bias", _P), ("k_cache", _P), ("v_cache", _P)]
+                ("down", _Weight), ("qkv_bias", _P), ("o_bias", _P), ("qk_norm", _P), ("k_cache", _P), ("v_cache", _P),
+                ("router", _P), ("num_experts", _I64), ("top_k", _I64), ("renormalize", _I64), ("expert_load", _P)]
 
 
 class _Stack(ctypes.Structure):
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
-                ("head_dim", _I64), ("intermediate", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
+                ("head_dim", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
                 ("layers", ctypes.POINTER(_Layer))]
 
 
@@ -51,27 +54,36 @@ class StackLayer:
     post_norm: torch.Tensor  # [H]
     qkv: torch.Tensor | QuantizedWeight  # [(Hq + 2 Hkv) D, H]
     o_proj: torch.Tensor | QuantizedWeight  # [H, Hq D]
-    gate_up: torch.Tensor | QuantizedWeight  # [2 I, H]: gate rows, then up rows
-    down: torch.Tensor | QuantizedWeight  # [H, I]
+    gate_up: torch.Tensor | QuantizedWeight  # [2 I, H]: gate rows, then up rows; routed experts: [E, 2I, H]
+    down: torch.Tensor | QuantizedWeight  # [H, I]; routed experts: [E, H, I]
     qkv_bias: torch.Tensor | None
     o_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: per-head RMSNorm weights of q, then k (Qwen3); None: no q/k norm
     k_cache: torch.Tensor  # [num_blocks, B, Hkv, D] view of the pool
     v_cache: torch.Tensor
+    router: torch.Tensor | None = None  # [E, H]: routed experts (top_k of them per token); None: a dense MLP
+    top_k: int = 0
+    renormalize: bool = False  # the top-k weights renormalized to sum to 1
+    expert_load: torch.Tensor | None = None  # [E] int64: pairs routed to each expert, accumulated in place
 
 
 def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous())
 
 
-def _weight(w: torch.Tensor | QuantizedWeight) -> _Weight | None:
-    """The C struct of a weight the stack reads in place, or None when it cannot."""
-    if isinstance(w, QuantizedWeight):
-        if w.kind not in _KINDS or len(w.dims) != 2 or not w.data.is_cpu:
-            return None
-        return _Weight(_KINDS[w.kind], w.data.data_ptr(), w.scale.data_ptr(), w.dims[0], w.dims[1])
-    if not _f32(w) or w.dim() != 2 or w.shape[1] % 8:
+def _weight(w: torch.Tensor | QuantizedWeight, shape: tuple[int, ...]) -> _Weight | None:
+    """The C struct of a weight of this shape ([O, I], or a stack of experts' [E, O, I]) that the stack reads in
+    place, or None when it cannot."""
+    if tuple(w.shape) != shape:
         return None
-    return _Weight(0, w.data_ptr(), None, w.shape[0], w.shape[1])
+    out_f, in_f = shape[-2:]
+    if isinstance(w, QuantizedWeight):
+        if w.kind not in _KINDS or not w.data.is_cpu or not w.data.is_contiguous() or not w.scale.is_contiguous():
+            return None
+        return _Weight(_KINDS[w.kind], w.data.data_ptr(), w.scale.data_ptr(), out_f, in_f)
+    if not _f32(w) or in_f % 8:
+        return None
+    return _Weight(0, w.data_ptr(), None, out_f, in_f)
 
 
 class DecodeStack:
@@ -91,32 +103,39 @@ class DecodeStack:
         not read (another dtype or device, a weight kind or shape they do not take)."""
         if not layers or num_heads > 64 or head_dim % 8 or num_heads % num_kv_heads:
             return None
-        hidden, inter = layers[0].input_norm.shape[0], layers[0].down.shape[1]
-        shapes = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, hidden), "o_proj": (hidden, num_heads * head_dim),
-                  "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        hidden = layers[0].input_norm.shape[0]
         structs = (_Layer * len(layers))()
         for i, layer in enumerate(layers):
-            weights = {}
-            for name, shape in shapes.items():
-                w = getattr(layer, name)
-                weights[name] = _weight(w)
-                if weights[name] is None or tuple(w.shape) != shape or (weights[name].kind and shape[1] % 32):
-                    return None
+            inter = layer.down.shape[-1]
+            lead = () if layer.router is None else (layer.router.shape[0],)
+            shapes = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, hidden),
+                      "o_proj": (hidden, num_heads * head_dim), "gate_up": (*lead, 2 * inter, hidden),
+                      "down": (*lead, hidden, inter)}
+            weights = {name: _weight(getattr(layer, name), shape) for name, shape in shapes.items()}
             cache_shape = (layer.k_cache.shape[1:], layer.v_cache.shape[1:])
-            if (not all(_f32(t) for t in (layer.input_norm, layer.post_norm, layer.qkv_bias, layer.o_bias,
-                                          layer.k_cache, layer.v_cache))
-                    or cache_shape[0] != cache_shape[1] or tuple(cache_shape[0][1:]) != (num_kv_heads, head_dim)):
+            load = layer.expert_load
+            if (None in weights.values() or not all(_f32(t) for t in (
+                    layer.input_norm, layer.post_norm, layer.qkv_bias, layer.o_bias, layer.qk_norm, layer.k_cache,
+                    layer.v_cache, layer.router))
+                    or cache_shape[0] != cache_shape[1] or tuple(cache_shape[0][1:]) != (num_kv_heads, head_dim)
+                    or (layer.router is not None and (tuple(layer.router.shape) != (lead[0], hidden)
+                                                      or not 1 <= layer.top_k <= lead[0]))
+                    or (load is not None and (load.dtype is not torch.int64 or not load.is_cpu
+                                              or not load.is_contiguous() or load.shape != lead))):
                 return None
-            structs[i] = _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), weights["qkv"],
-                                weights["o_proj"], weights["gate_up"], weights["down"],
-                                None if layer.qkv_bias is None else layer.qkv_bias.data_ptr(),
-                                None if layer.o_bias is None else layer.o_bias.data_ptr(),
-                                layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
+
+            def ptr(t: torch.Tensor | None) -> int | None:
+                return None if t is None else t.data_ptr()
+
+            structs[i] = _Layer(ptr(layer.input_norm), ptr(layer.post_norm), weights["qkv"], weights["o_proj"],
+                                weights["gate_up"], weights["down"], ptr(layer.qkv_bias), ptr(layer.o_bias),
+                                ptr(layer.qk_norm), ptr(layer.k_cache), ptr(layer.v_cache), ptr(layer.router),
+                                lead[0] if lead else 0, layer.top_k, int(layer.renormalize), ptr(load))
         native = cpu_native.load()
         if native is None:
             return None
-        stack = _Stack(len(layers), hidden, num_heads, num_kv_heads, head_dim, inter, layers[0].k_cache.shape[1],
-                       eps, scale, structs)
+        stack = _Stack(len(layers), hidden, num_heads, num_kv_heads, head_dim, layers[0].k_cache.shape[1], eps, scale,
+                       structs)
         return cls(native, layers, stack, structs)
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

@@ -62,10 +62,13 @@ def test_ctrl_c_stops_the_reply_not_the_chat(tmp_path):
     term.read_until(b">>> ")
     at = len(term.output)
     term.send(b"What is 6 * 7?\r")
-    term.read_until(b"\n", start=at)  # the line is echoed, then the reply streams
-    time.sleep(1.0)
+    echoed = at + len(term.read_until(b"\n", start=at))  # the line is echoed, then the reply streams
+    deadline = time.monotonic() + 60
+    while len(term.output) <= echoed and time.monotonic() < deadline:  # its first bytes: the reply is under way
+        term._read(0.05)
+    # The demo model fills its 1024 positions in about a second on the CPU, so the keys come right away.
     term.send(b"xyzzy")  # typed while the reply streams: neither echoed into it nor kept
-    time.sleep(0.5)
+    time.sleep(0.1)
     term.send(b"\x03")  # ctrl+c
     after = term.read_until(b">>> ", start=at)
     assert b"(stopped)" in after and b"xyzzy" not in after

@@ -222,6 +222,18 @@ void tsterm_rope_row(float *x, int64_t heads, int64_t head_dim, const float *c, 
     }
 }
 
+/* Per-head RMSNorm in place (Qwen3's q / k norms): x [T, heads, D] rows x_stride apart (each token's heads
+ * contiguous), weight [heads, D]. */
+void tsterm_head_rms_norm(float *x, int64_t tokens, int64_t x_stride, int64_t heads, int64_t head_dim,
+                          const float *weight, float eps) {
+#pragma omp parallel for schedule(static) if (tokens >= 16)
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *row = x + t * x_stride + h * head_dim;
+            tsterm_rms_norm_row(row, weight + h * head_dim, head_dim, eps, row);
+        }
+}
+
 /* Rotate-half RoPE in place: x [T, H, D] rows x_stride apart (each token's H * D values contiguous);
  * cos [T, D], sin [T, D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (the halves of each head). */
 void tsterm_rope(float *x, int64_t tokens, int64_t x_stride, int64_t heads, int64_t head_dim, const float *cos,

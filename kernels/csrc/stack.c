@@ -1,15 +1,20 @@
 /* A decode step's whole stack of dense decoder layers in one call (float32 activations; float32, q8 or q4 weights):
  *
- *   for each layer: residual += h; x = RMSNorm(residual); qkv = x W_qkv (+ b); RoPE(q, k); K/V -> their slots;
+ *   for each layer: residual += h; x = RMSNorm(residual); qkv = x W_qkv (+ b); (per-head RMSNorm of q, k);
+ *                   RoPE(q, k); K/V -> their slots;
  *                   a = attention(q, paged KV); h = a W_o (+ b); residual += h; x = RMSNorm(residual);
- *                   g, u = x W_gate_up; h = (silu(g) * u) W_down
+ *                   dense: g, u = x W_gate_up; h = (silu(g) * u) W_down
+ *                   routed experts: the top-k experts of softmax(x W_router) (renormalized over the k, or not),
+ *                   h = sum over them of weight * expert(x), each expert a SwiGLU MLP as above
  *
  * the same arithmetic as the model's layer-by-layer path (tsterm.model.decoder), which calls these files' kernels
  * one op at a time from Python. Batch-1 decode of a small model spends as long between those calls as in them
  * (a Python call and an OpenMP fork / join per op, ~10 per layer); here the threads are woken once per step and
  * meet at a barrier between the ops. Matmuls split their output rows over the threads; attention splits
  * (sequence, chunk) tasks; the per-row ops between them (norms, RoPE, the KV store, quantizing a row of x) are a
- * few microseconds on one thread. Each of `rows` sequences decodes one token.
+ * few microseconds on one thread. Each of `rows` sequences decodes one token. The routed experts of a step are
+ * grouped by expert (each expert's weights read once for all its tokens), in the order the layer-by-layer path
+ * (`tsterm_kernels.reference.fused_moe`) visits them.
  */
 #include <math.h>
 #include <omp.h>
@@ -21,39 +26,47 @@
 
 typedef struct {
     int64_t kind;           /* TSTERM_F32, TSTERM_Q8 or TSTERM_Q4 */
-    const void *data;       /* float32 [O, I], or the q8 / q4 codes (tsterm_kernels.quant) */
+    const void *data;       /* float32 [O, I], or the q8 / q4 codes (tsterm_kernels.quant); experts: [E, O, ...] */
     const uint16_t *scales; /* q8 / q4: fp16 block scales */
-    int64_t out_f, in_f;
+    int64_t out_f, in_f;    /* of one matrix (one expert's) */
 } tsterm_weight;
 
 typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     tsterm_weight qkv;                   /* [(Hq + 2 Hkv) D, H] */
     tsterm_weight o;                     /* [H, Hq D] */
-    tsterm_weight gate_up;               /* [2 I, H]: gate rows, then up rows */
-    tsterm_weight down;                  /* [H, I] */
+    tsterm_weight gate_up;               /* [2 I, H]: gate rows, then up rows ([E, 2I, H] with a router) */
+    tsterm_weight down;                  /* [H, I] ([E, H, I] with a router) */
     const float *qkv_bias, *o_bias;      /* or NULL */
+    const float *qk_norm;                /* [Hq + Hkv, D]: per-head RMSNorm weights of q and k (Qwen3), or NULL */
     float *k_cache, *v_cache;            /* [num_blocks, B, Hkv, D] */
+    const float *router;                 /* [E, H] float32: routed experts; NULL: one dense MLP */
+    int64_t num_experts, top_k, renormalize;
+    int64_t *expert_load;                /* [E]: (token, expert) pairs routed so far, or NULL */
 } tsterm_layer;
 
 typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, block_size;
     float eps, scale;
     const tsterm_layer *layers;
 } tsterm_stack;
 
+/* x quantized as int8 blocks: codes [rows, I], dx and sx [rows, I/32] */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+} qrows;
+
 /* Rows of x [rows, I] (I = in_f) as int8 blocks, for a quantized weight; blocks [first, last) of each row. */
-static void quantize_blocks(const float *x, int64_t rows, int64_t in_f, int64_t first, int64_t last, int8_t *qx,
-                            float *dx, float *sx) {
+static void quantize_blocks(const float *x, int64_t rows, int64_t in_f, int64_t first, int64_t last, qrows out) {
     const int64_t nb = in_f / 32;
     for (int64_t r = 0; r < rows; r++)
-        tsterm_quantize_row(x + r * in_f + first * 32, (last - first) * 32, qx + r * in_f + first * 32,
-                            dx + r * nb + first, sx + r * nb + first);
+        tsterm_quantize_row(x + r * in_f + first * 32, (last - first) * 32, out.q + r * in_f + first * 32,
+                            out.d + r * nb + first, out.s + r * nb + first);
 }
 
-/* This thread's share of y [rows, O] = x W^T (x as floats, or quantized in qx / dx / sx). */
-static void matmul_share(const tsterm_weight *w, const float *x, const int8_t *qx, const float *dx, const float *sx,
-                         int64_t rows, float *y) {
+/* This thread's share of y [rows, O] = x W^T (x as floats, or quantized in qx). */
+static void matmul_share(const tsterm_weight *w, const float *x, qrows qx, int64_t rows, float *y) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t unit = w->kind == TSTERM_F32 ? 8 : 16, units = (w->out_f + unit - 1) / unit;
     const int64_t first = units * t / nt * unit;
@@ -62,7 +75,98 @@ static void matmul_share(const tsterm_weight *w, const float *x, const int8_t *q
     if (w->kind == TSTERM_F32)
         tsterm_f32_rows(x, rows, w->in_f, w->data, first, last, w->out_f, y);
     else
-        tsterm_quant_rows((int)w->kind, qx, dx, sx, rows, w->in_f, w->data, w->scales, first, last, w->out_f, y);
+        tsterm_quant_rows((int)w->kind, qx.q, qx.d, qx.s, rows, w->in_f, w->data, w->scales, first, last, w->out_f,
+                          y);
+}
+
+/* Expert e's matrix of a stack of them. */
+static tsterm_weight expert(const tsterm_weight *w, int64_t e) {
+    tsterm_weight x = *w;
+    const int64_t n = w->out_f * w->in_f;
+    if (w->kind == TSTERM_F32) {
+        x.data = (const float *)w->data + e * n;
+    } else if (w->kind == TSTERM_Q8) {
+        x.data = (const int8_t *)w->data + e * n, x.scales = w->scales + e * (n / 32);
+    } else {
+        x.data = (const uint8_t *)w->data + e * (n / 2), x.scales = w->scales + e * (n / 32 * 2);
+    }
+    return x;
+}
+
+/* rows [first row, +n) of qrows, as its own qrows */
+static qrows qrows_at(qrows q, int64_t row, int64_t in_f) {
+    return (qrows){q.q + row * in_f, q.d + row * (in_f / 32), q.s + row * (in_f / 32)};
+}
+
+/* softmax over n logits into p (max subtracted; expf) */
+static void softmax(const float *l, int64_t n, float *p) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) mx = l[i] > mx ? l[i] : mx;
+    for (int64_t i = 0; i < n; i++) sum += p[i] = expf(l[i] - mx);
+    for (int64_t i = 0; i < n; i++) p[i] /= sum;
+}
+
+/* Routing of one token (tsterm_kernels.reference.moe_route): the top k of softmax(logits), weights renormalized
+ * over the k (= softmax of the k largest logits) or not. Ties go to the lower expert id. probs: [E] scratch. */
+static void route(const float *logits, int64_t E, int64_t k, int64_t renormalize, float *probs, int64_t *ids,
+                  float *weights) {
+    const float *v = logits;
+    if (!renormalize) softmax(logits, E, probs), v = probs;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || v[e] > v[best])) best = e;
+        }
+        ids[j] = best;
+        weights[j] = v[best];
+    }
+    if (renormalize) {
+        float top[k];
+        for (int64_t j = 0; j < k; j++) top[j] = logits[ids[j]];
+        softmax(top, k, weights);
+    }
+}
+
+/* The step's (token, expert) pairs grouped by expert, experts in order of first appearance (token by token, each
+ * token's experts in top-k order), tokens in order within an expert. */
+typedef struct {
+    int64_t *row, *group_expert, *group_start; /* [P]: each pair's token; per group: its expert, its first pair */
+    float *weight;                             /* [P] */
+    int64_t num_groups;
+} pairs_t;
+
+static void group_pairs(const int64_t *ids, const float *weights, int64_t rows, int64_t k, pairs_t *p) {
+    int64_t count[rows * k];
+    p->num_groups = 0;
+    for (int64_t i = 0; i < rows * k; i++) {
+        int64_t g = 0;
+        while (g < p->num_groups && p->group_expert[g] != ids[i]) g++;
+        if (g == p->num_groups) p->group_expert[p->num_groups++] = ids[i], count[g] = 0;
+        count[g]++;
+    }
+    for (int64_t g = 0, start = 0; g < p->num_groups; start += count[g], g++) p->group_start[g] = start;
+    int64_t fill[p->num_groups > 0 ? p->num_groups : 1];
+    for (int64_t g = 0; g < p->num_groups; g++) fill[g] = p->group_start[g];
+    for (int64_t i = 0; i < rows * k; i++) {
+        int64_t g = 0;
+        while (p->group_expert[g] != ids[i]) g++;
+        p->row[fill[g]] = i / k, p->weight[fill[g]] = weights[i];
+        fill[g]++;
+    }
+    p->group_start[p->num_groups] = rows * k;
+}
+
+/* silu(gate) * up of gu [n, 2I] into act [n, I], each thread a share of the blocks of 32 (quantized as it goes
+ * when qa.q is set). */
+static void swiglu_share(const float *gu, int64_t n, int64_t I, float *act, qrows qa) {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t nb = (I + 31) / 32, first = nb * t / nt, last = nb * (t + 1) / nt;
+    const int64_t begin = first * 32, end = last * 32 < I ? last * 32 : I;
+    for (int64_t r = 0; r < n && begin < end; r++)
+        tsterm_swiglu_row(gu + r * 2 * I + begin, gu + r * 2 * I + I + begin, end - begin, act + r * I + begin);
+    if (qa.q) quantize_blocks(act, n, I, first, last, qa);
 }
 
 /* hidden [rows, H]: in, the step's embeddings; out, the last layer's MLP output. residual [rows, H]: out, the sum
@@ -72,22 +176,36 @@ static void matmul_share(const tsterm_weight *w, const float *x, const int8_t *q
 int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, float *residual, const float *cos,
                         const float *sin, const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
                         const int32_t *seq_lens) {
-    const int64_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, I = m->intermediate;
+    const int64_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim;
     const int64_t qkv_f = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     if (Hq > MAX_HEADS) return -1;
+    int64_t I = 1, E = 1, P = rows; /* the widest MLP, the most experts, the most (token, expert) pairs */
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const tsterm_layer *L = &m->layers[l];
+        I = L->gate_up.out_f / 2 > I ? L->gate_up.out_f / 2 : I;
+        if (L->router) E = L->num_experts > E ? L->num_experts : E, P = rows * L->top_k > P ? rows * L->top_k : P;
+    }
     int64_t widest = H > I ? H : I;
     widest = widest > Hq * D ? widest : Hq * D;
+    const int64_t nbw = widest / 32 + 1;
     tsterm_attention att = {NULL, qkv_f, NULL, NULL, block_tables, max_blocks, seq_lens, rows, Hq, Hkv, D,
                             m->block_size, m->scale, tsterm_attention_chunks(seq_lens, rows), NULL};
-    /* scratch: x (a matmul's float input) [rows, widest], qkv [rows, qkv_f], attention output [rows, Hq D],
-     * gate_up [rows, 2I], x quantized (dx, sx [rows, widest / 32]; codes [rows, widest]), attention partials */
-    const size_t floats = (size_t)(rows * (widest + qkv_f + Hq * D + 2 * I + 2 * (widest / 32 + 1)));
-    float *x = malloc(sizeof(float) * floats + (size_t)(rows * widest) + tsterm_attention_part_bytes(&att));
+    /* scratch (floats): x [P, widest] (a matmul's float input), qkv [rows, qkv_f], attention output [rows, Hq D],
+     * gate_up [P, 2I], expert outputs [P, H], router logits and probabilities [rows, 2E], pair weights [P], two
+     * sets of quantized rows' scales [P, nbw] x 2 each, attention partials; then (int64) pairs' rows, groups'
+     * experts and starts, routed ids [P] each (+1); then (int8) two sets of quantized rows [P, widest]. */
+    const size_t floats = (size_t)(P * widest + rows * (qkv_f + Hq * D) + P * (2 * I + H) + rows * 2 * E + P +
+                                   4 * P * nbw) + tsterm_attention_part_bytes(&att) / sizeof(float);
+    float *x = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(4 * (P + 1)) + (size_t)(2 * P * widest));
     if (!x) return -1;
-    float *qkv = x + rows * widest, *attn = qkv + rows * qkv_f, *gu = attn + rows * Hq * D;
-    float *dx = gu + rows * 2 * I, *sx = dx + rows * (widest / 32 + 1);
-    att.part = sx + rows * (widest / 32 + 1);
-    int8_t *qx = (int8_t *)(att.part + tsterm_attention_part_bytes(&att) / sizeof(float));
+    float *qkv = x + P * widest, *attn = qkv + rows * qkv_f, *gu = attn + rows * Hq * D, *y = gu + P * 2 * I;
+    float *logits = y + P * H, *probs = logits + rows * E, *pair_w = probs + rows * E, *scales = pair_w + P;
+    att.part = scales + 4 * P * nbw;
+    int64_t *ints = (int64_t *)(x + floats);
+    pairs_t pairs = {ints, ints + (P + 1), ints + 2 * (P + 1), pair_w, 0};
+    int64_t *ids = ints + 3 * (P + 1);
+    int8_t *codes = (int8_t *)(ints + 4 * (P + 1));
+    const qrows qa = {codes, scales, scales + P * nbw}, qb = {codes + P * widest, scales + 2 * P * nbw, scales + 3 * P * nbw};
     const int64_t tasks = rows * att.max_chunks;
 #pragma omp parallel
     for (int64_t l = 0; l < m->num_layers; l++) {
@@ -101,15 +219,18 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
             else
                 for (int64_t i = 0; i < H; i++) res[i] += h[i];
             tsterm_rms_norm_row(res, L->input_norm, H, m->eps, x + r * H);
-            if (L->qkv.kind != TSTERM_F32) quantize_blocks(x + r * H, 1, H, 0, H / 32, qx + r * H, dx + r * (H / 32), sx + r * (H / 32));
+            if (L->qkv.kind != TSTERM_F32) quantize_blocks(x + r * H, 1, H, 0, H / 32, qrows_at(qa, r, H));
         }
-        matmul_share(&L->qkv, x, qx, dx, sx, rows, qkv);
+        matmul_share(&L->qkv, x, qa, rows, qkv);
 #pragma omp barrier
 #pragma omp single
-        for (int64_t r = 0; r < rows; r++) { /* bias, RoPE on q and k, the new K/V into their slots */
+        for (int64_t r = 0; r < rows; r++) { /* bias, q/k norms, RoPE on q and k, the new K/V into their slots */
             float *row = qkv + r * qkv_f;
             if (L->qkv_bias)
                 for (int64_t i = 0; i < qkv_f; i++) row[i] += L->qkv_bias[i];
+            if (L->qk_norm)
+                for (int64_t h = 0; h < Hq + Hkv; h++)
+                    tsterm_rms_norm_row(row + h * D, L->qk_norm + h * D, D, m->eps, row + h * D);
             tsterm_rope_row(row, Hq + Hkv, D, cos + r * D, sin + r * (D / 2));
             if (slots[r] >= 0) {
                 memcpy(L->k_cache + slots[r] * kv_row, row + Hq * D, sizeof(float) * (size_t)kv_row);
@@ -124,10 +245,12 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
         for (int64_t row = 0; row < rows * Hq; row++) tsterm_attention_merge(&a, row, attn + row * D);
         if (L->o.kind != TSTERM_F32) {
 #pragma omp single
-            quantize_blocks(attn, rows, Hq * D, 0, Hq * D / 32, qx, dx, sx);
+            quantize_blocks(attn, rows, Hq * D, 0, Hq * D / 32, qa);
         }
-        matmul_share(&L->o, attn, qx, dx, sx, rows, hidden);
+        matmul_share(&L->o, attn, qa, rows, hidden);
 #pragma omp barrier
+        const int quant_ffn = L->gate_up.kind != TSTERM_F32, quant_down = L->down.kind != TSTERM_F32;
+        const int64_t I_l = L->gate_up.out_f / 2;
 #pragma omp single
         for (int64_t r = 0; r < rows; r++) { /* (+ bias), residual += h; x = norm(residual) */
             float *res = residual + r * H, *h = hidden + r * H;
@@ -135,21 +258,64 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
                 for (int64_t i = 0; i < H; i++) h[i] += L->o_bias[i];
             for (int64_t i = 0; i < H; i++) res[i] += h[i];
             tsterm_rms_norm_row(res, L->post_norm, H, m->eps, x + r * H);
-            if (L->gate_up.kind != TSTERM_F32) quantize_blocks(x + r * H, 1, H, 0, H / 32, qx + r * H, dx + r * (H / 32), sx + r * (H / 32));
+            if (quant_ffn) quantize_blocks(x + r * H, 1, H, 0, H / 32, qrows_at(qa, r, H));
         }
-        matmul_share(&L->gate_up, x, qx, dx, sx, rows, gu);
+        if (!L->router) { /* dense: g, u = x W_gate_up; h = swiglu W_down */
+            matmul_share(&L->gate_up, x, qa, rows, gu);
 #pragma omp barrier
-        { /* silu(gate) * up into x [rows, I], each thread a share of the blocks of 32 (quantized as it goes) */
-            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-            const int64_t nb = (I + 31) / 32, first = nb * t / nt, last = nb * (t + 1) / nt;
-            const int64_t begin = first * 32, end = last * 32 < I ? last * 32 : I;
-            for (int64_t r = 0; r < rows && begin < end; r++)
-                tsterm_swiglu_row(gu + r * 2 * I + begin, gu + r * 2 * I + I + begin, end - begin, x + r * I + begin);
-            if (L->down.kind != TSTERM_F32) quantize_blocks(x, rows, I, first, last, qx, dx, sx);
+            swiglu_share(gu, rows, I_l, x, quant_down ? qa : (qrows){0});
+#pragma omp barrier
+            matmul_share(&L->down, x, qa, rows, hidden);
+#pragma omp barrier
+            continue;
+        }
+        const int64_t k = L->top_k, n = rows * k, ne = L->num_experts;
+        const tsterm_weight router = {TSTERM_F32, L->router, NULL, ne, H};
+        matmul_share(&router, x, qa, rows, logits);
+#pragma omp barrier
+#pragma omp single
+        { /* route, group the pairs by expert, gather each pair's row of x (as the gate_up weights read it) */
+            for (int64_t r = 0; r < rows; r++)
+                route(logits + r * ne, ne, k, L->renormalize, probs + r * ne, ids + r * k, pair_w + r * k);
+            if (L->expert_load)
+                for (int64_t i = 0; i < n; i++) L->expert_load[ids[i]]++;
+            float w[n];
+            memcpy(w, pair_w, sizeof(float) * (size_t)n);
+            group_pairs(ids, w, rows, k, &pairs);
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t r = pairs.row[i];
+                if (quant_ffn) {
+                    memcpy(qb.q + i * H, qa.q + r * H, (size_t)H);
+                    memcpy(qb.d + i * (H / 32), qa.d + r * (H / 32), sizeof(float) * (size_t)(H / 32));
+                    memcpy(qb.s + i * (H / 32), qa.s + r * (H / 32), sizeof(float) * (size_t)(H / 32));
+                } else {
+                    memcpy(y + i * H, x + r * H, sizeof(float) * (size_t)H); /* y: free until the down matmuls */
+                }
+            }
+        }
+        for (int64_t g = 0; g < pairs.num_groups; g++) { /* each expert's gate_up over its pairs' rows */
+            const int64_t first = pairs.group_start[g], count = pairs.group_start[g + 1] - first;
+            const tsterm_weight w = expert(&L->gate_up, pairs.group_expert[g]);
+            matmul_share(&w, y + first * H, qrows_at(qb, first, H), count, gu + first * 2 * I_l);
         }
 #pragma omp barrier
-        matmul_share(&L->down, x, qx, dx, sx, rows, hidden);
+        swiglu_share(gu, n, I_l, x, quant_down ? qa : (qrows){0});
 #pragma omp barrier
+        for (int64_t g = 0; g < pairs.num_groups; g++) {
+            const int64_t first = pairs.group_start[g], count = pairs.group_start[g + 1] - first;
+            const tsterm_weight w = expert(&L->down, pairs.group_expert[g]);
+            matmul_share(&w, x + first * I_l, qrows_at(qa, first, I_l), count, y + first * H);
+        }
+#pragma omp barrier
+#pragma omp single
+        { /* h = sum of each token's experts' outputs, weighted, in pair order */
+            memset(hidden, 0, sizeof(float) * (size_t)(rows * H));
+            for (int64_t i = 0; i < n; i++) {
+                float *h = hidden + pairs.row[i] * H;
+                const float *yi = y + i * H, wi = pairs.weight[i];
+                for (int64_t j = 0; j < H; j++) h[j] += wi * yi[j];
+            }
+        }
     }
     free(x);
     return 0;

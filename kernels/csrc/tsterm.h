@@ -70,7 +70,7 @@ static inline size_t tsterm_attention_part_bytes(const tsterm_attention *a) {
 TSTERM_INTERNAL void tsterm_attention_task(const tsterm_attention *a, int64_t task); /* 0 <= task < S * chunks */
 TSTERM_INTERNAL void tsterm_attention_merge(const tsterm_attention *a, int64_t row, float *out); /* row < S * Hq */
 
-/* out [H] = src * rsqrt(mean(src^2) + eps) * weight */
+/* out [H] = src * rsqrt(mean(src^2) + eps) * weight (out may be src) */
 TSTERM_INTERNAL void tsterm_rms_norm_row(const float *src, const float *weight, int64_t hidden, float eps,
                                          float *out);
 /* one token's heads [heads, D] rotated in place (rotate-half): cos [D], sin [D/2] */

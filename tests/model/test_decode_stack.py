@@ -1,10 +1,12 @@
-"""The CPU decode stack (`tsterm_kernels.cpu_stack`: every dense layer of a decode step in one C call) computes what
-the layer-by-layer path computes with the same kernels, bit for bit.
+"""The CPU decode stack (`tsterm_kernels.cpu_stack`: every layer of a decode step in one C call) computes what the
+layer-by-layer path computes with the same kernels.
 
 The layer-by-layer path is the one the parity tests hold against transformers; the stack must not be another
-model. Both run the same C kernels per row (matmuls, norms, RoPE, attention, SwiGLU), so the test asks for equal
-tokens and equal log-probabilities, not a tolerance: with int8 activation rounding in the quantized matmuls, one
-ulp of difference anywhere flips a code somewhere and shows as ~1e-3.
+model. With a dense MLP both run the same C kernels per row (matmuls, norms, RoPE, attention, SwiGLU), so the test
+asks for equal tokens and equal log-probabilities, not a tolerance: with int8 activation rounding in the quantized
+matmuls, one ulp of difference anywhere flips a code somewhere and shows as ~1e-3. With routed experts the stack
+routes in C (a softmax with libm's expf where the layers use torch's), so the log-probabilities agree to float32
+rounding, and the experts chosen (the dashboard's expert load) exactly.
 """
 from __future__ import annotations
 
@@ -17,32 +19,43 @@ from tsterm import LLM, SamplingParams
 
 from tests.helpers.checkpoints import make_checkpoint
 
-SIZES = dict(hidden_size=64, intermediate_size=96, head_dim=16, num_hidden_layers=3)
+SIZES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16, num_hidden_layers=3)
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2)
 OPTIONS = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=128)
+CASES = {  # id -> (model_type, config overrides)
+    "llama": ("llama", {}),
+    "llama-biases": ("llama", dict(attention_bias=True)),  # q/k/v and o biases
+    "qwen3": ("qwen3", {}),  # per-head q/k norms
+    "qwen3_moe": ("qwen3_moe", dict(EXPERTS, norm_topk_prob=False)),
+    "qwen3_moe-renormalized": ("qwen3_moe", dict(EXPERTS, norm_topk_prob=True)),
+    "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+}
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["llama", "llama-biases"])
+@pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request, tmp_path_factory):
-    """Llama, and Llama with q/k/v and o biases (`attention_bias`)."""
-    overrides = dict(SIZES, attention_bias=request.param)
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("llama") / "float", "llama", overrides)
+    model_type, overrides = CASES[request.param]
+    path, _ = make_checkpoint(tmp_path_factory.mktemp(request.param) / "float", model_type, dict(SIZES, **overrides))
     gen = torch.Generator().manual_seed(7)
-    for file in path.glob("*.safetensors"):  # transformers initialises biases to zero: make them count
+    for file in path.glob("*.safetensors"):  # transformers initialises biases and norms to 0 / 1: make them count
         tensors = load_file(file)
-        save_file({name: torch.randn(t.shape, generator=gen) * 0.1 if name.endswith(".bias") else t
-                   for name, t in tensors.items()}, file)
-    return path
+        save_file({name: t + torch.randn(t.shape, generator=gen) * 0.1 if name.endswith((".bias", "norm.weight"))
+                   else t for name, t in tensors.items()}, file)
+    return request.param, path
 
 
 def _run(model_dir, prompts, **options):
     llm = LLM(str(model_dir), **OPTIONS, **options)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
-    return [(o.outputs[0].token_ids, [step["logprob"] for step in o.outputs[0].logprobs]) for o in outs]
+    return ([o.outputs[0].token_ids for o in outs],
+            [torch.tensor([step["logprob"] for step in o.outputs[0].logprobs]) for o in outs],
+            llm.engine.expert_load())
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_stack_equals_the_layer_by_layer_path(checkpoint, quantization, monkeypatch):
+def test_stack_computes_what_the_layers_compute(checkpoint, quantization, monkeypatch):
+    name, path = checkpoint
     gen = torch.Generator().manual_seed(5)
     # three sequences decoding together (rows 1..3 as they finish prefill), one a prefix of another (shared blocks)
     first = torch.randint(0, 300, (13,), generator=gen).tolist()
@@ -57,8 +70,24 @@ def test_stack_equals_the_layer_by_layer_path(checkpoint, quantization, monkeypa
         return out
 
     monkeypatch.setattr(cpu_stack.DecodeStack, "__call__", counted)
-    stacked = _run(checkpoint, prompts, quantization=quantization)
+    tokens, logprobs, load = _run(path, prompts, quantization=quantization)
     assert sum(steps) >= 9, "the stack ran no decode step"
     monkeypatch.setattr(reference, "decode_stack", lambda *args: None)
-    layered = _run(checkpoint, prompts, quantization=quantization)
-    assert stacked == layered
+    layer_tokens, layer_logprobs, layer_load = _run(path, prompts, quantization=quantization)
+    assert tokens == layer_tokens
+    assert load == layer_load
+    routed = CASES[name][1].get("num_experts_per_tok") is not None
+    for ours, theirs in zip(logprobs, layer_logprobs):
+        if routed:
+            assert (ours - theirs).abs().max() < 1e-5
+        else:
+            assert torch.equal(ours, theirs)
+
+
+def test_layers_the_stack_does_not_take_run_one_by_one(tmp_path):
+    """OLMoE's whole-projection q/k norm is not in the stack: the model has none and still decodes."""
+    path, _ = make_checkpoint(tmp_path / "olmoe", "olmoe", dict(SIZES, num_experts=8, num_experts_per_tok=2))
+    llm = LLM(str(path), **OPTIONS)
+    assert llm.engine.executor.model.stack is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3

@@ -70,9 +70,7 @@ class ModelRunner(Executor):
         self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
                                 num_state_slots=self.num_state_slots)
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
-        self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]
-        for mlp in self.moe_layers:  # tokens routed per expert, accumulated on the device, read rarely
-            mlp.expert_load = torch.zeros(mlp.router.shape[0], dtype=torch.int64, device=self.device)
+        self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]  # their expert_load
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.cow_bytes = 0
         self.state_copy_bytes = 0  # recurrent states copied into a slot (a cached prefix resumed, a sample forked)

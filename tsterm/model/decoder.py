@@ -28,6 +28,7 @@ from tsterm.model.gated_attention import GatedAttention
 from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.rope import RotaryEmbedding, rotate_
+from tsterm_kernels import cpu_native
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.reference import expert_mlp, linear
@@ -87,8 +88,13 @@ class Attention:
             qk = torch.cat((self.ops.rms_norm(qk[:, :self.q_size], self.q_norm, self.eps)[0],
                             self.ops.rms_norm(qk[:, self.q_size:], self.k_norm, self.eps)[0]), dim=-1)
         qk = qk.float().view(T, Hq + Hkv, D)  # float32 arithmetic (a no-op for a float32 model)
-        if self.qk_norm == "head":  # Qwen3: per head, over head_dim
-            qk = F.rms_norm(qk, (D,), eps=self.eps).mul_(self.qk_head_weight)
+        if self.qk_norm == "head":  # Qwen3: per head, over head_dim; in place in C where it can (`csrc/decode.c`)
+            native = cpu_native.load() if cpu_native.rows_contiguous_f32(qk) else None
+            if native is not None:
+                native.head_rms_norm(qk.data_ptr(), T, qk.stride(0), Hq + Hkv, D, self.qk_head_weight.data_ptr(),
+                                     self.eps)
+            else:
+                qk = F.rms_norm(qk, (D,), eps=self.eps).mul_(self.qk_head_weight)
         # [T, Hq + Hkv, D]: qk is this call's own (a view of qkv's rows or a float32 copy): rotated in place
         qk = rotate_(qk, rope).to(x.dtype)
         q, k = qk[:, :Hq], qk[:, Hq:]  # views
@@ -117,7 +123,9 @@ class SparseMoE:
         self.renormalize = cfg.norm_topk_prob
         self.shared_w13, self.shared_w2 = w.get(prefix + "shared_w13"), w.get(prefix + "shared_w2")
         self.shared_gate = w.get(prefix + "shared_gate")  # [1, H]
-        self.expert_load: torch.Tensor | None = None  # [E] tokens routed per expert, accumulated on the device
+        self.expert_load = None  # [E] int64: tokens routed to each expert, accumulated on the device (read rarely)
+        if self.router is not None:
+            self.expert_load = torch.zeros(self.router.shape[0], dtype=torch.int64, device=self.router.device)
         self.dense = (self.w13[0], self.w2[0]) if self.router is None else None  # the one expert's weights (views)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,18 +191,23 @@ class DecoderModel:
 
     def _decode_stack(self):
         """The kernels' one-call form of every layer for decode steps (`KernelOps.decode_stack`), where the model is
-        a stack of plain dense layers on one rank that it takes; else None (each step runs layer by layer)."""
-        plain = self.par.layout.tp_size == 1 and self.rotary.cos.shape[-1] == self.cfg.head_dim and all(
-            type(mixer) is Attention and mixer.qk_norm == "none" and mixer.clip is None
-            and mlp.dense is not None and mlp.shared_w13 is None for _, mixer, _, mlp in self.layers)
+        one rank's stack of layers that it takes (full attention; a dense MLP or routed experts without a shared
+        expert); else None (each step runs layer by layer)."""
+        plain = self.par.layout.world_size == 1 and self.rotary.cos.shape[-1] == self.cfg.head_dim and all(
+            type(mixer) is Attention and mixer.qk_norm in ("none", "head") and mixer.clip is None
+            and mlp.shared_w13 is None for _, mixer, _, mlp in self.layers)
         if not plain:
             return None
         from tsterm_kernels.cpu_stack import StackLayer
         att = self.layers[0][1]
-        return self.ops.decode_stack(
-            [StackLayer(norm, post, mixer.qkv, mixer.o_proj, *mlp.dense, mixer.qkv_bias, mixer.o_bias,
-                        mixer.k_cache, mixer.v_cache) for norm, mixer, post, mlp in self.layers],
-            att.num_heads, att.num_kv_heads, att.head_dim, self.eps, att.scale)
+        layers = []
+        for norm, mixer, post, mlp in self.layers:
+            experts = dict(router=mlp.router, top_k=mlp.top_k, renormalize=mlp.renormalize,
+                           expert_load=mlp.expert_load) if mlp.router is not None else {}
+            gate_up, down = mlp.dense if mlp.router is None else (mlp.w13, mlp.w2)
+            layers.append(StackLayer(norm, post, mixer.qkv, mixer.o_proj, gate_up, down, mixer.qkv_bias,
+                                     mixer.o_bias, mixer.qk_head_weight, mixer.k_cache, mixer.v_cache, **experts))
+        return self.ops.decode_stack(layers, att.num_heads, att.num_kv_heads, att.head_dim, self.eps, att.scale)
 
     @contextlib.contextmanager
     def step_context(self, meta: AttentionMetadata, pair_weights: torch.Tensor | None = None,
@@ -213,7 +226,9 @@ class DecoderModel:
         ops = self.ops
         hidden = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rotary.tables(positions)  # looked up once per step, shared by every layer
-        stacked = self.stack(hidden, rope, self.ctx.meta) if self.stack is not None else None
+        stacked = None
+        if self.stack is not None and self.ctx.pair_weights is None:  # (a padded graph step counts pairs itself)
+            stacked = self.stack(hidden, rope, self.ctx.meta)
         if stacked is not None:  # a decode step, every layer in one kernel call
             hidden, residual = stacked
             return ops.rms_norm(hidden, self.final_norm, self.eps, residual)[0]
