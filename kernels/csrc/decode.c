@@ -71,10 +71,11 @@ void tsterm_attention_task(const tsterm_attention *at, int64_t task) {
     if (n > CHUNK) n = CHUNK;
     const int32_t *table = block_tables + s * max_blocks;
     const float *rows_k[CHUNK], *rows_v[CHUNK];
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t pos = first + i, slot = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+    for (int64_t i = 0, blk = first / block_size, off = first % block_size; i < n; i++) {  /* one division */
+        const int64_t slot = (int64_t)table[blk] * block_size + off;
         rows_k[i] = k_cache + slot * num_kv_heads * D;
         rows_v[i] = v_cache + slot * num_kv_heads * D;
+        if (++off == block_size) off = 0, blk++;
     }
     float *pt = part + task * num_heads * (D + 2);  /* [Hq, D + 2] */
     if (n <= 0) {
