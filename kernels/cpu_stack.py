@@ -28,6 +28,7 @@ from tsterm_kernels.quant import NATIVE_MAX_ROWS, QuantizedWeight
 
 _I64, _P, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _KINDS = {"int8": 1, "int4": 2}  # csrc/tsterm.h: TSTERM_Q8, TSTERM_Q4 (TSTERM_F32 = 0)
+MAX_HEADS = 64  # csrc/tsterm.h: query heads the decode attention takes
 
 
 class _Weight(ctypes.Structure):
@@ -48,7 +49,7 @@ class _Stack(ctypes.Structure):
 
 @dataclass(frozen=True, slots=True)
 class StackLayer:
-    """One dense decoder layer's tensors, as the model holds them (nothing is copied)."""
+    """One decoder layer's tensors, as the model holds them (nothing is copied)."""
 
     input_norm: torch.Tensor  # [H]
     post_norm: torch.Tensor  # [H]
@@ -71,6 +72,10 @@ def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (isinstance(t, torch.Tensor) and t.is_cpu and t.dtype is torch.float32 and t.is_contiguous())
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _weight(w: torch.Tensor | QuantizedWeight, shape: tuple[int, ...]) -> _Weight | None:
     """The C struct of a weight of this shape ([O, I], or a stack of experts' [E, O, I]) that the stack reads in
     place, or None when it cannot."""
@@ -87,7 +92,7 @@ def _weight(w: torch.Tensor | QuantizedWeight, shape: tuple[int, ...]) -> _Weigh
 
 
 class DecodeStack:
-    """Every layer of a dense model for decode steps; see the module docstring. Build with `build`."""
+    """Every layer of a model for its decode steps; see the module docstring. Build with `build`."""
 
     MAX_ROWS = NATIVE_MAX_ROWS  # sequences per step (the quantized matmuls' row limit)
 
@@ -101,7 +106,7 @@ class DecodeStack:
               scale: float) -> "DecodeStack | None":
         """The stack over these layers, or None where the C kernels are unavailable or a layer has a tensor they do
         not read (another dtype or device, a weight kind or shape they do not take)."""
-        if not layers or num_heads > 64 or head_dim % 8 or num_heads % num_kv_heads:
+        if not layers or num_heads > MAX_HEADS or head_dim % 8 or num_heads % num_kv_heads:
             return None
         hidden = layers[0].input_norm.shape[0]
         structs = (_Layer * len(layers))()
@@ -123,10 +128,7 @@ class DecodeStack:
                     or (load is not None and (load.dtype is not torch.int64 or not load.is_cpu
                                               or not load.is_contiguous() or load.shape != lead))):
                 return None
-
-            def ptr(t: torch.Tensor | None) -> int | None:
-                return None if t is None else t.data_ptr()
-
+            ptr = _ptr
             structs[i] = _Layer(ptr(layer.input_norm), ptr(layer.post_norm), weights["qkv"], weights["o_proj"],
                                 weights["gate_up"], weights["down"], ptr(layer.qkv_bias), ptr(layer.o_bias),
                                 ptr(layer.qk_norm), ptr(layer.k_cache), ptr(layer.v_cache), ptr(layer.router),
