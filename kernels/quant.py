@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers: int8 and int4 in blocks of 32 inputs (GGUF Q8_0 / Q4_1's form), fp16.
+"""Weight-only quantized linear layers: int8 and int4 in blocks of 32 inputs (GGUF Q8_0 / Q4_1's form), fp16, and
+fp8 in blocks of 128 x 128 (fine-grained FP8 checkpoints' form).
 
 A `QuantizedWeight` stands where a float weight [O, I] (or a stack of them, [E, O, I]) stood; the model's matmul
 seam, `tsterm_kernels.reference.linear`, sends it here. Only the quantized bytes are kept: no float copy exists
@@ -13,13 +14,18 @@ Formats (I a multiple of 32; fp16 scales, as GGUF stores them):
   holds one opaque handle per matrix, the bytes live in fbgemm), run by `fbgemm_linear_fp16_weight`: the float32
   activations times the fp16 weights, accumulated in float32. Exact for weights that are bfloat16 values within
   fp16's range (most released checkpoints); otherwise each weight is rounded to 11 significant bits.
+- fp8: `data` float8_e4m3fn [..., O, I], `scale` float32 [..., ceil(O/128), ceil(I/128)]: W = value * the scale of
+  its 128 x 128 block (a partial block at the right and bottom edges), the `weight_scale_inv` of Qwen's and
+  DeepSeek's block-scaled FP8 checkpoints. Any O and I.
 
 Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): up to NATIVE_MAX_ROWS rows of x, int8 and
 int4 run tsterm's C kernels (`tsterm_kernels.cpu_native`, csrc/gemv.c), which quantize each row of x to int8 per
 block of 32 and sum integer products, as llama.cpp does for these formats (`reference_matmul` is that arithmetic in
 torch); more rows (a prefill) dequantize the weight to float32 and run torch's GEMM, exact up to float summation
-order. fp16 runs fbgemm's AVX2 GEMM. Without the C kernels (no compiler), or on another device, the weight is
-dequantized per call: correct, not fast.
+order. fp16 runs fbgemm's AVX2 GEMM. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
+tsterm.model.quant refuses `quantization: fp8` on the CPU). Without the C kernels (no compiler) the same holds for
+int8 / int4. On a CUDA device int8, int4 and fp8 run the Triton kernel `tsterm_kernels.triton_quant_linear`, which
+dequantizes the weight in registers; fp16 (fbgemm's packing) exists on the CPU only.
 """
 from __future__ import annotations
 
@@ -31,19 +37,23 @@ import torch.nn.functional as F
 from tsterm_kernels import cpu_native
 
 BLOCK = 32  # inputs per int8 / int4 block
+FP8_BLOCK = 128  # outputs and inputs per fp8 block (one scale each)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 NATIVE_MAX_ROWS = 16  # up to this many rows of x, the C kernels; more: dequantize + torch's GEMM
+NATIVE_KINDS = ("int8", "int4")  # the kinds the C kernels read
+TRITON_KINDS = ("int8", "int4", "fp8")  # the kinds the Triton kernel reads
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A quantized [..., O, I] weight. `kind` is "int8", "int4" or "fp16"; see the module docstring for layouts.
+    """A quantized [..., O, I] weight. `kind` is "int8", "int4", "fp8" or "fp16"; see the module docstring for layouts.
 
     Indexing the leading (expert) axis returns that expert's weight as views, so stacked experts quantize once and
     are read in place like their float stacks."""
 
     kind: str
-    data: torch.Tensor  # int8 / int4 codes; fp16: empty (the bytes are in `packed`)
-    scale: torch.Tensor  # int8 / int4 only
+    data: torch.Tensor  # int8 / int4 codes, fp8 values; fp16: empty (the bytes are in `packed`)
+    scale: torch.Tensor  # int8 / int4 / fp8 only
     dims: tuple[int, ...] = ()  # the float weight's shape [..., O, I]
     packed: tuple[torch.Tensor, ...] = ()  # fp16: fbgemm's handle of each [O, I] matrix
 
@@ -55,13 +65,29 @@ class QuantizedWeight:
         want = {"int8": (torch.int8, (*lead, out_f, in_f // BLOCK)),
                 "int4": (torch.uint8, (*lead, out_f, in_f // BLOCK, 2))}
         if kind not in want:
-            raise ValueError(f"quantized weight kind must be int8 or int4, got {kind!r}")
+            raise ValueError(f"quantized weight kind must be int8 or int4, got {kind!r} (fp8: QuantizedWeight.fp8)")
         dtype, scale_shape = want[kind]
         if data.dtype != dtype or in_f % BLOCK or scale.dtype != torch.float16 or tuple(scale.shape) != scale_shape:
             raise ValueError(f"{kind} weight needs {dtype} codes with inputs a multiple of {BLOCK} and float16 "
                              f"scales of shape {scale_shape}; got {data.dtype} {tuple(data.shape)} codes, "
                              f"{scale.dtype} {tuple(scale.shape)} scales")
         return cls(kind, data.contiguous(), scale.contiguous(), (*lead, out_f, in_f))
+
+    @classmethod
+    def fp8(cls, data: torch.Tensor, scale: torch.Tensor) -> "QuantizedWeight":
+        """An fp8 weight from its float8_e4m3fn values [..., O, I] and the float32 scales of its 128 x 128 blocks
+        [..., ceil(O/128), ceil(I/128)] (a checkpoint's `weight_scale_inv`: W = value * scale)."""
+        if data.dim() < 2 or data.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8 weight needs float8_e4m3fn values of shape [..., O, I]; got {data.dtype} "
+                             f"{tuple(data.shape)}")
+        *lead, out_f, in_f = data.shape
+        scale_shape = (*lead, -(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK))
+        if scale.dtype != torch.float32 or tuple(scale.shape) != scale_shape:
+            raise ValueError(f"fp8 weight of shape {tuple(data.shape)} needs float32 scales of shape {scale_shape} "
+                             f"(one per {FP8_BLOCK} x {FP8_BLOCK} block); got {scale.dtype} {tuple(scale.shape)}")
+        if scale.device != data.device:
+            raise ValueError(f"fp8 values on {data.device} and scales on {scale.device}: put both on one device")
+        return cls("fp8", data.contiguous(), scale.contiguous(), tuple(data.shape))
 
     @property
     def shape(self) -> torch.Size:
@@ -103,6 +129,9 @@ class QuantizedWeight:
             eye = torch.eye(self.dims[-1], dtype=torch.float32, device=self.device)
             return _fp16_mm(eye, self).t().contiguous()  # exact: one 1 per row of the identity
         *lead, out_f, in_f = self.dims
+        if self.kind == "fp8":
+            scale = self.scale.repeat_interleave(FP8_BLOCK, -2)[..., :out_f, :]  # [..., O, I/128]: each row's
+            return self.data.float() * scale.repeat_interleave(FP8_BLOCK, -1)[..., :in_f]
         if self.kind == "int8":
             codes = self.data.view(*lead, out_f, in_f // BLOCK, BLOCK).float()
             return (codes * self.scale.float()[..., None]).view(self.dims)
@@ -148,6 +177,21 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
                            torch.stack((d, m), dim=-1).contiguous(), tuple(weight.shape))
 
 
+def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
+    """float8_e4m3fn per 128 x 128 block of a float weight [..., O, I]: scale = the block's max |w| / 448, values
+    w / scale rounded by torch's float8_e4m3fn conversion (an all-zero block gets scale 0)."""
+    *lead, out_f, in_f = weight.shape
+    rows, cols = -(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK)
+    w = weight.float()
+    padded = F.pad(w, (0, cols * FP8_BLOCK - in_f, 0, rows * FP8_BLOCK - out_f))  # zeros: no effect on a max
+    amax = padded.abs().view(*lead, rows, FP8_BLOCK, cols, FP8_BLOCK).amax(dim=(-3, -1))  # [..., O/128, I/128]
+    scale = amax / FP8_MAX
+    per_weight = scale.repeat_interleave(FP8_BLOCK, -2)[..., :out_f, :].repeat_interleave(FP8_BLOCK, -1)[..., :in_f]
+    divisor = torch.where(per_weight > 0, per_weight, torch.ones((), device=weight.device))
+    values = (w / divisor).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight.fp8(values, scale)
+
+
 def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """The C kernels' arithmetic in torch (float64 sums): x [M, I] quantized to int8 per block of 32
     (dx = max|x| / 127, codes rounded half to even), times the weight's codes, scaled per block. -> [M, O] float32."""
@@ -181,10 +225,23 @@ def _fp16_mm(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return torch.ops.aten.fbgemm_linear_fp16_weight(x, w.packed[0], None)
 
 
+def runs_on_triton(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """Whether `quantized_linear` runs the Triton kernel (CUDA inputs; tests patch this to run it interpreted)."""
+    return x.is_cuda and weight.kind in TRITON_KINDS
+
+
+def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel's torch twin: F.linear of float32 x and the dequantized weight (+ bias), in x's dtype."""
+    return F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float()).to(x.dtype)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, I] @ W.T (+ bias) -> [M, O] in x's dtype, for W a `QuantizedWeight` [O, I] (see the module docstring)."""
+    if runs_on_triton(x, weight):
+        from tsterm_kernels.triton_quant_linear import quant_linear  # imports triton: lazily
+        return quant_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     rows = x.shape[0]
-    native = cpu_native.load() if weight.kind != "fp16" and x.is_cpu and rows <= NATIVE_MAX_ROWS else None
+    native = cpu_native.load() if weight.kind in NATIVE_KINDS and x.is_cpu and rows <= NATIVE_MAX_ROWS else None
     if native is not None:  # batch-1 decode's every matmul: kept lean (a call here costs ~8 us beyond the C code)
         xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
         out_f, in_f = weight.dims[-2], weight.dims[-1]
@@ -203,7 +260,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 def dequantize(weight: QuantizedWeight, native: "cpu_native.NativeKernels | None" = None) -> torch.Tensor:
     """weight.dequantize(), by the C kernels when given (a prefill's GEMM needs it once per call)."""
-    if native is None or weight.kind == "fp16" or len(weight.dims) != 2:
+    if native is None or weight.kind not in NATIVE_KINDS or len(weight.dims) != 2:
         return weight.dequantize()
     out = torch.empty(weight.dims, dtype=torch.float32)
     fn = native.q4_dequantize if weight.kind == "int4" else native.q8_dequantize

@@ -99,8 +99,8 @@ class EngineConfig:
     state_snapshot_interval: int = 512
     seed: int = 0
     kernels: str = "auto"  # auto: Triton on CUDA, the torch twins on the CPU; or force "torch" / "triton"
-    # weight-only quantization of the linear layers at load (tsterm.model.quant): none, fp16, int8 (per output row)
-    # or int4 (groups of 32 inputs); CPU only for now
+    # weight-only quantization of the linear layers at load (tsterm.model.quant): none, fp16 (CPU only), int8 or
+    # int4 (blocks of 32 inputs), or fp8 (blocks of 128 x 128; GPU only: no CPU kernel reads it)
     quantization: str = "none"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA with the Triton kernels; ignored elsewhere)
     max_pinned_fraction: float = 0.5  # share of the KV blocks that pins (Engine.pin) may hold; 0 disables pinning
@@ -126,8 +126,13 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.kernels in ("auto", "torch", "triton"), f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        _check(self.quantization in ("none", "fp16", "int8", "int4"),
-               f"quantization must be none, fp16, int8 or int4, got {self.quantization!r}")
+        _check(self.quantization in ("none", "fp16", "int8", "int4", "fp8"),
+               f"quantization must be none, fp16, int8 or int4 (CPU), or int8, int4 or fp8 (GPU), got "
+               f"{self.quantization!r}")
+        _check(not (self.quantization == "fp8" and self.device == "cpu"),
+               "quantization: fp8 runs on a GPU only (no CPU kernel reads fp8 weights); on the CPU use int8 or int4")
+        _check(not (self.quantization == "fp16" and self.device.startswith("cuda")),
+               "quantization: fp16 runs on the CPU only (fbgemm's packed matrices); on a GPU use int8, int4 or fp8")
         _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         _check(isinstance(self.max_pinned_fraction, (int, float)) and not isinstance(self.max_pinned_fraction, bool)
                and 0.0 <= self.max_pinned_fraction <= 1.0,
@@ -217,7 +222,7 @@ class ModelConfig:
     # `weight_scale_inv` value covers; (0, 0): one scale per tensor; None: not an FP8 checkpoint
     fp8_block_size: tuple[int, int] | None = None
     # the checkpoint's own quantization_config.quant_method ("fp8", "gguf_blocks": a GGUF imported with its Q8_0 /
-    # Q4_0 / Q4_1 linear weights kept as blocks, see tsterm.gguf_import); None: float weights
+    # Q4_x / K-quant linear weights kept as blocks, see tsterm.gguf_import); None: float weights
     quant_method: str | None = None
     source: str = "config.json"
 

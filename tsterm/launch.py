@@ -70,9 +70,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-parallel-size", type=int, dest="expert_parallel_size", metavar="N",
                         help="split the routed experts over N groups of ranks (x tensor-parallel size ranks in all) "
                              "(default: the profile's, else 1)")
-    parser.add_argument("--quantization", choices=["none", "fp16", "int8", "int4"],
-                        help="store the linear layers' weights as fp16, int8 (per output row) or int4 (groups of 32) "
-                             "at load, CPU only; fp16 also decodes faster (default: the profile's, else none)")
+    parser.add_argument("--quantization", choices=["none", "fp16", "int8", "int4", "fp8"],
+                        help="store the linear layers' weights quantized at load: int8 or int4 (blocks of 32 inputs), "
+                             "fp16 (CPU only) or fp8 (blocks of 128 x 128, GPU only) (default: the profile's, "
+                             "else none)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,9 +13,14 @@ import os
 
 import pytest
 import torch
-from tsterm_kernels import dispatch, reference, triton_ops
+import torch.nn.functional as F
+from tsterm_kernels import dispatch, quant, reference, triton_ops
+from tsterm_kernels import triton_quant_linear as tql
 from tsterm_kernels.triton_paged_attention import launch_paged_attention
 
+from tsterm import LLM, SamplingParams
+
+from tests.helpers.checkpoints import make_checkpoint
 from tests.kernels.cases import paged_batch
 
 pytestmark = [
@@ -160,3 +165,83 @@ def test_dispatch_loads_triton_on_cuda():
     x = torch.randn(4, HIDDEN, dtype=BF16, device="cuda")
     out, _ = ops.rms_norm(x, torch.ones(HIDDEN, dtype=BF16, device="cuda"), 1e-6)
     torch.testing.assert_close(out, reference.rms_norm(x, torch.ones_like(x[0]), 1e-6)[0], atol=2e-2, rtol=2e-2)
+
+
+QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4, "fp8": quant.quantize_fp8}
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZE))
+@pytest.mark.parametrize("num_rows, out_f, in_f", [
+    (1, 4096, 2048), (64, 4096, 2048), (1, 2048, 4096), (300, 2048, 4096),
+    (17, 1000, 1824),  # odd tiles; fp8: partial 128-blocks both ways
+])
+def test_quant_linear_bf16(monkeypatch, kind, num_rows, out_f, in_f):
+    gen = torch.Generator().manual_seed(num_rows + out_f)
+    weight = QUANTIZE[kind]((torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5).cuda())
+    x = torch.randn(num_rows, in_f, generator=gen).to(BF16).cuda()
+    bias = torch.randn(out_f, generator=gen).to(BF16).cuda()
+    calls = []
+    kernel = tql.quant_linear
+    monkeypatch.setattr(tql, "quant_linear", lambda *args: calls.append(args) or kernel(*args))
+    out = quant.quantized_linear(x, weight, bias)  # the model's seam sends CUDA inputs to the kernel
+    assert len(calls) == 1 and out.dtype == BF16 and out.shape == (num_rows, out_f)
+    dequantized = weight.dequantize()
+    exact = F.linear(x.float(), dequantized, bias.float())
+    twin = F.linear(x, dequantized.to(BF16), bias)  # the same weights in bf16 through cuBLAS
+    assert not out.isnan().any()
+    no_worse_than_twin(out, twin, exact, slack=1e-2)
+
+
+def test_quant_linear_float32_is_the_twin():
+    gen = torch.Generator().manual_seed(7)
+    for kind, quantize in QUANTIZE.items():
+        weight = quantize(torch.randn(1000, 1824, generator=gen).cuda())
+        x = torch.randn(33, 1824, generator=gen).cuda()
+        want = F.linear(x, weight.dequantize())  # cuBLAS in float32 (no TF32 by default)
+        torch.testing.assert_close(tql.quant_linear(x, weight), want, rtol=1e-4, atol=1e-4 * want.abs().max())
+
+
+def test_quant_linear_never_syncs_and_replays_in_a_graph():
+    gen = torch.Generator().manual_seed(8)
+    weights = [quantize((torch.randn(2048, 1024, generator=gen) * 0.03).cuda()) for quantize in QUANTIZE.values()]
+    x = torch.randn(1, 1024, generator=gen).to(BF16).cuda()
+    eager = [quant.quantized_linear(x, w) for w in weights]  # compiles outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        [quant.quantized_linear(x, w) for w in weights]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = [quant.quantized_linear(x, w) for w in weights]
+    graph.replay()
+    torch.cuda.synchronize()
+    for ours, want in zip(captured, eager):
+        assert torch.equal(ours, want)
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_a_quantized_model_decodes_through_the_kernel(tmp_path, monkeypatch, mode):
+    """A tiny MoE model with a shared expert, quantized on the GPU (experts stay float), CUDA graphs on, against the
+    same quantized model whose matmuls dequantize the weight per call and run cuBLAS (float32: same tokens)."""
+    path, _ = make_checkpoint(tmp_path / "m", "qwen2_moe", dict(
+        num_experts=5, num_experts_per_tok=2, shared_expert_intermediate_size=32, num_hidden_layers=2,
+        hidden_size=64, head_dim=16, moe_intermediate_size=32, max_position_embeddings=512))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (13, 5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def generate(**options):
+        llm = LLM(str(path), dtype="float32", device="cuda", block_size=4, num_kv_blocks=256, quantization=mode,
+                  **options)
+        assert llm.engine.executor.kernels == "triton"
+        return llm.generate(prompts, params)
+
+    got = generate()
+    monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: False)
+    want = generate(cuda_graphs=False)
+    for ours, theirs in zip(got, want):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)

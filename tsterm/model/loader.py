@@ -16,6 +16,12 @@ not all quantized the same way is dequantized to float, that matrix only. A shar
 scales alike; a column slice (o_proj, down_proj under tensor parallelism) must fall on whole blocks of 32 inputs,
 else loading fails with an error that says to run on one rank or import the GGUF with --dequantize. On any other
 device than the CPU (no kernels for these formats there yet) every quantized weight is dequantized at load.
+
+Block-scaled FP8 checkpoints (quant_method "fp8", `weight_block_size` [128, 128]): on a CUDA device (`keep_fp8`)
+the 2-D matrices of attention and dense MLPs load as "fp8" QuantizedWeights (values and `weight_scale_inv` as
+they are stored), which the Triton kernel reads; a span that cuts a 128-block, a fused part whose rows are not
+whole blocks, the experts and the shared expert (their Triton fused MoE reads float stacks) are dequantized to
+the model's dtype at load, as every FP8 weight is on the CPU.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tsterm_kernels.quant import BLOCK, QuantizedWeight
+from tsterm_kernels.quant import BLOCK, FP8_BLOCK, QuantizedWeight
 
 from tsterm.config import ModelConfig
 from tsterm.errors import ModelLoadError
@@ -74,11 +80,12 @@ class WeightSource:
     """Name -> tensor over all shards, tracking which names were used so leftovers can be reported."""
 
     def __init__(self, files: list[Path], dtype: torch.dtype, device: torch.device, progress: ProgressFn | None,
-                 fp8_block_size: tuple[int, int] | None = None):
+                 fp8_block_size: tuple[int, int] | None = None, keep_fp8: bool = False):
         """fp8_block_size: `ModelConfig.fp8_block_size` (an FP8 weight with a `_scale_inv` is dequantized to `dtype`
-        block by block as it is read)."""
+        block by block as it is read). keep_fp8: `weight` returns such a matrix of 128 x 128 blocks as an "fp8"
+        QuantizedWeight instead, where its span is whole blocks."""
         self.dtype, self.device, self.progress = dtype, device, progress
-        self.fp8_block_size = fp8_block_size
+        self.fp8_block_size, self.keep_fp8 = fp8_block_size, keep_fp8
         self.where: dict[str, SafetensorsFile] = {}
         for path in files:
             shard = SafetensorsFile(path)
@@ -95,9 +102,10 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, shape: tuple[int, ...], convert: bool = True, rows: Span = None,
+    def get(self, name: str, shape: tuple[int, ...], convert: bool | None = True, rows: Span = None,
             cols: Span = None) -> torch.Tensor:
-        """The tensor `name` of full shape `shape`; `rows`/`cols`: only that span of dimension 0 / 1 (a shard)."""
+        """The tensor `name` of full shape `shape`; `rows`/`cols`: only that span of dimension 0 / 1 (a shard).
+        convert: to the target dtype and device; False: as read (FP8 dequantized); None: as stored."""
         shard = self.where.get(name)
         if shard is None:
             raise ModelLoadError(f"missing tensor {name!r} (looked in {', '.join(sorted({s.path.name for s in self.where.values()}))})")
@@ -110,7 +118,7 @@ class WeightSource:
                                  f"does not load as a weight (it loads {', '.join(WEIGHT_DTYPES)}); convert the "
                                  "checkpoint to one of those")
         self._mark_used(name)
-        if tensor.dtype in FP8_DTYPES and self.has(name + "_scale_inv"):
+        if tensor.dtype in FP8_DTYPES and self.has(name + "_scale_inv") and convert is not None:
             tensor, rows, cols = self._dequantize_fp8(name, tensor, rows, cols), None, None
         if rows is not None and rows != (0, tensor.shape[0]):
             tensor = tensor.narrow(0, *rows)  # a view of the mapping: only these rows' pages are read
@@ -125,6 +133,8 @@ class WeightSource:
         """`get`, or the QuantizedWeight stored as `name`.qcodes / .qscales (dequantized to the target dtype off the
         CPU). rows: a span of dimension 0; cols: of the last dimension (the inputs)."""
         if not self.is_quantized(name):
+            if self._fp8_kept(name, shape, rows, cols):
+                return self._fp8_weight(name, shape, rows, cols)
             if cols is not None and len(shape) > 2:
                 return self.get(name, shape, rows=rows).narrow(-1, *cols).contiguous()
             return self.get(name, shape, rows=rows, cols=cols)
@@ -136,6 +146,30 @@ class WeightSource:
         if self.device.type != "cpu":
             return self.to_target(weight.dequantize())
         return weight
+
+    def _fp8_kept(self, name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> bool:
+        """Whether `weight` keeps this tensor as an fp8 QuantizedWeight (see `keep_fp8`)."""
+        if not (self.keep_fp8 and self.fp8_block_size == (FP8_BLOCK, FP8_BLOCK) and len(shape) == 2
+                and self.has(name) and self.has(name + "_scale_inv")):
+            return False
+        if self.where[name].tensor(name).dtype != torch.float8_e4m3fn:
+            return False
+        return all(span is None or (span[0] % FP8_BLOCK == 0 and (span[1] % FP8_BLOCK == 0 or sum(span) == size))
+                   for span, size in ((rows, shape[0]), (cols, shape[1])))
+
+    def _fp8_weight(self, name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> QuantizedWeight:
+        values = self.get(name, shape, convert=None, rows=rows, cols=cols)  # None: the fp8 values as stored
+        scale_name = name + "_scale_inv"
+        scale = self.where[scale_name].tensor(scale_name).float()
+        want = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+        if tuple(scale.shape) != want:
+            raise ModelLoadError(f"{self.where[scale_name].path.name}: {scale_name!r} has shape {list(scale.shape)}; "
+                                 f"blocks of [{FP8_BLOCK}, {FP8_BLOCK}] over {name!r} {list(shape)} need {list(want)}")
+        self._mark_used(scale_name)
+        for dim, span in enumerate((rows, cols)):
+            if span is not None:
+                scale = scale.narrow(dim, span[0] // FP8_BLOCK, -(-span[1] // FP8_BLOCK))
+        return QuantizedWeight.fp8(values.to(self.device), scale.to(self.device))
 
     def _blocks(self, name: str, shape: tuple[int, ...]) -> QuantizedWeight:
         codes_shard, scales_shard = self.where[name + CODES], self.where.get(name + SCALES)
@@ -249,11 +283,14 @@ def narrow(weight: Weight, dim: int, start: int, length: int, what: str = "a qua
 
 def cat(parts: list[Weight], dim: int, dtype: torch.dtype) -> Weight:
     """Parts of one fused matrix joined along `dim` (an output dimension, not the inputs): quantized parts of one
-    kind join as blocks (exact); a mix of kinds, or of quantized and float parts, joins as floats of `dtype`."""
+    kind join as blocks (exact; fp8 parts where all but the last are whole 128-row blocks); a mix of kinds, or of
+    quantized and float parts, joins as floats of `dtype`."""
     kinds = {p.kind if isinstance(p, QuantizedWeight) else None for p in parts}
     if kinds == {None}:
         return torch.cat(parts, dim)
-    if len(kinds) == 1:
+    if kinds == {"fp8"} and dim == len(parts[0].dims) - 2 and all(p.dims[dim] % FP8_BLOCK == 0 for p in parts[:-1]):
+        return QuantizedWeight.fp8(torch.cat([p.data for p in parts], dim), torch.cat([p.scale for p in parts], dim))
+    if len(kinds) == 1 and kinds != {"fp8"}:
         return QuantizedWeight.blocks(parts[0].kind, torch.cat([p.data for p in parts], dim),
                                       torch.cat([p.scale for p in parts], dim))
     return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts], dim)
@@ -263,15 +300,20 @@ def unsqueeze(weight: Weight) -> Weight:
     """[O, I] -> [1, O, I] (a dense MLP as one expert)."""
     if isinstance(weight, torch.Tensor):
         return weight[None]
+    if weight.kind == "fp8":
+        return QuantizedWeight.fp8(weight.data[None], weight.scale[None])
     return QuantizedWeight.blocks(weight.kind, weight.data[None], weight.scale[None])
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 progress: ProgressFn | None = None, layout: ParallelLayout = ParallelLayout()) -> dict[str, torch.Tensor]:
-    """Returns the decoder's weights by canonical name (see `tsterm.model.decoder`): `layout.rank`'s shard."""
+                 progress: ProgressFn | None = None, layout: ParallelLayout = ParallelLayout(),
+                 keep_fp8: bool | None = None) -> dict[str, torch.Tensor]:
+    """Returns the decoder's weights by canonical name (see `tsterm.model.decoder`): `layout.rank`'s shard.
+    keep_fp8: keep a block-scaled FP8 checkpoint's matrices as fp8 (None: on a CUDA device; see the module doc)."""
     model_dir = Path(model_dir)
     spec = ARCHITECTURES[cfg.model_type]
-    src = WeightSource(find_weight_files(model_dir), dtype, device, progress, cfg.fp8_block_size)
+    keep_fp8 = device.type == "cuda" if keep_fp8 is None else keep_fp8
+    src = WeightSource(find_weight_files(model_dir), dtype, device, progress, cfg.fp8_block_size, keep_fp8)
     H, D = cfg.hidden_size, cfg.head_dim
     Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     vocab_first, vocab_count, _ = layout.vocab(cfg.vocab_size)
@@ -327,6 +369,10 @@ def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: di
                    src.weight(p + "up_proj.weight", (inter, H), rows=span)], 0, src.dtype)
     w[o + "w13"] = unsqueeze(gate_up)  # [1, 2I, H]
     w[o + "w2"] = unsqueeze(src.weight(p + "down_proj.weight", (H, inter), cols=span))  # [1, H, I]
+    if o.endswith("shared_"):  # a shared expert runs through `ops.fused_moe`, whose Triton kernel reads floats
+        for name in (o + "w13", o + "w2"):
+            if isinstance(w[name], QuantizedWeight) and w[name].kind == "fp8":
+                w[name] = src.to_target(w[name].dequantize())
 
 
 def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor],
