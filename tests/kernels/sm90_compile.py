@@ -30,7 +30,9 @@ from tsterm_kernels import triton_fused_moe, triton_paged_attention  # noqa: E40
 from tsterm_kernels.metadata import AttentionMetadata  # noqa: E402
 from tsterm_kernels.triton_gated_delta import (  # noqa: E402
     causal_conv1d, causal_conv1d_update, recurrent_gated_delta_rule)
+from tsterm_kernels.quant import QuantizedWeight  # noqa: E402
 from tsterm_kernels.triton_ops import fused_moe, moe_route, paged_attention, rms_norm, store_kv  # noqa: E402
+from tsterm_kernels.triton_quant_linear import quant_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -136,6 +138,19 @@ def main() -> int:
     shared_w2 = torch.empty((1, hidden, 5632), dtype=BF16, device=META)
     fused_moe(x, shared_w13, shared_w2, torch.empty((8, 1), device=META),
               torch.zeros((8, 1), dtype=torch.int64, device=META), torch.empty_like(x))
+
+    # weight-only quantized linear layers (q/k/v of Qwen3-30B-A3B: 5120 x 2048), every tile-table row
+    out_f = 5120
+    quantized = [QuantizedWeight.blocks("int8", torch.empty((out_f, hidden), dtype=torch.int8, device=META),
+                                        torch.empty((out_f, hidden // 32), dtype=torch.float16, device=META)),
+                 QuantizedWeight.blocks("int4", torch.empty((out_f, hidden // 2), dtype=torch.uint8, device=META),
+                                        torch.empty((out_f, hidden // 32, 2), dtype=torch.float16, device=META)),
+                 QuantizedWeight.fp8(torch.empty((out_f, hidden), dtype=torch.float8_e4m3fn, device=META),
+                                     torch.empty((out_f // 128, hidden // 128), device=META))]
+    for weight in quantized:
+        for dtype, rows in ((BF16, (1, 64, 512)), (torch.float32, (1, 64))):
+            for num_rows in rows:
+                quant_linear(torch.empty((num_rows, hidden), dtype=dtype, device=META), weight)
 
     # Gated DeltaNet at Qwen3-Next (32 value heads) and Qwen3.5-397B (64) linear-attention sizes: 16 key heads of 128
     for value_heads in (32, 64):
