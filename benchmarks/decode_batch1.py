@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from tsterm import LLM, SamplingParams
-    from tsterm.bench.measure import bytes_read_per_token, copy_bandwidth, dense_bytes_read_per_token
+    from tsterm.bench.measure import copy_bandwidth, stored_decode_bytes
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,10 +111,7 @@ def main() -> None:
             samples[name].append(rate())
     best = {name: max(values) for name, values in samples.items()}
     cfg = llm.engine.model_config
-    if cfg.num_experts:
-        read = bytes_read_per_token(cfg, llm.engine.dtype.itemsize, args.context)
-    else:  # the weights as stored: quantized blocks read their codes and scales
-        read = dense_bytes_read_per_token(llm.engine.executor.model, cfg, llm.engine.dtype.itemsize, args.context)
+    read = stored_decode_bytes(llm.engine.executor.model, cfg, llm.engine.dtype.itemsize, args.context)[0]
     bw = copy_bandwidth(torch.device("cpu"))
     print(f"model {model_dir} ({args.dtype}), context {args.context}, {args.tokens} decoded tokens, "
           f"{threads} threads" + (f"; llama.cpp on {gguf}" if "llama.cpp" in rates else ""))

@@ -6,7 +6,7 @@ import torch
 
 from tsterm import LLM
 from tsterm.bench import RATE_SAMPLES, run_bench
-from tsterm.bench.measure import bytes_read_per_token, parallel_ceiling
+from tsterm.bench.measure import bytes_read_per_token, parallel_ceiling, stored_decode_bytes
 from tsterm.bench.replay import load_transformers, replay_transformers
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, agent_trace, load_agent_trace, make_trace, theoretical_cached
@@ -128,6 +128,26 @@ def test_parallel_ceiling_counts_the_experts_a_batch_touches(llm):
     two = one + L * (k * (E - k) / E) * expert + kv
     assert parallel_ceiling(cfg, 4, 16, 2) == pytest.approx(2 * one / two)
     assert 1.0 < parallel_ceiling(cfg, 4, 16, 8) < 8.0
+
+
+def test_roofline_bytes_are_the_weights_as_stored(tmp_path):
+    """The roofline of a quantized model divides by the bytes its kernels read, not by its float size."""
+    sizes = dict(hidden_size=64, moe_intermediate_size=32, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    path, _ = make_checkpoint(tmp_path / "m", "qwen3_moe", sizes)
+    expert = 3 * 64 * 32  # weights of one expert
+    stored = {}
+    for mode in ("none", "int8"):
+        llm = LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, quantization=mode)
+        cfg = llm.engine.model_config
+        stored[mode] = stored_decode_bytes(llm.engine.executor.model, cfg, 4, 16)
+    one, expert_bytes = stored["none"]
+    assert expert_bytes == 4 * expert
+    # the config's count, plus the per-head q/k norm weights the kernels read (Qwen3: [Hq + Hkv, D] a layer)
+    qk_norms = cfg.num_hidden_layers * (cfg.num_attention_heads + cfg.num_key_value_heads + 2) * cfg.head_dim * 4
+    assert one == bytes_read_per_token(cfg, 4, 16) + qk_norms
+    assert stored["int8"][1] == expert + expert // 32 * 2  # int8 codes + one fp16 scale per 32
+    assert stored["int8"][0] < one / 2
+    assert parallel_ceiling(cfg, 4, 16, 8, stored["int8"]) != parallel_ceiling(cfg, 4, 16, 8)
 
 
 def recorded_steps() -> list[dict]:

@@ -20,6 +20,7 @@ from tsterm.bench.measure import (
     decode_rate,
     parallel_ceiling,
     read_bandwidth,
+    stored_decode_bytes,
 )
 from tsterm.bench.replay import ReplayResult, load_transformers, replay_transformers, replay_tsterm, warm_up
 from tsterm.bench.report import format_table, write_plot
@@ -151,13 +152,15 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
         samples["batched"].append(decode_rate(engine, parallel, micro_context, salt=4))
     bandwidth, copy_bw, single, batched = (max(samples[k]) for k in ("read_bandwidth", "copy_bandwidth", "single",
                                                                      "batched"))
-    read_per_token = bytes_read_per_token(cfg, engine.dtype.itemsize, micro_context)
+    model = getattr(engine.executor, "model", None)  # one process: its weights as stored (quantized or not)
+    stored = stored_decode_bytes(model, cfg, engine.dtype.itemsize, micro_context) if model is not None else None
+    read_per_token = stored[0] if stored else bytes_read_per_token(cfg, engine.dtype.itemsize, micro_context)
     roofline_tps = bandwidth / read_per_token
 
     ours = replays["tsterm"]
     ttft = ours.ttft_by_turn()
     speedup_vs = {name: replays[name].wall_s / ours.wall_s for name in baselines}
-    ceiling = parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel)
+    ceiling = parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel, stored)
     summary = {
         # against the strongest baseline of the run (the smallest ratio); each one's is in speedup_vs
         "speedup_vs_baseline": min(speedup_vs.values()) if speedup_vs else None,

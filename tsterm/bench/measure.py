@@ -91,27 +91,39 @@ def model_weight_bytes(model) -> int:
     return weight_bytes(weights)
 
 
-def dense_bytes_read_per_token(model, cfg: ModelConfig, dtype_bytes: int, context: int) -> int:
-    """`bytes_read_per_token` of a dense model from its weights as stored (quantized or not): every weight but the
-    embedding table, of which one row, plus the sequence's cache."""
+def stored_decode_bytes(model, cfg: ModelConfig, dtype_bytes: int, context: int) -> tuple[int, int]:
+    """(`bytes_read_per_token`, the bytes of one routed expert of a layer) from a loaded `DecoderModel`'s weights as
+    stored (quantized blocks count their codes and scales): every weight but the embedding table (one row of it)
+    and each layer's idle experts (top-k of its E are read), plus the sequence's cache."""
+    from tsterm.model.quant import weight_bytes
     embed = model.embed
-    return model_weight_bytes(model) - embed.numel() * embed.element_size() * (model.lm_head is not embed) \
-        + cfg.hidden_size * embed.element_size() + sequence_bytes(cfg, dtype_bytes, context)
+    total = model_weight_bytes(model) - embed.numel() * embed.element_size() * (model.lm_head is not embed) \
+        + cfg.hidden_size * embed.element_size()
+    expert = 0
+    for *_, mlp in model.layers:
+        if mlp.router is not None:
+            stack = weight_bytes({"w13": mlp.w13, "w2": mlp.w2})
+            expert = stack // mlp.w13.shape[0]
+            total -= stack - mlp.top_k * expert
+    return total + sequence_bytes(cfg, dtype_bytes, context), expert
 
 
-def parallel_ceiling(cfg: ModelConfig, dtype_bytes: int, context: int, batch: int) -> float:
+def parallel_ceiling(cfg: ModelConfig, dtype_bytes: int, context: int, batch: int,
+                     stored: tuple[int, int] | None = None) -> float:
     """Memory-bound ceiling of batch-`batch` decode over batch-1 decode, in aggregate tokens/s.
 
     A batch step reads the dense weights once, every sequence's own cache (KV, recurrent state), and each expert
     that at least one of its tokens routes to: with top-k of E experts chosen uniformly, E * (1 - (1 - k/E)^batch)
     of them per layer, against k at batch 1. The ceiling is batch x (batch-1 bytes) / (batch-step bytes).
+    stored: `stored_decode_bytes` of the loaded model (its weights as stored); default: from the config at
+    `dtype_bytes` a weight.
     """
-    one = bytes_read_per_token(cfg, dtype_bytes, context)
+    one, expert = stored or (bytes_read_per_token(cfg, dtype_bytes, context),
+                             3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes)
     own = sequence_bytes(cfg, dtype_bytes, context)
     if not cfg.num_experts:
         return batch * one / (one + (batch - 1) * own)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * dtype_bytes
     moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_hidden_layers))
     touched = E * (1 - (1 - k / E) ** batch)
     step = one + moe_layers * (touched - k) * expert + (batch - 1) * own
