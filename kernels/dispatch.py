@@ -37,7 +37,7 @@ class KernelOps:
     recurrent_gated_delta_rule: Callable
     causal_conv1d: Callable  # Gated DeltaNet prefill: every prompt chunk of a step in one call
     chunk_gated_delta_rule: Callable
-    decode_stack: Callable  # a model's dense layers -> one callable for its decode steps, or None (see reference)
+    decode_stack: Callable  # a model's layers -> one callable for its decode steps, or None (see reference)
 
 
 def load(name: str) -> KernelOps:

@@ -64,8 +64,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def decode_stack(layers: list[StackLayer], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float) -> DecodeStack | None:
-    """A model's dense decoder layers as one C call per decode step (`tsterm_kernels.cpu_stack`), or None where the
-    C kernels cannot run them; the model then runs every step layer by layer through the ops here."""
+    """A model's decoder layers as one C call per decode step (`tsterm_kernels.cpu_stack`), or None where the C
+    kernels cannot run them; the model then runs every step layer by layer through the ops here."""
     return DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale)
 
 

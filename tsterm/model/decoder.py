@@ -29,6 +29,7 @@ from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.rope import RotaryEmbedding, rotate_
 from tsterm_kernels import cpu_native
+from tsterm_kernels.cpu_stack import StackLayer
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.reference import expert_mlp, linear
@@ -198,7 +199,6 @@ class DecoderModel:
             and mlp.shared_w13 is None for _, mixer, _, mlp in self.layers)
         if not plain:
             return None
-        from tsterm_kernels.cpu_stack import StackLayer
         att = self.layers[0][1]
         layers = []
         for norm, mixer, post, mlp in self.layers:
