@@ -38,7 +38,8 @@ class _Weight(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight),
                 ("down", _Weight), ("qkv_bias", _P), ("o_bias", _P), ("qk_norm", _P), ("k_cache", _P), ("v_cache", _P),
-                ("router", _P), ("num_experts", _I64), ("top_k", _I64), ("renormalize", _I64), ("expert_load", _P)]
+                ("router", _P), ("num_experts", _I64), ("top_k", _I64), ("renormalize", _I64), ("expert_load", _P),
+                ("shared_gate_up", _Weight), ("shared_down", _Weight), ("shared_gate", _P)]
 
 
 class _Stack(ctypes.Structure):
@@ -66,6 +67,9 @@ class StackLayer:
     top_k: int = 0
     renormalize: bool = False  # the top-k weights renormalized to sum to 1
     expert_load: torch.Tensor | None = None  # [E] int64: pairs routed to each expert, accumulated in place
+    shared_gate_up: torch.Tensor | QuantizedWeight | None = None  # [1, 2Is, H]: a shared expert (with a router)
+    shared_down: torch.Tensor | QuantizedWeight | None = None  # [1, H, Is]
+    shared_gate: torch.Tensor | None = None  # [1, H]: the shared expert's weight is sigmoid(x . gate)
 
 
 def _f32(t: torch.Tensor | None) -> bool:
@@ -116,6 +120,9 @@ class DecodeStack:
             shapes = {"qkv": ((num_heads + 2 * num_kv_heads) * head_dim, hidden),
                       "o_proj": (hidden, num_heads * head_dim), "gate_up": (*lead, 2 * inter, hidden),
                       "down": (*lead, hidden, inter)}
+            if layer.shared_gate_up is not None:
+                shared = layer.shared_down.shape[-1]
+                shapes.update(shared_gate_up=(1, 2 * shared, hidden), shared_down=(1, hidden, shared))
             weights = {name: _weight(getattr(layer, name), shape) for name, shape in shapes.items()}
             cache_shape = (layer.k_cache.shape[1:], layer.v_cache.shape[1:])
             load = layer.expert_load
@@ -125,6 +132,8 @@ class DecodeStack:
                     or cache_shape[0] != cache_shape[1] or tuple(cache_shape[0][1:]) != (num_kv_heads, head_dim)
                     or (layer.router is not None and (tuple(layer.router.shape) != (lead[0], hidden)
                                                       or not 1 <= layer.top_k <= lead[0]))
+                    or (layer.shared_gate_up is not None and (
+                        layer.router is None or not _f32(layer.shared_gate) or layer.shared_gate.shape != (1, hidden)))
                     or (load is not None and (load.dtype is not torch.int64 or not load.is_cpu
                                               or not load.is_contiguous() or load.shape != lead))):
                 return None
@@ -132,7 +141,9 @@ class DecodeStack:
             structs[i] = _Layer(ptr(layer.input_norm), ptr(layer.post_norm), weights["qkv"], weights["o_proj"],
                                 weights["gate_up"], weights["down"], ptr(layer.qkv_bias), ptr(layer.o_bias),
                                 ptr(layer.qk_norm), ptr(layer.k_cache), ptr(layer.v_cache), ptr(layer.router),
-                                lead[0] if lead else 0, layer.top_k, int(layer.renormalize), ptr(load))
+                                lead[0] if lead else 0, layer.top_k, int(layer.renormalize), ptr(load),
+                                weights.get("shared_gate_up", _Weight()), weights.get("shared_down", _Weight()),
+                                ptr(layer.shared_gate))
         native = cpu_native.load()
         if native is None:
             return None

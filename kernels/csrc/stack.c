@@ -5,7 +5,8 @@
  *                   a = attention(q, paged KV); h = a W_o (+ b); residual += h; x = RMSNorm(residual);
  *                   dense: g, u = x W_gate_up; h = (silu(g) * u) W_down
  *                   routed experts: the top-k experts of softmax(x W_router) (renormalized over the k, or not),
- *                   h = sum over them of weight * expert(x), each expert a SwiGLU MLP as above
+ *                   h = sum over them of weight * expert(x), each expert a SwiGLU MLP as above (+ a shared expert
+ *                   weighted by sigmoid(x . w_gate), Qwen2-MoE's)
  *
  * the same arithmetic as the model's layer-by-layer path (tsterm.model.decoder), which calls these files' kernels
  * one op at a time from Python. Batch-1 decode of a small model spends as long between those calls as in them
@@ -43,6 +44,9 @@ typedef struct {
     const float *router;                 /* [E, H] float32: routed experts; NULL: one dense MLP */
     int64_t num_experts, top_k, renormalize;
     int64_t *expert_load;                /* [E]: (token, expert) pairs routed so far, or NULL */
+    tsterm_weight shared_gate_up;        /* [2 Is, H]: a shared expert (with a router), or data NULL */
+    tsterm_weight shared_down;           /* [H, Is] */
+    const float *shared_gate;            /* [H] float32: its weight is sigmoid(x . shared_gate) */
 } tsterm_layer;
 
 typedef struct {
@@ -183,7 +187,9 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
     for (int64_t l = 0; l < m->num_layers; l++) {
         const tsterm_layer *L = &m->layers[l];
         I = L->gate_up.out_f / 2 > I ? L->gate_up.out_f / 2 : I;
-        if (L->router) E = L->num_experts > E ? L->num_experts : E, P = rows * L->top_k > P ? rows * L->top_k : P;
+        if (L->shared_gate_up.data) I = L->shared_gate_up.out_f / 2 > I ? L->shared_gate_up.out_f / 2 : I;
+        const int64_t pairs_l = rows * (L->top_k + (L->shared_gate_up.data != NULL)); /* the shared expert: k + 1 */
+        if (L->router) E = L->num_experts > E ? L->num_experts : E, P = pairs_l > P ? pairs_l : P;
     }
     int64_t widest = H > I ? H : I;
     widest = widest > Hq * D ? widest : Hq * D;
@@ -249,7 +255,9 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
         }
         matmul_share(&L->o, attn, qa, rows, hidden);
 #pragma omp barrier
-        const int quant_ffn = L->gate_up.kind != TSTERM_F32, quant_down = L->down.kind != TSTERM_F32;
+        const tsterm_weight *sgu = L->shared_gate_up.data ? &L->shared_gate_up : NULL, *sdown = &L->shared_down;
+        const int quant_ffn = L->gate_up.kind != TSTERM_F32 || (sgu && sgu->kind != TSTERM_F32);
+        const int quant_down = L->down.kind != TSTERM_F32;
         const int64_t I_l = L->gate_up.out_f / 2;
 #pragma omp single
         for (int64_t r = 0; r < rows; r++) { /* (+ bias), residual += h; x = norm(residual) */
@@ -269,7 +277,8 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
 #pragma omp barrier
             continue;
         }
-        const int64_t k = L->top_k, n = rows * k, ne = L->num_experts;
+        const int64_t k = L->top_k, n = rows * k, ne = L->num_experts, Is = sgu ? sgu->out_f / 2 : 0;
+        const int64_t n_all = n + (sgu ? rows : 0); /* the shared expert's pairs come last, one per token */
         const tsterm_weight router = {TSTERM_F32, L->router, NULL, ne, H};
         matmul_share(&router, x, qa, rows, logits);
 #pragma omp barrier
@@ -282,9 +291,14 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
             float w[n];
             memcpy(w, pair_w, sizeof(float) * (size_t)n);
             group_pairs(ids, w, rows, k, &pairs);
+            for (int64_t r = 0; sgu && r < rows; r++) { /* the shared expert's weight: sigmoid(x . w_gate) */
+                float z;
+                tsterm_f32_rows(x + r * H, 1, H, L->shared_gate, 0, 1, 1, &z);
+                pairs.row[n + r] = r, pairs.weight[n + r] = 1.0f / (1.0f + expf(-z));
+            }
             for (int64_t i = 0; i < n; i++) {
                 const int64_t r = pairs.row[i];
-                if (quant_ffn) {
+                if (L->gate_up.kind != TSTERM_F32) {
                     memcpy(qb.q + i * H, qa.q + r * H, (size_t)H);
                     memcpy(qb.d + i * (H / 32), qa.d + r * (H / 32), sizeof(float) * (size_t)(H / 32));
                     memcpy(qb.s + i * (H / 32), qa.s + r * (H / 32), sizeof(float) * (size_t)(H / 32));
@@ -298,19 +312,25 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
             const tsterm_weight w = expert(&L->gate_up, pairs.group_expert[g]);
             matmul_share(&w, y + first * H, qrows_at(qb, first, H), count, gu + first * 2 * I_l);
         }
+        /* the shared expert reads x as it is (rows, not gathered); its rows of gu, act and y follow the routed */
+        float *sgu_out = gu + n * 2 * I_l, *sact = x + n * I_l;
+        const qrows sq = qrows_at(qa, n, I_l); /* its quantized act: rows of Is from there */
+        if (sgu) matmul_share(sgu, x, qa, rows, sgu_out);
 #pragma omp barrier
         swiglu_share(gu, n, I_l, x, quant_down ? qa : (qrows){0});
+        if (sgu) swiglu_share(sgu_out, rows, Is, sact, sdown->kind != TSTERM_F32 ? sq : (qrows){0});
 #pragma omp barrier
         for (int64_t g = 0; g < pairs.num_groups; g++) {
             const int64_t first = pairs.group_start[g], count = pairs.group_start[g + 1] - first;
             const tsterm_weight w = expert(&L->down, pairs.group_expert[g]);
             matmul_share(&w, x + first * I_l, qrows_at(qa, first, I_l), count, y + first * H);
         }
+        if (sgu) matmul_share(sdown, sact, sq, rows, y + n * H);
 #pragma omp barrier
 #pragma omp single
-        { /* h = sum of each token's experts' outputs, weighted, in pair order */
+        { /* h = sum of each token's experts' outputs, weighted, in pair order (the shared expert's last) */
             memset(hidden, 0, sizeof(float) * (size_t)(rows * H));
-            for (int64_t i = 0; i < n; i++) {
+            for (int64_t i = 0; i < n_all; i++) {
                 float *h = hidden + pairs.row[i] * H;
                 const float *yi = y + i * H, wi = pairs.weight[i];
                 for (int64_t j = 0; j < H; j++) h[j] += wi * yi[j];

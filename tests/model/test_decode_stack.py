@@ -6,7 +6,7 @@ model. With a dense MLP both run the same C kernels per row (matmuls, norms, RoP
 asks for equal tokens and equal log-probabilities, not a tolerance: with int8 activation rounding in the quantized
 matmuls, one ulp of difference anywhere flips a code somewhere and shows as ~1e-3. With routed experts the stack
 routes in C (a softmax with libm's expf where the layers use torch's), so the log-probabilities agree to float32
-rounding, and the experts chosen (the dashboard's expert load) exactly.
+rounding, and the experts chosen (the dashboard's expert load) exactly; Qwen2-MoE's gated shared expert included.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ CASES = {  # id -> (model_type, config overrides)
     "qwen3_moe": ("qwen3_moe", dict(EXPERTS, norm_topk_prob=False)),
     "qwen3_moe-renormalized": ("qwen3_moe", dict(EXPERTS, norm_topk_prob=True)),
     "mixtral": ("mixtral", dict(num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("qwen2_moe", dict(EXPERTS, shared_expert_intermediate_size=64)),  # + a gated shared expert
 }
 
 
@@ -39,7 +40,7 @@ def checkpoint(request, tmp_path_factory):
     gen = torch.Generator().manual_seed(7)
     for file in path.glob("*.safetensors"):  # transformers initialises biases and norms to 0 / 1: make them count
         tensors = load_file(file)
-        save_file({name: t + torch.randn(t.shape, generator=gen) * 0.1 if name.endswith((".bias", "norm.weight"))
+        save_file({name: t + torch.randn(t.shape, generator=gen) * 0.1 if name.endswith((".bias", "norm.weight", "shared_expert_gate.weight"))
                    else t for name, t in tensors.items()}, file)
     return request.param, path
 

@@ -192,18 +192,19 @@ class DecoderModel:
 
     def _decode_stack(self):
         """The kernels' one-call form of every layer for decode steps (`KernelOps.decode_stack`), where the model is
-        one rank's stack of layers that it takes (full attention; a dense MLP or routed experts without a shared
-        expert); else None (each step runs layer by layer)."""
+        one rank's stack of layers that it takes (full attention; a dense MLP or routed experts, with or without a
+        shared expert); else None (each step runs layer by layer)."""
         plain = self.par.layout.world_size == 1 and self.rotary.cos.shape[-1] == self.cfg.head_dim and all(
             type(mixer) is Attention and mixer.qk_norm in ("none", "head") and mixer.clip is None
-            and mlp.shared_w13 is None for _, mixer, _, mlp in self.layers)
+            for _, mixer, _, mlp in self.layers)
         if not plain:
             return None
         att = self.layers[0][1]
         layers = []
         for norm, mixer, post, mlp in self.layers:
             experts = dict(router=mlp.router, top_k=mlp.top_k, renormalize=mlp.renormalize,
-                           expert_load=mlp.expert_load) if mlp.router is not None else {}
+                           expert_load=mlp.expert_load, shared_gate_up=mlp.shared_w13, shared_down=mlp.shared_w2,
+                           shared_gate=mlp.shared_gate) if mlp.router is not None else {}
             gate_up, down = mlp.dense if mlp.router is None else (mlp.w13, mlp.w2)
             layers.append(StackLayer(norm, post, mixer.qkv, mixer.o_proj, gate_up, down, mixer.qkv_bias,
                                      mixer.o_bias, mixer.qk_head_weight, mixer.k_cache, mixer.v_cache, **experts))
