@@ -239,6 +239,7 @@ def test_default_model_runs_from_its_blocks(imported, llm, llm_float, smollm2):
     ids = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     assert relative_error(last_logits(llm, ids), last_logits(llm_float, ids)) < 5e-2
     assert greedy(llm, ids, 10) == greedy(llm_float, ids, 10)  # "The capital of France is Paris." and on
+    assert llm.engine.executor.model.stack is not None  # its decode steps run in one C call (cpu_stack)
     short = llm.tokenizer.encode("The capital of France is")  # 5 rows: every layer runs the kernels
     assert relative_error(last_logits(llm, short), last_logits(llm_float, short)) < 5e-2
 
