@@ -218,7 +218,9 @@ async def test_profile_switch_reloads_the_engine_and_keeps_the_sessions(make_pro
         await wait_until(pilot, lambda: not old.async_engine._thread.is_alive(), what="the old engine stopped")
         assert new_screen.current_id == session.id and len(new_screen.sessions) == 2
         assert (new_screen.session.messages, new_screen.session.token_ids) == kept  # same model: ids kept
-        assert any("profile switched" in n for n in notifications(app))
+        # App.notify posts a message: the notification lands on a later turn of the event loop
+        await wait_until(pilot, lambda: any("profile switched" in n for n in notifications(app)),
+                         what="the switch's notification")
         await say(pilot, "and now?")
         await turns_done(pilot, new_screen.session, 3)
         assert new_screen.session.turns[2].generated_tokens == 3  # the second profile's sampling
