@@ -137,13 +137,12 @@ class DecodeStack:
                     or (load is not None and (load.dtype is not torch.int64 or not load.is_cpu
                                               or not load.is_contiguous() or load.shape != lead))):
                 return None
-            ptr = _ptr
-            structs[i] = _Layer(ptr(layer.input_norm), ptr(layer.post_norm), weights["qkv"], weights["o_proj"],
-                                weights["gate_up"], weights["down"], ptr(layer.qkv_bias), ptr(layer.o_bias),
-                                ptr(layer.qk_norm), ptr(layer.k_cache), ptr(layer.v_cache), ptr(layer.router),
-                                lead[0] if lead else 0, layer.top_k, int(layer.renormalize), ptr(load),
+            structs[i] = _Layer(_ptr(layer.input_norm), _ptr(layer.post_norm), weights["qkv"], weights["o_proj"],
+                                weights["gate_up"], weights["down"], _ptr(layer.qkv_bias), _ptr(layer.o_bias),
+                                _ptr(layer.qk_norm), _ptr(layer.k_cache), _ptr(layer.v_cache), _ptr(layer.router),
+                                lead[0] if lead else 0, layer.top_k, int(layer.renormalize), _ptr(load),
                                 weights.get("shared_gate_up", _Weight()), weights.get("shared_down", _Weight()),
-                                ptr(layer.shared_gate))
+                                _ptr(layer.shared_gate))
         native = cpu_native.load()
         if native is None:
             return None

@@ -215,10 +215,8 @@ static int matmul(const rows_fn *fns, const float *x, int64_t rows, int64_t in_f
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) tsterm_quantize_row(x + r * in_f, in_f, qx + r * in_f, dsx + r * nb, sx + r * nb);
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t tiles = (out_f + TILE - 1) / TILE;
-        const int64_t first = tiles * t / nt * TILE;
-        const int64_t last = tiles * (t + 1) / nt * TILE < out_f ? tiles * (t + 1) / nt * TILE : out_f;
+        int64_t first, last;
+        tsterm_thread_share(out_f, TILE, &first, &last);
         quant_rows(fns, qx, dsx, sx, rows, in_f, codes, scales, first, last, out_f, y);
     }
     free(qx);
@@ -307,10 +305,8 @@ void tsterm_f32_rows(const float *x, int64_t rows, int64_t in_f, const float *w,
 void tsterm_f32_matmul(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t out_f, float *y) {
 #pragma omp parallel
     {
-        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t chunks = (out_f + 7) / 8;
-        const int64_t first = chunks * t / nt * 8;
-        const int64_t last = chunks * (t + 1) / nt * 8 < out_f ? chunks * (t + 1) / nt * 8 : out_f;
+        int64_t first, last;
+        tsterm_thread_share(out_f, 8, &first, &last);
         tsterm_f32_rows(x, rows, in_f, w, first, last, out_f, y);
     }
 }

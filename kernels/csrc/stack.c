@@ -71,10 +71,8 @@ static void quantize_blocks(const float *x, int64_t rows, int64_t in_f, int64_t 
 
 /* This thread's share of y [rows, O] = x W^T (x as floats, or quantized in qx). */
 static void matmul_share(const tsterm_weight *w, const float *x, qrows qx, int64_t rows, float *y) {
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t unit = w->kind == TSTERM_F32 ? 8 : 16, units = (w->out_f + unit - 1) / unit;
-    const int64_t first = units * t / nt * unit;
-    const int64_t last = units * (t + 1) / nt * unit < w->out_f ? units * (t + 1) / nt * unit : w->out_f;
+    int64_t first, last;
+    tsterm_thread_share(w->out_f, w->kind == TSTERM_F32 ? 8 : 16, &first, &last);
     if (first >= last) return;
     if (w->kind == TSTERM_F32)
         tsterm_f32_rows(x, rows, w->in_f, w->data, first, last, w->out_f, y);
@@ -136,7 +134,8 @@ static void route(const float *logits, int64_t E, int64_t k, int64_t renormalize
 /* The step's (token, expert) pairs grouped by expert, experts in order of first appearance (token by token, each
  * token's experts in top-k order), tokens in order within an expert. */
 typedef struct {
-    int64_t *row, *group_expert, *group_start; /* [P]: each pair's token; per group: its expert, its first pair */
+    int64_t *row, *group;                      /* [P]: each pair's token and group */
+    int64_t *group_expert, *group_start;       /* per group: its expert, its first pair (and one past the last) */
     float *weight;                             /* [P] */
     int64_t num_groups;
 } pairs_t;
@@ -156,7 +155,7 @@ static void group_pairs(const int64_t *ids, const float *weights, int64_t rows, 
     for (int64_t i = 0; i < rows * k; i++) {
         int64_t g = 0;
         while (p->group_expert[g] != ids[i]) g++;
-        p->row[fill[g]] = i / k, p->weight[fill[g]] = weights[i];
+        p->row[fill[g]] = i / k, p->group[fill[g]] = g, p->weight[fill[g]] = weights[i];
         fill[g]++;
     }
     p->group_start[p->num_groups] = rows * k;
@@ -165,12 +164,11 @@ static void group_pairs(const int64_t *ids, const float *weights, int64_t rows, 
 /* silu(gate) * up of gu [n, 2I] into act [n, I], each thread a share of the blocks of 32 (quantized as it goes
  * when qa.q is set). */
 static void swiglu_share(const float *gu, int64_t n, int64_t I, float *act, qrows qa) {
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    const int64_t nb = (I + 31) / 32, first = nb * t / nt, last = nb * (t + 1) / nt;
-    const int64_t begin = first * 32, end = last * 32 < I ? last * 32 : I;
+    int64_t begin, end;
+    tsterm_thread_share(I, 32, &begin, &end);
     for (int64_t r = 0; r < n && begin < end; r++)
         tsterm_swiglu_row(gu + r * 2 * I + begin, gu + r * 2 * I + I + begin, end - begin, act + r * I + begin);
-    if (qa.q) quantize_blocks(act, n, I, first, last, qa);
+    if (qa.q) quantize_blocks(act, n, I, begin / 32, (end + 31) / 32, qa);
 }
 
 /* hidden [rows, H]: in, the step's embeddings; out, the last layer's MLP output. residual [rows, H]: out, the sum
@@ -198,19 +196,19 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
                             m->block_size, m->scale, tsterm_attention_chunks(seq_lens, rows), NULL};
     /* scratch (floats): x [P, widest] (a matmul's float input), qkv [rows, qkv_f], attention output [rows, Hq D],
      * gate_up [P, 2I], expert outputs [P, H], router logits and probabilities [rows, 2E], pair weights [P], two
-     * sets of quantized rows' scales [P, nbw] x 2 each, attention partials; then (int64) pairs' rows, groups'
-     * experts and starts, routed ids [P] each (+1); then (int8) two sets of quantized rows [P, widest]. */
+     * sets of quantized rows' scales [P, nbw] x 2 each, attention partials; then (int64) pairs' rows and groups,
+     * groups' experts and starts, routed ids [P] each (+1); then (int8) two sets of quantized rows [P, widest]. */
     const size_t floats = (size_t)(P * widest + rows * (qkv_f + Hq * D) + P * (2 * I + H) + rows * 2 * E + P +
                                    4 * P * nbw) + tsterm_attention_part_bytes(&att) / sizeof(float);
-    float *x = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(4 * (P + 1)) + (size_t)(2 * P * widest));
+    float *x = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(5 * (P + 1)) + (size_t)(2 * P * widest));
     if (!x) return -1;
     float *qkv = x + P * widest, *attn = qkv + rows * qkv_f, *gu = attn + rows * Hq * D, *y = gu + P * 2 * I;
     float *logits = y + P * H, *probs = logits + rows * E, *pair_w = probs + rows * E, *scales = pair_w + P;
     att.part = scales + 4 * P * nbw;
     int64_t *ints = (int64_t *)(x + floats);
-    pairs_t pairs = {ints, ints + (P + 1), ints + 2 * (P + 1), pair_w, 0};
-    int64_t *ids = ints + 3 * (P + 1);
-    int8_t *codes = (int8_t *)(ints + 4 * (P + 1));
+    pairs_t pairs = {ints, ints + (P + 1), ints + 2 * (P + 1), ints + 3 * (P + 1), pair_w, 0};
+    int64_t *ids = ints + 4 * (P + 1);
+    int8_t *codes = (int8_t *)(ints + 5 * (P + 1));
     const qrows qa = {codes, scales, scales + P * nbw}, qb = {codes + P * widest, scales + 2 * P * nbw, scales + 3 * P * nbw};
     const int64_t tasks = rows * att.max_chunks;
 #pragma omp parallel
@@ -238,10 +236,7 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
                 for (int64_t h = 0; h < Hq + Hkv; h++)
                     tsterm_rms_norm_row(row + h * D, L->qk_norm + h * D, D, m->eps, row + h * D);
             tsterm_rope_row(row, Hq + Hkv, D, cos + r * D, sin + r * (D / 2));
-            if (slots[r] >= 0) {
-                memcpy(L->k_cache + slots[r] * kv_row, row + Hq * D, sizeof(float) * (size_t)kv_row);
-                memcpy(L->v_cache + slots[r] * kv_row, row + (Hq + Hkv) * D, sizeof(float) * (size_t)kv_row);
-            }
+            tsterm_store_kv(row + Hq * D, 0, row + (Hq + Hkv) * D, 0, 1, kv_row, L->k_cache, L->v_cache, slots + r);
         }
         tsterm_attention a = att;
         a.q = qkv, a.k_cache = L->k_cache, a.v_cache = L->v_cache;
@@ -284,12 +279,11 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
 #pragma omp barrier
 #pragma omp single
         { /* route, group the pairs by expert, gather each pair's row of x (as the gate_up weights read it) */
+            float w[n]; /* each token's top-k weights, before group_pairs orders them into pairs.weight */
             for (int64_t r = 0; r < rows; r++)
-                route(logits + r * ne, ne, k, L->renormalize, probs + r * ne, ids + r * k, pair_w + r * k);
+                route(logits + r * ne, ne, k, L->renormalize, probs + r * ne, ids + r * k, w + r * k);
             if (L->expert_load)
                 for (int64_t i = 0; i < n; i++) L->expert_load[ids[i]]++;
-            float w[n];
-            memcpy(w, pair_w, sizeof(float) * (size_t)n);
             group_pairs(ids, w, rows, k, &pairs);
             for (int64_t r = 0; sgu && r < rows; r++) { /* the shared expert's weight: sigmoid(x . w_gate) */
                 float z;
@@ -298,7 +292,8 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
             }
             for (int64_t i = 0; i < n; i++) {
                 const int64_t r = pairs.row[i];
-                if (L->gate_up.kind != TSTERM_F32) {
+                if (pairs.group_start[pairs.group[i] + 1] - pairs.group_start[pairs.group[i]] == 1) continue;
+                if (L->gate_up.kind != TSTERM_F32) { /* an expert with several tokens: their rows side by side */
                     memcpy(qb.q + i * H, qa.q + r * H, (size_t)H);
                     memcpy(qb.d + i * (H / 32), qa.d + r * (H / 32), sizeof(float) * (size_t)(H / 32));
                     memcpy(qb.s + i * (H / 32), qa.s + r * (H / 32), sizeof(float) * (size_t)(H / 32));
@@ -310,7 +305,9 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
         for (int64_t g = 0; g < pairs.num_groups; g++) { /* each expert's gate_up over its pairs' rows */
             const int64_t first = pairs.group_start[g], count = pairs.group_start[g + 1] - first;
             const tsterm_weight w = expert(&L->gate_up, pairs.group_expert[g]);
-            matmul_share(&w, y + first * H, qrows_at(qb, first, H), count, gu + first * 2 * I_l);
+            const int64_t r = pairs.row[first]; /* an expert with one token reads its row in place (batch-1 decode) */
+            matmul_share(&w, count == 1 ? x + r * H : y + first * H,
+                         count == 1 ? qrows_at(qa, r, H) : qrows_at(qb, first, H), count, gu + first * 2 * I_l);
         }
         /* the shared expert reads x as it is (rows, not gathered); its rows of gu, act and y follow the routed */
         float *sgu_out = gu + n * 2 * I_l, *sact = x + n * I_l;

@@ -1,11 +1,20 @@
 /* What the C sources share with each other (not exported from the library: hidden visibility). */
 #pragma once
 #include <immintrin.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #define TSTERM_INTERNAL __attribute__((visibility("hidden")))
 #define MAX_HEADS 64 /* query heads (of one rank) the decode attention takes */
+
+/* This OpenMP thread's even share [*first, *last) of n items handed out in whole units (the last may be short). */
+static inline void tsterm_thread_share(int64_t n, int64_t unit, int64_t *first, int64_t *last) {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t units = (n + unit - 1) / unit, end = units * (t + 1) / nt * unit;
+    *first = units * t / nt * unit;
+    *last = end < n ? end : n;
+}
 
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -77,3 +86,6 @@ TSTERM_INTERNAL void tsterm_rms_norm_row(const float *src, const float *weight, 
 TSTERM_INTERNAL void tsterm_rope_row(float *x, int64_t heads, int64_t head_dim, const float *cos, const float *sin);
 /* out [n] = silu(g) * u */
 TSTERM_INTERNAL void tsterm_swiglu_row(const float *g, const float *u, int64_t n, float *out);
+/* the new tokens' K and V rows into their slots of the paged pools (exported: the layer path calls it too) */
+void tsterm_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens,
+                     int64_t row_len, float *k_cache, float *v_cache, const int64_t *slots);
