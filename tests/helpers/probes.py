@@ -1,4 +1,5 @@
-"""Small probes of a running LLM for tests: greedy continuations and the whole logits row after a prompt."""
+"""Small probes of a running LLM for tests: greedy continuations, the whole logits row after a prompt, and the
+comparisons of two models built on them."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +19,22 @@ def last_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
         return engine.executor.execute(engine.scheduler.schedule())[0].float()
     finally:
         engine.abort(request_id)
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| as a share of max |ref|."""
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def decisive_steps_agree(ours: LLM, ref: LLM, prompt: list[int], new_tokens: int, tol: float) -> int:
+    """Teacher-forced along `ref`'s greedy tokens: at every step where ref's top two logits are more than
+    2 tol max|logit| apart (no error of relative size tol can swap them), `ours` must pick ref's token. Returns how
+    many steps were that decisive. (Random tiny models have many near ties, where either choice is right.)"""
+    tokens, decisive = greedy(ref, prompt, new_tokens), 0
+    for i, token in enumerate(tokens):
+        logits = last_logits(ref, prompt + tokens[:i])
+        top = logits.topk(2).values
+        if top[0] - top[1] > 2 * tol * logits.abs().max():
+            assert int(last_logits(ours, prompt + tokens[:i]).argmax()) == token, (prompt, i)
+            decisive += 1
+    return decisive

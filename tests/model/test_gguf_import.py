@@ -26,7 +26,7 @@ from tsterm.gguf_import import (  # noqa: E402
 )
 
 from tests.helpers.gguf import gguf_tensors, tiny_model, write_gguf  # noqa: E402
-from tests.helpers.probes import greedy, last_logits  # noqa: E402
+from tests.helpers.probes import greedy, last_logits, relative_error  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 TEXTS = [
@@ -56,10 +56,6 @@ def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[in
             ids.append(int(logits.argmax()))
             step = torch.tensor([[ids[-1]]])
     return ids, first
-
-
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tsterm_kernels.quant import QuantizedWeight, int4_codes, quantize_int8
 
 from tests.helpers.gguf import llama_cpp_permute, quantize_linear, random_blocks, tiny_model, write_gguf
-from tests.helpers.probes import greedy, last_logits
+from tests.helpers.probes import decisive_steps_agree, greedy, last_logits, relative_error
 from tsterm import LLM
 from tsterm.errors import ModelLoadError
 from tsterm.gguf_import import INFO_FILE, import_gguf
@@ -188,10 +188,6 @@ def engine(path, **kwargs) -> LLM:
     return LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, **kwargs)
 
 
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_kquant_model_generates_like_the_dequantized_one(tmp_path, case):
     model_type, overrides, qtype, mix, types = CASES[case]
@@ -210,16 +206,8 @@ def test_kquant_model_generates_like_the_dequantized_one(tmp_path, case):
         ref = last_logits(flat, prompt)
         assert relative_error(last_logits(native, prompt), ref) < TOL
         assert relative_error(last_logits(control, prompt), ref) > 4 * TOL  # the tolerance tells weights apart
-        # greedy along the float import's tokens: where its top two logits are more than 2 TOL max|logit| apart
-        # (no TOL-sized error can swap them), the native import must pick the same token
-        tokens = greedy(flat, prompt, 16 - len(prompt))
-        assert len(greedy(native, prompt, 16 - len(prompt))) == len(tokens)
-        for i, token in enumerate(tokens):
-            logits = last_logits(flat, prompt + tokens[:i])
-            top = logits.topk(2).values
-            if top[0] - top[1] > 2 * TOL * logits.abs().max():
-                assert int(last_logits(native, prompt + tokens[:i]).argmax()) == token, (seed, i)
-                decisive += 1
+        assert len(greedy(native, prompt, 16 - len(prompt))) == 16 - len(prompt)
+        decisive += decisive_steps_agree(native, flat, prompt, 16 - len(prompt), TOL)
     assert decisive >= MIN_DECISIVE
 
 

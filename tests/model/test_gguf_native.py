@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tsterm_kernels.quant import QuantizedWeight
 
 from tests.helpers.gguf import LEAF_NAMES, llama_cpp_permute, quantize_linear, tiny_model, write_gguf
-from tests.helpers.probes import greedy, last_logits
+from tests.helpers.probes import decisive_steps_agree, greedy, last_logits, relative_error
 from tsterm import LLM, SamplingParams
 from tsterm.config import ModelConfig, check_quantization
 from tsterm.errors import ConfigError, ModelLoadError
@@ -129,24 +129,6 @@ def test_loaded_weights_are_blocks_of_the_right_kind(tmp_path):
     assert weight_bytes(ours) == file_bytes + floats < weight_bytes(ref)
 
 
-def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours - ref).abs().max() / ref.abs().max())
-
-
-def decisive_steps_agree(native: LLM, flat: LLM, prompt: list[int], new_tokens: int) -> int:
-    """Teacher-forced along `flat`'s greedy tokens: at every step where flat's top two logits are more than
-    2 TOL max|logit| apart (no TOL-sized error can swap them), `native` must pick flat's token. Returns how many
-    steps were that decisive. (Random tiny models have many near ties, where either choice is right.)"""
-    tokens, decisive = greedy(flat, prompt, new_tokens), 0
-    for i, token in enumerate(tokens):
-        ref = last_logits(flat, prompt + tokens[:i])
-        top = ref.topk(2).values
-        if top[0] - top[1] > 2 * TOL * ref.abs().max():
-            assert int(last_logits(native, prompt + tokens[:i]).argmax()) == token, (prompt, i)
-            decisive += 1
-    return decisive
-
-
 def engine(path) -> LLM:
     return LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
 
@@ -179,7 +161,7 @@ def test_native_import_generates_like_the_dequantized_one(tmp_path, case):
         ref = last_logits(flat, prompt)
         assert relative_error(last_logits(native, prompt), ref) < TOL
         assert relative_error(last_logits(control, prompt), ref) > 4 * TOL  # the tolerance tells weights apart
-        decisive += decisive_steps_agree(native, flat, prompt, 16 - len(prompt))
+        decisive += decisive_steps_agree(native, flat, prompt, 16 - len(prompt), TOL)
     assert decisive >= MIN_DECISIVE[case]
 
 
