@@ -40,6 +40,53 @@ TILES = {
 
 
 @triton.jit
+def quant_dot(acc, x_rows, row_valid, w_cols, col_valid, s_cols, stride_scale_col, in_features,
+              KIND: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] += x @ W^T over all `in_features`, W read as stored and dequantized in registers.
+
+    x_rows [BLOCK_M, 1]: pointers to the rows of x (unit-stride); w_cols [1, BLOCK_N]: to the rows of W's codes /
+    values (W^T's columns); s_cols [BLOCK_N]: to each column's first scale (int8 / int4: its row of scales; fp8: the
+    row of scales of its 128-row block), scales of later input blocks `stride_scale_col` apart. The dot runs in x's
+    dtype. Shared by the quantized linear layer and the fused MoE (tsterm_kernels.triton_fused_moe)."""
+    dot_dtype = x_rows.dtype.element_ty
+    if KIND == 0:
+        # ---- int8: W = code * d, one K step per block of 32 inputs
+        ks = tl.arange(0, 32)
+        for k0 in range(0, in_features, 32):
+            x = tl.load(x_rows + k0 + ks[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, 32]
+            codes = tl.load(w_cols + k0 + ks[:, None], mask=col_valid[None, :], other=0)  # [32, BLOCK_N]
+            part = tl.dot(x.to(dot_dtype), codes.to(dot_dtype), input_precision="ieee")
+            d = tl.load(s_cols + (k0 // 32) * stride_scale_col, mask=col_valid, other=0.0).to(tl.float32)
+            acc += part * d[None, :]
+    elif KIND == 1:
+        # ---- int4: W = code * d + m; a block's byte j holds input j (low nibble) and input j + 16 (high nibble)
+        js = tl.arange(0, 16)
+        for k0 in range(0, in_features, 32):
+            x_low = tl.load(x_rows + k0 + js[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, 16]
+            x_high = tl.load(x_rows + k0 + 16 + js[None, :], mask=row_valid[:, None], other=0.0)
+            packed = tl.load(w_cols + k0 // 2 + js[:, None], mask=col_valid[None, :], other=0)  # [16, BLOCK_N]
+            low = (packed & 15).to(dot_dtype)
+            high = (packed >> 4).to(dot_dtype)
+            part = tl.dot(x_low.to(dot_dtype), low, input_precision="ieee")
+            part = tl.dot(x_high.to(dot_dtype), high, part, input_precision="ieee")
+            x_sum = tl.sum(x_low.to(tl.float32), axis=1) + tl.sum(x_high.to(tl.float32), axis=1)  # [BLOCK_M]
+            d = tl.load(s_cols + (k0 // 32) * stride_scale_col, mask=col_valid, other=0.0).to(tl.float32)
+            m = tl.load(s_cols + (k0 // 32) * stride_scale_col + 1, mask=col_valid, other=0.0).to(tl.float32)
+            acc += part * d[None, :] + x_sum[:, None] * m[None, :]
+    else:
+        # ---- fp8: W = value * the scale of its 128 x 128 block; BLOCK_K divides 128, so a K step is in one block
+        ks = tl.arange(0, BLOCK_K)
+        for k0 in range(0, in_features, BLOCK_K):
+            k_valid = k0 + ks < in_features  # the last block may be partial
+            x = tl.load(x_rows + k0 + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            values = tl.load(w_cols + k0 + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            part = tl.dot(x.to(dot_dtype), values.to(dot_dtype), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+            s = tl.load(s_cols + (k0 // 128) * stride_scale_col, mask=col_valid, other=0.0)  # [BLOCK_N] float32
+            acc += part * s[None, :]
+    return acc
+
+
+@triton.jit
 def _quant_linear_kernel(
     # pointers
     x_ptr, data_ptr, scale_ptr, bias_ptr, y_ptr,
@@ -56,46 +103,12 @@ def _quant_linear_kernel(
     col_valid = cols < out_features
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x_row  # [BLOCK_M, 1]
     w_cols = data_ptr + cols[None, :].to(tl.int64) * stride_data_row  # [1, BLOCK_N]: W^T's columns
-    dot_dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-
-    if KIND == 0:
-        # ---- int8: W = code * d, one K step per block of 32 inputs
-        ks = tl.arange(0, 32)
-        s_cols = scale_ptr + cols.to(tl.int64) * stride_scale_row  # [BLOCK_N]
-        for k0 in range(0, in_features, 32):
-            x = tl.load(x_rows + k0 + ks[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, 32]
-            codes = tl.load(w_cols + k0 + ks[:, None], mask=col_valid[None, :], other=0)  # [32, BLOCK_N]
-            part = tl.dot(x.to(dot_dtype), codes.to(dot_dtype), input_precision="ieee")
-            d = tl.load(s_cols + (k0 // 32) * stride_scale_col, mask=col_valid, other=0.0).to(tl.float32)
-            acc += part * d[None, :]
-    elif KIND == 1:
-        # ---- int4: W = code * d + m; a block's byte j holds input j (low nibble) and input j + 16 (high nibble)
-        js = tl.arange(0, 16)
-        s_cols = scale_ptr + cols.to(tl.int64) * stride_scale_row  # [BLOCK_N]: (d, m) pairs, 2 apart per block
-        for k0 in range(0, in_features, 32):
-            x_low = tl.load(x_rows + k0 + js[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, 16]
-            x_high = tl.load(x_rows + k0 + 16 + js[None, :], mask=row_valid[:, None], other=0.0)
-            packed = tl.load(w_cols + k0 // 2 + js[:, None], mask=col_valid[None, :], other=0)  # [16, BLOCK_N]
-            low = (packed & 15).to(dot_dtype)
-            high = (packed >> 4).to(dot_dtype)
-            part = tl.dot(x_low.to(dot_dtype), low, input_precision="ieee")
-            part = tl.dot(x_high.to(dot_dtype), high, part, input_precision="ieee")
-            x_sum = tl.sum(x_low.to(tl.float32), axis=1) + tl.sum(x_high.to(tl.float32), axis=1)  # [BLOCK_M]
-            d = tl.load(s_cols + (k0 // 32) * stride_scale_col, mask=col_valid, other=0.0).to(tl.float32)
-            m = tl.load(s_cols + (k0 // 32) * stride_scale_col + 1, mask=col_valid, other=0.0).to(tl.float32)
-            acc += part * d[None, :] + x_sum[:, None] * m[None, :]
-    else:
-        # ---- fp8: W = value * the scale of its 128 x 128 block; BLOCK_K divides 128, so a K step is in one block
-        ks = tl.arange(0, BLOCK_K)
+    if KIND == 2:  # fp8: one row of scales per 128 rows of W
         s_cols = scale_ptr + (cols // 128).to(tl.int64) * stride_scale_row  # [BLOCK_N]
-        for k0 in range(0, in_features, BLOCK_K):
-            k_valid = k0 + ks < in_features  # the last block may be partial
-            x = tl.load(x_rows + k0 + ks[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            values = tl.load(w_cols + k0 + ks[:, None], mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-            part = tl.dot(x.to(dot_dtype), values.to(dot_dtype), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
-            s = tl.load(s_cols + (k0 // 128) * stride_scale_col, mask=col_valid, other=0.0)  # [BLOCK_N] float32
-            acc += part * s[None, :]
+    else:
+        s_cols = scale_ptr + cols.to(tl.int64) * stride_scale_row
+    acc = quant_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x_rows, row_valid, w_cols, col_valid, s_cols,
+                    stride_scale_col, in_features, KIND, BLOCK_K)
 
     # ---- bias, one rounding to the output dtype
     if HAS_BIAS:

@@ -139,6 +139,25 @@ def main() -> int:
     fused_moe(x, shared_w13, shared_w2, torch.empty((8, 1), device=META),
               torch.zeros((8, 1), dtype=torch.int64, device=META), torch.empty_like(x))
 
+    # the same experts stored quantized (Qwen3-30B-A3B-FP8's fp8 blocks; int8 / int4 blocks of a GGUF or a
+    # quantize-on-load), at the decode and a prefill bucket
+    stacks = {"int8": [QuantizedWeight.blocks("int8", torch.empty((experts, rows, cols), dtype=torch.int8, device=META),
+                                              torch.empty((experts, rows, cols // 32), dtype=torch.float16, device=META))
+                       for rows, cols in ((2 * inter, hidden), (hidden, inter))],
+              "int4": [QuantizedWeight.blocks("int4", torch.empty((experts, rows, cols // 2), dtype=torch.uint8,
+                                                                  device=META),
+                                              torch.empty((experts, rows, cols // 32, 2), dtype=torch.float16,
+                                                          device=META))
+                       for rows, cols in ((2 * inter, hidden), (hidden, inter))],
+              "fp8": [QuantizedWeight.fp8(torch.empty((experts, rows, cols), dtype=torch.float8_e4m3fn, device=META),
+                                          torch.empty((experts, rows // 128, cols // 128), device=META))
+                      for rows, cols in ((2 * inter, hidden), (hidden, inter))]}
+    for q13, q2 in stacks.values():
+        for num_tokens in (1, 512):
+            x = torch.empty((num_tokens, hidden), dtype=BF16, device=META)
+            weights, expert_ids = moe_route(torch.empty((num_tokens, experts), dtype=BF16, device=META), top_k, True)
+            fused_moe(x, q13, q2, weights, expert_ids, torch.empty_like(x))
+
     # weight-only quantized linear layers (q/k/v of Qwen3-30B-A3B: 5120 x 2048), every tile-table row
     out_f = 5120
     quantized = [QuantizedWeight.blocks("int8", torch.empty((out_f, hidden), dtype=torch.int8, device=META),

@@ -130,6 +130,24 @@ def test_fused_moe_bf16(num_tokens):
     no_worse_than_twin(out, twin, exact, slack=1e-2)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+def test_fused_moe_quantized_bf16(kind, num_tokens):
+    """Expert stacks read as stored, against the twin on the dequantized stacks in bf16 (cuBLAS) and in float32."""
+    gen = torch.Generator().manual_seed(num_tokens + len(kind))
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(BF16).cuda()
+    w13 = QUANTIZE[kind]((torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5).cuda())
+    w2 = QUANTIZE[kind]((torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * INTER ** -0.5).cuda())
+    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, EXPERTS, gen), TOP_K, True)
+    start = torch.randn(num_tokens, HIDDEN, generator=gen).to(BF16).cuda()
+    out = start.clone()
+    triton_ops.fused_moe(x, w13, w2, weights, expert_ids, out)
+    f13, f2 = w13.dequantize(), w2.dequantize()
+    twin = reference.fused_moe(x, f13.to(BF16), f2.to(BF16), weights, expert_ids, start.clone())
+    exact = reference.fused_moe(x.float(), f13, f2, weights, expert_ids, start.float())
+    no_worse_than_twin(out, twin, exact, slack=1e-2)
+
+
 def test_forward_ops_never_sync_the_host():
     """Routing, alignment, fused MoE, attention, KV store and norms queue work without waiting on the device."""
     gen = torch.Generator().manual_seed(5)
@@ -223,8 +241,9 @@ def test_quant_linear_never_syncs_and_replays_in_a_graph():
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_a_quantized_model_decodes_through_the_kernel(tmp_path, monkeypatch, mode):
-    """A tiny MoE model with a shared expert, quantized on the GPU (experts stay float), CUDA graphs on, against the
-    same quantized model whose matmuls dequantize the weight per call and run cuBLAS (float32: same tokens)."""
+    """A tiny MoE model with a shared expert, quantized on the GPU (experts too), CUDA graphs on, against the same
+    quantized model run by the torch kernels, whose matmuls dequantize the weight per call and run cuBLAS (float32:
+    same tokens)."""
     path, _ = make_checkpoint(tmp_path / "m", "qwen2_moe", dict(
         num_experts=5, num_experts_per_tok=2, shared_expert_intermediate_size=32, num_hidden_layers=2,
         hidden_size=64, head_dim=16, moe_intermediate_size=32, max_position_embeddings=512))
@@ -232,15 +251,15 @@ def test_a_quantized_model_decodes_through_the_kernel(tmp_path, monkeypatch, mod
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (13, 5, 40)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 
-    def generate(**options):
+    def generate(kernels: str, **options):
         llm = LLM(str(path), dtype="float32", device="cuda", block_size=4, num_kv_blocks=256, quantization=mode,
-                  **options)
-        assert llm.engine.executor.kernels == "triton"
+                  kernels=kernels, **options)
+        assert llm.engine.executor.kernels == kernels
         return llm.generate(prompts, params)
 
-    got = generate()
+    got = generate("triton")
     monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: False)
-    want = generate(cuda_graphs=False)
+    want = generate("torch", cuda_graphs=False)
     for ours, theirs in zip(got, want):
         assert ours.token_ids == theirs.token_ids
         for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tsterm_kernels import reference
+from tsterm_kernels.quant import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
 from tsterm_kernels.triton_moe_align import moe_align, num_aligned_tiles
 
 
@@ -107,3 +108,55 @@ def test_fused_moe_skips_other_ranks_experts(triton_ops, poison, num_tokens):
 
     torch.testing.assert_close(twin, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel, want, atol=1e-4, rtol=1e-4)
+
+
+QUANTIZE = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind13, kind2, hidden, inter", [
+    ("int8", "int8", 64, 32),
+    ("int4", "int4", 96, 64),
+    ("fp8", "fp8", 160, 72),  # partial 128-blocks; the up rows start inside w13's first block of scales
+    ("int4", None, 64, 40),  # I = 40 is not whole int4 blocks: w2 stays float, as quantize-on-load leaves it
+])
+@pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 6, 2), (19, 10, 4)])
+def test_quantized_fused_moe_matches_the_dequantized_twin(triton_ops, poison, dtype, kind13, kind2, hidden, inter,
+                                                          num_tokens, num_experts, top_k):
+    """Expert stacks read as stored (int8 codes, int4 nibbles, fp8 values with their block scales) against the twin
+    run on the same stacks dequantized to float32: the kernel scales each block's partial dot, the twin multiplies
+    dequantized weights; float32 agrees to float32 summation order, float16 x to one rounding of each projection."""
+    gen = torch.Generator().manual_seed(num_tokens * 31 + hidden + inter)
+    x = torch.randn(num_tokens, hidden + 8, generator=gen).to(dtype)[:, 8:]  # a strided view, as after a split
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * torch.rand(num_experts, 2 * inter, 1, generator=gen)
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
+    w13 = QUANTIZE[kind13](w13 * hidden ** -0.5)
+    w2 = QUANTIZE[kind2](w2) if kind2 else w2.to(dtype)
+    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    start = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+
+    got = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, start.clone())
+    floats = [w.dequantize() if isinstance(w, QuantizedWeight) else w.float() for w in (w13, w2)]
+    want = reference.fused_moe(x.float(), *floats, weights, expert_ids, start.float())
+
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=1e-4)
+    else:
+        torch.testing.assert_close(got.float(), want, atol=6e-3 * want.abs().max().item(), rtol=6e-3)
+
+
+def test_quantized_fused_moe_reads_each_experts_own_scales(triton_ops):
+    """A scale changed in one expert's block moves only the tokens routed to that expert (no shared scale rows)."""
+    gen = torch.Generator().manual_seed(5)
+    hidden, inter, num_experts = 64, 32, 4
+    x = torch.randn(4, hidden, generator=gen)
+    w13 = quantize_int8(torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.1)
+    w2 = quantize_int8(torch.randn(num_experts, hidden, inter, generator=gen) * 0.1)
+    expert_ids = torch.tensor([[0], [1], [2], [3]])
+    weights = torch.ones(4, 1)
+    before = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, torch.zeros(4, hidden))
+    w2.scale[2, :, 0] *= 2  # expert 2's first block of inputs, every output row
+    after = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, torch.zeros(4, hidden))
+    assert torch.equal(after[[0, 1, 3]], before[[0, 1, 3]])
+    assert not torch.allclose(after[2], before[2])

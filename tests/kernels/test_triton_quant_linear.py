@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tsterm_kernels import cpu_native, quant, reference
+from tsterm_kernels import triton_fused_moe
 from tsterm_kernels import triton_quant_linear as tql
 from tsterm_kernels.quant import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
 
@@ -121,11 +122,16 @@ def test_the_seam_sends_cuda_inputs_to_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_quantized_model_through_the_kernel_matches_the_torch_path(tmp_path, monkeypatch, mode):
-    """Every quantized matmul of a tiny dense model through the Triton kernel (interpreted, as it runs on a GPU)
-    against the same model whose quantized matmuls are F.linear of the dequantized weights (C kernels off)."""
-    sizes = dict(hidden_size=64, intermediate_size=64, head_dim=16, num_hidden_layers=2)
-    model_dir, hf_model = make_checkpoint(tmp_path / "llama", "llama", sizes)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2_moe"])
+def test_a_quantized_model_through_the_kernel_matches_the_torch_path(tmp_path, monkeypatch, mode, model_type):
+    """Every quantized matmul of a tiny model through the Triton kernels (interpreted, as they run on a GPU: the
+    linear layer, and for the MoE the fused experts, routed and shared) against the same model whose quantized
+    matmuls are F.linear of the dequantized weights (C kernels off)."""
+    sizes = dict(hidden_size=64, intermediate_size=64, head_dim=16, num_hidden_layers=2, num_experts=4,
+                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if model_type == "llama":
+        sizes = {k: v for k, v in sizes.items() if "expert" not in k}
+    model_dir, hf_model = make_checkpoint(tmp_path / model_type, model_type, sizes)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in (11, 6)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
@@ -141,9 +147,14 @@ def test_a_quantized_model_through_the_kernel_matches_the_torch_path(tmp_path, m
     kernel = tql.quant_linear
     monkeypatch.setattr(tql, "quant_linear", lambda *args: launches.append(args[1].kind) or kernel(*args))
     monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: weight.kind in quant.TRITON_KINDS)
+    stacks = []
+    weight_args = triton_fused_moe._weight_args
+    monkeypatch.setattr(triton_fused_moe, "_weight_args",
+                        lambda w, name: stacks.append(getattr(w, "kind", "float")) or weight_args(w, name))
     got = generate("triton")
 
     assert launches and set(launches) == {mode}
+    assert set(stacks) == (set() if model_type == "llama" else {mode})  # experts as stored: none left float
     for ours, theirs in zip(got, want):
         assert ours.token_ids == theirs.token_ids
         torch.testing.assert_close(torch.tensor(ours.outputs[0].logprobs[0]["logprob"]),

@@ -158,16 +158,15 @@ def _on_meta(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["fp8", "int8", "int4"])
-def test_on_a_gpu_all_but_the_fused_moe_stacks_are_quantized(moe_weights, mode):
+def test_on_a_gpu_every_linear_matrix_is_quantized(moe_weights, mode):
     path, cfg = moe_weights
     weights = quantize_weights(_on_meta(load_weights(path, cfg, torch.float32, torch.device("cpu"))), mode)
     quantized = {n for n, w in weights.items() if isinstance(w, QuantizedWeight)}
     assert {weights[n].kind for n in quantized} == {mode}
     for i in range(cfg.num_hidden_layers):
-        assert {f"layers.{i}.qkv", f"layers.{i}.o_proj"} <= quantized
-        # routed and shared experts reach `ops.fused_moe`, whose Triton kernel reads float stacks
-        for stack in ("w13", "w2", "shared_w13", "shared_w2"):
-            assert isinstance(weights[f"layers.{i}.{stack}"], torch.Tensor), stack
+        # the routed and shared experts too: the Triton fused MoE reads quantized stacks
+        assert {f"layers.{i}.{n}" for n in ("qkv", "o_proj", "w13", "w2", "shared_w13", "shared_w2")} <= quantized
+        assert weights[f"layers.{i}.w13"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
     assert "lm_head" in quantized and isinstance(weights["embed"], torch.Tensor)
     with pytest.raises(ConfigError, match="fp16 runs on the CPU only.*use quantization: int8, int4 or fp8"):
         quantize_weights(_on_meta(load_weights(path, cfg, torch.float32, torch.device("cpu"))), "fp16")
@@ -260,3 +259,68 @@ def test_a_shard_keeps_fp8_only_on_whole_blocks(fp8_checkpoint):
         assert torch.equal(weight.dequantize(), floats.weight(name, shape, rows=rows, cols=cols))
     cut = kept.weight(gate, (200, 128), rows=(100, 100))  # cuts a block: dequantized, as without keep_fp8
     assert isinstance(cut, torch.Tensor) and torch.equal(cut, floats.weight(gate, (200, 128), rows=(100, 100)))
+
+
+# ---- an FP8 MoE checkpoint: routed and shared experts kept as fp8 stacks, run by the Triton fused MoE
+
+@pytest.fixture(scope="module")
+def fp8_moe_checkpoint(tmp_path_factory):
+    """A Qwen2-MoE (routed experts + a gated shared expert) stored as Qwen's FP8 releases store it, every projection
+    e4m3 + 128 x 128 scale_inv: expert gate/up of 128 rows each (whole blocks: they fuse and stack as blocks)."""
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("fp8moe") / "m", "qwen2_moe", dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, num_experts=3,
+        num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_hidden_layers=2))
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+        q = quantize_fp8(tensors[name])
+        tensors[name], tensors[name + "_scale_inv"] = q.data, q.scale
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path, ModelConfig.from_dir(path)
+
+
+def test_kept_fp8_experts_are_stacks_of_their_stored_blocks(fp8_moe_checkpoint):
+    path, cfg = fp8_moe_checkpoint
+    dequantized = load_weights(path, cfg, torch.float32, torch.device("cpu"))
+    kept = load_weights(path, cfg, torch.float32, torch.device("cpu"), keep_fp8=True)  # as on a CUDA device
+    stored = load_file(path / "model.safetensors")
+    for i in range(cfg.num_hidden_layers):
+        w13, w2 = kept[f"layers.{i}.w13"], kept[f"layers.{i}.w2"]
+        assert w13.kind == w2.kind == "fp8" and w13.shape == (3, 256, 128) and w13.scale.shape == (3, 2, 1)
+        assert w2.shape == (3, 128, 128) and w2.scale.shape == (3, 1, 1)
+        shared = kept[f"layers.{i}.shared_w13"]
+        assert shared.kind == "fp8" and shared.shape == (1, 256, 128)
+        expert = f"model.layers.{i}.mlp.experts.2."
+        assert torch.equal(w13.data[2, 128:].view(torch.uint8), stored[expert + "up_proj.weight"].view(torch.uint8))
+        assert torch.equal(w13.scale[2, 1], stored[expert + "up_proj.weight_scale_inv"][0])
+    for name, weight in kept.items():
+        got = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+        assert torch.equal(got, dequantized[name]), name
+
+
+def test_a_kept_fp8_moe_through_the_kernels_matches_the_dequantized_load(fp8_moe_checkpoint, monkeypatch):
+    from tsterm_kernels import triton_fused_moe
+
+    path, _ = fp8_moe_checkpoint
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 4)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    options = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=32)
+    want = LLM(str(path), **options).generate(prompts, params)
+
+    monkeypatch.setattr(model_runner, "load_weights", functools.partial(load_weights, keep_fp8=True))
+    monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: True)  # the Triton kernels, interpreted
+    kinds = []
+    weight_args = triton_fused_moe._weight_args
+    monkeypatch.setattr(triton_fused_moe, "_weight_args", lambda w, name: kinds.append(w.kind) or weight_args(w, name))
+    got = LLM(str(path), kernels="triton", **options).generate(prompts, params)
+
+    assert kinds and set(kinds) == {"fp8"}  # routed and shared experts, read as fp8 stacks
+    for ours, theirs in zip(got, want):
+        assert ours.token_ids == theirs.token_ids
+        torch.testing.assert_close(torch.tensor([s["logprob"] for s in ours.outputs[0].logprobs]),
+                                   torch.tensor([s["logprob"] for s in theirs.outputs[0].logprobs]),
+                                   atol=1e-5, rtol=1e-4)

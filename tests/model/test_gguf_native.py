@@ -202,13 +202,20 @@ def test_column_split_inside_a_block_is_refused(tmp_path):
         load_weights(native, ModelConfig.from_dir(native), torch.float32, CPU, layout=ParallelLayout(tp_size=2))
 
 
-def test_off_the_cpu_the_blocks_load_as_floats(tmp_path):
-    _, native, flat = llama_mix(tmp_path)
-    meta = load_weights(native, ModelConfig.from_dir(native), torch.bfloat16, torch.device("meta"))
-    ref = load_weights(flat, ModelConfig.from_dir(flat), torch.float32, CPU)
+def test_off_the_cpu_the_blocks_load_on_the_device_as_blocks(tmp_path):
+    """A GPU (here the meta device, which takes that branch) gets the blocks as they are, for the Triton kernels."""
+    _, native, _ = llama_mix(tmp_path)
+    cfg = ModelConfig.from_dir(native)
+    meta = load_weights(native, cfg, torch.bfloat16, torch.device("meta"))
+    cpu = load_weights(native, cfg, torch.float32, CPU)
+    assert meta.keys() == cpu.keys()
     for name, weight in meta.items():
-        assert isinstance(weight, torch.Tensor) and weight.device.type == "meta", name
-        assert weight.dtype == torch.bfloat16 and weight.shape == ref[name].shape, name
+        assert weight.device.type == "meta" and weight.shape == cpu[name].shape, name
+        if isinstance(cpu[name], QuantizedWeight):
+            assert isinstance(weight, QuantizedWeight) and weight.kind == cpu[name].kind, name
+            assert weight.data.dtype == cpu[name].data.dtype and weight.scale.shape == cpu[name].scale.shape, name
+        else:
+            assert isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16, name
 
 
 def test_quantize_on_load_of_quantized_weights_is_refused(tmp_path):

@@ -14,14 +14,14 @@ uint8 codes: int4), on the CPU read in place from the mapping like a float weigh
 scales along the output rows (q/k/v, gate/up; experts come stacked), which is exact; a fused matrix whose parts are
 not all quantized the same way is dequantized to float, that matrix only. A shard's row slices slice codes and
 scales alike; a column slice (o_proj, down_proj under tensor parallelism) must fall on whole blocks of 32 inputs,
-else loading fails with an error that says to run on one rank or import the GGUF with --dequantize. On any other
-device than the CPU (no kernels for these formats there yet) every quantized weight is dequantized at load.
+else loading fails with an error that says to run on one rank or import the GGUF with --dequantize. On a GPU the
+blocks are copied to the device as they are: the Triton kernels (quantized linear, fused MoE) read them.
 
 Block-scaled FP8 checkpoints (quant_method "fp8", `weight_block_size` [128, 128]): on a CUDA device (`keep_fp8`)
-the 2-D matrices of attention and dense MLPs load as "fp8" QuantizedWeights (values and `weight_scale_inv` as
-they are stored), which the Triton kernel reads; a span that cuts a 128-block, a fused part whose rows are not
-whole blocks, the experts and the shared expert (their Triton fused MoE reads float stacks) are dequantized to
-the model's dtype at load, as every FP8 weight is on the CPU.
+the 2-D matrices (attention, dense MLPs, each expert and the shared expert) load as "fp8" QuantizedWeights (values
+and `weight_scale_inv` as they are stored; experts stacked), which the Triton kernels read; a span that cuts a
+128-block, or a fused part whose rows are not whole blocks (gate and up of an I that is not a multiple of 128), is
+dequantized to the model's dtype at load, as every FP8 weight is on the CPU.
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ class WeightSource:
         """`get`, or the QuantizedWeight stored as `name`.qcodes / .qscales (dequantized to the target dtype off the
         CPU). rows: a span of dimension 0; cols: of the last dimension (the inputs)."""
         if not self.is_quantized(name):
-            if self._fp8_kept(name, shape, rows, cols):
+            if self.fp8_kept(name, shape, rows, cols):
                 return self._fp8_weight(name, shape, rows, cols)
             if cols is not None and len(shape) > 2:
                 return self.get(name, shape, rows=rows).narrow(-1, *cols).contiguous()
@@ -143,11 +143,11 @@ class WeightSource:
             weight = narrow(weight, 0, *rows)
         if cols is not None and cols != (0, shape[-1]):
             weight = narrow(weight, len(shape) - 1, *cols, what=name)
-        if self.device.type != "cpu":
-            return self.to_target(weight.dequantize())
+        if self.device.type != "cpu":  # the Triton kernels read the blocks: copied to the device as they are
+            return QuantizedWeight.blocks(weight.kind, weight.data.to(self.device), weight.scale.to(self.device))
         return weight
 
-    def _fp8_kept(self, name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> bool:
+    def fp8_kept(self, name: str, shape: tuple[int, ...], rows: Span, cols: Span) -> bool:
         """Whether `weight` keeps this tensor as an fp8 QuantizedWeight (see `keep_fp8`)."""
         if not (self.keep_fp8 and self.fp8_block_size == (FP8_BLOCK, FP8_BLOCK) and len(shape) == 2
                 and self.has(name) and self.has(name + "_scale_inv")):
@@ -296,6 +296,18 @@ def cat(parts: list[Weight], dim: int, dtype: torch.dtype) -> Weight:
     return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts], dim)
 
 
+def stack(parts: list[Weight], dtype: torch.dtype) -> Weight:
+    """Same-shape matrices stacked along a new first (expert) dimension: quantized ones of one kind as a stack of
+    their blocks (exact), a mix as floats of `dtype`."""
+    kinds = {p.kind if isinstance(p, QuantizedWeight) else None for p in parts}
+    if kinds == {"fp8"}:
+        return QuantizedWeight.fp8(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]))
+    if len(kinds) == 1 and kinds != {None}:
+        return QuantizedWeight.blocks(parts[0].kind, torch.stack([p.data for p in parts]),
+                                      torch.stack([p.scale for p in parts]))
+    return torch.stack([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+
+
 def unsqueeze(weight: Weight) -> Weight:
     """[O, I] -> [1, O, I] (a dense MLP as one expert)."""
     if isinstance(weight, torch.Tensor):
@@ -369,10 +381,6 @@ def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: di
                    src.weight(p + "up_proj.weight", (inter, H), rows=span)], 0, src.dtype)
     w[o + "w13"] = unsqueeze(gate_up)  # [1, 2I, H]
     w[o + "w2"] = unsqueeze(src.weight(p + "down_proj.weight", (H, inter), cols=span))  # [1, H, I]
-    if o.endswith("shared_"):  # a shared expert runs through `ops.fused_moe`, whose Triton kernel reads floats
-        for name in (o + "w13", o + "w2"):
-            if isinstance(w[name], QuantizedWeight) and w[name].kind == "fp8":
-                w[name] = src.to_target(w[name].dequantize())
 
 
 def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor],
@@ -393,17 +401,24 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
             w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count), cols=(i0, ni))
     else:
         e = p + "experts."
-        w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
         for x in range(E):
             if not first <= x < first + count:  # another rank's expert: accounted for, never read
                 for name in (gate, up, down):
                     src.skip(f"{e}{x}.{name}.weight")
-                continue
-            w13[x - first, :ni].copy_(src.get(f"{e}{x}.{gate}.weight", (inter, H), convert=False, rows=(i0, ni)))
-            w13[x - first, ni:].copy_(src.get(f"{e}{x}.{up}.weight", (inter, H), convert=False, rows=(i0, ni)))
-        w[o + "w13"] = w13  # [E_local, 2I_local, H]
-        w[o + "w2"] = src.stack([f"{e}{x}.{down}.weight" for x in range(first, first + count)], (H, inter),
-                                cols=(i0, ni))  # [E_local, H, I_local]
+        mine = range(first, first + count)
+        if src.fp8_kept(f"{e}{first}.{gate}.weight", (inter, H), (i0, ni), None):  # an FP8 checkpoint on a GPU
+            w[o + "w13"] = stack([cat([src.weight(f"{e}{x}.{name}.weight", (inter, H), rows=(i0, ni))
+                                       for name in (gate, up)], 0, src.dtype) for x in mine], src.dtype)
+            w[o + "w2"] = stack([src.weight(f"{e}{x}.{down}.weight", (H, inter), cols=(i0, ni)) for x in mine],
+                                src.dtype)
+        else:
+            w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
+            for x in mine:
+                w13[x - first, :ni].copy_(src.get(f"{e}{x}.{gate}.weight", (inter, H), convert=False, rows=(i0, ni)))
+                w13[x - first, ni:].copy_(src.get(f"{e}{x}.{up}.weight", (inter, H), convert=False, rows=(i0, ni)))
+            w[o + "w13"] = w13  # [E_local, 2I_local, H]
+            w[o + "w2"] = src.stack([f"{e}{x}.{down}.weight" for x in mine], (H, inter),
+                                    cols=(i0, ni))  # [E_local, H, I_local]
     if spec.shared_expert and cfg.shared_expert_intermediate_size:
         _load_dense_mlp(src, cfg.shared_expert_intermediate_size, H, p + "shared_expert.", o + "shared_", w,
                         (layout.rank, layout.world_size))

@@ -13,9 +13,8 @@ fp8 quantizes blocks of 128 x 128 (any shape; a partial block at the edges), as 
 
 Devices. On the CPU: fp16, int8 and int4 (fbgemm's GEMM and tsterm's C kernels); fp8 is refused there, since no CPU
 kernel reads it (every matmul would dequantize the whole matrix): use int8 or int4. On a GPU: int8, int4 and fp8
-(the Triton kernel `tsterm_kernels.triton_quant_linear`); fp16 is refused (fbgemm packs for the CPU only). The expert
-stacks a MoE layer hands to `ops.fused_moe` (routed experts, shared expert) stay in the float dtype on a GPU: the
-Triton fused-MoE kernel reads float stacks only. Attention, dense MLPs and the LM head are quantized.
+(the Triton kernels `tsterm_kernels.triton_quant_linear` and, for the expert stacks a MoE layer hands to
+`ops.fused_moe`, `tsterm_kernels.triton_fused_moe`); fp16 is refused (fbgemm packs for the CPU only).
 """
 from __future__ import annotations
 
@@ -36,12 +35,6 @@ LINEAR_NAMES = ("qkv", "qkvg", "o_proj", "in_proj", "out_proj", "w13", "w2", "sh
 
 def is_linear_weight(name: str) -> bool:
     return name == "lm_head" or name.rsplit(".", 1)[-1] in LINEAR_NAMES
-
-
-def is_fused_moe_stack(name: str, weights: dict[str, torch.Tensor]) -> bool:
-    """Whether `name` is an expert stack that a MoE layer (one with a router) hands to `ops.fused_moe`."""
-    prefix, _, leaf = name.rpartition(".")
-    return leaf in ("w13", "w2", "shared_w13", "shared_w2") and prefix + ".router" in weights
 
 
 def quantize(weight: torch.Tensor, mode: str) -> QuantizedWeight | torch.Tensor:
@@ -73,8 +66,6 @@ def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict[str, t
                           f"{device}); on a GPU use quantization: int8, int4 or fp8")
     tied = weights["lm_head"] is weights["embed"]
     for name in [n for n in weights if is_linear_weight(n)]:
-        if not on_cpu and is_fused_moe_stack(name, weights):  # the Triton fused MoE reads float stacks only
-            continue
         if isinstance(weights[name], QuantizedWeight):  # an FP8 checkpoint's matrix kept as fp8 (tsterm.model.loader)
             if weights[name].kind == mode:
                 continue
