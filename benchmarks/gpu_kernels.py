@@ -3,6 +3,7 @@ bandwidth (a torch copy of a large tensor, bytes read + written).
 
   fused MoE, Qwen3-30B-A3B layer shapes (H=2048, I=768, E=128, top-8), M tokens: GB/s counts the weights of
       the experts the batch actually touches (what decode is bound by), routing/alignment included in the time;
+      the same with the experts stored as fp8 / int8 / int4 (GB/s of their stored bytes);
   paged decode attention, Hq=32, Hkv=4, D=128, block 16, shuffled block tables: GB/s counts the K/V read.
 
 Ends with a summary table. Needs CUDA and compiled kernels (TRITON_INTERPRET unset); scripts/gpu_check.sh runs it.
@@ -110,6 +111,40 @@ def moe_rows(tokens_list: list[int], rep_ms: int, with_twin: bool, copy_gbps: fl
     return rows
 
 
+def quant_moe_rows(tokens_list: list[int], rep_ms: int, copy_gbps: float) -> list[Row]:
+    """The same experts stored as fp8 (128 x 128 block scales), int8 and int4 (blocks of 32): GB/s over the stored
+    bytes of the touched experts, and the time against the bf16 stacks."""
+    from tsterm_kernels.quant import quantize_fp8, quantize_int4, quantize_int8
+    from tsterm_kernels.triton_ops import fused_moe, moe_route
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=DEVICE, generator=gen) * HIDDEN ** -0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, device=DEVICE, generator=gen) * INTER ** -0.5
+    stacks = {"bf16": (w13.to(BF16), w2.to(BF16))}
+    for kind, quantize in (("fp8", quantize_fp8), ("int8", quantize_int8), ("int4", quantize_int4)):
+        stacks[kind] = (quantize(w13), quantize(w2))
+    rows = []
+    for num_tokens in tokens_list:
+        x = torch.randn(num_tokens, HIDDEN, device=DEVICE, generator=gen).to(BF16)
+        logits = torch.randn(num_tokens, EXPERTS, device=DEVICE, generator=gen).to(BF16)
+        active = moe_route(logits, TOP_K, True)[1].unique().numel()
+        times = {}
+        for kind, (a, b) in stacks.items():
+            out = torch.zeros_like(x)
+
+            def step(x=x, logits=logits, out=out, a=a, b=b):
+                fused_moe(x, a, b, *moe_route(logits, TOP_K, True), out)
+
+            times[kind] = bench(step, rep_ms)
+            if kind != "bf16":
+                touched = active * (a.nbytes + b.nbytes) / EXPERTS
+                gbps = touched / times[kind] / 1e3
+                rows.append(Row(f"fused_moe, {kind} experts", f"M={num_tokens}", times[kind], gbps,
+                                f"{times['bf16'] / times[kind]:.2f}x the bf16 stacks' speed, "
+                                f"{100 * gbps / copy_gbps:.0f}% of copy"))
+    return rows
+
+
 def attention_rows(contexts: list[int], batches: list[int], rep_ms: int, copy_gbps: float) -> list[Row]:
     from tsterm_kernels.metadata import AttentionMetadata
     from tsterm_kernels.triton_ops import paged_attention
@@ -155,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device copy bandwidth: {copy.gbytes_per_s:.0f} GB/s", flush=True)
     rows = [copy]
     rows += moe_rows(args.moe_tokens, args.rep_ms, not args.no_twin, copy.gbytes_per_s)
+    rows += quant_moe_rows(args.moe_tokens, args.rep_ms, copy.gbytes_per_s)
     print("\n".join(f"  {r.kernel} {r.shape}: {r.micros:.1f} us" for r in rows[1:]), flush=True)
     rows += attention_rows(args.contexts, args.decode_batch, args.rep_ms, copy.gbytes_per_s)
     summary = table(rows, f"== kernel microbenchmarks on {name} (bf16) ==")

@@ -29,13 +29,16 @@ def test_benchmark_code_paths_on_tiny_shapes(monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_kernels", bench)  # dataclasses look their module up there
     spec.loader.exec_module(bench)
-    for name, value in dict(DEVICE="cpu", BF16=torch.float32, HIDDEN=32, INTER=16, EXPERTS=6, TOP_K=2,
+    for name, value in dict(DEVICE="cpu", BF16=torch.float32, HIDDEN=32, INTER=32, EXPERTS=6, TOP_K=2,
                             HEADS=4, KV_HEADS=2, HEAD_DIM=16, BLOCK=4).items():
         monkeypatch.setattr(bench, name, value)
     monkeypatch.setattr(bench, "bench", lambda fn, rep_ms: (fn(), 10.0)[1])
 
-    rows = bench.moe_rows([1, 5], 1, True, 1000.0) + bench.attention_rows([9], [2], 1, 1000.0)
+    rows = (bench.moe_rows([1, 5], 1, True, 1000.0) + bench.quant_moe_rows([3], 1, 1000.0)
+            + bench.attention_rows([9], [2], 1, 1000.0))
 
-    assert [r.kernel for r in rows] == ["moe_route + fused_moe", "  of which moe_align"] * 2 + ["paged decode attention"]
+    assert [r.kernel for r in rows] == (["moe_route + fused_moe", "  of which moe_align"] * 2
+                                        + [f"fused_moe, {kind} experts" for kind in ("fp8", "int8", "int4")]
+                                        + ["paged decode attention"])
     assert all(r.gbytes_per_s is None or r.gbytes_per_s > 0 for r in rows)
     assert "ctx=9 S=2" in bench.table(rows, "title")
