@@ -210,7 +210,6 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
     int64_t *ids = ints + 4 * (P + 1);
     int8_t *codes = (int8_t *)(ints + 5 * (P + 1));
     const qrows qa = {codes, scales, scales + P * nbw}, qb = {codes + P * widest, scales + 2 * P * nbw, scales + 3 * P * nbw};
-    const int64_t tasks = rows * att.max_chunks;
 #pragma omp parallel
     for (int64_t l = 0; l < m->num_layers; l++) {
         const tsterm_layer *L = &m->layers[l];
@@ -240,8 +239,7 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
         }
         tsterm_attention a = att;
         a.q = qkv, a.k_cache = L->k_cache, a.v_cache = L->v_cache;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < tasks; task++) tsterm_attention_task(&a, task);
+        tsterm_attention_tasks(&a);
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < rows * Hq; row++) tsterm_attention_merge(&a, row, attn + row * D);
         if (L->o.kind != TSTERM_F32) {
