@@ -182,6 +182,12 @@ def fp8_checkpoint(tmp_path_factory):
     path, _ = make_checkpoint(tmp_path_factory.mktemp("fp8ckpt") / "m", "llama", dict(
         hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, intermediate_size=200,
         num_hidden_layers=2))
+    return _store_as_fp8(path)
+
+
+def _store_as_fp8(path):
+    """Rewrite a saved checkpoint as Qwen's FP8 releases store it: every projection e4m3 + its 128 x 128
+    `weight_scale_inv`, and the quantization_config that says so. Returns (path, its ModelConfig)."""
     tensors = load_file(path / "model.safetensors")
     for name in [n for n in tensors if n.endswith("_proj.weight")]:
         q = quantize_fp8(tensors[name])
@@ -192,6 +198,33 @@ def fp8_checkpoint(tmp_path_factory):
                                      "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(config))
     return path, ModelConfig.from_dir(path)
+
+
+def _assert_stands_for(kept: dict, dequantized: dict) -> None:
+    """Every kept weight (fp8 blocks or float) is exactly the dequantized load's."""
+    for name, weight in kept.items():
+        got = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+        assert torch.equal(got, dequantized[name]), name
+
+
+def _kept_through_the_kernels_matches_the_dequantized_load(path, monkeypatch, seed: int, max_tokens: int) -> None:
+    """The checkpoint loaded as on a CUDA device (fp8 kept) and run by the Triton kernels, interpreted, against the
+    CPU's dequantized load through the torch kernels: same greedy tokens, logprobs within float32 summation order."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 4)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    options = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=32)
+    want = LLM(str(path), **options).generate(prompts, params)
+
+    monkeypatch.setattr(model_runner, "load_weights", functools.partial(load_weights, keep_fp8=True))
+    monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: True)  # the Triton kernels, interpreted
+    got = LLM(str(path), kernels="triton", **options).generate(prompts, params)
+
+    for ours, theirs in zip(got, want):
+        assert ours.token_ids == theirs.token_ids
+        torch.testing.assert_close(torch.tensor([s["logprob"] for s in ours.outputs[0].logprobs]),
+                                   torch.tensor([s["logprob"] for s in theirs.outputs[0].logprobs]),
+                                   atol=1e-5, rtol=1e-4)
 
 
 def test_a_kept_fp8_checkpoint_is_its_stored_blocks(fp8_checkpoint):
@@ -207,32 +240,15 @@ def test_a_kept_fp8_checkpoint_is_its_stored_blocks(fp8_checkpoint):
     stored = load_file(path / "model.safetensors")
     assert torch.equal(o_proj.data.view(torch.uint8),
                        stored["model.layers.1.self_attn.o_proj.weight"].view(torch.uint8))  # the bytes as stored
-    for name, weight in kept.items():
-        got = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
-        assert torch.equal(got, dequantized[name]), name
+    _assert_stands_for(kept, dequantized)
 
 
 def test_a_kept_fp8_model_through_the_kernel_matches_the_dequantized_load(fp8_checkpoint, monkeypatch):
-    path, _ = fp8_checkpoint
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 4)]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
-    options = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=32)
-    want = LLM(str(path), **options).generate(prompts, params)
-
-    monkeypatch.setattr(model_runner, "load_weights", functools.partial(load_weights, keep_fp8=True))
-    monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: True)  # the Triton kernel, interpreted
     launches = []
     kernel = tql.quant_linear
     monkeypatch.setattr(tql, "quant_linear", lambda *args: launches.append(args[1].kind) or kernel(*args))
-    got = LLM(str(path), kernels="triton", **options).generate(prompts, params)
-
+    _kept_through_the_kernels_matches_the_dequantized_load(fp8_checkpoint[0], monkeypatch, seed=6, max_tokens=4)
     assert set(launches) == {"fp8"}
-    for ours, theirs in zip(got, want):
-        assert ours.token_ids == theirs.token_ids
-        torch.testing.assert_close(torch.tensor([s["logprob"] for s in ours.outputs[0].logprobs]),
-                                   torch.tensor([s["logprob"] for s in theirs.outputs[0].logprobs]),
-                                   atol=1e-5, rtol=1e-4)
 
 
 def test_quantizing_a_kept_fp8_model_starts_from_its_values(fp8_checkpoint):
@@ -270,16 +286,7 @@ def fp8_moe_checkpoint(tmp_path_factory):
     path, _ = make_checkpoint(tmp_path_factory.mktemp("fp8moe") / "m", "qwen2_moe", dict(
         hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32, num_experts=3,
         num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_hidden_layers=2))
-    tensors = load_file(path / "model.safetensors")
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
-        q = quantize_fp8(tensors[name])
-        tensors[name], tensors[name + "_scale_inv"] = q.data, q.scale
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
-    return path, ModelConfig.from_dir(path)
+    return _store_as_fp8(path)
 
 
 def test_kept_fp8_experts_are_stacks_of_their_stored_blocks(fp8_moe_checkpoint):
@@ -296,31 +303,14 @@ def test_kept_fp8_experts_are_stacks_of_their_stored_blocks(fp8_moe_checkpoint):
         expert = f"model.layers.{i}.mlp.experts.2."
         assert torch.equal(w13.data[2, 128:].view(torch.uint8), stored[expert + "up_proj.weight"].view(torch.uint8))
         assert torch.equal(w13.scale[2, 1], stored[expert + "up_proj.weight_scale_inv"][0])
-    for name, weight in kept.items():
-        got = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
-        assert torch.equal(got, dequantized[name]), name
+    _assert_stands_for(kept, dequantized)
 
 
 def test_a_kept_fp8_moe_through_the_kernels_matches_the_dequantized_load(fp8_moe_checkpoint, monkeypatch):
     from tsterm_kernels import triton_fused_moe
 
-    path, _ = fp8_moe_checkpoint
-    gen = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 4)]
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
-    options = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=32)
-    want = LLM(str(path), **options).generate(prompts, params)
-
-    monkeypatch.setattr(model_runner, "load_weights", functools.partial(load_weights, keep_fp8=True))
-    monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: True)  # the Triton kernels, interpreted
     kinds = []
     weight_args = triton_fused_moe._weight_args
     monkeypatch.setattr(triton_fused_moe, "_weight_args", lambda w, name: kinds.append(w.kind) or weight_args(w, name))
-    got = LLM(str(path), kernels="triton", **options).generate(prompts, params)
-
+    _kept_through_the_kernels_matches_the_dequantized_load(fp8_moe_checkpoint[0], monkeypatch, seed=7, max_tokens=3)
     assert kinds and set(kinds) == {"fp8"}  # routed and shared experts, read as fp8 stacks
-    for ours, theirs in zip(got, want):
-        assert ours.token_ids == theirs.token_ids
-        torch.testing.assert_close(torch.tensor([s["logprob"] for s in ours.outputs[0].logprobs]),
-                                   torch.tensor([s["logprob"] for s in theirs.outputs[0].logprobs]),
-                                   atol=1e-5, rtol=1e-4)
