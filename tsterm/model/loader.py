@@ -130,7 +130,7 @@ class WeightSource:
         return name + CODES in self.where
 
     def weight(self, name: str, shape: tuple[int, ...], rows: Span = None, cols: Span = None) -> Weight:
-        """`get`, or the QuantizedWeight stored as `name`.qcodes / .qscales (dequantized to the target dtype off the
+        """`get`, or the QuantizedWeight stored as `name`.qcodes / .qscales (its blocks copied to the device off the
         CPU). rows: a span of dimension 0; cols: of the last dimension (the inputs)."""
         if not self.is_quantized(name):
             if self.fp8_kept(name, shape, rows, cols):
