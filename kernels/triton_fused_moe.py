@@ -209,7 +209,8 @@ def fused_moe(x: torch.Tensor, w13: "torch.Tensor | QuantizedWeight", w2: "torch
     assert weights.shape == expert_ids.shape and weights.is_floating_point(), \
         f"weights must be [T, {top_k}] float, got {tuple(weights.shape)} {weights.dtype}"
     assert out.shape == x.shape and out.stride(1) == 1, f"out must be [T, H] with unit last stride, got {tuple(out.shape)}"
-    w13_args, w2_args = _weight_args(w13, "w13"), _weight_args(w2, "w2")
+    data13, scale13, *strides13, kind13 = _weight_args(w13, "w13")
+    data2, scale2, *strides2, kind2 = _weight_args(w2, "w2")
     floats = [w.dtype for w in (w13, w2) if not isinstance(w, QuantizedWeight)]
     assert all(d == x.dtype for d in [out.dtype, *floats]), \
         f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}, out {out.dtype}"
@@ -218,21 +219,19 @@ def fused_moe(x: torch.Tensor, w13: "torch.Tensor | QuantizedWeight", w2: "torch
         return out
     tiles = tile_config(x.device, num_tokens)
     block_m = tiles["BLOCK_M"]
-    assert FP8_BLOCK % tiles["BLOCK_K"] == 0 or not any(a[-1] == KIND_IDS["fp8"] for a in (w13_args, w2_args)), \
+    assert FP8_BLOCK % tiles["BLOCK_K"] == 0 or KIND_IDS["fp8"] not in (kind13, kind2), \
         f"fp8 stacks need a BLOCK_K that divides {FP8_BLOCK}, got {tiles['BLOCK_K']}"
     launch = dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
     sorted_pairs, tile_experts = moe_align(expert_ids.contiguous(), num_experts, block_m)
     num_pairs, num_tiles = expert_ids.numel(), tile_experts.numel()
     act = torch.empty((num_pairs, inter_size), dtype=x.dtype, device=x.device)  # [T*k, I]
-    data13, scale13, *strides13, kind13 = w13_args
     _gate_up_kernel[(num_tiles, triton.cdiv(inter_size, tiles["BLOCK_N"]))](
         x, data13, scale13, sorted_pairs, tile_experts, act,
         num_pairs, top_k, hidden_size, inter_size,
         x.stride(0), *strides13, act.stride(0),
         KIND=kind13, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], **launch,
     )
-    data2, scale2, *strides2, kind2 = w2_args
     _down_kernel[(num_tiles, triton.cdiv(hidden_size, tiles["BLOCK_N"]))](
         act, data2, scale2, sorted_pairs, tile_experts, weights, out,
         num_pairs, top_k, hidden_size, inter_size,

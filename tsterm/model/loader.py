@@ -282,13 +282,14 @@ def narrow(weight: Weight, dim: int, start: int, length: int, what: str = "a qua
 
 
 def cat(parts: list[Weight], dim: int, dtype: torch.dtype) -> Weight:
-    """Parts of one fused matrix joined along `dim` (an output dimension, not the inputs): quantized parts of one
-    kind join as blocks (exact; fp8 parts where all but the last are whole 128-row blocks); a mix of kinds, or of
-    quantized and float parts, joins as floats of `dtype`."""
+    """Parts of one fused matrix joined along `dim` (an output dimension, or a leading one, not the inputs):
+    quantized parts of one kind join as blocks (exact; fp8 along the output rows where all but the last part are
+    whole 128-row blocks); a mix of kinds, or of quantized and float parts, joins as floats of `dtype`."""
     kinds = {p.kind if isinstance(p, QuantizedWeight) else None for p in parts}
     if kinds == {None}:
         return torch.cat(parts, dim)
-    if kinds == {"fp8"} and dim == len(parts[0].dims) - 2 and all(p.dims[dim] % FP8_BLOCK == 0 for p in parts[:-1]):
+    rows = len(parts[0].dims) - 2
+    if kinds == {"fp8"} and (dim < rows or dim == rows and all(p.dims[dim] % FP8_BLOCK == 0 for p in parts[:-1])):
         return QuantizedWeight.fp8(torch.cat([p.data for p in parts], dim), torch.cat([p.scale for p in parts], dim))
     if len(kinds) == 1 and kinds != {"fp8"}:
         return QuantizedWeight.blocks(parts[0].kind, torch.cat([p.data for p in parts], dim),
@@ -297,15 +298,8 @@ def cat(parts: list[Weight], dim: int, dtype: torch.dtype) -> Weight:
 
 
 def stack(parts: list[Weight], dtype: torch.dtype) -> Weight:
-    """Same-shape matrices stacked along a new first (expert) dimension: quantized ones of one kind as a stack of
-    their blocks (exact), a mix as floats of `dtype`."""
-    kinds = {p.kind if isinstance(p, QuantizedWeight) else None for p in parts}
-    if kinds == {"fp8"}:
-        return QuantizedWeight.fp8(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]))
-    if len(kinds) == 1 and kinds != {None}:
-        return QuantizedWeight.blocks(parts[0].kind, torch.stack([p.data for p in parts]),
-                                      torch.stack([p.scale for p in parts]))
-    return torch.stack([p.dequantize().to(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+    """Same-shape matrices stacked along a new first (expert) dimension, as `cat` joins them."""
+    return cat([unsqueeze(p) for p in parts], 0, dtype)
 
 
 def unsqueeze(weight: Weight) -> Weight:
