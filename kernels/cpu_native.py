@@ -3,7 +3,9 @@
 Why C: the quantized matmuls of batch-1 decode must read 4-bit and 8-bit weights at memory speed, and neither torch's
 CPU int4 / int8 kernels nor torch.compile did on these AVX2 cores (benchmarks/quant_gemv.py, BENCHMARKS.md); and the
 small ops between them (a norm of one row, one query's attention) cost torch 50-150 us each where the work is a
-few microseconds (csrc/decode.c). The
+few microseconds (csrc/decode.c); and prefill's float32 matmuls and causal attention, where torch's MKL GEMM and
+flash kernel run at 50-70% of these cores' FMA peak on the shapes an MoE's prefill gives them (csrc/gemm.c,
+csrc/prefill.c: 1.3-1.6x). The
 sources are plain C with AVX2 / FMA / F16C intrinsics and OpenMP; they are built with the system C compiler
 (`$CC`, else `cc`) and `-march=native`, like llama.cpp builds on the machine that runs it, into
 `$TSTERM_CACHE_DIR/kernels/<hash of sources, flags and CPU>/` (default ~/.cache/tsterm), once: later processes load
@@ -41,6 +43,8 @@ SIGNATURES = {
     "tsterm_q4_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_q8_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_f32_matmul": (None, [_P, _I64, _I64, _P, _I64, _P]),
+    "tsterm_f32_gemm": (None, [_P, _I64, _I64, _I64, _P, _I64, _P]),
+    "tsterm_prefill_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I64]),
     "tsterm_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P]),
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
     "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),

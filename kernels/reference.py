@@ -29,13 +29,16 @@ __all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "d
 _SPLIT_MAX_ROWS = 32
 _SPLITS = 4
 # Up to this many rows of float32 x, tsterm's C GEMV (csrc/gemv.c) instead: 1.2-1.5x the row-split bmm at M = 1,
-# 1.4-2.3x at M = 4, on the bench model's 2-6 MB matrices (BENCHMARKS.md "C kernels").
+# 1.4-2.3x at M = 4, on the bench model's 2-6 MB matrices (BENCHMARKS.md "C kernels"). More rows (prefill) take
+# the C GEMM (csrc/gemm.c), 1.3-1.6x MKL on the experts' tens of rows (benchmarks/prefill_kernels.py); the row-split
+# bmm is then the path of a machine without the C kernels.
 _NATIVE_MAX_ROWS = 4
 _FEW_PAIRS = 64  # fused_moe groups at most this many (token, expert) pairs on the host
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); x: [M, I], weight: [O, I] -> [M, O]. On the CPU, small M runs as a row-split bmm.
+    """F.linear(x, weight, bias); x: [M, I], weight: [O, I] -> [M, O]. Float32 on the CPU: tsterm's C GEMV (M <= 4)
+    or GEMM; without the C kernels small M runs as a row-split bmm.
 
     The model's one matmul seam: a `QuantizedWeight` (weight-only int8 / int4) runs its quantized kernel here."""
     if isinstance(weight, QuantizedWeight):
@@ -48,6 +51,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x = x if x.is_contiguous() else x.contiguous()
             y = torch.empty((rows, out_features), dtype=torch.float32)
             native.f32_matmul(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, y.data_ptr())
+            return y if bias is None else y + bias
+    if (rows > _NATIVE_MAX_ROWS and x.dim() == 2 and x.stride(1) == 1 and x.is_cpu and x.dtype is torch.float32
+            and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous()):
+        native = cpu_native.load()
+        if native is not None:
+            y = torch.empty((rows, out_features), dtype=torch.float32)
+            native.f32_gemm(x.data_ptr(), x.stride(0), rows, in_features, weight.data_ptr(), out_features, y.data_ptr())
             return y if bias is None else y + bias
     if (x.device.type != "cpu" or rows > _SPLIT_MAX_ROWS or x.dim() != 2 or out_features % _SPLITS
             or not weight.is_contiguous()):
@@ -140,8 +150,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q: [T, Hq, D] (new tokens, flattened over sequences); k_cache, v_cache: [num_blocks, B, Hkv, D], already
     holding the new tokens' K/V. Returns [T, Hq, D].
 
-    The context is never gathered into a new buffer: each run of consecutive blocks is a view of the pool,
-    attended separately, and the partial results are merged by their log-sum-exp.
+    The context is never gathered into a new buffer. Float32 on the CPU, a sequence is one C call that reads the
+    pool through its block table (csrc/decode.c for one new token per sequence, csrc/prefill.c for more); otherwise
+    each run of consecutive blocks is a view of the pool, attended separately, and the partial results are merged
+    by their log-sum-exp.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -154,10 +166,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if native is not None and tables.dtype is torch.int32 and tables.is_cpu and tables.is_contiguous():
             return _native_decode_attention(native, q, k_cache, v_cache, meta, scale)
     flash = device.type == "cpu" and _FLASH_CPU is not None
+    prefill = _native_prefill(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         num_q = q_end - q_start
+        if prefill is not None and num_q > 1:  # one C call over the sequence's blocks (csrc/prefill.c)
+            table = meta.block_tables[i]
+            if prefill.prefill_attention(q[q_start].data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                         table.data_ptr(), seq_len, num_q, num_heads, num_kv_heads, head_dim,
+                                         block_size, scale, out[q_start].data_ptr(), out.stride(0)) != 0:
+                raise MemoryError("prefill attention: out of memory for its scratch")
+            continue
         if num_q == 1 and flash and len(meta.block_runs[i]) == 1:
             # Decode over one run of blocks (the usual case): one kernel call on views, no mask, nothing to merge.
             first_block, num_blocks = meta.block_runs[i][0]
@@ -203,6 +223,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return o.to(q.dtype)
         out[q_start:q_end] = o.to(q.dtype)
     return out
+
+
+def _native_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> "cpu_native.NativeKernels | None":
+    """The C kernels when csrc/prefill.c can run this step's attention: float32 on the CPU, contiguous head rows,
+    an int32 block table, a head size in whole 16s."""
+    num_heads, head_dim = q.shape[1:]
+    tables = meta.block_tables
+    if (q.dtype is not torch.float32 or not q.is_cpu or q.stride(2) != 1 or q.stride(1) != head_dim
+            or head_dim % 16 or num_heads % k_cache.shape[2] or tables.dtype is not torch.int32 or not tables.is_cpu
+            or not tables.is_contiguous()):
+        return None
+    return _native_f32(k_cache, v_cache)
 
 
 def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor, k_cache: torch.Tensor,

@@ -57,6 +57,15 @@ TSTERM_INTERNAL void tsterm_quant_rows(int kind, const int8_t *qx, const float *
 TSTERM_INTERNAL void tsterm_f32_rows(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t first,
                                      int64_t last, int64_t out_f, float *y);
 
+/* gemm.c: the register-blocked float32 kernel's pieces (prefill.c reuses them for attention). */
+#define NR 16 /* outputs per tile: two ymm of accumulators per row */
+#define MR 6  /* rows per tile */
+/* packed [len][16] <- rows[0..n) (n <= 16, each [len]) transposed; outputs n..15 zero. packed 32-byte aligned. */
+TSTERM_INTERNAL void tsterm_pack16(const float *const *rows, int64_t n, int64_t len, float *packed);
+/* y [rows][16] (rows ldy apart) = (add: +=) x [rows][kc] (ldx apart) @ packed [kc][16]; 1 <= rows <= MR */
+TSTERM_INTERNAL void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, int64_t ldx, const float *packed,
+                                     float *y, int64_t ldy, int add);
+
 /* decode.c: decode attention in two phases (tasks over (sequence, chunk), then one merge per query row), so that a
  * caller's own parallel region can run it. */
 typedef struct {

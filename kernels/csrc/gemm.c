@@ -1,0 +1,131 @@
+/* float32 matmul for prefill-sized x on the CPU: y[M, O] = x[M, I] @ W[O, I]^T, W in nn.Linear's layout.
+ *
+ * Why not torch's (MKL's) sgemm: on these AVX2 cores MKL runs the shapes prefill gives an MoE's experts (tens of
+ * rows against a 1-4 MB weight) at 100-120 GFLOP/s on two cores, while the cores peak at about 180
+ * (benchmarks/prefill_gemm.py, BENCHMARKS.md). This is the textbook register-blocked kernel instead:
+ *
+ * - a 6 x 16 tile of y lives in 12 ymm accumulators; each step over the inputs broadcasts one value of each of the
+ *   six x rows and multiplies it with 16 consecutive outputs' weights (two loads), 12 FMAs for 8 loads;
+ * - those 16 outputs' weights are first packed, KC inputs at a time, into [KC][16] (an 8 x 8 transpose in
+ *   registers), 16 KB that stay in L1 while every 6-row tile of x passes over them, so W is read from memory
+ *   once per call whatever M is;
+ * - x rows are read in place (rows `ldx` apart) and the tile of y is stored (first input block) or added to.
+ *
+ * Output columns are split over the OpenMP threads in whole panels of 16. A tail of fewer than 6 rows runs a
+ * narrower tile of the same loop; a tail of fewer than 16 outputs is packed zero-padded and stored through a small
+ * buffer. The sums run in a different order than MKL's, so results agree to float32 rounding, not bit for bit.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "tsterm.h"
+
+#define KC 256 /* inputs per packed block: [KC][16] floats = 16 KB */
+
+/* y tile [ROWS][16] (rows ldy apart) = (or +=) x rows [ROWS][kc] (ldx apart) @ packed [kc][16] */
+#define DEFINE_TILE(ROWS)                                                                                          \
+    static void tile##ROWS(int64_t kc, const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy,   \
+                           int add) {                                                                               \
+        __m256 acc[ROWS][2];                                                                                        \
+        _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();         \
+        for (int64_t k = 0; k < kc; k++) {                                                                          \
+            const __m256 b0 = _mm256_load_ps(packed + k * NR), b1 = _mm256_load_ps(packed + k * NR + 8);            \
+            _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {                                                \
+                const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);                                              \
+                acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);                                                      \
+                acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);                                                      \
+            }                                                                                                       \
+        }                                                                                                           \
+        _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {                                                    \
+            float *o = y + r * ldy;                                                                                 \
+            if (add) {                                                                                              \
+                acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_loadu_ps(o));                                           \
+                acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_loadu_ps(o + 8));                                       \
+            }                                                                                                       \
+            _mm256_storeu_ps(o, acc[r][0]);                                                                         \
+            _mm256_storeu_ps(o + 8, acc[r][1]);                                                                     \
+        }                                                                                                           \
+    }
+
+DEFINE_TILE(1)
+DEFINE_TILE(2)
+DEFINE_TILE(3)
+DEFINE_TILE(4)
+DEFINE_TILE(5)
+DEFINE_TILE(6)
+
+typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, float *, int64_t, int);
+static const tile_fn TILES[MR] = {tile1, tile2, tile3, tile4, tile5, tile6};
+
+/* packed [len][16] <- rows[0..n) [len] transposed (n <= 16); outputs n..15 are zero */
+void tsterm_pack16(const float *const *rows, int64_t n, int64_t len, float *packed) {
+    int64_t k = 0;
+    if (n == NR) {
+        for (; k + 8 <= len; k += 8) {
+            for (int h = 0; h < 2; h++) { /* rows 8h..8h+7: an 8 x 8 transpose */
+                const float *const *s = rows + 8 * h;
+                const __m256 r0 = _mm256_loadu_ps(s[0] + k), r1 = _mm256_loadu_ps(s[1] + k),
+                             r2 = _mm256_loadu_ps(s[2] + k), r3 = _mm256_loadu_ps(s[3] + k),
+                             r4 = _mm256_loadu_ps(s[4] + k), r5 = _mm256_loadu_ps(s[5] + k),
+                             r6 = _mm256_loadu_ps(s[6] + k), r7 = _mm256_loadu_ps(s[7] + k);
+                const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+                             t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+                             t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                             t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+                const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                             s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                             s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                             s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+                float *o = packed + k * NR + h * 8;
+                _mm256_store_ps(o + 0 * NR, _mm256_permute2f128_ps(s0, s4, 0x20));
+                _mm256_store_ps(o + 1 * NR, _mm256_permute2f128_ps(s1, s5, 0x20));
+                _mm256_store_ps(o + 2 * NR, _mm256_permute2f128_ps(s2, s6, 0x20));
+                _mm256_store_ps(o + 3 * NR, _mm256_permute2f128_ps(s3, s7, 0x20));
+                _mm256_store_ps(o + 4 * NR, _mm256_permute2f128_ps(s0, s4, 0x31));
+                _mm256_store_ps(o + 5 * NR, _mm256_permute2f128_ps(s1, s5, 0x31));
+                _mm256_store_ps(o + 6 * NR, _mm256_permute2f128_ps(s2, s6, 0x31));
+                _mm256_store_ps(o + 7 * NR, _mm256_permute2f128_ps(s3, s7, 0x31));
+            }
+        }
+    }
+    for (; k < len; k++)
+        for (int64_t j = 0; j < NR; j++) packed[k * NR + j] = j < n ? rows[j][k] : 0.0f;
+}
+
+void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, int64_t ldx, const float *packed, float *y,
+                     int64_t ldy, int add) {
+    TILES[rows - 1](kc, x, ldx, packed, y, ldy, add);
+}
+
+void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,
+                     float *y) {
+#pragma omp parallel
+    {
+        float packed[KC * NR] __attribute__((aligned(64)));
+        float edge[MR * NR]; /* a tile's outputs when fewer than 16 remain */
+        int64_t first, last;
+        tsterm_thread_share(out_f, NR, &first, &last);
+        for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
+            const int64_t kc = in_f - k0 < KC ? in_f - k0 : KC;
+            const int add = k0 > 0;
+            for (int64_t o = first; o < last; o += NR) {
+                const int64_t n = last - o < NR ? last - o : NR;
+                const float *w_rows[NR];
+                for (int64_t j = 0; j < n; j++) w_rows[j] = w + (o + j) * in_f + k0;
+                tsterm_pack16(w_rows, n, kc, packed);
+                for (int64_t m = 0; m < rows; m += MR) {
+                    const int64_t mr = rows - m < MR ? rows - m : MR;
+                    float *yt = y + m * out_f + o;
+                    if (n == NR) {
+                        TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, yt, out_f, add);
+                        continue;
+                    }
+                    TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
+                    for (int64_t r = 0; r < mr; r++)
+                        for (int64_t j = 0; j < n; j++) yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
+                }
+            }
+        }
+    }
+}
