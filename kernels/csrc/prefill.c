@@ -24,8 +24,8 @@
 
 #include "tsterm.h"
 
-#define CHUNK 64     /* key positions per pass */
-#define TASK_ROWS 96 /* query rows per task, about: (positions per task) * group */
+#define CHUNK 128     /* key positions per pass */
+#define TASK_ROWS 192 /* query rows per task, about: (positions per task) * group */
 
 static inline float hmax256(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
