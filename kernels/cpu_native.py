@@ -62,6 +62,21 @@ def rows_contiguous_f32(x) -> bool:
             and x.stride(1) == x.shape[2])
 
 
+def f32_gemm(native: "NativeKernels", x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, I] @ weight.T -> a new [M, O] by csrc/gemm.c: float32 CPU tensors, x's rows contiguous (any row
+    stride), weight contiguous."""
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    native.f32_gemm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+                    y.data_ptr())
+    return y
+
+
+def gemm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether f32_gemm takes these: float32 CPU, x 2-D with contiguous rows, weight contiguous."""
+    return (x.dim() == 2 and x.is_cpu and x.dtype is torch.float32 and x.stride(1) == 1 and weight.is_cpu
+            and weight.dtype is torch.float32 and weight.is_contiguous())
+
+
 class NativeKernelError(RuntimeError):
     pass
 

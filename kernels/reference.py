@@ -52,12 +52,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = torch.empty((rows, out_features), dtype=torch.float32)
             native.f32_matmul(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, y.data_ptr())
             return y if bias is None else y + bias
-    if (rows > _NATIVE_MAX_ROWS and x.dim() == 2 and x.stride(1) == 1 and x.is_cpu and x.dtype is torch.float32
-            and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous()):
+    if rows > _NATIVE_MAX_ROWS and cpu_native.gemm_fits(x, weight):
         native = cpu_native.load()
         if native is not None:
-            y = torch.empty((rows, out_features), dtype=torch.float32)
-            native.f32_gemm(x.data_ptr(), x.stride(0), rows, in_features, weight.data_ptr(), out_features, y.data_ptr())
+            y = cpu_native.f32_gemm(native, x, weight)
             return y if bias is None else y + bias
     if (x.device.type != "cpu" or rows > _SPLIT_MAX_ROWS or x.dim() != 2 or out_features % _SPLITS
             or not weight.is_contiguous()):
