@@ -2,13 +2,14 @@
  *
  * Why not torch's (MKL's) sgemm: on these AVX2 cores MKL runs the shapes prefill gives an MoE's experts (tens of
  * rows against a 1-4 MB weight) at 100-120 GFLOP/s on two cores, while the cores peak at about 180
- * (benchmarks/prefill_gemm.py, BENCHMARKS.md). This is the textbook register-blocked kernel instead:
+ * (benchmarks/prefill_kernels.py, BENCHMARKS.md). This is the textbook register-blocked kernel instead:
  *
  * - a 6 x 16 tile of y lives in 12 ymm accumulators; each step over the inputs broadcasts one value of each of the
  *   six x rows and multiplies it with 16 consecutive outputs' weights (two loads), 12 FMAs for 8 loads;
  * - those 16 outputs' weights are first packed, KC inputs at a time, into [KC][16] (an 8 x 8 transpose in
- *   registers), 16 KB that stay in L1 while every 6-row tile of x passes over them, so W is read from memory
- *   once per call whatever M is;
+ *   registers), 16 KB that stay in L1 while every 6-row tile of x passes over them; x goes MC rows at a time (their
+ *   KC inputs, 384 KB, stay in L2), so W is read from memory once per MC rows: at 2048 rows, without that
+ *   blocking, x came from L3 for every panel and the kernel fell to 130 GFLOP/s against MKL's 156 (158 with it);
  * - x rows are read in place (rows `ldx` apart) and the tile of y is stored (first input block) or added to.
  *
  * Output columns are split over the OpenMP threads in whole panels of 16. A tail of fewer than 6 rows runs a
@@ -22,6 +23,7 @@
 #include "tsterm.h"
 
 #define KC 256 /* inputs per packed block: [KC][16] floats = 16 KB */
+#define MC 384 /* rows of x per pass over the weights */
 
 /* y tile [ROWS][16] (rows ldy apart) = (or +=) x rows [ROWS][kc] (ldx apart) @ packed [kc][16] */
 #define DEFINE_TILE(ROWS)                                                                                          \
@@ -106,24 +108,28 @@ void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, co
         float edge[MR * NR]; /* a tile's outputs when fewer than 16 remain */
         int64_t first, last;
         tsterm_thread_share(out_f, NR, &first, &last);
-        for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
-            const int64_t kc = in_f - k0 < KC ? in_f - k0 : KC;
-            const int add = k0 > 0;
-            for (int64_t o = first; o < last; o += NR) {
-                const int64_t n = last - o < NR ? last - o : NR;
-                const float *w_rows[NR];
-                for (int64_t j = 0; j < n; j++) w_rows[j] = w + (o + j) * in_f + k0;
-                tsterm_pack16(w_rows, n, kc, packed);
-                for (int64_t m = 0; m < rows; m += MR) {
-                    const int64_t mr = rows - m < MR ? rows - m : MR;
-                    float *yt = y + m * out_f + o;
-                    if (n == NR) {
-                        TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, yt, out_f, add);
-                        continue;
+        for (int64_t m0 = 0; m0 < rows; m0 += MC) {
+            const int64_t m1 = rows - m0 < MC ? rows : m0 + MC;
+            for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
+                const int64_t kc = in_f - k0 < KC ? in_f - k0 : KC;
+                const int add = k0 > 0;
+                for (int64_t o = first; o < last; o += NR) {
+                    const int64_t n = last - o < NR ? last - o : NR;
+                    const float *w_rows[NR];
+                    for (int64_t j = 0; j < n; j++) w_rows[j] = w + (o + j) * in_f + k0;
+                    tsterm_pack16(w_rows, n, kc, packed);
+                    for (int64_t m = m0; m < m1; m += MR) {
+                        const int64_t mr = m1 - m < MR ? m1 - m : MR;
+                        float *yt = y + m * out_f + o;
+                        if (n == NR) {
+                            TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, yt, out_f, add);
+                            continue;
+                        }
+                        TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
+                        for (int64_t r = 0; r < mr; r++)
+                            for (int64_t j = 0; j < n; j++)
+                                yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
                     }
-                    TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
-                    for (int64_t r = 0; r < mr; r++)
-                        for (int64_t j = 0; j < n; j++) yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
                 }
             }
         }

@@ -226,11 +226,11 @@ def test_prefill_attention_leaves_head_sizes_it_does_not_take_to_torch(native, m
     torch.testing.assert_close(got, _causal_from_scratch(q, k_cache, v_cache, tables, meta, 0.2), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("rows", [5, 6, 7, 13, 37])
+@pytest.mark.parametrize("rows", [5, 6, 7, 13, 37, 400])
 @pytest.mark.parametrize("out_f,in_f", [(16, 8), (40, 24), (33, 513), (1030, 300)])
 def test_float32_linear_of_many_rows_is_a_float64_matmul(native, monkeypatch, rows, out_f, in_f):
-    """csrc/gemm.c: every tail of its tiles (rows not a multiple of 6, outputs not of 16, inputs over its
-    256-input blocks and not a multiple of 8) and x rows further apart than their length."""
+    """csrc/gemm.c: every tail of its tiles (rows not a multiple of 6 nor of its 384-row blocks, outputs not of 16,
+    inputs over its 256-input blocks and not a multiple of 8) and x rows further apart than their length."""
     gen = torch.Generator().manual_seed(rows * out_f + in_f)
     x = torch.randn(rows, in_f + 5, generator=gen)[:, 3:in_f + 3]  # a strided view: rows in_f + 5 apart
     w, b = torch.randn(out_f, in_f, generator=gen), torch.randn(out_f, generator=gen)
