@@ -171,10 +171,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_q = q_end - q_start
         if prefill is not None and num_q > 1:  # one C call over the sequence's blocks (csrc/prefill.c)
             table = meta.block_tables[i]
-            if prefill.prefill_attention(q[q_start].data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                         table.data_ptr(), seq_len, num_q, num_heads, num_kv_heads, head_dim,
-                                         block_size, scale, out[q_start].data_ptr(), out.stride(0)) != 0:
+            status = prefill.prefill_attention(q[q_start].data_ptr(), q.stride(0), k_cache.data_ptr(),
+                                               v_cache.data_ptr(), table.data_ptr(), seq_len, num_q, num_heads,
+                                               num_kv_heads, head_dim, block_size, scale, out[q_start].data_ptr(),
+                                               out.stride(0))
+            if status == -1:
                 raise MemoryError("prefill attention: out of memory for its scratch")
+            if status != 0:
+                raise ValueError(f"prefill attention: sequence {i} has {num_q} new tokens in a context of {seq_len}")
             continue
         if num_q == 1 and flash and len(meta.block_runs[i]) == 1:
             # Decode over one run of blocks (the usual case): one kernel call on views, no mask, nothing to merge.

@@ -226,6 +226,13 @@ def test_prefill_attention_leaves_head_sizes_it_does_not_take_to_torch(native, m
     torch.testing.assert_close(got, _causal_from_scratch(q, k_cache, v_cache, tables, meta, 0.2), rtol=2e-5, atol=2e-5)
 
 
+def test_prefill_attention_refuses_more_new_tokens_than_the_context(native):
+    q, k_cache, v_cache, tables, meta = _prefill_case([40], [40], 4, 2, 16, 8)
+    meta.seq_lens = [39]
+    with pytest.raises(ValueError, match="40 new tokens in a context of 39"):
+        reference.paged_attention(q, k_cache, v_cache, meta, 0.25)
+
+
 @pytest.mark.parametrize("rows", [5, 6, 7, 13, 37, 400])
 @pytest.mark.parametrize("out_f,in_f", [(16, 8), (40, 24), (33, 513), (1030, 300)])
 def test_float32_linear_of_many_rows_is_a_float64_matmul(native, monkeypatch, rows, out_f, in_f):
