@@ -5,7 +5,8 @@ CPU int4 / int8 kernels nor torch.compile did on these AVX2 cores (benchmarks/qu
 small ops between them (a norm of one row, one query's attention) cost torch 50-150 us each where the work is a
 few microseconds (csrc/decode.c); and prefill's float32 matmuls and causal attention, where torch's MKL GEMM and
 flash kernel run at 50-70% of these cores' FMA peak on the shapes an MoE's prefill gives them (csrc/gemm.c,
-csrc/prefill.c: 1.3-1.6x). The
+csrc/prefill.c: 1.3-1.6x); and a prefill's routed experts, whose torch loop (a gather, two GEMMs, SwiGLU, a scale
+and an index_add per expert, each op its own thread fork) cost 10% of a 216-token extend (csrc/moe.c). The
 sources are plain C with AVX2 / FMA / F16C intrinsics and OpenMP; they are built with the system C compiler
 (`$CC`, else `cc`) and `-march=native`, like llama.cpp builds on the machine that runs it, into
 `$TSTERM_CACHE_DIR/kernels/<hash of sources, flags and CPU>/` (default ~/.cache/tsterm), once: later processes load
@@ -44,6 +45,7 @@ SIGNATURES = {
     "tsterm_q8_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_f32_matmul": (None, [_P, _I64, _I64, _P, _I64, _P]),
     "tsterm_f32_gemm": (None, [_P, _I64, _I64, _I64, _P, _I64, _P]),
+    "tsterm_moe_prefill": (_INT, [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P]),
     "tsterm_prefill_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I64]),
     "tsterm_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P]),
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),

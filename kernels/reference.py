@@ -390,6 +390,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
             ys.mul_(torch.tensor([w for _, w in pairs], dtype=ys.dtype, device=x.device)[:, None])
             out.index_add_(0, tokens, ys)
         return out
+    floats = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and expert_ids.dtype is torch.int64
+    native = _native_f32(x, w13, w2, weights, out) if floats else None
+    if native is not None and expert_ids.is_contiguous() and _get_current_dispatch_mode() is None:
+        # one C call (csrc/moe.c), the same bits as the loop below; the copy audit (a dispatch mode) gets the loop
+        if native.moe_prefill(x.data_ptr(), num_tokens, x.shape[1], w13.data_ptr(), w2.data_ptr(), num_experts,
+                              w2.shape[2], expert_ids.data_ptr(), weights.data_ptr(), top_k, out.data_ptr()) != 0:
+            raise MemoryError("fused_moe: out of memory for its scratch")
+        return out
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # token/expert pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()[:num_experts]  # host sync: CPU path only

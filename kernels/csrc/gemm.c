@@ -100,38 +100,41 @@ void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, int64_t ldx, cons
     TILES[rows - 1](kc, x, ldx, packed, y, ldy, add);
 }
 
-void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,
-                     float *y) {
-#pragma omp parallel
-    {
-        float packed[KC * NR] __attribute__((aligned(64)));
-        float edge[MR * NR]; /* a tile's outputs when fewer than 16 remain */
-        int64_t first, last;
-        tsterm_thread_share(out_f, NR, &first, &last);
-        for (int64_t m0 = 0; m0 < rows; m0 += MC) {
-            const int64_t m1 = rows - m0 < MC ? rows : m0 + MC;
-            for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
-                const int64_t kc = in_f - k0 < KC ? in_f - k0 : KC;
-                const int add = k0 > 0;
-                for (int64_t o = first; o < last; o += NR) {
-                    const int64_t n = last - o < NR ? last - o : NR;
-                    const float *w_rows[NR];
-                    for (int64_t j = 0; j < n; j++) w_rows[j] = w + (o + j) * in_f + k0;
-                    tsterm_pack16(w_rows, n, kc, packed);
-                    for (int64_t m = m0; m < m1; m += MR) {
-                        const int64_t mr = m1 - m < MR ? m1 - m : MR;
-                        float *yt = y + m * out_f + o;
-                        if (n == NR) {
-                            TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, yt, out_f, add);
-                            continue;
-                        }
-                        TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
-                        for (int64_t r = 0; r < mr; r++)
-                            for (int64_t j = 0; j < n; j++)
-                                yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
+void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,
+                           float *y) {
+    float packed[KC * NR] __attribute__((aligned(64)));
+    float edge[MR * NR]; /* a tile's outputs when fewer than 16 remain */
+    int64_t first, last;
+    tsterm_thread_share(out_f, NR, &first, &last);
+    for (int64_t m0 = 0; m0 < rows; m0 += MC) {
+        const int64_t m1 = rows - m0 < MC ? rows : m0 + MC;
+        for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
+            const int64_t kc = in_f - k0 < KC ? in_f - k0 : KC;
+            const int add = k0 > 0;
+            for (int64_t o = first; o < last; o += NR) {
+                const int64_t n = last - o < NR ? last - o : NR;
+                const float *w_rows[NR];
+                for (int64_t j = 0; j < n; j++) w_rows[j] = w + (o + j) * in_f + k0;
+                tsterm_pack16(w_rows, n, kc, packed);
+                for (int64_t m = m0; m < m1; m += MR) {
+                    const int64_t mr = m1 - m < MR ? m1 - m : MR;
+                    float *yt = y + m * out_f + o;
+                    if (n == NR) {
+                        TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, yt, out_f, add);
+                        continue;
                     }
+                    TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
+                    for (int64_t r = 0; r < mr; r++)
+                        for (int64_t j = 0; j < n; j++)
+                            yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
                 }
             }
         }
     }
+}
+
+void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,
+                     float *y) {
+#pragma omp parallel
+    tsterm_f32_gemm_share(x, ldx, rows, in_f, w, out_f, y);
 }

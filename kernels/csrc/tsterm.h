@@ -66,6 +66,11 @@ TSTERM_INTERNAL void tsterm_pack16(const float *const *rows, int64_t n, int64_t 
 TSTERM_INTERNAL void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, int64_t ldx, const float *packed,
                                      float *y, int64_t ldy, int add);
 
+/* This OpenMP thread's share of y [rows, O] = x [rows, I] (rows ldx apart) @ W [O, I]^T, in a parallel region of the
+ * caller's (tsterm_f32_gemm is one such region); the threads write disjoint columns, no barrier at the end. */
+TSTERM_INTERNAL void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w,
+                                           int64_t out_f, float *y);
+
 /* decode.c: decode attention in two phases (tasks over (sequence, chunk), then one merge per query row), so that a
  * caller's own parallel region can run it. */
 typedef struct {

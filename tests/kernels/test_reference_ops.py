@@ -55,3 +55,43 @@ def test_fused_moe_accumulates_every_pair(num_tokens):
     assert reference.fused_moe(x, w13, w2, weights, expert_ids, out) is out
     torch.testing.assert_close(out.double(), start.double() + dense_moe(x, w13, w2, weights, expert_ids),
                                rtol=1e-5, atol=1e-5)
+
+
+def _torch_loop_moe(x, w13, w2, weights, expert_ids, out):
+    """fused_moe's torch loop, on a copy of out: ids that are not contiguous turn csrc/moe.c away."""
+    ids = expert_ids.t().contiguous().t()  # the same values, column-major
+    assert not ids.is_contiguous() or ids.shape[1] == 1
+    if ids.is_contiguous():  # [T, 1] is contiguous either way: a strided view of a wider tensor
+        ids = torch.cat([expert_ids, expert_ids], 1)[:, :1]
+    return reference.fused_moe(x, w13, w2, weights, ids, out.clone())
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden,inter", [(40, 2, 32, 24), (300, 4, 48, 40), (80, 1, 40, 16)])
+def test_fused_moe_in_c_is_the_torch_loop_bit_for_bit(monkeypatch, num_tokens, top_k, hidden, inter):
+    """csrc/moe.c against the loop it replaces: experts with no rows, with 1-4 (the GEMV), with many (the GEMM), and
+    pairs naming another rank's expert (id E), which add nothing."""
+    from tsterm_kernels import cpu_native
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts = 8
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    logits = torch.randn(num_tokens, experts, generator=gen)
+    logits[:, 5] -= 100.0  # expert 5 gets no token
+    logits[:3, 6] += 100.0  # expert 6 gets three (the GEMV's row counts)
+    weights, expert_ids = reference.moe_route(logits, top_k, True)
+    expert_ids[::5, 0] = experts  # another rank's expert
+    start = torch.randn(num_tokens, hidden, generator=gen)
+    want = _torch_loop_moe(x, w13, w2, weights, expert_ids, start)
+    calls = []
+    native = cpu_native.load()
+    real = native.moe_prefill
+    monkeypatch.setattr(native, "moe_prefill", lambda *a: calls.append(1) or real(*a))
+    out = start.clone()
+    assert reference.fused_moe(x, w13, w2, weights, expert_ids, out) is out
+    assert calls == [1]  # the C path ran
+    assert torch.equal(out, want)
+    kept = (expert_ids < experts).to(weights.dtype)
+    ref = dense_moe(x, w13, w2, weights * kept, expert_ids.clamp(max=experts - 1))
+    torch.testing.assert_close(out.double(), start.double() + ref, rtol=1e-5, atol=1e-5)
