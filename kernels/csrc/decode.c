@@ -118,18 +118,7 @@ void tsterm_attention_task(const tsterm_attention *at, int64_t task) {
         float *sc = scores[r], *acc = pt + r * (D + 2);
         float mx = -INFINITY;
         for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
-        __m256 sum8 = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) {
-            const __m256 e = exp256(_mm256_sub_ps(_mm256_load_ps(sc + i), _mm256_set1_ps(mx)));
-            _mm256_store_ps(sc + i, e);
-            sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum256(sum8);
-        for (; i < n; i++) {
-            sc[i] = expf(sc[i] - mx);
-            sum += sc[i];
-        }
+        const float sum = tsterm_exp_sum(sc, n, mx);
         for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
         acc[D] = mx, acc[D + 1] = sum;
     }

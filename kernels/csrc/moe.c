@@ -32,7 +32,7 @@ static void matmul_share(const float *x, int64_t rows, int64_t in_f, const float
 int tsterm_moe_prefill(const float *x, int64_t tokens, int64_t hidden, const float *w13, const float *w2,
                        int64_t experts, int64_t inter, const int64_t *ids, const float *weights, int64_t top_k,
                        float *out) {
-    int64_t *count = calloc((size_t)experts + 1, sizeof(int64_t));
+    int64_t *count = calloc(2 * ((size_t)experts + 1), sizeof(int64_t)), *fill = count + experts + 1;
     int64_t *pair_token = malloc(sizeof(int64_t) * (size_t)(tokens * top_k + 1));
     float *pair_weight = malloc(sizeof(float) * (size_t)(tokens * top_k + 1));
     if (!count || !pair_token || !pair_weight) {
@@ -46,11 +46,9 @@ int tsterm_moe_prefill(const float *x, int64_t tokens, int64_t hidden, const flo
         most = count[e + 1] > most ? count[e + 1] : most;
         count[e + 1] += count[e]; /* count[e]: where expert e's pairs start */
     }
-    int64_t *fill = malloc(sizeof(int64_t) * (size_t)(experts + 1));
-    const size_t floats = (size_t)(most * (hidden + 2 * inter + inter + hidden));
-    float *scratch = malloc(sizeof(float) * (floats + 1));
-    if (!fill || !scratch) {
-        free(count), free(pair_token), free(pair_weight), free(fill), free(scratch);
+    float *scratch = malloc(sizeof(float) * (size_t)(most * (2 * hidden + 3 * inter) + 1)); /* xs, gu, act, y */
+    if (!scratch) {
+        free(count), free(pair_token), free(pair_weight);
         return -1;
     }
     memcpy(fill, count, sizeof(int64_t) * (size_t)(experts + 1));
@@ -87,6 +85,6 @@ int tsterm_moe_prefill(const float *x, int64_t tokens, int64_t hidden, const flo
         }
         /* no barrier: the next expert's first write of y comes after three of them */
     }
-    free(count), free(pair_token), free(pair_weight), free(fill), free(scratch);
+    free(count), free(pair_token), free(pair_weight), free(scratch);
     return 0;
 }

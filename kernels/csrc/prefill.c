@@ -85,9 +85,8 @@ static void run_task(const prefill *a, const scratch *w, int64_t h, int64_t firs
                 for (int64_t d = 0; d < D; d += NR) memset(w->vp + (d / NR) * CHUNK * NR + j * NR, 0, sizeof(float) * NR);
             }
         }
-        /* rows before the chunk's first key... every row sees key 0, so only rows at positions < c0 are skipped */
-        int64_t r0 = 0;
-        if (c0 > first_pos) r0 = (c0 - first_pos) * G;
+        /* rows at positions before the chunk see none of its keys */
+        const int64_t r0 = c0 > first_pos ? (c0 - first_pos) * G : 0;
         for (int64_t r = r0; r < R; r += MR) {
             const int64_t mr = R - r < MR ? R - r : MR;
             for (int64_t p = 0; p < panels; p++)
@@ -103,19 +102,8 @@ static void run_task(const prefill *a, const scratch *w, int64_t h, int64_t firs
             for (; j < visible; j++) m = s[j] > m ? s[j] : m;
             const float m_new = m > w->m[r] ? m : w->m[r];
             const float alpha = expf(w->m[r] - m_new); /* 0 on the first chunk (m = -inf) */
-            const __m256 mv = _mm256_set1_ps(m_new);
-            __m256 sum = _mm256_setzero_ps();
-            for (j = 0; j + 8 <= visible; j += 8) {
-                const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-                _mm256_storeu_ps(s + j, e);
-                sum = _mm256_add_ps(sum, e);
-            }
-            float l = hsum256(sum);
-            for (; j < visible; j++) {
-                s[j] = expf(s[j] - m_new);
-                l += s[j];
-            }
-            for (; j < width; j++) s[j] = 0.0f;
+            const float l = tsterm_exp_sum(s, visible, m_new);
+            for (j = visible; j < width; j++) s[j] = 0.0f;
             w->l[r] = w->l[r] * alpha + l;
             w->m[r] = m_new;
             if (alpha != 1.0f) {
@@ -147,7 +135,7 @@ int tsterm_prefill_attention(const float *q, int64_t q_stride, const float *k_ca
         num_q <= 0 || block_size <= 0)
         return -2;
     const int64_t G = num_heads / num_kv_heads;
-    int64_t positions = TASK_ROWS / G > 0 ? TASK_ROWS / G : 1;
+    const int64_t positions = TASK_ROWS / G > 0 ? TASK_ROWS / G : 1;
     const int64_t blocks = (num_q + positions - 1) / positions, tasks = blocks * num_kv_heads;
     const prefill a = {q, k_cache, v_cache, q_stride, out_stride, block_table, seq_len, num_q, num_heads,
                        num_kv_heads, head_dim, block_size, positions, scale, out};

@@ -1,6 +1,7 @@
 /* What the C sources share with each other (not exported from the library: hidden visibility). */
 #pragma once
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -42,6 +43,24 @@ static inline __m256 exp256(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* s[0..n) <- e^(s - max) in place (every s <= max); returns their sum (8 lanes summed, then the tail). */
+static inline float tsterm_exp_sum(float *s, int64_t n, float max) {
+    const __m256 mv = _mm256_set1_ps(max);
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+        _mm256_storeu_ps(s + i, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum256(sum8);
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - max);
+        sum += s[i];
+    }
+    return sum;
 }
 
 /* gemv.c. Weight kinds: */

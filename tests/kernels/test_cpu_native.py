@@ -158,19 +158,6 @@ def test_float32_linear_of_few_rows_is_f_linear(native, rows, out_f, in_f):
     torch.testing.assert_close(reference.linear(x.t().contiguous().t(), w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-class _Spy:
-    """Counts the calls of one C kernel (of the library the ops load now) while passing them through."""
-
-    def __init__(self, monkeypatch, name):
-        native = cpu_native.load()
-        self.calls, fn = 0, getattr(native, name)
-
-        def call(*args):
-            self.calls += 1
-            return fn(*args)
-        monkeypatch.setattr(native, name, call)
-
-
 def _prefill_case(seq_lens, num_qs, num_heads, num_kv_heads, head_dim, block_size, seed=0):
     """_decode_case's shuffled pool, with the last num_qs[i] positions of each sequence as its new tokens."""
     _, k_cache, v_cache, tables, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed)
@@ -206,10 +193,10 @@ def _causal_from_scratch(q, k_cache, v_cache, tables, meta, scale):
     ([70, 2], [70, 2], 6, 2, 80, 8),  # a head size of five 16s; two new tokens
 ])
 def test_prefill_attention_reads_fragmented_blocks_like_a_from_scratch_causal_softmax(
-        native, monkeypatch, seq_lens, num_qs, heads, kv_heads, head_dim, block_size):
+        native, native_spy, seq_lens, num_qs, heads, kv_heads, head_dim, block_size):
     q, k_cache, v_cache, tables, meta = _prefill_case(seq_lens, num_qs, heads, kv_heads, head_dim, block_size)
     assert sum(seq_lens) < 8 or any(len(runs) > 1 for runs in meta.block_runs)  # the case really is fragmented
-    spy = _Spy(monkeypatch, "prefill_attention")
+    spy = native_spy("prefill_attention")
     got = reference.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
     assert spy.calls == len(seq_lens)  # csrc/prefill.c ran, once per sequence
     want = _causal_from_scratch(q, k_cache, v_cache, tables, meta, head_dim ** -0.5)
@@ -218,9 +205,9 @@ def test_prefill_attention_reads_fragmented_blocks_like_a_from_scratch_causal_so
     torch.testing.assert_close(got, _torch_path(q, k_cache, v_cache, meta, head_dim ** -0.5), rtol=2e-5, atol=2e-5)
 
 
-def test_prefill_attention_leaves_head_sizes_it_does_not_take_to_torch(native, monkeypatch):
+def test_prefill_attention_leaves_head_sizes_it_does_not_take_to_torch(native, native_spy):
     q, k_cache, v_cache, tables, meta = _prefill_case([40], [40], 4, 2, 24, 8)
-    spy = _Spy(monkeypatch, "prefill_attention")
+    spy = native_spy("prefill_attention")
     got = reference.paged_attention(q, k_cache, v_cache, meta, 0.2)
     assert spy.calls == 0
     torch.testing.assert_close(got, _causal_from_scratch(q, k_cache, v_cache, tables, meta, 0.2), rtol=2e-5, atol=2e-5)
@@ -235,13 +222,13 @@ def test_prefill_attention_refuses_more_new_tokens_than_the_context(native):
 
 @pytest.mark.parametrize("rows", [5, 6, 7, 13, 37, 400])
 @pytest.mark.parametrize("out_f,in_f", [(16, 8), (40, 24), (33, 513), (1030, 300)])
-def test_float32_linear_of_many_rows_is_a_float64_matmul(native, monkeypatch, rows, out_f, in_f):
+def test_float32_linear_of_many_rows_is_a_float64_matmul(native, native_spy, rows, out_f, in_f):
     """csrc/gemm.c: every tail of its tiles (rows not a multiple of 6 nor of its 384-row blocks, outputs not of 16,
     inputs over its 256-input blocks and not a multiple of 8) and x rows further apart than their length."""
     gen = torch.Generator().manual_seed(rows * out_f + in_f)
     x = torch.randn(rows, in_f + 5, generator=gen)[:, 3:in_f + 3]  # a strided view: rows in_f + 5 apart
     w, b = torch.randn(out_f, in_f, generator=gen), torch.randn(out_f, generator=gen)
-    spy = _Spy(monkeypatch, "f32_gemm")
+    spy = native_spy("f32_gemm")
     got = reference.linear(x, w, b)
     assert spy.calls == 1
     want = (x.double() @ w.double().t() + b.double()).float()

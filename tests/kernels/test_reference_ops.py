@@ -67,11 +67,9 @@ def _torch_loop_moe(x, w13, w2, weights, expert_ids, out):
 
 
 @pytest.mark.parametrize("num_tokens,top_k,hidden,inter", [(40, 2, 32, 24), (300, 4, 48, 40), (80, 1, 40, 16)])
-def test_fused_moe_in_c_is_the_torch_loop_bit_for_bit(monkeypatch, num_tokens, top_k, hidden, inter):
+def test_fused_moe_in_c_is_the_torch_loop_bit_for_bit(native_spy, num_tokens, top_k, hidden, inter):
     """csrc/moe.c against the loop it replaces: experts with no rows, with 1-4 (the GEMV), with many (the GEMM), and
     pairs naming another rank's expert (id E), which add nothing."""
-    from tsterm_kernels import cpu_native
-
     gen = torch.Generator().manual_seed(num_tokens)
     experts = 8
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -84,13 +82,10 @@ def test_fused_moe_in_c_is_the_torch_loop_bit_for_bit(monkeypatch, num_tokens, t
     expert_ids[::5, 0] = experts  # another rank's expert
     start = torch.randn(num_tokens, hidden, generator=gen)
     want = _torch_loop_moe(x, w13, w2, weights, expert_ids, start)
-    calls = []
-    native = cpu_native.load()
-    real = native.moe_prefill
-    monkeypatch.setattr(native, "moe_prefill", lambda *a: calls.append(1) or real(*a))
+    spy = native_spy("moe_prefill")
     out = start.clone()
     assert reference.fused_moe(x, w13, w2, weights, expert_ids, out) is out
-    assert calls == [1]  # the C path ran
+    assert spy.calls == 1  # the C path ran
     assert torch.equal(out, want)
     kept = (expert_ids < experts).to(weights.dtype)
     ref = dense_moe(x, w13, w2, weights * kept, expert_ids.clamp(max=experts - 1))
