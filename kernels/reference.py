@@ -161,7 +161,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # decode (one new token per sequence): one C call over every sequence's blocks, however many runs
         native = _native_f32(k_cache, v_cache)
         tables = meta.block_tables
-        if native is not None and tables.dtype is torch.int32 and tables.is_cpu and tables.is_contiguous():
+        if (native is not None and tables.dtype is torch.int32 and tables.is_cpu and tables.is_contiguous()
+                and head_dim % 8 == 0):
             return _native_decode_attention(native, q, k_cache, v_cache, meta, scale)
     flash = device.type == "cpu" and _FLASH_CPU is not None
     prefill = _native_prefill(q, k_cache, v_cache, meta)
@@ -247,10 +248,14 @@ def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor
         seq_lens = meta.seq_lens_device = torch.tensor(meta.seq_lens, dtype=torch.int32)  # once per step
     out = torch.empty(q.shape, dtype=torch.float32)
     tables = meta.block_tables
-    if native.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                               tables.shape[1], seq_lens.data_ptr(), len(meta.seq_lens), q.shape[1],
-                               k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, out.data_ptr()) != 0:
-        raise MemoryError("decode attention: out of memory for its partial results (or a query group over 64)")
+    rc = native.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                 tables.shape[1], seq_lens.data_ptr(), len(meta.seq_lens), q.shape[1],
+                                 k_cache.shape[2], q.shape[2], k_cache.shape[1], scale, out.data_ptr())
+    if rc == -1:
+        raise MemoryError("decode attention: out of memory for its partial results")
+    if rc != 0:
+        raise ValueError(f"decode attention: {q.shape[1]} query heads of size {q.shape[2]} (the C kernel takes up to "
+                         f"64 heads of a size that is a multiple of 8)")
     return out
 
 

@@ -2,10 +2,11 @@
  *
  * - tsterm_decode_attention: one new query row per sequence attends over its context, read in place from the paged
  *   KV pool through the block table (any number of runs of blocks: a prefix cache hit leaves several). Work is
- *   split over (sequence, chunk of CHUNK positions), each thread a contiguous run of chunks, prefetching its next chunk
- *   into L2 while it computes the current one; for each KV head, the chunk's scores for the
- *   head's whole query group are computed, exponentiated against the chunk's max and summed into the chunk's own
- *   partial output; the partials are merged by their maxima at the end (flash-decoding).
+ *   split over (sequence, chunk of CHUNK positions), each thread a contiguous run of chunks; a chunk's scores for
+ *   every query head are computed (Q K), exponentiated against the chunk's max and summed into the chunk's own
+ *   partial output (P V); the partials are merged by their maxima at the end (flash-decoding). While Q K runs, the
+ *   chunk's V rows are prefetched into L2, and while P V runs, the next chunk's K rows, so that the loads from memory
+ *   are spread evenly over the compute.
  * - tsterm_add_rms_norm: residual += x (when given), then out = residual * rsqrt(mean(residual^2) + eps) * w.
  * - tsterm_rope: rotate-half RoPE of q and k in place; tsterm_store_kv: the new tokens' K/V rows into their slots.
  * - tsterm_swiglu: silu(gate) * up of a dense MLP's gate_up projection.
@@ -19,15 +20,12 @@
 
 #include "tsterm.h"
 
-#define CHUNK 64
-#define PREFETCH 4
+/* Measured on the 2-core EPYC (AVX2) with the bench model's heads (16 / 4 x 64): 32 positions per chunk read 10-15%
+ * faster from memory than 64 (16 was slower: more partials to write and merge). */
+#define CHUNK 32
 
-static inline void prefetch(const float *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
-}
-
-/* The T1 hint (into L2) for the next chunk's rows: measured on this EPYC (AVX2), T0 and NTA gave nothing (a chunk
- * ahead in L1 probably evicts the one being computed), T1 15-35% from memory; on KV already in L3 it costs 5-10%. */
+/* The T1 hint (into L2): measured on this EPYC, T0 and NTA gave nothing (rows ahead in L1 probably evict the ones
+ * being computed), T1 15-35% from memory. */
 static inline void prefetch_l2(const float *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off, _MM_HINT_T1);
 }
@@ -52,6 +50,39 @@ static inline void axpy(float a, const float *x, float *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* acc[0..64) = sum over the chunk's positions i of p[i] * rows[i][off..off + 64): 8 accumulators in registers.
+ * (Spelled out for a width of 64: with the width a variable, gcc kept flags and a bound in memory in the loop, and
+ * P V ran 10-20% slower.) */
+static inline void pv64(const float *p, const float *const *rows, int64_t n, int64_t off, float *acc) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 pi = _mm256_broadcast_ss(p + i);
+        const float *v = rows[i] + off;
+        a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 24), a3);
+        a4 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 32), a4);
+        a5 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 40), a5);
+        a6 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 48), a6);
+        a7 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 56), a7);
+    }
+    _mm256_storeu_ps(acc, a0), _mm256_storeu_ps(acc + 8, a1), _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3), _mm256_storeu_ps(acc + 32, a4), _mm256_storeu_ps(acc + 40, a5);
+    _mm256_storeu_ps(acc + 48, a6), _mm256_storeu_ps(acc + 56, a7);
+}
+
+/* the same for a head's last width < 64 (a multiple of 8) */
+static void pv_narrow(const float *p, const float *const *rows, int64_t n, int64_t off, int64_t width, float *acc) {
+    __m256 a[7];
+    for (int k = 0; k < width / 8; k++) a[k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 pi = _mm256_broadcast_ss(p + i);
+        for (int k = 0; k < width / 8; k++) a[k] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(rows[i] + off + 8 * k), a[k]);
+    }
+    for (int k = 0; k < width / 8; k++) _mm256_storeu_ps(acc + 8 * k, a[k]);
 }
 
 int64_t tsterm_attention_chunks(const int32_t *seq_lens, int64_t num_seqs) {
@@ -92,54 +123,43 @@ void tsterm_attention_task(const tsterm_attention *at, int64_t task) {
     const int64_t row_bytes = num_kv_heads * D * (int64_t)sizeof(float);
     float scores[MAX_HEADS][CHUNK] __attribute__((aligned(32)));
     const float *qs = q + s * q_stride;
-    /* the next chunk's positions [next, next_end), at (block next_blk, offset next_off) */
-    int64_t next = first + CHUNK, next_end = next < seq_lens[s] ? seq_lens[s] : next;
-    next_end = next_end < next + CHUNK ? next_end : next + CHUNK;
-    int64_t next_blk = next / block_size, next_off = next % block_size;
-    for (int64_t i = 0; i < n; i += 8) {
+    const float *next_k[CHUNK];  /* the next chunk's K rows (nn of them), prefetched during this chunk's P V */
+    int64_t nn = seq_lens[s] - first - CHUNK;
+    nn = nn < 0 ? 0 : nn > CHUNK ? CHUNK : nn;
+    for (int64_t i = 0, p = first + CHUNK, blk = p / block_size, off = p % block_size; i < nn; i++) {
+        next_k[i] = k_cache + ((int64_t)table[blk] * block_size + off) * num_kv_heads * D;
+        if (++off == block_size) off = 0, blk++;
+    }
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (int64_t i = 0; i < n; i += 8) {  /* Q K, 8 positions at a time */
         const int64_t m = n - i < 8 ? n - i : 8;
-        for (int64_t j = 0; j < 8 && i + PREFETCH + j < n; j++) prefetch(rows_k[i + PREFETCH + j], row_bytes);
-        /* The next chunk's K and V rows, 8 positions per step of this one: the hardware prefetcher loses the stream
-         * at every block (a block table's blocks lie anywhere) and prefetching a few positions ahead hides little of
-         * DRAM's latency, so without this the chunk's compute and its loads from memory took turns. */
-        for (int64_t j = 0; j < 8 && next < next_end; j++, next++) {
-            const int64_t slot = (int64_t)table[next_blk] * block_size + next_off;
-            prefetch_l2(k_cache + slot * num_kv_heads * D, row_bytes);
-            prefetch_l2(v_cache + slot * num_kv_heads * D, row_bytes);
-            if (++next_off == block_size) next_off = 0, next_blk++;
-        }
-        for (int64_t r = 0; r < num_heads; r++) {
-            const float *k[8];
-            for (int64_t j = 0; j < 8; j++) k[j] = rows_k[i + (j < m ? j : 0)] + r / group * D;
-            _mm256_store_ps(&scores[r][i], _mm256_mul_ps(dot8(qs + r * D, k, D), _mm256_set1_ps(scale)));
+        for (int64_t j = 0; j < m; j++) prefetch_l2(rows_v[i + j], row_bytes);
+        const float *k[8];  /* past the chunk's end the first position again: its lanes are never read as scores */
+        for (int64_t j = 0; j < 8; j++) k[j] = rows_k[i + (j < m ? j : 0)];
+        for (int64_t h = 0, r = 0; h < num_kv_heads; h++, r += group) {
+            for (int64_t g = 0; g < group; g++)
+                _mm256_store_ps(&scores[r + g][i], _mm256_mul_ps(dot8(qs + (r + g) * D, k, D), scale8));
+            for (int64_t j = 0; j < 8; j++) k[j] += D;
         }
     }
     for (int64_t r = 0; r < num_heads; r++) {
         float *sc = scores[r], *acc = pt + r * (D + 2);
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < n; i++) mx = sc[i] > mx ? sc[i] : mx;
-        const float sum = tsterm_exp_sum(sc, n, mx);
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        acc[D] = mx, acc[D + 1] = sum;
+        /* a max over whole steps of 8 is exact: the last step's extra lanes repeat one of its positions' score */
+        __m256 m8 = _mm256_load_ps(sc);
+        for (int64_t i = 8; i < n; i += 8) m8 = _mm256_max_ps(m8, _mm256_load_ps(sc + i));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        acc[D + 1] = tsterm_exp_sum(sc, n, mx);
+        acc[D] = mx;
     }
-    for (int64_t r = 0; r < num_heads; r++) {
+    for (int64_t r = 0, pf = 0; r < num_heads; r++) {  /* P V, one query head at a time */
         const int64_t off = r / group * D;
         float *acc = pt + r * (D + 2);
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {  /* 8 accumulators in registers over the chunk's positions */
-            const int64_t width = D - d0 < 64 ? D - d0 : 64;
-            __m256 a[8];
-            for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < n; i++) {
-                const __m256 p = _mm256_set1_ps(scores[r][i]);
-                const float *v = rows_v[i] + off + d0;
-                if (width == 64) {
-                    for (int k = 0; k < 8; k++) a[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), a[k]);
-                } else {
-                    for (int k = 0; k < width / 8; k++) a[k] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * k), a[k]);
-                }
-            }
-            for (int k = 0; k < width / 8; k++) _mm256_storeu_ps(acc + d0 + 8 * k, a[k]);
-        }
+        for (const int64_t pf_end = nn * (r + 1) / num_heads; pf < pf_end; pf++) prefetch_l2(next_k[pf], row_bytes);
+        int64_t d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) pv64(scores[r], rows_v, n, off + d0, acc + d0);
+        if (d0 < D) pv_narrow(scores[r], rows_v, n, off + d0, D - d0, acc + d0);
     }
 }
 
@@ -187,13 +207,13 @@ void tsterm_attention_merge(const tsterm_attention *at, int64_t row, float *out)
 }
 
 /* q: [S, Hq, D] rows q_stride apart (elements between sequences' rows); caches: [num_blocks, B, Hkv, D];
- * block_tables: [S, max_blocks]; seq_lens: [S]; out: [S, Hq, D] contiguous. Returns -1 when scratch memory ran out
- * or there are more than MAX_HEADS query heads, else 0. */
+ * block_tables: [S, max_blocks]; seq_lens: [S]; out: [S, Hq, D] contiguous. Returns -1 when scratch memory ran out,
+ * -2 for more than MAX_HEADS query heads or a head size not a multiple of 8, else 0. */
 int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                             float *out) {
-    if (num_heads > MAX_HEADS) return -1;
+    if (num_heads > MAX_HEADS || head_dim % 8) return -2;
     tsterm_attention a = {q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
                           num_kv_heads, head_dim, block_size, scale, tsterm_attention_chunks(seq_lens, num_seqs), NULL};
     a.part = malloc(tsterm_attention_part_bytes(&a));

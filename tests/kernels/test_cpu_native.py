@@ -50,7 +50,7 @@ def _from_scratch(q, k_cache, v_cache, tables, seq_lens, scale):
 
 @pytest.mark.parametrize("seq_lens,heads,kv_heads,head_dim", [
     ([1], 4, 4, 64),  # one key
-    ([63, 64, 65, 130], 9, 3, 64),  # SmolLM2's heads, lengths around the 64-position chunks
+    ([31, 32, 33, 64, 130], 9, 3, 64),  # SmolLM2's heads, lengths around the 32-position chunks
     ([200, 7], 8, 1, 128),  # multi-query
     ([33], 16, 2, 256),  # Qwen3.5's gated-attention head size
     ([40, 17], 6, 2, 80),  # a head size that is not a multiple of 64
@@ -74,6 +74,13 @@ def _torch_path(q, k_cache, v_cache, meta, scale):
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
     finally:
         cpu_native.load = saved
+
+
+def test_decode_attention_of_a_head_size_the_kernel_does_not_take_runs_in_torch(native):
+    q, k_cache, v_cache, tables, meta = _decode_case([21, 5], 4, 2, 12)  # 12: not a multiple of 8
+    got = reference.paged_attention(q, k_cache, v_cache, meta, 0.3)
+    assert meta.seq_lens_device is None  # the C kernel was not called
+    torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, [21, 5], 0.3), rtol=2e-5, atol=2e-5)
 
 
 def test_decode_attention_of_a_long_context_in_one_call(native):
