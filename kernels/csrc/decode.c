@@ -3,8 +3,9 @@
  * - tsterm_decode_attention: one new query row per sequence attends over its context, read in place from the paged
  *   KV pool through the block table (any number of runs of blocks: a prefix cache hit leaves several). Work is
  *   split over (sequence, chunk of CHUNK positions), each thread a contiguous run of chunks; a chunk's scores for
- *   every query head are computed (Q K), exponentiated against the chunk's max and summed into the chunk's own
- *   partial output (P V); the partials are merged by their maxima at the end (flash-decoding). While Q K runs, the
+ *   every query head are computed (Q K), exponentiated against the running max of the thread's chunks of that
+ *   sequence and summed into their one partial output (P V; online softmax, the partial rescaled when the max
+ *   grows); the threads' partials are merged by their maxima at the end (flash-decoding). While Q K runs, the
  *   chunk's V rows are prefetched into L2, and while P V runs, the next chunk's K rows, so that the loads from memory
  *   are spread evenly over the compute.
  * - tsterm_add_rms_norm: residual += x (when given), then out = residual * rsqrt(mean(residual^2) + eps) * w.
@@ -52,11 +53,16 @@ static inline void axpy(float a, const float *x, float *y, int64_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-/* acc[0..64) = sum over the chunk's positions i of p[i] * rows[i][off..off + 64): 8 accumulators in registers.
- * (Spelled out for a width of 64: with the width a variable, gcc kept flags and a bound in memory in the loop, and
- * P V ran 10-20% slower.) */
-static inline void pv64(const float *p, const float *const *rows, int64_t n, int64_t off, float *acc) {
+/* acc[0..64) = (add: acc +) sum over the chunk's positions i of p[i] * rows[i][off..off + 64): 8 accumulators in
+ * registers. (Spelled out for a width of 64: with the width a variable, gcc kept flags and a bound in memory in the
+ * loop, and P V ran 10-20% slower.) */
+static inline void pv64(const float *p, const float *const *rows, int64_t n, int64_t off, float *acc, int add) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    if (add) {
+        a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16);
+        a3 = _mm256_loadu_ps(acc + 24), a4 = _mm256_loadu_ps(acc + 32), a5 = _mm256_loadu_ps(acc + 40);
+        a6 = _mm256_loadu_ps(acc + 48), a7 = _mm256_loadu_ps(acc + 56);
+    }
     for (int64_t i = 0; i < n; i++) {
         const __m256 pi = _mm256_broadcast_ss(p + i);
         const float *v = rows[i] + off;
@@ -75,9 +81,10 @@ static inline void pv64(const float *p, const float *const *rows, int64_t n, int
 }
 
 /* the same for a head's last width < 64 (a multiple of 8) */
-static void pv_narrow(const float *p, const float *const *rows, int64_t n, int64_t off, int64_t width, float *acc) {
+static void pv_narrow(const float *p, const float *const *rows, int64_t n, int64_t off, int64_t width, float *acc,
+                      int add) {
     __m256 a[7];
-    for (int k = 0; k < width / 8; k++) a[k] = _mm256_setzero_ps();
+    for (int k = 0; k < width / 8; k++) a[k] = add ? _mm256_loadu_ps(acc + 8 * k) : _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i++) {
         const __m256 pi = _mm256_broadcast_ss(p + i);
         for (int k = 0; k < width / 8; k++) a[k] = _mm256_fmadd_ps(pi, _mm256_loadu_ps(rows[i] + off + 8 * k), a[k]);
@@ -94,8 +101,10 @@ int64_t tsterm_attention_chunks(const int32_t *seq_lens, int64_t num_seqs) {
     return max_chunks;
 }
 
-/* Task `task` of the first phase: a chunk of one sequence's positions, every KV head, into its partial. */
-void tsterm_attention_task(const tsterm_attention *at, int64_t task) {
+/* Task `task` of the first phase: a chunk of one sequence's positions, every KV head, into the partial `run` (fresh:
+ * the run starts here; else the chunk's softmax continues the run's, online). A chunk that does not start its run
+ * marks its own partial empty. */
+static void tsterm_attention_task(const tsterm_attention *at, int64_t task, float *run, int fresh) {
     const float *q = at->q, *k_cache = at->k_cache, *v_cache = at->v_cache;
     const int32_t *block_tables = at->block_tables, *seq_lens = at->seq_lens;
     const int64_t num_heads = at->num_heads, num_kv_heads = at->num_kv_heads, D = at->head_dim;
@@ -115,11 +124,10 @@ void tsterm_attention_task(const tsterm_attention *at, int64_t task) {
         rows_v[i] = v_cache + slot * num_kv_heads * D;
         if (++off == block_size) off = 0, blk++;
     }
-    float *pt = part + task * num_heads * (D + 2);  /* [Hq, D + 2] */
-    if (n <= 0) {
-        for (int64_t r = 0; r < num_heads; r++) pt[r * (D + 2) + D] = -INFINITY, pt[r * (D + 2) + D + 1] = 0.0f;
-        return;
-    }
+    float *own = part + task * num_heads * (D + 2), *pt = run;  /* [Hq, D + 2] */
+    if (own != run || n <= 0)
+        for (int64_t r = 0; r < num_heads; r++) own[r * (D + 2) + D] = -INFINITY, own[r * (D + 2) + D + 1] = 0.0f;
+    if (n <= 0) return;
     const int64_t row_bytes = num_kv_heads * D * (int64_t)sizeof(float);
     float scores[MAX_HEADS][CHUNK] __attribute__((aligned(32)));
     const float *qs = q + s * q_stride;
@@ -149,8 +157,17 @@ void tsterm_attention_task(const tsterm_attention *at, int64_t task) {
         for (int64_t i = 8; i < n; i += 8) m8 = _mm256_max_ps(m8, _mm256_load_ps(sc + i));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        acc[D + 1] = tsterm_exp_sum(sc, n, mx);
+        const float chunk_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float old = fresh ? -INFINITY : acc[D], mx = chunk_max > old ? chunk_max : old;
+        const float sum = tsterm_exp_sum(sc, n, mx);
+        if (fresh) {
+            acc[D + 1] = sum;
+        } else { /* the run so far, rescaled when this chunk raised its maximum */
+            const float alpha = expf(old - mx);
+            if (alpha != 1.0f)
+                for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+            acc[D + 1] = acc[D + 1] * alpha + sum;
+        }
         acc[D] = mx;
     }
     for (int64_t r = 0, pf = 0; r < num_heads; r++) {  /* P V, one query head at a time */
@@ -158,28 +175,38 @@ void tsterm_attention_task(const tsterm_attention *at, int64_t task) {
         float *acc = pt + r * (D + 2);
         for (const int64_t pf_end = nn * (r + 1) / num_heads; pf < pf_end; pf++) prefetch_l2(next_k[pf], row_bytes);
         int64_t d0 = 0;
-        for (; d0 + 64 <= D; d0 += 64) pv64(scores[r], rows_v, n, off + d0, acc + d0);
-        if (d0 < D) pv_narrow(scores[r], rows_v, n, off + d0, D - d0, acc + d0);
+        for (; d0 + 64 <= D; d0 += 64) pv64(scores[r], rows_v, n, off + d0, acc + d0, !fresh);
+        if (d0 < D) pv_narrow(scores[r], rows_v, n, off + d0, D - d0, acc + d0, !fresh);
     }
 }
 
 /* Every task of the first phase, inside the caller's parallel region; ends at a barrier. Each thread takes an even,
  * contiguous share of the chunks that hold positions, so the next chunk, which each task prefetches, is its own
- * (under a dynamic schedule the other thread would take it and the prefetch would only double the traffic); then
- * the chunks past a sequence's end, which only mark their partial empty. */
+ * (under a dynamic schedule the other thread would take it and the prefetch would only double the traffic); its
+ * chunks of one sequence make one run with one partial (a partial per chunk, 2 MB of them at 16K positions, written
+ * and then merged, read the KV 3-18% slower from memory); then the chunks past a sequence's end, which only mark
+ * their partial empty. */
 void tsterm_attention_tasks(const tsterm_attention *a) {
     const int32_t *seq_lens = a->seq_lens;
-    int64_t busy = 0, lo, hi, s = 0, c = 0;
+    const int64_t part_floats = a->num_heads * (a->head_dim + 2);
+    int64_t busy = 0, lo, hi, s = 0, c = 0, run_seq = -1;
+    float *run = NULL;
     for (int64_t i = 0; i < a->num_seqs; i++) busy += (seq_lens[i] + CHUNK - 1) / CHUNK;
     tsterm_thread_share(busy, 1, &lo, &hi);
     for (int64_t idx = 0; idx < hi; idx++) { /* (sequence s, chunk c) of busy chunk idx */
         while (seq_lens[s] <= 0) s++;
-        if (idx >= lo) tsterm_attention_task(a, s * a->max_chunks + c);
+        if (idx >= lo) {
+            const int64_t task = s * a->max_chunks + c;
+            const int fresh = s != run_seq;
+            if (fresh) run = a->part + task * part_floats, run_seq = s;
+            tsterm_attention_task(a, task, run, fresh);
+        }
         if (++c * CHUNK >= seq_lens[s]) c = 0, s++;
     }
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < a->num_seqs * a->max_chunks; task++)
-        if (task % a->max_chunks * CHUNK >= seq_lens[task / a->max_chunks]) tsterm_attention_task(a, task);
+        if (task % a->max_chunks * CHUNK >= seq_lens[task / a->max_chunks])
+            tsterm_attention_task(a, task, a->part + task * part_floats, 1);
 }
 
 /* Query row `row` (sequence row / Hq, head row % Hq) of the second phase: the chunks' partials merged by their

@@ -109,7 +109,6 @@ TSTERM_INTERNAL int64_t tsterm_attention_chunks(const int32_t *seq_lens, int64_t
 static inline size_t tsterm_attention_part_bytes(const tsterm_attention *a) {
     return sizeof(float) * (size_t)(a->num_seqs * a->max_chunks * a->num_heads * (a->head_dim + 2));
 }
-TSTERM_INTERNAL void tsterm_attention_task(const tsterm_attention *a, int64_t task); /* 0 <= task < S * chunks */
 /* every task, shared by the threads of the caller's parallel region (ends at a barrier) */
 TSTERM_INTERNAL void tsterm_attention_tasks(const tsterm_attention *a);
 TSTERM_INTERNAL void tsterm_attention_merge(const tsterm_attention *a, int64_t row, float *out); /* row < S * Hq */
