@@ -45,13 +45,29 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
-/* s[0..n) <- e^(s - max) in place (every s <= max); returns their sum (8 lanes summed, then the tail). */
+/* 2^t for 8 lanes, t <= 0 (below -125: 2^-125): 2^n p(f) with n = round(t), f = t - n in [-1/2, 1/2] and p a
+ * degree-5 minimax fit of 2^f (relative error 2.1e-7 evaluated in float32); 2^n is added into p's exponent bits.
+ * 11 operations where exp256 takes 17: softmax's exponentials were 12-14% of prefill attention's time. */
+static inline __m256 exp2_256(__m256 t) {
+    t = _mm256_max_ps(t, _mm256_set1_ps(-125.0f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.32764783e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.67554189e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55071309e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240221202f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693146944f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.00000012f));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
+}
+
+/* s[0..n) <- e^(s - max) in place (every s <= max); returns their sum (8 lanes summed, then the tail). The lanes
+ * take e^x = 2^(x log2 e), s log2 e - max log2 e in one fused multiply-subtract. */
 static inline float tsterm_exp_sum(float *s, int64_t n, float max) {
-    const __m256 mv = _mm256_set1_ps(max);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), mv = _mm256_set1_ps(max * 1.44269504088896341f);
     __m256 sum8 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+        const __m256 e = exp2_256(_mm256_fmsub_ps(_mm256_loadu_ps(s + i), log2e, mv));
         _mm256_storeu_ps(s + i, e);
         sum8 = _mm256_add_ps(sum8, e);
     }
