@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from tsterm.errors import ConfigError
 from tsterm.launch import llm_from_args
 
 
-RATE_SAMPLES = 3  # bandwidth / batch-1 / batch-P measurements, interleaved
+RATE_SAMPLES = 3  # rounds of bandwidth / batch-1 / batch-P measurements
 BASELINES = ("transformers", "transformers-cache", "llama.cpp")
 
 
@@ -140,8 +141,11 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
         progress("measuring bandwidth, copies and decode rates")
     short = copy_bytes_per_token(engine, micro_context, salt=1)
     long = copy_bytes_per_token(engine, 8 * micro_context, salt=2)
-    # Rates and the bandwidth they are compared with, sampled in turn (the bandwidth of a shared machine drifts);
-    # each summary ratio compares the best of its numerator's samples with the best of its denominator's.
+    # Rates and the bandwidth they are compared with, sampled in rounds (the bandwidth of a shared machine drifts);
+    # each rate reported is the best of its samples, and each ratio the median of its per-round ratios: a round's
+    # samples are seconds apart, so a ratio compares figures of one bandwidth state (the 2-core machine switches
+    # between ~35 and ~65 GB/s for minutes at a time: the best decode of a slow minute over the best bandwidth of a
+    # fast one gave a roofline fraction of 0.47 in one run, when runs within either state gave 0.65-0.88).
     # The roofline is the read bandwidth: decode reads weights and KV and writes almost nothing. The copy bandwidth
     # (reads + writes counted) is reported next to it; on the shared 2-core machine it swung between 31 and 56 GB/s.
     samples: dict[str, list[float]] = {"read_bandwidth": [], "copy_bandwidth": [], "single": [], "batched": []}
@@ -156,6 +160,8 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
     stored = stored_decode_bytes(model, cfg, engine.dtype.itemsize, micro_context) if model is not None else None
     read_per_token = stored[0] if stored else bytes_read_per_token(cfg, engine.dtype.itemsize, micro_context)
     roofline_tps = bandwidth / read_per_token
+    by_round = {"roofline_fraction": [t * read_per_token / b for t, b in zip(samples["single"], samples["read_bandwidth"])],
+                "parallel_speedup": [b / t for b, t in zip(samples["batched"], samples["single"])]}
 
     ours = replays["tsterm"]
     ttft = ours.ttft_by_turn()
@@ -169,10 +175,10 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
         "hit_rate_vs_theoretical": ours.hit_rate_vs_theoretical(),
         "copy_bytes_per_token_long_over_short": (long["copy_bytes_per_token"] / short["copy_bytes_per_token"]
                                                  if short["copy_bytes_per_token"] else None),
-        "roofline_fraction": single / roofline_tps,
-        "parallel_speedup": batched / single,
+        "roofline_fraction": statistics.median(by_round["roofline_fraction"]),
+        "parallel_speedup": statistics.median(by_round["parallel_speedup"]),
         # 16 experts top-4 cannot reach batch x: judged against what routing leaves (parallel_ceiling)
-        "parallel_fraction_of_ceiling": batched / single / ceiling,
+        "parallel_fraction_of_ceiling": statistics.median(by_round["parallel_speedup"]) / ceiling,
     }
     stats = engine.stats()
     return {
@@ -188,7 +194,7 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
                            "turns": [t.__dict__ for t in r.turns]} for name, r in replays.items()},
         "copy_audit": {"context_short": micro_context, "context_long": 8 * micro_context, "short": short, "long": long},
         "decode": {"context": micro_context, "batch1_tokens_per_s": single, f"batch{parallel}_tokens_per_s": batched,
-                   "parallel": parallel, "samples": samples,
+                   "parallel": parallel, "samples": samples, "ratios_by_round": by_round,
                    "parallel_ceiling": ceiling},
         "roofline": {"read_bandwidth_bytes_per_s": bandwidth, "copy_bandwidth_bytes_per_s": copy_bw,
                      "bytes_read_per_token": read_per_token,

@@ -50,6 +50,12 @@ def format_table(r: dict) -> str:
              f"{roof['achieved_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s of a {roof['roofline_tokens_per_s']:.1f} tok/s roofline",
              (f"batch-{dec['parallel']} decode {batched:.1f} tok/s; its memory-bound ceiling over batch 1 "
               f"(uniform routing: every touched expert read once) is {dec['parallel_ceiling']:.2f}x")]
+    samples, by_round = dec.get("samples"), dec.get("ratios_by_round")
+    if samples and by_round:  # the ratios below are the medians of these rounds'
+        lines.append("sample rounds (read GB/s, batch-1 tok/s, roofline fraction, batch-P speedup): " + "; ".join(
+            f"{b / 1e9:.1f}, {t:.1f}, {f:.3f}, {p:.2f}" for b, t, f, p in zip(
+                samples["read_bandwidth"], samples["single"], by_round["roofline_fraction"],
+                by_round["parallel_speedup"])))
     for name, rep in r["replays"].items():
         ttft = rep["ttft_by_turn_s"]
         lines.append(f"{name:>18}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms, turn2 "
