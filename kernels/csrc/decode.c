@@ -183,9 +183,9 @@ static void tsterm_attention_task(const tsterm_attention *at, int64_t task, floa
 /* Every task of the first phase, inside the caller's parallel region; ends at a barrier. Each thread takes an even,
  * contiguous share of the chunks that hold positions, so the next chunk, which each task prefetches, is its own
  * (under a dynamic schedule the other thread would take it and the prefetch would only double the traffic); its
- * chunks of one sequence make one run with one partial (a partial per chunk, 2 MB of them at 16K positions, written
- * and then merged, read the KV 3-18% slower from memory); then the chunks past a sequence's end, which only mark
- * their partial empty. */
+ * chunks of one sequence make one run with one partial (with a partial per chunk, 2 MB of them at 16K positions
+ * written and then merged, the kernel read the KV up to 20% slower from memory, 7% on average); then the chunks past
+ * a sequence's end, which only mark their partial empty. */
 void tsterm_attention_tasks(const tsterm_attention *a) {
     const int32_t *seq_lens = a->seq_lens;
     const int64_t part_floats = a->num_heads * (a->head_dim + 2);
