@@ -265,7 +265,8 @@ void tsterm_q8_dequantize(const int8_t *codes, const uint16_t *scales, int64_t o
  * With 2-4 rows of x, the weight row F32_PREFETCH_ROWS ahead is prefetched into L2 as this one is read: measured on
  * the 2-core EPYC (weights from memory, shapes 1024-2048 x 512-2048), the hardware prefetcher alone fed 2-4 rows at
  * 17-47 GB/s against 58-70 for one row, and with the hint 27-66 (1.1-2.1x faster; 4 rows ahead beat 1, 2 and 8; T0
- * gave nothing). With one row the hint cost 4-8%: there the hardware prefetcher keeps up. */
+ * gave nothing). With one row the hint cost 4-8%: there the hardware prefetcher keeps up. Past a share's last row
+ * the hint names whatever follows it (a prefetch never faults and its bytes are never used). */
 #define F32_PREFETCH_ROWS 4
 #define DEFINE_F32(ROWS)                                                                                     \
     static void f32_rows##ROWS(const float *x, int64_t in_f, const float *w, int64_t o_begin, int64_t o_end,  \
