@@ -155,9 +155,7 @@ static void tsterm_attention_task(const tsterm_attention *at, int64_t task, floa
         /* a max over whole steps of 8 is exact: the last step's extra lanes repeat one of its positions' score */
         __m256 m8 = _mm256_load_ps(sc);
         for (int64_t i = 8; i < n; i += 8) m8 = _mm256_max_ps(m8, _mm256_load_ps(sc + i));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float chunk_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float chunk_max = hmax256(m8);
         const float old = fresh ? -INFINITY : acc[D], mx = chunk_max > old ? chunk_max : old;
         const float sum = tsterm_exp_sum(sc, n, mx);
         if (fresh) {

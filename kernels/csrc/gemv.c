@@ -37,10 +37,7 @@ void tsterm_quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx_out
             v[k] = _mm256_loadu_ps(xb + 8 * k);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
         }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        const float dx = _mm_cvtss_f32(m) / 127.0f;
+        const float dx = hmax256(amax) / 127.0f;
         const __m256 inv = _mm256_set1_ps(dx > 0.0f ? 1.0f / dx : 0.0f);
         __m256i i[4];
         for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));  /* round half to even */

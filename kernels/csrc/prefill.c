@@ -27,13 +27,6 @@
 #define CHUNK 128     /* key positions per pass */
 #define TASK_ROWS 192 /* query rows per task, about: (positions per task) * group */
 
-static inline float hmax256(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
 typedef struct {
     const float *q, *k_cache, *v_cache;
     int64_t q_stride, out_stride;

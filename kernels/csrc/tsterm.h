@@ -24,6 +24,13 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 /* e^x for 8 lanes, x <= 0 (scores minus their max): 2^n * e^r with |r| <= ln2 / 2, a degree-6 polynomial for e^r
  * (relative error below 2e-7); inputs below -87 give 0. */
 static inline __m256 exp256(__m256 x) {
