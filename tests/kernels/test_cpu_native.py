@@ -1,6 +1,11 @@
 """tsterm's C kernels for CPU decode (csrc/decode.c) against from-scratch torch, and how they are built."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,6 +93,28 @@ def test_decode_attention_of_a_long_context_in_one_call(native):
     got = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, [3000], 0.125), rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_decode_attention_merges_each_threads_run_of_chunks_at_any_thread_count(native, threads):
+    """Each thread attends its contiguous share of the chunks (a sequence's chunks may span several threads, and a
+    thread may get none) and the merge finds the runs from the same share arithmetic. OpenMP's thread count is fixed
+    per process, so each count runs in its own."""
+    script = f"""
+import sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_cpu_native import _decode_case, _from_scratch
+from tsterm_kernels import reference
+lens = [5, 31, 33, 130, 64, 1]
+q, k_cache, v_cache, tables, meta = _decode_case(lens, 8, 2, 64, block_size=16, seed=5)
+got = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+assert meta.seq_lens_device is not None  # the C kernel ran
+torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, lens, 0.125), rtol=2e-5, atol=2e-5)
+print("matched")
+"""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "matched", run.stderr[-3000:]
 
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_add_rms_norm_adds_the_residual_in_place_and_norms(native, rows):
