@@ -19,9 +19,9 @@ MAX_TOKENS = 48
 SAMPLING = dict(temperature=0.2, top_p=0.9, repetition_penalty=1.2)
 
 
-def test_every_turn_of_a_plain_chat_reuses_every_block_its_kept_ids_filled(default_profile, default_model_dir):
+def test_every_turn_of_a_plain_chat_reuses_every_token_of_its_kept_ids(default_profile, default_model_dir):
     llm = LLM(str(default_model_dir), **default_profile.engine_options())
-    tokenizer, block_size = llm.tokenizer, llm.engine.config.block_size
+    tokenizer = llm.tokenizer
 
     def render(messages: list[dict]) -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -36,13 +36,13 @@ def test_every_turn_of_a_plain_chat_reuses_every_block_its_kept_ids_filled(defau
         params = SamplingParams(**SAMPLING, max_tokens=MAX_TOKENS, seed=SEED + turn)
         out = llm.generate(plan.token_ids, params)[0]
         # The engine computed the KV of every kept id but the last (the last sampled token is never fed back), and
-        # never takes the block that holds a prompt's last token: both bound what a turn can find cached.
-        best = min(kept - 1, len(plan.token_ids) - 1) // block_size * block_size if kept else 0
+        # always computes a prompt's last token: both bound what a turn can find cached.
+        best = min(kept - 1, len(plan.token_ids) - 1) if kept else 0
         rows.append((turn + 1, len(plan.token_ids), kept, out.num_cached_tokens, best, plan.miss, out.finish_reason))
         session.record_reply(plan, out.text, list(out.token_ids), TurnStats(
             len(plan.token_ids), out.num_cached_tokens, plan.kept_tokens, len(out.token_ids), plan.miss,
             plan.diverged_at))
     print("\nturn prompt kept cached best miss finish", *rows, sep="\n")
     assert [r[5] for r in rows] == [False] * len(QUESTIONS)  # no miss
-    assert [r[3] for r in rows] == [r[4] for r in rows]  # every turn cached the block-aligned maximum
+    assert [r[3] for r in rows] == [r[4] for r in rows]  # every turn cached the maximum, partial blocks included
     assert sum(r[6] == "length" for r in rows) >= 3  # replies cut mid-sentence: the case that re-tokenised badly

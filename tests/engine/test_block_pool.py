@@ -1,5 +1,5 @@
 """Stateful property test of BlockPool + KVCacheManager under random interleavings of admission (with shared
-prefixes), prefill chunks, decode appends, commit, fork, preemption, free and eviction pressure, and pins (pin,
+prefixes, and partial blocks taken over), prefill chunks, decode appends, commit, fork, preemption, free and eviction pressure, and pins (pin,
 re-pin under the same key, unpin, expiry) under a cap.
 
 A shadow KV store records, per slot, the full token context whose KV was written there; copy-on-write pairs
@@ -52,12 +52,16 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _admit(self, seq: Sequence) -> None:
         hit = self.kv.match_prefix(seq)
         B = self.B
-        assert hit % B == 0 and hit <= (len(seq) - 1) // B * B
-        assert seq.num_computed_tokens == seq.num_cached_tokens == hit == len(seq.block_table) * B
-        for i, block_id in enumerate(seq.block_table):  # every hit holds exactly the request's tokens
+        assert hit <= len(seq) - 1  # the last token is always computed
+        assert seq.num_computed_tokens == seq.num_cached_tokens == hit and len(seq.block_table) == -(-hit // B)
+        for i, block_id in enumerate(seq.block_table[:hit // B]):  # every full hit holds exactly the request's tokens
             block = self.pool.blocks[block_id]
             assert block.token_ids == tuple(seq.token_ids[i * B:(i + 1) * B])
             assert self.kv_data[block_id * B + B - 1] == tuple(seq.token_ids[:(i + 1) * B])
+        if hit % B:  # a partial block taken over: this table's alone, written in place from here on
+            block = self.pool.blocks[seq.block_table[-1]]
+            assert block.ref_cnt == 1 and block.block_hash is None and block.partial_ids is None, block
+            # (its slots hold the prompt's own context: sequences_read_their_own_context)
         if not self.pool.enable_prefix_caching:
             assert hit == 0
 
@@ -276,6 +280,25 @@ class KVCacheMachine(RuleBasedStateMachine):
             for k in range(0, len(context), B):
                 chain = pool.hash_block(chain, context[k:k + B])
             assert chain == block.block_hash
+
+    @invariant()
+    def partial_blocks_hold_their_content(self):
+        """A cached partial block holds the KV of its token ids, after the context its parent hash names."""
+        if not hasattr(self, "pool"):
+            return
+        B, pool = self.B, self.pool
+        for block in pool.blocks:
+            if block.partial_ids is None:
+                continue
+            n = len(block.partial_ids)
+            context = self.kv_data[block.block_id * B + n - 1]
+            assert context[-n:] == block.partial_ids and len(context) % B == n
+            for j in range(n):
+                assert self.kv_data[block.block_id * B + j] == context[:len(context) - n + j + 1]
+            chain = None
+            for k in range(0, len(context) - n, B):
+                chain = pool.hash_block(chain, context[k:k + B])
+            assert chain == block.partial_parent
 
     def teardown(self):
         if not hasattr(self, "pool"):

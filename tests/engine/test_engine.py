@@ -38,7 +38,7 @@ def random_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(8, 380) for _ in range(n)]
 
 
-def test_multi_turn_reuses_every_full_block_and_matches_recompute(checkpoint, fresh):
+def test_multi_turn_reuses_every_computed_token_and_matches_recompute(checkpoint, fresh):
     llm = LLM(str(checkpoint[0]), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=256)
     rng = random.Random(0)
     history = random_ids(rng, 21)
@@ -49,9 +49,10 @@ def test_multi_turn_reuses_every_full_block_and_matches_recompute(checkpoint, fr
         assert out.token_ids == ref.token_ids, f"turn {turn}"
         assert ref.num_cached_tokens == 0
         if previous_full is not None:
-            # Every full block of the previous turn (its generated tokens included) is served from the cache.
-            # The last sampled token was never fed to the model, so the KV that exists covers len - 1 tokens.
-            assert out.num_cached_tokens == (len(previous_full) - 1) // BLOCK * BLOCK
+            # Every token of the previous turn (its generated ones included) is served from the cache: its full
+            # blocks by reference, then its partial last block, taken over. The last sampled token was never fed to
+            # the model, so the KV that exists covers len - 1 tokens.
+            assert out.num_cached_tokens == len(previous_full) - 1
         previous_full = history + out.token_ids
         history = previous_full + random_ids(rng, rng.randrange(3, 9))
     stats = llm.stats()

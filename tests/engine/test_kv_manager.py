@@ -69,12 +69,12 @@ def test_a_growing_sequence_takes_the_block_after_its_last_one():
     a, _ = admit(kv, range(6))  # [0, 1], block 1 half full
     b, _ = admit(kv, range(100, 104))
     assert b.block_table == [3]  # block 2 is left free for `a`
-    kv.free(a)  # block 0 is cached (full), block 1 is free again: the lowest free id
+    kv.free(a)  # block 0 is cached (full), block 1 too (a partial block: a's tokens 4, 5); block 2 is free again
     b.token_ids.extend(range(104, 108))
     run(kv, b)
-    assert b.block_table == [3, 4]  # one run, not [3, 1]
+    assert b.block_table == [3, 4]  # one run, not [3, 2]
     c, _ = admit(kv, range(200, 204))
-    assert c.block_table == [1]  # nothing to continue: the lowest free id after an unreferenced block
+    assert c.block_table == [2]  # nothing to continue: the lowest free id after an unreferenced block
     pool.check_invariants()
 
 
@@ -133,7 +133,53 @@ def test_generated_tokens_become_cacheable_after_commit():
     kv.commit(seq)
     kv.free(seq)
     next_turn = new_seq(history + [1, 2, 3])
-    assert kv.match_prefix(next_turn) == 12
+    assert kv.match_prefix(next_turn) == 13  # 3 full blocks, then the partial block holding token 12
+
+
+def test_the_next_turn_takes_over_the_partial_block_and_appends_in_place():
+    """A reply's last block is partly filled when it finishes: the next turn's prompt (the history and more) takes
+    that block over instead of computing its tokens again, and writes its own tokens into it, no copy."""
+    pool, kv = make()
+    a, _ = admit(kv, range(10))  # blocks 0, 1 full, block 2 holds tokens 8, 9
+    partial = a.block_table[2]
+    kv.free(a)
+    assert pool.stats()["partial_cached"] == 1 and pool.blocks[partial].partial_ids == (8, 9)
+    b = new_seq(list(range(10)) + [50, 51, 52])
+    assert kv.match_prefix(b) == 10 and b.block_table == [0, 1, partial]
+    assert pool.blocks[partial].ref_cnt == 1 and pool.stats()["partial_cached"] == 0  # b's alone now
+    assert kv.allocate_slots(b, 3) == [] and b.block_table == [0, 1, partial, 3]  # no copy-on-write
+    assert kv.slot_mapping(b, 10, 13) == [partial * B + 2, partial * B + 3, 3 * B]  # in place after 8, 9
+    pool.check_invariants()
+
+
+def test_a_partial_block_serves_the_tokens_a_prompt_shares_with_it():
+    pool, kv = make()
+    a, _ = admit(kv, range(7))  # block 1 holds 4, 5, 6
+    partial = a.block_table[1]
+    kv.free(a)
+    b = new_seq([0, 1, 2, 3, 4, 5, 99, 100])  # shares 4, 5 of the three
+    assert kv.match_prefix(b) == 6 and b.block_table == [0, partial]
+    kv.free(b)  # (b computed nothing more: the block is kept again, now holding 4, 5)
+    assert pool.blocks[partial].partial_ids == (4, 5)
+    c = new_seq([0, 1, 2, 3, 4])  # 4 is its last token: computed, never served
+    assert kv.match_prefix(c) == 4 and len(c.block_table) == 1
+    d = new_seq([0, 1, 2, 3, 77, 5])  # differs at once: nothing after the full block
+    assert kv.match_prefix(d) == 4
+    for s in (c, d):
+        kv.free(s)
+    pool.check_invariants()
+
+
+def test_a_partial_block_another_table_holds_is_not_kept():
+    pool, kv = make()
+    a, _ = admit(kv, range(6))
+    child = new_seq(a.token_ids)
+    kv.fork(a, child)  # both hold block 1 (4, 5)
+    kv.free(a)
+    assert pool.stats()["partial_cached"] == 0  # the child still writes into it
+    kv.free(child)  # the last holder: now it is kept
+    assert pool.stats()["partial_cached"] == 1
+    pool.check_invariants()
 
 
 def test_fork_shares_blocks_and_cows_the_partial_block_once_per_branch():
@@ -196,16 +242,17 @@ def test_hash_collisions_never_serve_wrong_blocks(monkeypatch):
 def test_eviction_is_lru():
     pool, kv = make(num_blocks=6)
     seqs = [admit(kv, [k] * 4 + [k])[0] for k in range(3)]  # each: 1 full (hashed) + 1 partial block
-    full = [s.block_table[0] for s in seqs]
+    full, part = [s.block_table[0] for s in seqs], [s.block_table[1] for s in seqs]
     for s in seqs:
-        kv.free(s)
-    assert list(pool._cached) == full and pool.stats()["cached"] == 3 and pool.stats()["free"] == 3
-    touch = new_seq([0] * 4 + [0])  # a hit on seq 0's block makes it the most recent
-    assert kv.match_prefix(touch) == 4
+        kv.free(s)  # the partial block first: a sequence's tail is evicted before its head
+    assert list(pool._cached) == [part[0], full[0], part[1], full[1], part[2], full[2]]
+    assert pool.stats()["cached"] == 6 and pool.stats()["partial_cached"] == 3 and pool.stats()["free"] == 0
+    touch = new_seq([0] * 4 + [0])  # a hit on seq 0's full block makes it the most recent
+    assert kv.match_prefix(touch) == 4  # (not the partial block: the last token is always computed)
     kv.free(touch)
-    assert list(pool._cached) == [full[1], full[2], full[0]]
-    taken = [pool.allocate() for _ in range(4)]  # 3 free, then the LRU cached block
-    assert taken[3] == full[1] and pool.stats()["evictions"] == 1
+    assert list(pool._cached) == [part[0], part[1], full[1], part[2], full[2], full[0]]
+    taken = [pool.allocate() for _ in range(4)]  # nothing free: the least recently released, in order
+    assert taken == [part[0], part[1], full[1], part[2]] and pool.stats()["evictions"] == 4
     assert kv.match_prefix(new_seq([1] * 4 + [1])) == 0
     assert kv.match_prefix(new_seq([2] * 4 + [2])) == 4
     pool.check_invariants()
@@ -286,7 +333,8 @@ def test_cached_prefix_blocks_is_what_a_longer_prompt_would_take():
     assert kv.cached_prefix_blocks([]) == []
     b, hit = admit(kv, list(range(12)) + [50])
     assert hit == 12 and b.block_table[:3] == kv.cached_prefix_blocks(list(range(12)))
-    assert pool.stats()["cached"] == 0  # looking up acquired nothing: b holds the three, nothing else does
+    # looking up acquired nothing: b holds the three; a's partial block (12, 13) is all that is cached
+    assert pool.stats()["cached"] == pool.stats()["partial_cached"] == 1
 
 
 def test_a_pinned_block_is_shared_with_a_table_and_outlives_it():
@@ -294,7 +342,7 @@ def test_a_pinned_block_is_shared_with_a_table_and_outlives_it():
     a, _ = admit(kv, range(13))  # three full blocks
     kv.free(a)
     assert pool.pin("s", kv.cached_prefix_blocks(list(range(13))), expires_at=10.0) == 3
-    assert pool.stats()["cached"] == 0 and pool.stats()["used"] == 3 and pool.num_free == 3
+    assert pool.stats()["cached"] == 1 and pool.stats()["used"] == 3 and pool.num_free == 3  # (1: a's partial block)
     b, hit = admit(kv, range(13))  # the session's next turn: the pinned blocks by reference
     assert hit == 12 and all(pool.blocks[i].ref_cnt == 1 and pool.blocks[i].pin_cnt == 1 for i in b.block_table[:3])
     kv.free(b)

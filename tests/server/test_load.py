@@ -87,8 +87,12 @@ async def test_32_concurrent_greedy_streams_equal_their_solo_runs(server, llm, a
         solo = [await _greedy_stream(client, p) for p in prompts]  # then each alone
     finally:
         await client.close()
+    # The batch computed every prompt itself: the prompts differ after the chat template's first tokens, so the
+    # cache could serve only those, from what earlier tests of the module left (a partial first block, which one
+    # request takes over).
+    cached = [a["usage"].prompt_tokens_details.cached_tokens for a in together]
+    assert max(cached) < llm.engine.config.block_size and sum(c > 0 for c in cached) <= 1, cached
     for i, (a, b) in enumerate(zip(together, solo)):
-        assert a["usage"].prompt_tokens_details.cached_tokens == 0, i  # the batch computed every prompt itself
         assert a["finish"] in ("stop", "length") and a["usage"].completion_tokens == len(a["tokens"]) > 0, i
         assert (a["text"], a["tokens"], a["finish"]) == (b["text"], b["tokens"], b["finish"]), (i, prompts[i])
         # the logprobs list every generated token, the end of turn included; the text stops before it

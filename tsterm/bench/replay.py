@@ -72,7 +72,8 @@ def _prompt(history: list[int], turn) -> list[int]:
 
 def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | None = None) -> ReplayResult:
     """All sessions run at once; each submits its next turn as soon as its previous reply is complete."""
-    block_size = engine.config.block_size
+    # a hybrid resumes at its kept state snapshots, block boundaries; attention-only models at any token
+    unit = engine.config.block_size if engine.kv.num_state_slots else 1
     histories: list[list[int]] = [[] for _ in trace]
     pending: dict[str, tuple[int, int, list[int], float]] = {}
     result = ReplayResult(name, 0.0)
@@ -93,7 +94,7 @@ def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | 
             if not out.finished:
                 continue
             session, turn, prompt, submitted = pending.pop(out.request_id)
-            theoretical = theoretical_cached(histories[session], prompt, block_size) if turn else 0
+            theoretical = theoretical_cached(histories[session], prompt, unit) if turn else 0
             # Snapshot bytes restored since the previous finished turn: exact with one session, shared out by
             # finishing order with several.
             stats = engine.stats()

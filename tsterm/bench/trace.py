@@ -124,8 +124,10 @@ def tool_seconds(data: dict[str, Any]) -> float:
     return float(sum(sum(step.get("tool_latency_s", [])) for step in data["steps"]))
 
 
-def theoretical_cached(previous_full: list[int], prompt: list[int], block_size: int) -> int:
-    """Block-aligned maximum a prefix cache can serve for `prompt` after `previous_full` was computed.
+def theoretical_cached(previous_full: list[int], prompt: list[int], unit: int = 1) -> int:
+    """The most a prefix cache can serve for `prompt` after `previous_full` was computed, in whole `unit`s of
+    tokens (1: any token, as tsterm's full blocks and partial last block serve them; a hybrid model's block size:
+    it resumes only where a state snapshot was kept, at block boundaries).
 
     The previous turn's last sampled token was never fed to the model, and the prompt's last token is always
     computed (for its logits): the shareable prefix is the common prefix capped by both.
@@ -134,4 +136,4 @@ def theoretical_cached(previous_full: list[int], prompt: list[int], block_size: 
     common = 0
     while common < limit and previous_full[common] == prompt[common]:
         common += 1
-    return common // block_size * block_size
+    return common // unit * unit

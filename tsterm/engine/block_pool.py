@@ -24,10 +24,12 @@ class Block:
       free        ref_cnt == 0, pin_cnt == 0, block_hash is None, in the pool's free list
       referenced  ref_cnt > 0 (hashed or not, pinned or not), in at least one block table
       pinned      ref_cnt == 0, pin_cnt > 0, block_hash set, neither free nor in the LRU: not evictable
-      cached      ref_cnt == 0, pin_cnt == 0, block_hash set, in the pool's LRU of evictable blocks
+      cached      ref_cnt == 0, pin_cnt == 0, block_hash set, or (a partial block) partial_ids set, in the pool's
+                  LRU of evictable blocks
     """
 
-    __slots__ = ("block_id", "ref_cnt", "pin_cnt", "block_hash", "token_ids", "parent_hash", "snapshot")
+    __slots__ = ("block_id", "ref_cnt", "pin_cnt", "block_hash", "token_ids", "parent_hash", "snapshot",
+                 "partial_ids", "partial_parent")
 
     def __init__(self, block_id: int):
         self.block_id = block_id  # fixed for life: the index into every layer's KV pool
@@ -44,6 +46,12 @@ class Block:
         # ending here can resume. Set only while the block is hashed (unregistering releases it); only BlockPool
         # changes it.
         self.snapshot: int | None = None
+        # A finished sequence's last, partly filled block, kept so that a prompt continuing its tokens takes it over
+        # (`take_partial`) instead of computing them again: the token ids whose KV it holds (1 to B - 1 of them) and
+        # the chain hash of the full block before it (None for a sequence's first). Set only while it is cached so;
+        # never together with block_hash.
+        self.partial_ids: tuple[int, ...] | None = None
+        self.partial_parent: int | None = None
 
     def __repr__(self) -> str:
         h = None if self.block_hash is None else f"{self.block_hash:032x}"[:8]
@@ -91,6 +99,8 @@ class BlockPool:
         self._free_heap: list[int] = list(range(num_blocks))  # min-heap over a superset of _free (lazy removal)
         self._cached: OrderedDict[int, None] = OrderedDict()  # evictable, least recently released first
         self._hash_to_block: dict[int, int] = {}
+        self._partials: dict[int | None, list[int]] = {}  # parent chain hash -> cached partial blocks after it
+        self._num_partials = 0  # blocks in _partials, kept up to date so stats() is O(1)
         self._root_hash = int.from_bytes(hashlib.blake2b(fingerprint.encode(), digest_size=_HASH_BYTES).digest(),
                                          "little")
         self._num_shared = 0  # blocks with ref_cnt > 1, kept up to date so stats() is O(1)
@@ -129,6 +139,49 @@ class BlockPool:
             return None
         return block_id
 
+    def keep_partial(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> bool:
+        """Before the last holder releases `block_id`, a partly filled block (the KV of `token_ids`, the tokens after
+        the full block hashed `parent_hash`): keep it cached, for a prompt that continues those tokens. False (and
+        nothing kept) when prefix caching is off, another table holds it too, or it is not partial."""
+        block = self.blocks[block_id]
+        if (not self.enable_prefix_caching or block.ref_cnt != 1 or block.block_hash is not None
+                or not 0 < len(token_ids) < self.block_size):
+            return False
+        block.partial_ids, block.partial_parent = tuple(token_ids), parent_hash
+        self._partials.setdefault(parent_hash, []).append(block_id)
+        self._num_partials += 1
+        return True
+
+    def lookup_partial(self, parent_hash: int | None, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """(block, n): the cached partial block after the full block hashed `parent_hash` whose first n >= 1 token
+        ids are the first n of `token_ids`, n as large as any such block gives; None when none matches."""
+        best = None
+        for block_id in self._partials.get(parent_hash, ()):
+            held = self.blocks[block_id].partial_ids
+            n = 0
+            while n < len(held) and n < len(token_ids) and held[n] == token_ids[n]:
+                n += 1
+            if n and (best is None or n > best[1]):
+                best = (block_id, n)
+        return best
+
+    def take_partial(self, block_id: int) -> None:
+        """A cached partial block leaves the cache for one block table (ref_cnt 1), which writes its next tokens in
+        place: no other prompt can take it from here on."""
+        block = self.blocks[block_id]
+        assert block.ref_cnt == 0 and block.partial_ids is not None, f"take_partial of {block}"
+        del self._cached[block_id]
+        self._drop_partial(block)
+        block.ref_cnt = 1
+
+    def _drop_partial(self, block: Block) -> None:
+        siblings = self._partials[block.partial_parent]
+        siblings.remove(block.block_id)
+        if not siblings:
+            del self._partials[block.partial_parent]
+        block.partial_ids = block.partial_parent = None
+        self._num_partials -= 1
+
     # ---- allocation and ref counts
 
     @property
@@ -151,7 +204,11 @@ class BlockPool:
             self._free.remove(block_id)
         elif self._cached:
             block_id, _ = self._cached.popitem(last=False)
-            self._unregister(self.blocks[block_id])
+            block = self.blocks[block_id]
+            if block.partial_ids is not None:
+                self._drop_partial(block)
+            else:
+                self._unregister(block)
             self.num_evictions += 1
         else:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are referenced")
@@ -200,7 +257,7 @@ class BlockPool:
         if block.ref_cnt == 1:
             self._num_shared -= 1
         elif block.ref_cnt == 0 and block.pin_cnt == 0:
-            if block.block_hash is not None:
+            if block.block_hash is not None or block.partial_ids is not None:
                 self._cached[block_id] = None
             else:
                 self._free.add(block_id)
@@ -342,7 +399,8 @@ class BlockPool:
         whether a block table holds them too or not."""
         free, cached = len(self._free), len(self._cached)
         return {"num_blocks": self.num_blocks, "free": free, "used": self.num_blocks - free - cached,
-                "cached": cached, "shared": self._num_shared, "evictions": self.num_evictions,
+                "cached": cached, "partial_cached": self._num_partials,
+                "shared": self._num_shared, "evictions": self.num_evictions,
                 "pinned_blocks": self._num_pinned, "pins": len(self._pins), "pins_expired": self.num_pins_expired,
                 "state_snapshots": len(self._snapshots), "state_snapshot_evictions": self.num_snapshot_evictions}
 
@@ -361,9 +419,16 @@ class BlockPool:
             else:
                 assert block.parent_hash is None, block
             assert block.pin_cnt >= 0 and (block.pin_cnt == 0 or hashed), block
+            partial = block.partial_ids is not None
+            assert not (partial and (hashed or block.ref_cnt or block.pin_cnt)), block
+            assert partial == (block.block_id in self._partials.get(block.partial_parent, ())), block
+            if partial:
+                assert 0 < len(block.partial_ids) < self.block_size, block
+            else:
+                assert block.partial_parent is None, block
             if block.ref_cnt > 0 or block.pin_cnt > 0:
                 assert block.block_id not in free and block.block_id not in cached, block
-            elif hashed:
+            elif hashed or partial:
                 assert block.block_id in cached and block.block_id not in free, block
             else:
                 assert block.block_id in free and block.block_id not in cached, block
@@ -376,6 +441,8 @@ class BlockPool:
                 pin_holders[block_id] = pin_holders.get(block_id, 0) + 1
         assert all(b.pin_cnt == pin_holders.get(b.block_id, 0) for b in self.blocks), "pin_cnt != pins holding it"
         assert self._num_pinned == len(pin_holders) <= self.max_pinned_blocks
+        assert self._num_partials == sum(len(ids) for ids in self._partials.values()) == \
+            sum(b.partial_ids is not None for b in self.blocks)
         if not self.enable_prefix_caching:
             assert not self._hash_to_block and not self._cached
         assert set(self._snapshots) == {b.block_id for b in self.blocks if b.snapshot is not None}

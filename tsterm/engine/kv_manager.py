@@ -36,11 +36,13 @@ class KVCacheManager:
 
     def match_prefix(self, seq: Sequence) -> int:
         """Take the longest cached run of full blocks that prefixes `seq.token_ids` (by reference) and mark it
-        computed. The block holding the last token is never taken: its logits must be computed. Returns the
-        number of cached tokens."""
+        computed; then, after it, the cached partial block (a finished sequence's last) that holds the most of the
+        prompt's next tokens, which the sequence takes over and appends to in place. The last token is never taken:
+        its logits must be computed. Returns the number of cached tokens."""
         assert not seq.block_table, f"match_prefix on {seq}: it already holds blocks"
+        B, tokens = self.block_size, seq.token_ids
         chain: list[int] = []
-        run = self._cached_run(seq.token_ids, (len(seq.token_ids) - 1) // self.block_size)
+        run = self._cached_run(tokens, (len(tokens) - 1) // B)
         if self.num_state_slots:  # a hybrid resumes only where a state snapshot was kept: the run is cut there
             while run and self.pool.blocks[run[-1][0]].snapshot is None:
                 run.pop()
@@ -51,7 +53,13 @@ class KVCacheManager:
             seq.block_table.append(block_id)
             chain.append(block_hash)
         self._chain[seq.seq_id] = chain
-        num_cached = len(chain) * self.block_size
+        num_cached = len(chain) * B
+        if self.pool.enable_prefix_caching and not self.num_state_slots:  # (a hybrid's state is kept per block)
+            partial = self.pool.lookup_partial(chain[-1] if chain else None, tokens[num_cached:len(tokens) - 1])
+            if partial is not None:
+                self.pool.take_partial(partial[0])
+                seq.block_table.append(partial[0])
+                num_cached += partial[1]
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return num_cached
 
@@ -194,7 +202,8 @@ class KVCacheManager:
         self._chain[child.seq_id] = list(self._chain.get(parent.seq_id, ()))
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq` and reset it to nothing computed (e.g. for re-admission)."""
+        """Release every block of `seq` and reset it to nothing computed (e.g. for re-admission). Its partly filled
+        last block, if it holds computed tokens, stays cached as a partial block (`match_prefix`)."""
         if seq.snapshot_slot >= 0:  # kept with the block the snapshot ends at (if that block is hashed)
             position = seq.snapshot_position
             if position and position <= seq.num_computed_tokens:
@@ -204,6 +213,12 @@ class KVCacheManager:
             seq.snapshot_slot, seq.snapshot_position = -1, 0
         if seq.state_restore >= 0:  # admitted, then freed before its first step: nothing to restore any more
             seq.state_restore = -1
+        B, computed, chain = self.block_size, seq.num_computed_tokens, self._chain.get(seq.seq_id, [])
+        if (computed % B and not self.num_state_slots and len(seq.block_table) > computed // B
+                and len(chain) == computed // B):
+            # the partly filled last block: cached for a prompt that goes on from its tokens (the next turn's)
+            self.pool.keep_partial(seq.block_table[computed // B], chain[-1] if chain else None,
+                                   seq.token_ids[computed // B * B:computed])
         for block_id in reversed(seq.block_table):  # tail blocks become least recent: evicted first
             self.pool.release(block_id)
         seq.block_table = []
