@@ -203,7 +203,7 @@ def test_prepare_packs_the_step_into_the_buffers(checkpoint):
     assert meta.query_start_loc == meta.query_start_loc_device.tolist() == [0, 5, 6, 9]
     assert meta.seq_lens == meta.seq_lens_device.tolist() == [11, 9, 7]
     assert meta.block_tables.tolist() == [[7, 8, 2], [4, 5, 9], [11, 12, -1]]
-    assert meta.block_runs == [[(7, 2), (2, 1)], [(4, 2), (9, 1)], [(11, 2)]]
+    assert list(meta.block_runs) == [[(7, 2), (2, 1)], [(4, 2), (9, 1)], [(11, 2)]]
     assert inputs.sample_rows.tolist() == [4, 5]
     assert inputs.state_slots.tolist() == [-1, 3, -1]
 

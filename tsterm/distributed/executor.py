@@ -143,7 +143,7 @@ class DistributedExecutor(Executor):
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self._check_usable()
-        step = self.runner.host_step(batch, with_runs=self.kernels != "triton")
+        step = self.runner.host_step(batch)
         try:
             protocol.send(self.groups.control, protocol.Command.STEP, step)
             return self.runner.run_step(step)

@@ -44,6 +44,5 @@ def receive(group: dist.ProcessGroup) -> tuple[Command, Any]:
     group.broadcast([data], dist.BroadcastOptions()).wait()
     payload = json.loads(data.numpy().tobytes())
     if kind == Command.STEP:
-        payload["block_runs"] = [[tuple(run) for run in runs] for runs in payload["block_runs"]]
         return kind, HostStep(**payload)
     return kind, [tuple(pair) for pair in payload]  # COPY_BLOCKS

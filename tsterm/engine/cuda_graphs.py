@@ -58,7 +58,7 @@ class DecodeGraph:
         self.i32 = torch.zeros(self.layout.i32_size, dtype=torch.int32, device=device)
         # Host lists as the kernels' launchers see them at capture: one token per row, every context at the bound.
         shape = HostStep(query_start_loc=list(range(batch_size + 1)), seq_lens=[self.max_context] * batch_size,
-                         block_runs=[[] for _ in range(batch_size)])
+                         block_tables=[[] for _ in range(batch_size)])
         self.inputs = step_inputs(self.layout, self.i64, self.i32, shape, runner.block_size)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # [batch_size, V] float32, the graph's output
@@ -79,7 +79,7 @@ class DecodeGraph:
             return model.logits(hidden)  # [B, V]
 
     def run_eager(self, batch: ScheduledBatch) -> torch.Tensor:
-        self._upload(self.runner.host_step(batch, with_runs=False), len(batch.seqs))
+        self._upload(self.runner.host_step(batch), len(batch.seqs))
         return self.forward()[:len(batch.seqs)]
 
     def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:
@@ -97,7 +97,7 @@ class DecodeGraph:
 
     def replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [S, V] of the batch's S sequences: a view of the graph's output, valid until its next replay."""
-        self._upload(self.runner.host_step(batch, with_runs=False), len(batch.seqs))
+        self._upload(self.runner.host_step(batch), len(batch.seqs))
         self.graph.replay()
         return self.logits[:len(batch.seqs)]
 

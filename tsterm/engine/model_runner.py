@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 from tsterm_kernels import dispatch
-from tsterm_kernels.metadata import contiguous_runs
 
 from tsterm.config import check_quantization
 from tsterm.engine.batch import ScheduledBatch
@@ -100,8 +99,8 @@ class ModelRunner(Executor):
                 "state_snapshot_bytes": self.state_snapshot_bytes,
                 "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
 
-    def host_step(self, batch: ScheduledBatch, with_runs: bool) -> HostStep:
-        """The batch as host lists. `with_runs`: also the contiguous block runs the torch attention twin reads."""
+    def host_step(self, batch: ScheduledBatch) -> HostStep:
+        """The batch as host lists."""
         step = HostStep()
         for seq, n, slot_mapping in zip(batch.seqs, batch.num_new, batch.slot_mappings):
             start = seq.num_computed_tokens
@@ -112,7 +111,6 @@ class ModelRunner(Executor):
             step.seq_lens.append(start + n)
             num_blocks = -(-(start + n) // self.block_size)
             step.block_tables.append(seq.block_table[:num_blocks])
-            step.block_runs.append(contiguous_runs(seq.block_table, num_blocks) if with_runs else [])
             step.state_slots.append(seq.state_slot)
         if self.num_state_slots:
             step.snapshot_slots = [seq.snapshot_slot for seq in batch.seqs]
@@ -123,7 +121,7 @@ class ModelRunner(Executor):
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's inputs in the eager device buffers, uploaded without waiting for the device."""
-        return self.prepare_step(self.host_step(batch, with_runs=self.kernels != "triton"))
+        return self.prepare_step(self.host_step(batch))
 
     def prepare_step(self, step: HostStep) -> StepInputs:
         layout = StepLayout(len(step.input_ids), len(step.seq_lens), step.table_width, len(step.sample_rows))
@@ -137,7 +135,7 @@ class ModelRunner(Executor):
         if graph is not None:
             self.graph_steps += 1
             return graph.replay(batch)
-        return self.run_step(self.host_step(batch, with_runs=self.kernels != "triton"))
+        return self.run_step(self.host_step(batch))
 
     def run_step(self, step: HostStep, logits: bool = True) -> torch.Tensor | None:
         """Run one step described by host lists (what a multi-rank executor hands every rank). `logits`: compute

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tsterm_kernels.metadata import AttentionMetadata
+from tsterm_kernels.metadata import AttentionMetadata, BlockRuns
 
 ALIGN = 16  # elements: every region starts on a 64/128-byte boundary (vector loads, Triton's pointer specialisation)
 
@@ -55,7 +55,6 @@ class HostStep:
     query_start_loc: list[int] = field(default_factory=lambda: [0])  # [S+1]
     seq_lens: list[int] = field(default_factory=list)  # [S]; 0: a padding row, which attends to nothing
     block_tables: list[list[int]] = field(default_factory=list)  # [S][<= width], the blocks the context uses
-    block_runs: list[list[tuple[int, int]]] = field(default_factory=list)  # [S] (torch twin only; else empty)
     sample_rows: list[int] = field(default_factory=list)  # rows of the hidden states that the sampler reads
     state_slots: list[int] = field(default_factory=list)  # [S] each sequence's recurrent-state slot; -1: none
     # hybrid models with prefix caching: [S] the slot that keeps each sequence's state at [S] position (0: none),
@@ -186,7 +185,7 @@ def step_inputs(layout: StepLayout, i64: torch.Tensor, i32: torch.Tensor, step: 
         return i32[start:start + size]
 
     meta = AttentionMetadata(
-        query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_runs=step.block_runs,
+        query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_runs=BlockRuns(step.block_tables),
         slot_mapping=view64("slot_mapping"),
         block_tables=view32("block_tables").view(layout.num_seqs, layout.table_width), block_size=block_size,
         query_start_loc_device=view32("query_start_loc"), seq_lens_device=view32("seq_lens"),
