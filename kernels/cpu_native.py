@@ -45,6 +45,7 @@ SIGNATURES = {
     "tsterm_q8_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_f32_matmul": (None, [_P, _I64, _I64, _P, _I64, _P]),
     "tsterm_f32_gemm": (None, [_P, _I64, _I64, _I64, _P, _I64, _P]),
+    "tsterm_q_gemm": (None, [_P, _I64, _I64, _I64, _INT, _P, _P, _I64, _P]),
     "tsterm_moe_prefill": (_INT, [_P, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P]),
     "tsterm_prefill_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P, _I64]),
     "tsterm_decode_attention": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P]),

@@ -21,8 +21,9 @@ Formats (I a multiple of 32; fp16 scales, as GGUF stores them):
 Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): up to NATIVE_MAX_ROWS rows of x, int8 and
 int4 run tsterm's C kernels (`tsterm_kernels.cpu_native`, csrc/gemv.c), which quantize each row of x to int8 per
 block of 32 and sum integer products, as llama.cpp does for these formats (`reference_matmul` is that arithmetic in
-torch); more rows (a prefill) dequantize the weight to float32 and run torch's GEMM, exact up to float summation
-order. fp16 runs fbgemm's AVX2 GEMM. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
+torch); more rows (a prefill) run csrc/gemm.c's float32 GEMM, which dequantizes each 16-row panel of the weight as
+it packs it: the bits of that GEMM on the dequantized weight, which is never written out (dequantizing the whole
+weight for torch's GEMM cost a third of the default model's 300-token extend). fp16 runs fbgemm's AVX2 GEMM. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
 tsterm.model.quant refuses `quantization: fp8` on the CPU). Without the C kernels (no compiler) the same holds for
 int8 / int4. On a CUDA device int8, int4 and fp8 run the Triton kernel `tsterm_kernels.triton_quant_linear`, which
 dequantizes the weight in registers; fp16 (fbgemm's packing) exists on the CPU only.
@@ -41,6 +42,7 @@ FP8_BLOCK = 128  # outputs and inputs per fp8 block (one scale each)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 NATIVE_MAX_ROWS = 16  # up to this many rows of x, the C kernels; more: dequantize + torch's GEMM
 NATIVE_KINDS = ("int8", "int4")  # the kinds the C kernels read
+Q_GEMM_KINDS = {"int8": 1, "int4": 2}  # csrc/tsterm.h's TSTERM_Q8, TSTERM_Q4
 TRITON_KINDS = ("int8", "int4", "fp8")  # the kinds the Triton kernel reads
 
 
@@ -251,6 +253,14 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
             raise MemoryError("out of memory for the quantized matmul's scratch")
     elif weight.kind == "fp16" and x.is_cpu:
         y = _fp16_mm(x.float(), weight)
+    elif (weight.kind in NATIVE_KINDS and x.is_cpu and len(weight.dims) == 2 and x.dim() == 2
+          and (native := cpu_native.load()) is not None):
+        # a prefill: csrc/gemm.c's float32 GEMM, its panels dequantized from the blocks as it packs them
+        xf = x if x.dtype is torch.float32 and x.stride(1) == 1 else x.float().contiguous()
+        out_f, in_f = weight.dims
+        y = torch.empty((rows, out_f), dtype=torch.float32)
+        native.q_gemm(xf.data_ptr(), xf.stride(0), rows, in_f, Q_GEMM_KINDS[weight.kind], weight.data.data_ptr(),
+                      weight.scale.data_ptr(), out_f, y.data_ptr())
     else:
         y = F.linear(x.float(), dequantize(weight, cpu_native.load() if x.is_cpu else None))
     if y.dtype is not x.dtype:

@@ -1,4 +1,5 @@
-/* float32 matmul for prefill-sized x on the CPU: y[M, O] = x[M, I] @ W[O, I]^T, W in nn.Linear's layout.
+/* float32 matmul for prefill-sized x on the CPU: y[M, O] = x[M, I] @ W[O, I]^T, W in nn.Linear's layout, float32
+ * or int8 / int4 blocks (tsterm_q_gemm: each panel dequantized as it is packed).
  *
  * Why not torch's (MKL's) sgemm: on these AVX2 cores MKL runs the shapes prefill gives an MoE's experts (tens of
  * rows against a 1-4 MB weight) at 100-120 GFLOP/s on two cores, while the cores peak at about 180
@@ -100,37 +101,101 @@ void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, int64_t ldx, cons
     TILES[rows - 1](kc, x, ldx, packed, y, ldy, add);
 }
 
-void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,
-                           float *y) {
-    float packed[KC * NR] __attribute__((aligned(64)));
-    float edge[MR * NR]; /* a tile's outputs when fewer than 16 remain */
-    int64_t first, last;
-    tsterm_thread_share(out_f, NR, &first, &last);
-    for (int64_t m0 = 0; m0 < rows; m0 += MC) {
-        const int64_t m1 = rows - m0 < MC ? rows : m0 + MC;
-        for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
-            const int64_t kc = in_f - k0 < KC ? in_f - k0 : KC;
-            const int add = k0 > 0;
-            for (int64_t o = first; o < last; o += NR) {
-                const int64_t n = last - o < NR ? last - o : NR;
-                const float *w_rows[NR];
-                for (int64_t j = 0; j < n; j++) w_rows[j] = w + (o + j) * in_f + k0;
-                tsterm_pack16(w_rows, n, kc, packed);
-                for (int64_t m = m0; m < m1; m += MR) {
-                    const int64_t mr = m1 - m < MR ? m1 - m : MR;
-                    float *yt = y + m * out_f + o;
-                    if (n == NR) {
-                        TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, yt, out_f, add);
-                        continue;
-                    }
-                    TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
-                    for (int64_t r = 0; r < mr; r++)
-                        for (int64_t j = 0; j < n; j++)
-                            yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
+/* Where a panel's weights come from: float32 rows, or int8 / int4 blocks of 32 inputs (quant.py's layouts: GGUF
+ * Q8_0 / Q4_1 bytes, fp16 scales), dequantized 16 rows x KC inputs at a time into an L1-sized buffer and packed from
+ * there, so a quantized prefill never writes its weight out as float32 (the whole matrix, once a call, before). */
+typedef struct {
+    int kind; /* TSTERM_F32, TSTERM_Q8 or TSTERM_Q4 (tsterm.h) */
+    const void *data; /* float rows [O, I]; int8 codes [O, I]; int4 bytes [O, I / 2] */
+    const uint16_t *scales; /* q8: [O, I / 32] d; q4: [O, I / 32][2] (d, m) */
+    int64_t in_f;
+} wsource;
+
+/* rows[j] <- weight row o + j's inputs [k0, k0 + kc) as float32 (kc, k0 multiples of 32 for the quantized kinds) */
+static void weight_rows(const wsource *w, int64_t o, int64_t n, int64_t k0, int64_t kc, const float **rows,
+                        float *scratch) {
+    const int64_t in_f = w->in_f, nb = in_f / 32;
+    for (int64_t j = 0; j < n; j++) {
+        if (w->kind == TSTERM_F32) {
+            rows[j] = (const float *)w->data + (o + j) * in_f + k0;
+            continue;
+        }
+        float *dst = scratch + j * KC;
+        rows[j] = dst;
+        for (int64_t b = k0 / 32; b < (k0 + kc) / 32; b++, dst += 32) {
+            if (w->kind == TSTERM_Q8) {
+                const int8_t *c = (const int8_t *)w->data + (o + j) * in_f + b * 32;
+                const __m256 d = _mm256_set1_ps(_cvtsh_ss(w->scales[(o + j) * nb + b]));
+                for (int i = 0; i < 32; i += 8) {
+                    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + i)));
+                    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
+                }
+            } else { /* int4: byte i holds input i (low nibble) and input i + 16 (high); W = code * d + m */
+                const uint8_t *c = (const uint8_t *)w->data + ((o + j) * nb + b) * 16;
+                const uint16_t *sc = w->scales + ((o + j) * nb + b) * 2;
+                const __m256 d = _mm256_set1_ps(_cvtsh_ss(sc[0])), m = _mm256_set1_ps(_cvtsh_ss(sc[1]));
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)c), low4 = _mm_set1_epi8(15);
+                const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+                const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int i = 0; i < 4; i++) {
+                    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+                    _mm256_storeu_ps(dst + 8 * i, _mm256_add_ps(_mm256_mul_ps(v, d), m));
                 }
             }
         }
     }
+}
+
+/* y[m0..m1, o..o+n) = (add: y +) x[m0..m1, k0..k0+kc) @ W[o..o+n, k0..k0+kc)^T: one packed panel of W, every
+ * 6-row tile of x over it */
+static void panel(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t k0, int64_t kc, const wsource *w,
+                  int64_t o, int64_t n, float *y, int64_t out_f, float *packed, float *scratch) {
+    float edge[MR * NR]; /* a tile's outputs when fewer than 16 remain */
+    const int add = k0 > 0;
+    const float *w_rows[NR];
+    weight_rows(w, o, n, k0, kc, w_rows, scratch);
+    tsterm_pack16(w_rows, n, kc, packed);
+    for (int64_t m = m0; m < m1; m += MR) {
+        const int64_t mr = m1 - m < MR ? m1 - m : MR;
+        float *yt = y + m * out_f + o;
+        if (n == NR) {
+            TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, yt, out_f, add);
+            continue;
+        }
+        TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
+        for (int64_t r = 0; r < mr; r++)
+            for (int64_t j = 0; j < n; j++) yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
+    }
+}
+
+static void gemm_share(const float *x, int64_t ldx, int64_t rows, const wsource *w, int64_t out_f, float *y) {
+    float packed[KC * NR] __attribute__((aligned(64)));
+    float scratch[w->kind == TSTERM_F32 ? 1 : NR * KC]; /* a quantized panel's rows, dequantized */
+    const int64_t in_f = w->in_f;
+    int64_t first, last;
+    tsterm_thread_share(out_f, NR, &first, &last);
+    for (int64_t m0 = 0; m0 < rows; m0 += MC) {
+        const int64_t m1 = rows - m0 < MC ? rows : m0 + MC;
+        for (int64_t k0 = 0; k0 < in_f; k0 += KC)
+            for (int64_t o = first; o < last; o += NR)
+                panel(x, ldx, m0, m1, k0, in_f - k0 < KC ? in_f - k0 : KC, w, o, last - o < NR ? last - o : NR, y,
+                      out_f, packed, scratch);
+    }
+}
+
+void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,
+                           float *y) {
+    const wsource src = {TSTERM_F32, w, NULL, in_f};
+    gemm_share(x, ldx, rows, &src, out_f, y);
+}
+
+/* y [rows, O] = x [rows, I] @ W^T for W int8 (kind TSTERM_Q8) or int4 (TSTERM_Q4) blocks of 32 inputs (I a multiple
+ * of 32): the same kernel and summation order as tsterm_f32_gemm on the dequantized weight, so the same bits. */
+void tsterm_q_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, int kind, const void *codes,
+                   const uint16_t *scales, int64_t out_f, float *y) {
+    const wsource src = {kind, codes, scales, in_f};
+#pragma omp parallel
+    gemm_share(x, ldx, rows, &src, out_f, y);
 }
 
 void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,

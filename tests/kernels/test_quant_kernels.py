@@ -53,6 +53,19 @@ def test_many_rows_are_the_float_matmul_of_the_dequantized_weight(quantize):
 
 
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows,out_f,in_f", [(NATIVE_MAX_ROWS + 1, 40, 96), (300, 200, 576), (400, 37, 288)])
+def test_prefill_rows_run_the_float_gemm_on_panels_dequantized_from_the_blocks(native, quantize, rows, out_f, in_f):
+    """More rows than the integer kernels take: csrc/gemm.c dequantizes each 16-row panel as it packs it (no float
+    copy of the weight); the same kernel on the dequantized weight gives the same bits. Shapes: a tail of fewer than
+    16 outputs, more inputs than one 256-input block (not a multiple of it), more rows than one 384-row pass."""
+    q = quantize(_weight(out_f, in_f))
+    x = torch.randn(rows + 3, in_f, generator=torch.Generator().manual_seed(2))[3:]  # rows at an offset
+    got = quantized_linear(x, q)
+    assert torch.equal(got, cpu_native.f32_gemm(native, x, q.dequantize()))
+    torch.testing.assert_close(got, F.linear(x, q.dequantize()), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4], ids=["int8", "int4"])
 def test_c_dequantize_equals_the_torch_dequantize(native, quantize):
     q = quantize(_weight(40, 96))
     assert torch.equal(quant.dequantize(q, native), q.dequantize())
