@@ -122,6 +122,60 @@ def test_truncation_never_samples_excluded(logits, temperature, top_k, top_p, mi
     assert not excluded & set(out.token_ids)
 
 
+def _sorted_nucleus(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p from scratch: sort the whole row (stable), keep the ranks before the mass reaches p."""
+    values, order = scores.sort(dim=-1, descending=True, stable=True)
+    keep = torch.arange(scores.shape[1]) < top_k
+    probs = values.masked_fill(~keep, -math.inf).softmax(dim=-1)
+    keep &= probs.cumsum(dim=-1) - probs < top_p
+    return scores.masked_fill(~torch.empty_like(keep).scatter_(1, order, keep), -math.inf)
+
+
+@settings(max_examples=80, deadline=None)
+@given(vocab=st.sampled_from([65, 300, 4096]), rows=st.integers(1, 3), scale=st.sampled_from([1.0, 5.0, 20.0]),
+       ties=st.booleans(), top_k=st.lists(st.sampled_from([1, 3, 64, 65, 0]), min_size=3, max_size=3),
+       top_p=st.sampled_from([1e-6, 0.3, 0.9, 0.999]), seed=st.integers(0, 2**31))
+def test_top_p_among_candidates_keeps_what_sorting_the_vocabulary_keeps(vocab, rows, scale, ties, top_k, top_p, seed):
+    """Top-p looks for its nucleus among the 64 most likely tokens first (no sort of the vocabulary); whenever it
+    answers, it keeps exactly the tokens a stable sort of the whole row keeps, ties included."""
+    scores = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    if ties:
+        scores = scores.round()  # many equal logits, some at the nucleus's edge
+    k = torch.tensor([[top_k[i] or vocab] for i in range(rows)])
+    p = torch.full((rows, 1), top_p)
+    want = _sorted_nucleus(scores, k, p)
+    assert torch.equal(sampler_module._top_k_top_p(scores, k, p, True), want)
+    fast = sampler_module._nucleus_among_candidates(scores, k, p)
+    assert fast is None or torch.equal(fast, want)
+
+
+def test_a_tie_past_the_candidates_at_the_nucleus_edge_falls_back_to_the_sort():
+    """One likely token and 199 equal ones: the nucleus of p = 0.429 is it and one of the 199, which a stable sort
+    makes id 0; topk's 64 candidates need not hold id 0 (here they do not), so only the sort can answer."""
+    scores = torch.zeros(1, 200)
+    scores[0, 150] = 5.0
+    k, p = torch.tensor([[200]]), torch.tensor([[0.429]])
+    want = _sorted_nucleus(scores, k, p)
+    assert torch.isfinite(want).nonzero()[:, 1].tolist() == [0, 150]
+    assert sampler_module._nucleus_among_candidates(scores, k, p) is None
+    assert torch.equal(sampler_module._top_k_top_p(scores, k, p, True), want)
+
+
+def test_a_peaked_row_finds_its_nucleus_without_sorting(monkeypatch):
+    scores = torch.randn(2, 49152, generator=torch.Generator().manual_seed(3)) * 20  # temperature 0.2's sharpness
+    k, p = torch.tensor([[49152], [49152]]), torch.tensor([[0.9], [0.9]])
+    want = _sorted_nucleus(scores, k, p)
+    sorted_widths, sort = [], torch.Tensor.sort
+
+    def recording_sort(self, *args, **kwargs):
+        sorted_widths.append(self.shape[-1])
+        return sort(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sort", recording_sort)
+    assert torch.equal(sampler_module._top_k_top_p(scores, k, p, True), want)
+    assert sorted_widths and max(sorted_widths) == 64  # only the candidates were sorted
+
+
 def test_repetition_penalty_matches_transformers():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
