@@ -301,11 +301,15 @@ def _nucleus_among_candidates(scores: Tensor, top_k: Tensor, top_p: Tensor) -> T
     normaliser, decide it whenever it ends among them (sorting a 49K vocabulary took 4.9 ms a token, the default
     model's whole forward 5 ms). None (the caller sorts) when a row's nucleus or top-k reaches past the candidates,
     or a token outside them ties the last kept one (the stable sort might rank it first).
+
+    CPU tensors only: deciding reads flags on the host, which on a GPU would wait for the device (the sampler's one
+    wait is `_read_back`), and a GPU sorts a vocabulary in microseconds. The flags are read through numpy: on the
+    CPU that waits for nothing.
     """
     vocab = scores.shape[1]
     c = min(_NUCLEUS_CANDIDATES, vocab)
-    if c == vocab or bool(((top_k > c) & (top_k < vocab)).any()):  # a top-k past the candidates: sort
-        return None
+    if scores.device.type != "cpu" or c == vocab or ((top_k > c) & (top_k < vocab)).numpy().any():
+        return None  # (a top-k past the candidates: sort)
     values, ids = scores.topk(c, dim=-1)  # [S, c]
     # the stable sort's order among them: by value, descending, the lower id first among equal ones
     ids, by_id = ids.sort(dim=-1)
@@ -322,7 +326,7 @@ def _nucleus_among_candidates(scores: Tensor, top_k: Tensor, top_p: Tensor) -> T
     keep &= mass_before < top_p
     last = keep.sum(dim=-1, keepdim=True) - 1  # [S, 1]: the last kept rank (rank 0 always is)
     # exact when every row's nucleus ends before the last candidate, and no token outside ties its last kept one
-    if bool(keep[:, -1].any()) or bool((values.gather(1, last) <= values[:, -1:]).any()):
+    if keep[:, -1].numpy().any() or (values.gather(1, last) <= values[:, -1:]).numpy().any():
         return None
     return torch.full_like(scores, -math.inf).scatter_(1, ids, scores.gather(1, ids).masked_fill(~keep, -math.inf))
 
