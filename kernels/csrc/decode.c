@@ -92,25 +92,28 @@ static void pv_narrow(const float *p, const float *const *rows, int64_t n, int64
     for (int k = 0; k < width / 8; k++) _mm256_storeu_ps(acc + 8 * k, a[k]);
 }
 
-/* chunks of CHUNK positions over every sequence's context: the first phase's work */
-int64_t tsterm_attention_busy(const int32_t *seq_lens, int64_t num_seqs) {
-    int64_t busy = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        if (seq_lens[s] > 0) busy += (seq_lens[s] + CHUNK - 1) / CHUNK;
-    return busy;
+int64_t tsterm_attention_chunks(const int32_t *seq_lens, int64_t num_seqs) {
+    int64_t max_chunks = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t c = (seq_lens[s] + CHUNK - 1) / CHUNK;
+        if (c > max_chunks) max_chunks = c;
+    }
+    return max_chunks;
 }
 
-/* Chunk `chunk` of sequence s (CHUNK positions, every KV head) into the partial `pt` [Hq, D + 2] of the thread's run
- * of chunks of s (fresh: the run starts here; else the chunk's softmax continues the run's, online). */
-static void attention_chunk(const tsterm_attention *at, int64_t s, int64_t chunk, float *pt, int fresh) {
+/* Task `task` of the first phase: a chunk of one sequence's positions, every KV head, into the partial `run` (fresh:
+ * the run starts here; else the chunk's softmax continues the run's, online). A chunk that does not start its run
+ * marks its own partial empty. */
+static void tsterm_attention_task(const tsterm_attention *at, int64_t task, float *run, int fresh) {
     const float *q = at->q, *k_cache = at->k_cache, *v_cache = at->v_cache;
     const int32_t *block_tables = at->block_tables, *seq_lens = at->seq_lens;
     const int64_t num_heads = at->num_heads, num_kv_heads = at->num_kv_heads, D = at->head_dim;
-    const int64_t group = num_heads / num_kv_heads, block_size = at->block_size;
+    const int64_t group = num_heads / num_kv_heads, max_chunks = at->max_chunks, block_size = at->block_size;
     const int64_t q_stride = at->q_stride, max_blocks = at->max_blocks;
     const float scale = at->scale;
-    /* each position's K (and V) heads are contiguous */
-    const int64_t first = chunk * CHUNK;
+    float *part = at->part;
+    /* a chunk of one sequence's positions, every KV head: each position's K (and V) heads are contiguous */
+    const int64_t s = task / max_chunks, chunk = task % max_chunks, first = chunk * CHUNK;
     int64_t n = seq_lens[s] - first;
     if (n > CHUNK) n = CHUNK;
     const int32_t *table = block_tables + s * max_blocks;
@@ -121,6 +124,10 @@ static void attention_chunk(const tsterm_attention *at, int64_t s, int64_t chunk
         rows_v[i] = v_cache + slot * num_kv_heads * D;
         if (++off == block_size) off = 0, blk++;
     }
+    float *own = part + task * num_heads * (D + 2), *pt = run;  /* [Hq, D + 2] */
+    if (own != run || n <= 0)
+        for (int64_t r = 0; r < num_heads; r++) own[r * (D + 2) + D] = -INFINITY, own[r * (D + 2) + D + 1] = 0.0f;
+    if (n <= 0) return;
     const int64_t row_bytes = num_kv_heads * D * (int64_t)sizeof(float);
     float scores[MAX_HEADS][CHUNK] __attribute__((aligned(32)));
     const float *qs = q + s * q_stride;
@@ -171,56 +178,57 @@ static void attention_chunk(const tsterm_attention *at, int64_t s, int64_t chunk
     }
 }
 
-/* The first phase, inside the caller's parallel region (ends at a barrier). Each thread takes an even, contiguous
- * share of the busy chunks (those holding positions, sequence by sequence), so the next chunk, which each chunk
- * prefetches, is its own (under a dynamic schedule the other thread would take it and the prefetch would only double
- * the traffic); its chunks of one sequence make one run with one partial, slot (s, thread) of part. (With a partial
- * per chunk, each written and merged, or marked empty, the kernel read the KV up to 20% slower from memory.) */
+/* Every task of the first phase, inside the caller's parallel region; ends at a barrier. Each thread takes an even,
+ * contiguous share of the chunks that hold positions, so the next chunk, which each task prefetches, is its own
+ * (under a dynamic schedule the other thread would take it and the prefetch would only double the traffic); its
+ * chunks of one sequence make one run with one partial (with a partial per chunk, 2 MB of them at 16K positions
+ * written and then merged, the kernel read the KV up to 20% slower from memory, 7% on average); then the chunks past
+ * a sequence's end, which only mark their partial empty. */
 void tsterm_attention_tasks(const tsterm_attention *a) {
     const int32_t *seq_lens = a->seq_lens;
-    const int64_t part_floats = a->num_heads * (a->head_dim + 2), threads = omp_get_num_threads();
-    int64_t lo, hi, s = 0, c = 0, run_seq = -1;
+    const int64_t part_floats = a->num_heads * (a->head_dim + 2);
+    int64_t busy = 0, lo, hi, s = 0, c = 0, run_seq = -1;
     float *run = NULL;
-    tsterm_thread_share(a->busy, 1, &lo, &hi);
+    for (int64_t i = 0; i < a->num_seqs; i++) busy += (seq_lens[i] + CHUNK - 1) / CHUNK;
+    tsterm_thread_share(busy, 1, &lo, &hi);
     for (int64_t idx = 0; idx < hi; idx++) { /* (sequence s, chunk c) of busy chunk idx */
         while (seq_lens[s] <= 0) s++;
         if (idx >= lo) {
+            const int64_t task = s * a->max_chunks + c;
             const int fresh = s != run_seq;
-            if (fresh) run = a->part + (s * threads + omp_get_thread_num()) * part_floats, run_seq = s;
-            attention_chunk(a, s, c, run, fresh);
+            if (fresh) run = a->part + task * part_floats, run_seq = s;
+            tsterm_attention_task(a, task, run, fresh);
         }
         if (++c * CHUNK >= seq_lens[s]) c = 0, s++;
     }
-#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < a->num_seqs * a->max_chunks; task++)
+        if (task % a->max_chunks * CHUNK >= seq_lens[task / a->max_chunks])
+            tsterm_attention_task(a, task, a->part + task * part_floats, 1);
 }
 
-/* Query row `row` (sequence row / Hq, head row % Hq) of the second phase, in the same parallel region as the first:
- * the runs' partials of the sequence (the threads whose share met its chunks) merged by their maxima into out [D];
- * a sequence with no positions gets zeros. */
+/* Query row `row` (sequence row / Hq, head row % Hq) of the second phase: the chunks' partials merged by their
+ * maxima into out [D]. */
 void tsterm_attention_merge(const tsterm_attention *at, int64_t row, float *out) {
-    const int64_t num_heads = at->num_heads, D = at->head_dim, threads = omp_get_num_threads(), busy = at->busy;
+    const int64_t num_heads = at->num_heads, D = at->head_dim, max_chunks = at->max_chunks;
+    const float *part = at->part;
     const int64_t s = row / num_heads, hq = row % num_heads;
-    int64_t first = 0; /* the sequence's busy chunks: [first, end) */
-    for (int64_t i = 0; i < s; i++)
-        if (at->seq_lens[i] > 0) first += (at->seq_lens[i] + CHUNK - 1) / CHUNK;
-    const int64_t end = first + (at->seq_lens[s] > 0 ? (at->seq_lens[s] + CHUNK - 1) / CHUNK : 0);
     float mx = -INFINITY, sum = 0.0f;
-    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
-    for (int pass = 0; pass < 2; pass++) /* the maximum, then the weighted sum */
-        for (int64_t t = 0; t < threads; t++) {
-            const int64_t lo = busy * t / threads, hi = busy * (t + 1) / threads; /* as tsterm_thread_share gave it */
-            if (lo == hi || lo >= end || hi <= first) continue;
-            const float *run = at->part + ((s * threads + t) * num_heads + hq) * (D + 2);
-            if (pass == 0) {
-                mx = run[D] > mx ? run[D] : mx;
-                continue;
-            }
-            const float w = expf(run[D] - mx);
-            sum += w * run[D + 1];
-            axpy(w, run, out, D);
-        }
+    for (int64_t c = 0; c < max_chunks; c++) {
+        const float m = part[((s * max_chunks + c) * num_heads + hq) * (D + 2) + D];
+        mx = m > mx ? m : mx;
+    }
+    float *o = out;
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t c = 0; c < max_chunks; c++) {
+        const float *pt = part + ((s * max_chunks + c) * num_heads + hq) * (D + 2);
+        if (pt[D + 1] == 0.0f) continue;
+        const float w = expf(pt[D] - mx);
+        sum += w * pt[D + 1];
+        axpy(w, pt, o, D);
+    }
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
 }
 
 /* q: [S, Hq, D] rows q_stride apart (elements between sequences' rows); caches: [num_blocks, B, Hkv, D];
@@ -232,13 +240,13 @@ int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cac
                             float *out) {
     if (num_heads > MAX_HEADS || head_dim % 8) return -2;
     tsterm_attention a = {q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
-                          num_kv_heads, head_dim, block_size, scale, tsterm_attention_busy(seq_lens, num_seqs), NULL};
+                          num_kv_heads, head_dim, block_size, scale, tsterm_attention_chunks(seq_lens, num_seqs), NULL};
     a.part = malloc(tsterm_attention_part_bytes(&a));
     if (!a.part) return -1;
 #pragma omp parallel  /* one parallel region for both phases: the threads are woken once */
     {
         tsterm_attention_tasks(&a);
-#pragma omp for schedule(static)  /* after the first phase's barrier: every run's partial is written */
+#pragma omp for schedule(static)  /* after the implicit barrier: every chunk's partial is written */
         for (int64_t row = 0; row < num_seqs * num_heads; row++) tsterm_attention_merge(&a, row, out + row * head_dim);
     }
     free(a.part);

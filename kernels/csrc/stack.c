@@ -193,7 +193,7 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
     widest = widest > Hq * D ? widest : Hq * D;
     const int64_t nbw = widest / 32 + 1;
     tsterm_attention att = {NULL, qkv_f, NULL, NULL, block_tables, max_blocks, seq_lens, rows, Hq, Hkv, D,
-                            m->block_size, m->scale, tsterm_attention_busy(seq_lens, rows), NULL};
+                            m->block_size, m->scale, tsterm_attention_chunks(seq_lens, rows), NULL};
     /* scratch (floats): x [P, widest] (a matmul's float input), qkv [rows, qkv_f], attention output [rows, Hq D],
      * gate_up [P, 2I], expert outputs [P, H], router logits and probabilities [rows, 2E], pair weights [P], two
      * sets of quantized rows' scales [P, nbw] x 2 each, attention partials; then (int64) pairs' rows and groups,

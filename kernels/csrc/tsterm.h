@@ -124,14 +124,13 @@ typedef struct {
     const int32_t *seq_lens; /* [S] */
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
-    int64_t busy;       /* tsterm_attention_busy(seq_lens, num_seqs) */
+    int64_t max_chunks; /* tsterm_attention_chunks(seq_lens, num_seqs) */
     float *part;        /* tsterm_attention_part_bytes() of scratch */
 } tsterm_attention;
 
-TSTERM_INTERNAL int64_t tsterm_attention_busy(const int32_t *seq_lens, int64_t num_seqs);
-/* one partial [Hq, D + 2] per (sequence, thread) of a parallel region of at most omp_get_max_threads() */
+TSTERM_INTERNAL int64_t tsterm_attention_chunks(const int32_t *seq_lens, int64_t num_seqs);
 static inline size_t tsterm_attention_part_bytes(const tsterm_attention *a) {
-    return sizeof(float) * (size_t)(a->num_seqs * omp_get_max_threads() * a->num_heads * (a->head_dim + 2));
+    return sizeof(float) * (size_t)(a->num_seqs * a->max_chunks * a->num_heads * (a->head_dim + 2));
 }
 /* every task, shared by the threads of the caller's parallel region (ends at a barrier) */
 TSTERM_INTERNAL void tsterm_attention_tasks(const tsterm_attention *a);
