@@ -62,9 +62,7 @@ class BlockRuns(Sequence):
     def __len__(self) -> int:
         return len(self._tables)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def __getitem__(self, i: int) -> list[tuple[int, int]]:
         runs = self._runs[i]
         if runs is None:
             runs = self._runs[i] = contiguous_runs(self._tables[i], len(self._tables[i]))

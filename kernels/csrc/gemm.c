@@ -123,25 +123,11 @@ static void weight_rows(const wsource *w, int64_t o, int64_t n, int64_t k0, int6
         float *dst = scratch + j * KC;
         rows[j] = dst;
         for (int64_t b = k0 / 32; b < (k0 + kc) / 32; b++, dst += 32) {
-            if (w->kind == TSTERM_Q8) {
-                const int8_t *c = (const int8_t *)w->data + (o + j) * in_f + b * 32;
-                const __m256 d = _mm256_set1_ps(_cvtsh_ss(w->scales[(o + j) * nb + b]));
-                for (int i = 0; i < 32; i += 8) {
-                    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + i)));
-                    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
-                }
-            } else { /* int4: byte i holds input i (low nibble) and input i + 16 (high); W = code * d + m */
-                const uint8_t *c = (const uint8_t *)w->data + ((o + j) * nb + b) * 16;
-                const uint16_t *sc = w->scales + ((o + j) * nb + b) * 2;
-                const __m256 d = _mm256_set1_ps(_cvtsh_ss(sc[0])), m = _mm256_set1_ps(_cvtsh_ss(sc[1]));
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)c), low4 = _mm_set1_epi8(15);
-                const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-                const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-                for (int i = 0; i < 4; i++) {
-                    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-                    _mm256_storeu_ps(dst + 8 * i, _mm256_add_ps(_mm256_mul_ps(v, d), m));
-                }
-            }
+            if (w->kind == TSTERM_Q8)
+                tsterm_q8_block((const int8_t *)w->data + (o + j) * in_f + b * 32, w->scales[(o + j) * nb + b], dst);
+            else
+                tsterm_q4_block((const uint8_t *)w->data + ((o + j) * nb + b) * 16, w->scales + ((o + j) * nb + b) * 2,
+                                dst);
         }
     }
 }

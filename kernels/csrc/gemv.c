@@ -236,25 +236,16 @@ void tsterm_q4_dequantize(const uint8_t *codes, const uint16_t *scales, int64_t 
     const int64_t nb = in_f / QBLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out_f; o++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *c = codes + (o * nb + b) * 16;
-            const float d = _cvtsh_ss(scales[(o * nb + b) * 2]), m = _cvtsh_ss(scales[(o * nb + b) * 2 + 1]);
-            float *wb = w + o * in_f + b * QBLOCK;
-            for (int j = 0; j < 16; j++) {
-                wb[j] = (float)(c[j] & 15) * d + m;
-                wb[j + 16] = (float)(c[j] >> 4) * d + m;
-            }
-        }
+        for (int64_t b = 0; b < nb; b++)
+            tsterm_q4_block(codes + (o * nb + b) * 16, scales + (o * nb + b) * 2, w + o * in_f + b * QBLOCK);
 }
 
 void tsterm_q8_dequantize(const int8_t *codes, const uint16_t *scales, int64_t out_f, int64_t in_f, float *w) {
     const int64_t nb = in_f / QBLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out_f; o++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float d = _cvtsh_ss(scales[o * nb + b]);
-            for (int j = 0; j < QBLOCK; j++) w[o * in_f + b * QBLOCK + j] = (float)codes[o * in_f + b * QBLOCK + j] * d;
-        }
+        for (int64_t b = 0; b < nb; b++)
+            tsterm_q8_block(codes + o * in_f + b * QBLOCK, scales[o * nb + b], w + o * in_f + b * QBLOCK);
 }
 
 /* float32 weights, 1..4 rows of x: y[M, O] = x[M, I] @ W[O, I]^T (I a multiple of 8), output rows split evenly

@@ -9,6 +9,23 @@
 #define TSTERM_INTERNAL __attribute__((visibility("hidden")))
 #define MAX_HEADS 64 /* query heads (of one rank) the decode attention takes */
 
+/* One block of 32 weights as float32, in quant.py's layouts: int8 codes times the block's fp16 d (GGUF Q8_0), or
+ * int4 (byte i: input i in the low nibble, input i + 16 in the high one) as code * d + m (GGUF Q4_1; d, m fp16). */
+static inline void tsterm_q8_block(const int8_t *codes, uint16_t d_bits, float *w) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(d_bits));
+    for (int i = 0; i < 32; i += 8)
+        _mm256_storeu_ps(w + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                  _mm_loadl_epi64((const __m128i *)(codes + i)))), d));
+}
+static inline void tsterm_q4_block(const uint8_t *codes, const uint16_t *dm_bits, float *w) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(dm_bits[0])), m = _mm256_set1_ps(_cvtsh_ss(dm_bits[1]));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)codes), low4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)}; /* inputs 0-7, 8-15, 16-23, 24-31 */
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_ps(w + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d), m));
+}
+
 /* This OpenMP thread's even share [*first, *last) of n items handed out in whole units (the last may be short). */
 static inline void tsterm_thread_share(int64_t n, int64_t unit, int64_t *first, int64_t *last) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
