@@ -12,14 +12,20 @@ from typing import Any
 from tsterm.errors import ConfigError, ModelLoadError
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg: str, param: str | None = None) -> None:
     if not cond:
-        raise ConfigError(msg)
+        raise ConfigError(msg, param=param)
+
+
+SEED_MAX = 2**64 - 1  # a torch.Generator's seed is an unsigned 64-bit integer
+MIN_TEMPERATURE = 1e-6  # below it (and above 0), logits / temperature overflow float32 for ordinary logits
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request sampling. `temperature=0` is greedy; every field is checked in `__post_init__`."""
+    """Per-request sampling. `temperature=0` is greedy; every field is checked in `__post_init__` (and again by
+    `validate()` when the engine admits a request, in case a field was changed since)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -28,7 +34,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = None  # sample i of n draws from a generator seeded with (seed + i) mod 2**64
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -37,44 +43,57 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalise (numbers to float, one stop string to a list) and check every field: a ConfigError (a
+        ValueError) names the first bad one, its value and the range it must be in."""
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and not isinstance(value, bool),
-                   f"{name} must be a number, got {value!r}")
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                   f"{name} must be a finite number, got {value!r}", name)
             setattr(self, name, float(value))
         for name in ("top_k", "max_tokens", "n"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an integer, got {value!r}")
-        _check(isinstance(self.stop, (str, list, tuple)), f"stop must be a string or a list of strings, got {self.stop!r}")
-        _check(isinstance(self.stop_token_ids, (list, tuple)), f"stop_token_ids must be a list, got {self.stop_token_ids!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        _check(math.isfinite(self.temperature) and self.temperature >= 0,
-               f"temperature must be >= 0, got {self.temperature}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1,
-               f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+            _check(_is_int(value), f"{name} must be an integer, got {value!r}", name)
+        _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE,
+               f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), got {self.temperature}",
+               "temperature")
+        _check(self.top_k >= -1, f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be in (0, inf), got {self.repetition_penalty}",
+               "repetition_penalty")
         _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}", "presence_penalty")
         _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be a positive integer, got {self.max_tokens}")
-        _check(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty: {self.stop}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers: {self.stop_token_ids}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-               f"logprobs must be None or in [0, 20], got {self.logprobs}")
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be a positive integer, got {self.n}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}", "frequency_penalty")
+        _check(self.max_tokens >= 1, f"max_tokens must be a positive integer, got {self.max_tokens}", "max_tokens")
+        _check(self.n >= 1, f"n must be a positive integer, got {self.n}", "n")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= SEED_MAX),
+               f"seed must be None or an integer in [0, 2**64 - 1], got {self.seed!r}", "seed")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}",
+               "ignore_eos")
+        _check(isinstance(self.stop, (str, list, tuple)), f"stop must be a string or a list of strings, got {self.stop!r}",
+               "stop")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        _check(all(isinstance(s, str) for s in self.stop), f"stop must hold strings only, got {self.stop!r}", "stop")
+        _check(all(self.stop), f"stop strings must be non-empty: {self.stop!r}", "stop")
+        _check(isinstance(self.stop_token_ids, (list, tuple)),
+               f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}", "stop_token_ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers: {self.stop_token_ids}", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(slots=True)

@@ -2,9 +2,14 @@
 
 
 class TstermError(Exception):
-    """Base of every user-facing error: the message names the file/field/value and what would fix it."""
+    """Base of every user-facing error: the message names the file/field/value and what would fix it. `param`: the
+    request field it is about, when it is about one (a server answers it as the error's `param`)."""
 
     exit_code = 1
+
+    def __init__(self, *args: object, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class ConfigError(TstermError, ValueError):
@@ -26,13 +31,18 @@ class EngineStoppedError(TstermError, RuntimeError):
 
 
 class EngineStepError(TstermError, RuntimeError):
-    """A step of the engine failed (a bug, a device error): the requests in it were aborted, the engine goes on. Its
-    `__cause__` is the original error."""
+    """A step of the engine failed for a request (a kernel, the sampler or the detokenizer raised on it): that request
+    was failed, the engine goes on serving the others. Its `__cause__` is the original error."""
+
+
+class ExecutorError(TstermError, RuntimeError):
+    """The executor itself is broken (a worker died, the device is gone): no request is to blame and no retry on a
+    smaller batch can help, so the engine does not try to isolate a request (`Engine.step` raises it)."""
 
 
 class EngineTimeoutError(TstermError, TimeoutError):
     """The engine did not answer in time: a step that does not return, or a request that waits without output."""
 
 
-class DistributedError(TstermError, RuntimeError):
+class DistributedError(ExecutorError):
     """A worker rank of a multi-rank engine died, hung past the timeout or failed: the message names the rank."""
