@@ -30,15 +30,22 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.token_ids, [lp["logprob"] for lp in o.outputs[0].logprobs]) for o in outs]
 
 
+def forked(llm: LLM) -> list[list[int]]:
+    """n = 2 seeded samples: the second starts from a copy of the first one's state, made on every rank."""
+    params = SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=6, ignore_eos=True)
+    return [c.token_ids for c in llm.generate([list(range(50, 61))], params)[0].outputs]
+
+
 def test_expert_parallel_hybrid_equals_one_process(hybrid):
     one = LLM(hybrid, **OPTIONS)
-    want = run(one)
+    want, want_forked = run(one), forked(one)
     llm = LLM(hybrid, expert_parallel_size=2, **OPTIONS)
     try:
-        got = run(llm)
+        got, got_forked = run(llm), forked(llm)
         stats, single = llm.stats(), one.stats()
     finally:
         llm.engine.shutdown()
+    assert got_forked == want_forked
     # every rank holds each slot of the replicated layers and keeps its snapshots: twice one process's bytes
     assert stats["state_bytes"] == 2 * single["state_bytes"] > 0
     assert stats["state_snapshot_bytes"] == 2 * single["state_snapshot_bytes"] > 0

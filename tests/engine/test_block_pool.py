@@ -6,6 +6,13 @@ A shadow KV store records, per slot, the full token context whose KV was written
 copy it. If blocks were ever shared, evicted or reused wrongly, some sequence would read a wrong context. A shadow of the
 pins says which blocks each key holds: a pinned block must keep its content (never evicted) and be released exactly
 once, by the unpin or expiry of the last pin holding it.
+
+Hybrid models (`hybrid`): the pool also hands out recurrent-state slots, as many as an engine of MAX_LIVE sequences
+holds. A shadow state store records, per slot, the token context whose state is there: a step copies a matched
+snapshot in first (`state_restore`), then writes the sequence's state (and its snapshot at a block or interval
+boundary); a fork copies the parent's state at once; a slot handed out to anyone (a sequence, an interval snapshot,
+someone under slot pressure) holds garbage until written. Every sequence must resume from its own context's state,
+every kept snapshot hold its block's, and every pending copy's source stay as it was matched until the copy runs.
 """
 from __future__ import annotations
 
@@ -23,19 +30,24 @@ from tsterm.engine.sequence import Sequence
 MAX_LIVE = 6
 PIN_KEYS = ("a", "b", "c")
 MAX_LEN = 24
+GARBAGE = ("garbage",)  # what a state slot holds when it is handed out, until a copy or a step writes it
 tokens = st.lists(st.integers(0, 2), max_size=6)  # a tiny vocabulary: prefixes are shared often
 
 
 class KVCacheMachine(RuleBasedStateMachine):
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(2, 14),
-                caching=st.sampled_from((True, True, True, False)), pin_share=st.sampled_from((0.0, 0.3, 0.6, 1.0)))
-    def setup(self, block_size, num_blocks, caching, pin_share):
+                caching=st.sampled_from((True, True, True, False)), pin_share=st.sampled_from((0.0, 0.3, 0.6, 1.0)),
+                hybrid=st.booleans(), interval_blocks=st.sampled_from((0, 1, 2)))
+    def setup(self, block_size, num_blocks, caching, pin_share, hybrid, interval_blocks):
         self.B = block_size
+        # what an engine running MAX_LIVE sequences holds (`tsterm.model.cache.num_state_slots`)
+        num_state_slots = (3 if caching else 1) * MAX_LIVE if hybrid else 0
         self.pool = BlockPool(num_blocks, block_size, fingerprint="m", enable_prefix_caching=caching,
-                              max_pinned_blocks=int(pin_share * num_blocks))
+                              max_pinned_blocks=int(pin_share * num_blocks), num_state_slots=num_state_slots)
         self.now = 0.0
         self.pins: dict[str, tuple[tuple[int, ...], tuple[int, ...], float]] = {}  # key -> (ids, their hashes, expiry)
-        self.kv = KVCacheManager(self.pool)
+        self.kv = KVCacheManager(self.pool, snapshot_interval=interval_blocks * block_size)
+        self.state_data: dict[int, tuple] = {}  # state slot -> token context whose state it holds (GARBAGE: none)
         self.live: list[Sequence] = []
         self.history: list[list[int]] = []  # token ids of freed sequences, to build shared prefixes from
         self.kv_data: dict[int, tuple[int, ...]] = {}  # slot -> token context whose KV was written there
@@ -98,6 +110,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         B, start = self.B, seq.num_computed_tokens
         fits = self.kv.can_append(seq, n)
         before = self._snapshot(seq)
+        slots_before = (seq.state_slot, seq.snapshot_slot)
         try:
             copies = self.kv.allocate_slots(seq, n)
         except NoFreeBlocksError:
@@ -114,9 +127,37 @@ class KVCacheMachine(RuleBasedStateMachine):
             block = self.pool.blocks[slot // B]
             assert block.ref_cnt == 1 and block.block_hash is None, block  # only private blocks are written
             self.kv_data[slot] = tuple(seq.token_ids[:p + 1])
+        if self.pool.num_state_slots:
+            self._compute_state(seq, n, slots_before)
         seq.num_computed_tokens += n
         if commit:
             self.kv.commit(seq)
+        self._handed_out(seq, self.kv.keep_interval_snapshot)
+        self.kv.state_copied(seq)  # the step has run
+
+    def _compute_state(self, seq: Sequence, n: int, slots_before: tuple[int, int]) -> None:
+        """What the runner and the layers do with `seq`'s recurrent state in a step computing its next n tokens:
+        copy a matched snapshot in, resume from the state (its own context's), keep a snapshot where told."""
+        start, data = seq.num_computed_tokens, self.state_data
+        for slot, before in zip((seq.state_slot, seq.snapshot_slot), slots_before):
+            if slot != before:  # just handed out: nothing of this sequence's in it yet
+                data[slot] = GARBAGE
+        position = self.kv.snapshot_at(seq, n)
+        if seq.state_restore >= 0:  # before the forward
+            data[seq.state_slot] = data[seq.state_restore]
+        if start:  # (a sequence starting at position 0 clears its slot)
+            assert data[seq.state_slot] == tuple(seq.token_ids[:start]), f"{seq} resumes from another state"
+        data[seq.state_slot] = tuple(seq.token_ids[:start + n])
+        if position:
+            data[seq.snapshot_slot] = tuple(seq.token_ids[:position])
+
+    def _handed_out(self, seq: Sequence, call) -> None:
+        """call(seq); a state or snapshot slot it gives `seq` holds garbage until written."""
+        before = (seq.state_slot, seq.snapshot_slot)
+        call(seq)
+        for slot, old in zip((seq.state_slot, seq.snapshot_slot), before):
+            if slot >= 0 and slot != old:
+                self.state_data[slot] = GARBAGE
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99))
@@ -127,9 +168,18 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def fork(self, i):
         parent = self._pick(i)
+        if self.pool.num_state_slots and (parent.state_slot < 0 or parent.state_restore >= 0):
+            return  # the engine forks a sequence right after a step computed it: its state is its own
         child = Sequence(list(parent.token_ids), SamplingParams())
-        self.kv.fork(parent, child)
+        copies = self.kv.fork(parent, child)
         assert child.block_table == parent.block_table
+        if self.pool.num_state_slots:  # the runner copies the state at once; the child's snapshot slot is fresh
+            assert copies == [(parent.state_slot, child.state_slot)] and child.state_restore < 0
+            self.state_data[child.state_slot] = self.state_data[parent.state_slot]
+            if child.snapshot_slot >= 0:
+                self.state_data[child.snapshot_slot] = GARBAGE
+        else:
+            assert copies == []
         self.live.append(child)
 
     @precondition(lambda self: self.live)
@@ -140,6 +190,22 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert seq.block_table == [] and seq.num_computed_tokens == 0
         self.live.remove(seq)
         self.history = (self.history + [list(seq.token_ids)])[-8:]
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 99), tail=tokens, prefill=st.booleans())
+    def next_turn(self, i, tail, prefill):
+        """A conversation's next turn: a sequence finishes and a prompt continuing all its tokens arrives (where a
+        hybrid resumes from the snapshot its last turn left)."""
+        seq = self._pick(i)
+        self.free(i)
+        prompt = (seq.token_ids + tail)[:MAX_LEN]
+        if len(prompt) < MAX_LEN:
+            prompt.append(tail[0] if tail else 0)
+        turn = Sequence(prompt, SamplingParams())
+        self._admit(turn)
+        self.live.append(turn)
+        if prefill:
+            self._compute(turn, turn.num_uncomputed_tokens, commit=True)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 99))
@@ -156,6 +222,21 @@ class KVCacheMachine(RuleBasedStateMachine):
         for block_id in taken:
             assert self.pool.blocks[block_id].block_hash is None
             self.pool.release(block_id)
+
+    @precondition(lambda self: hasattr(self, "pool") and self.pool.num_state_slots)
+    @rule(n=st.integers(0, 4))
+    def state_slot_pressure(self, n):
+        """Someone takes every free state slot and n more (evicting kept snapshots LRU), writes them and gives them
+        back."""
+        taken = []
+        for _ in range(self.pool.num_free_state_slots + n):
+            try:
+                taken.append(self.pool.allocate_state_slot())
+            except NoFreeBlocksError:
+                break
+            self.state_data[taken[-1]] = GARBAGE
+        for slot in taken:
+            self.pool.release_state_slot(slot)
 
     @rule(key=st.sampled_from(PIN_KEYS), data=st.data(), ttl=st.floats(0.5, 5.0))
     def pin(self, key, data, ttl):
@@ -300,6 +381,37 @@ class KVCacheMachine(RuleBasedStateMachine):
                 chain = pool.hash_block(chain, context[k:k + B])
             assert chain == block.partial_parent
 
+    @invariant()
+    def state_slot_holders_balance(self):
+        """Each slot's holders are the live sequences' state and snapshot slots, the blocks its snapshot is kept
+        with and the copies pending from it; a slot is free exactly when it has none (pool.check_invariants)."""
+        if not hasattr(self, "pool") or not self.pool.num_state_slots:
+            return
+        holders = Counter(slot for seq in self.live for slot in (seq.state_slot, seq.snapshot_slot, seq.state_restore)
+                          if slot >= 0)
+        holders.update(b.snapshot for b in self.pool.blocks if b.snapshot is not None)
+        for slot in range(self.pool.num_state_slots):
+            assert self.pool.state_slot_refs(slot) == holders.get(slot, 0), slot
+
+    @invariant()
+    def states_are_their_contexts(self):
+        """A pending copy's source still holds the state of the prefix matched; a sequence's own slot the state
+        of its computed tokens; a snapshot (kept with a block, or a live sequence's) the state where it was taken."""
+        if not hasattr(self, "pool") or not self.pool.num_state_slots:
+            return
+        B, data = self.B, self.state_data
+        for seq in self.live:
+            context = tuple(seq.token_ids[:seq.num_computed_tokens])
+            if seq.state_restore >= 0:
+                assert data[seq.state_restore] == context, f"the state {seq} starts from changed before its copy ran"
+            elif seq.state_slot >= 0 and seq.num_computed_tokens:
+                assert data[seq.state_slot] == context, seq
+            if seq.snapshot_slot >= 0 and 0 < seq.snapshot_position <= seq.num_computed_tokens:
+                assert data[seq.snapshot_slot] == tuple(seq.token_ids[:seq.snapshot_position]), seq
+        for block in self.pool.blocks:
+            if block.snapshot is not None:
+                assert data[block.snapshot] == self.kv_data[block.block_id * B + B - 1], block
+
     def teardown(self):
         if not hasattr(self, "pool"):
             return
@@ -310,6 +422,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
         s = self.pool.stats()
         assert s["used"] == 0 and s["shared"] == 0 and s["free"] + s["cached"] == self.pool.num_blocks
+        assert self.pool.num_free_state_slots + s["state_snapshots"] == self.pool.num_state_slots
 
 
 TestKVCacheStateful = KVCacheMachine.TestCase

@@ -164,6 +164,45 @@ def test_several_samples_of_one_prompt_fork_the_state(hybrid_and_oracle):
     llm.engine.kv.pool.check_invariants()
 
 
+@pytest.fixture(scope="module")
+def long_hybrid(tmp_path_factory):
+    """The tiny hybrid with positions for a 2,000-token prompt."""
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("long_hybrid") / "m", "qwen3_next",
+                                     overrides={"max_position_embeddings": 4096})
+    return str(path)
+
+
+def test_forked_samples_start_from_the_fork_while_a_long_prompt_prefills(long_hybrid):
+    """n = 4 seeded samples of a short prompt while a 2,000-token prompt is prefilled in chunks: decodes go first,
+    the long prompt takes the rest of each 64-token budget, and samples 1..3 wait ~32 steps while sample 0 decodes on
+    from the state they fork from (and interval snapshots take free slots). Each sample is token for token the one
+    computed alone: a fresh engine, n = 1, seeded as sample i is (seed + i)."""
+    gen = torch.Generator().manual_seed(12)
+    short = torch.randint(0, 300, (20,), generator=gen).tolist()
+    long = torch.randint(0, 300, (2000,), generator=gen).tolist()
+    sampling = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    engine = LLM(long_hybrid, dtype="float32", device="cpu", num_kv_blocks=160, block_size=16, max_num_seqs=5,
+                 max_num_batched_tokens=64, state_snapshot_interval=256).engine
+    forked = engine.add_request(short, SamplingParams(n=4, seed=3, **sampling))
+    engine.add_request(long, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()  # the short prompt and the long one's first 44 tokens; the short one forks
+    engine.step()
+    parent, *children = [seq for seq in engine.scheduler.running if seq.request_id == forked]
+    assert len(children) == 3 and all(seq.num_computed_tokens == len(short) for seq in children)
+    assert parent.num_computed_tokens == len(short) + 1  # it advanced; they wait for the long prefill
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert engine.stats()["state_interval_snapshots"] > 0
+    solo = LLM(long_hybrid, dtype="float32", device="cpu", num_kv_blocks=160, block_size=16,
+               enable_prefix_caching=False)
+    alone_samples = [solo.generate([short], SamplingParams(n=1, seed=3 + i, **sampling))[0].token_ids
+                     for i in range(4)]
+    assert [completion.token_ids for completion in outputs[forked].outputs] == alone_samples
+    engine.kv.pool.check_invariants()
+    assert engine.kv.pool.num_free_state_slots + engine.stats()["state_snapshots"] == engine.num_state_slots
+
+
 def test_samples_wait_until_they_can_all_run(hybrid):
     """A prompt of n samples is admitted only when all n fit under max_num_seqs (each holds state slots); n above
     max_num_seqs is refused outright."""

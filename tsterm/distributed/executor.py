@@ -154,15 +154,23 @@ class DistributedExecutor(Executor):
             raise
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self._broadcast(protocol.Command.COPY_BLOCKS, pairs)
+        self.runner.copy_blocks(pairs)
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        self._broadcast(protocol.Command.COPY_STATES, pairs)
+        self.runner.copy_states(pairs)
+
+    def _broadcast(self, command: protocol.Command, payload: list[tuple[int, int]]) -> None:
+        """Send every worker a command that rank 0 then runs on its own shard too."""
         self._check_usable()
         try:
-            protocol.send(self.groups.control, protocol.Command.COPY_BLOCKS, pairs)
+            protocol.send(self.groups.control, command, payload)
         except RuntimeError as e:
             raise self._fail(e) from None
         except BaseException:
             self._abandon()
             raise
-        self.runner.copy_blocks(pairs)
 
     def expert_load(self) -> list[list[int]]:
         return self.runner.expert_load()  # routing is replicated: rank 0 counts every expert's tokens

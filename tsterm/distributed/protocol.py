@@ -1,8 +1,9 @@
 """Rank 0 -> workers: one command per engine call, broadcast on the control group.
 
 A command is a header `[kind, payload bytes]` (int64) and, when it has one, a JSON payload (uint8): a step's
-`HostStep` (the host lists every rank builds its step inputs from), the `(src, dst)` pairs of a copy-on-write, or
-nothing for `STOP`. JSON, not pickle: the payload is integers only, and a worker never runs what it receives.
+`HostStep` (the host lists every rank builds its step inputs from), the `(src, dst)` pairs of a copy-on-write or
+of a fork's state copy, or nothing for `STOP`. JSON, not pickle: the payload is integers only, and a worker never
+runs what it receives.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Command(IntEnum):
     STEP = 1  # payload: HostStep
     COPY_BLOCKS = 2  # payload: list[(src, dst)]
     STOP = 3  # no payload: leave the loop
+    COPY_STATES = 4  # payload: list[(src, dst)] recurrent-state slots
 
 
 def send(group: dist.ProcessGroup, kind: Command, payload: Any = None) -> None:

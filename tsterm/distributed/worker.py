@@ -64,5 +64,7 @@ def serve(runner: ModelRunner, groups: Groups, want_logits: bool) -> None:
             runner.run_step(payload, logits=want_logits)
         elif kind == protocol.Command.COPY_BLOCKS:
             runner.copy_blocks(payload)
+        elif kind == protocol.Command.COPY_STATES:
+            runner.copy_states(payload)
         else:
             return

@@ -78,12 +78,14 @@ class BlockPool:
     of every hash chain, so two models never share blocks.
     `max_pinned_blocks` caps the distinct blocks that pins hold (None: no cap beyond the pool).
 
-    `num_state_slots` (hybrid models): ids of the model's recurrent-state slots, handed out here too. A live
-    sequence holds its working slot and, with prefix caching, a snapshot slot; a finished sequence's snapshot is
-    attached to the hashed block it ends at (`attach_snapshot`), and so is a live sequence's at a stride boundary
-    of its prompt when a free slot can take its place (`take_free_state_slot`). An attached snapshot is released
-    with its block's hash, or taken back least recently used first when a live sequence needs a slot and none is
-    free.
+    `num_state_slots` (hybrid models): ids of the model's recurrent-state slots, handed out and reference-counted
+    here too, like blocks. A live sequence holds its working slot and, with prefix caching, a snapshot slot; a
+    finished sequence's snapshot is attached to the hashed block it ends at (`attach_snapshot`), and so is a live
+    sequence's at a stride boundary of its prompt when a free slot can take its place (`take_free_state_slot`). A
+    copy that will read a slot (a matched snapshot, until it is copied into the sequence's own slot) holds it too
+    (`use_snapshot` / `acquire_state_slot`), so that it is neither handed out nor written before the copy ran. An
+    attached snapshot is released with its block's hash, or taken back least recently used first when a live
+    sequence needs a slot and none is free; never one that a pending copy still reads.
     """
 
     def __init__(self, num_blocks: int, block_size: int, fingerprint: str = "", enable_prefix_caching: bool = True,
@@ -111,6 +113,10 @@ class BlockPool:
         self._num_pinned = 0  # blocks with pin_cnt > 0, kept up to date so stats() and the cap are O(1)
         self.num_pins_expired = 0
         self.num_state_slots = num_state_slots
+        # Holders of each state slot: the live sequence whose state or snapshot it is (1), the block it is attached
+        # to as a snapshot (1), and each pending copy that reads it (1 each). Only BlockPool changes it. A slot is
+        # in _free_state_slots exactly when it has no holder: a slot a copy still reads is never handed out.
+        self._state_refs = [0] * num_state_slots
         self._free_state_slots = list(range(num_state_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         # blocks holding a snapshot (Block.snapshot), least recently attached or used first
         self._snapshots: OrderedDict[int, None] = OrderedDict()
@@ -288,17 +294,35 @@ class BlockPool:
     # ---- recurrent-state slots and snapshots (hybrid models)
 
     def allocate_state_slot(self) -> int:
-        """A state slot for a live sequence: a free one, else the least recently used snapshot's (its block stays
-        cached, without a state to resume from); one on a pinned block (a session waiting on a tool or its user)
-        only when every kept snapshot is pinned."""
-        if not self._free_state_slots and self._snapshots:
-            unpinned = (block_id for block_id in self._snapshots if self.blocks[block_id].pin_cnt == 0)
-            block = self.blocks[next(unpinned, next(iter(self._snapshots)))]
-            self._detach_snapshot(block)
-            self.num_snapshot_evictions += 1
+        """A state slot for a live sequence (one holder): a free one, else the least recently used snapshot's (its
+        block stays cached, without a state to resume from) that no pending copy reads; one on a pinned block (a
+        session waiting on a tool or its user) only when every such snapshot is pinned."""
         if not self._free_state_slots:
-            raise NoFreeBlocksError(f"all {self.num_state_slots} recurrent-state slots are held by live sequences")
-        return self._free_state_slots.pop()
+            block_id = self._evictable_snapshot()
+            if block_id is not None:
+                self._detach_snapshot(self.blocks[block_id])
+                self.num_snapshot_evictions += 1
+        if not self._free_state_slots:
+            raise NoFreeBlocksError(f"all {self.num_state_slots} recurrent-state slots are held by live sequences "
+                                    "or by copies not yet run")
+        return self._take_state_slot()
+
+    def _evictable_snapshot(self) -> int | None:
+        """The block of the least recently used snapshot held by its block alone (unpinned first), or None."""
+        pinned = None
+        for block_id in self._snapshots:
+            block = self.blocks[block_id]
+            if self._state_refs[block.snapshot] > 1:  # a pending copy reads it: it must stay as it is
+                continue
+            if block.pin_cnt == 0:
+                return block_id
+            pinned = block_id if pinned is None else pinned
+        return pinned
+
+    def _take_state_slot(self) -> int:
+        slot = self._free_state_slots.pop()
+        self._state_refs[slot] = 1
+        return slot
 
     @property
     def num_free_state_slots(self) -> int:
@@ -307,15 +331,28 @@ class BlockPool:
     def take_free_state_slot(self) -> int | None:
         """A free state slot, or None: unlike `allocate_state_slot`, never takes a kept snapshot's (for snapshots
         that are worth keeping only while slots are spare)."""
-        return self._free_state_slots.pop() if self._free_state_slots else None
+        return self._take_state_slot() if self._free_state_slots else None
+
+    def acquire_state_slot(self, slot: int) -> None:
+        """One more holder of a held slot: a copy that will read it (release it once the copy has run)."""
+        assert 0 <= slot < self.num_state_slots and self._state_refs[slot] > 0, f"acquire of free state slot {slot}"
+        self._state_refs[slot] += 1
 
     def release_state_slot(self, slot: int) -> None:
-        assert 0 <= slot < self.num_state_slots and slot not in self._free_state_slots, f"release of state slot {slot}"
-        self._free_state_slots.append(slot)
+        """One holder fewer; the slot is free when none is left."""
+        assert 0 <= slot < self.num_state_slots and self._state_refs[slot] > 0, f"release of free state slot {slot}"
+        self._state_refs[slot] -= 1
+        if self._state_refs[slot] == 0:
+            self._free_state_slots.append(slot)
+
+    def state_slot_refs(self, slot: int) -> int:
+        """Holders of `slot` (0: free)."""
+        return self._state_refs[slot]
 
     def attach_snapshot(self, block_id: int, slot: int) -> bool:
-        """Keep `slot` (the state after `block_id`'s last token) with the block; False (and the slot released) when
-        the block is not hashed or already has one (the same prefix: the same state)."""
+        """Keep `slot` (the state after `block_id`'s last token) with the block, which takes over the caller's hold
+        on it; False (and the caller's hold released) when the block is not hashed or already has one (the same
+        prefix: the same state)."""
         if not self.can_attach_snapshot(block_id):
             self.release_state_slot(slot)
             return False
@@ -329,9 +366,12 @@ class BlockPool:
         return block.block_hash is not None and block.snapshot is None
 
     def use_snapshot(self, block_id: int) -> int:
-        """The snapshot slot of `block_id`, marked most recently used."""
+        """The snapshot slot of `block_id`, marked most recently used and held for the caller's copy from it, so
+        that it is neither handed out nor overwritten before that copy has run (`release_state_slot` after)."""
         self._snapshots.move_to_end(block_id)
-        return self.blocks[block_id].snapshot
+        slot = self.blocks[block_id].snapshot
+        self.acquire_state_slot(slot)
+        return slot
 
     def _detach_snapshot(self, block: Block) -> None:
         del self._snapshots[block.block_id]
@@ -447,5 +487,10 @@ class BlockPool:
             assert not self._hash_to_block and not self._cached
         assert set(self._snapshots) == {b.block_id for b in self.blocks if b.snapshot is not None}
         assert all(self.blocks[i].block_hash is not None for i in self._snapshots), "a snapshot on an unhashed block"
-        held = [self.blocks[i].snapshot for i in self._snapshots] + self._free_state_slots
-        assert len(held) == len(set(held)), "a state slot both free and attached, or attached twice"
+        attached = [self.blocks[i].snapshot for i in self._snapshots]
+        assert len(attached) == len(set(attached)), "a state slot attached to two blocks"
+        assert len(self._free_state_slots) == len(set(self._free_state_slots))
+        free_slots = set(self._free_state_slots)
+        assert free_slots == {slot for slot, refs in enumerate(self._state_refs) if refs == 0}, \
+            "a state slot both free and held, or neither free nor held"
+        assert all(refs >= 0 for refs in self._state_refs) and not free_slots & set(attached)

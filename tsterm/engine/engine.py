@@ -248,6 +248,7 @@ class Engine:
             seq.num_computed_tokens += n
             self.kv.commit(seq)
             self.kv.keep_interval_snapshot(seq)
+            self.kv.state_copied(seq)
             if seq.num_output_tokens == 0:
                 prefill_tokens += n
             if sample:
@@ -291,6 +292,7 @@ class Engine:
     def _fork_new_samples(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """n > 1: when a prompt's prefill completes, fork it into n sequences sharing every KV block."""
         extra_rows: list[int] = []
+        state_copies: list[tuple[int, int]] = []
         for row, seq in enumerate(list(sampling)):
             req = self.requests[seq.request_id]
             if seq.num_output_tokens or req.params.n == 1 or len(req.samples) > 1:
@@ -300,13 +302,15 @@ class Engine:
                 child.metrics.arrival_time = seq.metrics.arrival_time
                 child.metrics.first_scheduled_time = seq.metrics.first_scheduled_time
                 child.num_cached_tokens = child.metrics.num_cached_tokens = seq.num_cached_tokens
-                self.kv.fork(seq, child)
+                state_copies.extend(self.kv.fork(seq, child))
                 child.status = seq.status
                 self.scheduler.running.append(child)
                 parent_penalty = self._samples[seq.seq_id].penalty
                 self._add_sample(req, child, None if parent_penalty is None else parent_penalty.clone())
                 sampling.append(child)
                 extra_rows.append(row)
+        if state_copies:  # now, not at the children's first step: the parent may advance before they run
+            self.executor.copy_states(state_copies)
         if extra_rows:
             logits = torch.cat([logits, logits[torch.tensor(extra_rows, device=logits.device)]])
         return logits, sampling

@@ -67,6 +67,12 @@ class Executor(ABC):
         """Copy-on-write of forked partial blocks, `(src, dst)` block ids, before the step that writes them."""
 
     @abstractmethod
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy recurrent states `(src, dst)` slot to slot now, before any later step (a fork's child starts from
+        its parent's state as it is at the fork; the parent's next step changes it). Counted in
+        `state_copy_bytes`."""
+
+    @abstractmethod
     def expert_load(self) -> list[list[int]]:
         """Tokens routed to each expert since start, per MoE layer ([] for a dense model)."""
 

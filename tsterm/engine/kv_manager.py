@@ -16,7 +16,10 @@ class KVCacheManager:
     back when it is freed (finished, aborted or preempted), so `Sequence.state_slot` is set exactly while it holds
     blocks. With prefix caching, a sequence also holds a snapshot slot, where the model keeps its state at the last
     block boundary it computed (`snapshot_at`); when it is freed, that snapshot stays with the block it ends at, and
-    a later prompt with that prefix resumes there (`match_prefix`) from a copy of it (`state_restore`).
+    a later prompt with that prefix resumes there (`match_prefix`) from a copy of it (`state_restore`): the pool
+    holds the snapshot's slot for that copy until the step that runs it has run (`state_copied`) or the sequence is
+    freed. A fork's child starts from a copy of its parent's state made at once (`fork` returns it), not at its
+    first step: the parent may advance before the child is scheduled.
     At the last multiple of `snapshot_interval` (whole blocks; 0: never) inside each prompt chunk but the last, a
     sequence also leaves a snapshot behind, when a free slot can replace it (`keep_interval_snapshot`), so that
     prompts sharing only the start of a prefix with it (one system prompt, different tasks) resume from there. The
@@ -46,7 +49,7 @@ class KVCacheManager:
         if self.num_state_slots:  # a hybrid resumes only where a state snapshot was kept: the run is cut there
             while run and self.pool.blocks[run[-1][0]].snapshot is None:
                 run.pop()
-            if run:
+            if run:  # held until the copy has run: no allocation evicts it, no step writes it before
                 seq.state_restore = self.pool.use_snapshot(run[-1][0])
         for block_id, block_hash in run:
             self.pool.acquire(block_id)
@@ -184,22 +187,32 @@ class KVCacheManager:
             parent = chain[-1] if chain else None
             chain.append(self.pool.register(seq.block_table[i], parent, seq.token_ids[i * B:(i + 1) * B]))
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         """Give `child` (already holding parent's token ids) every block of `parent` by reference. A hybrid's child
-        takes slots of its own and starts from a copy of the parent's state (`state_restore`, made before the
-        child's first step writes its own slot: the one copy a fork of a recurrent state needs)."""
+        takes slots of its own; returns the (parent's state slot, child's state slot) pair the runner must copy now,
+        before any later step: the parent's next step changes its state whether the child is scheduled with it or
+        not (the one copy a fork of a recurrent state needs; [] for a model without one)."""
         assert not child.block_table and len(child.token_ids) >= parent.num_computed_tokens
+        copies = []
         if self.num_state_slots:
-            assert parent.state_slot >= 0, f"fork of {parent}: it holds no state"
+            assert parent.state_slot >= 0 and parent.state_restore < 0, f"fork of {parent}: its state is not its own"
             child.state_slot = self.pool.allocate_state_slot()
             if self.pool.enable_prefix_caching:
                 child.snapshot_slot = self.pool.allocate_state_slot()
-            child.state_restore = parent.state_slot
+            copies.append((parent.state_slot, child.state_slot))
         for block_id in parent.block_table:
             self.pool.acquire(block_id)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         self._chain[child.seq_id] = list(self._chain.get(parent.seq_id, ()))
+        return copies
+
+    def state_copied(self, seq: Sequence) -> None:
+        """After a step that computed `seq`: the copy its state started from (`state_restore`), which that step ran
+        before its forward, is done; the source slot is no longer held for it."""
+        if seq.state_restore >= 0:
+            self.pool.release_state_slot(seq.state_restore)
+            seq.state_restore = -1
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` and reset it to nothing computed (e.g. for re-admission). Its partly filled
@@ -212,6 +225,7 @@ class KVCacheManager:
                 self.pool.release_state_slot(seq.snapshot_slot)
             seq.snapshot_slot, seq.snapshot_position = -1, 0
         if seq.state_restore >= 0:  # admitted, then freed before its first step: nothing to restore any more
+            self.pool.release_state_slot(seq.state_restore)
             seq.state_restore = -1
         B, computed, chain = self.block_size, seq.num_computed_tokens, self._chain.get(seq.seq_id, [])
         if (computed % B and not self.num_state_slots and len(seq.block_table) > computed // B

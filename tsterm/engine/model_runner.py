@@ -89,6 +89,9 @@ class ModelRunner(Executor):
         """Copy-on-write of forked partial blocks: the only KV data ever copied, and counted."""
         self.cow_bytes += self.cache.copy_blocks(pairs)
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        self.state_copy_bytes += self.cache.copy_slots(pairs)
+
     def expert_load(self) -> list[list[int]]:
         if not self.moe_layers:
             return []
@@ -143,7 +146,7 @@ class ModelRunner(Executor):
         self.eager_steps += 1
         inputs = self.prepare_step(step)
         if step.state_copies:  # before the forward: a resumed prefix's state, from its snapshot
-            self.state_copy_bytes += self.cache.copy_slots([tuple(pair) for pair in step.state_copies])
+            self.copy_states([tuple(pair) for pair in step.state_copies])
         snapshots = list(zip(step.snapshot_slots, step.snapshot_positions)) if any(step.snapshot_positions) else None
         if snapshots:  # each one a whole state copied by the layers (GatedDeltaNet._keep)
             self.state_snapshot_bytes += sum(1 for _, position in snapshots if position) * self.state_bytes_per_slot

@@ -80,9 +80,8 @@ class Scheduler:
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.cow_copies.extend(self.kv.allocate_slots(seq, n))
-        if seq.state_restore >= 0:  # a hybrid's cached prefix: its state starts as a copy of the snapshot
-            batch.state_copies.append((seq.state_restore, seq.state_slot))
-            seq.state_restore = -1
+        if seq.state_restore >= 0:  # a hybrid's cached prefix: its state starts as a copy of the snapshot (held
+            batch.state_copies.append((seq.state_restore, seq.state_slot))  # until the step ran: kv.state_copied)
         batch.snapshots.append(self.kv.snapshot_at(seq, n))
         batch.seqs.append(seq)
         batch.num_new.append(n)

@@ -68,7 +68,8 @@ class Sequence:
         self.state_slot = -1  # its slot in the model's recurrent-state pools (-1: the model keeps no state)
         # Hybrid models with prefix caching (only the KV manager sets these): the slot where the model keeps its
         # state at `snapshot_position` (its last block boundary scheduled), and the snapshot its cached prefix
-        # resumes from, copied into `state_slot` before its first step (-1: none)
+        # resumes from, copied into `state_slot` before its first step's forward (-1: none). While set, the pool
+        # holds that slot for the copy (`KVCacheManager.state_copied` lets go once the step has run)
         self.snapshot_slot = -1
         self.snapshot_position = 0
         self.state_restore = -1
