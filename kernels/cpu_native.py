@@ -55,6 +55,8 @@ SIGNATURES = {
     "tsterm_head_rms_norm": (None, [_P, _I64, _I64, _I64, _I64, _P, _F32]),
     "tsterm_swiglu": (None, [_P, _I64, _I64, _P]),
     "tsterm_decode_stack": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]),
+    "tsterm_moe_route": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
+    "tsterm_sigmoid": (None, [_P, _I64, _P]),
 }
 
 

@@ -110,7 +110,7 @@ class DecodeStack:
               scale: float) -> "DecodeStack | None":
         """The stack over these layers, or None where the C kernels are unavailable or a layer has a tensor they do
         not read (another dtype or device, a weight kind or shape they do not take)."""
-        if not layers or num_heads > MAX_HEADS or head_dim % 8 or num_heads % num_kv_heads:
+        if not layers or num_heads > MAX_HEADS or head_dim % 16 or num_heads % num_kv_heads:
             return None
         hidden = layers[0].input_norm.shape[0]
         structs = (_Layer * len(layers))()

@@ -237,14 +237,21 @@ def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Ten
     return F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, I] @ W.T (+ bias) -> [M, O] in x's dtype, for W a `QuantizedWeight` [O, I] (see the module docstring)."""
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                     deterministic: bool = True) -> torch.Tensor:
+    """x [M, I] @ W.T (+ bias) -> [M, O] in x's dtype, for W a `QuantizedWeight` [O, I] (see the module docstring).
+
+    deterministic (the default): int8 / int4 on the CPU run the int8-row kernels for any number of rows, so a row's
+    result is the same bits alone or in a batch, in a decode or a prefill. False lets more than NATIVE_MAX_ROWS rows
+    take the float32 GEMM (faster prefill, but a prompt's logits then depend on how it was split)."""
     if runs_on_triton(x, weight):
         from tsterm_kernels.triton_quant_linear import quant_linear  # imports triton: lazily
         return quant_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     rows = x.shape[0]
-    native = cpu_native.load() if weight.kind in NATIVE_KINDS and x.is_cpu and rows <= NATIVE_MAX_ROWS else None
-    if native is not None:  # batch-1 decode's every matmul: kept lean (a call here costs ~8 us beyond the C code)
+    native = cpu_native.load() if weight.kind in NATIVE_KINDS and x.is_cpu else None
+    if native is not None and (rows <= NATIVE_MAX_ROWS or deterministic):
+        # Every matmul of a decode, and of a prefill unless told otherwise: x's rows quantized to int8, so a row's
+        # result does not depend on how many rows came with it (kept lean: a call here costs ~8 us beyond the C code)
         xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
         out_f, in_f = weight.dims[-2], weight.dims[-1]
         y = torch.empty((rows, out_f), dtype=torch.float32)

@@ -17,7 +17,7 @@ from tsterm_kernels.reference_gated_delta import (causal_conv1d, causal_conv1d_u
                                                   recurrent_gated_delta_rule)
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "decode_stack", "expert_mlp", "fused_moe",
-           "linear", "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm", "store_kv"]
+           "linear", "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm", "sigmoid", "store_kv"]
 
 
 # Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory
@@ -44,7 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight, bias)
     rows, (out_features, in_features) = x.shape[0], weight.shape
-    if (rows <= _NATIVE_MAX_ROWS and x.dim() == 2 and in_features % 8 == 0 and x.is_cpu and x.dtype is torch.float32
+    if (rows <= _NATIVE_MAX_ROWS and x.dim() == 2 and x.is_cpu and x.dtype is torch.float32
             and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous() and rows > 0):
         native = cpu_native.load()
         if native is not None:
@@ -162,7 +162,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         native = _native_f32(k_cache, v_cache)
         tables = meta.block_tables
         if (native is not None and tables.dtype is torch.int32 and tables.is_cpu and tables.is_contiguous()
-                and head_dim % 8 == 0):
+                and head_dim % 16 == 0 and num_heads % num_kv_heads == 0):
             return _native_decode_attention(native, q, k_cache, v_cache, meta, scale)
     flash = device.type == "cpu" and _FLASH_CPU is not None
     prefill = _native_prefill(q, k_cache, v_cache, meta)
@@ -170,7 +170,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for i, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         num_q = q_end - q_start
-        if prefill is not None and num_q > 1:  # one C call over the sequence's blocks (csrc/prefill.c)
+        if prefill is not None:  # one C call over the sequence's blocks (csrc/prefill.c; a decode row too, same bits)
             table = meta.block_tables[i]
             status = prefill.prefill_attention(q[q_start].data_ptr(), q.stride(0), k_cache.data_ptr(),
                                                v_cache.data_ptr(), table.data_ptr(), seq_len, num_q, num_heads,
@@ -332,11 +332,30 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(p.to(v.dtype), v).float(), lse
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid(x); float32 on the CPU by the C kernels' 1 / (1 + e^-x), the decode stack's shared-expert gate."""
+    native = _native_f32(x) if x.is_contiguous() else None
+    if native is None:
+        return torch.sigmoid(x)
+    out = torch.empty_like(x)
+    native.sigmoid(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax -> top-k -> optional renormalisation. router_logits: [T, E].
 
-    Returns (weights [T, k] float32, expert_ids [T, k] int64). Stays on the device.
+    Returns (weights [T, k] float32, expert_ids [T, k] int64). Stays on the device. Float32 logits on the CPU take
+    the C decode stack's routing (csrc/stack.c), so a token routes the same in a prefill and in a decode step.
     """
+    native = _native_f32(router_logits) if router_logits.dim() == 2 and router_logits.is_contiguous() else None
+    if native is not None:
+        tokens, num_experts = router_logits.shape
+        expert_ids = torch.empty((tokens, top_k), dtype=torch.int64)
+        weights = torch.empty((tokens, top_k), dtype=torch.float32)
+        native.moe_route(router_logits.data_ptr(), tokens, num_experts, top_k, int(renormalize), expert_ids.data_ptr(),
+                         weights.data_ptr())
+        return weights, expert_ids
     if renormalize:  # softmax over all experts, renormalised over the top k = softmax over the top-k logits
         top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)  # [T, k]
         return torch.softmax(top_logits, dim=-1, dtype=torch.float32), expert_ids
@@ -367,34 +386,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """
     num_tokens, top_k = expert_ids.shape
     num_experts = w13.shape[0]
-    if num_tokens * top_k <= _FEW_PAIRS and x.device.type == "cpu":
-        # Decode: a handful of (token, expert) pairs, grouped on the host (the ids are already in host memory);
-        # a single token reads its row of x as a view, and its weighted output is added into its row in place.
-        by_expert: dict[int, list[tuple[int, float]]] = {}
-        for token, (ids, ws) in enumerate(zip(expert_ids.tolist(), weights.tolist())):
-            for expert, weight in zip(ids, ws):
-                if expert < num_experts:
-                    by_expert.setdefault(expert, []).append((token, weight))
-        shared = []  # experts with several tokens: their rows are gathered once, in expert order
-        for expert, pairs in by_expert.items():
-            if len(pairs) == 1:
-                token, weight = pairs[0]
-                out[token:token + 1].add_(expert_mlp(x[token:token + 1], w13[expert], w2[expert]), alpha=weight)
-            else:
-                shared.append((expert, pairs))
-        if shared:
-            pairs = [pair for _, group in shared for pair in group]
-            tokens = torch.tensor([t for t, _ in pairs], device=x.device)
-            xs = x.index_select(0, tokens)  # [P, H]
-            ys = torch.empty_like(xs)
-            start = 0
-            for expert, group in shared:
-                end = start + len(group)
-                ys[start:end] = expert_mlp(xs[start:end], w13[expert], w2[expert])
-                start = end
-            ys.mul_(torch.tensor([w for _, w in pairs], dtype=ys.dtype, device=x.device)[:, None])
-            out.index_add_(0, tokens, ys)
-        return out
     floats = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and expert_ids.dtype is torch.int64
     native = _native_f32(x, w13, w2, weights, out) if floats else None
     if native is not None and expert_ids.is_contiguous() and _get_current_dispatch_mode() is None:
@@ -402,6 +393,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         if native.moe_prefill(x.data_ptr(), num_tokens, x.shape[1], w13.data_ptr(), w2.data_ptr(), num_experts,
                               w2.shape[2], expert_ids.data_ptr(), weights.data_ptr(), top_k, out.data_ptr()) != 0:
             raise MemoryError("fused_moe: out of memory for its scratch")
+        return out
+    if num_tokens * top_k <= _FEW_PAIRS and x.device.type == "cpu":
+        # Decode: a handful of (token, expert) pairs, grouped on the host (the ids are already in host memory);
+        # a single token reads its row of x as a view. Experts go in ascending id and each weighted output is
+        # rounded before it is added, as in the loop below: a token's sum does not depend on its neighbours.
+        by_expert: dict[int, list[tuple[int, float]]] = {}
+        for token, (ids, ws) in enumerate(zip(expert_ids.tolist(), weights.tolist())):
+            for expert, weight in zip(ids, ws):
+                if expert < num_experts:
+                    by_expert.setdefault(expert, []).append((token, weight))
+        for expert in sorted(by_expert):
+            pairs = by_expert[expert]
+            if len(pairs) == 1:
+                token, weight = pairs[0]
+                out[token:token + 1].add_(expert_mlp(x[token:token + 1], w13[expert], w2[expert]).mul_(weight))
+                continue
+            tokens = torch.tensor([t for t, _ in pairs], device=x.device)
+            ys = expert_mlp(x.index_select(0, tokens), w13[expert], w2[expert])  # [n, H]
+            out.index_add_(0, tokens, ys.mul_(torch.tensor([w for _, w in pairs], dtype=ys.dtype)[:, None]))
         return out
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     order = torch.argsort(flat_ids, stable=True)  # token/expert pairs grouped by expert

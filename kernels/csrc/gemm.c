@@ -150,7 +150,7 @@ static void panel(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t k
         }
         TILES[mr - 1](kc, x + m * ldx + k0, ldx, packed, edge, NR, 0);
         for (int64_t r = 0; r < mr; r++)
-            for (int64_t j = 0; j < n; j++) yt[r * out_f + j] = (add ? yt[r * out_f + j] : 0.0f) + edge[r * NR + j];
+            for (int64_t j = 0; j < n; j++) yt[r * out_f + j] = add ? yt[r * out_f + j] + edge[r * NR + j] : edge[r * NR + j];
     }
 }
 
@@ -188,4 +188,102 @@ void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, co
                      float *y) {
 #pragma omp parallel
     tsterm_f32_gemm_share(x, ldx, rows, in_f, w, out_f, y);
+}
+
+/* Few rows of x (decode) in the GEMM's summation order, without packing the weight into memory: each output's sum
+ * is, per KC block of inputs, a chain of FMAs from zero over the block's inputs in order, added to the earlier blocks'
+ * total (tile##ROWS's order), so a row's result is bitwise the same whether it runs here or in a GEMM of any number
+ * of rows (the engine's invariance promise: README "Same answer whatever the batch"). The weight is read in place:
+ * 8 x 8 blocks (8 outputs' rows, 8 inputs) are transposed in registers into the 8 inputs' columns, and each column
+ * multiplies a broadcast input of every row of x. Two blocks of 8 outputs at a time: two independent FMA chains. */
+static inline void transpose8(const float *const r[8], int64_t k, __m256 t[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[0] + k), _mm256_loadu_ps(r[1] + k));
+    const __m256 t1 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[0] + k), _mm256_loadu_ps(r[1] + k));
+    const __m256 t2 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[2] + k), _mm256_loadu_ps(r[3] + k));
+    const __m256 t3 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[2] + k), _mm256_loadu_ps(r[3] + k));
+    const __m256 t4 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[4] + k), _mm256_loadu_ps(r[5] + k));
+    const __m256 t5 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[4] + k), _mm256_loadu_ps(r[5] + k));
+    const __m256 t6 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[6] + k), _mm256_loadu_ps(r[7] + k));
+    const __m256 t7 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[6] + k), _mm256_loadu_ps(r[7] + k));
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    t[0] = _mm256_permute2f128_ps(s0, s4, 0x20), t[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    t[2] = _mm256_permute2f128_ps(s2, s6, 0x20), t[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    t[4] = _mm256_permute2f128_ps(s0, s4, 0x31), t[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    t[6] = _mm256_permute2f128_ps(s2, s6, 0x31), t[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* column k of 8 rows (a tail input past the last whole 8) */
+static inline __m256 column8(const float *const r[8], int64_t k) {
+    return _mm256_setr_ps(r[0][k], r[1][k], r[2][k], r[3][k], r[4][k], r[5][k], r[6][k], r[7][k]);
+}
+
+#define DEFINE_COLS(ROWS)                                                                                          \
+    static void cols##ROWS(const float *x, int64_t ldx, int64_t in_f, const float *const r[16], float *y,          \
+                           int64_t ldy, int64_t n) {                                                                \
+        __m256 total[ROWS][2];                                                                                      \
+        for (int64_t k0 = 0; k0 < in_f; k0 += KC) {                                                                 \
+            const int64_t k1 = in_f - k0 < KC ? in_f : k0 + KC;                                                     \
+            __m256 acc[ROWS][2];                                                                                    \
+            for (int q = 0; q < ROWS; q++) acc[q][0] = acc[q][1] = _mm256_setzero_ps();                             \
+            int64_t k = k0;                                                                                         \
+            for (; k + 8 <= k1; k += 8) {                                                                           \
+                __m256 a[8], b[8];                                                                                  \
+                transpose8(r, k, a);                                                                                \
+                transpose8(r + 8, k, b);                                                                            \
+                for (int j = 0; j < 8; j++)                                                                         \
+                    for (int q = 0; q < ROWS; q++) {                                                                \
+                        const __m256 xv = _mm256_broadcast_ss(x + q * ldx + k + j);                                 \
+                        acc[q][0] = _mm256_fmadd_ps(xv, a[j], acc[q][0]);                                           \
+                        acc[q][1] = _mm256_fmadd_ps(xv, b[j], acc[q][1]);                                           \
+                    }                                                                                               \
+            }                                                                                                       \
+            for (; k < k1; k++) {                                                                                   \
+                const __m256 a = column8(r, k), b = column8(r + 8, k);                                              \
+                for (int q = 0; q < ROWS; q++) {                                                                    \
+                    const __m256 xv = _mm256_broadcast_ss(x + q * ldx + k);                                         \
+                    acc[q][0] = _mm256_fmadd_ps(xv, a, acc[q][0]);                                                  \
+                    acc[q][1] = _mm256_fmadd_ps(xv, b, acc[q][1]);                                                  \
+                }                                                                                                   \
+            }                                                                                                       \
+            for (int q = 0; q < ROWS; q++) /* the tile's order: this block's chain + the blocks before */           \
+                for (int h = 0; h < 2; h++) total[q][h] = k0 ? _mm256_add_ps(acc[q][h], total[q][h]) : acc[q][h];   \
+        }                                                                                                           \
+        for (int q = 0; q < ROWS; q++) {                                                                            \
+            float out[16];                                                                                          \
+            _mm256_storeu_ps(out, total[q][0]);                                                                     \
+            _mm256_storeu_ps(out + 8, total[q][1]);                                                                 \
+            for (int64_t j = 0; j < n; j++) y[q * ldy + j] = out[j];                                                \
+        }                                                                                                           \
+    }
+
+DEFINE_COLS(1)
+DEFINE_COLS(2)
+DEFINE_COLS(3)
+
+typedef void (*cols_fn)(const float *, int64_t, int64_t, const float *const[16], float *, int64_t, int64_t);
+static const cols_fn COLS[3] = {cols1, cols2, cols3};
+
+void tsterm_f32_rows(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t first, int64_t last,
+                     int64_t out_f, float *y) {
+    for (int64_t o = first; o < last; o += NR) {
+        const int64_t n = last - o < NR ? last - o : NR;
+        const float *r[NR]; /* past the last output, the first row again: its lanes are never stored */
+        for (int64_t j = 0; j < NR; j++) r[j] = w + (o + (j < n ? j : 0)) * in_f;
+        for (int64_t r0 = 0, m; r0 < rows; r0 += m) { /* 4 rows as 2 + 2: 8 accumulators spilled with 16 ymm */
+            m = rows - r0 == 4 ? 2 : rows - r0 < 3 ? rows - r0 : 3;
+            COLS[m - 1](x + r0 * in_f, in_f, in_f, r, y + r0 * out_f + o, out_f, n);
+        }
+    }
+}
+
+void tsterm_f32_matmul(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t out_f, float *y) {
+#pragma omp parallel
+    {
+        int64_t first, last;
+        tsterm_thread_share(out_f, NR, &first, &last);
+        tsterm_f32_rows(x, rows, in_f, w, first, last, out_f, y);
+    }
 }

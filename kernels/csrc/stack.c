@@ -12,7 +12,7 @@
  * one op at a time from Python. Batch-1 decode of a small model spends as long between those calls as in them
  * (a Python call and an OpenMP fork / join per op, ~10 per layer); here the threads are woken once per step and
  * meet at a barrier between the ops. Matmuls split their output rows over the threads; attention splits
- * (sequence, chunk) tasks; the per-row ops between them (norms, RoPE, the KV store, quantizing a row of x) are a
+ * (sequence, split) tasks; the per-row ops between them (norms, RoPE, the KV store, quantizing a row of x) are a
  * few microseconds on one thread. Each of `rows` sequences decodes one token. The routed experts of a step are
  * grouped by expert (each expert's weights read once for all its tokens), in the order the layer-by-layer path
  * (`tsterm_kernels.reference.fused_moe`) visits them.
@@ -131,10 +131,27 @@ static void route(const float *logits, int64_t E, int64_t k, int64_t renormalize
     }
 }
 
+/* Routing of T tokens (logits [T, E]) for the layer-by-layer path, the decode stack's arithmetic: ids [T, k] int64,
+ * weights [T, k]. probs: [E] scratch per call. */
+void tsterm_moe_route(const float *logits, int64_t tokens, int64_t E, int64_t k, int64_t renormalize, int64_t *ids,
+                      float *weights) {
+#pragma omp parallel for schedule(static) if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        float probs[E];
+        route(logits + t * E, E, k, renormalize, probs, ids + t * k, weights + t * k);
+    }
+}
+
+/* out[i] = 1 / (1 + e^-x[i]): a shared expert's gate, in both paths */
+void tsterm_sigmoid(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
 /* The step's (token, expert) pairs grouped by expert, experts in order of first appearance (token by token, each
  * token's experts in top-k order), tokens in order within an expert. */
 typedef struct {
     int64_t *row, *group;                      /* [P]: each pair's token and group */
+    int64_t *pair_of;                          /* [rows * k]: the pair of (token, j-th of its top k) */
     int64_t *group_expert, *group_start;       /* per group: its expert, its first pair (and one past the last) */
     float *weight;                             /* [P] */
     int64_t num_groups;
@@ -156,7 +173,7 @@ static void group_pairs(const int64_t *ids, const float *weights, int64_t rows, 
         int64_t g = 0;
         while (p->group_expert[g] != ids[i]) g++;
         p->row[fill[g]] = i / k, p->group[fill[g]] = g, p->weight[fill[g]] = weights[i];
-        fill[g]++;
+        p->pair_of[i] = fill[g]++;
     }
     p->group_start[p->num_groups] = rows * k;
 }
@@ -193,22 +210,22 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
     widest = widest > Hq * D ? widest : Hq * D;
     const int64_t nbw = widest / 32 + 1;
     tsterm_attention att = {NULL, qkv_f, NULL, NULL, block_tables, max_blocks, seq_lens, rows, Hq, Hkv, D,
-                            m->block_size, m->scale, tsterm_attention_chunks(seq_lens, rows), NULL};
+                            m->block_size, m->scale, tsterm_attention_splits(seq_lens, rows), NULL};
     /* scratch (floats): x [P, widest] (a matmul's float input), qkv [rows, qkv_f], attention output [rows, Hq D],
      * gate_up [P, 2I], expert outputs [P, H], router logits and probabilities [rows, 2E], pair weights [P], two
      * sets of quantized rows' scales [P, nbw] x 2 each, attention partials; then (int64) pairs' rows and groups,
      * groups' experts and starts, routed ids [P] each (+1); then (int8) two sets of quantized rows [P, widest]. */
     const size_t floats = (size_t)(P * widest + rows * (qkv_f + Hq * D) + P * (2 * I + H) + rows * 2 * E + P +
                                    4 * P * nbw) + tsterm_attention_part_bytes(&att) / sizeof(float);
-    float *x = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(5 * (P + 1)) + (size_t)(2 * P * widest));
+    float *x = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)(6 * (P + 1)) + (size_t)(2 * P * widest));
     if (!x) return -1;
     float *qkv = x + P * widest, *attn = qkv + rows * qkv_f, *gu = attn + rows * Hq * D, *y = gu + P * 2 * I;
     float *logits = y + P * H, *probs = logits + rows * E, *pair_w = probs + rows * E, *scales = pair_w + P;
     att.part = scales + 4 * P * nbw;
     int64_t *ints = (int64_t *)(x + floats);
-    pairs_t pairs = {ints, ints + (P + 1), ints + 2 * (P + 1), ints + 3 * (P + 1), pair_w, 0};
+    pairs_t pairs = {ints, ints + (P + 1), ints + 5 * (P + 1), ints + 2 * (P + 1), ints + 3 * (P + 1), pair_w, 0};
     int64_t *ids = ints + 4 * (P + 1);
-    int8_t *codes = (int8_t *)(ints + 5 * (P + 1));
+    int8_t *codes = (int8_t *)(ints + 6 * (P + 1));
     const qrows qa = {codes, scales, scales + P * nbw}, qb = {codes + P * widest, scales + 2 * P * nbw, scales + 3 * P * nbw};
 #pragma omp parallel
     for (int64_t l = 0; l < m->num_layers; l++) {
@@ -286,7 +303,8 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
             for (int64_t r = 0; sgu && r < rows; r++) { /* the shared expert's weight: sigmoid(x . w_gate) */
                 float z;
                 tsterm_f32_rows(x + r * H, 1, H, L->shared_gate, 0, 1, 1, &z);
-                pairs.row[n + r] = r, pairs.weight[n + r] = 1.0f / (1.0f + expf(-z));
+                tsterm_sigmoid(&z, 1, &pairs.weight[n + r]);
+                pairs.row[n + r] = r;
             }
             for (int64_t i = 0; i < n; i++) {
                 const int64_t r = pairs.row[i];
@@ -323,12 +341,24 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, float *hidden, floa
         if (sgu) matmul_share(sdown, sact, sq, rows, y + n * H);
 #pragma omp barrier
 #pragma omp single
-        { /* h = sum of each token's experts' outputs, weighted, in pair order (the shared expert's last) */
+        { /* h = sum of each token's experts' outputs, weighted (w * y rounded, then added), in ascending expert id
+           * and the shared expert last: the layer path's order (reference.fused_moe, csrc/moe.c), whatever the
+           * other tokens of the step chose */
             memset(hidden, 0, sizeof(float) * (size_t)(rows * H));
-            for (int64_t i = 0; i < n_all; i++) {
-                float *h = hidden + pairs.row[i] * H;
-                const float *yi = y + i * H, wi = pairs.weight[i];
-                for (int64_t j = 0; j < H; j++) h[j] += wi * yi[j];
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t order[k + 1];
+                for (int64_t j = 0; j < k; j++) { /* insertion sort of the token's k pairs by expert id */
+                    int64_t at = j;
+                    for (; at > 0 && ids[r * k + order[at - 1]] > ids[r * k + j]; at--) order[at] = order[at - 1];
+                    order[at] = j;
+                }
+                float *h = hidden + r * H;
+                for (int64_t j = 0; j <= k; j++) {
+                    if (j == k && !sgu) break;
+                    const int64_t i = j < k ? pairs.pair_of[r * k + order[j]] : n + r;
+                    const float *yi = y + i * H, wi = pairs.weight[i];
+                    for (int64_t c = 0; c < H; c++) h[c] += wi * yi[c];
+                }
             }
         }
     }

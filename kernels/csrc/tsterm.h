@@ -112,7 +112,8 @@ TSTERM_INTERNAL void tsterm_quantize_row(const float *x, int64_t in_f, int8_t *q
 TSTERM_INTERNAL void tsterm_quant_rows(int kind, const int8_t *qx, const float *dx, const float *sx, int64_t rows,
                                        int64_t in_f, const void *codes, const uint16_t *scales, int64_t first,
                                        int64_t last, int64_t out_f, float *y);
-/* Output rows [first, last) of y [rows, O] = x [rows, I] @ W [O, I]^T, float32 (I a multiple of 8). */
+/* Output rows [first, last) of y [rows, O] = x [rows, I] @ W [O, I]^T, float32, few rows of x (gemm.c): the GEMM's
+ * summation order, so each row's result is the bits a GEMM of any number of rows gives it. */
 TSTERM_INTERNAL void tsterm_f32_rows(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t first,
                                      int64_t last, int64_t out_f, float *y);
 
@@ -130,7 +131,47 @@ TSTERM_INTERNAL void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, i
 TSTERM_INTERNAL void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w,
                                            int64_t out_f, float *y);
 
-/* decode.c: decode attention in two phases (tasks over (sequence, chunk), then one merge per query row), so that a
+/* attention.c: the one order of arithmetic every CPU attention of a query row follows, in a prefill, an extend or a
+ * decode, so that a row's output is the same bits however its context was computed and batched. Keys go in splits
+ * of ATT_SPLIT positions and chunks of ATT_CHUNK, both at fixed positions (0, ATT_CHUNK, ...): scores q K^T are
+ * gemm.c's tile (q scaled first), an online softmax runs over a split's chunks, and the splits' partials are merged
+ * in order (tsterm_att_merge). Splits are what a decode of one long sequence spreads over the threads. */
+#define ATT_CHUNK 128
+#define ATT_SPLIT 512
+
+typedef struct {
+    const float *k_cache, *v_cache; /* [num_blocks, B, Hkv, D] */
+    const int32_t *table;           /* the sequence's block table */
+    int64_t block_size, num_kv_heads, head_dim;
+} tsterm_kv;
+
+/* one thread's scratch for tsterm_attend_split over R rows: K and V panels, scores */
+static inline size_t tsterm_att_scratch_floats(int64_t rows, int64_t head_dim) {
+    return (size_t)(2 * ATT_CHUNK * head_dim + rows * ATT_CHUNK + 32);
+}
+
+/* R query rows of KV head h (row r at position first_pos + r / G, its q already scaled, qs [R][D]) over keys
+ * [k0, k1) of one split (k0 a multiple of ATT_SPLIT, k1 <= k0 + ATT_SPLIT), each row over its keys at or before its
+ * position: every row at or after k0 gets its partial m [R] (max), l [R] (sum of exponentials), o [R][D]
+ * (unnormalized output); rows before k0 are left alone. scratch: tsterm_att_scratch_floats(R, D), 32-byte aligned. */
+TSTERM_INTERNAL void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G,
+                                         int64_t first_pos, int64_t k0, int64_t k1, float *scratch, float *m, float *l,
+                                         float *o);
+
+/* a row's running result (M, L, O [D]) <- merged with its next split's partial (m, l, o); first: its first split */
+static inline void tsterm_att_merge(float *M, float *L, float *O, float m, float l, const float *o, int64_t D,
+                                    int first) {
+    if (first) {
+        *M = m, *L = l;
+        for (int64_t d = 0; d < D; d++) O[d] = o[d];
+        return;
+    }
+    const float mx = m > *M ? m : *M, a = expf(*M - mx), b = expf(m - mx);
+    for (int64_t d = 0; d < D; d++) O[d] = O[d] * a + o[d] * b; /* -ffp-contract=off: two products, one sum */
+    *L = *L * a + l * b, *M = mx;
+}
+
+/* decode.c: decode attention in two phases (tasks over (sequence, split), then one merge per query row), so that a
  * caller's own parallel region can run it. */
 typedef struct {
     const float *q; /* [S, Hq, D], rows q_stride apart */
@@ -141,18 +182,27 @@ typedef struct {
     const int32_t *seq_lens; /* [S] */
     int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
-    int64_t max_chunks; /* tsterm_attention_chunks(seq_lens, num_seqs) */
-    float *part;        /* tsterm_attention_part_bytes() of scratch */
+    int64_t max_splits; /* tsterm_attention_splits(seq_lens, num_seqs) */
+    float *part;        /* tsterm_attention_part_bytes() of scratch, 32-byte aligned */
 } tsterm_attention;
 
-TSTERM_INTERNAL int64_t tsterm_attention_chunks(const int32_t *seq_lens, int64_t num_seqs);
+TSTERM_INTERNAL int64_t tsterm_attention_splits(const int32_t *seq_lens, int64_t num_seqs);
+/* one thread's scratch (floats, a multiple of 16): tsterm_attend_split's, then a KV head's G rows of q, o, m, l */
+static inline size_t tsterm_attention_thread_floats(const tsterm_attention *a) {
+    const int64_t G = a->num_heads / a->num_kv_heads, D = a->head_dim;
+    return (tsterm_att_scratch_floats(G, D) + (size_t)(G * (2 * D + 2)) + 15) / 16 * 16;
+}
+/* the splits' partials [S, splits, Hq, D + 2], then a scratch per thread (up to omp_get_max_threads()) */
 static inline size_t tsterm_attention_part_bytes(const tsterm_attention *a) {
-    return sizeof(float) * (size_t)(a->num_seqs * a->max_chunks * a->num_heads * (a->head_dim + 2));
+    return sizeof(float) * ((size_t)(a->num_seqs * a->max_splits * a->num_heads * (a->head_dim + 2) + 16) +
+                            tsterm_attention_thread_floats(a) * (size_t)omp_get_max_threads());
 }
 /* every task, shared by the threads of the caller's parallel region (ends at a barrier) */
 TSTERM_INTERNAL void tsterm_attention_tasks(const tsterm_attention *a);
 TSTERM_INTERNAL void tsterm_attention_merge(const tsterm_attention *a, int64_t row, float *out); /* row < S * Hq */
 
+/* stack.c: out[i] = 1 / (1 + e^-x[i]) (exported: the layer path's shared-expert gate calls it too) */
+void tsterm_sigmoid(const float *x, int64_t n, float *out);
 /* out [H] = src * rsqrt(mean(src^2) + eps) * weight (out may be src) */
 TSTERM_INTERNAL void tsterm_rms_norm_row(const float *src, const float *weight, int64_t hidden, float eps,
                                          float *out);

@@ -1,12 +1,11 @@
 """The CPU decode stack (`tsterm_kernels.cpu_stack`: every layer of a decode step in one C call) computes what the
-layer-by-layer path computes with the same kernels.
+layer-by-layer path computes with the same kernels, bit for bit.
 
 The layer-by-layer path is the one the parity tests hold against transformers; the stack must not be another
-model. With a dense MLP both run the same C kernels per row (matmuls, norms, RoPE, attention, SwiGLU), so the test
-asks for equal tokens and equal log-probabilities, not a tolerance: with int8 activation rounding in the quantized
-matmuls, one ulp of difference anywhere flips a code somewhere and shows as ~1e-3. With routed experts the stack
-routes in C (a softmax with libm's expf where the layers use torch's), so the log-probabilities agree to float32
-rounding, and the experts chosen (the dashboard's expert load) exactly; Qwen2-MoE's gated shared expert included.
+model. Both run the same C kernels per row (matmuls, norms, RoPE, attention, SwiGLU, the routing softmax, the
+shared expert's gate) and add a token's experts in the same order (ascending id, the shared expert last), so the
+test asks for equal tokens, equal log-probabilities and equal expert loads, not a tolerance: with int8 activation
+rounding in the quantized matmuls, one ulp of difference anywhere would flip a code somewhere and show as ~1e-3.
 """
 from __future__ import annotations
 
@@ -77,15 +76,8 @@ def test_stack_computes_what_the_layers_compute(checkpoint, quantization, monkey
     layer_tokens, layer_logprobs, layer_load = _run(path, prompts, quantization=quantization)
     assert tokens == layer_tokens
     assert load == layer_load
-    routed = CASES[name][1].get("num_experts_per_tok") is not None
-    # Quantized, the routed paths' float32 rounding differences can flip an int8 activation code (module docstring):
-    # seen as 3.7e-4 in one of qwen3_moe-int4's 10 steps once prefill's matmuls changed. Tokens and loads stay exact.
-    tolerance = 1e-5 if quantization == "none" else 1e-3
     for ours, theirs in zip(logprobs, layer_logprobs):
-        if routed:
-            assert (ours - theirs).abs().max() < tolerance
-        else:
-            assert torch.equal(ours, theirs)
+        assert torch.equal(ours, theirs)
 
 
 def test_layers_the_stack_does_not_take_run_one_by_one(tmp_path):

@@ -32,7 +32,7 @@ from tsterm_kernels import cpu_native
 from tsterm_kernels.cpu_stack import StackLayer
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
-from tsterm_kernels.reference import expert_mlp, linear
+from tsterm_kernels.reference import expert_mlp, linear, sigmoid
 
 
 @dataclass(slots=True)
@@ -152,7 +152,7 @@ class SparseMoE:
         if self.shared_w13 is not None:
             # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
             # like the routed ones (no second [T, H] buffer).
-            gate = torch.sigmoid(linear(x, self.shared_gate))  # [T, 1]
+            gate = sigmoid(linear(x, self.shared_gate))  # [T, 1]
             self.ops.fused_moe(x, self.shared_w13, self.shared_w2, gate.float(), torch.zeros_like(expert_ids[:, :1]), out)
         self.par.all_reduce_all(out)  # every rank's experts (and shared-expert columns) summed
         return out
