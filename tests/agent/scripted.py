@@ -1,6 +1,7 @@
 """A scripted model for agent-loop tests: each request streams the next fixed reply, one token at a time, as the
 engine's RequestOutputs would. It keeps what a prefix cache would hold (every finished prompt + reply, whole blocks)
-and reports `num_cached_tokens` from it, records pins, and honours abort."""
+and reports `num_cached_tokens` from it, records pins, and honours abort. With `hold_after`, a reply stops after that
+many tokens until `release()` or an abort: a test sees it mid-stream for as long as it needs, whatever the machine."""
 from __future__ import annotations
 
 import asyncio
@@ -17,11 +18,14 @@ class Pin:
 
 
 class ScriptedBackend:
-    def __init__(self, tokenizer, replies: list[str], *, block_size: int = 16, token_delay_s: float = 0.0):
+    def __init__(self, tokenizer, replies: list[str], *, block_size: int = 16, token_delay_s: float = 0.0,
+                 hold_after: int | None = None):
         self.tokenizer = tokenizer
         self.replies = list(replies)
         self.block_size = block_size
         self.token_delay_s = token_delay_s
+        self.hold_after = hold_after
+        self.released = asyncio.Event()
         self.prompts: list[list[int]] = []
         self.finished: list[list[int]] = []  # prompt + generated ids of every finished request (the "cache")
         self.pins: dict[str, Pin] = {}
@@ -53,6 +57,8 @@ class ScriptedBackend:
         shown = ""
         for n in range(1, len(ids) + 1):
             await asyncio.sleep(self.token_delay_s)
+            if self.hold_after is not None and n > self.hold_after:
+                await self.released.wait()
             if request_id not in self._live:  # aborted: the stream ends without a final output
                 return
             text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
@@ -63,9 +69,14 @@ class ScriptedBackend:
         self._live.discard(request_id)
         self.finished.append(prompt + ids)
 
+    def release(self) -> None:
+        """Let every held reply go on (and the later ones run through)."""
+        self.released.set()
+
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
         self._live.discard(request_id)
+        self.released.set()  # a held reply wakes to end
 
     def pin(self, token_ids, ttl_s=300.0, key=None):
         self.pins[key] = Pin(list(token_ids), ttl_s)

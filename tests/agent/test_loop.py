@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -32,19 +32,24 @@ def call(name: str, **arguments) -> str:
 
 
 class Recorder(Tool):
-    """Records its calls; optional delay, failure or approval need."""
+    """Records its calls; optional failure or approval need. With `hold`, a call signals `running` and then blocks
+    until `hold` is set: a tool that hangs for as long as the test wants."""
 
     description = "record a value"
     parameters = {"type": "object", "properties": {"value": {"type": "string"}}, "required": ["value"]}
 
-    def __init__(self, name: str = "record", *, delay_s: float = 0.0, crash: bool = False, approval: bool = False):
-        self.name, self.delay_s, self.crash, self.needs_approval = name, delay_s, crash, approval
+    def __init__(self, name: str = "record", *, hold: threading.Event | None = None, crash: bool = False,
+                 approval: bool = False):
+        self.name, self.hold, self.crash, self.needs_approval = name, hold, crash, approval
         self.calls: list[str] = []
+        self.running = threading.Event()
 
     def run(self, arguments: dict) -> str:
         if self.crash:
             raise RuntimeError("the tool's own bug")
-        time.sleep(self.delay_s)
+        self.running.set()
+        if self.hold is not None:
+            self.hold.wait()
         self.calls.append(arguments["value"])
         if arguments["value"] == "bad":
             raise ToolError("record: 'bad' is not allowed")
@@ -134,12 +139,15 @@ async def test_malformed_calls_come_back_to_the_model_as_errors(tokenizer):
 
 
 async def test_a_hanging_or_crashing_tool_is_an_error_result_and_the_session_goes_on(tokenizer):
-    slow, broken = Recorder("slow", delay_s=3.0), Recorder("broken", crash=True)
+    hung = threading.Event()
+    slow, broken = Recorder("slow", hold=hung), Recorder("broken", crash=True)
     backend = ScriptedBackend(tokenizer, [call("slow", value="x") + call("broken", value="y"), "went on"])
     agent = Agent(backend, tokenizer, [slow, broken], options=AgentOptions(tool_timeout_s=0.2))
-    start = time.monotonic()
-    events = await run(agent, "go")
-    assert time.monotonic() - start < 2.5  # it did not wait for the slow tool
+    try:
+        events = await asyncio.wait_for(run(agent, "go"), 120)  # a hang guard: a loop that waits for the tool
+        assert slow.running.is_set() and not slow.calls  # the task ended while the slow tool still hangs
+    finally:
+        hung.set()
     hung, crashed = agent.steps[0].tool_calls
     assert "no result within 0.2 s" in hung.error and hung.status == "error"
     assert "RuntimeError: the tool's own bug" in crashed.error
@@ -184,7 +192,8 @@ async def test_abort_between_tools_gives_the_rest_an_aborted_result(tokenizer):
 
 
 async def test_cancelling_the_consumer_still_answers_every_call(tokenizer):
-    record = Recorder(delay_s=0.3)
+    held = threading.Event()
+    record = Recorder(hold=held)
     backend = ScriptedBackend(tokenizer, [call("record", value="1") + call("record", value="2")])
     agent = Agent(backend, tokenizer, [record])
 
@@ -193,10 +202,13 @@ async def test_cancelling_the_consumer_still_answers_every_call(tokenizer):
             pass
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.15)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    try:
+        await asyncio.to_thread(record.running.wait)  # cancelled while its first tool runs
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        held.set()
     assert [m["role"] for m in agent.session.messages] == ["user", "assistant", "tool", "tool"]
 
 

@@ -24,16 +24,12 @@ def echo_config(name: str = "echo", **extra) -> McpServerConfig:
     return McpServerConfig.from_dict({"name": name, "command": sys.executable, "args": [ECHO_SERVER], **extra})
 
 
-def process_gone(pid: int, within_s: float = 0.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def server_pid(tools: dict[str, McpTool]) -> int:

@@ -17,7 +17,7 @@ from tsterm.demo import SPECS, make_random_moe
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.errors import EngineStepError, EngineStoppedError, EngineTimeoutError
 
-SAFETY = 30  # seconds; only a broken implementation ever waits this long
+SAFETY = 300  # seconds: a hang guard, generous for a busy machine; only a broken implementation waits this long
 PROMPT_A, PROMPT_B = [10 + i for i in range(12)], [300 + i for i in range(9)]
 
 

@@ -184,11 +184,9 @@ async def test_async_stream_deltas_add_up_and_early_exit_aborts(checkpoint):
         assert last_a.finished and len(last_a.token_ids) == 10
 
         async for _ in engine.generate(list(range(20, 60)), greedy(200)):
-            break  # leaving early aborts the request
-        for _ in range(50):
-            if engine.stats()["used"] == 0:
-                break
-            await asyncio.sleep(0.05)
+            break  # leaving early aborts the request: the loop closes the dropped generator, which aborts it
+        while engine.stats()["running"]:  # each read waits for a step of the engine thread
+            await asyncio.sleep(0)  # lets the loop run the generator's close
         assert engine.stats()["used"] == 0
     finally:
         engine.shutdown()

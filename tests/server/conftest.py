@@ -3,7 +3,8 @@ of this folder; `make_server` starts another app on the same engine (an API key,
 from __future__ import annotations
 
 import json
-import time
+import threading
+from collections import Counter
 from pathlib import Path
 
 import openai
@@ -16,6 +17,30 @@ from tsterm.server.serve import BackgroundServer, build_state
 
 AGENT_DEMO = Path(__file__).resolve().parents[2] / "tsterm" / "models" / "agent_demo"
 MODEL = "agent-demo"
+
+
+class Served:
+    """Outermost ASGI app: counts the HTTP requests the server has finished, by path, with all of their bookkeeping
+    (the metrics middleware's count, the release of a request's place in the queue); `wait` blocks until enough
+    have. What a test waits for after a response: the server's own accounting of it ends just after the client
+    has it."""
+
+    def __init__(self, app):
+        self.app, self.finished, self.changed = app, Counter(), threading.Condition()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if scope["type"] == "http":
+                with self.changed:
+                    self.finished[scope["path"]] += 1
+                    self.changed.notify_all()
+
+    def wait(self, path: str, n: int) -> None:
+        """Until `n` requests to `path` have finished, counted since the server started."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.finished[path] >= n)
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +62,10 @@ def make_server(llm, aengine):
     servers = []
 
     def make(**options):
-        server = BackgroundServer(create_app(build_state(llm, aengine, MODEL, **options))).start()
+        state = build_state(llm, aengine, MODEL, **options)
+        served = Served(create_app(state))
+        server = BackgroundServer(served).start()
+        server.state, server.served = state, served
         servers.append(server)
         return server
 
@@ -56,14 +84,15 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def wait_blocks_free(aengine, timeout: float = 10.0) -> dict:
-    """The engine's stats once no block is referenced by a request (or the last stats at the timeout)."""
-    deadline = time.monotonic() + timeout
+def wait_blocks_free(aengine) -> dict:
+    """The engine's stats once no request is running or waiting in it: its blocks are then free, unless one leaked.
+
+    `stats()` runs on the engine thread between two steps, so each read waits for the next step (a client that left
+    is noticed and its request aborted meanwhile); an idle engine answers at once with what is left."""
     while True:
         stats = aengine.stats()
-        if (stats["used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+        if stats["running"] == 0 and stats["waiting"] == 0:
             return stats
-        time.sleep(0.02)
 
 
 def http(method: str, url: str, body: bytes | str | dict | None = None, headers: dict | None = None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import openai
 import pytest
@@ -118,9 +117,7 @@ def test_in_flight_limit_is_a_429(make_server, aengine):
         client.chat.completions.create(**GOOD)
     assert "limit of 1 requests in flight" in err.value.body["message"]
     stream.close()
-    deadline = time.monotonic() + 10
-    while http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 429 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    server.served.wait("/v1/chat/completions", 2)  # the refused one, and the stream: its place given back
     assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200
     assert wait_blocks_free(aengine)["used"] == 0
 
@@ -141,15 +138,30 @@ def test_disconnect_mid_stream_frees_the_blocks(client, llm, aengine):
     assert _aborted(llm) == before + 1
 
 
-def test_disconnect_while_waiting_for_a_whole_completion(server, llm, aengine):
-    before = _aborted(llm)
+class FirstOutput:
+    """A server observer that is told of each output: `seen` is set once a request is generating in the engine."""
+
+    def __init__(self):
+        self.seen = threading.Event()
+
+    def started(self, info):
+        pass
+
+    def progress(self, info, output):
+        self.seen.set()
+
+    def finished(self, info, output, error):
+        pass
+
+
+def test_disconnect_while_waiting_for_a_whole_completion(make_server, llm, aengine):
+    server, before = make_server(), _aborted(llm)
+    server.state.observer = watch = FirstOutput()
     body = json.dumps({**GOOD, "max_tokens": 800, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        deadline = time.monotonic() + 10
-        while aengine.stats()["used"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        watch.seen.wait()  # hang up once it is generating
     assert wait_blocks_free(aengine)["used"] == 0
     assert _aborted(llm) == before + 1
 
@@ -168,7 +180,7 @@ def test_concurrent_greedy_streams_equal_their_solo_runs(client, aengine):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join()
     assert [results.get(i) for i in range(8)] == solo
     assert wait_blocks_free(aengine)["used"] == 0
 
@@ -225,16 +237,14 @@ def test_mixed_load_with_a_third_disconnecting(make_server, llm, aengine):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join()
     assert sorted(outcomes) == ["done"] * 16 + ["left"] * 8
     assert wait_blocks_free(aengine)["used"] == 0
     assert _aborted(llm) == aborted_before + 8
     expected = {("tsterm:server_client_disconnects", ()): 8, ("tsterm:server_requests_in_flight", ()): 0,
                 ("tsterm:server_requests", (("endpoint", "/v1/chat/completions"),)): 24}
-    deadline = time.monotonic() + 10  # a response's bookkeeping ends just after its request's abort
-    while (seen := {key: _metric(server, key[0], **dict(key[1])) for key in expected}) != expected:
-        assert time.monotonic() < deadline, seen
-        time.sleep(0.05)
+    server.served.wait("/v1/chat/completions", 24)  # a response's bookkeeping ends just after its request's abort
+    assert {key: _metric(server, key[0], **dict(key[1])) for key in expected} == expected
     assert http("POST", f"{server.url}/v1/chat/completions", GOOD)[0] == 200
 
 

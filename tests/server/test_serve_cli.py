@@ -8,7 +8,7 @@ import os
 import socket
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
@@ -26,20 +26,24 @@ def test_tsterm_serve_process(tmp_path):
     port, key = _free_port(), "env-key-1234567"
     code = "import sys; from tsterm.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "TSTERM_API_KEY": key}
-    stderr = (tmp_path / "stderr").open("w+")
     profile = tmp_path / "served.yaml"
     profile.write_text(f"model: {AGENT_DEMO}\ndevice: cpu\nserver:\n  port: {port}\n  model_name: agent_demo\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--profile", str(profile)], env=env, stderr=stderr,
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--profile", str(profile)], env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines, listening = [], threading.Event()
+
+    def read_stderr() -> None:  # uvicorn's "Uvicorn running on ..." comes once its socket listens; EOF: it ended
+        for line in proc.stderr:
+            lines.append(line)
+            if "Uvicorn running on" in line:
+                listening.set()
+        listening.set()
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                status, body = http("GET", f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
-                time.sleep(0.1)
+        listening.wait()
+        assert proc.poll() is None, "".join(lines)
+        status, body = http("GET", f"http://127.0.0.1:{port}/health")
         assert status == 200 and json.loads(body)["model"] == "agent_demo"
         request = {"model": "agent_demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -47,8 +51,9 @@ def test_tsterm_serve_process(tmp_path):
         assert http("POST", url, request, headers={"Authorization": f"Bearer {key}"})[0] == 200
     finally:
         proc.terminate()
-        proc.wait(30)
-    log = (tmp_path / "stderr").read_text()
+        proc.wait()
+        reader.join()
+    log = "".join(lines)
     assert f"agent_demo on http://127.0.0.1:{port}/v1" in log and "API key required" in log
     assert key not in log
 

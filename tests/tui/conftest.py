@@ -1,12 +1,25 @@
-"""A tiny real Qwen3-MoE checkpoint (built once), profiles that point the TUI at it, and the snapshot fixture."""
+"""A tiny real Qwen3-MoE checkpoint (built once), profiles that point the TUI at it, the snapshot fixture, and the
+message hook that the waits of helpers.py wake on."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from textual.app import App
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.tui.helpers import message_hook
 from tests.tui.snapshots import assert_snapshot, update_requested
+
+
+@pytest.fixture(autouse=True)
+def wake_waits_on_messages(monkeypatch):
+    """Every app a test runs tells the waits in helpers.py of each message it dispatches (run_test's message_hook)."""
+    run_test = App.run_test
+
+    def run_test_with_hook(app, *args, **kwargs):
+        return run_test(app, *args, message_hook=message_hook(app), **kwargs)
+    monkeypatch.setattr(App, "run_test", run_test_with_hook)
 
 
 @pytest.fixture
@@ -44,3 +57,4 @@ def make_profile(tmp_path, tiny_checkpoint):
         path.write_text("\n".join(lines) + "\n")
         return str(path)
     return make
+

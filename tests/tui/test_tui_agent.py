@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from tests.agent.scripted import ScriptedBackend
-from tests.tui.helpers import chat_screen, engine_stats, say, text_of, wait_until
+from tests.tui.helpers import chat_screen, engine_stats, palette, say, text_of, wait_until
 from tsterm.agent.loop import REFUSED
 from tsterm.agent.tool_calls import CLOSE_TAG, OPEN_TAG
 from tsterm.tui import TstermApp
@@ -45,10 +45,10 @@ async def new_agent(pilot):
     return screen.session
 
 
-async def task_done(pilot, session, steps: int, timeout: float = 30.0) -> None:
+async def task_done(pilot, session, steps: int) -> None:
     screen = pilot.app.screen
     await wait_until(pilot, lambda: session.id not in screen.running_agents
-                     and sum(m["role"] == "assistant" for m in session.messages) >= steps, timeout,
+                     and sum(m["role"] == "assistant" for m in session.messages) >= steps,
                      what=f"{steps} step(s) of {session.title!r}")
 
 
@@ -127,10 +127,7 @@ async def test_auto_approve_never_asks(make_profile, data_dir, tmp_path):
         await say(pilot, "/agent named one")  # the slash command makes one too
         assert screen.session.kind == "agent" and screen.session.title == "named one"
         count = len(screen.sessions)
-        await pilot.press("ctrl+p")  # and the palette
-        await pilot.press(*"new agent session")
-        await pilot.pause(0.5)
-        await pilot.press("enter")
+        await palette(pilot, "new agent session")  # and the palette
         await wait_until(pilot, lambda: len(screen.sessions) == count + 1, what="an agent session from the palette")
         session = screen.session
         assert session.kind == "agent" and session.title == "new agent"
@@ -156,18 +153,17 @@ async def test_escape_aborts_a_running_task_and_the_session_stays_usable(make_pr
     app = TstermApp(agent_profile(make_profile, tmp_path / "ws"))
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_screen(pilot)
-        backend = script(app, ["word " * 400, "Fine."], token_delay_s=0.02)
+        backend = script(app, ["word " * 400, "Fine."], hold_after=20)  # held mid-reply until the abort
         session = await new_agent(pilot)
         await say(pilot, "talk for a long time", wait_turn=False)
         await wait_until(pilot, lambda: session.id in screen.agent_runs
                          and len(screen.agent_runs[session.id].text) > 10, what="some streamed text")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: session.id not in screen.running_agents, timeout=10, what="the abort")
+        await wait_until(pilot, lambda: session.id not in screen.running_agents, what="the abort")
         assert backend.aborted and not any(m["role"] == "assistant" for m in session.messages)
         assert "aborted" in text_of(screen.query(ReplyView).last().query_one(".role"))
         assert any(v.role == "notice" and v.text == "aborted" for v in screen.query(MessageView))
 
-        backend.token_delay_s = 0.0
         await say(pilot, "then just say fine", wait_turn=False)
         await task_done(pilot, session, 1)
         assert session.messages[-1] == {"role": "assistant", "content": "Fine."}
@@ -248,18 +244,18 @@ async def test_switching_away_and_back_mid_task_shows_the_task_as_it_runs(make_p
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_screen(pilot)
         chat = screen.session
-        backend = script(app, ["word " * 60 + call("calculator", expression="1 + 1"), "Two."], token_delay_s=0.01)
+        backend = script(app, ["word " * 60 + call("calculator", expression="1 + 1"), "Two."], hold_after=30)
         session = await new_agent(pilot)
         await say(pilot, "count", wait_turn=False)
         run = await wait_until(pilot, lambda: screen.agent_runs.get(session.id), what="the run")
         await wait_until(pilot, lambda: len(run.text) > 20, what="some streamed text")
-        await screen.show_session(chat.id)  # the task goes on out of sight
+        await screen.show_session(chat.id)  # the task goes on out of sight (held after 30 tokens)
         assert screen.agent_reply is None and not screen.query(ToolCallView)
-        await pilot.pause(0.2)
         await screen.show_session(session.id)
-        if session.id in screen.running_agents and run.phase == "generating":
-            await wait_until(pilot, lambda: screen.agent_reply and "word word" in screen.agent_reply.text,
-                             what="the step being generated, shown again")
+        assert session.id in screen.running_agents and run.phase == "generating"
+        await wait_until(pilot, lambda: screen.agent_reply and "word word" in screen.agent_reply.text,
+                         what="the step being generated, shown again")
+        backend.release()
         await task_done(pilot, session, 2)
         [block] = screen.query(ToolCallView)
         assert block.state.status == "done" and block.state.result == "2"

@@ -1,7 +1,6 @@
 """The TUI against a real engine on a tiny random Qwen3-MoE: streaming, reuse, fork, concurrency, abort, restore."""
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -12,6 +11,8 @@ import pytest
 from tests.tui.helpers import (
     chat_screen,
     engine_stats,
+    next_message,
+    palette,
     say,
     text_of,
     turns_done,
@@ -108,9 +109,8 @@ async def test_second_turn_reuses_the_prefix_and_the_dashboard_shows_it(make_pro
         dashboard = screen.dashboard
         await wait_until(pilot, lambda: dashboard.latest.get("prefix_hit_tokens", 0) >= second.cached_tokens,
                          what="a stats poll after turn 2")
-        await pilot.pause(0.3)
-        reuse = text_of(dashboard.query_one("#reuse"))
-        row = next(line for line in reuse.splitlines() if line.split()[:1] == ["2"])
+        row = await wait_until(pilot, lambda: next((line for line in text_of(dashboard.query_one("#reuse")).splitlines()
+                                                     if line.split()[:1] == ["2"]), None), what="turn 2's reuse row")
         assert row.split()[1:3] == [str(second.prompt_tokens), str(second.cached_tokens)]
         assert dashboard.last_turn is second
         assert "by reference" in text_of(dashboard.query_one("#copies"))
@@ -135,15 +135,12 @@ async def test_fork_shares_blocks_and_two_sessions_generate_at_once(make_profile
         await screen.show_session(parent.id)
         await say(pilot, "from the parent")
 
-        async def both_running_and_sharing() -> dict:
-            while True:
-                stats = await engine_stats(app)
-                if stats["running"] == 2 and stats["shared"] > 0:
-                    return stats
-                assert set(screen.turns) == {fork.id, parent.id}, "a reply ended before the other began"
-                await pilot.pause(0.02)
-
-        stats = await asyncio.wait_for(both_running_and_sharing(), 30)  # one batch; the fork's blocks shared
+        while True:  # re-read on each message (the replies' progress): one batch, the fork's blocks shared
+            stats = await engine_stats(app)
+            if stats["running"] == 2 and stats["shared"] > 0:
+                break
+            assert set(screen.turns) == {fork.id, parent.id}, "a reply ended before the other began"
+            await next_message(pilot)
         assert "2 generating" in text_of(screen.query_one("#status"))
         screen.action_abort()
         await screen.show_session(fork.id)
@@ -153,11 +150,7 @@ async def test_fork_shares_blocks_and_two_sessions_generate_at_once(make_profile
         assert fork.turns[0] == parent.turns[0] and fork.turns[0] is not parent.turns[0]
         assert fork.turns[1].cached_tokens > 0  # the fork's own first turn hit the parent's prefix
         assert fork.turns[1].generated_tokens > 0 and parent.turns[1].generated_tokens > 0
-        for _ in range(100):
-            stats = await engine_stats(app)
-            if stats["used"] == 0:
-                break
-            await pilot.pause(0.02)
+        stats = await engine_stats(app)  # queued on the engine thread behind both aborts, which free the blocks
         assert stats["running"] == 0 and stats["used"] == 0 and stats["shared"] == 0
 
 
@@ -172,15 +165,11 @@ async def test_escape_aborts_the_running_generation(make_profile, data_dir):
         during = await engine_stats(app)
         assert during["running"] == 1 and during["used"] > 0
         await pilot.press("escape")
-        await turns_done(pilot, session, 1, timeout=10)
+        await turns_done(pilot, session, 1)
         turn = session.turns[0]
         assert turn.finish_reason == "abort" and 0 < turn.generated_tokens < 1500
         assert session.messages[-1]["role"] == "assistant"
-        for _ in range(100):  # the abort reaches the engine thread between two steps
-            stats = await engine_stats(app)
-            if stats["running"] == 0 and stats["used"] == 0:
-                break
-            await pilot.pause(0.02)
+        stats = await engine_stats(app)  # the engine thread answers after the abort, which freed the blocks
         assert stats["running"] == 0 and stats["waiting"] == 0 and stats["used"] == 0
         assert "aborted" in text_of(screen.query(".-assistant .role").last())
         await pilot.press("escape")  # nothing left to abort: a notice, no error
@@ -188,7 +177,7 @@ async def test_escape_aborts_the_running_generation(make_profile, data_dir):
         await wait_until(pilot, lambda: session.id in screen.turns and screen.turns[session.id].text,
                          what="the next reply")
         screen.action_abort()
-        await turns_done(pilot, session, 2, timeout=10)
+        await turns_done(pilot, session, 2)
         assert session.turns[1].finish_reason == "abort" and session.turns[1].cached_tokens > 0
 
 
@@ -320,10 +309,7 @@ async def test_commands_palette_and_dialogs(make_profile, data_dir, tmp_path):
         assert other.id in screen.sessions
 
         count = len(screen.sessions)
-        await pilot.press("ctrl+p")
-        await pilot.press(*"fork session")
-        await pilot.pause(0.5)
-        await pilot.press("enter")
+        await palette(pilot, "fork session")
         await wait_until(pilot, lambda: len(screen.sessions) == count + 1, what="a fork from the palette")
         forked = screen.session
         assert forked.parent_id == session.id
@@ -365,7 +351,7 @@ async def test_layout_fits_80x24_and_200x60(make_profile, data_dir):
 
         await say(pilot, "hi")
         await turns_done(pilot, screen.session, 1)
-        await wait_until(pilot, footer_fits, 5, what="the footer laid out")  # recomposed as bindings change
+        await wait_until(pilot, footer_fits, what="the footer laid out")  # recomposed as bindings change
         assert all(shown(s) for s in ("#sessions", "#log", "#status", "#prompt"))
         assert not screen.query_one("#dashboard").display
         assert screen.query_one("#prompt").region.height == 3
@@ -377,6 +363,6 @@ async def test_layout_fits_80x24_and_200x60(make_profile, data_dir):
 
         await pilot.resize_terminal(200, 60)
         await pilot.pause()
-        await wait_until(pilot, footer_fits, 5, what="the footer laid out")
+        await wait_until(pilot, footer_fits, what="the footer laid out")
         assert all(shown(s) for s in ("#sessions", "#log", "#dashboard", "#prompt", "#kv-bar"))
         assert screen.query_one("#log").region.width >= 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.content import Content
 
-from tests.tui.helpers import chat_screen, say, text_of, turns_done, wait_until
+from tests.tui.helpers import chat_screen, palette, say, text_of, turns_done, wait_until
 from tsterm.tui import TstermApp
 from tsterm.tui.palette import ACTIONS, plain
 from tsterm.tui.screens.loading import LoadingScreen
@@ -41,10 +41,7 @@ async def test_switch_sessions_forks_titles_and_the_palette(make_profile, data_d
         await pilot.press("ctrl+pageup", "ctrl+pageup")
         assert screen.current_id == order[(at - 1) % 4]
 
-        await pilot.press("ctrl+p")  # the palette lists the other sessions
-        await pilot.press(*"switch to")
-        await pilot.pause(0.5)
-        await pilot.press("enter")
+        await palette(pilot, "switch to")  # the palette lists the other sessions
         await wait_until(pilot, lambda: screen.current_id != order[(at - 1) % 4], what="a switch from the palette")
 
         await say(pilot, "/help")

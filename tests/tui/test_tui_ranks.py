@@ -49,7 +49,7 @@ async def test_a_dead_rank_is_named_and_the_chats_are_kept(make_profile, data_di
         os.kill(worker.pid, signal.SIGKILL)
         await say(pilot, "are you there?", wait_turn=False)
         error = await wait_until(pilot, lambda: (last := screen.chat_log.query(MessageView).last()).role == "error"
-                                 and last.text, timeout=20, what="the failed turn")
+                                 and last.text, what="the failed turn")
         assert "rank 1" in error and "killed" in error
         assert session.messages == before  # the chat is kept as it was, on screen and in the store
         assert (data_dir / "sessions" / f"{session.id}.json").exists()

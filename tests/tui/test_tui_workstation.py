@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 
 from textual.widgets import Collapsible
 
@@ -15,7 +16,7 @@ from tests.tui.helpers import (
     turns_done,
     wait_until,
 )
-from tsterm.tui import TstermApp
+from tsterm.tui import TstermApp, engine_host
 from tsterm.tui.screens.chat import ChatScreen
 from tsterm.tui.screens.loading import LoadingScreen
 from tsterm.tui.widgets.chat_log import MessageView, Selectable
@@ -156,8 +157,21 @@ async def test_copy_a_message_to_the_clipboard(make_profile, data_dir):
         assert app.clipboard == "why?" and any("no reply to copy" in n for n in notifications(app))
 
 
-async def test_profile_ui_options_set_theme_dashboard_thinking_and_poll_rate(make_profile, data_dir):
+async def test_profile_ui_options_set_theme_dashboard_thinking_and_poll_rate(make_profile, data_dir, monkeypatch):
     save_thinking_session(data_dir)
+    waits, waiting = [], threading.Event()
+
+    class Recording(threading.Event):  # the stats poller's event: what it waits between two polls
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            waiting.set()
+            return super().wait(timeout)
+    post_init = engine_host.EngineHost.__post_init__
+
+    def recording_post_init(host):
+        post_init(host)
+        host._stop_stats = Recording()
+    monkeypatch.setattr(engine_host.EngineHost, "__post_init__", recording_post_init)
     ui = "{theme: nord, dashboard: hidden, thinking: expanded, stats_interval: 10}"
     app = TstermApp(make_profile(max_tokens=4, ui=ui))
     async with app.run_test(size=(200, 60)) as pilot:  # wide enough that `auto` would open the dashboard
@@ -166,9 +180,8 @@ async def test_profile_ui_options_set_theme_dashboard_thinking_and_poll_rate(mak
         assert not screen.has_class("-dashboard") and not screen.query_one("#dashboard").display
         box = screen.chat_log.query(MessageView).last().query_one(Collapsible)
         assert not box.collapsed and box.title == "thinking"
-        await asyncio.sleep(1.0)  # the poller waits the profile's 10 s before its first poll (the default: 0.25 s)
-        await pilot.pause()
-        assert app.host.ui.stats_interval == 10 and screen.dashboard.latest == {}
+        await asyncio.to_thread(waiting.wait)  # the poller waits the profile's 10 s before its first poll
+        assert waits == [10] and app.host.ui.stats_interval == 10 and screen.dashboard.latest == {}
     default = TstermApp(make_profile(max_tokens=4, name="plain"))
     async with default.run_test(size=(200, 60)) as pilot:
         screen = await chat_screen(pilot)
