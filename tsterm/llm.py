@@ -73,9 +73,16 @@ class LLM:
         """Runs every prompt to completion, batched together; results in prompt order.
 
         A single prompt may be a string or a token-id list; `on_output` sees every streamed partial output.
+        Every request is checked before any is queued: a bad field raises a ValueError (RequestError or ConfigError)
+        that names it and the range it must be in, and nothing of the batch is queued. Given `params`, each one's
+        max_tokens must fit in the context after its prompt; the defaults (`self.sampling`) are a cap instead: the
+        context's end also ends a reply (finish_reason "length").
+        If the engine fails on a request while running it (a kernel or the detokenizer raised), that request's output
+        has finish_reason "error" and its `error`; the others run on and are unaffected.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        strict = params is not None  # the caller asked for these max_tokens
         params_list = list(params) if isinstance(params, Sequence) else [params or self.sampling] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
@@ -83,7 +90,7 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         try:  # a bad prompt anywhere in the batch leaves nothing of the batch queued
             for prompt, sp in zip(prompts, params_list):
-                ids.append(self.engine.add_request(prompt, sp))
+                ids.append(self.engine.add_request(prompt, sp, strict_max_tokens=strict))
             while len(final) < len(ids):
                 for out in self.engine.step():
                     if on_output is not None:

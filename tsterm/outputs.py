@@ -68,7 +68,7 @@ class CompletionOutput:
         self.index = index
         self.token_ids = token_ids
         self.text = text
-        self.finish_reason = finish_reason  # "stop" (EOS, stop token or string), "length", "abort"
+        self.finish_reason = finish_reason  # "stop" (EOS, stop token or string), "length", "abort", "error"
         self.stop_reason = stop_reason  # the stop string or token id that ended it
         self.logprobs = logprobs
         self.delta_text = delta_text  # new text since the previous output of this request (streaming)
@@ -91,6 +91,9 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     finished: bool = False
+    # why the request failed (a kernel, the sampler or the detokenizer raised on it; the engine served the others):
+    # then every completion's finish_reason is "error"; None for a request that did not fail
+    error: Exception | None = None
 
     @property
     def token_ids(self) -> list[int]:

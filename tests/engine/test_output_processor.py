@@ -164,16 +164,20 @@ def tiny_dir(tmp_path_factory):
 
 
 def postprocess_allocations(llm: LLM, prompt_len: int, monkeypatch) -> list[int]:
-    engine, allocated = llm.engine, []
-    postprocess = engine._postprocess
+    engine, allocated, before = llm.engine, [], []
+    sample, postprocess = engine._sample, engine._postprocess
 
-    def measured(batch, logits):
+    def sampling(*args):  # a step's postprocess begins with its sampling (right after the forward)
         tracemalloc.reset_peak()
-        before = tracemalloc.get_traced_memory()[0]
-        outputs = postprocess(batch, logits)
-        allocated.append(tracemalloc.get_traced_memory()[1] - before)
+        before.append(tracemalloc.get_traced_memory()[0])
+        return sample(*args)
+
+    def measured(*args):
+        outputs = postprocess(*args)
+        allocated.append(tracemalloc.get_traced_memory()[1] - before[-1])
         return outputs
 
+    monkeypatch.setattr(engine, "_sample", sampling)
     monkeypatch.setattr(engine, "_postprocess", measured)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True, stop=NEVER)
     tracemalloc.start()

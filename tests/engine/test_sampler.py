@@ -460,22 +460,26 @@ def test_a_penalised_decode_step_uploads_and_allocates_the_same_at_16_and_3000_t
     from tsterm import LLM
 
     llm = LLM(str(tiny_dir), dtype="float32", device="cpu", block_size=16, num_kv_blocks=256)
-    engine, uploaded, allocated = llm.engine, [], []
-    to_device, postprocess = sampler_module._to_device, engine._postprocess
+    engine, uploaded, allocated, before = llm.engine, [], [], []
+    to_device, sample, postprocess = sampler_module._to_device, engine._sample, engine._postprocess
 
     def counting(host, device):
         uploaded[-1] += host.numel()
         return to_device(host, device)
 
-    def measured(batch, logits):
+    def sampling(*args):  # a step's postprocess begins with its sampling (right after the forward)
         uploaded.append(0)
         tracemalloc.reset_peak()
-        before = tracemalloc.get_traced_memory()[0]
-        outputs = postprocess(batch, logits)
-        allocated.append(tracemalloc.get_traced_memory()[1] - before)
+        before.append(tracemalloc.get_traced_memory()[0])
+        return sample(*args)
+
+    def measured(*args):
+        outputs = postprocess(*args)
+        allocated.append(tracemalloc.get_traced_memory()[1] - before[-1])
         return outputs
 
     monkeypatch.setattr(sampler_module, "_to_device", counting)
+    monkeypatch.setattr(engine, "_sample", sampling)
     monkeypatch.setattr(engine, "_postprocess", measured)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, repetition_penalty=1.2, presence_penalty=0.3,
                             frequency_penalty=0.2, max_tokens=12, ignore_eos=True)

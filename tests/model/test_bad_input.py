@@ -260,8 +260,14 @@ def test_prompt_longer_than_context(llm):
     with pytest.raises(RequestError, match="32 tokens"):  # a prompt must leave room for one generated token
         llm.generate([5] * 32, SamplingParams(max_tokens=1))
     assert not llm.engine.requests and not llm.engine.has_unfinished()
-    out = llm.generate([5] * 31, SamplingParams(temperature=0, max_tokens=4))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 1  # the context ends the generation
+    with pytest.raises(RequestError, match=r"max_tokens must be in \[1, 1\]"):  # asked for more than fits
+        llm.generate([5] * 31, SamplingParams(temperature=0, max_tokens=4))
+    engine = llm.engine  # the engine's own API takes max_tokens as a cap: the context ends the generation
+    engine.add_request([5] * 31, SamplingParams(temperature=0, max_tokens=4))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 1
 
 
 @pytest.mark.parametrize("prompt,bad", [([1, 2, VOCAB], VOCAB), ([1, -1], -1), ([10**9], 10**9), ([1, 1.5], 1.5),

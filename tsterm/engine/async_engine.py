@@ -5,7 +5,9 @@ so the engine itself needs no locks. Outputs go back to each request's asyncio q
 
 What a server needs from it:
 - no request can end the engine thread: a delivery that fails (the consumer's loop is closed) drops and aborts that
-  request only, and a failed step fails the requests in flight (with an EngineStepError), not the thread;
+  request only; a request the engine failed on (its output's `error`) fails its stream only, with an EngineStepError;
+  and a step that fails as a whole (a bug outside the engine's own isolation) fails the requests in flight, not the
+  thread;
 - a cancelled or abandoned `generate` aborts its request, even while the add is queued or running on the engine
   thread: the abort is a command too, and commands run in the order they were posted;
 - every wait has a timeout (`call_timeout` for a command, `output_timeout` between two outputs of a stream) that
@@ -58,6 +60,13 @@ class _Stream:
             log.debug("request %s: its consumer's event loop is gone", self.request_id, exc_info=True)
             return False
         return True
+
+
+def _step_error(error: Exception, what_happened: str) -> EngineStepError:
+    """What a stream raises when the engine's step failed on its request: an EngineStepError caused by the error."""
+    failure = EngineStepError(f"the engine's step failed ({type(error).__name__}: {error}); {what_happened}")
+    failure.__cause__ = error
+    return failure
 
 
 class _Command:
@@ -158,7 +167,12 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None and out.finished:
                 del self._streams[out.request_id]
-        if stream is not None and not stream.put(out):
+        if stream is None:
+            return
+        item: RequestOutput | Exception = out
+        if out.error is not None:  # the engine failed on this request (and only on it)
+            item = _step_error(out.error, "this request was failed; the engine serves the others")
+        if not stream.put(item):
             self._drop(stream)  # nobody is listening any more: free the request's blocks
 
     def _drop(self, stream: _Stream) -> None:
@@ -178,10 +192,7 @@ class AsyncEngine:
         for request_id in list(self.engine.requests):
             self._quietly(self.engine.abort, request_id)
         if not isinstance(error, TstermError):  # consumers (the server's routes) handle tsterm's errors, by kind
-            failure = EngineStepError(f"the engine's step failed ({type(error).__name__}: {error}); the requests in "
-                                      "it were aborted")
-            failure.__cause__ = error
-            error = failure
+            error = _step_error(error, "the requests in it were aborted")
         for stream in streams.values():
             stream.put(error)
         if self.engine.has_unfinished():  # aborting did not clear them: stepping again would fail forever

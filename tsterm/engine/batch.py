@@ -23,6 +23,17 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new)
 
+    def select(self, seqs: list[Sequence]) -> ScheduledBatch:
+        """The part of this batch that computes `seqs` (in batch order), with the block and state copies it needs."""
+        ids = {seq.seq_id for seq in seqs}
+        keep = [i for i, seq in enumerate(self.seqs) if seq.seq_id in ids]
+        blocks = {block for i in keep for block in self.seqs[i].block_table}
+        slots = {self.seqs[i].state_slot for i in keep}
+        return ScheduledBatch([self.seqs[i] for i in keep], [self.num_new[i] for i in keep],
+                              [self.slot_mappings[i] for i in keep], [p for p in self.cow_copies if p[1] in blocks],
+                              [p for p in self.state_copies if p[1] in slots],
+                              [self.snapshots[i] for i in keep] if self.snapshots else [])
+
     def sample_mask(self) -> list[bool]:
         """A sequence samples when this step computes up to its last token (prefill done, or a decode)."""
         return [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new)]

@@ -3,27 +3,30 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tsterm.config import EngineConfig, ModelConfig, SamplingParams
+from tsterm.engine.admission import Limits, check_request
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.block_pool import BlockPool
 from tsterm.engine.copy_audit import CopyAudit
 from tsterm.engine.executor import ExecutorFactory, ExecutorSpec
+from tsterm.engine.isolation import SamplingCheckpoint, isolate
 from tsterm.engine.kv_manager import KVCacheManager
 from tsterm.engine.model_runner import ModelRunner
-from tsterm.engine.output_processor import SampleOutput
-from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalty, seeded_generator
+from tsterm.engine.request import Request, Sample
+from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalty
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.stats import EngineMetrics
-from tsterm.errors import ModelLoadError, RequestError
+from tsterm.errors import ExecutorError, ModelLoadError, RequestError
 from tsterm.model.arch import ARCHITECTURES
 from tsterm.model.cache import num_state_slots
 from tsterm.model.loader import ProgressFn
@@ -31,27 +34,8 @@ from tsterm.outputs import RequestOutput
 from tsterm.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class _Sample:
-    """One of a request's n samples: its sequence and its streaming and sampling state."""
-
-    index: int
-    seq: Sequence
-    out: SampleOutput  # detokenisation, stop strings, deltas
-    generator: torch.Generator | None
-    # the history its penalties read, on the device: built at its first sampling, then kept up to date by the
-    # Sampler; None while not built, and for ever when the params have no penalty
-    penalty: PenaltyState | None = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    samples: list[_Sample] = field(default_factory=list)
+Draw = tuple[Sample, int, "dict | None"]  # a sample, the token it drew, its logprobs entry (params.logprobs set)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,9 +98,10 @@ class Engine:
                          num_state_slots=self.num_state_slots)
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
         self.scheduler = Scheduler(config, self.kv)
+        self.limits = Limits(cfg.vocab_size, self.max_model_len, config.max_num_seqs)
         self.sampler = Sampler(seed=config.seed)
-        self.requests: dict[str, _Request] = {}
-        self._samples: dict[int, _Sample] = {}  # seq_id -> its sample (live requests only)
+        self.requests: dict[str, Request] = {}
+        self._samples: dict[int, Sample] = {}  # seq_id -> its sample (live requests only, from their admission)
         self._next_id = 0
         self._next_pin_id = 0
         self.num_pins_dropped = 0  # pins released early because nothing else could run (see `_schedule`)
@@ -131,39 +116,23 @@ class Engine:
     # requests
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, strict_max_tokens: bool = False) -> str:
+        """Queue a request. Every field is checked first (`admission.check_request`: a RequestError naming the bad
+        one), and all its samples are made before anything of it is registered. strict_max_tokens: a max_tokens past
+        the context's room is an error rather than a cap."""
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab]  # noqa: E721 (bool is no id)
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab}) of integer ids")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
-                               "(prompt + at least one generated token); shorten it or raise max_model_len / the KV budget")
-        if params.n > self.config.max_num_seqs:
-            raise RequestError(f"n={params.n} samples run at once, but the engine runs at most max_num_seqs="
-                               f"{self.config.max_num_seqs} sequences; lower n or raise max_num_seqs")
+        check_request(prompt_ids, params, self.limits, strict_max_tokens)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(prompt_ids, params, request_id=request_id, seq_id=next(self._seq_ids))
-        req = _Request(request_id, prompt_ids, params)
-        self._add_sample(req, seq)
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        req = Request.create(request_id, prompt_ids, params, self.tokenizer, self.device, self._seq_ids)
         self.requests[request_id] = req
-        self.scheduler.add(seq)
+        for sample in req.samples:
+            self._samples[sample.seq.seq_id] = sample
+        self.scheduler.add(req.samples[0].seq)
         return request_id
-
-    def _add_sample(self, req: _Request, seq: Sequence, penalty: PenaltyState | None = None) -> None:
-        index = len(req.samples)
-        generator = None if req.params.seed is None else seeded_generator(req.params.seed + index, self.device)
-        sample = _Sample(index, seq, SampleOutput(self.tokenizer, req.prompt_token_ids, req.params.stop), generator,
-                         penalty)
-        req.samples.append(sample)
-        self._samples[seq.seq_id] = sample
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. Returns False if it is unknown or already finished."""
@@ -214,10 +183,8 @@ class Engine:
             return []
         generated_before = self.num_generated_tokens
         with self.audit.step(self.num_steps) if self.audit else contextlib.nullcontext(False) as audited:
-            if batch.cow_copies:
-                self.executor.copy_blocks(batch.cow_copies)
-            logits = self.executor.execute(batch)
-            outputs = self._postprocess(batch, logits)
+            batch, draws, failures = self._run(batch)
+            outputs = self._postprocess(batch, draws, failures)
         if audited:
             self.audit.audited_tokens += self.num_generated_tokens - generated_before
         return outputs
@@ -240,85 +207,190 @@ class Engine:
         self.audit = CopyAudit(every_n_steps)
         return self.audit
 
-    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+    # ---- run: compute and sample the batch; a request it fails on fails alone ----------------------------------
+
+    def _run(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list[Draw], dict[str, Exception]]:
+        """The part of the batch that ran, its draws, and the requests that failed (request id -> error)."""
+        try:
+            return batch, self._attempt(batch), {}
+        except ExecutorError:
+            raise
+        except Exception as error:  # noqa: BLE001 - whose it is, `isolate` finds out
+            log.debug("a step failed; isolating the requests it fails on", exc_info=True)
+            return self._recover(batch, error)
+
+    def _attempt(self, batch: ScheduledBatch) -> list[Draw]:
+        """Copy-on-write, forward, sampling. A failure leaves the sampling state as it was, so the part runs again
+        the same (the KV it wrote is rewritten with the same values; a hybrid's states are not: `_recover`)."""
+        samples, rows = self._sampling_rows(batch)
+        checkpoint = SamplingCheckpoint(self._generators(samples), samples)
+        try:
+            if batch.cow_copies:
+                self.executor.copy_blocks(batch.cow_copies)
+            logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples
+            return self._sample(logits, samples, rows)
+        except BaseException:
+            checkpoint.restore()
+            raise
+
+    def _recover(self, batch: ScheduledBatch, error: Exception) -> tuple[ScheduledBatch, list[Draw],
+                                                                          dict[str, Exception]]:
+        """The batch failed with `error`: run parts of it by request (`isolate`) to find the requests that fail on
+        their own, and keep the draws of the parts that ran. A hybrid model's failed forward may have advanced the
+        recurrent states of every sequence in it, and a part run again would advance them twice: there the parts
+        only find the culprits, and the others are recomputed from their cached prefix (preempted) instead."""
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in batch.seqs:
+            by_request.setdefault(seq.request_id, []).append(seq)
+        samples, _ = self._sampling_rows(batch)
+        checkpoint = SamplingCheckpoint(self._generators(samples), samples)
+        found = isolate(list(by_request.values()),
+                        lambda part: self._attempt(batch.select([seq for group in part for seq in group])), error)
+        failures = {group[0].request_id: e for group, e in found.failed}
+        if self.num_state_slots:
+            checkpoint.restore()
+            self.scheduler.preempt([seq for seq in batch.seqs if seq.request_id not in failures])
+            return batch.select([]), [], failures
+        ran = [seq for part, _ in found.done for group in part for seq in group]
+        return batch.select(ran), [draw for _, draws in found.done for draw in draws], failures
+
+    def _sampling_rows(self, batch: ScheduledBatch) -> tuple[list[Sample], list[int]]:
+        """The samples that draw a token this step and the logits row each reads: those whose prompt or decode the
+        batch completes, in batch order, then the other samples of a request whose first prompt just completed (they
+        fork from it and read its row)."""
+        samples = [self._samples[seq.seq_id] for seq, sample in zip(batch.seqs, batch.sample_mask()) if sample]
+        rows = list(range(len(samples)))
+        for row, sample in enumerate(list(samples)):
+            req = self.requests[sample.seq.request_id]
+            if not req.forked:
+                samples += req.samples[1:]
+                rows += [row] * (len(req.samples) - 1)
+        return samples, rows
+
+    def _generators(self, samples: list[Sample]) -> list[torch.Generator]:
+        """The generators sampling `samples` draws from: their own, and the Sampler's shared one for the unseeded."""
+        own = [sample.generator for sample in samples if sample.generator is not None]
+        shared = any(sample.generator is None and not sample.seq.params.greedy for sample in samples)
+        return own + [self.sampler.shared_generator(self.device)] if shared else own
+
+    def _sample(self, logits: torch.Tensor, samples: list[Sample], rows: list[int]) -> list[Draw]:
+        if not samples:
+            return []
+        for sample in samples:  # a sequence's first sampling reads its ids once, into its penalty state
+            seq = sample.seq
+            if sample.penalty is None and has_penalty(seq.params):
+                sample.penalty = PenaltyState.from_ids(seq.params, seq.prompt_token_ids, seq.output_token_ids,
+                                                       logits.shape[1], logits.device)
+        if len(rows) > logits.shape[0]:  # a fork's samples read their first sample's row
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [S + forked, V]
+        result = self.sampler(logits, [SamplingRow(s.seq.params, s.penalty, s.generator) for s in samples])
+        return list(zip(samples, result.token_ids, result.logprobs))
+
+    # ---- postprocess: bookkeeping, stop checks, outputs ----------------------------------------------------------
+
+    def _postprocess(self, batch: ScheduledBatch, draws: list[Draw],
+                     failures: dict[str, Exception]) -> list[RequestOutput]:
+        """Commit what the batch computed, append the draws, and hand out outputs. A request whose fork, detokenizer
+        or output fails here fails alone (into `failures`); every failed request gets its final error output."""
         now = time.time()
-        sampling: list[Sequence] = []
+        prefill_tokens = self._advance(batch)
+        touched: dict[str, Request] = {}
+        for sample, token, logprob in draws:
+            req = self.requests[sample.seq.request_id]
+            if req.request_id in failures:
+                continue
+            try:
+                if not req.forked:
+                    self._fork(req)
+                self._append(sample, token, logprob, now)
+                touched[req.request_id] = req
+            except Exception as e:  # noqa: BLE001 - the request's own failure
+                failures[req.request_id] = e
+        self.num_steps += 1
+        self.metrics.on_step(prefill_tokens, len(draws), now)
+        outputs = []
+        for req in touched.values():
+            try:
+                if req.request_id not in failures:
+                    outputs.append(req.output())
+            except Exception as e:  # noqa: BLE001
+                failures[req.request_id] = e
+        outputs += [self._fail(self.requests[request_id], error) for request_id, error in failures.items()]
+        for out in outputs:
+            if out.finished:
+                self._forget(self.requests.pop(out.request_id))
+        return outputs
+
+    def _advance(self, batch: ScheduledBatch) -> int:
+        """Mark the batch's tokens computed and register its filled blocks; returns the prompt tokens it computed."""
         prefill_tokens = 0
-        for seq, n, sample in zip(batch.seqs, batch.num_new, batch.sample_mask()):
+        for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed_tokens += n
             self.kv.commit(seq)
             self.kv.keep_interval_snapshot(seq)
             self.kv.state_copied(seq)
             if seq.num_output_tokens == 0:
                 prefill_tokens += n
-            if sample:
-                sampling.append(seq)
         self.num_prefill_tokens += prefill_tokens
-        for seq in sampling:  # a sequence's first sampling reads its ids once, into its penalty state
-            sample = self._samples[seq.seq_id]
-            if sample.penalty is None and has_penalty(seq.params):
-                sample.penalty = PenaltyState.from_ids(seq.params, seq.prompt_token_ids, seq.output_token_ids,
-                                                       logits.shape[1], logits.device)
-        logits, sampling = self._fork_new_samples(logits, sampling)
-        samples = [self._samples[seq.seq_id] for seq in sampling]
-        rows = [SamplingRow(sample.seq.params, sample.penalty, sample.generator) for sample in samples]
-        result = self.sampler(logits, rows) if sampling else None
-        touched: dict[str, _Request] = {}
-        for i, seq in enumerate(sampling):
-            token = result.token_ids[i]
-            seq.token_ids.append(token)
-            if result.logprobs[i] is not None:
-                seq.logprobs.append(result.logprobs[i])
-            m = seq.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            else:
-                m.inter_token_latencies.append(now - m.last_token_time)
-                self.metrics.on_token_latency(now - m.last_token_time)
-            m.last_token_time = now
-            m.num_generated_tokens += 1
-            self.num_generated_tokens += 1
-            req = self.requests[seq.request_id]
-            self._check_stop(seq, token, self._samples[seq.seq_id].out.add(token))
-            touched[req.request_id] = req
-        self.num_steps += 1
-        self.metrics.on_step(prefill_tokens, len(sampling), now)
-        outputs = [self._output(req) for req in touched.values()]
-        for out in outputs:
-            if out.finished:
-                self._forget(self.requests.pop(out.request_id))
-        return outputs
+        return prefill_tokens
 
-    def _fork_new_samples(self, logits: torch.Tensor, sampling: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """n > 1: when a prompt's prefill completes, fork it into n sequences sharing every KV block."""
-        extra_rows: list[int] = []
+    def _fork(self, req: Request) -> None:
+        """Sample 0 of `req` has computed its prompt: samples 1..n-1 join it, sharing every KV block (a hybrid's
+        start from a copy of its state, made now: it may advance before they run). All or nothing: a failure leaves
+        no block or slot held by a child and no child scheduled."""
+        parent, children = req.samples[0].seq, [sample.seq for sample in req.samples[1:]]
+        forked: list[Sequence] = []
         state_copies: list[tuple[int, int]] = []
-        for row, seq in enumerate(list(sampling)):
-            req = self.requests[seq.request_id]
-            if seq.num_output_tokens or req.params.n == 1 or len(req.samples) > 1:
-                continue
-            for index in range(1, req.params.n):
-                child = Sequence(seq.token_ids, seq.params, request_id=seq.request_id, seq_id=next(self._seq_ids))
-                child.metrics.arrival_time = seq.metrics.arrival_time
-                child.metrics.first_scheduled_time = seq.metrics.first_scheduled_time
-                child.num_cached_tokens = child.metrics.num_cached_tokens = seq.num_cached_tokens
-                state_copies.extend(self.kv.fork(seq, child))
-                child.status = seq.status
-                self.scheduler.running.append(child)
-                parent_penalty = self._samples[seq.seq_id].penalty
-                self._add_sample(req, child, None if parent_penalty is None else parent_penalty.clone())
-                sampling.append(child)
-                extra_rows.append(row)
-        if state_copies:  # now, not at the children's first step: the parent may advance before they run
-            self.executor.copy_states(state_copies)
-        if extra_rows:
-            logits = torch.cat([logits, logits[torch.tensor(extra_rows, device=logits.device)]])
-        return logits, sampling
+        try:
+            for child in children:
+                child.metrics.arrival_time = parent.metrics.arrival_time
+                child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+                child.num_cached_tokens = child.metrics.num_cached_tokens = parent.num_cached_tokens
+                forked.append(child)
+                state_copies.extend(self.kv.fork(parent, child))
+            if state_copies:
+                self.executor.copy_states(state_copies)
+        except BaseException:
+            for child in forked:
+                self.kv.free(child, keep_partial=False)
+            raise
+        for child in children:
+            child.status = parent.status
+            self.scheduler.running.append(child)
+        req.forked = True
 
-    def _forget(self, req: _Request) -> list[Sequence]:
+    def _append(self, sample: Sample, token: int, logprob: dict | None, now: float) -> None:
+        seq = sample.seq
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        else:
+            m.inter_token_latencies.append(now - m.last_token_time)
+            self.metrics.on_token_latency(now - m.last_token_time)
+        m.last_token_time = now
+        m.num_generated_tokens += 1
+        self.num_generated_tokens += 1
+        self._check_stop(seq, token, sample.out.add(token))
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End `req` with finish_reason "error": its blocks and state slots are freed (a partly filled block is not
+        kept for the prefix cache: the failed step may have left it half copied)."""
+        for sample in req.live:
+            seq = sample.seq
+            if not seq.is_finished:
+                self.kv.free(seq, keep_partial=False)
+                self.scheduler.finish(seq, "error")
+                self.metrics.on_finished(seq.metrics, "error")
+        return req.error_output(error)
+
+    def _forget(self, req: Request) -> list[Sequence]:
+        """Drop `req`'s samples; returns the sequences the scheduler holds."""
         for sample in req.samples:
             self._samples.pop(sample.seq.seq_id, None)
-        return [sample.seq for sample in req.samples]
+        return [sample.seq for sample in req.live]
 
     def _check_stop(self, seq: Sequence, token: int, stop_string: str | None) -> None:
         params = seq.params
@@ -336,12 +408,6 @@ class Engine:
         self._samples[seq.seq_id].out.flush()  # release any held-back partial character
         self.scheduler.finish(seq, reason)
         self.metrics.on_finished(seq.metrics, reason)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        completions = [sample.out.output(sample.index, sample.seq) for sample in req.samples]
-        head = req.samples[0].seq
-        return RequestOutput(req.request_id, req.prompt_token_ids, completions, head.num_cached_tokens, head.metrics,
-                             finished=all(sample.seq.is_finished for sample in req.samples))
 
     # ---------------------------------------------------------------------------------------------------------
     # stats

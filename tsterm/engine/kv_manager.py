@@ -214,9 +214,10 @@ class KVCacheManager:
             self.pool.release_state_slot(seq.state_restore)
             seq.state_restore = -1
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, keep_partial: bool = True) -> None:
         """Release every block of `seq` and reset it to nothing computed (e.g. for re-admission). Its partly filled
-        last block, if it holds computed tokens, stays cached as a partial block (`match_prefix`)."""
+        last block, if it holds computed tokens, stays cached as a partial block (`match_prefix`), unless not
+        `keep_partial` (a sequence whose step failed: that block may be a copy-on-write that never ran)."""
         if seq.snapshot_slot >= 0:  # kept with the block the snapshot ends at (if that block is hashed)
             position = seq.snapshot_position
             if position and position <= seq.num_computed_tokens:
@@ -228,7 +229,7 @@ class KVCacheManager:
             self.pool.release_state_slot(seq.state_restore)
             seq.state_restore = -1
         B, computed, chain = self.block_size, seq.num_computed_tokens, self._chain.get(seq.seq_id, [])
-        if (computed % B and not self.num_state_slots and len(seq.block_table) > computed // B
+        if (keep_partial and computed % B and not self.num_state_slots and len(seq.block_table) > computed // B
                 and len(chain) == computed // B):
             # the partly filled last block: cached for a prompt that goes on from its tokens (the next turn's)
             self.pool.keep_partial(seq.block_table[computed // B], chain[-1] if chain else None,

@@ -87,6 +87,12 @@ class Scheduler:
         batch.num_new.append(n)
         batch.slot_mappings.append(self.kv.slot_mapping(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
 
+    def preempt(self, seqs: list[Sequence]) -> None:
+        """Preempt running `seqs` (say, those of a failed step that must be computed again): they keep their order
+        at the head of the queue."""
+        for seq in reversed(seqs):
+            self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free the blocks of `seq` and requeue it first; it recomputes later (mostly from the prefix cache)."""
         self.running.remove(seq)
