@@ -30,8 +30,8 @@ from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
-    LAST, Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, generate, gone, render_messages,
-    run_to_end, sse_events,
+    LAST, Lease, SSEResponse, check_max_tokens, check_model, check_prompt, check_stop, count_usage, generate, gone,
+    render_messages, run_to_end, sse_events,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
@@ -180,8 +180,8 @@ def _sampling(state: ServerState, body: MessagesRequest) -> SamplingParams:
         fields["stop"] = check_stop(state, list(body.stop_sequences), "stop_sequences")
     try:
         return dataclasses.replace(state.defaults, **fields, max_tokens=body.max_tokens, n=1)
-    except ValueError as e:
-        raise APIError(400, str(e)) from e
+    except ValueError as e:  # SamplingParams names the field, its value and its range
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from e
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
@@ -234,6 +234,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     messages = _template_messages(body)
     prompt = await asyncio.to_thread(render_messages, state, messages, tools)
     check_prompt(state, prompt.ids)
+    check_max_tokens(state, prompt.ids, body.max_tokens, "max_tokens")
     lease = Lease(state, metrics)
     info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages)
     parser = reply_parser(tools, prompt.forced, prefix="toolu")

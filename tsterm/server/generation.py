@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tsterm.config import SamplingParams
+from tsterm.engine.admission import check_reply_room
 from tsterm.errors import DistributedError, EngineStepError, EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
 from tsterm.server.errors import APIError
@@ -91,6 +92,16 @@ def check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
                        param="messages", code="context_length_exceeded")
 
 
+def check_max_tokens(state: ServerState, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
+    """A max_tokens the client set must fit in the context after the prompt (as OpenAI answers it: a 400,
+    context_length_exceeded); left unset, the server's default is a cap and the context's end ends the reply."""
+    if max_tokens is not None:
+        try:
+            check_reply_room(len(prompt_ids), max_tokens, state.max_model_len, param)
+        except TstermError as e:
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from e
+
+
 def check_stop(state: ServerState, stops: list[str], param: str) -> list[str]:
     """Stop strings within the server's limits (every one is matched after every generated token)."""
     limits = state.limits
@@ -110,7 +121,7 @@ def engine_error(e: Exception) -> APIError:
         return APIError(504, str(e), type_="server_error", code="engine_timeout")
     if isinstance(e, (EngineStepError, DistributedError)):  # the engine's fault, not the request's
         return APIError(500, str(e), type_="server_error", code="engine_error")
-    return APIError(400, str(e))  # RequestError and other user-caused errors
+    return APIError(400, str(e), param=getattr(e, "param", None))  # RequestError and other user-caused errors
 
 
 def count_usage(metrics: ServerMetrics, out: RequestOutput | None) -> None:

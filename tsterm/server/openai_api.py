@@ -32,8 +32,8 @@ from tsterm.config import SamplingParams
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.generation import (
-    LAST, Lease, SSEResponse, check_model, check_prompt, check_stop, count_usage, generate, gone, render_messages,
-    run_to_end, sse_events,
+    LAST, Lease, SSEResponse, check_max_tokens, check_model, check_prompt, check_stop, count_usage, generate, gone,
+    render_messages, run_to_end, sse_events,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.metrics import ServerMetrics
@@ -81,8 +81,8 @@ def _sampling(state: ServerState, body: Any, max_tokens: int | None, logprobs: i
     try:
         return dataclasses.replace(state.defaults, **fields, n=body.n, logprobs=logprobs,
                                    ignore_eos=body.ignore_eos)
-    except ValueError as e:  # ConfigError too: SamplingParams names the field and the value
-        raise APIError(400, str(e)) from e
+    except ValueError as e:  # ConfigError too: SamplingParams names the field, its value and its range
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from e
 
 
 def _usage(out: RequestOutput) -> Usage:
@@ -190,6 +190,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
     prompt = await asyncio.to_thread(render_messages, state, messages, tools)  # a long history: off the event loop
     check_prompt(state, prompt.ids)
+    check_max_tokens(state, prompt.ids, body.max_completion_tokens or body.max_tokens,
+                     "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     lease = Lease(state, metrics)
     info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages)
     parsers = [reply_parser(tools, prompt.forced) for _ in range(params.n)]
@@ -311,6 +313,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     params = _sampling(state, body, body.max_tokens, body.logprobs)
     prompt = await asyncio.to_thread(_completion_prompt, state, body.prompt)
     check_prompt(state, prompt)
+    check_max_tokens(state, prompt, body.max_tokens, "max_tokens")
     lease = Lease(state, metrics)
     text = body.prompt if isinstance(body.prompt, str) else body.prompt[0] if body.prompt and isinstance(
         body.prompt[0], str) else None
