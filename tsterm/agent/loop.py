@@ -26,10 +26,10 @@ from typing import Any, Protocol
 
 from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
 from tsterm.agent.tools import Tool, ToolResult
-from tsterm.chat.plan import TextCodec
+from tsterm.chat.plan import PromptPlan, TextCodec
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.config import SamplingParams
-from tsterm.errors import ConfigError
+from tsterm.errors import ConfigError, RequestError
 
 REFUSED = "the user refused this call"
 NO_APPROVER = "this tool needs the user's approval and nobody can give it here (run with --auto, or set " \
@@ -259,8 +259,8 @@ class Agent:
 
     async def _step(self) -> AsyncIterator[AgentEvent]:
         before = len(self.session.token_ids)
-        plan = self.session.plan(self.render, self.tokenizer)
         index = len(self.steps) + 1
+        plan = self._plan(index)
         lost = before - plan.kept_tokens if plan.miss else 0
         yield StepStarted(index, len(plan.token_ids), plan.kept_tokens, plan.miss, plan.diverged_at, lost)
         parser = ToolCallParser(self.specs, id_prefix=f"call_{index}_")
@@ -298,6 +298,47 @@ class Agent:
                          plan.diverged_at, lost, final.metrics.ttft, time.monotonic() - start)
         self.steps.append(step)
         yield StepFinished(step)
+
+    def _plan(self, index: int) -> PromptPlan:
+        """Step `index`'s prompt. When the chat template or the tokenizer cannot take the conversation, the turn fails
+        with a RequestError before anything reaches the engine. If the last step's tool results are what they cannot
+        take (a result holding a lone surrogate, say), those results are replaced in the session by an error note
+        first, so that the session's next turn renders."""
+        try:
+            return self.session.plan(self.render, self.tokenizer)
+        except Exception as err:  # noqa: BLE001 - whatever the template or the tokenizer raised, said below
+            cause = f"{type(err).__name__}: {err}"
+            error = err
+        calls = {c.id: c for c in self.steps[-1].tool_calls} if self.steps else {}
+        results = [m for m in self.session.messages if m["role"] == "tool" and m.get("tool_call_id") in calls]
+        note = f"error: the result could not be rendered into the prompt ({cause})"
+        saved = [m["content"] for m in results]
+        for m in results:
+            m["content"] = note
+        if results and self._renders():
+            culprits = []
+            for m, content in zip(results, saved):  # put back every result the prompt can take
+                m["content"] = content
+                if not self._renders():
+                    m["content"] = note
+                    culprits.append(calls[m["tool_call_id"]])
+            for call in culprits:
+                call.status, call.error = "error", note.removeprefix("error: ")
+            named = ", ".join(f"{c.name} ({c.id})" for c in culprits)
+            raise RequestError(f"agent step {index}: the result of {named} could not be rendered into the prompt "
+                               f"({cause}); the turn failed, and the session keeps an error note in its place") \
+                from error
+        for m, content in zip(results, saved):
+            m["content"] = content
+        raise RequestError(f"agent step {index}: the conversation could not be rendered into a prompt ({cause})") \
+            from error
+
+    def _renders(self) -> bool:
+        try:
+            self.session.plan(self.render, self.tokenizer)
+        except Exception:  # noqa: BLE001
+            return False
+        return True
 
     async def _run_tools(self, step: AgentStep) -> AsyncIterator[AgentEvent]:
         try:
