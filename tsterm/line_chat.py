@@ -19,7 +19,7 @@ from typing import Any, TextIO
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.chat.store import SessionStore
 from tsterm.config import SamplingParams
-from tsterm.errors import RequestError
+from tsterm.errors import EngineStepError, RequestError
 
 PROMPT = ">>> "
 HELP = """commands:
@@ -115,7 +115,9 @@ class LineChat:
                             tokenizer)
         try:
             out = self._generate(plan.token_ids)
-        except RequestError as e:  # e.g. the conversation outgrew the context: report it, keep the chat as it was
+        # the conversation outgrew the context, or the engine failed on this reply (and serves on): report it, keep
+        # the chat as it was
+        except (RequestError, EngineStepError) as e:
             session.drop_last_user()
             self._note(f"tsterm: error: {e}")
             return
@@ -159,6 +161,9 @@ class LineChat:
                 raise
         if last is None:  # stopped before the first token
             last = _empty_output(request_id, prompt_ids)
+        if last.error is not None:
+            raise EngineStepError(f"the engine failed on this reply ({type(last.error).__name__}: {last.error})") \
+                from last.error
         return last
 
     def stop(self) -> None:

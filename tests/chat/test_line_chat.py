@@ -71,3 +71,23 @@ def test_a_stopped_reply_keeps_its_partial_text_and_the_chat_goes_on(llm, monkey
     assert "(stopped)" in stderr.getvalue() and llm.engine.stats()["running"] == 0
     line.turn("hi")
     assert line.session.turns[1].finish_reason == "length" and len(line.session.turns) == 2
+
+
+def test_a_reply_the_engine_fails_on_is_reported_and_the_chat_goes_on(llm, monkeypatch):
+    stdin, stdout, stderr = io.StringIO(), io.StringIO(), io.StringIO()
+    line = LineChat(llm, SamplingParams(temperature=0, max_tokens=8), None, None, stdin, stdout, stderr,
+                    interactive=False)
+    execute, fail = llm.engine.executor.execute, [True]
+
+    def faulty(batch):  # the engine isolates the failure to this reply's request and serves on
+        if fail:
+            fail.pop()
+            raise RuntimeError("kernel exploded")
+        return execute(batch)
+
+    monkeypatch.setattr(llm.engine.executor, "execute", faulty)
+    line.turn("What is 2 + 2?")
+    assert "tsterm: error: the engine failed on this reply (RuntimeError: kernel exploded)" in stderr.getvalue()
+    assert not line.session.messages and not line.session.turns  # the chat is as it was
+    line.turn("What is 2 + 2?")
+    assert len(line.session.turns) == 1 and llm.engine.stats()["used"] == 0
