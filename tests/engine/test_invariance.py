@@ -1,0 +1,127 @@
+"""Reuse is invisible: a request's tokens and log-probabilities are the same bits whether its prompt came from the
+prefix cache or was computed, alone or batched with 2, 7 or 31 others, whatever the prefill chunk size and the
+thread count, after a fork (n > 1) and after a preemption (README "Same answer whatever the cache or the batch").
+
+The matrix runs on the default profile (SmolLM2, int4 / int8 GGUF blocks, the native CPU kernels) and on a float32
+MoE (Qwen2-MoE: routed experts and a gated shared expert). Each case is compared with the same request run alone on a
+fresh engine (its oracle: nothing cached, nothing beside it); both greedy and seeded sampling, with logprobs.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.checkpoints import make_checkpoint
+from tsterm.config import SamplingParams
+from tsterm.llm import LLM
+from tsterm.profiles import SHIPPED_DIR, load_profile
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, ignore_eos=True, logprobs=2, seed=11)
+BATCHES = (1, 3, 8, 32)
+CHUNKS = (16, 64, 512)  # max_num_batched_tokens: the prefill chunk (and where its boundaries fall)
+
+
+def _default_model():
+    profile = load_profile(str(SHIPPED_DIR / "default.yaml"))
+    options = dict(profile.engine_options(), kv_cache_memory=None, num_kv_blocks=512, max_model_len=2048)
+    return profile.engine_config().model, options
+
+
+def _float_moe(root: Path):
+    sizes = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16, num_hidden_layers=2,
+                 num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=64,
+                 max_position_embeddings=2048)
+    path, _ = make_checkpoint(root / "qwen2moe", "qwen2_moe", sizes)
+    return str(path), dict(dtype="float32", device="cpu", block_size=16, num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module", params=["default-profile", "float32-moe"])
+def model(request, tmp_path_factory):
+    """(model dir, engine options, prompts): the first prompt is the one checked; the rest are its neighbours. One
+    prompt is long enough to cross attention's 512-position splits."""
+    path, options = _default_model() if request.param == "default-profile" else _float_moe(tmp_path_factory.mktemp("inv"))
+    rng = random.Random(3)
+    vocab = 4000 if request.param == "default-profile" else 380
+    lengths = [37, 700] + [rng.randrange(5, 120) for _ in range(30)]
+    prompts = [[rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+    return path, options, prompts
+
+
+def _outputs(llm: LLM, prompts, params) -> list[tuple[list[int], str]]:
+    return [(c.token_ids, repr(c.logprobs)) for o in llm.generate(prompts, params) for c in o.outputs]
+
+
+def _solo(model, params, index: int = 0) -> tuple[list[int], str]:
+    """The oracle: the prompt alone on a fresh engine, default chunking and threads."""
+    path, options, prompts = model
+    return _outputs(LLM(path, **options), [prompts[index]], params)[0]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_cached_and_batched_requests_give_the_solo_bits(model, params):
+    path, options, prompts = model
+    solo = {i: _solo(model, params, i) for i in (0, 1)}
+    llm = LLM(path, **options)
+    for index in (0, 1):  # the short prompt, and the one past a 512-position split
+        assert _outputs(llm, [prompts[index]], params)[0] == solo[index]  # cold on this engine
+        again = llm.generate([prompts[index]], params)[0]
+        assert again.num_cached_tokens > 0
+        assert _outputs(llm, [prompts[index]], params)[0] == solo[index]  # cached
+    for batch in BATCHES:
+        assert _outputs(llm, prompts[:1] + prompts[2:batch + 1], params)[0] == solo[0], f"batch of {batch}"
+    assert _outputs(llm, prompts[1:4], params)[0] == solo[1]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_any_prefill_chunking_gives_the_solo_bits(model, chunk):
+    path, options, prompts = model
+    solo = [_solo(model, params, 1) for params in (GREEDY, SEEDED)]
+    llm = LLM(path, **dict(options, max_num_batched_tokens=chunk))
+    for params, want in zip((GREEDY, SEEDED), solo):
+        assert _outputs(llm, [prompts[1]], params)[0] == want
+        assert _outputs(llm, prompts[1:4], params)[0] == want  # chunks shared with neighbours
+
+
+def test_one_thread_gives_the_bits_of_two(model):
+    path, options, prompts = model
+    solo = [_solo(model, params, 1) for params in (GREEDY, SEEDED)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch's and the C kernels' OpenMP threads (one libgomp)
+    try:
+        llm = LLM(path, **options)
+        for params, want in zip((GREEDY, SEEDED), solo):
+            assert _outputs(llm, prompts[1:4], params)[0] == want
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_forked_samples_are_their_seeds_solo_runs(model):
+    """n = 3 forks one prompt (shared blocks, copy-on-write tail); sample i is seed + i run alone."""
+    path, options, prompts = model
+    llm = LLM(path, **options)
+    forked = llm.generate(prompts[:1] + prompts[2:5], SamplingParams(**{**_fields(SEEDED), "n": 3}))[0]
+    for i, sample in enumerate(forked.outputs):
+        want = _solo(model, SamplingParams(**{**_fields(SEEDED), "seed": SEEDED.seed + i}))
+        assert (sample.token_ids, repr(sample.logprobs)) == want, f"sample {i}"
+
+
+def test_preempted_requests_resume_to_the_solo_bits(model):
+    """A pool too small for eight sequences at once: the newest are preempted and recomputed from their cached
+    prefix, and finish with the bits they have alone."""
+    path, options, prompts = model
+    batch = [p for p in prompts[2:] if len(p) >= 40][:8]
+    llm = LLM(path, **dict(options, num_kv_blocks=24, max_model_len=256))
+    params = SamplingParams(**{**_fields(GREEDY), "max_tokens": 24})
+    got = _outputs(llm, batch, params)
+    assert llm.stats()["preemptions"] > 0, "the pool held every sequence: nothing was preempted"
+    fresh = LLM(path, **dict(options, max_model_len=256))
+    for prompt, out in zip(batch, got):
+        assert _outputs(fresh, [prompt], params) == [out]
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__slots__}
