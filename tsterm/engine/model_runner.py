@@ -16,6 +16,7 @@ from tsterm_kernels import dispatch
 
 from tsterm.config import check_quantization
 from tsterm.engine.batch import ScheduledBatch
+from tsterm.engine.cpu_threads import CpuThreads
 from tsterm.engine.cuda_graphs import DecodeGraphs
 from tsterm.engine.executor import Executor, ExecutorSpec, size_cache
 from tsterm.engine.step_inputs import (
@@ -84,6 +85,8 @@ class ModelRunner(Executor):
         self.graphs = DecodeGraphs(self, config.max_num_seqs) if use_graphs else None
         self.graph_steps = 0  # steps replayed from a CUDA graph
         self.eager_steps = 0
+        # one process on the CPU: its threads follow the cores other processes leave free (a rank's are its own)
+        self.cpu_threads = CpuThreads() if self.device.type == "cpu" and layout.world_size == 1 else None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked partial blocks: the only KV data ever copied, and counted."""
@@ -98,7 +101,8 @@ class ModelRunner(Executor):
         return torch.stack([mlp.expert_load for mlp in self.moe_layers]).tolist()  # one host read for all layers
 
     def counters(self) -> dict[str, int]:
-        return {"cow_bytes": self.cow_bytes, "state_copy_bytes": self.state_copy_bytes,
+        threads = {} if self.cpu_threads is None else {"cpu_threads": self.cpu_threads.threads}
+        return {**threads, "cow_bytes": self.cow_bytes, "state_copy_bytes": self.state_copy_bytes,
                 "state_snapshot_bytes": self.state_snapshot_bytes,
                 "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
 
@@ -134,6 +138,8 @@ class ModelRunner(Executor):
         return step_inputs(layout, i64, i32, step, self.block_size)
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        if self.cpu_threads is not None:
+            self.cpu_threads.before_step()
         graph = self.graphs.for_batch(batch) if self.graphs is not None else None
         if graph is not None:
             self.graph_steps += 1

@@ -140,6 +140,9 @@ class EngineMetrics:
                    s["state_snapshot_bytes"])
             metric("state_copy_bytes", "counter", "Recurrent-state bytes copied into a sequence's slot (a cached "
                    "prefix resumed, a sample forked).", s["state_copy_bytes"])
+        if "cpu_threads" in s:
+            metric("cpu_threads", "gauge", "Threads a CPU step runs on (the cores other processes leave free).",
+                   s["cpu_threads"])
         metric("prompt_tokens", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
         metric("generation_tokens", "counter", "Generated tokens.", self.generation_tokens)
         snap = self.snapshot()
