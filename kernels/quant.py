@@ -18,18 +18,21 @@ Formats (I a multiple of 32; fp16 scales, as GGUF stores them):
   its 128 x 128 block (a partial block at the right and bottom edges), the `weight_scale_inv` of Qwen's and
   DeepSeek's block-scaled FP8 checkpoints. Any O and I.
 
-Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): up to NATIVE_MAX_ROWS rows of x, int8 and
-int4 run tsterm's C kernels (`tsterm_kernels.cpu_native`, csrc/gemv.c), which quantize each row of x to int8 per
-block of 32 and sum integer products, as llama.cpp does for these formats (`reference_matmul` is that arithmetic in
-torch); more rows (a prefill) run csrc/gemm.c's float32 GEMM, which dequantizes each 16-row panel of the weight as
-it packs it: the bits of that GEMM on the dequantized weight, which is never written out (dequantizing the whole
-weight for torch's GEMM took 142 ms of the default model's 860 ms 300-token extend; the extend now takes ~630 ms). fp16 runs fbgemm's AVX2 GEMM. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
+Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): int8 and int4 run tsterm's C kernels
+(`tsterm_kernels.cpu_native`, csrc/gemv.c) for any number of rows of x: each row is quantized to int8 per block of 32
+and the integer products summed, as llama.cpp does for these formats (`reference_matmul` is that arithmetic in
+torch), so a row's result is the same bits in a decode, a prefill or a batch of any size (the engine's invariance
+promise; the int8 rounding of x costs +0.6% held-out perplexity on the default model, a tenth of int4's weight
+rounding, BENCHMARKS.md). A weight marked `prefill_gemm` (an engine's `deterministic: false`) sends more than
+NATIVE_MAX_ROWS rows to csrc/gemm.c's float32 GEMM instead, which dequantizes each 16-row panel of the weight as it
+packs it: the bits of that GEMM on the dequantized weight, which is never written out. fp16 runs fbgemm's AVX2 GEMM. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
 tsterm.model.quant refuses `quantization: fp8` on the CPU). Without the C kernels (no compiler) the same holds for
 int8 / int4. On a CUDA device int8, int4 and fp8 run the Triton kernel `tsterm_kernels.triton_quant_linear`, which
 dequantizes the weight in registers; fp16 (fbgemm's packing) exists on the CPU only.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +43,7 @@ from tsterm_kernels import cpu_native
 BLOCK = 32  # inputs per int8 / int4 block
 FP8_BLOCK = 128  # outputs and inputs per fp8 block (one scale each)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-NATIVE_MAX_ROWS = 16  # up to this many rows of x, the C kernels; more: dequantize + torch's GEMM
+NATIVE_MAX_ROWS = 16  # more rows than this may take the float GEMM (a weight marked `prefill_gemm`)
 NATIVE_KINDS = ("int8", "int4")  # the kinds the C kernels read
 Q_GEMM_KINDS = {"int8": 1, "int4": 2}  # csrc/tsterm.h's TSTERM_Q8, TSTERM_Q4
 TRITON_KINDS = ("int8", "int4", "fp8")  # the kinds the Triton kernel reads
@@ -58,6 +61,9 @@ class QuantizedWeight:
     scale: torch.Tensor  # int8 / int4 / fp8 only
     dims: tuple[int, ...] = ()  # the float weight's shape [..., O, I]
     packed: tuple[torch.Tensor, ...] = ()  # fp16: fbgemm's handle of each [O, I] matrix
+    # int8 / int4 on the CPU: a prefill of more than NATIVE_MAX_ROWS rows may run the float32 GEMM (an engine's
+    # `deterministic: false`, `allow_prefill_gemm`); else every row is rounded to int8, however many come together
+    prefill_gemm: bool = False
 
     @classmethod
     def blocks(cls, kind: str, data: torch.Tensor, scale: torch.Tensor) -> "QuantizedWeight":
@@ -116,12 +122,14 @@ class QuantizedWeight:
         assert len(self.dims) == 3, "only a stack of weights [E, O, I] is indexed"
         if self.kind == "fp16":
             return QuantizedWeight("fp16", self.data, self.scale, self.dims[1:], (self.packed[index],))
-        return QuantizedWeight(self.kind, self.data[index], self.scale[index], self.dims[1:])
+        return QuantizedWeight(self.kind, self.data[index], self.scale[index], self.dims[1:],
+                               prefill_gemm=self.prefill_gemm)
 
     def clone(self) -> "QuantizedWeight":
         if self.kind == "fp16":
             return quantize_fp16(self.dequantize())
-        return QuantizedWeight(self.kind, self.data.clone(), self.scale.clone(), self.dims)
+        return QuantizedWeight(self.kind, self.data.clone(), self.scale.clone(), self.dims,
+                               prefill_gemm=self.prefill_gemm)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these bytes stand for (tests, references, a prefill's GEMM)."""
@@ -237,19 +245,23 @@ def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Ten
     return F.linear(x.float(), weight.dequantize(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                     deterministic: bool = True) -> torch.Tensor:
+def allow_prefill_gemm(weight: QuantizedWeight) -> QuantizedWeight:
+    """The same bytes, marked so that a prefill of many rows may take the float32 GEMM (`deterministic: false`)."""
+    return dataclasses.replace(weight, prefill_gemm=True) if weight.kind in NATIVE_KINDS else weight
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, I] @ W.T (+ bias) -> [M, O] in x's dtype, for W a `QuantizedWeight` [O, I] (see the module docstring).
 
-    deterministic (the default): int8 / int4 on the CPU run the int8-row kernels for any number of rows, so a row's
-    result is the same bits alone or in a batch, in a decode or a prefill. False lets more than NATIVE_MAX_ROWS rows
-    take the float32 GEMM (faster prefill, but a prompt's logits then depend on how it was split)."""
+    int8 / int4 on the CPU run the int8-row kernels for any number of rows, so a row's result is the same bits alone
+    or in a batch, in a decode or a prefill; a weight marked `prefill_gemm` sends more than NATIVE_MAX_ROWS rows to
+    the float32 GEMM instead (faster prefill on some CPUs, but a prompt's logits then depend on how it was split)."""
     if runs_on_triton(x, weight):
         from tsterm_kernels.triton_quant_linear import quant_linear  # imports triton: lazily
         return quant_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     rows = x.shape[0]
     native = cpu_native.load() if weight.kind in NATIVE_KINDS and x.is_cpu else None
-    if native is not None and (rows <= NATIVE_MAX_ROWS or deterministic):
+    if native is not None and (rows <= NATIVE_MAX_ROWS or not weight.prefill_gemm):
         # Every matmul of a decode, and of a prefill unless told otherwise: x's rows quantized to int8, so a row's
         # result does not depend on how many rows came with it (kept lean: a call here costs ~8 us beyond the C code)
         xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()

@@ -28,10 +28,10 @@ __all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "d
 # M = 1/2/3/4: 31.6/29.3/23.0/14.6 (row-split form at M = 3: 14.2; F.linear: 16.7/10.6/9.0/10.7).
 _SPLIT_MAX_ROWS = 32
 _SPLITS = 4
-# Up to this many rows of float32 x, tsterm's C GEMV (csrc/gemv.c) instead: 1.2-1.5x the row-split bmm at M = 1,
-# 1.4-2.3x at M = 4, on the bench model's 2-6 MB matrices (BENCHMARKS.md "C kernels"). More rows (prefill) take
-# the C GEMM (csrc/gemm.c), 1.3-1.6x MKL on the experts' tens of rows (benchmarks/prefill_kernels.py); the row-split
-# bmm is then the path of a machine without the C kernels.
+# Up to this many rows of float32 x, tsterm's C kernel for few rows (csrc/gemm.c's tsterm_f32_matmul: the weight's
+# rows transposed in registers, the GEMM's summation order, so a row's result is the bits a GEMM of any number of
+# rows gives it). More rows (prefill) take the C GEMM (csrc/gemm.c), 1.3-1.6x MKL on the experts' tens of rows
+# (benchmarks/prefill_kernels.py); the row-split bmm is then the path of a machine without the C kernels.
 _NATIVE_MAX_ROWS = 4
 _FEW_PAIRS = 64  # fused_moe groups at most this many (token, expert) pairs on the host
 

@@ -122,6 +122,10 @@ class EngineConfig:
     # int4 (blocks of 32 inputs), or fp8 (blocks of 128 x 128; GPU only: no CPU kernel reads it)
     quantization: str = "none"
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA with the Triton kernels; ignored elsewhere)
+    # a request's tokens and logprobs do not depend on the cache, the batch, the chunking or the thread count (README
+    # "Same answer whatever the cache or the batch"); false lets a quantized model's prefill of many rows take the
+    # float32 GEMM (faster on some CPUs, but then a prompt's answer depends on how it was cut)
+    deterministic: bool = True
     max_pinned_fraction: float = 0.5  # share of the KV blocks that pins (Engine.pin) may hold; 0 disables pinning
     # ranks = tensor_parallel_size x expert_parallel_size; rank 0 is the engine's process, the others are workers it
     # starts (tsterm.distributed). Attention and dense MLPs split over the tp ranks, routed experts over the ep groups.
@@ -153,6 +157,7 @@ class EngineConfig:
         _check(not (self.quantization == "fp16" and self.device.startswith("cuda")),
                "quantization: fp16 runs on the CPU only (fbgemm's packed matrices); on a GPU use int8, int4 or fp8")
         _check(isinstance(self.cuda_graphs, bool), f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        _check(isinstance(self.deterministic, bool), f"deterministic must be true or false, got {self.deterministic!r}")
         _check(isinstance(self.max_pinned_fraction, (int, float)) and not isinstance(self.max_pinned_fraction, bool)
                and 0.0 <= self.max_pinned_fraction <= 1.0,
                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}")

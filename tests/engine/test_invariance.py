@@ -125,3 +125,12 @@ def test_preempted_requests_resume_to_the_solo_bits(model):
 
 def _fields(params: SamplingParams) -> dict:
     return {name: getattr(params, name) for name in params.__slots__}
+
+
+def test_deterministic_false_lets_a_quantized_prefill_take_the_float_gemm():
+    """The profile option for speed over invariance (the default profile's int4 / int8 blocks): a long prompt then
+    runs the float32 GEMM, whose logits differ from the int8-row path's that decode and short tails take."""
+    path, options = _default_model()
+    prompt = [random.Random(5).randrange(10, 4000) for _ in range(300)]
+    fast, exact = (_outputs(LLM(path, **dict(options, deterministic=flag)), [prompt], GREEDY)[0] for flag in (False, True))
+    assert fast[1] != exact[1]

@@ -3,8 +3,8 @@
 int8 / int4 run the C kernels (csrc/gemv.c) for any number of rows, which quantize x to int8 per block of 32: they
 are checked against `reference_matmul`, the same arithmetic in torch with float64 sums (so only float32 summation
 order differs), and against F.linear on the dequantized weight within the activation rounding; a row's result is
-the same bits alone or among many. With `deterministic=False`, more than NATIVE_MAX_ROWS rows run csrc/gemm.c's
-float32 GEMM on panels dequantized from the blocks: F.linear of the dequantized weight, to float32 summation order.
+the same bits alone or among many. For a weight marked `prefill_gemm` (`deterministic: false`), more than
+NATIVE_MAX_ROWS rows run csrc/gemm.c's float32 GEMM on panels dequantized from the blocks: F.linear of the dequantized weight, to float32 summation order.
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def test_c_kernel_is_the_reference_arithmetic(native, quantize, out_f, in_f, row
 @pytest.mark.parametrize("quantize", [quantize_fp16, quantize_int8, quantize_int4], ids=["fp16", "int8", "int4"])
 def test_many_rows(quantize):
     """fp16: the float matmul of the dequantized weight. int8 / int4: the int8-row arithmetic however many rows
-    (`reference_matmul`), and the float matmul of the dequantized weight when told `deterministic=False`."""
+    (`reference_matmul`), and the float matmul of the dequantized weight for a weight marked `prefill_gemm`
+    (`deterministic: false`)."""
     weight, bias = _weight(48, 128), torch.randn(48)
     q = quantize(weight)
     x = torch.randn(NATIVE_MAX_ROWS + 7, 128, generator=torch.Generator().manual_seed(1))
@@ -55,7 +56,7 @@ def test_many_rows(quantize):
         ref = reference_matmul(x, q) + bias
         torch.testing.assert_close(quantized_linear(x, q, bias), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x, q, bias), ref, rtol=1e-5, atol=1e-5)  # the model's seam sends it there
-        torch.testing.assert_close(quantized_linear(x, q, bias, deterministic=False), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(quantized_linear(x, quant.allow_prefill_gemm(q), bias), want, rtol=1e-5, atol=1e-5)
         return
     torch.testing.assert_close(quantized_linear(x, q, bias), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(linear(x, q, bias), want, rtol=1e-5, atol=1e-5)
@@ -77,12 +78,12 @@ def test_a_row_is_the_same_bits_alone_or_among_many(native, quantize, out_f, in_
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4], ids=["int8", "int4"])
 @pytest.mark.parametrize("rows,out_f,in_f", [(NATIVE_MAX_ROWS + 1, 40, 96), (300, 200, 576), (400, 37, 288)])
 def test_prefill_rows_run_the_float_gemm_on_panels_dequantized_from_the_blocks(native, quantize, rows, out_f, in_f):
-    """Told `deterministic=False`, more rows than NATIVE_MAX_ROWS: csrc/gemm.c dequantizes each 16-row panel as it packs it (no float
+    """A weight marked `prefill_gemm`, more rows than NATIVE_MAX_ROWS: csrc/gemm.c dequantizes each 16-row panel as it packs it (no float
     copy of the weight); the same kernel on the dequantized weight gives the same bits. Shapes: a tail of fewer than
     16 outputs, more inputs than one 256-input block (not a multiple of it), more rows than one 384-row pass."""
     q = quantize(_weight(out_f, in_f))
     x = torch.randn(rows + 3, in_f, generator=torch.Generator().manual_seed(2))[3:]  # rows at an offset
-    got = quantized_linear(x, q, deterministic=False)
+    got = quantized_linear(x, quant.allow_prefill_gemm(q))
     assert torch.equal(got, cpu_native.f32_gemm(native, x, q.dequantize()))
     torch.testing.assert_close(got, F.linear(x, q.dequantize()), rtol=1e-5, atol=1e-4)
 

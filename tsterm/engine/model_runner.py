@@ -33,7 +33,7 @@ from tsterm.model.decoder import DecoderModel
 from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
 from tsterm.model.parallel import ParallelContext, SingleRank
-from tsterm.model.quant import quantize_weights
+from tsterm.model.quant import allow_prefill_gemms, quantize_weights
 
 def kernels_for(name: str, device: torch.device) -> str:
     """The kernel implementation an engine option names; "auto": Triton on CUDA, the torch twins elsewhere."""
@@ -61,6 +61,8 @@ class ModelRunner(Executor):
         load = load_hybrid_weights if recurrent else load_weights
         weights = quantize_weights(load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout),
                                    config.quantization)
+        if not config.deterministic:  # a quantized prefill may take the float GEMM (README "Same answer ...")
+            allow_prefill_gemms(weights)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
         self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
         self.state_bytes_per_slot = ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)

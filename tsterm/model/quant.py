@@ -21,8 +21,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from tsterm_kernels.quant import (QuantizedWeight, quantize_fp8, quantize_fp16, quantize_int4, quantize_int8,
-                                  quantize_supported)
+from tsterm_kernels.quant import (QuantizedWeight, allow_prefill_gemm, quantize_fp8, quantize_fp16, quantize_int4,
+                                  quantize_int8, quantize_supported)
 
 from tsterm.errors import ConfigError
 
@@ -102,3 +102,12 @@ def weight_bytes(weights: dict[str, torch.Tensor]) -> int:
             seen.add(id(weight))
             total += weight.nbytes if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
     return total
+
+
+def allow_prefill_gemms(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`deterministic: false`: mark every int8 / int4 weight (in place) so that a prefill of many rows may run the
+    float32 GEMM (`tsterm_kernels.quant.allow_prefill_gemm`); returns `weights`."""
+    for name, weight in weights.items():
+        if isinstance(weight, QuantizedWeight):
+            weights[name] = allow_prefill_gemm(weight)
+    return weights
