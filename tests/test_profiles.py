@@ -120,6 +120,22 @@ def test_error_in_a_base_points_at_the_base(tmp_path):
     assert error_of("child").startswith(f"{(tmp_path / 'profiles' / 'base.yaml').resolve()}:3: ")
 
 
+def test_a_sections_keys_are_validated_together(tmp_path):
+    """`tools: [write_file]` is valid next to `allow_write: true`, in the same file or from a base; a key whose
+    value contradicts the section is reported at its own line."""
+    path = write(tmp_path / "w.yaml", "model: m\nagent:\n  tools: [read_file, write_file, run_command]\n"
+                                      "  allow_write: true\n  allow_commands: true\n")
+    settings = load_profile(str(path)).agent_settings()
+    assert settings.tools == ["read_file", "write_file", "run_command"] and settings.allow_write
+    write(tmp_path / "profiles" / "base.yaml", "model: m\nagent:\n  allow_write: true\n")
+    write(tmp_path / "profiles" / "child.yaml", "extends: base\nagent:\n  tools: [write_file]\n")
+    assert load_profile("child").agent_settings().tools == ["write_file"]
+    write(tmp_path / "profiles" / "off.yaml", "extends: child\nagent:\n\n  allow_write: false\n")
+    message = error_of("off")
+    assert message.startswith(f"{(tmp_path / 'profiles' / 'off.yaml').resolve()}:4: "), message
+    assert "allow_write: true" in message
+
+
 # --------------------------------------------------------------------------------------------------
 # extends, ${ENV}, search path
 

@@ -375,33 +375,6 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     for key in ("extends", "description", "system_prompt"):
         if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
             fail(key, f"{at(key)}: {key} must be a string, got {raw[key]!r}")
-    sections: dict[str, dict[str, Any]] = {}
-    for name in SECTIONS:
-        values = raw.get(name) or {}
-        if not isinstance(values, dict):
-            fail(name, f"{at(name)}: `{name}` must be a mapping")
-            values = {}
-        sections[name] = {}
-        for key, value in values.items():
-            where = f"{name}.{key}"
-            if key not in SECTION_KEYS[name]:
-                fail(where, f"{at(where)}: unknown {name} key {key!r}{_did_you_mean(str(key), SECTION_KEYS[name])}")
-                continue
-            try:
-                _validate(SECTIONS[name], key, value, at(where))
-            except ConfigError as e:
-                fail(where, str(e))
-                continue
-            sections[name][key] = value
-    for key, value in raw.items():
-        if key in ENGINE_KEYS and key != "model":
-            try:
-                _validate(EngineConfig, key, value, at(key))
-            except ConfigError as e:
-                fail(key, str(e))
-    if "model" in raw and (raw["model"] is None or isinstance(raw["model"], (dict, list))):
-        fail("model", f"{at('model')}: model must be a directory, `demo:NAME` or a shipped model name")
-
     base = None
     if "extends" in raw and "extends" not in bad:
         chain = (*seen, path)
@@ -421,6 +394,38 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
                 fail("extends", str(e))
             if base_problems:  # the base's errors, in its order, where this file names it
                 problems.extend((lines.get("extends", 1), m) for _, m in sorted(base_problems, key=lambda p: p[0]))
+    sections: dict[str, dict[str, Any]] = {}
+    for name in SECTIONS:
+        values = raw.get(name) or {}
+        if not isinstance(values, dict):
+            fail(name, f"{at(name)}: `{name}` must be a mapping")
+            values = {}
+        sections[name] = {}
+        # A key is checked next to the section's other keys (the base's, then this file's that are valid alone):
+        # `tools: [write_file]` is valid only beside `allow_write: true`. A key that failed is left out of its
+        # followers' context, so one conflict is reported once, at the first key of it in the file.
+        context = {**(getattr(base, name) if base else {}), **_valid_alone(SECTIONS[name], values)}
+        for key, value in values.items():
+            where = f"{name}.{key}"
+            if key not in SECTION_KEYS[name]:
+                fail(where, f"{at(where)}: unknown {name} key {key!r}{_did_you_mean(str(key), SECTION_KEYS[name])}")
+                continue
+            try:
+                _validate(SECTIONS[name], key, value, at(where), {k: v for k, v in context.items() if k != key})
+            except ConfigError as e:
+                fail(where, str(e))
+                context.pop(key, None)
+                continue
+            sections[name][key] = value
+    for key, value in raw.items():
+        if key in ENGINE_KEYS and key != "model":
+            try:
+                _validate(EngineConfig, key, value, at(key))
+            except ConfigError as e:
+                fail(key, str(e))
+    if "model" in raw and (raw["model"] is None or isinstance(raw["model"], (dict, list))):
+        fail("model", f"{at('model')}: model must be a directory, `demo:NAME` or a shipped model name")
+
     engine = dict(base.engine) if base else {}
     sampling = {**(base.sampling if base else {}), **sections["sampling"]}
     ui = {**(base.ui if base else {}), **sections["ui"]}
@@ -443,15 +448,29 @@ def _did_you_mean(key: str, choices: set[str]) -> str:
     return f" (did you mean {hint[0]!r}?)" if hint else ""
 
 
-def _validate(cls: type, key: str, value: Any, where: str) -> None:
-    """One option checked alone (type, then the dataclass's own range checks), so the error has its line."""
+def _validate(cls: type, key: str, value: Any, where: str, context: dict[str, Any] | None = None) -> None:
+    """One option checked (type, then the dataclass's own checks, beside the `context` keys of its section), so
+    the error has its line."""
     try:
         hint = typing.get_type_hints(cls)[key]
         if not _type_ok(value, hint):
             raise ConfigError(f"{key} must be {_type_name(hint)}, got {value!r}")
-        cls(**({"model": "<model>"} if cls is EngineConfig else {}), **{key: value})
+        cls(**({"model": "<model>"} if cls is EngineConfig else {}), **(context or {}), **{key: value})
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{where}: {e}" if key in str(e) else f"{where}: {key}: {e}") from None
+
+
+def _valid_alone(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a section that pass their checks on their own (the context the others are checked in)."""
+    valid = {}
+    for key, value in values.items():
+        try:
+            if key in {f.name for f in dataclasses.fields(cls)}:
+                _validate(cls, key, value, "")
+                valid[key] = value
+        except ConfigError:
+            pass
+    return valid
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
