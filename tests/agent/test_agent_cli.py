@@ -57,6 +57,13 @@ def test_tsterm_agent_prints_steps_on_stderr_and_the_answer_on_stdout(capsys, tm
     assert "[step 2:" in err and "from the cache" in err
 
 
+def test_an_agent_stopped_by_max_steps_says_so_in_words(capsys, tmp_path):
+    code = main(["agent", "--profile", "agent-demo", "--device", "cpu", "--workspace", str(tmp_path),
+                 "--max-steps", "1", "What is 5 + 8?"])  # step 1 calls the calculator; no step is left to answer
+    err = capsys.readouterr().err
+    assert code == 1 and "before a final answer (it used its only step; raise --max-steps)" in err, err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["agent", "--model", str(AGENT_DEMO), "  "], "the task is empty"),
     (["agent", "--model", str(AGENT_DEMO), "--workspace", "/no/such/dir", "hi"], "is not a directory"),

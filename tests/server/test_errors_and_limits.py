@@ -100,6 +100,10 @@ def test_body_size_limit(make_server):
                                                           "messages": [{"role": "user", "content": "x" * 5000}]})
     assert code == 413 and json.loads(text) == {"type": "error", "error": {
         "type": "request_too_large", "message": "the request body has 5087 bytes; this server takes at most 2000"}}
+    # counted under the route the body was sent to (no route is matched before a body is refused by its length)
+    for endpoint in ("/v1/chat/completions", "/v1/messages"):
+        assert _metric(server, "tsterm:server_requests", endpoint=endpoint, status="413") == 1
+    assert _metric(server, "tsterm:server_requests", endpoint="unmatched") == 0
 
 
 def _long_stream(client, **extra):
@@ -200,6 +204,7 @@ def test_a_chunked_body_past_the_limit_is_a_413(make_server):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=30)
     assert err.value.code == 413 and "limit" in json.loads(err.value.read())["error"]["message"]
+    assert _metric(server, "tsterm:server_requests", endpoint="/v1/chat/completions", status="413") == 1
 
 
 def _metric(server, name: str, **labels) -> float:

@@ -97,7 +97,8 @@ def _params(overrides: dict[str, Any]):
 
 
 def _why(done: AgentFinished, max_steps: int) -> str:
-    return {"max_steps": f"it used all {max_steps} steps; raise --max-steps",
+    used = "its only step" if max_steps == 1 else f"all {max_steps} steps"
+    return {"max_steps": f"it used {used}; raise --max-steps",
             "length": "its last reply hit max_tokens; raise --max-tokens",
             "aborted": "aborted"}.get(done.reason, done.reason)
 

@@ -10,8 +10,10 @@ import hmac
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tsterm.server.anthropic_api import PATH as ANTHROPIC_PATH
@@ -29,8 +31,15 @@ class RequestCounter:
     Content-Length past `max_body_bytes` with a 413 (in Anthropic's shape on /v1/messages, else OpenAI's); a chunked body that grows past it is stopped as
     it is read (an HTTPException(413), answered by the app's handler)."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int):
-        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int, routes: list[BaseRoute]):
+        self.app, self.metrics, self.max_body_bytes, self.routes = app, metrics, max_body_bytes, routes
+
+    def _endpoint(self, scope: Scope) -> str:
+        """The route a request is for, before the router has run (a body refused by its length never reaches it)."""
+        for route in self.routes:
+            if route.matches(scope)[0] == Match.FULL:
+                return route.path
+        return "unmatched"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -40,7 +49,7 @@ class RequestCounter:
         if length.isdigit() and int(length) > self.max_body_bytes:
             error = APIError(413, f"the request body has {int(length)} bytes; this server takes at most "
                              f"{self.max_body_bytes}", code="request_too_large")
-            self.metrics.requests.labels("unmatched", "413").inc()
+            self.metrics.requests.labels(self._endpoint(scope), "413").inc()
             if int(length) <= DRAIN_FACTOR * self.max_body_bytes:
                 await _drain(receive, DRAIN_FACTOR * self.max_body_bytes)
             anthropic = scope.get("path", "").startswith(ANTHROPIC_PATH)  # no route is matched yet: ask the path
@@ -143,5 +152,7 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type_=kind).response(is_anthropic(request))
 
-    app.add_middleware(RequestCounter, metrics=metrics, max_body_bytes=state.limits.max_body_bytes)
+    endpoints = [*openai_router.routes, *anthropic_router.routes,
+                 *(route for route in app.router.routes if isinstance(route, APIRoute))]
+    app.add_middleware(RequestCounter, metrics=metrics, max_body_bytes=state.limits.max_body_bytes, routes=endpoints)
     return app
