@@ -119,6 +119,32 @@ def test_run_raw_skips_the_chat_template(model_dir, reference, capsys):
     assert result["prompt_tokens"] == len(reference.tokenizer.encode(prompt))
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("argv", [["--prompt", "-"], []])
+def test_run_reads_the_prompt_from_stdin(model_dir, reference, capsys, monkeypatch, argv):
+    """`--prompt -`, or no --prompt on a pipe, reads the prompt from stdin (as `llm` and `ollama run` do); the
+    newline that ends the piped text is not part of the message."""
+    expected, _ = greedy(reference, chat_ids(reference, "What is the weather\nin Paris?"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("What is the weather\nin Paris?\n"))
+    code, out, err = run_main(["run", "--model", model_dir, *argv, "--max-tokens", "8", "--temperature", "0"], capsys)
+    assert (code, out) == (0, expected.text + "\n"), err
+
+
+@pytest.mark.parametrize("stdin, argv, says", [
+    (Terminal(), [], "no prompt: give --prompt TEXT"), (io.StringIO(" \n"), [], "the prompt read from stdin is empty"),
+    (io.StringIO(""), ["--prompt", "-"], "the prompt read from stdin is empty")])
+def test_no_prompt_on_a_terminal_or_an_empty_pipe_is_a_usage_error(model_dir, capsys, monkeypatch, stdin, argv, says):
+    monkeypatch.setattr("tsterm.llm.LLM", lambda *a, **k: pytest.fail("no prompt must not load a model"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, out, err = run_main(["run", "--model", model_dir, *argv], capsys)
+    assert (code, out) == (2, "")
+    assert_one_error_line(err, says)
+
+
 def cli_command() -> list[str]:
     script = Path(sys.executable).parent / "tsterm"
     return [str(script)] if script.is_file() else [sys.executable, "-m", "tsterm.cli"]

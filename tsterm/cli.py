@@ -22,7 +22,7 @@ def _sampling_params(args: argparse.Namespace, profile: Any):
 def cmd_run(args: argparse.Namespace) -> int:
     from tsterm.launch import llm_from_args, profile_from_args
 
-    _require_text(args.prompt, "--prompt")
+    args.prompt = _prompt_text(args.prompt)
     profile = profile_from_args(args)
     params = _sampling_params(args, profile)  # validated before the (possibly long) model load
     llm = llm_from_args(args, profile)
@@ -49,6 +49,23 @@ def cmd_run(args: argparse.Namespace) -> int:
                    "ttft_s": m.ttft, "e2e_s": m.e2e, "mean_itl_s": m.mean_itl}, sys.stdout)
     sys.stdout.write("\n")
     return 0
+
+
+def _prompt_text(prompt: str | None) -> str:
+    """--prompt TEXT; `-`, or no --prompt on a pipe, reads stdin (`cat notes.txt | tsterm run --prompt -`). The
+    newline that ends piped text is not part of the message. stdin is read only when asked or piped: a --prompt
+    given never waits on a stdin that stays open."""
+    if prompt is not None and prompt != "-":
+        _require_text(prompt, "--prompt")
+        return prompt
+    if prompt is None and (sys.stdin is None or sys.stdin.isatty()):
+        from tsterm.errors import ConfigError
+        raise ConfigError("no prompt: give --prompt TEXT, or pipe the text in (`--prompt -` reads stdin)")
+    text = sys.stdin.read().rstrip("\r\n")
+    if not text.strip():
+        from tsterm.errors import ConfigError
+        raise ConfigError("the prompt read from stdin is empty: pipe in the text to send, or give --prompt TEXT")
+    return text
 
 
 def _require_text(text: str, what: str) -> None:
@@ -183,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", help=MODEL_HELP)
     run.add_argument("--profile", dest="profile", default=argparse.SUPPRESS,
                      help=PROFILE_HELP % "none; give --model or --profile")
-    run.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    run.add_argument("--prompt", help="the user message (or raw text with --raw); - reads it from stdin "
+                     "(default: stdin when it is a pipe)")
     run.add_argument("--system", help="system prompt (default: the profile's system_prompt)")
     run.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
     _add_sampling_arguments(run)
