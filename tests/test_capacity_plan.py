@@ -1,10 +1,10 @@
 """`tsterm plan`: every figure below is worked out by hand from the model's config (the arithmetic is in the comments)
 and compared exactly with what the planner computes.
 
-Fixtures (tests/data):
-- qwen3_30b_a3b_config.json: Qwen/Qwen3-30B-A3B's config.json (hidden 2048, 48 layers, 32 q / 4 kv heads, head_dim
+Fixtures (the configs shipped for planning, tsterm/models/configs):
+- qwen3-30b-a3b.json: Qwen/Qwen3-30B-A3B's config.json (hidden 2048, 48 layers, 32 q / 4 kv heads, head_dim
   128, 128 experts top-8, moe_intermediate 768, vocab 151936, untied).
-- qwen3_5_397b_a17b_config.json: Qwen/Qwen3.5-397B-A17B's text_config, nested as in the HF repo (vision_config left
+- qwen3.5-397b-a17b.json: Qwen/Qwen3.5-397B-A17B's text_config, nested as in the HF repo (vision_config left
   out). Values from public copies of that config: 60 layers, hidden 4096, 32 q / 2 kv heads of 256 with the output
   gate, every 4th layer full attention, Gated DeltaNet 16 key heads / 64 value heads of 128, conv kernel 4,
   512 experts top-10 of width 1024, shared expert 1024, vocab 248320, untied. (One public test fixture gives the
@@ -23,9 +23,9 @@ from tsterm.errors import ConfigError, ModelLoadError
 from tsterm.plan import (GB, GPU_PRESETS, Tensor, kv_bytes_per_token, load_config, parameter_counts, parse_gpus,
                          parse_model, plan_layouts, state_bytes_per_sequence)
 
-DATA = Path(__file__).parent / "data"
-QWEN3_30B = DATA / "qwen3_30b_a3b_config.json"
-QWEN35_397B = DATA / "qwen3_5_397b_a17b_config.json"
+DATA = Path(__file__).resolve().parents[1] / "tsterm" / "models" / "configs"
+QWEN3_30B = DATA / "qwen3-30b-a3b.json"
+QWEN35_397B = DATA / "qwen3.5-397b-a17b.json"
 H200, B200 = GPU_PRESETS["h200"], GPU_PRESETS["b200"]
 
 
@@ -268,3 +268,62 @@ def test_unknown_model_type_without_moe_fields():
 ])
 def test_other_families_match_published_totals(raw, total):
     assert parameter_counts(parse_model(raw))[0] == total
+
+
+# --------------------------------------------------------------------------------------------------
+# --profile: the profile's model, or the config it names for planning (shipped with the package)
+
+def test_plan_a_profile_without_its_weights(capsys, monkeypatch):
+    """The shipped qwen3.5 profile plans from the config it names (installed with the package), its model
+    directory's ${VAR} unset; the table is the one its comment shows."""
+    import tsterm
+
+    monkeypatch.delenv("QWEN3_5_397B_A17B_DIR", raising=False)
+    assert main(["plan", "--profile", "qwen3.5-397b-a17b", "--gpus", "8xH200"]) == 0
+    by_profile = capsys.readouterr().out
+    shipped = Path(tsterm.__file__).parent / "models" / "configs" / "qwen3.5-397b-a17b.json"
+    assert f"({shipped})" in by_profile.splitlines()[0]
+    comment = (Path(tsterm.__file__).parents[1] / "profiles" / "qwen3.5-397b-a17b.yaml").read_text()
+    assert "#   tsterm plan --profile qwen3.5-397b-a17b --gpus 8xH200\n" in comment
+    for row in ("TP1 x EP8     116.24 GB   10.66 GB            347,156        184         21.03 GB     228 tok/s",
+                "TP8 x EP1      99.36 GB   27.54 GB          1,793,275        183          4.50 GB   1,066 tok/s"):
+        assert f"#   {row}\n" in comment and f"  {row}\n" in by_profile
+    assert main(["plan", "--model", "qwen3.5-397b-a17b", "--gpus", "8xH200"]) == 0  # a shipped config by name
+    assert capsys.readouterr().out == by_profile
+
+
+def test_plan_a_profile_reads_its_model_directory_first(capsys, monkeypatch, tmp_path):
+    (tmp_path / "config.json").write_text(QWEN3_30B.read_text())
+    monkeypatch.setenv("QWEN3_5_397B_A17B_DIR", str(tmp_path))
+    assert main(["plan", "--profile", "qwen3.5-397b-a17b", "--gpus", "8xH200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["source"] == str(tmp_path / "config.json")
+
+
+def test_shipped_configs_are_package_data():
+    import tomllib
+
+    import tsterm
+
+    globs = tomllib.loads((Path(tsterm.__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["tsterm"]
+    configs = sorted((Path(tsterm.__file__).parent / "models" / "configs").glob("*.json"))
+    assert [p.name for p in configs] == ["qwen3-30b-a3b.json", "qwen3.5-397b-a17b.json"]
+    assert all(any(p.relative_to(Path(tsterm.__file__).parent).match(g) for g in globs) for p in configs)
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["--gpus", "8xH200"], 2, "give --model DIR|config.json or --profile NAME"),
+    (["--profile", "moe-demo", "--model", "x", "--gpus", "8xH200"], 2, "--model or --profile, not both"),
+])
+def test_plan_needs_a_model_or_a_profile(capsys, argv, code, message):
+    assert main(["plan", *argv]) == code
+    err = capsys.readouterr().err
+    assert err.startswith("tsterm: error: ") and message in err, err
+
+
+def test_a_profile_whose_model_is_not_here_and_names_no_plan_config(capsys, tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("model: weights/qwen\n")
+    assert main(["plan", "--profile", str(path), "--gpus", "8xH200"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}" in err and "weights/qwen" in err and "plan_config" in err and err.count("\n") == 1, err

@@ -127,6 +127,21 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`tsterm plan`; --profile names the config the planner reads (tsterm.plan knows models, not profiles)."""
+    from tsterm.errors import ConfigError
+    from tsterm.plan import main as plan
+
+    profile = getattr(args, "profile", None)
+    if profile is not None:
+        if args.model is not None:
+            raise ConfigError("give --model or --profile, not both")
+        from tsterm.profiles import load_profile
+        # the model's directory may be a ${VAR} left unset where only its config is at hand
+        args.model = load_profile(profile, strict_env=False).planning_config()
+    return plan(args)
+
+
 def _warn(warnings: list[str]) -> None:
     for warning in warnings:
         print(f"tsterm: warning: {warning}", file=sys.stderr)
@@ -240,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
 
     from tsterm.plan import add_parser as add_plan_parser
-    add_plan_parser(sub)
+    add_plan_parser(sub).set_defaults(func=cmd_plan)
 
     gguf = sub.add_parser("import-gguf", help="convert a GGUF file into an HF-format model directory", add_help=False)
     gguf.set_defaults(func=lambda args: _import_gguf(args.rest))

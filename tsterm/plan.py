@@ -57,6 +57,7 @@ GPU_PRESETS = MappingProxyType({
 # Only the linear layers are quantized; embedding, LM head, router, norms, conv1d and gates stay bf16, as in those
 # checkpoints.
 DTYPES = ("bf16", "fp8", "int4")
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "models" / "configs"  # config.json of real models, by name
 CACHE_BYTES = MappingProxyType({"bf16": 2, "fp8": 1, "fp32": 4})
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe") + HYBRID_TYPES
@@ -264,8 +265,11 @@ def plan_layouts(m: PlanModel, gpus: int, gpu: GpuSpec, dtype: str = "bf16", kv_
 # config.json -> PlanModel
 
 def load_config(path: str | Path) -> tuple[dict[str, Any], str]:
-    """The raw config.json of a model directory, or of a path to the file itself."""
+    """The raw config.json of a model directory, of a path to the file itself, or of a config shipped with tsterm
+    (tsterm/models/configs) by name."""
     p = Path(path)
+    if not p.exists() and (SHIPPED_CONFIGS / f"{path}.json").is_file():
+        p = SHIPPED_CONFIGS / f"{path}.json"
     if p.is_dir():
         p = p / "config.json"
         if not p.is_file():
@@ -478,7 +482,10 @@ def format_report(r: dict[str, Any]) -> str:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="memory and decode-speed plan for a model on N GPUs, from config.json alone")
-    p.add_argument("--model", required=True, help="HF model directory or its config.json (no weights are read)")
+    p.add_argument("--model", help="HF model directory, its config.json (no weights are read) or a config shipped "
+                   "with tsterm by name (qwen3-30b-a3b, qwen3.5-397b-a17b)")
+    p.add_argument("--profile", default=argparse.SUPPRESS, help="plan the profile's model: its directory's "
+                   "config.json when it is on disk, else the profile's plan_config (resolved by tsterm.cli)")
     p.add_argument("--gpus", required=True, help="COUNTxKIND: 8xH200, 8xB200, 4xH100, or 4xcustom with the "
                    "two options below")
     p.add_argument("--memory-gb", dest="memory_gb", type=float,
@@ -503,6 +510,8 @@ def main(args: argparse.Namespace) -> int:
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom must be in [0, 1), got {args.headroom}")
     gpus, gpu = parse_gpus(args.gpus, args.memory_gb, args.bandwidth_tbs)
+    if args.model is None:
+        raise ConfigError("give --model DIR|config.json or --profile NAME")
     raw, source = load_config(args.model)
     model = parse_model(raw, source)
     report = build_report(model, source, gpus, gpu, args.dtype, args.kv_dtype, args.state_dtype, args.context,

@@ -133,7 +133,7 @@ ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings, "server": ServerSettings}  # nested mappings, each checked by its dataclass
 SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
-TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description"}
+TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description", "plan_config"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -150,6 +150,7 @@ class Profile:
     ui: dict[str, Any] = field(default_factory=dict)
     agent: dict[str, Any] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
+    plan_config: str | None = None  # the config.json `tsterm plan --profile` reads when the model is not here
 
     def where(self, key: str) -> str:
         path, line = self.origins.get(key, (self.path, 1))
@@ -218,8 +219,8 @@ class Profile:
         return [f"{self.where(key)}: the context is {context} tokens but the KV budget holds {holds} "
                 f"({budget_text}); requests are capped at {holds} tokens: {fix}"]
 
-    def _model_config_json(self) -> dict[str, Any] | None:
-        """The model's config.json when it is on disk already (nothing imported or generated), else None."""
+    def _model_config_path(self) -> Path | None:
+        """Where the model's config.json is once the model is on disk (nothing imported or generated here)."""
         from tsterm.paths import default_cache_dir
 
         model = self.engine.get("model")
@@ -232,8 +233,33 @@ class Profile:
             path = SHIPPED_MODELS[model]()
         else:
             path = model_path(model, self.origins.get("model", (self.path, 1))[0])
+        return Path(path) / "config.json"
+
+    def planning_config(self) -> str:
+        """The config.json `tsterm plan --profile` sizes: the model directory's when the model is on disk, else
+        `plan_config` (a config shipped with tsterm, by name, or a path relative to the profile that sets it)."""
+        from tsterm.plan import SHIPPED_CONFIGS
+
+        path = self._model_config_path()
+        if path is not None and path.is_file():
+            return str(path)
+        if self.plan_config is None:
+            shipped = ", ".join(sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json")))
+            raise ConfigError(f"{self.where('model')}: the model {self.engine.get('model')!r} is not here "
+                              f"({path or 'no model set'}) and the profile sets no plan_config: give `tsterm plan "
+                              f"--model DIR|config.json`, or add `plan_config: FILE` (or a shipped one: {shipped})")
+        shipped_config = SHIPPED_CONFIGS / f"{self.plan_config}.json"
+        if shipped_config.is_file():
+            return str(shipped_config)
+        return str(model_path(self.plan_config, self.origins.get("plan_config", (self.path, 1))[0]))
+
+    def _model_config_json(self) -> dict[str, Any] | None:
+        """The model's config.json when it is on disk already (nothing imported or generated), else None."""
+        path = self._model_config_path()
+        if path is None:
+            return None
         try:
-            config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+            config = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
         return config if isinstance(config, dict) else None
@@ -266,6 +292,8 @@ class Profile:
                 data[section] = dict(getattr(self, section))
         if self.system_prompt is not None:
             data["system_prompt"] = self.system_prompt
+        if self.plan_config is not None:
+            data["plan_config"] = self.plan_config
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=float("inf"))
 
 
@@ -322,9 +350,11 @@ def find_profile(name_or_path: str) -> Path:
                       f"{', '.join(map(str, folders))}; `tsterm profiles list` shows them all)")
 
 
-def load_profile(name_or_path: str, _seen: tuple[Path, ...] = ()) -> Profile:
+def load_profile(name_or_path: str, _seen: tuple[Path, ...] = (), strict_env: bool = True) -> Profile:
+    """`strict_env=False` leaves an unset `${VAR}` as written instead of failing (`tsterm plan`, which needs the
+    model's config but not its directory)."""
     path = find_profile(name_or_path).resolve()
-    return _load(path, _seen)
+    return _load(path, _seen, strict_env=strict_env)
 
 
 def check_profile(name_or_path: str) -> tuple[Profile | None, list[str]]:
@@ -356,10 +386,11 @@ def check_profile(name_or_path: str) -> tuple[Profile | None, list[str]]:
     return profile, [message for _, message in problems]
 
 
-def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | None = None) -> Profile:
+def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | None = None,
+          strict_env: bool = True) -> Profile:
     """The profile in `path`. Errors raise ConfigError; with `problems` given they are collected there instead as
     (line, message) and the bad keys left out, so that the rest of the file is still checked."""
-    raw, lines = _read_yaml(path)
+    raw, lines = _read_yaml(path, strict_env)
     at = lambda key: f"{path}:{lines.get(str(key), 1)}"
     bad: set[str] = set()
 
@@ -372,7 +403,7 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     for key in raw:
         if key not in TOP_KEYS:
             fail(key, f"{at(key)}: unknown key {key!r}{_did_you_mean(key, TOP_KEYS)}")
-    for key in ("extends", "description", "system_prompt"):
+    for key in ("extends", "description", "system_prompt", "plan_config"):
         if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
             fail(key, f"{at(key)}: {key} must be a string, got {raw[key]!r}")
     base = None
@@ -389,7 +420,7 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
         else:
             base_problems: list[tuple[int, str]] | None = None if problems is None else []
             try:
-                base = _load(target, chain, base_problems)
+                base = _load(target, chain, base_problems, strict_env)
             except ConfigError as e:  # the base is unreadable: one error, at its own file
                 fail("extends", str(e))
             if base_problems:  # the base's errors, in its order, where this file names it
@@ -440,7 +471,9 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     system_prompt = text("system_prompt") if "system_prompt" in raw and "system_prompt" not in bad else \
         (base.system_prompt if base else None)
     description = text("description") if text("description") is not None else (base.description if base else "")
-    return Profile(path.stem, path, engine, sampling, system_prompt, description, origins, ui, agent, server)
+    plan_config = text("plan_config") if text("plan_config") is not None else (base.plan_config if base else None)
+    return Profile(path.stem, path, engine, sampling, system_prompt, description, origins, ui, agent, server,
+                   plan_config)
 
 
 def _did_you_mean(key: str, choices: set[str]) -> str:
@@ -494,7 +527,7 @@ def _type_name(hint: Any) -> str:
     return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
-def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+def _read_yaml(path: Path, strict_env: bool = True) -> tuple[dict[str, Any], dict[str, int]]:
     """(the mapping, key -> line); `${VAR}` is expanded in values only (not in comments or keys)."""
     try:
         node = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
@@ -506,7 +539,7 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         return {}, {}
     if not isinstance(node, yaml.MappingNode):
         raise ConfigError(f"{path}:{node.start_mark.line + 1}: a profile must be a mapping of keys to values")
-    _expand_env(node, path)
+    _expand_env(node, path, strict_env)
     raw = yaml.SafeLoader("").construct_document(node)
     lines: dict[str, int] = {}
     for key, value in node.value:
@@ -516,16 +549,17 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     return raw, lines
 
 
-def _expand_env(node: yaml.Node, path: Path) -> None:
+def _expand_env(node: yaml.Node, path: Path, strict: bool = True) -> None:
     if isinstance(node, yaml.MappingNode):
         for _, value in node.value:
-            _expand_env(value, path)
+            _expand_env(value, path, strict)
     elif isinstance(node, yaml.SequenceNode):
         for item in node.value:
-            _expand_env(item, path)
+            _expand_env(item, path, strict)
     elif isinstance(node, yaml.ScalarNode) and _ENV.search(node.value):
         line = node.start_mark.line + 1
-        node.value = _ENV.sub(lambda m: _env(m.group(1), f"{path}:{line}"), node.value)
+        node.value = _ENV.sub(lambda m: _env(m.group(1), f"{path}:{line}") if strict or m.group(1) in os.environ
+                              else m.group(0), node.value)
         if node.style is None:  # a plain scalar: `${N}` set to 16 is the integer 16
             node.tag = yaml.SafeLoader("").resolve(yaml.ScalarNode, node.value, (True, False))
 

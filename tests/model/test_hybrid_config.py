@@ -11,7 +11,7 @@ import pytest
 from tsterm.config import ModelConfig
 from tsterm.errors import ModelLoadError
 
-QWEN35_397B = Path(__file__).parents[1] / "data" / "qwen3_5_397b_a17b_config.json"
+QWEN35_397B = Path(__file__).parents[2] / "tsterm" / "models" / "configs" / "qwen3.5-397b-a17b.json"
 
 NEXT = dict(model_type="qwen3_next", vocab_size=100, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
