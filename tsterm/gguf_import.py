@@ -169,7 +169,8 @@ class GgufFile:
         try:
             return reader_cls(str(path))
         except Exception as e:  # the reader raises ValueError/struct errors on anything that is not a GGUF
-            raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+            from tsterm.gguf_extent import truncation
+            raise ModelLoadError(truncation(path) or f"{path}: not a readable GGUF file ({e})") from None
 
     @staticmethod
     def _field(reader, key: str) -> Any:
