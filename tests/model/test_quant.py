@@ -4,8 +4,8 @@ The reference checkpoint holds, for every matrix tsterm quantizes, `quantize(w).
 models compute with the same effective weights. With the C kernels turned off, every quantized matmul is the float
 matmul of the dequantized weight: the quantized model must pick the same greedy tokens and give the same
 log-probabilities up to float32 reassociation; the float model of the original weights is the control (quantization
-error is far larger than the tolerance, so the test sees which model it ran). With the C kernels (the default), the
-matmuls of few rows also round each activation to int8 per block of 32, as llama.cpp does: that model must equal the
+error is far larger than the tolerance, so the test sees which model it ran). With the C kernels (the default), every
+int8 / int4 matmul also rounds each activation to int8 per block of 32, as llama.cpp does: that model must equal the
 same model run with `reference_matmul` (the kernels' arithmetic in torch) in place of the C kernels.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tsterm_kernels import cpu_native, reference
-from tsterm_kernels.quant import NATIVE_MAX_ROWS, QuantizedWeight, quantized_linear, reference_matmul
+from tsterm_kernels.quant import QuantizedWeight, quantized_linear, reference_matmul
 
 from tsterm import LLM, SamplingParams, launch
 from tsterm import cli
@@ -69,8 +69,8 @@ def _dequantized_twin(src: Path, dst: Path, mode: str) -> Path:
 
 
 def _c_kernels_twin(x, weight, bias=None):
-    """quantized_linear with `reference_matmul` where the C kernels would run."""
-    if weight.kind == "fp16" or x.shape[0] > NATIVE_MAX_ROWS:
+    """quantized_linear with `reference_matmul` where the C kernels would run (int8 / int4: every number of rows)."""
+    if weight.kind == "fp16":
         return quantized_linear(x, weight, bias)
     y = reference_matmul(x, weight).to(x.dtype)
     return y if bias is None else y + bias
@@ -117,11 +117,12 @@ def test_quantized_model_generates_like_its_dequantized_float_twin(checkpoint, t
         # the control: the float model of the unquantized weights is measurably another model
         assert q_out.token_ids != f_out.token_ids or (_logprobs(q_out) - _logprobs(f_out)).abs().max() > 10 * TOLERANCE
         # the C kernels compute their torch twin's arithmetic (float32 vs float64 sums). An ulp of difference in an
-        # activation can flip its int8 rounding (measured: one step of 24 moved 6e-4, the others <= 1e-6), so the
-        # bound is that of a flip, still 10x under what quantization moves (the kernels' exact tests are in
-        # tests/kernels/test_quant_kernels.py)
+        # activation can flip its int8 rounding, and a flip moves everything after it: with only decode's few rows
+        # rounded, one step of 24 moved 6e-4; with every prefill row rounded too (the invariance promise), the steps
+        # after a flip moved up to 3.0e-2 (2026-12-07, int4; the others <= 1e-6). The tokens must agree exactly;
+        # the kernels' exact tests are in tests/kernels/test_quant_kernels.py
         assert c_out.token_ids == c_twin_out.token_ids
-        assert (_logprobs(c_out) - _logprobs(c_twin_out)).abs().max() < 100 * TOLERANCE
+        assert (_logprobs(c_out) - _logprobs(c_twin_out)).abs().max() < 5e-2
     assert (logits[0] - logits[1]).abs().max() < TOLERANCE * logits[1].abs().max()
     assert (logits[0] - logits[2]).abs().max() > 10 * TOLERANCE * logits[2].abs().max()
 
