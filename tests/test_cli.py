@@ -145,6 +145,39 @@ def test_no_prompt_on_a_terminal_or_an_empty_pipe_is_a_usage_error(model_dir, ca
     assert_one_error_line(err, says)
 
 
+def test_run_without_a_profile_takes_the_models_generation_config_and_says_so(model_dir, tmp_path, capsys):
+    """`--model DIR` alone samples as the model's generation_config.json recommends (as transformers and vLLM do),
+    under the flags given, and one stderr line says which defaults the reply got."""
+    import shutil
+
+    copy = shutil.copytree(model_dir, tmp_path / "m")
+    config = json.loads((copy / "generation_config.json").read_text())
+    (copy / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.7, "top_k": 5}))
+    llm = LLM(str(copy), device="cpu", kv_cache_memory=SMALL_KV_BYTES)
+    assert (llm.sampling.temperature, llm.sampling.top_k) == (0.7, 5)
+    expected = llm.generate(chat_ids(llm, "hi"), SamplingParams(temperature=0.7, top_k=5, max_tokens=8, seed=3))[0]
+    code, out, err = run_main(["run", "--model", str(copy), "--prompt", "hi", "--max-tokens", "8", "--seed", "3",
+                               "--json"], capsys)
+    assert code == 0 and json.loads(out)["token_ids"] == expected.token_ids
+    assert ("tsterm: no profile: sampling temperature 0.7, top_p 1, top_k 5, max_tokens 8 (--max-tokens, --seed; "
+            f"{copy / 'generation_config.json'}); no system prompt (--system, or a --profile, sets one)\n") in err, err
+
+
+def test_the_template_s_own_system_prompt_is_found(tmp_path):
+    """SmolLM2's template writes a system prompt of its own into a conversation without one."""
+    from tests.helpers.tokenizers import make_tokenizer_dir
+    from tsterm.tokenizer import Tokenizer
+
+    make_tokenizer_dir(tmp_path)
+    assert Tokenizer.from_dir(tmp_path).default_system_prompt() is None  # chatml writes none
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\nYou are SmolLM.<|im_end|>\n' }}{% endif %}"
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    assert Tokenizer.from_dir(tmp_path).default_system_prompt() == "You are SmolLM."
+
+
 def cli_command() -> list[str]:
     script = Path(sys.executable).parent / "tsterm"
     return [str(script)] if script.is_file() else [sys.executable, "-m", "tsterm.cli"]
@@ -228,8 +261,7 @@ def test_bad_device_name_is_a_config_error(model_dir, capsys):
 
 @pytest.mark.parametrize("argv", [["run", "--model", "x", "--prompt", "hi", "--dtype", "float64"],
                                   ["run", "--model", "x", "--prompt", "hi", "--temperature", "warm"],
-                                  ["run", "--model", "x"],
-                                  ["frobnicate"]])
+                                  ["frobnicate"]])  # no --prompt: test_no_prompt_on_a_terminal_or_an_empty_pipe_...
 def test_argparse_errors_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as info:
         main(argv)

@@ -9,14 +9,41 @@ from typing import Any
 from tsterm.errors import TstermError
 
 
-def _sampling_params(args: argparse.Namespace, profile: Any):
+SAMPLING_FLAGS = {"temperature": "--temperature", "max_tokens": "--max-tokens", "top_p": "--top-p", "top_k": "--top-k",
+                  "seed": "--seed"}
+
+
+def _sampling_params(args: argparse.Namespace, profile: Any, model_defaults: dict[str, Any] | None = None):
+    """The flags over the profile's sampling, or over the model's own (its generation_config.json)."""
     from tsterm.config import SamplingParams
 
-    sampling = dict(profile.sampling) if profile else {}
-    for key in ("temperature", "max_tokens", "top_p", "top_k", "seed"):
+    sampling = {**(model_defaults or {}), **(profile.sampling if profile else {})}
+    for key in SAMPLING_FLAGS:
         if getattr(args, key, None) is not None:
             sampling[key] = getattr(args, key)
     return SamplingParams(**sampling)
+
+
+def _model_sampling(args: argparse.Namespace, profile: Any, llm: Any, system: str | None):
+    """The reply's sampling once the model is loaded; without a profile, one stderr line says which defaults it got
+    and where from, and which system prompt (a chat template may write its own: SmolLM2's does)."""
+    from tsterm.config import generation_defaults
+
+    if profile is not None:  # a profile's sampling is whole: its keys over tsterm's defaults
+        return _sampling_params(args, profile)
+    model_defaults = generation_defaults(llm.config.model)
+    params = _sampling_params(args, None, model_defaults)
+    flags = ", ".join(flag for key, flag in SAMPLING_FLAGS.items() if getattr(args, key, None) is not None)
+    from_model = any(getattr(args, key, None) is None for key in model_defaults)
+    sources = "; ".join(filter(None, (flags, f"{llm.config.model}/generation_config.json" if from_model else "")))
+    note = (f"sampling temperature {params.temperature:g}, top_p {params.top_p:g}, top_k {params.top_k}, "
+            f"max_tokens {params.max_tokens} ({sources or 'tsterm defaults'})")
+    if not getattr(args, "raw", False) and system is None:
+        own = llm.tokenizer.default_system_prompt()
+        note += (f"; the chat template's own system prompt ({own!r})" if own else "; no system prompt") + \
+            " (--system, or a --profile, sets one)"
+    print(f"tsterm: no profile: {note}", file=sys.stderr)
+    return params
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -24,13 +51,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     args.prompt = _prompt_text(args.prompt)
     profile = profile_from_args(args)
-    params = _sampling_params(args, profile)  # validated before the (possibly long) model load
+    _sampling_params(args, profile)  # validated before the (possibly long) model load
     llm = llm_from_args(args, profile)
+    system = args.system if args.system is not None else (profile.system_prompt if profile else None)
+    params = _model_sampling(args, profile, llm, system)
     if args.raw:
         prompt: Any = args.prompt
     else:
         messages = []
-        system = args.system if args.system is not None else (profile.system_prompt if profile else None)
         if system:
             messages.append({"role": "system", "content": system})
         messages.append({"role": "user", "content": args.prompt})
@@ -86,10 +114,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if not args.model and not args.profile:
         args.profile = "default"
     profile = profile_from_args(args)
-    params = _sampling_params(args, profile)
+    _sampling_params(args, profile)  # validated before the model load
     llm = llm_from_args(args, profile)
     system = args.system if args.system is not None else (profile.system_prompt if profile else None)
-    return line_chat.run(llm, params, system)
+    return line_chat.run(llm, _model_sampling(args, profile, llm, system), system)
 
 
 def _parallel_options(args: argparse.Namespace) -> dict[str, int | str | None]:

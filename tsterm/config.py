@@ -486,3 +486,25 @@ def read_config_json(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     return raw
+
+
+# generation_config.json key -> SamplingParams field: the sampling a model's authors recommend, which transformers
+# and vLLM start from (`do_sample` is not read: tsterm samples whenever temperature > 0, as vLLM does)
+GENERATION_CONFIG_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The SamplingParams fields a model directory's generation_config.json sets ({} without the file); a value
+    SamplingParams refuses is a ModelLoadError naming the file."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    raw = read_config_json(path)
+    defaults = {field_name: raw[key] for key, field_name in GENERATION_CONFIG_SAMPLING.items()
+                if raw.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ConfigError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    return defaults

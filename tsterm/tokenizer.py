@@ -159,6 +159,24 @@ class Tokenizer:
             raise ConfigError(f"chat template of {self.model_dir} rejected the conversation: {e.message or e}") from e
         return self.encode(text) if tokenize else text
 
+    def default_system_prompt(self) -> str | None:
+        """The system prompt the chat template writes itself into a conversation that has none (SmolLM2's: "You
+        are a helpful AI assistant named SmolLM, trained by Hugging Face"), or None: the text a conversation
+        without a system message shows where one with a system message shows that message."""
+        user = [{"role": "user", "content": "\x00user\x00"}]
+        try:
+            bare = self.apply_chat_template(user, add_generation_prompt=False)
+            framed = self.apply_chat_template([{"role": "system", "content": "\x00system\x00"}, *user],
+                                              add_generation_prompt=False)
+        except (ConfigError, ModelLoadError, RequestError):
+            return None
+        bare, framed = bare.partition("\x00user\x00")[0], framed.partition("\x00user\x00")[0]
+        before, found, after = framed.partition("\x00system\x00")
+        if not found or len(bare) <= len(before) + len(after) or not bare.startswith(before) \
+                or not bare.endswith(after):
+            return None
+        return bare[len(before):len(bare) - len(after)]
+
     def _select_template(self, with_tools: bool) -> str:
         templates = self.chat_templates
         if with_tools and "tool_use" in templates:
