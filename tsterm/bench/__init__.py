@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from tsterm.bench.fit import LONG_FACTOR, check_fit, fitting_micro_context
 from tsterm.bench.measure import (
+    batch_ceiling,
     bytes_read_per_token,
     copy_bandwidth,
     copy_bytes_per_token,
@@ -26,7 +28,7 @@ from tsterm.bench.measure import (
 from tsterm.bench.replay import ReplayResult, load_transformers, replay_transformers, replay_tsterm, warm_up
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, agent_trace, load_agent_trace, make_trace, tool_seconds
-from tsterm.errors import ConfigError
+from tsterm.errors import ConfigError, TstermError
 from tsterm.launch import llm_from_args
 
 
@@ -59,7 +61,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--gguf", metavar="FILE", help="the GGUF file --baseline llama.cpp runs (default: the file the "
                    "model was imported from)")
     p.add_argument("--no-prefix-cache", action="store_true", help="also replay with the prefix cache off (ablation)")
-    p.add_argument("--micro-context", type=int, default=256, help="short context of the copy/roofline measurements")
+    p.add_argument("--micro-context", type=int, help="short context of the copy and decode measurements; the copy "
+                   "audit's long one is 8x (default: 256, or what the model's context and KV pool hold)")
     p.add_argument("--parallel", type=int, default=8, help="concurrent requests for the parallel decode measurement")
     p.add_argument("--json", dest="json_path", help="write every figure to this JSON file (default: none)")
     p.add_argument("--plot", help="draw TTFT per turn to this .svg (or .png with matplotlib installed) (default: none)")
@@ -72,19 +75,35 @@ def _progress(message: str) -> None:
     sys.stderr.flush()
 
 
+class BenchIncomplete(TstermError):
+    """A failure (or ctrl+c) after something was measured: `results` holds what was, for the table and --json."""
+
+    def __init__(self, results: dict, cause: BaseException):
+        why = "interrupted" if isinstance(cause, KeyboardInterrupt) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"the bench stopped after measuring {', '.join(results['measured']) or 'nothing'} ({why})")
+        self.results = results
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if not getattr(args, "profile", None) and not args.model:
         args.profile = "bench"
     spec = TraceSpec(args.sessions, args.turns, args.system_tokens, args.task_tokens, args.turn_tokens,
                      args.output_tokens)
-    if args.parallel < 1 or args.micro_context < 2:
+    if args.parallel < 1 or (args.micro_context is not None and args.micro_context < 2):
         raise ConfigError("--parallel must be >= 1 and --micro-context >= 2")
     recorded = load_agent_trace(args.trace) if args.trace else None  # a bad file fails before the model loads
     llm = llm_from_args(args)
     baselines = [b for b in dict.fromkeys(args.baseline or []) if b != "none"]
-    results = run_bench(llm, spec, baseline=baselines, ablation=args.no_prefix_cache,
-                        micro_context=args.micro_context, parallel=args.parallel, progress=_progress,
-                        recorded=recorded, gguf=args.gguf)
+    try:
+        results = run_bench(llm, spec, baseline=baselines, ablation=args.no_prefix_cache,
+                            micro_context=args.micro_context, parallel=args.parallel, progress=_progress,
+                            recorded=recorded, gguf=args.gguf)
+    except BenchIncomplete as e:  # what was measured is printed and written before the error
+        sys.stderr.write("\n")
+        print(format_table(e.results))
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(e.results, indent=2))
+        raise
     sys.stderr.write("\n")
     print(format_table(results))
     if args.json_path:
@@ -95,11 +114,14 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation: bool = False,
-              micro_context: int = 256, parallel: int = 8, progress=None, recorded: dict | None = None,
+              micro_context: int | None = None, parallel: int = 8, progress=None, recorded: dict | None = None,
               gguf: str | None = None) -> dict:
     """`baseline`: one of BASELINES or a list of them, each replayed after tsterm. `recorded`: a loaded agent trace
     (tsterm.bench.trace.load_agent_trace) replayed instead of `spec`'s synthetic one, `spec.sessions` copies at once.
-    `gguf`: llama.cpp's file (default: the one the model was imported from)."""
+    `gguf`: llama.cpp's file (default: the one the model was imported from). `micro_context`: the short context of
+    the copy and decode measurements (default: 256, or what the model's context and KV pool hold).
+    A run that cannot fit is refused (ConfigError) before anything is measured; a failure after that raises
+    BenchIncomplete with the figures measured so far."""
     baselines = [b for b in ([baseline] if isinstance(baseline, str) else baseline) if b != "none"]
     for name in baselines:
         if name not in BASELINES:
@@ -112,6 +134,14 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
         trace = agent_trace(recorded, cfg.vocab_size, sessions=spec.sessions, seed=spec.seed)
         described = {"recorded": True, "model": recorded.get("model"), "sessions": spec.sessions,
                      "steps": len(recorded["steps"]), "tool_seconds_not_replayed": tool_seconds(recorded)}
+    if micro_context is None:
+        micro_context = fitting_micro_context(engine.max_model_len, engine.kv.pool.num_blocks,
+                                              engine.config.block_size, parallel)
+        if micro_context < 2:
+            raise ConfigError(f"the model's context ({engine.max_model_len} tokens) or KV pool is too small for the "
+                              "copy and decode measurements: lower --parallel, or raise the profile's max_model_len "
+                              "and kv_cache_memory")
+    check_fit(engine, trace, micro_context, parallel, recorded is not None)
     llama = None
     if "llama.cpp" in baselines:  # a missing package or file fails before anything is measured
         from tsterm.bench.llama_cpp import context_needed, gguf_source, open_llama
@@ -119,28 +149,74 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
         llama = open_llama(gguf or gguf_source(engine.config.model), context_needed(trace) + 16,
                            torch.get_num_threads())
     warm_up(engine)
-    replays: dict[str, ReplayResult] = {"tsterm": replay_tsterm(engine, trace, "tsterm", progress)}
+    results: dict[str, Any] = {"model": engine.config.model, "dtype": str(engine.dtype).replace("torch.", ""),
+                               "device": str(engine.device), "trace": described, "measured": [], "replays": {}}
+    replays: dict[str, ReplayResult] = {}
+    try:
+        _measure(llm, trace, baselines, ablation, micro_context, parallel, progress, llama, replays, results)
+    except (Exception, KeyboardInterrupt) as e:
+        results["replays"] = {name: _replay_figures(r) for name, r in replays.items()}
+        results["incomplete"] = str(e) or type(e).__name__
+        raise BenchIncomplete(results, e) from e
+    return results
+
+
+def _replay_figures(r: ReplayResult) -> dict:
+    return {"wall_s": r.wall_s, "ttft_by_turn_s": r.ttft_by_turn(), "decode_tokens_per_s": r.generated_tokens() / r.wall_s,
+            "hit_rate_vs_theoretical": r.hit_rate_vs_theoretical(),
+            "cached_tokens": sum(t.cached_tokens for t in r.turns),
+            "state_copy_bytes": sum(t.state_copy_bytes for t in r.turns),
+            "state_snapshot_bytes": sum(t.state_snapshot_bytes for t in r.turns),
+            "turns": [t.__dict__ for t in r.turns]}
+
+
+def _measure(llm, trace, baselines: list[str], ablation: bool, micro_context: int, parallel: int, progress, llama,
+             replays: dict[str, ReplayResult], results: dict) -> None:
+    """The replays, then the copy audit, bandwidth and decode rates, each recorded in `results` (and its name in
+    results["measured"]) as soon as it is done."""
+    engine = llm.engine
+    cfg = engine.model_config
+    replays["tsterm"] = replay_tsterm(engine, trace, "tsterm", progress)
+    results["measured"].append("the tsterm replay")
     if ablation:
         engine.kv.pool.enable_prefix_caching = False
         try:
             replays["no_prefix_cache"] = replay_tsterm(engine, trace, "nocache", progress)
         finally:
             engine.kv.pool.enable_prefix_caching = True
+        results["measured"].append("the replay without prefix cache")
     hf_model = None
     for name in baselines:
         if name == "llama.cpp":
             from tsterm.bench.llama_cpp import replay_llama_cpp
 
             replays[name] = replay_llama_cpp(llama, trace, progress)
-            continue
-        hf_model = hf_model or load_transformers(engine.config.model, engine.dtype)
-        replays[name] = replay_transformers(hf_model, trace, progress, keep_cache=name == "transformers-cache")
+        else:
+            hf_model = hf_model or load_transformers(engine.config.model, engine.dtype)
+            replays[name] = replay_transformers(hf_model, trace, progress, keep_cache=name == "transformers-cache")
+        results["measured"].append(f"the {name} replay")
     del hf_model, llama
+    results["replays"] = {name: _replay_figures(r) for name, r in replays.items()}
+    ours = replays["tsterm"]
+    ttft = ours.ttft_by_turn()
+    speedup_vs = {name: replays[name].wall_s / ours.wall_s for name in baselines}
+    results.update({
+        # against the strongest baseline of the run (the smallest ratio); each one's is in speedup_vs
+        "speedup_vs_baseline": min(speedup_vs.values()) if speedup_vs else None,
+        "speedup_vs": speedup_vs,
+        "ttft_last_over_turn2": ttft[-1] / ttft[1] if len(ttft) > 1 and ttft[1] else None,
+        "hit_rate_vs_theoretical": ours.hit_rate_vs_theoretical(),
+    })
 
     if progress:
         progress("measuring bandwidth, copies and decode rates")
     short = copy_bytes_per_token(engine, micro_context, salt=1)
-    long = copy_bytes_per_token(engine, 8 * micro_context, salt=2)
+    long = copy_bytes_per_token(engine, LONG_FACTOR * micro_context, salt=2)
+    results["copy_audit"] = {"context_short": micro_context, "context_long": LONG_FACTOR * micro_context,
+                             "short": short, "long": long}
+    results["copy_bytes_per_token_long_over_short"] = (long["copy_bytes_per_token"] / short["copy_bytes_per_token"]
+                                                       if short["copy_bytes_per_token"] else None)
+    results["measured"].append("the copy audit")
     # Rates and the bandwidth they are compared with, sampled in rounds (the bandwidth of a shared machine drifts);
     # each rate reported is the best of its samples, and each ratio the median of its per-round ratios: a round's
     # samples are seconds apart, so a ratio compares figures of one bandwidth state (the 2-core machine switches
@@ -159,47 +235,25 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
     model = getattr(engine.executor, "model", None)  # one process: its weights as stored (quantized or not)
     stored = stored_decode_bytes(model, cfg, engine.dtype.itemsize, micro_context) if model is not None else None
     read_per_token = stored[0] if stored else bytes_read_per_token(cfg, engine.dtype.itemsize, micro_context)
-    roofline_tps = bandwidth / read_per_token
     by_round = {"roofline_fraction": [t * read_per_token / b for t, b in zip(samples["single"], samples["read_bandwidth"])],
                 "parallel_speedup": [b / t for b, t in zip(samples["batched"], samples["single"])]}
-
-    ours = replays["tsterm"]
-    ttft = ours.ttft_by_turn()
-    speedup_vs = {name: replays[name].wall_s / ours.wall_s for name in baselines}
-    ceiling = parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel, stored)
+    roofline_fraction = statistics.median(by_round["roofline_fraction"])
     parallel_speedup = statistics.median(by_round["parallel_speedup"])
-    summary = {
-        # against the strongest baseline of the run (the smallest ratio); each one's is in speedup_vs
-        "speedup_vs_baseline": min(speedup_vs.values()) if speedup_vs else None,
-        "speedup_vs": speedup_vs,
-        "ttft_last_over_turn2": ttft[-1] / ttft[1] if len(ttft) > 1 and ttft[1] else None,
-        "hit_rate_vs_theoretical": ours.hit_rate_vs_theoretical(),
-        "copy_bytes_per_token_long_over_short": (long["copy_bytes_per_token"] / short["copy_bytes_per_token"]
-                                                 if short["copy_bytes_per_token"] else None),
-        "roofline_fraction": statistics.median(by_round["roofline_fraction"]),
+    memory_ceiling = parallel_ceiling(cfg, engine.dtype.itemsize, micro_context, parallel, stored)
+    # the memory-bound ratio is a ceiling only for a batch-1 decode at its roofline: one that is not (a tiny model,
+    # bound by its per-step overhead) leaves a batch more to gain (batch_ceiling)
+    ceiling = batch_ceiling(memory_ceiling, parallel, roofline_fraction)
+    results.update({
+        "roofline_fraction": roofline_fraction,
         "parallel_speedup": parallel_speedup,
-        # 16 experts top-4 cannot reach batch x: judged against what routing leaves (parallel_ceiling)
         "parallel_fraction_of_ceiling": parallel_speedup / ceiling,
-    }
-    stats = engine.stats()
-    return {
-        **summary,
-        "model": engine.config.model, "dtype": str(engine.dtype).replace("torch.", ""), "device": str(engine.device),
-        "trace": described,
-        "replays": {name: {"wall_s": r.wall_s, "ttft_by_turn_s": r.ttft_by_turn(),
-                           "decode_tokens_per_s": r.generated_tokens() / r.wall_s,
-                           "hit_rate_vs_theoretical": r.hit_rate_vs_theoretical(),
-                           "cached_tokens": sum(t.cached_tokens for t in r.turns),
-                           "state_copy_bytes": sum(t.state_copy_bytes for t in r.turns),
-                           "state_snapshot_bytes": sum(t.state_snapshot_bytes for t in r.turns),
-                           "turns": [t.__dict__ for t in r.turns]} for name, r in replays.items()},
-        "copy_audit": {"context_short": micro_context, "context_long": 8 * micro_context, "short": short, "long": long},
         "decode": {"context": micro_context, "batch1_tokens_per_s": single, f"batch{parallel}_tokens_per_s": batched,
                    "parallel": parallel, "samples": samples, "ratios_by_round": by_round,
-                   "parallel_ceiling": ceiling},
+                   "memory_bound_ceiling": memory_ceiling, "parallel_ceiling": ceiling},
         "roofline": {"read_bandwidth_bytes_per_s": bandwidth, "copy_bandwidth_bytes_per_s": copy_bw,
                      "bytes_read_per_token": read_per_token,
-                     "roofline_tokens_per_s": roofline_tps,
+                     "roofline_tokens_per_s": bandwidth / read_per_token,
                      "achieved_bandwidth_bytes_per_s": single * read_per_token},
-        "engine_stats": stats,
-    }
+        "engine_stats": engine.stats(),
+    })
+    results["measured"].append("the decode rates")

@@ -130,6 +130,17 @@ def parallel_ceiling(cfg: ModelConfig, dtype_bytes: int, context: int, batch: in
     return batch * one / step
 
 
+def batch_ceiling(memory_ceiling: float, batch: int, roofline_fraction: float) -> float:
+    """The most a batch-`batch` decode can gain over the measured batch-1 decode, in aggregate tokens/s.
+
+    A batch step takes at least as long as a batch-1 step (it does all of that work and more), and at least its
+    bytes over the bandwidth BW, taken as the larger of the measured one and what batch 1 itself read (a roofline
+    fraction above 1 means the measurement fell short). With t1 the batch-1 step and f its roofline fraction:
+    speedup = batch t1 / t_batch <= min(batch, batch t1 BW / batch-step bytes) = min(batch, memory_ceiling / min(f, 1)). A batch-1 decode at its roofline leaves the memory-bound ratio
+    (`parallel_ceiling`); a tiny model bound by its per-step overhead (f << 1) leaves up to `batch` x."""
+    return min(float(batch), memory_ceiling / min(max(roofline_fraction, 1e-9), 1.0))
+
+
 def _prefilled(engine: Engine, batch: int, context: int, max_tokens: int, salt: int) -> list[str]:
     """Adds `batch` requests of `context` distinct tokens each and steps until all have finished prefill."""
     vocab = engine.model_config.vocab_size
@@ -142,16 +153,18 @@ def _prefilled(engine: Engine, batch: int, context: int, max_tokens: int, salt: 
 
 
 def decode_rate(engine: Engine, batch: int, context: int, steps: int = 16, salt: int = 0) -> float:
-    """Aggregate decode tokens/s of `batch` concurrent requests at `context` tokens (prefill excluded)."""
+    """Aggregate decode tokens/s of `batch` concurrent requests at `context` tokens (prefill excluded): the tokens
+    the steps produced, counted (a request that was not running would not add its share)."""
     ids = _prefilled(engine, batch, context, steps + 2, salt)
     engine.step()  # warm-up decode
+    produced = 0
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        produced += sum(len(out.outputs[0].delta_token_ids) for out in engine.step())
     elapsed = time.perf_counter() - t0
     for rid in ids:
         engine.abort(rid)
-    return batch * steps / elapsed
+    return produced / elapsed
 
 
 def copy_bytes_per_token(engine: Engine, context: int, steps: int = 8, salt: int = 0) -> dict:

@@ -10,10 +10,12 @@ TARGETS = {  # key -> (comparison, target): the project's stated goals, printed 
     "hit_rate_vs_theoretical": (">=", 0.98),
     "copy_bytes_per_token_long_over_short": ("<=", 1.1),
     "roofline_fraction": (">=", 0.5),
-    # batch-P over batch-1 decode, as a share of the memory-bound ceiling top-k routing leaves (parallel_ceiling):
-    # 16 experts top-4 touch ~14 experts per layer at batch 8, so batch x is out of reach for any engine
+    # batch-P over batch-1 decode, as a share of the most it can gain (measure.batch_ceiling): the memory-bound ratio
+    # top-k routing leaves (16 experts top-4 touch ~14 experts per layer at batch 8, so batch x is out of reach for
+    # any engine) over batch 1's roofline fraction, at most batch x
     "parallel_fraction_of_ceiling": (">=", 0.75),
 }
+CEILING_SLACK = 0.05  # a share of a ceiling past 1 + this is a measurement that fell short (the bandwidth), not a win
 BASELINE_TARGETS = {  # wall time of the baseline's replay over tsterm's, by baseline
     "transformers": 5.0,  # generate re-encodes the whole conversation each turn
     "transformers-cache": 2.0,  # generate keeps its cache across turns (issue 18)
@@ -28,40 +30,64 @@ def _row(key: str, value: float | None, op: str, target: float) -> tuple[str, st
     return key, f"{value:.3f}", f"{op} {target}", "yes" if met else "NO"
 
 
+def _turn_lines(replays: dict) -> list[str]:
+    """TTFT and prompt tokens served from the cache, turn by turn (means over sessions), one column per replay."""
+    names = list(replays)
+    turns = max(len(rep["ttft_by_turn_s"]) for rep in replays.values())
+    cells = [["turn", *names]]
+    for t in range(turns):
+        row = [str(t + 1)]
+        for rep in replays.values():
+            records = [r for r in rep["turns"] if r["turn"] == t]
+            if t >= len(rep["ttft_by_turn_s"]) or not records:
+                row.append("-")
+                continue
+            cached = sum(r["cached_tokens"] for r in records) / len(records)
+            prompt = sum(r["prompt_tokens"] for r in records) / len(records)
+            row.append(f"{rep['ttft_by_turn_s'][t] * 1e3:.0f} ms, {cached:.0f}/{prompt:.0f} cached")
+        cells.append(row)
+    width = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    return ["TTFT by turn (mean over sessions; prompt tokens from the cache / in the prompt):"] + \
+        ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, width)).rstrip() for row in cells]
+
+
 def format_table(r: dict) -> str:
-    rows = [("metric", "value", "target", "met")]
-    speedups = r.get("speedup_vs") or {}
-    if not speedups:
-        rows.append(("speedup_vs_baseline", "n/a", "(--baseline NAME)", "-"))
-    for name, value in speedups.items():
-        rows.append(_row(f"speedup_vs_{name}", value, ">=", BASELINE_TARGETS[name]))
-    for key, (op, target) in TARGETS.items():
-        if key == "parallel_fraction_of_ceiling":
-            rows.append(("parallel_speedup", f"{r['parallel_speedup']:.3f}",
-                         f"ceiling {r['decode']['parallel_ceiling']:.2f}", "-"))
-        rows.append(_row(key, r.get(key), op, target))
-    roof, dec = r["roofline"], r["decode"]
-    batched = dec[f"batch{dec['parallel']}_tokens_per_s"]
-    lines = [f"model {r['model']} ({r['dtype']}, {r['device']})",
-             f"bandwidth {roof['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s read "
-             f"({roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copy); "
-             f"{roof['bytes_read_per_token'] / 1e6:.1f} MB read per token at {dec['context']} tokens; "
-             f"batch-1 decode {dec['batch1_tokens_per_s']:.1f} tok/s = "
-             f"{roof['achieved_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s of a {roof['roofline_tokens_per_s']:.1f} tok/s roofline",
-             (f"batch-{dec['parallel']} decode {batched:.1f} tok/s; its memory-bound ceiling over batch 1 "
-              f"(uniform routing: every touched expert read once) is {dec['parallel_ceiling']:.2f}x")]
-    samples, by_round = dec.get("samples"), dec.get("ratios_by_round")
-    if samples and by_round:  # the ratios below are the medians of these rounds'
-        lines.append("sample rounds (read GB/s, batch-1 tok/s, roofline fraction, batch-P speedup): " + "; ".join(
-            f"{b / 1e9:.1f}, {t:.1f}, {f:.3f}, {p:.2f}" for b, t, f, p in zip(
-                samples["read_bandwidth"], samples["single"], by_round["roofline_fraction"],
-                by_round["parallel_speedup"])))
-    for name, rep in r["replays"].items():
+    """The bench's report: what each replay took, turn by turn; copies, bandwidth and decode rates; the figures
+    against their targets. A run that stopped early (r["incomplete"]) shows what it measured."""
+    lines = [f"model {r['model']} ({r['dtype']}, {r['device']})"]
+    replays = r.get("replays") or {}
+    for name, rep in replays.items():
         ttft = rep["ttft_by_turn_s"]
-        lines.append(f"{name:>18}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms, turn2 "
-                     f"{ttft[1] * 1e3:.0f} ms, last {ttft[-1] * 1e3:.0f} ms, {rep['cached_tokens']} prompt tokens "
-                     "not recomputed")
-    stats = r["engine_stats"]
+        lines.append(f"{name:>18}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms"
+                     + (f", turn2 {ttft[1] * 1e3:.0f} ms" if len(ttft) > 1 else "")
+                     + f", last {ttft[-1] * 1e3:.0f} ms, {rep['cached_tokens']} prompt tokens not recomputed")
+    if replays:
+        lines += _turn_lines(replays)
+    audit = r.get("copy_audit")
+    if audit:
+        lines.append(f"copy bytes per decoded token: {audit['short']['copy_bytes_per_token']:,.0f} at "
+                     f"{audit['context_short']} tokens of context, {audit['long']['copy_bytes_per_token']:,.0f} at "
+                     f"{audit['context_long']}")
+    roof, dec = r.get("roofline"), r.get("decode")
+    if roof and dec:
+        batched = dec[f"batch{dec['parallel']}_tokens_per_s"]
+        lines += [f"bandwidth {roof['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s read "
+                  f"({roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s copy); "
+                  f"{roof['bytes_read_per_token'] / 1e6:.1f} MB read per token at {dec['context']} tokens; "
+                  f"batch-1 decode {dec['batch1_tokens_per_s']:.1f} tok/s = "
+                  f"{roof['achieved_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s of a {roof['roofline_tokens_per_s']:.1f} "
+                  "tok/s roofline",
+                  f"batch-{dec['parallel']} decode {batched:.1f} tok/s; its memory-bound ratio over batch 1 (uniform "
+                  f"routing: every touched expert read once) is {dec['memory_bound_ceiling']:.2f}x; with batch 1 at "
+                  f"{r['roofline_fraction']:.2f} of its roofline, a batch of {dec['parallel']} can gain at most "
+                  f"{dec['parallel_ceiling']:.2f}x"]
+        samples, by_round = dec.get("samples"), dec.get("ratios_by_round")
+        if samples and by_round:  # the ratios below are the medians of these rounds'
+            lines.append("sample rounds (read GB/s, batch-1 tok/s, roofline fraction, batch-P speedup): " + "; ".join(
+                f"{b / 1e9:.1f}, {t:.1f}, {f:.3f}, {p:.2f}" for b, t, f, p in zip(
+                    samples["read_bandwidth"], samples["single"], by_round["roofline_fraction"],
+                    by_round["parallel_speedup"])))
+    stats = r.get("engine_stats") or {}
     if stats.get("state_bytes"):  # a hybrid: recurrent states instead of KV in most layers
         later = [t for t in r["replays"]["tsterm"]["turns"] if t["turn"] > 0]
         restored = sum(t["state_copy_bytes"] for t in later) / max(len(later), 1)
@@ -69,8 +95,27 @@ def format_table(r: dict) -> str:
         lines.append(f"recurrent state: {stats['state_bytes'] / 1e6:.1f} MB of slots, {stats.get('state_snapshots', 0)} "
                      f"snapshots held at the end; per turn 2+: {restored / 1e6:.2f} MB restored from a snapshot "
                      f"(state_copy_bytes), {kept / 1e6:.2f} MB copied into snapshots (state_snapshot_bytes)")
-    width = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, width)) for row in rows]
+    rows = [("metric", "value", "target", "met")]
+    speedups = r.get("speedup_vs") or {}
+    if not speedups and "speedup_vs" in r:
+        rows.append(("speedup_vs_baseline", "n/a", "(--baseline NAME)", "-"))
+    for name, value in speedups.items():
+        rows.append(_row(f"speedup_vs_{name}", value, ">=", BASELINE_TARGETS[name]))
+    for key, (op, target) in TARGETS.items():
+        if key not in r:
+            continue
+        if key == "parallel_fraction_of_ceiling":
+            rows.append(("parallel_speedup", f"{r['parallel_speedup']:.3f}",
+                         f"ceiling {r['decode']['parallel_ceiling']:.2f}", "-"))
+            if r[key] > 1 + CEILING_SLACK:  # beyond a ceiling: the measurement, not the engine, is off
+                rows.append((key, f"{r[key]:.3f}", f"{op} {target}", "? above its ceiling"))
+                continue
+        rows.append(_row(key, r.get(key), op, target))
+    if len(rows) > 1:
+        width = [max(len(row[i]) for row in rows) for i in range(4)]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, width)).rstrip() for row in rows]
+    if r.get("incomplete"):
+        lines.append(f"incomplete: measured {', '.join(r['measured']) or 'nothing'}, then: {r['incomplete']}")
     return "\n".join(lines)
 
 
