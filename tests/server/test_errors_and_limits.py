@@ -90,6 +90,19 @@ def test_non_loopback_bind_needs_a_key(capsys, monkeypatch):
     check_bind("0.0.0.0", "a-key")
 
 
+def test_a_busy_port_is_one_error_line_before_the_model_loads(capsys, monkeypatch):
+    """The README's exit codes hold: 1, not uvicorn's own 3, and the model is not loaded for nothing."""
+    monkeypatch.setattr("tsterm.launch.llm_from_args", lambda *a, **k: pytest.fail("a busy port must not load"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--profile", "agent-demo", "--port", str(port), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tsterm: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1, err
+    assert "in use" in err and "--port" in err
+
+
 def test_body_size_limit(make_server):
     server = make_server(max_body_bytes=2000)
     code, text = http("POST", f"{server.url}/v1/chat/completions",

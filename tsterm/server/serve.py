@@ -6,8 +6,10 @@ without one. The key is never printed or logged. `BackgroundServer` runs the sam
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import os
+import socket
 import sys
 import threading
 import time
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tsterm.config import SamplingParams
-from tsterm.errors import ConfigError
+from tsterm.errors import ConfigError, TstermError
 
 API_KEY_ENV = "TSTERM_API_KEY"
 
@@ -143,16 +145,37 @@ def main(args: argparse.Namespace) -> int:
     if not (1 <= port <= 65535):
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     name = args.model_name or settings.model_name or (profile.name if profile else Path(args.model).name)
-    llm = llm_from_args(args, profile)
-    aengine = AsyncEngine(llm.engine)
-    try:
-        state = build_state(llm, aengine, name, profile.sampling_params() if profile else None, api_key)
-        server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level="info",
-                                               lifespan="off"))
-        print(f"tsterm serve: {name} on http://{host}:{port}/v1 (OpenAI and Anthropic APIs)"
-              f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
-        server.run()
-    finally:
-        aengine.shutdown()
-        llm.engine.shutdown()
+    with listening_socket(host, port) as sock:  # a busy port fails here, not after the load
+        llm = llm_from_args(args, profile)
+        aengine = AsyncEngine(llm.engine)
+        try:
+            state = build_state(llm, aengine, name, profile.sampling_params() if profile else None, api_key)
+            server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level="info",
+                                                   lifespan="off"))
+            print(f"tsterm serve: {name} on http://{host}:{port}/v1 (OpenAI and Anthropic APIs)"
+                  f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
+            server.run(sockets=[sock])
+        finally:
+            aengine.shutdown()
+            llm.engine.shutdown()
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening, as uvicorn binds one (SO_REUSEADDR: a port left in TIME_WAIT
+    is free, one another process listens on is not); a TstermError (exit 1) naming the address otherwise."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise TstermError(f"cannot listen on {host}:{port}: {e.strerror or e} (check --host)") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = "another server listens there: stop it or choose another --port" if e.errno == errno.EADDRINUSE \
+            else "choose another --host or --port"
+        raise TstermError(f"cannot listen on {host}:{port}: {e.strerror or e}; {hint}") from None
+    return sock
