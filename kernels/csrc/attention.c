@@ -5,8 +5,8 @@
  * Why one routine: a row's output must be the same bits whether its context came from the prefix cache or was just
  * computed, whether it ran in a prefill, an extend or a decode, alone or in a batch, on one thread or two. Float
  * sums depend on their order, so every path takes the same one: splits and chunks of keys at fixed positions (not
- * sized from the rows, the batch or the threads), within a chunk the scores s = (scale q) K^T as gemm.c's tile
- * computes them (one FMA chain over the head dimension), an online softmax over the split's chunks
+ * sized from the rows, the batch or the threads), within a chunk the scores s = (scale q) K^T as dot8 computes them
+ * (8 lanes over the head dimension, then a fixed tree), an online softmax over the split's chunks
  * (tsterm_exp_sum, the output rescaled when the maximum grows), P V as the tile's chain over the chunk's positions
  * added to the rescaled output; the splits' partials are then merged in order (tsterm_att_merge). A row's work
  * depends only on its position, its q and the keys at or before it.
@@ -18,33 +18,91 @@
 
 #include "tsterm.h"
 
-/* position pos's row of K or V for KV head h */
-static inline const float *kv_row(const tsterm_kv *kv, const float *cache, int64_t pos, int64_t h) {
-    const int64_t block = kv->table[pos / kv->block_size];
-    return cache + ((block * kv->block_size + pos % kv->block_size) * kv->num_kv_heads + h) * kv->head_dim;
+/* off[j] <- where position p + j's row of K (or V) for KV head h starts in its pool, for the positions of the chunk
+ * from p (up to ATT_CHUNK, before `end`); returns how many (one division, then the table walked) */
+static inline int64_t slots(const tsterm_kv *kv, int64_t h, int64_t p, int64_t end, int64_t *off) {
+    const int64_t n = end - p < ATT_CHUNK ? end - p : ATT_CHUNK, B = kv->block_size, row = kv->num_kv_heads * kv->head_dim;
+    for (int64_t j = 0, blk = p / B, in = p % B; j < n; j++) {
+        off[j] = ((int64_t)kv->table[blk] * B + in) * row + h * kv->head_dim;
+        if (++in == B) in = 0, blk++;
+    }
+    return n > 0 ? n : 0;
+}
+
+static inline void prefetch_row(const float *row, int64_t D, int hint) {
+    for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), hint);
+}
+
+/* 8 dot products q . k[j] (length D, a multiple of 8) as one vector: lane l of each position's accumulator sums the
+ * products of the inputs d = l mod 8 in order, then a transposing horizontal reduction (hadd tree) adds the lanes.
+ * Decode and prefill score every position this way: no transposed copy of K is made. */
+static inline __m256 dot8(const float *q, const float *const k[8], int64_t D) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* the first of R position-major rows (G a position) at or after position c0 */
+static inline int64_t r_first(int64_t c0, int64_t first_pos, int64_t G) {
+    return c0 > first_pos ? (c0 - first_pos) * G : 0;
+}
+
+/* o [D] = sum over positions j < n of p[j] * rows[j][0..D), a chain of FMAs from zero in position order for each
+ * lane, then + o: the bits tsterm_f32_tile gives the same row with V packed (its padding adds p = 0 terms, which
+ * leave a sum that never is -0 unchanged), without copying V. */
+static void pv_rows(const float *p, const float *const *rows, int64_t n, int64_t D, float *o) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const int wide = D - d0 >= 32;
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 pj = _mm256_broadcast_ss(p + j);
+            const float *v = rows[j] + d0;
+            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
+            if (wide) {
+                a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
+            }
+        }
+        _mm256_storeu_ps(o + d0, _mm256_add_ps(a0, _mm256_loadu_ps(o + d0)));
+        _mm256_storeu_ps(o + d0 + 8, _mm256_add_ps(a1, _mm256_loadu_ps(o + d0 + 8)));
+        if (wide) {
+            _mm256_storeu_ps(o + d0 + 16, _mm256_add_ps(a2, _mm256_loadu_ps(o + d0 + 16)));
+            _mm256_storeu_ps(o + d0 + 24, _mm256_add_ps(a3, _mm256_loadu_ps(o + d0 + 24)));
+        }
+    }
 }
 
 void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G, int64_t first_pos,
-                         int64_t k0, int64_t k1, float *scratch, float *m, float *l, float *o) {
+                         int64_t k0, int64_t k1, int64_t ahead_end, float *scratch, float *m, float *l, float *o) {
     const int64_t D = kv->head_dim;
-    float *kp = scratch, *vp = kp + ATT_CHUNK * D, *s = vp + ATT_CHUNK * D; /* K^T panels, V panels, scores */
+    float *vp = scratch, *s = vp + ATT_CHUNK * D; /* V panels, scores */
     const int64_t rs = k0 > first_pos ? (k0 - first_pos) * G : 0;           /* rows before the split see none of it */
     for (int64_t r = rs; r < R; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
         memset(o + r * D, 0, sizeof(float) * (size_t)D);
     }
-    for (int64_t c0 = k0; c0 < k1; c0 += ATT_CHUNK) {
+    /* each position's offset of its K (and V) row for head h, one chunk at a time, the next one's ahead */
+    int64_t at[2][ATT_CHUNK];
+    slots(kv, h, k0, k1, at[0]);
+    for (int64_t c0 = k0, c = 0; c0 < k1; c0 += ATT_CHUNK, c ^= 1) {
         const int64_t n = k1 - c0 < ATT_CHUNK ? k1 - c0 : ATT_CHUNK, panels = (n + NR - 1) / NR, width = panels * NR;
-        const float *rows[NR];
-        for (int64_t p = 0; p < panels; p++) { /* K^T panels [D][16] */
-            const int64_t cnt = n - p * NR < NR ? n - p * NR : NR;
-            for (int64_t j = 0; j < cnt; j++) rows[j] = kv_row(kv, kv->k_cache, c0 + p * NR + j, h);
-            tsterm_pack16(rows, cnt, D, kp + p * D * NR);
-        }
-        for (int64_t j = 0; j < width; j++) { /* V panels [16 of D] x [width][16] */
+        const int64_t *off = at[c], *next = at[c ^ 1];
+        const int64_t ahead = slots(kv, h, c0 + ATT_CHUNK, c0 + ATT_CHUNK < k1 ? k1 : ahead_end, at[c ^ 1]);
+        const int direct = R - r_first(c0, first_pos, G) <= MR; /* few rows (decode): P V reads V in place */
+        for (int64_t j = 0; j < n; j++) /* this chunk's V rows, on their way while the scores are computed */
+            prefetch_row(kv->v_cache + off[j], D, _MM_HINT_T0);
+        for (int64_t j = 0; j < width && !direct; j++) { /* V panels [16 of D] x [width][16] */
             if (j < n) {
-                const float *v = kv_row(kv, kv->v_cache, c0 + j, h);
+                const float *v = kv->v_cache + off[j];
                 for (int64_t d = 0; d < D; d += NR) {
                     _mm256_store_ps(vp + (d / NR) * ATT_CHUNK * NR + j * NR, _mm256_loadu_ps(v + d));
                     _mm256_store_ps(vp + (d / NR) * ATT_CHUNK * NR + j * NR + 8, _mm256_loadu_ps(v + d + 8));
@@ -53,11 +111,11 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
                 for (int64_t d = 0; d < D; d += NR) memset(vp + (d / NR) * ATT_CHUNK * NR + j * NR, 0, sizeof(float) * NR);
             }
         }
-        const int64_t r0 = c0 > first_pos ? (c0 - first_pos) * G : 0; /* rows before the chunk see none of it */
-        for (int64_t r = r0; r < R; r += MR) {
-            const int64_t mr = R - r < MR ? R - r : MR;
-            for (int64_t p = 0; p < panels; p++)
-                tsterm_f32_tile(mr, D, qs + r * D, D, kp + p * D * NR, s + r * ATT_CHUNK + p * NR, ATT_CHUNK, 0);
+        const int64_t r0 = r_first(c0, first_pos, G);
+        for (int64_t j = 0; j < n; j += 8) { /* scores, 8 positions at a time, every row */
+            const float *k[8]; /* past the chunk's end the first position again: its lanes are never read */
+            for (int64_t i = 0; i < 8; i++) k[i] = kv->k_cache + off[j + i < n ? j + i : j];
+            for (int64_t r = r0; r < R; r++) _mm256_storeu_ps(s + r * ATT_CHUNK + j, dot8(qs + r * D, k, D));
         }
         for (int64_t r = r0; r < R; r++) { /* online softmax: S -> P in place */
             float *sr = s + r * ATT_CHUNK;
@@ -78,6 +136,13 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
                 for (int64_t d = 0; d < D; d += 8)
                     _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + r * D + d)));
             }
+        }
+        for (int64_t j = 0; j < ahead; j++) prefetch_row(kv->k_cache + next[j], D, _MM_HINT_T1); /* during P V */
+        if (direct) {
+            const float *rows_v[ATT_CHUNK];
+            for (int64_t j = 0; j < n; j++) rows_v[j] = kv->v_cache + off[j];
+            for (int64_t r = r0; r < R; r++) pv_rows(s + r * ATT_CHUNK, rows_v, n, D, o + r * D);
+            continue;
         }
         for (int64_t r = r0; r < R; r += MR) { /* O += P V */
             const int64_t mr = R - r < MR ? R - r : MR;

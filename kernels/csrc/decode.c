@@ -2,8 +2,8 @@
  *
  * - tsterm_decode_attention: one new query row per sequence attends over its context, read in place from the paged
  *   KV pool through the block table (any number of runs of blocks: a prefix cache hit leaves several), in
- *   attention.c's order, the one prefill.c follows: tasks are (sequence, split of ATT_SPLIT positions), handed to the
- *   threads; each split's partial is merged in order per query row. A decode row is thus the same bits as the same
+ *   attention.c's order, the one prefill.c follows: tasks are (sequence, split of ATT_SPLIT positions, KV head),
+ *   handed to the threads; each split's partial is merged in order per query row. A decode row is thus the same bits as the same
  *   row computed in a prefill or an extend, whatever the batch and the thread count.
  * - tsterm_add_rms_norm: residual += x (when given), then out = residual * rsqrt(mean(residual^2) + eps) * w.
  * - tsterm_rope: rotate-half RoPE of q and k in place; tsterm_store_kv: the new tokens' K/V rows into their slots.
@@ -27,38 +27,38 @@ int64_t tsterm_attention_splits(const int32_t *seq_lens, int64_t num_seqs) {
     return most;
 }
 
-/* Split `split` of sequence s, every KV head: each head's G query rows (scaled) through tsterm_attend_split, their
- * partials into `part`. w: this thread's scratch. */
-static void split_task(const tsterm_attention *a, int64_t s, int64_t split, float *w) {
+/* Split `split` of sequence s for KV head h: its G query rows (scaled) through tsterm_attend_split, their partials
+ * into `part`. w: this thread's scratch. */
+static void split_task(const tsterm_attention *a, int64_t s, int64_t split, int64_t h, float *w) {
     const int64_t Hq = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim, G = Hq / Hkv, len = a->seq_lens[s];
     const int64_t k0 = split * ATT_SPLIT, k1 = len - k0 < ATT_SPLIT ? len : k0 + ATT_SPLIT;
     const tsterm_kv kv = {a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks, a->block_size, Hkv, D};
     float *sc = w, *qs = sc + tsterm_att_scratch_floats(G, D), *o = qs + G * D, *m = o + G * D, *l = m + G;
     const __m256 scale = _mm256_set1_ps(a->scale);
-    for (int64_t h = 0; h < Hkv; h++) {
-        for (int64_t g = 0; g < G; g++) {
-            const float *src = a->q + s * a->q_stride + (h * G + g) * D;
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(qs + g * D + d, _mm256_mul_ps(scale, _mm256_loadu_ps(src + d)));
-        }
-        tsterm_attend_split(&kv, h, qs, G, G, len - 1, k0, k1, sc, m, l, o);
-        for (int64_t g = 0; g < G; g++) {
-            float *pt = a->part + ((s * a->max_splits + split) * Hq + h * G + g) * (D + 2);
-            memcpy(pt, o + g * D, sizeof(float) * (size_t)D);
-            pt[D] = m[g], pt[D + 1] = l[g];
-        }
+    for (int64_t g = 0; g < G; g++) {
+        const float *src = a->q + s * a->q_stride + (h * G + g) * D;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(qs + g * D + d, _mm256_mul_ps(scale, _mm256_loadu_ps(src + d)));
+    }
+    tsterm_attend_split(&kv, h, qs, G, G, len - 1, k0, k1, len, sc, m, l, o);
+    for (int64_t g = 0; g < G; g++) {
+        float *pt = a->part + ((s * a->max_splits + split) * Hq + h * G + g) * (D + 2);
+        memcpy(pt, o + g * D, sizeof(float) * (size_t)D);
+        pt[D] = m[g], pt[D + 1] = l[g];
     }
 }
 
-/* Every (sequence, split) task, inside the caller's parallel region, handed out dynamically; ends at the loop's
- * barrier. Which thread takes which split changes nothing in the result: each partial is one split's own. */
+/* Every (sequence, KV head, split) task, inside the caller's parallel region, each thread an even contiguous share
+ * (a head's splits in a row: each task prefetches the next one's first keys); ends at the loop's barrier. Which
+ * thread takes which task changes nothing in the result: each partial is one split's own. */
 void tsterm_attention_tasks(const tsterm_attention *a) {
     const size_t partials = (size_t)(a->num_seqs * a->max_splits * a->num_heads * (a->head_dim + 2));
     float *base = (float *)(((uintptr_t)(a->part + partials) + 31) & ~(uintptr_t)31); /* 32-byte aligned */
     float *w = base + tsterm_attention_thread_floats(a) * (size_t)omp_get_thread_num();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < a->num_seqs * a->max_splits; t++) {
-        const int64_t s = t / a->max_splits, split = t % a->max_splits;
-        if (split * ATT_SPLIT < a->seq_lens[s]) split_task(a, s, split, w);
+    const int64_t Hkv = a->num_kv_heads;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < a->num_seqs * Hkv * a->max_splits; t++) {
+        const int64_t s = t / (Hkv * a->max_splits), split = t % a->max_splits;
+        if (split * ATT_SPLIT < a->seq_lens[s]) split_task(a, s, split, t / a->max_splits % Hkv, w);
     }
 }
 

@@ -49,7 +49,7 @@ static void run_task(const prefill *a, const scratch *w, int64_t h, int64_t firs
     }
     const int64_t end = first_pos + positions; /* keys [0, end) are visible to some row */
     for (int64_t k0 = 0; k0 < end; k0 += ATT_SPLIT) {
-        tsterm_attend_split(&a->kv, h, w->qs, R, G, first_pos, k0, end - k0 < ATT_SPLIT ? end : k0 + ATT_SPLIT,
+        tsterm_attend_split(&a->kv, h, w->qs, R, G, first_pos, k0, end - k0 < ATT_SPLIT ? end : k0 + ATT_SPLIT, end,
                             w->split, w->m, w->l, w->o);
         for (int64_t r = k0 > first_pos ? (k0 - first_pos) * G : 0; r < R; r++)
             tsterm_att_merge(w->M + r, w->L + r, w->O + r * D, w->m[r], w->l[r], w->o + r * D, D, k0 == 0);

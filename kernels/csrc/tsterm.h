@@ -133,11 +133,11 @@ TSTERM_INTERNAL void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t 
 
 /* attention.c: the one order of arithmetic every CPU attention of a query row follows, in a prefill, an extend or a
  * decode, so that a row's output is the same bits however its context was computed and batched. Keys go in splits
- * of ATT_SPLIT positions and chunks of ATT_CHUNK, both at fixed positions (0, ATT_CHUNK, ...): scores q K^T are
- * gemm.c's tile (q scaled first), an online softmax runs over a split's chunks, and the splits' partials are merged
+ * of ATT_SPLIT positions and chunks of ATT_CHUNK, both at fixed positions (0, ATT_CHUNK, ...): scores are dot
+ * products of q (scaled first) with each K row in 8 lanes, an online softmax runs over a split's chunks, and the splits' partials are merged
  * in order (tsterm_att_merge). Splits are what a decode of one long sequence spreads over the threads. */
 #define ATT_CHUNK 128
-#define ATT_SPLIT 512
+#define ATT_SPLIT 128
 
 typedef struct {
     const float *k_cache, *v_cache; /* [num_blocks, B, Hkv, D] */
@@ -145,18 +145,19 @@ typedef struct {
     int64_t block_size, num_kv_heads, head_dim;
 } tsterm_kv;
 
-/* one thread's scratch for tsterm_attend_split over R rows: K and V panels, scores */
+/* one thread's scratch for tsterm_attend_split over R rows: V panels, scores */
 static inline size_t tsterm_att_scratch_floats(int64_t rows, int64_t head_dim) {
-    return (size_t)(2 * ATT_CHUNK * head_dim + rows * ATT_CHUNK + 32);
+    return (size_t)(ATT_CHUNK * head_dim + rows * ATT_CHUNK + 32);
 }
 
 /* R query rows of KV head h (row r at position first_pos + r / G, its q already scaled, qs [R][D]) over keys
  * [k0, k1) of one split (k0 a multiple of ATT_SPLIT, k1 <= k0 + ATT_SPLIT), each row over its keys at or before its
  * position: every row at or after k0 gets its partial m [R] (max), l [R] (sum of exponentials), o [R][D]
- * (unnormalized output); rows before k0 are left alone. scratch: tsterm_att_scratch_floats(R, D), 32-byte aligned. */
+ * (unnormalized output); rows before k0 are left alone. K rows past the split, up to ahead_end, are prefetched for
+ * the task that comes next (the same head's next split). scratch: tsterm_att_scratch_floats(R, D), 32-byte aligned. */
 TSTERM_INTERNAL void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G,
-                                         int64_t first_pos, int64_t k0, int64_t k1, float *scratch, float *m, float *l,
-                                         float *o);
+                                         int64_t first_pos, int64_t k0, int64_t k1, int64_t ahead_end, float *scratch,
+                                         float *m, float *l, float *o);
 
 /* a row's running result (M, L, O [D]) <- merged with its next split's partial (m, l, o); first: its first split */
 static inline void tsterm_att_merge(float *M, float *L, float *O, float m, float l, const float *o, int64_t D,

@@ -42,7 +42,7 @@ def _float_moe(root: Path):
 @pytest.fixture(scope="module", params=["default-profile", "float32-moe"])
 def model(request, tmp_path_factory):
     """(model dir, engine options, prompts): the first prompt is the one checked; the rest are its neighbours. One
-    prompt is long enough to cross attention's 512-position splits."""
+    prompt is long enough to cross several of attention's 128-position splits."""
     path, options = _default_model() if request.param == "default-profile" else _float_moe(tmp_path_factory.mktemp("inv"))
     rng = random.Random(3)
     vocab = 4000 if request.param == "default-profile" else 380
@@ -66,7 +66,7 @@ def test_cached_and_batched_requests_give_the_solo_bits(model, params):
     path, options, prompts = model
     solo = {i: _solo(model, params, i) for i in (0, 1)}
     llm = LLM(path, **options)
-    for index in (0, 1):  # the short prompt, and the one past a 512-position split
+    for index in (0, 1):  # the short prompt, and the one past several 128-position splits
         assert _outputs(llm, [prompts[index]], params)[0] == solo[index]  # cold on this engine
         again = llm.generate([prompts[index]], params)[0]
         assert again.num_cached_tokens > 0

@@ -13,7 +13,7 @@ import torch
 from tsterm_kernels import cpu_native, reference
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
 
-LEN = 1300  # positions: past two 512-position splits and ten 128-position chunks
+LEN = 1300  # positions: past ten 128-position splits
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2's attention
 
 
@@ -58,7 +58,7 @@ def test_a_query_rows_attention_is_the_same_bits_in_prefill_extend_and_decode(na
     torch.set_num_threads(threads)  # the C kernels' OpenMP threads follow torch's (one libgomp)
     try:
         prefill = _attend(pool, [(LEN, LEN)])[0]  # every position's row, one prefill
-        for p in (0, 5, 127, 128, 511, 512, 513, 1023, 1024, LEN - 1):
+        for p in (0, 5, 127, 128, 129, 511, 512, 513, 1023, 1024, LEN - 1):
             n = p + 1
             decode = _attend(pool, [(n, 1)])[0][0]  # alone: the decode kernel
             batched = _attend(pool, [(LEN, 1), (n, 1), (300, 1)])[1][0]  # among other decodes
