@@ -49,6 +49,35 @@ static inline __m256 dot8(const float *q, const float *const k[8], int64_t D) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* dot8 for two query rows at once (16 accumulators: with AVX-512's 32 vector registers they stay in registers),
+ * each row's lanes and tree exactly dot8's */
+static inline void dot8x2(const float *q0, const float *q1, const float *const k[8], int64_t D, float *s0, float *s1) {
+#ifdef __AVX512VL__
+    __m256 a[8], b[8];
+    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qa = _mm256_loadu_ps(q0 + d), qb = _mm256_loadu_ps(q1 + d);
+        for (int j = 0; j < 8; j++) {
+            const __m256 kv = _mm256_loadu_ps(k[j] + d);
+            a[j] = _mm256_fmadd_ps(qa, kv, a[j]);
+            b[j] = _mm256_fmadd_ps(qb, kv, b[j]);
+        }
+    }
+    __m256 *acc[2] = {a, b};
+    float *out[2] = {s0, s1};
+    for (int r = 0; r < 2; r++) {
+        const __m256 *x = acc[r];
+        const __m256 t0 = _mm256_hadd_ps(x[0], x[1]), t1 = _mm256_hadd_ps(x[2], x[3]);
+        const __m256 t2 = _mm256_hadd_ps(x[4], x[5]), t3 = _mm256_hadd_ps(x[6], x[7]);
+        const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+        _mm256_storeu_ps(out[r], _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    }
+#else /* 16 ymm registers: one row at a time, no spills */
+    _mm256_storeu_ps(s0, dot8(q0, k, D));
+    _mm256_storeu_ps(s1, dot8(q1, k, D));
+#endif
+}
+
 /* the first of R position-major rows (G a position) at or after position c0 */
 static inline int64_t r_first(int64_t c0, int64_t first_pos, int64_t G) {
     return c0 > first_pos ? (c0 - first_pos) * G : 0;
@@ -115,7 +144,10 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
         for (int64_t j = 0; j < n; j += 8) { /* scores, 8 positions at a time, every row */
             const float *k[8]; /* past the chunk's end the first position again: its lanes are never read */
             for (int64_t i = 0; i < 8; i++) k[i] = kv->k_cache + off[j + i < n ? j + i : j];
-            for (int64_t r = r0; r < R; r++) _mm256_storeu_ps(s + r * ATT_CHUNK + j, dot8(qs + r * D, k, D));
+            int64_t r = r0;
+            for (; r + 2 <= R; r += 2)
+                dot8x2(qs + r * D, qs + (r + 1) * D, k, D, s + r * ATT_CHUNK + j, s + (r + 1) * ATT_CHUNK + j);
+            if (r < R) _mm256_storeu_ps(s + r * ATT_CHUNK + j, dot8(qs + r * D, k, D));
         }
         for (int64_t r = r0; r < R; r++) { /* online softmax: S -> P in place */
             float *sr = s + r * ATT_CHUNK;
