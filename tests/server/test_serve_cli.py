@@ -32,12 +32,12 @@ def test_tsterm_serve_process(tmp_path):
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines, listening = [], threading.Event()
 
-    def read_stderr() -> None:  # uvicorn's "Uvicorn running on ..." comes once its socket listens; EOF: it ended
+    def read_stderr() -> None:  # "tsterm serve: ... on URL" comes once the model is loaded and the port listens
         for line in proc.stderr:
             lines.append(line)
-            if "Uvicorn running on" in line:
+            if line.startswith("tsterm serve: "):
                 listening.set()
-        listening.set()
+        listening.set()  # EOF: it ended
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     try:
