@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import anthropic
 import openai
@@ -80,10 +81,22 @@ async def test_an_api_conversation_is_a_live_session_and_its_next_turn_reuses_th
                                                  stream=True, extra_body={"ignore_eos": True})
             return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
+        app.api_observer.interval = 0.0  # every token shows (the tiny model outruns the 15 Hz throttle)
+        hold, step, steps = threading.Event(), app.host.engine.step, []
+
+        def held_step():  # the engine stops after a few tokens until the test has seen them stream
+            steps.append(1)
+            if len(steps) > 8:
+                hold.wait()
+            return step()
+        app.host.engine.step = held_step
         streamed = asyncio.ensure_future(asyncio.to_thread(stream))
-        live = await wait_until(pilot, lambda: screen.api_reply is not None and screen.api_reply.text
-                                and screen.api_reply, what="the live reply")
-        assert session.id in screen.busy and screen.query(".-live")
+        try:
+            live = await wait_until(pilot, lambda: screen.api_reply is not None and screen.api_reply.text
+                                    and screen.api_reply, what="the live reply")
+            assert session.id in screen.busy and screen.query(".-live")
+        finally:
+            hold.set()
         text = await streamed
         await wait_until(pilot, lambda: len(session.turns) == 3 and not screen.api_busy, what="turn 3")
         assert session.messages[-1] == {"role": "assistant", "content": text} and session.turns[2].cached_tokens > 0

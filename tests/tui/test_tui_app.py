@@ -51,10 +51,23 @@ async def test_message_streams_a_reply_from_an_injected_engine(tiny_checkpoint, 
         assert built[0].name == "tsterm-load" and not built[0].is_alive()
         session = screen.session
         assert session.system_prompt == "you are a test"  # from the profile
-        await say(pilot, "hello there")
-        reply = await wait_until(pilot, lambda: screen.live_reply, what="a live reply")
-        # Seen mid-stream: the reply is updating while its turn is still running.
-        await wait_until(pilot, lambda: reply.num_updates > 0 and session.id in screen.turns, what="a partial reply")
+        permits, step, free = threading.Semaphore(0), app.host.engine.step, threading.Event()
+
+        def step_when_permitted():  # one token per permit: each partial reply is seen before the next token
+            if not free.is_set():
+                permits.acquire()
+            return step()
+        app.host.engine.step = step_when_permitted
+        try:
+            await say(pilot, "hello there")
+            reply = await wait_until(pilot, lambda: screen.live_reply, what="a live reply")
+            for updates in (1, 2):  # seen mid-stream: the reply updates while its turn is still running
+                permits.release()
+                await wait_until(pilot, lambda: reply.num_updates >= updates and session.id in screen.turns,
+                                 what=f"partial reply {updates}")
+        finally:
+            free.set()
+            permits.release()  # the engine thread may be waiting for one
         await turns_done(pilot, session, 1)
         assert reply.num_updates >= 3  # at least two partial updates before the final one
         turn = session.turns[0]
