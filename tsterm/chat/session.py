@@ -23,6 +23,14 @@ class SessionFileError(ValueError):
     """A session file that cannot be read back (not JSON, or not a session)."""
 
 
+UNTITLED = ("new chat", "new agent")  # titles the first user message replaces
+
+
+def title_from(text: str) -> str:
+    """A session's title from its first user message: its first 40 characters on one line."""
+    return " ".join(text.split())[:40]
+
+
 def new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
@@ -78,9 +86,10 @@ class Session:
         self.touch()
 
     def add_user(self, text: str) -> None:
+        """Add a user message; the first one names an untitled session."""
         self.messages.append({"role": "user", "content": text})
-        if self.title in ("new chat", "new agent"):
-            self.title = " ".join(text.split())[:40] or self.title
+        if self.title in UNTITLED:
+            self.title = title_from(text) or self.title
         self.touch()
 
     def plan(self, render: Render, tokenizer: TextCodec) -> PromptPlan:
@@ -94,9 +103,13 @@ class Session:
         self.touch()
 
     def drop_last_user(self) -> None:
-        """Undo `add_user` after a failed turn, so the session is as it was."""
+        """Undo `add_user` after a refused or failed turn, so the session is as it was: a title taken from the
+        dropped message goes with it."""
         if self.messages and self.messages[-1].get("role") == "user":
-            self.messages.pop()
+            dropped = self.messages.pop()
+            named = self.title == title_from(dropped["content"])
+            if named and not any(m.get("role") == "user" for m in self.messages):
+                self.title = "new agent" if self.kind == "agent" else "new chat"
             self.touch()
 
     def clear(self) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tsterm.engine.engine import Engine
 from tsterm.launch import load_llm
 from tsterm.profiles import AgentSettings, ServerSettings, UiOptions
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
+from tsterm.tui.tool_support import renders_tools
 
 ProgressFn = Callable[[int, int, str], None]
 EngineFactory = Callable[..., Any]  # (progress) or () -> LLM | Engine
@@ -71,6 +73,11 @@ class EngineHost:
     @property
     def device(self) -> str:
         return f"{self.engine.device} {str(self.engine.dtype).removeprefix('torch.')}"
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the model's chat template shows it the tools an agent session offers (see tool_support.py)."""
+        return renders_tools(self.tokenizer)
 
     def render(self, messages: list[dict]) -> str:
         """The conversation as prompt text (the session plan tokenises only what is new in it)."""

@@ -27,11 +27,17 @@ from tsterm.chat.session import Session, new_session_id
 from tsterm.errors import TstermError
 from tsterm.tui import engine_host
 from tsterm.tui.screens.dialogs import ApproveTool
+from tsterm.tui.tool_support import tool_profiles
 from tsterm.tui.widgets.agent_log import CallState, ToolCallView, agent_history_views, step_summary
 from tsterm.tui.widgets.chat_log import MessageView, ReplyView, miss_notice
 
 AGENT_WELCOME = ("Agent session: type a task and press enter. The model may call tools ({tools}) in {workspace}; "
                  "{approval}. esc stops a task; later messages are further tasks.")
+NO_TOOLS_WELCOME = ("Agent session: type a task and press enter; esc stops it. This model's chat template does not "
+                    "show it the tools ({tools}), so it cannot call them: it answers on its own. {offer}")
+TOOL_PROFILES = "Profiles whose templates show tools: {names}; /profile NAME switches to one."
+NO_TOOL_PROFILES = ("No installed profile's template shows tools: use a model whose chat template has a tools section "
+                    "(e.g. Qwen3's).")
 FINISH_NOTES = {"max_steps": "stopped: the task used its {steps} steps (agent.max_steps) without a final answer",
                 "length": "stopped: the last reply hit max_tokens",
                 "aborted": "aborted"}
@@ -67,7 +73,9 @@ class AgentSessions:
     def running_agents(self) -> set[str]:
         return {sid for sid, run in self.agent_runs.items() if run.worker is not None}
 
-    def agent_welcome(self) -> str:
+    async def agent_welcome(self) -> str:
+        """What an agent session says when it opens; on a model whose template drops the tools, that it cannot call
+        them, and which installed profiles' templates show them (looked up once, off the UI thread)."""
         settings = self.host.agent
         if settings.tools is not None:
             tools = list(settings.tools)
@@ -76,6 +84,12 @@ class AgentSessions:
             tools += ["write_file"] * settings.allow_write + ["run_command"] * settings.allow_commands
         extra = len(settings.command_tools) + len(settings.mcp_servers)
         names = ", ".join(tools) + (f", + {extra} configured tool source(s)" if extra else "")
+        if not self.host.renders_tools:
+            if self.tool_profiles is None:
+                self.tool_profiles = await asyncio.to_thread(tool_profiles)
+            offer = (TOOL_PROFILES.format(names=", ".join(self.tool_profiles)) if self.tool_profiles
+                     else NO_TOOL_PROFILES)
+            return NO_TOOLS_WELCOME.format(tools=names, offer=offer)
         approval = ("tools run without asking (auto-approve)" if self.app.agent_auto_approve or settings.auto_approve
                     else "tools that write or run commands ask first")
         return AGENT_WELCOME.format(tools=names, workspace=self.app.agent_workspace or settings.workspace,

@@ -95,7 +95,6 @@ class ApiSessions:
                 await self.show_session(session.id)
             self.refresh_sidebar()
             self.refresh_status()
-            self.refresh_sessions_count()
 
     async def on_api_turn_progress(self, message: ApiTurnProgress) -> None:
         turn = self.api_turns.get(message.request_id)
@@ -131,7 +130,6 @@ class ApiSessions:
                 await self.show_session(session.id)
             self.refresh_sidebar()
             self.refresh_status()
-            self.refresh_sessions_count()
 
     # ---- showing
     async def _show_api_session(self, session: Session) -> None:

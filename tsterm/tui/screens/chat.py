@@ -35,6 +35,7 @@ from tsterm.tui.widgets.chat_log import (
     ReplyView,
     Selectable,
     miss_notice,
+    reply_note,
     turn_summary,
 )
 from tsterm.tui.widgets.agent_log import ToolCallView
@@ -94,6 +95,7 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
         self.api_turns: dict[str, ApiTurn] = {}  # request id -> an API client's request being generated
         self.api_reply: ReplyView | None = None  # the shown API session's reply being generated
         self.context_warned: set[str] = set()  # sessions told that their context is filling up
+        self.tool_profiles: list[str] | None = None  # installed profiles whose templates show tools, once looked up
         self._request_ids = itertools.count()
         # Key bindings and palette commands run in the app's task, message handlers in this screen's: whatever
         # rebuilds or appends to the chat log holds this lock, so a streaming reply never writes to a removed view.
@@ -131,7 +133,6 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
             self.current_id = max(self.sessions.values(), key=lambda s: s.updated).id
         await self.show_session(self.current_id)
         self.host.start_stats(self.post_message)
-        self.refresh_sessions_count()
 
     async def on_unmount(self) -> None:
         self.host.stop_stats()
@@ -186,7 +187,7 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
                 stats = next(replies, None)
                 views.append(MessageView("assistant", m["content"], turn_summary(stats) if stats else "",
                                          miss=bool(stats and stats.miss), index=index, number=number,
-                                         collapse_thinking=self.collapse_thinking))
+                                         collapse_thinking=self.collapse_thinking, note=reply_note(stats)))
             else:
                 views.append(MessageView(m["role"], m["content"], index=index, number=number))
         if not any(m["role"] != "system" for m in session.messages) and session.id not in self.turns:
@@ -206,7 +207,7 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
     async def _show_agent_session(self, session: Session) -> None:
         views, self.call_views = self.agent_views(session)
         if not any(m["role"] != "system" for m in session.messages) and session.id not in self.running_agents:
-            views.append(Static(self.agent_welcome(), classes="welcome"))
+            views.append(Static(await self.agent_welcome(), classes="welcome"))
         self.live_reply = None
         await self.chat_log.show_messages(views)
         run = self.agent_runs.get(session.id)
@@ -222,7 +223,9 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
         return set(self.turns) | self.running_agents | self.api_busy
 
     def refresh_sidebar(self) -> None:
+        """Every change to the sessions or to what generates ends here: the sidebar, and the dashboard's counts."""
         self.query_one(SessionList).show(self.sessions.values(), self.current_id, self.busy)
+        self.refresh_sessions_count()
         self.refresh_bindings()  # "esc Stop" is live only while this session generates
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -371,8 +374,7 @@ class ChatScreen(ContextLimits, ApiSessions, AgentSessions, SessionActions, Scre
                 stats = message.stats
                 await live.show(message.text)
                 index = len(session.messages) - 1
-                await live.finish(turn_summary(stats), stats.miss,
-                                  note="aborted" if stats.finish_reason == "abort" else None, index=index,
+                await live.finish(turn_summary(stats), stats.miss, note=reply_note(stats), index=index,
                                   number=session.number_of(index))
                 self.dashboard.show_turns(session)
 

@@ -21,7 +21,10 @@ from tsterm.agent.tool_calls import TextDelta, ToolCallParser
 from tsterm.chat.session import Session, TurnStats
 from tsterm.tui.widgets.chat_log import MessageView
 
-STATUS_MARKS = {"parsed": "·", "waiting": "?", "running": "…", "done": "✓", "error": "✗", "refused": "⊘"}
+STATUS_MARKS = {"parsed": "·", "waiting": "?", "running": "…", "done": "✓", "error": "✗", "refused": "⊘",
+                "handed": "↩"}
+STATUS_WORDS = {"handed": "handed back"}  # a call an API client got to run itself (its result comes in its next turn)
+HANDED_BACK = "(handed back to the API client: it runs the tool and sends the result in its next request)"
 ARGS_IN_TITLE = 60  # characters of the arguments shown in a block's title (all of them are inside)
 
 
@@ -32,7 +35,8 @@ def short_arguments(arguments: dict[str, Any], limit: int = ARGS_IN_TITLE) -> st
 
 def call_title(name: str, arguments: dict[str, Any], status: str, duration_s: float | None = None) -> str:
     """`✓ calculator {"expression": "6*7"} · done · 3 ms`: what a collapsed block says."""
-    parts = [f"{STATUS_MARKS.get(status, '·')} {name or '(no name)'} {short_arguments(arguments)}", status]
+    parts = [f"{STATUS_MARKS.get(status, '·')} {name or '(no name)'} {short_arguments(arguments)}",
+             STATUS_WORDS.get(status, status)]
     if duration_s:
         parts.append(f"{duration_s * 1e3:.0f} ms" if duration_s < 1 else f"{duration_s:.1f} s")
     return " · ".join(parts)
@@ -120,6 +124,8 @@ def body_text(state: CallState) -> str:
         lines.append(f"result:\n{state.result}")
     elif state.status in ("parsed", "waiting", "running"):
         lines.append(f"({state.status})")
+    elif state.status == "handed":
+        lines.append(HANDED_BACK)
     elif not state.error:
         lines.append("result: (empty)")
     return "\n".join(lines)
@@ -181,6 +187,8 @@ def agent_history_views(session: Session, collapse_thinking: bool = True,
                 status, err, result = status_of_tool_message(answers[n]["content"])
                 state = CallState(answers[n].get("tool_call_id") or f"saved_{index}_{n}", name, arguments, status,
                                   result, err)
+            elif session.kind == "api" and error is None:  # the server returned it: the client runs its tools
+                state = CallState(f"saved_{index}_{n}", name, arguments, "handed")
             else:  # no result recorded (the task was cut off before the call ran)
                 state = CallState(f"saved_{index}_{n}", name, arguments, "error", None,
                                   error or "no result was recorded for this call")

@@ -45,6 +45,11 @@ def miss_notice(diverged_at: int | None, lost_tokens: int) -> str:
             f"so {lost} computed again instead of reused. The reply is not affected; it only costs time.")
 
 
+def reply_note(stats: TurnStats | None) -> str | None:
+    """What a reply's role label adds in parentheses: "aborted" for a reply stopped mid-way (esc, quitting)."""
+    return "aborted" if stats is not None and stats.finish_reason == "abort" else None
+
+
 def role_label(role: str, number: int | None, note: str | None = None) -> Content:
     return Content.assemble(ROLE_LABELS.get(role, role) + (f" ({note})" if note else ""),
                             (f"  #{number}" if number is not None else "", "not bold $foreground-muted"))
@@ -84,13 +89,13 @@ class MessageView(Selectable):
     """A finished message: role label + Markdown. `role` also names the CSS class (-user, -assistant, ...)."""
 
     def __init__(self, role: str, text: str, footer: str = "", miss: bool = False, index: int | None = None,
-                 number: int | None = None, collapse_thinking: bool = True):
+                 number: int | None = None, collapse_thinking: bool = True, note: str | None = None):
         super().__init__(role, f"message -{role}", index, number)
-        self.text, self.footer, self.miss = text, footer, miss
+        self.text, self.footer, self.miss, self.note = text, footer, miss, note
         self.collapse_thinking = collapse_thinking
 
     def compose(self) -> ComposeResult:
-        yield Label(role_label(self.role, self.number), classes="role")
+        yield Label(role_label(self.role, self.number, self.note), classes="role")
         if self.role == "assistant":
             split = split_thinking(self.text)
             if split.thinking:
