@@ -53,7 +53,7 @@ def error_of(path: Path | str) -> str:
     ("model: m\nsampling:\n  temperature: 0\n  top_q: 0.9\n", 4, ["unknown sampling key 'top_q'", "'top_p'"]),
     ("model: m\nblock_size: big\n", 2, ["block_size", "'big'"]),
     ("model: m\n\nblock_size: 0\n", 3, ["block_size", "[1, 1024]"]),
-    ("model: m\nsampling: {top_p: 0.5, temperature: -1}\n", 2, ["temperature", ">= 0"]),
+    ("model: m\nsampling: {top_p: 0.5, temperature: -1}\n", 2, ["temperature", "0 (greedy) or in [1e-06, inf)"]),
     ("model: m\nsampling:\n  max_tokens: 12\n  temperature: -1\n", 4, ["temperature", "-1"]),
     ("model: m\nsampling:\n  max_tokens: lots\n", 3, ["max_tokens", "integer", "'lots'"]),
     ("model: m\nmax_num_seqs: 2.5\n", 2, ["max_num_seqs", "integer"]),
