@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tsterm.engine.cpu_threads import CpuThreads
 
@@ -87,6 +88,30 @@ def test_never_more_than_it_started_with_nor_less_than_one(governed):
     now[0] += 1.0
     proc.advance(1.0, 0.0, 2.0)  # others keep both cores busy: still one thread
     assert gov.before_step() == 1
+
+
+def test_its_ceiling_is_the_processs_setting_not_what_an_earlier_engine_left(tmp_path, monkeypatch):
+    """A governor lowers torch's (process-wide) count; the next engine's ceiling must not inherit that."""
+    sys_cpu = tmp_path / "sys"
+    for cpu, core in ((0, 0), (1, 0), (2, 1), (3, 1)):  # two cores with two hyper-threads each
+        (sys_cpu / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (sys_cpu / f"cpu{cpu}" / "topology" / "physical_package_id").write_text("0\n")
+        (sys_cpu / f"cpu{cpu}" / "topology" / "core_id").write_text(f"{core}\n")
+    from tsterm.engine.cpu_threads import default_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert default_threads({0, 1, 2, 3}, sys_cpu) == 2
+    assert default_threads({0, 1}, sys_cpu) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads({0, 1, 2, 3}, sys_cpu) == 3
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # as an earlier engine's governor may have left it
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        gov = CpuThreads(proc=tmp_path / "missing")
+        assert gov.max_threads == min(2, len(os.sched_getaffinity(0))) == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_without_proc_it_keeps_its_count(tmp_path):

@@ -210,8 +210,9 @@ def test_default_model_runs_from_its_blocks(imported, llm, llm_float, smollm2):
     its logits are the dequantized import's to the kernels' int8 activations: 1-4% (of the largest) off the float
     ones when few rows took them, 6.3% now that every row of the chat's prefill does (2026-12-07), so 1e-1; differently quantized weights are far outside it (test_gguf_native.py). Greedy runs drift
     apart after near ties, as llama.cpp's own do: the README's question is one from its first token (top two logits
-    23.86 "La" / 23.78 "The" with every matmul's activations rounded to int8, as in llama.cpp, against 24.14 "The" /
-    24.05 "La" in float), so the greedy answers are compared on a prompt without a near tie in its first tokens."""
+    24.14 "The" / 24.05 "La" in float; with every matmul's activations rounded to int8, as in llama.cpp, either one
+    can come first, by an order of summation elsewhere), so the greedy answers are compared on a prompt without a
+    near tie in its first tokens."""
     from tsterm_kernels.quant import QuantizedWeight
 
     from tsterm.config import ModelConfig
@@ -413,7 +414,7 @@ def test_unknown_tensor_and_bad_files(tmp_path):
     with pytest.raises(ModelLoadError, match=r"'blk\.0\.attn_sinks\.weight' has no counterpart"):
         import_gguf(write_gguf(tmp_path / "x.gguf", source, tensors=tensors), tmp_path / "out")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
-    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+    with pytest.raises(ModelLoadError, match="junk.gguf: the file is cut short: it has 17 bytes and ends inside its"):
         import_gguf(tmp_path / "junk.gguf", tmp_path / "out")
     with pytest.raises(ModelLoadError, match="no such GGUF"):
         import_gguf(tmp_path / "missing.gguf", tmp_path / "out")

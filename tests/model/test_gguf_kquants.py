@@ -17,7 +17,7 @@ from tests.helpers.gguf import llama_cpp_permute, quantize_linear, random_blocks
 from tests.helpers.probes import decisive_steps_agree, greedy, last_logits, relative_error
 from tsterm import LLM
 from tsterm.errors import ModelLoadError
-from tsterm.gguf_import import INFO_FILE, import_gguf
+from tsterm.gguf_import import IMPORTER_VERSION, INFO_FILE, import_gguf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -123,7 +123,7 @@ def test_kquant_blocks_dequantize_to_the_files_values(tmp_path, qtype):
         assert (err <= bound).all(), (t.name, float((err / bound).max()))
     assert len(kept) == 15  # 2 layers x 7 linear weights, and the LM head
     info = json.loads((native / INFO_FILE).read_text())
-    assert info["quantized"] == kept and info["importer_version"] == 3
+    assert info["quantized"] == kept and info["importer_version"] == IMPORTER_VERSION
     assert sorted(info["requantized"]) == ([] if qtype == Q.Q4_K else sorted(kept))
     assert not any(n.endswith((".qcodes", ".qscales")) for n in tensors)  # the rest stayed floats
     assert json.loads((native / "config.json").read_text())["quantization_config"] == {

@@ -6,7 +6,8 @@ stalls every barrier for a scheduler time slice: decode fell from ~0.05 s to 0.5
 one thread alone kept its pace. So before a step, at most every `interval_s`, the governor reads the CPU time the
 cores of this process's affinity set spent busy since its last look (/proc/stat) and the CPU time this process
 used (/proc/self/stat); the difference is what the others used, and the step runs on the cores they leave, never
-fewer than one nor more than the thread count the process started with (OMP_NUM_THREADS, else torch's default).
+fewer than one nor more than the process's own setting (OMP_NUM_THREADS, else one thread per physical core it may
+use, torch's default; not torch's current count, which another engine's governor may have lowered).
 When the others go quiet, the count rises again. The outputs do not change with it: the CPU kernels give the same
 bits at any thread count (README "Same answer whatever the cache or the batch").
 """
@@ -36,6 +37,22 @@ def _ticks_busy_per_cpu(stat_text: str, cpus: set[int]) -> int:
     return busy
 
 
+def default_threads(cpus: set[int], sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
+    """OMP_NUM_THREADS when set, else the physical cores among `cpus` (hyper-threads of one core count once)."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"].split(",")[0]))
+    except (KeyError, ValueError):
+        pass
+    cores = set()
+    for cpu in cpus:
+        try:
+            topology = sys_cpu / f"cpu{cpu}" / "topology"
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
 def _ticks_of_process(stat_text: str) -> int:
     """utime + stime of /proc/<pid>/stat (fields 14 and 15; the name in parentheses may hold spaces)."""
     fields = stat_text.rpartition(")")[2].split()
@@ -48,9 +65,11 @@ class CpuThreads:
     def __init__(self, max_threads: int | None = None, interval_s: float = 0.2, proc: Path = Path("/proc"),
                  clock: Callable[[], float] = time.monotonic, set_threads: Callable[[int], None] = torch.set_num_threads):
         self.cpus = os.sched_getaffinity(0)
-        self.max_threads = max(1, min(max_threads or torch.get_num_threads(), len(self.cpus)))
+        self.max_threads = max(1, min(max_threads or default_threads(self.cpus), len(self.cpus)))
         self.threads = self.max_threads
         self.interval_s, self.proc, self.clock, self.set_threads = interval_s, proc, clock, set_threads
+        if torch.get_num_threads() != self.threads:  # from the process's setting, whatever an earlier engine left
+            set_threads(self.threads)
         self._last: tuple[float, int, int] | None = None  # (time, busy ticks of the cpus, this process's ticks)
         self.changes = 0  # how often the count changed (stats, tests)
 
