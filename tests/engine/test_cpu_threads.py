@@ -52,6 +52,7 @@ def governed(tmp_path):
     gov = CpuThreads(max_threads=2, interval_s=0.2, proc=tmp_path, clock=lambda: now[0], set_threads=calls.append)
     gov.cpus = {0, 1}  # as if this process may run on two cores, whatever the test machine has
     gov.max_threads = gov.threads = 2
+    calls.clear()  # the constructor's own setting (torch's count may be what an earlier engine left)
     return gov, FakeProc(tmp_path, gov.cpus), now, calls
 
 
@@ -115,8 +116,11 @@ def test_its_ceiling_is_the_processs_setting_not_what_an_earlier_engine_left(tmp
 
 
 def test_without_proc_it_keeps_its_count(tmp_path):
-    gov = CpuThreads(max_threads=2, proc=tmp_path / "missing", set_threads=lambda n: pytest.fail("set"))
+    calls = []
+    gov = CpuThreads(max_threads=2, proc=tmp_path / "missing", set_threads=calls.append)
+    calls.clear()
     assert gov.before_step() == gov.threads == gov.max_threads
+    assert calls == []
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to step down from")
