@@ -202,14 +202,21 @@ def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight.fp8(values, scale)
 
 
-def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """The C kernels' arithmetic in torch (float64 sums): x [M, I] quantized to int8 per block of 32
-    (dx = max|x| / 127, codes rounded half to even), times the weight's codes, scaled per block. -> [M, O] float32."""
-    rows, in_f = x.shape
-    xb = x.float().view(rows, in_f // BLOCK, BLOCK)
-    dx = xb.abs().amax(-1) / 127.0  # [M, I/32]
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., I] as the C kernels round it for an int8 / int4 weight: per block of 32, dx = max|x| / 127 and codes
+    round-half-even(x / dx). -> (codes [..., I/32, 32] float32, dx [..., I/32])."""
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    dx = xb.abs().amax(-1) / 127.0
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros(()))
-    qx = torch.round(xb * inv[..., None]).double()  # [M, I/32, 32]
+    return torch.round(xb * inv[..., None]), dx
+
+
+def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The C kernels' arithmetic in torch (float64 sums): x [M, I] quantized to int8 per block of 32 (`int8_rows`),
+    times the weight's codes, scaled per block. -> [M, O] float32."""
+    in_f = x.shape[1]
+    qx, dx = int8_rows(x)  # [M, I/32, 32], [M, I/32]
+    qx = qx.double()
     if weight.kind == "int8":
         codes = weight.data.view(weight.dims[0], in_f // BLOCK, BLOCK).double()
         d, m = weight.scale.double(), None

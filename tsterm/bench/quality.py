@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+from tsterm_kernels.quant import int8_rows
 
 from tsterm.model.quant import quantize
 
@@ -41,8 +42,5 @@ def perplexity(model: torch.nn.Module, originals: dict[str, torch.Tensor], mode:
 
 def _round_to_int8_blocks(module: torch.nn.Module, args: tuple) -> tuple:
     """A forward pre-hook: the input x [..., I] as the C kernels see it, int8 codes per block of 32 times max|x| / 127."""
-    x = args[0]
-    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
-    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros(()))
-    return ((torch.round(blocks * inverse) * scale).reshape(x.shape), *args[1:])
+    codes, scale = int8_rows(args[0])
+    return ((codes * scale[..., None]).reshape(args[0].shape).to(args[0].dtype), *args[1:])
