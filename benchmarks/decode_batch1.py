@@ -45,13 +45,13 @@ def main() -> None:
     threads = torch.get_num_threads()
     hf_dir = None  # transformers' copy, when tsterm's is not one it loads
     if args.default:
-        from tsterm.gguf_import import ensure_default_model
+        from tsterm.convert.gguf import ensure_default_model
         model_dir = str(ensure_default_model())
         hf_dir = None if args.no_transformers else str(ensure_default_model(dequantize=True))
     elif args.model:
         model_dir = args.model
     else:
-        from tsterm.demo import ensure_demo_model
+        from tsterm.convert.demo import ensure_demo_model
         model_dir = str(ensure_demo_model(args.demo))
     llm = LLM(model_dir, dtype=args.dtype, device="cpu")
     vocab = llm.engine.model_config.vocab_size

@@ -19,7 +19,7 @@ import os
 
 from tsterm import LLM, SamplingParams
 from tsterm.bench.measure import model_weight_bytes
-from tsterm.gguf_import import DEFAULT_MODEL_NAME, ensure_default_model
+from tsterm.convert.gguf import DEFAULT_MODEL_NAME, ensure_default_model
 from tsterm.profiles import resolve_model
 
 

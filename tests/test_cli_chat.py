@@ -43,7 +43,7 @@ def test_two_turns_reuse_the_first_turns_tokens(model_dir, monkeypatch, capsys):
 
 
 def test_next_prompt_is_the_kept_ids_plus_the_tokens_of_the_new_text(model_dir, monkeypatch, capsys):
-    from tsterm.line_chat import LineChat
+    from tsterm.chat.line_chat import LineChat
     calls: list[tuple[object, list[int], object]] = []
     generate = LineChat._generate
 

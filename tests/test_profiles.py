@@ -28,8 +28,8 @@ def no_model_loading(monkeypatch):
         raise AssertionError("checking a profile must not load, import or download a model")
 
     monkeypatch.setattr(profiles, "resolve_model", refuse)
-    monkeypatch.setattr("tsterm.demo.ensure_demo_model", refuse)
-    monkeypatch.setattr("tsterm.gguf_import.ensure_default_model", refuse)
+    monkeypatch.setattr("tsterm.convert.demo.ensure_demo_model", refuse)
+    monkeypatch.setattr("tsterm.convert.gguf.ensure_default_model", refuse)
     monkeypatch.setitem(profiles.SHIPPED_MODELS, "smollm2-135m-instruct", refuse)
 
 

@@ -104,11 +104,11 @@ def _require_text(text: str, what: str) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Line mode (tsterm.line_chat) on a pipe or with --plain; else the TUI."""
+    """Line mode (tsterm.chat.line_chat) on a pipe or with --plain; else the TUI."""
     if not args.plain and not args.model and sys.stdin.isatty():
         from tsterm.tui import main as tui
         return tui(args.profile or "default", engine_options=_parallel_options(args))
-    from tsterm import line_chat
+    from tsterm.chat import line_chat
     from tsterm.launch import llm_from_args, profile_from_args
 
     if not args.model and not args.profile:
@@ -176,7 +176,7 @@ def _warn(warnings: list[str]) -> None:
 
 
 def _import_gguf(rest: list[str]) -> int:
-    from tsterm.gguf_import import cli_main
+    from tsterm.convert.gguf import cli_main
     return cli_main(rest)
 
 
@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["import-gguf"]:  # its own parser (tsterm.gguf_import.cli_main) owns every option, --help too
+    if argv[:1] == ["import-gguf"]:  # its own parser (tsterm.convert.gguf.cli_main) owns every option, --help too
         return _import_gguf(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -246,7 +246,7 @@ class ModelConfig:
     # `weight_scale_inv` value covers; (0, 0): one scale per tensor; None: not an FP8 checkpoint
     fp8_block_size: tuple[int, int] | None = None
     # the checkpoint's own quantization_config.quant_method ("fp8", "gguf_blocks": a GGUF imported with its Q8_0 /
-    # Q4_x / K-quant linear weights kept as blocks, see tsterm.gguf_import); None: float weights
+    # Q4_x / K-quant linear weights kept as blocks, see tsterm.convert.gguf); None: float weights
     quant_method: str | None = None
     source: str = "config.json"
 
@@ -398,7 +398,7 @@ def _parse_quantization(qc: Any, source: str) -> tuple[str | None, tuple[int, in
     if qc is None:
         return None, None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method == "gguf_blocks":  # tsterm.gguf_import's native import: 32-input blocks, read by the loader
+    if method == "gguf_blocks":  # tsterm.convert.gguf's native import: 32-input blocks, read by the loader
         if qc.get("block_size", 32) != 32:
             raise ModelLoadError(f"{source}: quantization_config.block_size must be 32 for gguf_blocks, got "
                                  f"{qc.get('block_size')!r}")

@@ -34,7 +34,7 @@ def engine_options(profile: Profile | None, model: str | None = None, prepare: P
         raise ConfigError("give --model DIR or --profile NAME")
     name = model if model is not None else profile.model()
     if prepare is not None and name.startswith("demo:"):
-        from tsterm.demo import SPECS, ensure_demo_model
+        from tsterm.convert.demo import SPECS, ensure_demo_model
 
         if name[5:] in SPECS:  # an unknown name is reported by resolve_model below
             status(f"preparing {name} (generated on first use)")

@@ -27,7 +27,7 @@ def executor_for(config: EngineConfig) -> ExecutorFactory:
 
 def _with_reimport_hint(error: ModelLoadError, model_dir: str) -> ModelLoadError:
     """A damaged file in a directory `tsterm import-gguf` wrote is fixed by importing again, not by a download."""
-    from tsterm.gguf_import import reimport_command
+    from tsterm.convert.gguf import reimport_command
 
     command = reimport_command(model_dir)
     if command is None:

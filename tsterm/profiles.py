@@ -171,7 +171,7 @@ class Profile:
         if model in SHIPPED_MODELS:
             return
         if model.startswith("demo:"):
-            from tsterm.demo import SPECS
+            from tsterm.convert.demo import SPECS
             if model.split(":", 1)[1] not in SPECS:
                 raise ConfigError(f"{self.where('model')}: unknown demo model {model!r} "
                                   f"(have: {', '.join('demo:' + n for n in SPECS)})")
@@ -571,7 +571,7 @@ def _env(name: str, where: str) -> str:
 
 
 def _smollm2() -> Path:
-    from tsterm.gguf_import import ensure_default_model
+    from tsterm.convert.gguf import ensure_default_model
     return ensure_default_model(progress=_demo_progress("smollm2-135m-instruct", "importing"))
 
 
@@ -602,7 +602,7 @@ def resolve_model(model: str, profile_path: Path | None = None) -> str:
     if model in SHIPPED_MODELS:
         return str(SHIPPED_MODELS[model]())
     if model.startswith("demo:"):
-        from tsterm.demo import SPECS, ensure_demo_model
+        from tsterm.convert.demo import SPECS, ensure_demo_model
         name = model.split(":", 1)[1]
         if name not in SPECS:
             raise ConfigError(f"unknown demo model {model!r} (have: {', '.join('demo:' + n for n in SPECS)})")

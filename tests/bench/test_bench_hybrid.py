@@ -12,7 +12,7 @@ from tsterm.bench import run_bench
 from tsterm.bench.measure import bytes_read_per_token, parallel_ceiling, sequence_bytes
 from tsterm.bench.report import format_table
 from tsterm.bench.trace import TraceSpec
-from tsterm.demo import SPECS, RandomHybridSpec, bytes_read_per_token as demo_bytes_read, make_random_moe
+from tsterm.convert.demo import SPECS, RandomHybridSpec, bytes_read_per_token as demo_bytes_read, make_random_moe
 
 TINY = RandomHybridSpec(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,

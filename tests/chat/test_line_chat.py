@@ -9,7 +9,7 @@ import pytest
 
 from tsterm import LLM, SamplingParams
 from tsterm.chat.store import SessionStore
-from tsterm.line_chat import LineChat
+from tsterm.chat.line_chat import LineChat
 
 AGENT_DEMO = Path(__file__).resolve().parents[2] / "tsterm" / "models" / "agent_demo"
 

@@ -1,4 +1,4 @@
-"""`torchrun ... -m tsterm.torchrun run ...`: torchrun starts the ranks, global rank 0 runs the command and its
+"""`torchrun ... -m tsterm.distributed.torchrun run ...`: torchrun starts the ranks, global rank 0 runs the command and its
 engine attaches to the others (no worker of its own); the greedy answer equals one process's, and every rank exits 0
 when the command ends (the engine's exit stops the workers)."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_torchrun_ranks_serve_one_command(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "tsterm.torchrun", "run", "--model", str(path),
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "tsterm.distributed.torchrun", "run", "--model", str(path),
          "--tensor-parallel-size", "2", "--device", "cpu", "--dtype", "float32", "--prompt", "hello world", "--raw",
          "--max-tokens", "6", "--temperature", "0", "--json"],
         capture_output=True, text=True, timeout=240, env=env, check=False)

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from tsterm import LLM, SamplingParams
-from tsterm.demo import SPECS, make_random_moe
+from tsterm.convert.demo import SPECS, make_random_moe
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.errors import EngineStepError, EngineStoppedError, EngineTimeoutError
 

@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 
 from tsterm import LLM, SamplingParams
-from tsterm.demo import SPECS, make_random_moe
+from tsterm.convert.demo import SPECS, make_random_moe
 from tsterm.engine import output_processor
 from tsterm.engine.output_processor import SampleOutput
 from tsterm.engine.sequence import Sequence, SequenceStatus

@@ -398,7 +398,7 @@ def test_a_state_left_out_of_a_step_stops_holding_the_batch_tensors(logits):
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from tsterm.demo import SPECS, make_random_moe
+    from tsterm.convert.demo import SPECS, make_random_moe
 
     return make_random_moe(tmp_path_factory.mktemp("demo") / "tiny", SPECS["tiny"])
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tsterm import LLM, SamplingParams
-from tsterm import demo
-from tsterm.demo import SPECS, bytes_read_per_token, checkpoint_bytes, ensure_demo_model, make_random_moe
+from tsterm.convert import demo
+from tsterm.convert.demo import SPECS, bytes_read_per_token, checkpoint_bytes, ensure_demo_model, make_random_moe
 from tsterm.tokenizer import Tokenizer
 
 from tests.model.test_parity import reference_greedy

@@ -14,7 +14,7 @@ gguf = pytest.importorskip("gguf", reason="the GGUF importer needs the `gguf` pa
 
 from tsterm import LLM, SamplingParams  # noqa: E402
 from tsterm.errors import ModelLoadError  # noqa: E402
-from tsterm.gguf_import import (  # noqa: E402
+from tsterm.convert.gguf import (  # noqa: E402
     INFO_FILE,
     cli_main,
     default_cache_dir,
@@ -445,7 +445,7 @@ def test_cli(tmp_path, capsys):
 def test_a_float_import_in_the_default_models_place_is_not_taken_for_it(monkeypatch, tmp_path):
     """ensure_default_model re-imports a directory whose info says --dequantize (or predates the flag): the default
     model runs from the file's blocks."""
-    from tsterm import gguf_import
+    from tsterm.convert import gguf as gguf_import
     source = gguf_import.shipped_smollm2_gguf()
     monkeypatch.setattr(gguf_import, "import_damage", lambda target: None)
     info = {"importer_version": gguf_import.IMPORTER_VERSION, "source": source.name,

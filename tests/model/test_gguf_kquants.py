@@ -1,4 +1,4 @@
-"""K-quant GGUF import (`tsterm.gguf_import`): Q4_K linear weights repacked into int4 blocks, Q5_K / Q6_K re-quantized
+"""K-quant GGUF import (`tsterm.convert.gguf`): Q4_K linear weights repacked into int4 blocks, Q5_K / Q6_K re-quantized
 to int8 blocks, checked against gguf-py's own dequantization of the file, and, as whole tiny models, against the
 fully dequantized import of the same file. The K-quant blocks come from tests.helpers.gguf's own quantizer (gguf-py
 has none) and, for every bit pattern of the packed scales, from random bytes (`random_blocks`)."""
@@ -17,7 +17,7 @@ from tests.helpers.gguf import llama_cpp_permute, quantize_linear, random_blocks
 from tests.helpers.probes import decisive_steps_agree, greedy, last_logits, relative_error
 from tsterm import LLM
 from tsterm.errors import ModelLoadError
-from tsterm.gguf_import import IMPORTER_VERSION, INFO_FILE, import_gguf
+from tsterm.convert.gguf import IMPORTER_VERSION, INFO_FILE, import_gguf
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,4 +1,4 @@
-"""Native GGUF import: Q8_0 / Q4_0 / Q4_1 linear weights kept as their blocks (`tsterm.gguf_import`), loaded as
+"""Native GGUF import: Q8_0 / Q4_0 / Q4_1 linear weights kept as their blocks (`tsterm.convert.gguf`), loaded as
 `QuantizedWeight`s (`tsterm.model.loader`) and run by the int8 / int4 kernels, checked against the file's bytes and
 against the fully dequantized import of the same file. The real default model is checked in test_gguf_import.py."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tests.helpers.probes import decisive_steps_agree, greedy, last_logits, rela
 from tsterm import LLM, SamplingParams
 from tsterm.config import ModelConfig, check_quantization
 from tsterm.errors import ConfigError, ModelLoadError
-from tsterm.gguf_import import INFO_FILE, import_gguf
+from tsterm.convert.gguf import INFO_FILE, import_gguf
 from tsterm.model.loader import load_weights
 from tsterm.model.parallel import ParallelLayout
 from tsterm.model.quant import weight_bytes

@@ -4,7 +4,7 @@ The engine's scheduler, block pool and prefix cache stay here and decide for eve
 heads' KV under the same block ids. Each engine call becomes one broadcast command (the step's host lists, or the
 copy-on-write pairs); then every rank runs its shard of the step, and rank 0 returns the gathered logits.
 
-Under torchrun (`python -m tsterm.torchrun`, see there) the workers are torchrun's processes, on this machine or
+Under torchrun (`python -m tsterm.distributed.torchrun`, see there) the workers are torchrun's processes, on this machine or
 others: the executor attaches to them through torchrun's store instead of starting any.
 
 Faults: a worker that exits makes the next collective fail at once; one that hangs makes it time out after
@@ -36,7 +36,7 @@ from tsterm.errors import ConfigError, DistributedError
 from tsterm.model.parallel import ParallelLayout
 
 START_TIMEOUT_S = 600.0  # importing torch and reading a large shard can take minutes
-# set by `tsterm.torchrun` on rank 0: attach to torchrun's ranks (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+# set by `tsterm.distributed.torchrun` on rank 0: attach to torchrun's ranks (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 TORCHRUN_ENV = "TSTERM_TORCHRUN"
 POLL_S = 0.02
 

@@ -8,7 +8,7 @@ the layout needs is materialised, once, at load: fused q/k/v rows and the stacke
 A rank of a parallel layout (`tsterm.model.parallel`) loads only its shard: row slices of a mapped tensor stay views
 of the mapping (only their pages are ever read), column slices are copied once, contiguously, at load.
 
-Quantized weights (a GGUF imported natively, `tsterm.gguf_import`, config.json quant_method "gguf_blocks"): a weight
+Quantized weights (a GGUF imported natively, `tsterm.convert.gguf`, config.json quant_method "gguf_blocks"): a weight
 stored as `<name>.qcodes` + `<name>.qscales` loads as a `tsterm_kernels.quant.QuantizedWeight` (int8 codes: int8;
 uint8 codes: int4), on the CPU read in place from the mapping like a float weight. Fusing concatenates codes and
 scales along the output rows (q/k/v, gate/up; experts come stacked), which is exact; a fused matrix whose parts are
@@ -45,7 +45,7 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")  # fine-grained FP8 / compressed-tenso
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 Span = tuple[int, int] | None  # (first, count) along one dimension; None: all of it
-CODES, SCALES = ".qcodes", ".qscales"  # a quantized weight's two tensors (tsterm.gguf_import writes them)
+CODES, SCALES = ".qcodes", ".qscales"  # a quantized weight's two tensors (tsterm.convert.gguf writes them)
 QUANT_KINDS = {torch.int8: "int8", torch.uint8: "int4"}  # codes dtype -> QuantizedWeight kind
 Weight = torch.Tensor | QuantizedWeight
 

@@ -1,7 +1,7 @@
 """Run a tsterm command over ranks that torchrun starts, on one machine or several:
 
     torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr HOST0 --master-port 29500 \\
-        -m tsterm.torchrun run --model DIR --tensor-parallel-size 2 --expert-parallel-size 2 --prompt "..."
+        -m tsterm.distributed.torchrun run --model DIR --tensor-parallel-size 2 --expert-parallel-size 2 --prompt "..."
 
 (the same line on every machine, `--node-rank` 0, 1, ...). Global rank 0 runs the command itself (the CLI, the TUI
 or the server, with its engine); every other rank reads the same command line (profile, model, options) and serves
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     if "WORLD_SIZE" not in os.environ:
-        sys.stderr.write("tsterm.torchrun: start it with torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT are unset)\n")
+        sys.stderr.write("tsterm.distributed.torchrun: start it with torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT are unset)\n")
         return 2
     if rank == 0:
         os.environ[TORCHRUN_ENV] = "1"  # the engine attaches to torchrun's ranks instead of starting workers

@@ -173,7 +173,7 @@ class GgufFile:
         try:
             return reader_cls(str(path))
         except Exception as e:  # the reader raises ValueError/struct errors on anything that is not a GGUF
-            from tsterm.gguf_extent import truncation
+            from tsterm.convert.gguf_extent import truncation
             raise ModelLoadError(truncation(path) or f"{path}: not a readable GGUF file ({e})") from None
 
     @staticmethod
