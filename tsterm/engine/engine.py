@@ -1,4 +1,10 @@
-"""The engine: requests in, one `step()` at a time (schedule -> run -> postprocess), outputs out."""
+"""The engine: requests in, one `step()` at a time (schedule -> run -> postprocess), outputs out.
+
+The engine owns the requests (their samples, sampling state, detokenisers, stop checks) and the executor; the
+scheduler owns the sequences' queues, blocks, state slots and pins. A step asks the scheduler for a batch, has the
+executor compute it and the sampler draw from it, gives the batch back to the scheduler (`update_from_output`), and
+appends the draws to their requests.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -97,18 +103,16 @@ class Engine:
                          max_pinned_blocks=int(config.max_pinned_fraction * num_blocks),
                          num_state_slots=self.num_state_slots)
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, lambda: self.clock())  # (the engine's clock, even if replaced)
         self.limits = Limits(cfg.vocab_size, self.max_model_len, config.max_num_seqs)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, Request] = {}
         self._samples: dict[int, Sample] = {}  # seq_id -> its sample (live requests only, from their admission)
         self._next_id = 0
         self._next_pin_id = 0
-        self.num_pins_dropped = 0  # pins released early because nothing else could run (see `_schedule`)
         self._seq_ids = itertools.count()  # the engine's own: no sequence numbering is shared between engines
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self.num_prefill_tokens = 0
         self.metrics = EngineMetrics()
         self.audit: CopyAudit | None = None  # off by default: `enable_copy_audit`
 
@@ -160,25 +164,24 @@ class Engine:
         if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
             raise RequestError(f"pin ttl_s must be a positive number of seconds, got {ttl_s!r}")
         now = self.clock()
-        self.kv.pool.expire_pins(now)
+        self.kv.expire_pins(now)
         if key is None:
             key, self._next_pin_id = f"pin-{self._next_pin_id}", self._next_pin_id + 1
-        cached = self.kv.cached_prefix_blocks(list(token_ids))
-        num_pinned = self.kv.pool.pin(key, cached, now + ttl_s)
-        return PinResult(key if num_pinned else None, num_pinned, num_pinned * self.config.block_size, len(cached),
-                         capped=num_pinned < len(cached))
+        num_pinned, num_cached = self.kv.pin(key, token_ids, now + ttl_s)
+        return PinResult(key if num_pinned else None, num_pinned, num_pinned * self.config.block_size, num_cached,
+                         capped=num_pinned < num_cached)
 
     def unpin(self, pin_id: str) -> bool:
         """Release a pin (its blocks become evictable unless something else holds them). False if it is unknown or
         already expired."""
-        self.kv.pool.expire_pins(self.clock())
-        return self.kv.pool.unpin(pin_id)
+        self.kv.expire_pins(self.clock())
+        return self.kv.unpin(pin_id)
 
     # ---------------------------------------------------------------------------------------------------------
     # the step
 
     def step(self) -> list[RequestOutput]:
-        batch = self._schedule()
+        batch = self.scheduler.schedule()
         if batch is None:
             return []
         generated_before = self.num_generated_tokens
@@ -188,19 +191,6 @@ class Engine:
         if audited:
             self.audit.audited_tokens += self.num_generated_tokens - generated_before
         return outputs
-
-    def _schedule(self) -> ScheduledBatch | None:
-        """The scheduler's batch, after expiring pins. If pins hold blocks that the waiting requests need and nothing
-        runs, nothing ever would (not before the pins expire): pins then yield to traffic, all of them."""
-        pool = self.kv.pool
-        pool.expire_pins(self.clock())
-        batch = self.scheduler.schedule()
-        if batch is None and self.scheduler.waiting and not self.scheduler.running and pool.pins():
-            for key in pool.pins():
-                pool.unpin(key)
-                self.num_pins_dropped += 1
-            batch = self.scheduler.schedule()
-        return batch
 
     def enable_copy_audit(self, every_n_steps: int = 1) -> CopyAudit:
         """Count copy bytes and host syncs of every Nth step from now on (see `tsterm.engine.copy_audit`)."""
@@ -293,7 +283,7 @@ class Engine:
         """Commit what the batch computed, append the draws, and hand out outputs. A request whose fork, detokenizer
         or output fails here fails alone (into `failures`); every failed request gets its final error output."""
         now = time.time()
-        prefill_tokens = self._advance(batch)
+        prefill_tokens = self.scheduler.update_from_output(batch)
         touched: dict[str, Request] = {}
         for sample, token, logprob in draws:
             req = self.requests[sample.seq.request_id]
@@ -321,42 +311,15 @@ class Engine:
                 self._forget(self.requests.pop(out.request_id))
         return outputs
 
-    def _advance(self, batch: ScheduledBatch) -> int:
-        """Mark the batch's tokens computed and register its filled blocks; returns the prompt tokens it computed."""
-        prefill_tokens = 0
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed_tokens += n
-            self.kv.commit(seq)
-            self.kv.keep_interval_snapshot(seq)
-            self.kv.state_copied(seq)
-            if seq.num_output_tokens == 0:
-                prefill_tokens += n
-        self.num_prefill_tokens += prefill_tokens
-        return prefill_tokens
-
     def _fork(self, req: Request) -> None:
-        """Sample 0 of `req` has computed its prompt: samples 1..n-1 join it, sharing every KV block (a hybrid's
-        start from a copy of its state, made now: it may advance before they run). All or nothing: a failure leaves
-        no block or slot held by a child and no child scheduled."""
+        """Sample 0 of `req` has computed its prompt: samples 1..n-1 join it (`Scheduler.fork`: every KV block by
+        reference, a hybrid's state copied now; all or nothing)."""
         parent, children = req.samples[0].seq, [sample.seq for sample in req.samples[1:]]
-        forked: list[Sequence] = []
-        state_copies: list[tuple[int, int]] = []
-        try:
-            for child in children:
-                child.metrics.arrival_time = parent.metrics.arrival_time
-                child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-                child.num_cached_tokens = child.metrics.num_cached_tokens = parent.num_cached_tokens
-                forked.append(child)
-                state_copies.extend(self.kv.fork(parent, child))
-            if state_copies:
-                self.executor.copy_states(state_copies)
-        except BaseException:
-            for child in forked:
-                self.kv.free(child, keep_partial=False)
-            raise
         for child in children:
-            child.status = parent.status
-            self.scheduler.running.append(child)
+            child.metrics.arrival_time = parent.metrics.arrival_time
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            child.num_cached_tokens = child.metrics.num_cached_tokens = parent.num_cached_tokens
+        self.scheduler.fork(parent, children, self.executor.copy_states)
         req.forked = True
 
     def _append(self, sample: Sample, token: int, logprob: dict | None, now: float) -> None:
@@ -381,7 +344,6 @@ class Engine:
         for sample in req.live:
             seq = sample.seq
             if not seq.is_finished:
-                self.kv.free(seq, keep_partial=False)
                 self.scheduler.finish(seq, "error")
                 self.metrics.on_finished(seq.metrics, "error")
         return req.error_output(error)
@@ -413,13 +375,13 @@ class Engine:
     # stats
 
     def stats(self) -> dict[str, int | float]:
-        self.kv.pool.expire_pins(self.clock())  # an idle engine shows an expired pin as gone
+        self.kv.expire_pins(self.clock())  # an idle engine shows an expired pin as gone
         s = dict(self.kv.stats())
-        s["pins_dropped"] = self.num_pins_dropped
+        s["pins_dropped"] = self.scheduler.num_pins_dropped
         s.update(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             preemptions=self.scheduler.num_preemptions, steps=self.num_steps,
-            generated_tokens=self.num_generated_tokens, prefill_tokens=self.num_prefill_tokens,
+            generated_tokens=self.num_generated_tokens, prefill_tokens=self.scheduler.num_prefill_tokens,
             block_size=self.config.block_size, kv_bytes_per_block=self.executor.kv_bytes_per_block,
             state_bytes=self.executor.state_bytes,
         )
@@ -441,5 +403,3 @@ class Engine:
         """Release the executor (its workers, device memory); the engine is unusable after."""
         self.executor.shutdown()
 
-    def prometheus(self) -> str:
-        return self.metrics.prometheus(self.stats())

@@ -66,6 +66,31 @@ class KVCacheManager:
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return num_cached
 
+    # ---- pins: a session waiting on its tools (or its user) keeps its prefix out of eviction
+
+    def pin(self, key: str, token_ids: list[int], expires_at: float) -> tuple[int, int]:
+        """Pin the cached full blocks of the longest cached prefix of `token_ids` under `key` until `expires_at`
+        (`BlockPool.pin`: a pin under an existing key replaces it; the cap may stop it early). Returns (blocks
+        pinned, cached full blocks found)."""
+        cached = self.cached_prefix_blocks(list(token_ids))
+        return self.pool.pin(key, cached, expires_at), len(cached)
+
+    def unpin(self, key: str) -> bool:
+        return self.pool.unpin(key)
+
+    def expire_pins(self, now: float) -> int:
+        return self.pool.expire_pins(now)
+
+    def pins(self) -> list[str]:
+        return list(self.pool.pins())
+
+    def drop_pins(self) -> int:
+        """Release every pin (they yield to traffic that cannot run otherwise); returns how many."""
+        keys = self.pins()
+        for key in keys:
+            self.pool.unpin(key)
+        return len(keys)
+
     def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
         """The cached or referenced blocks holding the longest run of full blocks that prefixes `token_ids`, first
         block first (what `match_prefix` would take for a longer prompt). Acquires nothing."""

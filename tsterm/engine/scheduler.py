@@ -1,8 +1,14 @@
-"""Continuous batching with chunked prefill: decodes first (never starved), then prefill chunks under a token budget."""
+"""Continuous batching with chunked prefill: decodes first (never starved), then prefill chunks under a token budget.
+
+The scheduler owns the sequences' lifecycle (waiting -> running -> finished, preemption, forks) and, through the KV
+manager, their blocks, state slots and pins. The engine asks it for a batch (`schedule`), runs it, and hands the
+result back (`update_from_output`); it never touches the queues or the pool itself.
+"""
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from tsterm.config import EngineConfig
 from tsterm.engine.kv_manager import KVCacheManager
@@ -11,13 +17,17 @@ from tsterm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
+        """clock: seconds, for pin expiry (the engine's; tests pass a fake one)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.kv = kv
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is preempted first
         self.num_preemptions = 0
+        self.num_pins_dropped = 0  # pins released early because nothing else could run (see `schedule`)
+        self.num_prefill_tokens = 0  # prompt tokens computed (not taken from the cache), over all steps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -26,6 +36,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next batch, after expiring pins. If pins hold blocks that the waiting requests need and nothing runs,
+        nothing ever would (not before the pins expire): pins then yield to traffic, all of them."""
+        self.kv.expire_pins(self.clock())
+        batch = self._schedule()
+        if batch is None and self.waiting and not self.running and self.kv.pins():
+            self.num_pins_dropped += self.kv.drop_pins()
+            batch = self._schedule()
+        return batch
+
+    def _schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [], [], [])
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
@@ -87,6 +107,43 @@ class Scheduler:
         batch.num_new.append(n)
         batch.slot_mappings.append(self.kv.slot_mapping(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
 
+    def update_from_output(self, batch: ScheduledBatch) -> int:
+        """After `batch` ran: mark its tokens computed, register the blocks it filled for the prefix cache, keep the
+        state snapshots it took, and release the state copies it consumed. Returns the prompt tokens it computed.
+        (The tokens it sampled are appended by the engine, which owns sampling, detokenising and stop checks.)"""
+        prefill_tokens = 0
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed_tokens += n
+            self.kv.commit(seq)
+            self.kv.keep_interval_snapshot(seq)
+            self.kv.state_copied(seq)
+            if seq.num_output_tokens == 0:
+                prefill_tokens += n
+        self.num_prefill_tokens += prefill_tokens
+        return prefill_tokens
+
+    def fork(self, parent: Sequence, children: list[Sequence],
+             copy_states: Callable[[list[tuple[int, int]]], None]) -> None:
+        """`parent` has computed its prompt: `children` (its other samples) join it, sharing every KV block, and run
+        from the next step on. A hybrid's children start from a copy of its state, made now through `copy_states`
+        (the executor's): the parent may advance before they run. All or nothing: a failure leaves no block or slot
+        held by a child and no child scheduled."""
+        forked: list[Sequence] = []
+        state_copies: list[tuple[int, int]] = []
+        try:
+            for child in children:
+                forked.append(child)
+                state_copies.extend(self.kv.fork(parent, child))
+            if state_copies:
+                copy_states(state_copies)
+        except BaseException:
+            for child in forked:
+                self.kv.free(child, keep_partial=False)
+            raise
+        for child in children:
+            child.status = parent.status
+            self.running.append(child)
+
     def preempt(self, seqs: list[Sequence]) -> None:
         """Preempt running `seqs` (say, those of a failed step that must be computed again): they keep their order
         at the head of the queue."""
@@ -103,12 +160,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence (finished or aborted) and release its blocks; full blocks stay cached for reuse."""
+        """Remove a sequence (finished, aborted or failed) and release its blocks; full blocks stay cached for reuse.
+        A failed one ("error") keeps no partly filled block: its failed step may have left that block half copied."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq, keep_partial=reason != "error")
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.time()
