@@ -4,8 +4,8 @@
 # Gated DeltaNet ones: prefill time per chunk, decode), then
 # batch-1 decode of a Qwen3-30B-A3B-shaped model, eager vs CUDA graphs, against its roofline, then one GPU vs
 # tensor/expert parallel ranks where the machine has 2+ GPUs (it says so where it has one); a summary table prints last. Usage, from anywhere: bash scripts/gpu_check.sh
-# Works without installing anything: uses $PYTHON (default python3, the GPU machine's own interpreter) and, when
-# tsterm_kernels is not installed, reaches the kernels/ directory through a symlink on PYTHONPATH.
+# Uses $PYTHON (default python3, the GPU machine's own interpreter, with its torch and triton), into which it installs
+# this checkout in editable mode when it is not installed yet.
 # Time: every phase runs under `timeout`, sized from one deadline ($GPU_CHECK_SECONDS, default 400) so that the
 # whole script ends within it, each later phase keeping a reserve.
 # Exit status: non-zero when the GPU tests or a benchmark fail.
@@ -16,12 +16,17 @@ DEADLINE=${GPU_CHECK_SECONDS:-400}
 unset TRITON_INTERPRET  # compiled kernels; the CPU suite's conftest would set it, hence --noconftest below
 export PYTHONUNBUFFERED=1  # a phase killed at its time limit still shows what it printed
 
-if ! "$PYTHON" -c "import tsterm_kernels" 2>/dev/null; then
-  shim=$(mktemp -d)
-  ln -s "$PWD/kernels" "$shim/tsterm_kernels"
-  export PYTHONPATH="$shim:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# An editable install of this checkout into the machine's own interpreter (offline: no dependencies, no build
+# isolation; torch and triton are the machine's): `tsterm` and `tsterm_kernels` (the kernels/ directory) import as
+# installed. The same step a developer takes: `pip install -e .`
+if ! "$PYTHON" -c "import tsterm_kernels.dispatch, tsterm, sys; sys.exit(tsterm.__file__.startswith('$PWD/') == False)" 2>/dev/null; then
+  if ! "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e .; then
+    # (an interpreter whose setuptools cannot build an editable wheel offline: reach kernels/ under its package name)
+    echo "gpu_check: 'pip install -e .' failed; running from the checkout through a tsterm_kernels link instead"
+    shim=$(mktemp -d) && ln -s "$PWD/kernels" "$shim/tsterm_kernels" && export PYTHONPATH="$shim"
+  fi
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # `tsterm`, `tests.kernels.cases`, `tests.helpers`
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the tests' own helpers: `tests.kernels.cases`, `tests.helpers`
 
 # seconds left for a phase: what remains of the deadline minus the reserve ($1) of the phases after it, >= 30
 limit() { local left=$((DEADLINE - SECONDS - $1)); echo $((left < 30 ? 30 : left)); }
