@@ -7,7 +7,7 @@ Each context gets --layers distinct KV pools (as a model's layers have), visited
 KV from memory as decode does, not from the cache the previous call left warm. The block table is in order, or
 shuffled (--shuffle: a pool fragmented by many sessions). Candidates run interleaved, round by round; the best
 round of each counts. Reported: microseconds per call and GB/s of KV bytes (K and V of every position) for
-- C kernel: `tsterm_kernels.reference.paged_attention`, i.e. csrc/decode.c's `tsterm_decode_attention`
+- C kernel: `tsterm_kernels.torch_ops.paged_attention`, i.e. csrc/decode.c's `tsterm_decode_attention`
 - read: `torch.sum` of the same K and V pools (the bandwidth a reader of these bytes gets here; an upper bound)
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import torch
 
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
-from tsterm_kernels.reference import paged_attention
+from tsterm_kernels.torch_ops import paged_attention
 
 HEADS = {"smollm2": (9, 3, 64), "bench": (16, 4, 64)}  # (query heads, KV heads, head_dim)
 BLOCK = 16

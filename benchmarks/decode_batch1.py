@@ -65,11 +65,11 @@ def main() -> None:
 
     rates = {"tsterm": tsterm_rate}
     if args.layer_by_layer:
-        from tsterm_kernels import reference
+        from tsterm_kernels import torch_ops
 
-        stack, reference.decode_stack = reference.decode_stack, lambda *a: None  # the next engine builds none
+        stack, torch_ops.decode_stack = torch_ops.decode_stack, lambda *a: None  # the next engine builds none
         layered = LLM(model_dir, dtype=args.dtype, device="cpu")
-        reference.decode_stack = stack
+        torch_ops.decode_stack = stack
         rates["tsterm layers"] = lambda: tsterm_rate(layered)
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM

@@ -47,7 +47,7 @@ def inputs(rows: int, value_heads: int, num_seqs: int, gen: torch.Generator):
 
 
 def prefill_rows(model: str, value_heads: int, num_seqs: int, length: int, rep_ms: int) -> list[Row]:
-    from tsterm_kernels import reference, triton_ops
+    from tsterm_kernels import torch_ops, triton_ops
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = num_seqs * length
@@ -56,12 +56,12 @@ def prefill_rows(model: str, value_heads: int, num_seqs: int, length: int, rep_m
     bounds = torch.stack((starts, starts + length), dim=1).to(torch.int32)
     out = torch.empty(rows, value_heads, HEAD_DIM, device="cuda")
     want_pool, want = pool.clone(), torch.empty_like(out)
-    reference.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want)
+    torch_ops.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want)
     got_pool = pool.clone()
     triton_ops.chunk_gated_delta_rule(q, k, v, g, beta, got_pool, slots, bounds, out)
     error = max((out - want).abs().max().item(), (got_pool - want_pool).abs().max().item())
     micros = bench(lambda: triton_ops.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, out), rep_ms)
-    twin = bench(lambda: reference.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, want), rep_ms)
+    twin = bench(lambda: torch_ops.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, want), rep_ms)
     chunks = -(-length // CHUNK)
     shape = f"{model} {num_seqs}x{length}"
     result = [Row("chunk_gated_delta_rule", shape, micros, None,
@@ -71,19 +71,19 @@ def prefill_rows(model: str, value_heads: int, num_seqs: int, length: int, rep_m
     conv_pool = torch.randn(2 * num_seqs, qkv.shape[1], KERNEL - 1, device="cuda", generator=gen).to(BF16)
     conv_out = torch.empty_like(qkv)
     micros = bench(lambda: triton_ops.causal_conv1d(qkv, weight, conv_pool, slots, bounds, conv_out), rep_ms)
-    twin = bench(lambda: reference.causal_conv1d(qkv, weight, conv_pool, slots, bounds, conv_out), rep_ms)
+    twin = bench(lambda: torch_ops.causal_conv1d(qkv, weight, conv_pool, slots, bounds, conv_out), rep_ms)
     result.append(Row("causal_conv1d", shape, micros, 2 * qkv.numel() * qkv.element_size() / micros / 1e3,
                       f"twin {twin:.0f} us ({twin / micros:.1f}x)"))
     return result
 
 
 def decode_rows(model: str, value_heads: int, num_seqs: int, rep_ms: int) -> list[Row]:
-    from tsterm_kernels import reference, triton_ops
+    from tsterm_kernels import torch_ops, triton_ops
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     qkv, q, k, v, g, beta, pool, slots = inputs(num_seqs, value_heads, num_seqs, gen)
     micros = bench(lambda: triton_ops.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots), rep_ms)
-    twin = bench(lambda: reference.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots), rep_ms)
+    twin = bench(lambda: torch_ops.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots), rep_ms)
     state_bytes = 2 * num_seqs * value_heads * HEAD_DIM * HEAD_DIM * 4
     result = [Row("recurrent_gated_delta_rule", f"{model} S={num_seqs}", micros, state_bytes / micros / 1e3,
                   f"state read + written in place; twin {twin:.0f} us ({twin / micros:.1f}x)")]

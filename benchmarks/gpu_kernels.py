@@ -71,7 +71,7 @@ def copy_bandwidth(rep_ms: int) -> Row:
 
 
 def moe_rows(tokens_list: list[int], rep_ms: int, with_twin: bool, copy_gbps: float) -> list[Row]:
-    from tsterm_kernels import reference
+    from tsterm_kernels import torch_ops
     from tsterm_kernels.triton_fused_moe import tile_config
     from tsterm_kernels.triton_moe_align import moe_align
     from tsterm_kernels.triton_ops import fused_moe, moe_route
@@ -100,7 +100,7 @@ def moe_rows(tokens_list: list[int], rep_ms: int, with_twin: bool, copy_gbps: fl
         if with_twin:
             twin_out = torch.zeros_like(x)
             def twin_step(x=x, logits=logits, twin_out=twin_out):
-                reference.fused_moe(x, w13, w2, *reference.moe_route(logits, TOP_K, True), twin_out)
+                torch_ops.fused_moe(x, w13, w2, *torch_ops.moe_route(logits, TOP_K, True), twin_out)
 
             twin = bench(twin_step, rep_ms)
             note += f", torch twin {twin:.0f} us ({twin / micros:.1f}x)"

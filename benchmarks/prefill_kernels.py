@@ -9,7 +9,7 @@ C kernel's speedup over torch in the same run.
 - matmul `x @ W.T`: torch (`torch.mm`, MKL) against `tsterm_f32_gemm`. Each round cycles through 16 distinct
   weights, as the experts of a layer are, so the weights come from memory, not from the cache.
 - causal attention of the new tokens over a paged pool (in-order blocks of 16): torch's flash kernel, in the pieces
-  `tsterm_kernels.reference` ran it (an unmasked prefix and a causal part, merged by log-sum-exp), against
+  `tsterm_kernels.torch_ops` ran it (an unmasked prefix and a causal part, merged by log-sum-exp), against
   `tsterm_prefill_attention`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from tsterm_kernels import cpu_native, reference
+from tsterm_kernels import cpu_native, torch_ops
 
 HIDDEN, INTER, EXPERTS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 1024, 512, 16, 16, 4, 64, 16
 MATMULS = [  # (label, rows, in_features, out_features)
@@ -86,7 +86,7 @@ def main() -> None:
         out_torch, out_c = torch.empty_like(q), torch.empty_like(q)
 
         def attend_torch():
-            reference._extend_attention(q, k_cache, v_cache, [(0, blocks)], seq_len, scale, out_torch)
+            torch_ops._extend_attention(q, k_cache, v_cache, [(0, blocks)], seq_len, scale, out_torch)
 
         def attend_c():
             native.prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),

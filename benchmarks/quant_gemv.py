@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tsterm_kernels.quant import quantize_fp16, quantize_int4, quantize_int8, quantized_linear
-from tsterm_kernels.reference import linear
+from tsterm_kernels.torch_ops import linear
 
 SHAPES = {  # (name, out_features, in_features)
     "smollm2": [("qkv", 960, 576), ("o_proj", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),

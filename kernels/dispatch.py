@@ -20,12 +20,12 @@ OP_NAMES = ("rms_norm", "store_kv", "paged_attention", "moe_route", "fused_moe",
 
 # name -> module providing every op in OP_NAMES. Imported on first `load` (Python caches the module), so that
 # importing this package never imports triton (nor needs a GPU).
-IMPLEMENTATIONS = {"torch": "tsterm_kernels.reference", "triton": "tsterm_kernels.triton_ops"}
+IMPLEMENTATIONS = {"torch": "tsterm_kernels.torch_ops", "triton": "tsterm_kernels.triton_ops"}
 
 
 @dataclass(frozen=True, slots=True)
 class KernelOps:
-    """One implementation of every op in OP_NAMES; each has the signature of its torch twin in `reference`."""
+    """One implementation of every op in OP_NAMES; each has the signature of its torch version in `torch_ops`."""
 
     name: str
     rms_norm: Callable
@@ -33,15 +33,16 @@ class KernelOps:
     paged_attention: Callable
     moe_route: Callable
     fused_moe: Callable
-    causal_conv1d_update: Callable  # Gated DeltaNet decode (twins in `reference_gated_delta`)
+    causal_conv1d_update: Callable  # Gated DeltaNet decode (torch versions in `torch_gated_delta`)
     recurrent_gated_delta_rule: Callable
     causal_conv1d: Callable  # Gated DeltaNet prefill: every prompt chunk of a step in one call
     chunk_gated_delta_rule: Callable
-    decode_stack: Callable  # a model's layers -> one callable for its decode steps, or None (see reference)
+    decode_stack: Callable  # a model's layers -> one callable for its decode steps, or None (see torch_ops)
 
 
 def load(name: str) -> KernelOps:
-    """The ops of implementation `name` ("torch": the reference twins; "triton": the Triton kernels)."""
+    """The ops of implementation `name` ("torch": `torch_ops`, the CPU path with its C kernels; "triton": the
+    Triton kernels)."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown kernel implementation {name!r} (have: {', '.join(IMPLEMENTATIONS)})")
     module = importlib.import_module(IMPLEMENTATIONS[name])

@@ -2,7 +2,7 @@
 fp8 in blocks of 128 x 128 (fine-grained FP8 checkpoints' form).
 
 A `QuantizedWeight` stands where a float weight [O, I] (or a stack of them, [E, O, I]) stood; the model's matmul
-seam, `tsterm_kernels.reference.linear`, sends it here. Only the quantized bytes are kept: no float copy exists
+seam, `tsterm_kernels.torch_ops.linear`, sends it here. Only the quantized bytes are kept: no float copy exists
 after quantization, and every matmul of few rows reads the int8 / int4 data.
 
 Formats (I a multiple of 32; fp16 scales, as GGUF stores them):
@@ -20,8 +20,8 @@ Formats (I a multiple of 32; fp16 scales, as GGUF stores them):
 
 Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): int8 and int4 run tsterm's C kernels
 (`tsterm_kernels.cpu_native`, csrc/gemv.c) for any number of rows of x: each row is quantized to int8 per block of 32
-and the integer products summed, as llama.cpp does for these formats (`reference_matmul` is that arithmetic in
-torch), so a row's result is the same bits in a decode, a prefill or a batch of any size (the engine's invariance
+and the integer products summed, as llama.cpp does for these formats (tests/kernels/oracles.py's `int8_rows_matmul`
+is that arithmetic in float64), so a row's result is the same bits in a decode, a prefill or a batch of any size (the engine's invariance
 promise; the int8 rounding of x costs +0.6% held-out perplexity on the default model, a tenth of int4's weight
 rounding, BENCHMARKS.md). A weight marked `prefill_gemm` (an engine's `deterministic: false`) sends more than
 NATIVE_MAX_ROWS rows to csrc/gemm.c's float32 GEMM instead, which dequantizes each 16-row panel of the weight as it
@@ -209,25 +209,6 @@ def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dx = xb.abs().amax(-1) / 127.0
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros(()))
     return torch.round(xb * inv[..., None]), dx
-
-
-def reference_matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """The C kernels' arithmetic in torch (float64 sums): x [M, I] quantized to int8 per block of 32 (`int8_rows`),
-    times the weight's codes, scaled per block. -> [M, O] float32."""
-    in_f = x.shape[1]
-    qx, dx = int8_rows(x)  # [M, I/32, 32], [M, I/32]
-    qx = qx.double()
-    if weight.kind == "int8":
-        codes = weight.data.view(weight.dims[0], in_f // BLOCK, BLOCK).double()
-        d, m = weight.scale.double(), None
-    else:
-        codes = int4_codes(weight.data).double()
-        d, m = weight.scale.double().unbind(-1)
-    dd = (d.float()[None] * dx.float()[:, None]).double()  # [M, O, I/32]: d * dx rounded to float32, as in C
-    y = torch.einsum("mbk,obk,mob->mo", qx, codes, dd)
-    if m is not None:
-        y += torch.einsum("mb,ob,mb->mo", qx.sum(-1), m, dx.double())
-    return y.float()
 
 
 def quantize_fp16(weight: torch.Tensor) -> QuantizedWeight:

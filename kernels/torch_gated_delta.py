@@ -1,5 +1,6 @@
-"""Torch reference twins of the Gated DeltaNet ops (the linear-attention layers of the Qwen3-Next / Qwen3.5 hybrids):
-the CPU path, in float32, and the oracle the Triton kernels (`triton_gated_delta.py`) are tested against.
+"""The torch implementation of the Gated DeltaNet ops (the linear-attention layers of the Qwen3-Next / Qwen3.5
+hybrids): the CPU production path, in float32, with the signatures the Triton kernels (`triton_gated_delta.py`) keep.
+Not a test oracle: both are checked against the float64 token-by-token rule in tests/kernels/oracles.py.
 
 The gated delta rule keeps one state per head, S [dk, dv], and for each token t (decay g_t <= 0 in log space,
 beta_t in (0, 1), q_t and k_t L2-normalised):
@@ -19,7 +20,7 @@ The causal depthwise conv that feeds q/k/v keeps the last K-1 inputs of each cha
 `causal_conv1d_update` one token of each; both rewrite the slots in place.
 
 Prompt ops take `bounds [N, 2]` (int): sequence i's rows [bounds[i, 0], bounds[i, 1]) of the step's flattened
-tokens, its state in slot `slots[i]`; they write only those rows of `out`. The twins read slots and bounds on the
+tokens, its state in slot `slots[i]`; they write only those rows of `out`. These ops read slots and bounds on the
 host (free on the CPU, their device).
 """
 from __future__ import annotations

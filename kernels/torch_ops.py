@@ -1,6 +1,9 @@
-"""Torch reference twins of tsterm's kernels: the CPU path, and the oracle the Triton kernels are tested against.
+"""The torch implementation of tsterm's ops (`dispatch.load("torch")`): the CPU production path. Float32 work on
+the CPU goes to tsterm's C kernels (`cpu_native`, `cpu_stack`: csrc/), the rest runs as torch ops on any device.
 
-Contracts (shapes, dtypes, what is mutated) are documented here once; device kernels keep the same signatures.
+Contracts (shapes, dtypes, what is mutated) are documented here once; the Triton kernels keep the same signatures.
+This is production code, not a test oracle: the tests check it, the C kernels and the Triton kernels against the
+float64 oracles in tests/kernels/oracles.py, which nothing under tsterm/ or kernels/ imports.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from tsterm_kernels import cpu_native
 from tsterm_kernels.cpu_stack import DecodeStack, StackLayer
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import QuantizedWeight, quantized_linear
-# Gated DeltaNet ops (decode and prefill): their twins live in their own module
-from tsterm_kernels.reference_gated_delta import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
-                                                  recurrent_gated_delta_rule)
+# Gated DeltaNet ops (decode and prefill): their torch implementation lives in its own module
+from tsterm_kernels.torch_gated_delta import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
+                                              recurrent_gated_delta_rule)
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "decode_stack", "expert_mlp", "fused_moe",
            "linear", "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm", "sigmoid", "store_kv"]

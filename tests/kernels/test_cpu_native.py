@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tsterm_kernels import cpu_native, reference
+from tsterm_kernels import cpu_native, torch_ops
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
 
 
@@ -64,7 +64,7 @@ def test_decode_attention_reads_fragmented_blocks_like_a_from_scratch_softmax(na
                                                                               head_dim):
     q, k_cache, v_cache, tables, meta = _decode_case(seq_lens, heads, kv_heads, head_dim)
     assert sum(seq_lens) < 8 or any(len(runs) > 1 for runs in meta.block_runs)  # the case really is fragmented
-    got = reference.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    got = torch_ops.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
     torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, seq_lens, head_dim ** -0.5),
                                rtol=2e-5, atol=2e-5)
     # the torch path (no C kernels) gives the same result
@@ -76,21 +76,21 @@ def _torch_path(q, k_cache, v_cache, meta, scale):
     saved = cpu_native.load
     try:
         cpu_native.load = lambda: None
-        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+        return torch_ops.paged_attention(q, k_cache, v_cache, meta, scale)
     finally:
         cpu_native.load = saved
 
 
 def test_decode_attention_of_a_head_size_the_kernel_does_not_take_runs_in_torch(native):
     q, k_cache, v_cache, tables, meta = _decode_case([21, 5], 4, 2, 12)  # 12: not a multiple of 8
-    got = reference.paged_attention(q, k_cache, v_cache, meta, 0.3)
+    got = torch_ops.paged_attention(q, k_cache, v_cache, meta, 0.3)
     assert meta.seq_lens_device is None  # the C kernel was not called
     torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, [21, 5], 0.3), rtol=2e-5, atol=2e-5)
 
 
 def test_decode_attention_of_a_long_context_in_one_call(native):
     q, k_cache, v_cache, tables, meta = _decode_case([3000], 9, 3, 64, block_size=16, seed=3)
-    got = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+    got = torch_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, [3000], 0.125), rtol=1e-5, atol=1e-5)
 
 
@@ -104,10 +104,10 @@ def test_decode_attention_merges_each_threads_run_of_chunks_at_any_thread_count(
 import sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_cpu_native import _decode_case, _from_scratch
-from tsterm_kernels import reference
+from tsterm_kernels import torch_ops
 lens = [5, 31, 33, 130, 64, 1]
 q, k_cache, v_cache, tables, meta = _decode_case(lens, 8, 2, 64, block_size=16, seed=5)
-got = reference.paged_attention(q, k_cache, v_cache, meta, 0.125)
+got = torch_ops.paged_attention(q, k_cache, v_cache, meta, 0.125)
 assert meta.seq_lens_device is not None  # the C kernel ran
 torch.testing.assert_close(got, _from_scratch(q, k_cache, v_cache, tables, lens, 0.125), rtol=2e-5, atol=2e-5)
 print("matched")
@@ -122,10 +122,10 @@ def test_add_rms_norm_adds_the_residual_in_place_and_norms(native, rows):
     x, residual, weight = (torch.randn(rows, 576, generator=gen), torch.randn(rows, 576, generator=gen),
                            torch.rand(576, generator=gen))
     total = x + residual
-    out, new_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    out, new_residual = torch_ops.rms_norm(x, weight, 1e-5, residual)
     assert new_residual.data_ptr() == residual.data_ptr() and torch.equal(residual, total)  # in place
     torch.testing.assert_close(out, F.rms_norm(total, (576,), weight, 1e-5), rtol=1e-5, atol=1e-6)
-    alone, none = reference.rms_norm(x, weight, 1e-5)
+    alone, none = torch_ops.rms_norm(x, weight, 1e-5)
     assert none is None
     torch.testing.assert_close(alone, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-5, atol=1e-6)
 
@@ -177,7 +177,7 @@ def test_store_kv_writes_rows_of_strided_views_and_skips_padding(native):
     qkv = torch.randn(3, (4 + 2 + 2) * 8)
     k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
     k_cache, v_cache = torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8)
-    reference.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    torch_ops.store_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
     flat_k, flat_v = k_cache.view(8, 2, 8), v_cache.view(8, 2, 8)
     assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_k[0], k[2]) and torch.equal(flat_v[5], v[0])
     assert flat_k[[1, 2, 3, 4, 6, 7]].eq(0).all() and flat_v[[1, 2, 3, 4, 6, 7]].eq(0).all()  # -1: nothing written
@@ -188,8 +188,8 @@ def test_store_kv_writes_rows_of_strided_views_and_skips_padding(native):
 def test_float32_linear_of_few_rows_is_f_linear(native, rows, out_f, in_f):
     gen = torch.Generator().manual_seed(rows * out_f)
     x, w, b = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen), torch.randn(out_f)
-    torch.testing.assert_close(reference.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(reference.linear(x.t().contiguous().t(), w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_ops.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_ops.linear(x.t().contiguous().t(), w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def _prefill_case(seq_lens, num_qs, num_heads, num_kv_heads, head_dim, block_size, seed=0):
@@ -231,7 +231,7 @@ def test_prefill_attention_reads_fragmented_blocks_like_a_from_scratch_causal_so
     q, k_cache, v_cache, tables, meta = _prefill_case(seq_lens, num_qs, heads, kv_heads, head_dim, block_size)
     assert sum(seq_lens) < 8 or any(len(runs) > 1 for runs in meta.block_runs)  # the case really is fragmented
     spy = native_spy("prefill_attention")
-    got = reference.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    got = torch_ops.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
     assert spy.calls == len(seq_lens)  # csrc/prefill.c ran, once per sequence
     want = _causal_from_scratch(q, k_cache, v_cache, tables, meta, head_dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
@@ -242,7 +242,7 @@ def test_prefill_attention_reads_fragmented_blocks_like_a_from_scratch_causal_so
 def test_prefill_attention_leaves_head_sizes_it_does_not_take_to_torch(native, native_spy):
     q, k_cache, v_cache, tables, meta = _prefill_case([40], [40], 4, 2, 24, 8)
     spy = native_spy("prefill_attention")
-    got = reference.paged_attention(q, k_cache, v_cache, meta, 0.2)
+    got = torch_ops.paged_attention(q, k_cache, v_cache, meta, 0.2)
     assert spy.calls == 0
     torch.testing.assert_close(got, _causal_from_scratch(q, k_cache, v_cache, tables, meta, 0.2), rtol=2e-5, atol=2e-5)
 
@@ -251,7 +251,7 @@ def test_prefill_attention_refuses_more_new_tokens_than_the_context(native):
     q, k_cache, v_cache, tables, meta = _prefill_case([40], [40], 4, 2, 16, 8)
     meta.seq_lens = [39]
     with pytest.raises(ValueError, match="40 new tokens in a context of 39"):
-        reference.paged_attention(q, k_cache, v_cache, meta, 0.25)
+        torch_ops.paged_attention(q, k_cache, v_cache, meta, 0.25)
 
 
 @pytest.mark.parametrize("rows", [5, 6, 7, 13, 37, 400])
@@ -263,7 +263,7 @@ def test_float32_linear_of_many_rows_is_a_float64_matmul(native, native_spy, row
     x = torch.randn(rows, in_f + 5, generator=gen)[:, 3:in_f + 3]  # a strided view: rows in_f + 5 apart
     w, b = torch.randn(out_f, in_f, generator=gen), torch.randn(out_f, generator=gen)
     spy = native_spy("f32_gemm")
-    got = reference.linear(x, w, b)
+    got = torch_ops.linear(x, w, b)
     assert spy.calls == 1
     want = (x.double() @ w.double().t() + b.double()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * in_f ** 0.5)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tsterm_kernels import cpu_native, reference
+from tsterm_kernels import cpu_native, torch_ops
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
 
 LEN = 1300  # positions: past ten 128-position splits
@@ -48,7 +48,7 @@ def _attend(pool, pieces):
     block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
     meta = AttentionMetadata(starts, [n for n, _ in pieces], [contiguous_runs(t, len(t)) for t in tables],
                              torch.zeros(len(q), dtype=torch.long), block_tables, BLOCK)
-    out = reference.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
+    out = torch_ops.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
     return [out[a:b] for a, b in zip(starts, starts[1:])]
 
 
@@ -88,10 +88,10 @@ def test_a_float32_linear_row_is_the_same_bits_alone_or_in_a_gemm(native, out_f,
     and inputs included, more inputs than one 256-input block)."""
     gen = torch.Generator().manual_seed(1)
     weight, x = torch.randn(out_f, in_f, generator=gen), torch.randn(300, in_f, generator=gen)
-    many = reference.linear(x, weight)
+    many = torch_ops.linear(x, weight)
     for i in (0, 5, 150, 299):
         for rows in (1, 2, 3, 4, 7):
-            assert torch.equal(reference.linear(x[i:i + rows], weight)[0], many[i]), (i, rows)
+            assert torch.equal(torch_ops.linear(x[i:i + rows], weight)[0], many[i]), (i, rows)
     torch.testing.assert_close(many.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
 
 
@@ -107,8 +107,8 @@ def test_a_tokens_experts_are_the_same_bits_alone_or_among_many(native, renormal
     router = torch.randn(experts, hidden, generator=gen)
 
     def moe(rows: torch.Tensor) -> torch.Tensor:
-        weights, ids = reference.moe_route(reference.linear(rows, router), top_k, renormalize)
-        return reference.fused_moe(rows, w13, w2, weights, ids, torch.zeros_like(rows))
+        weights, ids = torch_ops.moe_route(torch_ops.linear(rows, router), top_k, renormalize)
+        return torch_ops.fused_moe(rows, w13, w2, weights, ids, torch.zeros_like(rows))
 
     many = moe(x)
     for i in (0, 13, 39):

@@ -1,7 +1,7 @@
 """Weight-only int8 / int4 / fp16 matmuls (`tsterm_kernels.quant`) against their references.
 
 int8 / int4 run the C kernels (csrc/gemv.c) for any number of rows, which quantize x to int8 per block of 32: they
-are checked against `reference_matmul`, the same arithmetic in torch with float64 sums (so only float32 summation
+are checked against the oracle `int8_rows_matmul`, the same arithmetic with float64 sums (so only float32 summation
 order differs), and against F.linear on the dequantized weight within the activation rounding; a row's result is
 the same bits alone or among many. For a weight marked `prefill_gemm` (`deterministic: false`), more than
 NATIVE_MAX_ROWS rows run csrc/gemm.c's float32 GEMM on panels dequantized from the blocks: F.linear of the dequantized weight, to float32 summation order.
@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from tsterm_kernels import cpu_native, quant
 from tsterm_kernels.quant import (NATIVE_MAX_ROWS, QuantizedWeight, quantize_fp16, quantize_int4, quantize_int8,
-                                  quantized_linear, reference_matmul)
-from tsterm_kernels.reference import expert_mlp, linear
+                                  quantized_linear)
+from tsterm_kernels.torch_ops import expert_mlp, linear
+
+from tests.kernels.oracles import int8_rows_matmul
 
 
 def _weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
@@ -35,7 +37,7 @@ def native():
 def test_c_kernel_is_the_reference_arithmetic(native, quantize, out_f, in_f, rows):
     q = quantize(_weight(out_f, in_f))
     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows)) * 3
-    got, ref = quantized_linear(x, q), reference_matmul(x, q)
+    got, ref = quantized_linear(x, q), int8_rows_matmul(x, q).float()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-6 * ref.abs().max())  # float32 rounding of the sums
     # and it is the float matmul of the dequantized weight up to x's int8 rounding (half a step of max|x| / 127
     # per block): far inside the weight's own quantization error
@@ -46,14 +48,14 @@ def test_c_kernel_is_the_reference_arithmetic(native, quantize, out_f, in_f, row
 @pytest.mark.parametrize("quantize", [quantize_fp16, quantize_int8, quantize_int4], ids=["fp16", "int8", "int4"])
 def test_many_rows(quantize):
     """fp16: the float matmul of the dequantized weight. int8 / int4: the int8-row arithmetic however many rows
-    (`reference_matmul`), and the float matmul of the dequantized weight for a weight marked `prefill_gemm`
+    (the oracle `int8_rows_matmul`), and the float matmul of the dequantized weight for a weight marked `prefill_gemm`
     (`deterministic: false`)."""
     weight, bias = _weight(48, 128), torch.randn(48)
     q = quantize(weight)
     x = torch.randn(NATIVE_MAX_ROWS + 7, 128, generator=torch.Generator().manual_seed(1))
     want = F.linear(x, q.dequantize(), bias)
     if q.kind != "fp16":
-        ref = reference_matmul(x, q) + bias
+        ref = (int8_rows_matmul(x, q) + bias.double()).float()
         torch.testing.assert_close(quantized_linear(x, q, bias), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(linear(x, q, bias), ref, rtol=1e-5, atol=1e-5)  # the model's seam sends it there
         torch.testing.assert_close(quantized_linear(x, quant.allow_prefill_gemm(q), bias), want, rtol=1e-5, atol=1e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsterm_kernels import reference
+from tsterm_kernels import torch_ops
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
 
 
@@ -23,7 +23,7 @@ def dense_reference(q, k_cache, v_cache, table, seq_len, scale):
 @pytest.mark.parametrize("num_q", [1, 4, 8, 9, 12, 20, 27])  # decode, extend (from 8: causal pieces), prefill
 def test_runs_merged_by_lse_equal_dense_attention(monkeypatch, flash, num_q):
     if not flash:
-        monkeypatch.setattr(reference, "_FLASH_CPU", None)
+        monkeypatch.setattr(torch_ops, "_FLASH_CPU", None)
     torch.manual_seed(num_q)
     block, kv_heads, group, dim = 4, 2, 3, 16
     k_cache, v_cache = torch.randn(32, block, kv_heads, dim), torch.randn(32, block, kv_heads, dim)
@@ -32,7 +32,7 @@ def test_runs_merged_by_lse_equal_dense_attention(monkeypatch, flash, num_q):
     q = torch.randn(num_q, kv_heads * group, dim)
     meta = AttentionMetadata([0, num_q], [seq_len], [contiguous_runs(table, len(table))],
                              torch.zeros(num_q, dtype=torch.int64), torch.tensor([table], dtype=torch.int32), block)
-    out = reference.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    out = torch_ops.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
     torch.testing.assert_close(out, dense_reference(q, k_cache, v_cache, table, seq_len, dim ** -0.5),
                                atol=2e-5, rtol=1e-4)
 
@@ -48,7 +48,7 @@ def test_half_precision_prefill_pieces_accumulate_in_float32(dtype):
     q = torch.randn(num_q, kv_heads * group, dim).to(dtype)
     meta = AttentionMetadata([0, num_q], [seq_len], [contiguous_runs(table, len(table))],
                              torch.zeros(num_q, dtype=torch.int64), torch.tensor([table], dtype=torch.int32), block)
-    out = reference.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    out = torch_ops.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
     assert out.dtype == dtype
     want = dense_reference(q.float(), k_cache.float(), v_cache.float(), table, seq_len, dim ** -0.5)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
@@ -59,7 +59,7 @@ def test_batch_of_one_run_and_split_contexts(monkeypatch, flash):
     """A batch as the decoder passes it: q a strided view of its q/k buffer; decodes over one run of blocks and
     over three runs, next to an extend. Each sequence's rows equal dense attention over its own context."""
     if not flash:
-        monkeypatch.setattr(reference, "_FLASH_CPU", None)
+        monkeypatch.setattr(torch_ops, "_FLASH_CPU", None)
     torch.manual_seed(5)
     block, kv_heads, group, dim = 4, 2, 3, 16
     k_cache, v_cache = torch.randn(40, block, kv_heads, dim), torch.randn(40, block, kv_heads, dim)
@@ -72,7 +72,7 @@ def test_batch_of_one_run_and_split_contexts(monkeypatch, flash):
     meta = AttentionMetadata(starts, seq_lens, [contiguous_runs(t, len(t)) for t in tables],
                              torch.zeros(starts[-1], dtype=torch.int64),
                              torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32), block)
-    out = reference.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    out = torch_ops.paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
     for i, (table, seq_len) in enumerate(zip(tables, seq_lens)):
         rows = slice(starts[i], starts[i + 1])
         torch.testing.assert_close(out[rows], dense_reference(q[rows], k_cache, v_cache, table, seq_len, dim ** -0.5),

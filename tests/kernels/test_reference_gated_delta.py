@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tsterm_kernels import reference_gated_delta as gdn
+from tsterm_kernels import torch_gated_delta as gdn
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 

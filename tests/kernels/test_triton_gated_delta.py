@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tsterm_kernels import reference_gated_delta as twin
+from tsterm_kernels import torch_gated_delta as twin
 
 from tests.kernels.cases import TOLERANCE
 

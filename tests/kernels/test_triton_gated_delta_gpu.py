@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from tsterm_kernels import reference, triton_ops
+from tsterm_kernels import torch_ops, triton_ops
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -32,7 +32,7 @@ def test_conv_update_bf16():
     pool = torch.randn(2 * SEQS, CHANNELS, KERNEL - 1, generator=gen).to(BF16).cuda()
     slots = torch.randperm(2 * SEQS, generator=gen)[:SEQS].cuda()
     want_pool = pool.clone()
-    want = reference.causal_conv1d_update(x, weight, want_pool, slots)
+    want = torch_ops.causal_conv1d_update(x, weight, want_pool, slots)
     got = triton_ops.causal_conv1d_update(x, weight, pool, slots)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pool, want_pool, atol=0, rtol=0)
@@ -50,7 +50,7 @@ def test_recurrent_step_bf16_inputs_float32_state():
     pool = (torch.randn(2 * SEQS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1).cuda()
     slots = torch.randperm(2 * SEQS, generator=gen)[:SEQS].cuda()
     want_pool = pool.clone()
-    want = reference.recurrent_gated_delta_rule(q, k, v, g, beta, want_pool, slots)
+    want = torch_ops.recurrent_gated_delta_rule(q, k, v, g, beta, want_pool, slots)
     got = triton_ops.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(pool, want_pool, atol=1e-3, rtol=1e-3)
@@ -72,7 +72,7 @@ def test_conv_prefill_bf16():
     weight = torch.randn(CHANNELS, KERNEL, generator=gen).to(BF16).cuda()
     pool = torch.randn(2 * len(lengths), CHANNELS, KERNEL - 1, generator=gen).to(BF16).cuda()
     want_pool, want = pool.clone(), torch.empty(rows, CHANNELS, dtype=BF16, device="cuda")
-    reference.causal_conv1d(x, weight, want_pool, slots, bounds, want)
+    torch_ops.causal_conv1d(x, weight, want_pool, slots, bounds, want)
     got = triton_ops.causal_conv1d(x, weight, pool, slots, bounds, torch.empty_like(want))
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pool, want_pool, atol=0, rtol=0)
@@ -93,7 +93,7 @@ def test_chunked_prefill_bf16_inputs_float32_state():
     beta = torch.rand(rows, VALUE_HEADS, generator=gen).cuda()
     pool = (torch.randn(2 * len(lengths), VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1).cuda()
     want_pool, want = pool.clone(), torch.empty(rows, VALUE_HEADS, HEAD_DIM, device="cuda")
-    reference.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want)
+    torch_ops.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want)
     got = triton_ops.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, torch.empty_like(want))
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(pool, want_pool, atol=2e-3, rtol=2e-3)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from tsterm_kernels import dispatch, quant, reference, triton_ops
+from tsterm_kernels import dispatch, quant, torch_ops, triton_ops
 from tsterm_kernels import triton_quant_linear as tql
 from tsterm_kernels.triton_paged_attention import launch_paged_attention
 
@@ -51,13 +51,13 @@ def test_rms_norm_bf16():
     residual = torch.randn(257, HIDDEN, generator=gen).to(BF16).cuda()
     weight = (torch.rand(HIDDEN, generator=gen) + 0.5).to(BF16).cuda()
     out, new_residual = triton_ops.rms_norm(x, weight, 1e-6, residual)
-    want, want_residual = reference.rms_norm(x, weight, 1e-6, residual)
+    want, want_residual = torch_ops.rms_norm(x, weight, 1e-6, residual)
     torch.testing.assert_close(new_residual, want_residual, atol=0, rtol=0)
     torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
     # per-head q/k norm: many short rows
     q = torch.randn(257 * HEADS, HEAD_DIM, generator=gen).to(BF16).cuda()
     w = (torch.rand(HEAD_DIM, generator=gen) + 0.5).to(BF16).cuda()
-    torch.testing.assert_close(triton_ops.rms_norm(q, w, 1e-6)[0], reference.rms_norm(q, w, 1e-6)[0],
+    torch.testing.assert_close(triton_ops.rms_norm(q, w, 1e-6)[0], torch_ops.rms_norm(q, w, 1e-6)[0],
                                atol=2e-2, rtol=2e-2)
 
 
@@ -72,7 +72,7 @@ def test_store_kv_bf16():
     v_cache = torch.full_like(k_cache, -7.0)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     triton_ops.store_kv(k, v, k_cache, v_cache, slots)
-    reference.store_kv(k, v, want_k, want_v, slots)
+    torch_ops.store_kv(k, v, want_k, want_v, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
@@ -88,8 +88,8 @@ def test_paged_attention_bf16(group, batch):
     q = torch.randn(sum(query_lens), KV_HEADS * group, HEAD_DIM, generator=gen).to(BF16).cuda()
     scale = HEAD_DIM ** -0.5
     out = triton_ops.paged_attention(q, k_cache, v_cache, meta, scale)
-    exact = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
-    twin = reference.paged_attention(q, k_cache, v_cache, meta, scale)
+    exact = torch_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    twin = torch_ops.paged_attention(q, k_cache, v_cache, meta, scale)
     assert not out.isnan().any()
     no_worse_than_twin(out, twin, exact, slack=4e-3)
     for splits in (1, 7):  # forced split counts agree too
@@ -102,7 +102,7 @@ def test_paged_attention_decode_32k():
     k_cache, v_cache, meta = paged_batch([32768, 20000], [1, 1], BLOCK, KV_HEADS, HEAD_DIM, BF16, gen, device="cuda")
     q = torch.randn(2, HEADS, HEAD_DIM, generator=gen).to(BF16).cuda()
     out = triton_ops.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5)
-    exact = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, HEAD_DIM ** -0.5)
+    exact = torch_ops.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, HEAD_DIM ** -0.5)
     torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=2e-2)
 
 
@@ -110,7 +110,7 @@ def test_paged_attention_decode_32k():
 def test_moe_route_bf16(num_tokens):
     logits = distinct_logits(num_tokens, EXPERTS, torch.Generator().manual_seed(num_tokens))
     weights, expert_ids = triton_ops.moe_route(logits, TOP_K, True)
-    want_weights, want_ids = reference.moe_route(logits, TOP_K, True)
+    want_weights, want_ids = torch_ops.moe_route(logits, TOP_K, True)
     torch.testing.assert_close(expert_ids, want_ids, atol=0, rtol=0)
     torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
 
@@ -121,12 +121,12 @@ def test_fused_moe_bf16(num_tokens):
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(BF16).cuda()
     w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5).to(BF16).cuda()
     w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * INTER ** -0.5).to(BF16).cuda()
-    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, EXPERTS, gen), TOP_K, True)
+    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, EXPERTS, gen), TOP_K, True)
     start = torch.randn(num_tokens, HIDDEN, generator=gen).to(BF16).cuda()
     out = start.clone()
     triton_ops.fused_moe(x, w13, w2, weights, expert_ids, out)
-    twin = reference.fused_moe(x, w13, w2, weights, expert_ids, start.clone())
-    exact = reference.fused_moe(x.float(), w13.float(), w2.float(), weights, expert_ids, start.float())
+    twin = torch_ops.fused_moe(x, w13, w2, weights, expert_ids, start.clone())
+    exact = torch_ops.fused_moe(x.float(), w13.float(), w2.float(), weights, expert_ids, start.float())
     no_worse_than_twin(out, twin, exact, slack=1e-2)
 
 
@@ -138,13 +138,13 @@ def test_fused_moe_quantized_bf16(kind, num_tokens):
     x = torch.randn(num_tokens, HIDDEN, generator=gen).to(BF16).cuda()
     w13 = QUANTIZE[kind]((torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) * HIDDEN ** -0.5).cuda())
     w2 = QUANTIZE[kind]((torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) * INTER ** -0.5).cuda())
-    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, EXPERTS, gen), TOP_K, True)
+    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, EXPERTS, gen), TOP_K, True)
     start = torch.randn(num_tokens, HIDDEN, generator=gen).to(BF16).cuda()
     out = start.clone()
     triton_ops.fused_moe(x, w13, w2, weights, expert_ids, out)
     f13, f2 = w13.dequantize(), w2.dequantize()
-    twin = reference.fused_moe(x, f13.to(BF16), f2.to(BF16), weights, expert_ids, start.clone())
-    exact = reference.fused_moe(x.float(), f13, f2, weights, expert_ids, start.float())
+    twin = torch_ops.fused_moe(x, f13.to(BF16), f2.to(BF16), weights, expert_ids, start.clone())
+    exact = torch_ops.fused_moe(x.float(), f13, f2, weights, expert_ids, start.float())
     no_worse_than_twin(out, twin, exact, slack=1e-2)
 
 
@@ -182,7 +182,7 @@ def test_dispatch_loads_triton_on_cuda():
     ops = dispatch.load("triton")
     x = torch.randn(4, HIDDEN, dtype=BF16, device="cuda")
     out, _ = ops.rms_norm(x, torch.ones(HIDDEN, dtype=BF16, device="cuda"), 1e-6)
-    torch.testing.assert_close(out, reference.rms_norm(x, torch.ones_like(x[0]), 1e-6)[0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, torch_ops.rms_norm(x, torch.ones_like(x[0]), 1e-6)[0], atol=2e-2, rtol=2e-2)
 
 
 QUANTIZE = {"int8": quant.quantize_int8, "int4": quant.quantize_int4, "fp8": quant.quantize_fp8}

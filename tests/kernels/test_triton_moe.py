@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsterm_kernels import reference
+from tsterm_kernels import torch_ops
 from tsterm_kernels.quant import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
 from tsterm_kernels.triton_moe_align import moe_align, num_aligned_tiles
 
@@ -25,7 +25,7 @@ def test_moe_route_matches_twin(triton_ops, poison, dtype, num_tokens, num_exper
     logits = distinct_logits(num_tokens, num_experts, gen).to(dtype)
 
     weights, expert_ids = triton_ops.moe_route(logits, top_k, renormalize)
-    want_weights, want_ids = reference.moe_route(logits, top_k, renormalize)
+    want_weights, want_ids = torch_ops.moe_route(logits, top_k, renormalize)
 
     assert weights.dtype == torch.float32 and expert_ids.dtype == torch.int64
     torch.testing.assert_close(expert_ids, want_ids, atol=0, rtol=0)
@@ -75,12 +75,12 @@ def test_fused_moe_matches_twin(triton_ops, poison, dtype, num_tokens, hidden, i
     x = torch.randn(num_tokens, hidden + 8, generator=gen).to(dtype)[:, 8:]  # a strided view, as after a split
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
-    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
     start = torch.randn(num_tokens, hidden, generator=gen).to(dtype)  # accumulation target: out += ...
     out, want = start.clone(), start.clone()
 
     result = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, out)
-    reference.fused_moe(x, w13, w2, weights, expert_ids, want)
+    torch_ops.fused_moe(x, w13, w2, weights, expert_ids, want)
 
     assert result is out
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-3, rtol=6e-3)
@@ -96,14 +96,14 @@ def test_fused_moe_skips_other_ranks_experts(triton_ops, poison, num_tokens):
     x = torch.randn(num_tokens, hidden, generator=gen)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
-    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
     local_ids = (expert_ids - first).masked_fill(expert_ids < first, num_experts - first)
     assert (local_ids == num_experts - first).any() and (local_ids < num_experts - first).any()
     start = torch.randn(num_tokens, hidden, generator=gen)
     # oracle: every expert present, the other rank's pairs weighted 0
-    want = reference.fused_moe(x, w13, w2, weights.masked_fill(expert_ids < first, 0.0), expert_ids, start.clone())
+    want = torch_ops.fused_moe(x, w13, w2, weights.masked_fill(expert_ids < first, 0.0), expert_ids, start.clone())
 
-    twin = reference.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
+    twin = torch_ops.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
     kernel = triton_ops.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
 
     torch.testing.assert_close(twin, want, atol=1e-5, rtol=1e-5)
@@ -132,12 +132,12 @@ def test_quantized_fused_moe_matches_the_dequantized_twin(triton_ops, poison, dt
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
     w13 = QUANTIZE[kind13](w13 * hidden ** -0.5)
     w2 = QUANTIZE[kind2](w2) if kind2 else w2.to(dtype)
-    weights, expert_ids = reference.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
     start = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
 
     got = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, start.clone())
     floats = [w.dequantize() if isinstance(w, QuantizedWeight) else w.float() for w in (w13, w2)]
-    want = reference.fused_moe(x.float(), *floats, weights, expert_ids, start.float())
+    want = torch_ops.fused_moe(x.float(), *floats, weights, expert_ids, start.float())
 
     assert got.dtype == dtype
     if dtype == torch.float32:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsterm_kernels import reference
+from tsterm_kernels import torch_ops
 from tsterm_kernels.triton_paged_attention import launch_paged_attention
 
 from tests.kernels.cases import TOLERANCE, paged_batch
@@ -29,7 +29,7 @@ def test_paged_attention_matches_twin(poison, dtype, group, batch, num_splits):
     q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
 
     out = launch_paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, num_splits=num_splits)
-    want = reference.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+    want = torch_ops.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
 
     torch.testing.assert_close(out, want, **TOLERANCE[dtype])
 
@@ -43,7 +43,7 @@ def test_paged_attention_odd_shapes_through_ops(triton_ops, poison):
     q = qkv[:, :4 * 24].view(5, 4, 24)  # row stride 144, not 96
 
     out = triton_ops.paged_attention(q, k_cache, v_cache, meta, 0.2)
-    want = reference.paged_attention(q, k_cache, v_cache, meta, 0.2)
+    want = torch_ops.paged_attention(q, k_cache, v_cache, meta, 0.2)
 
     torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
     assert meta.query_start_loc_device.tolist() == [0, 4, 5] and meta.seq_lens_device.tolist() == [11, 23]

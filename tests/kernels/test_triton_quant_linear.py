@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tsterm_kernels import cpu_native, quant, reference
+from tsterm_kernels import cpu_native, quant, torch_ops
 from tsterm_kernels import triton_fused_moe
 from tsterm_kernels import triton_quant_linear as tql
 from tsterm_kernels.quant import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
@@ -114,10 +114,10 @@ def test_the_seam_sends_cuda_inputs_to_the_kernel(monkeypatch):
     assert not quant.runs_on_triton(x, weight)  # a CPU tensor: the torch path
     calls = []
     monkeypatch.setattr(tql, "quant_linear", lambda *args: calls.append(args) or torch.zeros(2, 24))
-    torch.testing.assert_close(reference.linear(x, weight), quant.dequantized_linear(x, weight))
+    torch.testing.assert_close(torch_ops.linear(x, weight), quant.dequantized_linear(x, weight))
     assert not calls
     monkeypatch.setattr(quant, "runs_on_triton", lambda x, weight: True)  # as on a CUDA device
-    reference.linear(x, weight)
+    torch_ops.linear(x, weight)
     assert len(calls) == 1 and calls[0][1] is weight
 
 

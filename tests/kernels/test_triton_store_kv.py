@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsterm_kernels import reference
+from tsterm_kernels import torch_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -23,7 +23,7 @@ def test_store_kv_matches_twin(triton_ops, dtype, num_tokens, num_kv_heads, head
     want_k, want_v = k_cache.clone(), v_cache.clone()
 
     triton_ops.store_kv(k, v, k_cache, v_cache, slots)
-    reference.store_kv(k, v, want_k, want_v, slots)
+    torch_ops.store_kv(k, v, want_k, want_v, slots)
 
     torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
@@ -31,7 +31,7 @@ def test_store_kv_matches_twin(triton_ops, dtype, num_tokens, num_kv_heads, head
 
 @pytest.mark.parametrize("twin", [False, True], ids=["triton", "torch-twin"])
 def test_store_kv_skips_negative_slots(triton_ops, twin):
-    store = reference.store_kv if twin else triton_ops.store_kv
+    store = torch_ops.store_kv if twin else triton_ops.store_kv
     k, v = torch.randn(3, 1, 16), torch.randn(3, 1, 16)
     k_cache, v_cache = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
     store(k, v, k_cache, v_cache, torch.tensor([5, -1, 2]))

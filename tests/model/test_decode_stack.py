@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tsterm_kernels import cpu_stack, reference
+from tsterm_kernels import cpu_stack, torch_ops
 
 from tsterm import LLM, SamplingParams
 
@@ -72,7 +72,7 @@ def test_stack_computes_what_the_layers_compute(checkpoint, quantization, monkey
     monkeypatch.setattr(cpu_stack.DecodeStack, "__call__", counted)
     tokens, logprobs, load = _run(path, prompts, quantization=quantization)
     assert sum(steps) >= 9, "the stack ran no decode step"
-    monkeypatch.setattr(reference, "decode_stack", lambda *args: None)
+    monkeypatch.setattr(torch_ops, "decode_stack", lambda *args: None)
     layer_tokens, layer_logprobs, layer_load = _run(path, prompts, quantization=quantization)
     assert tokens == layer_tokens
     assert load == layer_load

@@ -6,7 +6,7 @@ matmul of the dequantized weight: the quantized model must pick the same greedy 
 log-probabilities up to float32 reassociation; the float model of the original weights is the control (quantization
 error is far larger than the tolerance, so the test sees which model it ran). With the C kernels (the default), every
 int8 / int4 matmul also rounds each activation to int8 per block of 32, as llama.cpp does: that model must equal the
-same model run with `reference_matmul` (the kernels' arithmetic in torch) in place of the C kernels.
+same model run with the oracle `int8_rows_matmul` (the kernels' arithmetic in float64) in place of the C kernels.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tsterm_kernels import cpu_native, reference
-from tsterm_kernels.quant import QuantizedWeight, quantized_linear, reference_matmul
+from tsterm_kernels import cpu_native, torch_ops
+from tsterm_kernels.quant import QuantizedWeight, quantized_linear
 
 from tsterm import LLM, SamplingParams, launch
 from tsterm import cli
@@ -30,6 +30,7 @@ from tsterm.model.quant import quantize, quantize_weights, weight_bytes
 from tsterm.profiles import load_profile
 
 from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
+from tests.kernels.oracles import int8_rows_matmul
 
 # Shapes int4 takes everywhere (inputs multiples of 32, outputs of 16), so every matrix really is int4.
 SIZES = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, head_dim=16)
@@ -69,10 +70,10 @@ def _dequantized_twin(src: Path, dst: Path, mode: str) -> Path:
 
 
 def _c_kernels_twin(x, weight, bias=None):
-    """quantized_linear with `reference_matmul` where the C kernels would run (int8 / int4: every number of rows)."""
+    """quantized_linear with the oracle `int8_rows_matmul` where the C kernels would run (int8 / int4: every number of rows)."""
     if weight.kind == "fp16":
         return quantized_linear(x, weight, bias)
-    y = reference_matmul(x, weight).to(x.dtype)
+    y = int8_rows_matmul(x, weight).to(x.dtype)
     return y if bias is None else y + bias
 
 
@@ -105,8 +106,8 @@ def test_quantized_model_generates_like_its_dequantized_float_twin(checkpoint, t
     quantized = _generate(float_dir, prompts, quantization=mode)
     logits = [_last_logits(d, prompts[1], **o) for d, o in ((float_dir, dict(quantization=mode)), (twin_dir, {}),
                                                               (float_dir, {}))]
-    monkeypatch.setattr(reference, "quantized_linear", _c_kernels_twin)
-    monkeypatch.setattr(reference, "decode_stack", lambda *args: None)  # its matmuls are the C kernels' own
+    monkeypatch.setattr(torch_ops, "quantized_linear", _c_kernels_twin)
+    monkeypatch.setattr(torch_ops, "decode_stack", lambda *args: None)  # its matmuls are the C kernels' own
     c_twin = _generate(float_dir, prompts, quantization=mode)
     twin = _generate(twin_dir, prompts)
     original = _generate(float_dir, prompts)

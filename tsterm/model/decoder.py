@@ -32,7 +32,7 @@ from tsterm_kernels import cpu_native
 from tsterm_kernels.cpu_stack import StackLayer
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
-from tsterm_kernels.reference import expert_mlp, linear, sigmoid
+from tsterm_kernels.torch_ops import expert_mlp, linear, sigmoid
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from tsterm_kernels.reference import linear
+from tsterm_kernels.torch_ops import linear
 
 from tsterm.config import ModelConfig
 from tsterm.model.parallel import ParallelContext
