@@ -1,22 +1,29 @@
 """The rank-0 executor: the engine's process is rank 0 and starts one worker process per other rank.
 
 The engine's scheduler, block pool and prefix cache stay here and decide for every rank: each rank keeps its
-heads' KV under the same block ids. Each engine call becomes one broadcast command (the step's host lists, or the
-copy-on-write pairs); then every rank runs its shard of the step, and rank 0 returns the gathered logits.
+heads' KV under the same block ids. Each engine call becomes one broadcast command (the step's host lists with
+only what changed in the block tables, `tsterm.distributed.tables`; or the copy-on-write pairs); then every rank
+runs its shard of the step, and rank 0 returns the gathered logits.
 
 Under torchrun (`python -m tsterm.distributed.torchrun`, see there) the workers are torchrun's processes, on this machine or
 others: the executor attaches to them through torchrun's store instead of starting any.
 
-Faults: a worker that exits makes the next collective fail at once; one that hangs makes it time out after
-`distributed_timeout_s`. Either way the executor stops every worker and raises `DistributedError` naming the rank,
-and every later call raises it again: nothing waits forever. Starting (imports, weight loading) is bounded by
-`max(distributed_timeout_s, START_TIMEOUT_S)`, and a worker that dies while starting is reported at once.
+Faults: a `WorkerWatch` thread (`tsterm.distributed.health`) sees a worker's process end at once, and a worker whose
+heartbeat stops (stopped, hung, or a torchrun rank that is gone) within `distributed_timeout_s`; it aborts the
+groups, which ends an NCCL collective waiting on that rank (an NCCL wait never raises by itself). On the CPU a
+gloo collective with a dead peer fails at once, and one with a hung peer times out after `distributed_timeout_s`.
+Either way the executor stops every worker and raises `DistributedError` naming the rank (a failure found while
+the engine was idle, at its next call), and every later call raises it again: nothing waits forever. Starting
+(imports, weight loading) is bounded by `max(distributed_timeout_s, START_TIMEOUT_S)`, and a worker that dies
+while starting is reported at once.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import time
@@ -28,6 +35,8 @@ import torch.distributed as dist
 
 from tsterm.distributed import protocol
 from tsterm.distributed.groups import Groups, RankContext, connect_store
+from tsterm.distributed.health import WorkerWatch, beat_interval, open_store
+from tsterm.distributed.tables import TableSender
 from tsterm.distributed.worker import WorkerArgs, worker_main
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.executor import Executor, ExecutorSpec
@@ -50,6 +59,14 @@ def _stop_processes(processes: list[multiprocessing.Process]) -> None:
         process.join(timeout=5)
 
 
+def _release(processes: list[multiprocessing.Process], held: list) -> None:
+    """What a garbage-collected executor left: its workers, its watch and its process groups."""
+    _stop_processes(processes)
+    for thing in held:
+        with contextlib.suppress(RuntimeError, OSError):
+            thing.stop() if isinstance(thing, WorkerWatch) else thing.close()
+
+
 class DistributedExecutor(Executor):
     """Tensor x expert parallel over `config.tensor_parallel_size x config.expert_parallel_size` ranks."""
 
@@ -65,26 +82,39 @@ class DistributedExecutor(Executor):
         self.timeout_s = config.distributed_timeout_s
         self._failure: DistributedError | None = None
         self._closed = False
+        self.tables = TableSender()
+        self.control_bytes = 0  # sent to each worker on the control group, since start
+        self.last_step_bytes = 0  # of those, by the last step
         timeout = timedelta(seconds=self.timeout_s)
+        if spec.device.type == "cuda":
+            torch.cuda.set_device(spec.device)  # rank 0 too: NCCL and the current stream follow the current device
         if os.environ.get(TORCHRUN_ENV) == "1":  # torchrun started every rank: use its rendezvous store
             if int(os.environ["WORLD_SIZE"]) != world or int(os.environ["RANK"]) != 0:
                 raise ConfigError(f"torchrun started {os.environ['WORLD_SIZE']} ranks (this one rank "
                                   f"{os.environ['RANK']}) but tensor_parallel_size x expert_parallel_size is {world}")
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            self.store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                       not agent_store, timeout)
+            store_host, store_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            self.store = connect_store(store_host, store_port, world, not agent_store, timeout)
             self.processes: list[multiprocessing.Process] = []
         else:
             master = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+            store_host, store_port = "127.0.0.1", master.port
             self.store = dist.PrefixStore("tsterm/", master)
             self.processes = self._spawn(spec, master.port)
-        self._finalizer = weakref.finalize(self, _stop_processes, self.processes)
+        held: list = []  # what the finalizer releases besides the processes
+        self._finalizer = weakref.finalize(self, _release, self.processes, held)
         try:
             self._wait_for("ready", max(self.timeout_s, START_TIMEOUT_S), "start")
             self.groups = Groups(self.store, layout, spec.device, timedelta(seconds=self.timeout_s))
+            held.append(self.groups)
             self.runner = ModelRunner(spec, RankContext(layout, self.groups, self._agree_min))
+            groups = self.groups  # (the watch's thread must not hold the executor: its finalizer would never run)
+            self.watch = WorkerWatch(open_store(store_host, store_port, timeout), list(range(1, world)),
+                                     {rank: p.sentinel for rank, p in enumerate(self.processes, 1)}, self.timeout_s,
+                                     lambda rank, how: groups.abort())
+            held.insert(0, self.watch)
         except BaseException:
-            _stop_processes(self.processes)
+            _release(self.processes, held)
             raise
         # torchrun's workers outlive a command that never shuts its engine down: stop them when this process exits
         self._stop_at_exit = weakref.finalize(self, _send_stop, self.groups.control) if not self.processes else None
@@ -144,14 +174,22 @@ class DistributedExecutor(Executor):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self._check_usable()
         step = self.runner.host_step(batch)
+        seq_ids, updates, freed = self.tables.updates(batch.seqs, step.block_tables)
         try:
-            protocol.send(self.groups.control, protocol.Command.STEP, step)
-            return self.runner.run_step(step)
+            self.last_step_bytes = protocol.send(self.groups.control, protocol.Command.STEP,
+                                                 protocol.step_payload(step, seq_ids, updates, freed))
+            self.control_bytes += self.last_step_bytes
+            logits = self.runner.run_step(step)
+            if logits.is_cuda:  # an NCCL wait does not block the host: wait here, where a dead peer is noticed
+                torch.cuda.current_stream(logits.device).synchronize()  # (the watch's abort ends the wait)
         except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or the timeout passed
             raise self._fail(e) from None
         except BaseException:  # rank 0 itself stopped mid-step (an interrupt): the ranks are out of step for good
             self._abandon()
             raise
+        if self.watch.failed.is_set():  # the step ended because the watch aborted the groups: its logits are void
+            raise self._fail(None)
+        return logits
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._broadcast(protocol.Command.COPY_BLOCKS, pairs)
@@ -165,7 +203,7 @@ class DistributedExecutor(Executor):
         """Send every worker a command that rank 0 then runs on its own shard too."""
         self._check_usable()
         try:
-            protocol.send(self.groups.control, command, payload)
+            self.control_bytes += protocol.send(self.groups.control, command, protocol.flatten(payload))
         except RuntimeError as e:
             raise self._fail(e) from None
         except BaseException:
@@ -191,7 +229,23 @@ class DistributedExecutor(Executor):
         for name in ("cow_bytes", "state_copy_bytes", "state_snapshot_bytes"):  # each rank copies its share
             counters[name] *= self.layout.world_size
         counters["ranks"] = self.layout.world_size
+        counters["control_bytes"] = self.control_bytes
         return counters
+
+    def block_tables(self) -> dict[int, list[int]]:
+        """Rank 0's record of the block tables the workers hold, {seq_id: block ids}."""
+        return self.tables.tables()
+
+    def worker_block_tables(self) -> list[dict[int, list[int]]]:
+        """Each worker's block-table mirror, as it reports it through the store (a consistency check between
+        steps; equal to `block_tables()` while the ranks are in step)."""
+        workers = range(1, self.layout.world_size)
+        for rank in workers:
+            self.store.delete_key(f"tables/{rank}")
+        self._broadcast(protocol.Command.REPORT_TABLES, [])
+        keys = [f"tables/{rank}" for rank in workers]
+        self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        return [{int(seq_id): table for seq_id, table in json.loads(self.store.get(key)).items()} for key in keys]
 
     def rank_memory(self) -> list[dict[str, int]]:
         """Each rank's resident bytes, rank 0 (the engine's whole process) first: `anon` (copied shards, the KV
@@ -209,29 +263,37 @@ class DistributedExecutor(Executor):
         self._closed = True
         if self._stop_at_exit is not None:
             self._stop_at_exit.detach()
-        if self._failure is None:
+        self.watch.stop()  # before the workers are told to stop: their exits are no failure
+        if self._failure is None and not self.watch.failed.is_set():
             _send_stop(self.groups.control)
             deadline = time.monotonic() + self.timeout_s
             for process in self.processes:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
+        else:
+            self.groups.abort()
         _stop_processes(self.processes)
-        self.groups.abort()
+        self.groups.close()
+        self._finalizer.detach()
 
     # ---------------------------------------------------------------------------------------------------------
     # faults
 
     def _check_usable(self) -> None:
+        if self._failure is None and self.watch.failed.is_set():  # a worker died while the engine was idle
+            self._fail(None, when="between steps")
         if self._failure is not None:
             raise self._failure
         if self._closed:
             raise DistributedError("the distributed executor was shut down")
 
-    def _fail(self, cause: Exception) -> DistributedError:
-        """After a failed collective: name the rank, stop every worker, and stay failed."""
-        time.sleep(0.2)  # a worker that is exiting gets to exit (and write its reason) before we look
-        self._failure = self._error("during a step", cause)
-        _stop_processes(self.processes)
+    def _fail(self, cause: Exception | None, when: str = "during a step") -> DistributedError:
+        """After a failed collective or the watch's verdict: name the rank, stop every worker, and stay failed."""
+        # a worker that is exiting, or whose heartbeat just stopped, is named by the watch: wait for its verdict
+        # (at once for an exit; for a hang, shortly after the collective's own timeout)
+        self.watch.failed.wait(3 * beat_interval(self.timeout_s) + 0.5)
+        self._failure = self._error(when, cause)
         self.groups.abort()
+        _stop_processes(self.processes)
         return self._failure
 
     def _abandon(self) -> None:
@@ -249,7 +311,11 @@ class DistributedExecutor(Executor):
 
     def _error(self, when: str, cause: Exception | None = None) -> DistributedError:
         reasons = []
+        watch = getattr(self, "watch", None)  # none yet while starting
+        dead, how = watch.dead if watch is not None and watch.dead is not None else (None, None)
         for rank, process in enumerate(self.processes, 1):
+            if multiprocessing.connection.wait([process.sentinel], timeout=0):
+                process.join(timeout=1.0)  # it has ended: reap it for its exit code
             reason = self._reason(rank)
             if process.exitcode is not None or reason:
                 code = process.exitcode
@@ -259,9 +325,14 @@ class DistributedExecutor(Executor):
             elif _stopped(process.pid):
                 reasons.append(f"worker rank {rank} (pid {process.pid}) is stopped and did not answer within "
                                f"{self.timeout_s:g} s")
-        if not self.processes:  # torchrun's workers: only what they wrote before failing
+            elif rank == dead:
+                reasons.append(f"worker rank {rank} (pid {process.pid}) sent no heartbeat for {self.timeout_s:g} s "
+                               "(hung?)")
+        if not self.processes:  # torchrun's workers: what they wrote before failing, or the heartbeat they missed
             reasons = [f"worker rank {rank}: {self._reason(rank)}" for rank in range(1, self.layout.world_size)
                        if self._reason(rank)]
+            if not reasons and how == "no heartbeat":
+                reasons = [f"worker rank {dead} sent no heartbeat for {self.timeout_s:g} s (gone or hung)"]
         if not reasons:
             alive = [rank for rank, p in enumerate(self.processes, 1) if p.is_alive()] or \
                 list(range(1, self.layout.world_size))

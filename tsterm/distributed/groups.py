@@ -1,24 +1,35 @@
 """A rank's process groups and the model's collectives over them (`ParallelContext` on torch.distributed).
 
-The groups are built from a store, not through `torch.distributed.init_process_group`: that sets a process-wide
-default group, and two engines in one process must not share one. Each rank builds, in the same order:
-- `world`: every rank; the experts' all-reduce (and the tensor-parallel one when there is one tp group);
-- `tp`: the ranks of its expert-parallel group, when there are several such groups;
-- `control`: every rank; rank 0 broadcasts each step's inputs on it (`tsterm.distributed.protocol`). Rank 0 gives
-  it the fault timeout, the workers a long one: a worker waits there while the engine is idle.
-The data groups use the fault timeout on every rank: a collective that a rank never joins fails within it.
+The groups are torch.distributed's standard ones: `init_process_group` over the ranks' store, then `new_group`.
+torch.distributed has one default group per process, so a process runs one distributed engine at a time (a second
+is refused until the first shuts down; `close` destroys the groups). Each rank builds, in the same order:
+- `world` (the default group): every rank; NCCL on CUDA, gloo on the CPU. The experts' all-reduce, and the
+  tensor-parallel one when there is one tp group;
+- `tp`: one per expert-parallel group, when there are several; a rank keeps its own;
+- `control`: every rank, always gloo (host tensors); rank 0 broadcasts each step's inputs on it
+  (`tsterm.distributed.protocol`). Rank 0 gives it the fault timeout, the workers a long one: a worker waits
+  there while the engine is idle.
+The data groups use the fault timeout on every rank. On the CPU, a collective that a rank never joins fails
+within it. On CUDA an NCCL wait does not block the host, and a collective whose peer is gone never finishes: the
+NCCL watchdog aborts it after the timeout (rank 0 in `TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, clean-up only, so the
+engine's process lives on to report it; a worker tears itself down), and rank 0's `WorkerWatch`
+(`tsterm.distributed.health`) aborts the groups as soon as a worker's process ends or its heartbeat stops.
 """
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from tsterm.errors import DistributedError
 from tsterm.model.parallel import ParallelContext, ParallelLayout
 
 IDLE_TIMEOUT = timedelta(days=7)  # a worker's wait for rank 0's next command
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
 def connect_store(host: str, port: int, world_size: int, is_master: bool, timeout: timedelta) -> dist.Store:
@@ -27,37 +38,57 @@ def connect_store(host: str, port: int, world_size: int, is_master: bool, timeou
     return dist.PrefixStore("tsterm/", store)
 
 
-def _gloo(store: dist.Store, name: str, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timeout)
-
-
-def _nccl(store: dist.Store, name: str, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(dist.PrefixStore(name, store), rank, size, options)
-
-
-# device type -> the backend the data groups use; the control group is always gloo (host tensors)
-BACKENDS: dict[str, Callable[..., dist.ProcessGroup]] = {"cpu": _gloo, "cuda": _nccl}
+def backend_for(device: torch.device) -> str:
+    """The data groups' backend: NCCL between CUDA devices, gloo between CPU ranks."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class Groups:
-    """The process groups of one rank."""
+    """The process groups of one rank (see the module's docstring)."""
 
     def __init__(self, store: dist.Store, layout: ParallelLayout, device: torch.device, timeout: timedelta):
-        data = BACKENDS[device.type]
+        if dist.is_initialized():
+            raise DistributedError("this process already runs a distributed engine (torch.distributed has one "
+                                   "default process group per process): shut that engine down first")
         rank, world = layout.rank, layout.world_size
-        self.world = data(store, "world/", rank, world, timeout)
-        self.tp = self.world
-        if layout.ep_size > 1 and layout.tp_size > 1:
-            self.tp = data(store, f"tp{layout.ep_rank}/", layout.tp_rank, layout.tp_size, timeout)
-        self.control = _gloo(store, "control/", rank, world, timeout if rank == 0 else IDLE_TIMEOUT)
+        backend = backend_for(device)
+        if backend == "nccl":
+            # rank 0: the watchdog only aborts the communicators (the engine reports the failure and stays up);
+            # a worker tears down at once. Read when the group is created; a user's own setting stands.
+            os.environ.setdefault(NCCL_ERROR_HANDLING, "2" if rank == 0 else "1")
+        self.aborted = threading.Event()
+        dist.init_process_group(backend, store=dist.PrefixStore("groups/", store), rank=rank, world_size=world,
+                                timeout=timeout, device_id=device if backend == "nccl" else None)
+        try:
+            self.world = dist.group.WORLD
+            self.tp = self.world
+            if layout.ep_size > 1 and layout.tp_size > 1:
+                for ep_rank in range(layout.ep_size):  # every rank creates every group, in the same order
+                    ranks = list(range(ep_rank * layout.tp_size, (ep_rank + 1) * layout.tp_size))
+                    group = dist.new_group(ranks, timeout=timeout, backend=backend)
+                    if ep_rank == layout.ep_rank:
+                        self.tp = group
+            self.control = dist.new_group(list(range(world)), timeout=timeout if rank == 0 else IDLE_TIMEOUT,
+                                          backend="gloo")
+        except BaseException:
+            dist.destroy_process_group()
+            raise
 
     def abort(self) -> None:
-        """Drop the groups' connections (after a failure: a peer may never answer again)."""
+        """Drop the groups' connections (after a failure: a peer may never answer again). Any thread may call it:
+        an aborted NCCL communicator ends the kernels that wait on it."""
+        self.aborted.set()
         for group in {id(g): g for g in (self.world, self.tp, self.control)}.values():
             try:
                 group.abort()
+            except RuntimeError:
+                pass
+
+    def close(self) -> None:
+        """Destroy the groups (the engine's thread, at shutdown): the process may then start another engine."""
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
             except RuntimeError:
                 pass
 
@@ -71,17 +102,17 @@ class RankContext(ParallelContext):
 
     def all_reduce_tp(self, tensor: torch.Tensor) -> None:
         if self.layout.tp_size > 1:
-            self.groups.tp.allreduce([tensor]).wait()
+            dist.all_reduce(tensor, group=self.groups.tp)
 
     def all_reduce_all(self, tensor: torch.Tensor) -> None:
         if self.layout.world_size > 1:
-            self.groups.world.allreduce([tensor]).wait()
+            dist.all_reduce(tensor, group=self.groups.world)
 
     def all_gather_tp(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.layout.tp_size == 1:
             return tensor[None]
         parts = [torch.empty_like(tensor) for _ in range(self.layout.tp_size)]
-        self.groups.tp.allgather([parts], [tensor.contiguous()]).wait()
+        dist.all_gather(parts, tensor.contiguous(), group=self.groups.tp)
         return torch.stack(parts)  # [tp, *tensor.shape]
 
     def agree_min(self, value: int) -> int:

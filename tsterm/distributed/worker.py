@@ -2,10 +2,13 @@
 
 Started by `DistributedExecutor` as a spawned process, one per rank past 0. It reports through the store: `ready/R`
 once it can build its groups, `blocks/R` with the KV blocks that fit on it, `error/R` with a one-line reason when
-it fails. Any failure ends the process; rank 0 notices (a collective fails or times out) and reports it.
+it fails, `heartbeat/R` counting up while it lives (`tsterm.distributed.health`), and `tables/R` when asked for its
+block-table mirror. Any failure ends the process; rank 0 notices (its process ends, its heartbeat stops, or a
+collective fails) and reports it.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -16,6 +19,8 @@ import torch
 
 from tsterm.distributed import protocol
 from tsterm.distributed.groups import IDLE_TIMEOUT, Groups, RankContext, connect_store
+from tsterm.distributed.health import start_heartbeat
+from tsterm.distributed.tables import TableMirror
 from tsterm.engine.executor import ExecutorSpec
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.model.parallel import ParallelLayout
@@ -38,6 +43,7 @@ def worker_main(args: WorkerArgs) -> None:
     rank = args.layout.rank
     store = connect_store(args.store_host, args.store_port, args.layout.world_size, False, IDLE_TIMEOUT)
     try:
+        start_heartbeat(args.store_host, args.store_port, rank, args.timeout_s)
         store.set(f"ready/{rank}", str(os.getpid()))
         groups = Groups(store, args.layout, args.spec.device, timedelta(seconds=args.timeout_s))
 
@@ -46,7 +52,9 @@ def worker_main(args: WorkerArgs) -> None:
             return int(store.get("blocks/agreed"))
 
         runner = ModelRunner(args.spec, RankContext(args.layout, groups, agree))
-        serve(runner, groups, want_logits=args.layout.ep_rank == 0)
+        serve(runner, groups, want_logits=args.layout.ep_rank == 0,
+              report=lambda tables: store.set(f"tables/{rank}", json.dumps(tables)))
+        groups.close()
     except BaseException as e:  # noqa: BLE001 - any failure: say why where rank 0 reads it, then exit non-zero
         try:
             store.set(f"error/{rank}", f"{type(e).__name__}: {e}".splitlines()[0][:500] if str(e) else type(e).__name__)
@@ -56,15 +64,21 @@ def worker_main(args: WorkerArgs) -> None:
         sys.exit(1)
 
 
-def serve(runner: ModelRunner, groups: Groups, want_logits: bool) -> None:
-    """Run rank 0's commands. `want_logits`: this rank takes part in gathering the logits (rank 0's tp group)."""
+def serve(runner: ModelRunner, groups: Groups, want_logits: bool, report) -> None:
+    """Run rank 0's commands. `want_logits`: this rank takes part in gathering the logits (rank 0's tp group);
+    `report(tables)`: hand rank 0 the block-table mirror ({seq_id: block ids})."""
+    mirror = TableMirror()
     while True:
-        kind, payload = protocol.receive(groups.control)
+        kind, words = protocol.receive(groups.control)
         if kind == protocol.Command.STEP:
-            runner.run_step(payload, logits=want_logits)
+            step, seq_ids, updates, freed = protocol.parse_step(words)
+            step.block_tables = mirror.apply(seq_ids, updates, freed)
+            runner.run_step(step, logits=want_logits)
         elif kind == protocol.Command.COPY_BLOCKS:
-            runner.copy_blocks(payload)
+            runner.copy_blocks(protocol.pairs(words))
         elif kind == protocol.Command.COPY_STATES:
-            runner.copy_states(payload)
+            runner.copy_states(protocol.pairs(words))
+        elif kind == protocol.Command.REPORT_TABLES:
+            report(mirror.tables)
         else:
             return
