@@ -228,10 +228,15 @@ def decoding(context_lens: list[int]) -> ScheduledBatch:
     return ScheduledBatch(seqs, [1] * len(seqs), [[0]] * len(seqs), [])
 
 
-def test_batch_buckets_are_capped_by_max_num_seqs():
-    assert batch_buckets(64) == (1, 2, 4, 8, 12, 16, 24, 32)
+def test_batch_buckets_reach_max_num_seqs():
+    assert batch_buckets(64) == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # every 16 past 32, and the cap
+    assert batch_buckets(40) == (1, 2, 4, 8, 12, 16, 24, 32, 40)
+    assert batch_buckets(100) == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 100)
     assert batch_buckets(6) == (1, 2, 4, 6)
     assert batch_buckets(1) == (1,)
+    for max_num_seqs in range(1, 130):  # every decode batch up to the cap has a bucket
+        buckets = batch_buckets(max_num_seqs)
+        assert buckets[-1] == max_num_seqs and list(buckets) == sorted(set(buckets))
 
 
 def test_graph_shapes_bucket_the_batch_and_tier_the_context(monkeypatch):
@@ -262,7 +267,7 @@ def test_cuda_graphs_option_is_validated():
 def test_engine_decodes_through_graph_replays(checkpoint, monkeypatch):
     """The runner's graph path end to end (bucketing, tiers, capture on first use, upload, replay, the logits
     view), with a CPU stand-in for the CUDA graph: its replay re-runs the forward that capture would record."""
-    def capture_on_cpu(self, pool, stream):
+    def capture_on_cpu(self, pool, stream, out):
         self._upload(HostStep(), 0)
         self.logits = self.forward()
 
@@ -305,9 +310,9 @@ def test_a_failed_capture_falls_back_to_eager_once_per_shape(checkpoint, monkeyp
     attempts: list[tuple[int, int]] = []
     capture = DecodeGraph.capture
 
-    def counted_capture(self, pool, stream):
+    def counted_capture(self, pool, stream, out):
         attempts.append((self.batch_size, self.table_width))
-        return capture(self, pool, stream)
+        return capture(self, pool, stream, out)
 
     monkeypatch.setattr(DecodeGraph, "capture", counted_capture)
     monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_CONTEXT", 8)

@@ -3,7 +3,14 @@
 A step's inputs go through persistent buffers (`tsterm.engine.step_inputs`): written on the host, uploaded with
 one asynchronous copy per dtype (pinned memory on CUDA), so a CUDA step queues its whole forward without waiting
 for the device. The step's one wait is the sampler's read-back of the sampled token ids (`sampler._read_back`).
-On CUDA with the Triton kernels, pure decode steps replay captured CUDA graphs (`tsterm.engine.cuda_graphs`).
+On CUDA with the Triton kernels, pure decode steps replay CUDA graphs (`tsterm.engine.cuda_graphs`).
+
+Start-up, in order: load the weights (each linear weight quantized as it loads, `quantization`); on a device with
+a memory probe (CUDA; `executor.memory_probe`), a profile run: one forward of the largest prefill chunk
+(`max_num_batched_tokens` tokens, `max_num_seqs` rows sampled) over a throw-away cache, and the sampler over its
+logits, measured on the device (`profile_memory`); then the cache, sized from what that left (`size_cache`); then the
+model over it; then every decode graph shape captured (`DecodeGraphs.capture_all`), with progress. On the CPU there
+is no profile run (the cache gets its default budget) and no graph.
 
 Built with a `ParallelContext` (`tsterm.model.parallel`), a ModelRunner is one rank's shard: the weights, the KV
 heads and the model of that rank. A multi-rank executor runs one per rank and feeds each the same `HostStep`
@@ -11,14 +18,17 @@ heads and the model of that rank. A multi-rank executor runs one per rank and fe
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from tsterm_kernels import dispatch
 
-from tsterm.config import check_quantization
+from tsterm.config import MAX_LOGPROBS, SamplingParams, check_quantization
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.cpu_threads import CpuThreads
-from tsterm.engine.cuda_graphs import DecodeGraphs
-from tsterm.engine.executor import Executor, ExecutorSpec, size_cache
+from tsterm.engine.cuda_graphs import DecodeGraphs, batch_buckets, capture_plan, context_widths, graph_memory_estimate
+from tsterm.engine.executor import Executor, ExecutorSpec, MemoryProbe, MemoryProfile, gib, memory_probe, size_cache
+from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow
 from tsterm.engine.step_inputs import (
     DeviceBuffers,
     HostStaging,
@@ -34,6 +44,8 @@ from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
 from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.quant import allow_prefill_gemms, quantize_weights
+
+log = logging.getLogger(__name__)
 
 def kernels_for(name: str, device: torch.device) -> str:
     """The kernel implementation an engine option names; "auto": Triton on CUDA, the torch twins elsewhere."""
@@ -58,37 +70,106 @@ class ModelRunner(Executor):
         # allocated up front and taken off the KV budget
         self.num_state_slots = num_state_slots(layer_types, config.max_num_seqs, config.enable_prefix_caching)
         recurrent = self.num_state_slots > 0
-        load = load_hybrid_weights if recurrent else load_weights
-        weights = quantize_weights(load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout),
-                                   config.quantization)
+        if recurrent:  # (tsterm.model.hybrid_loader builds a plain dict: its linear weights are quantized after)
+            weights = quantize_weights(load_hybrid_weights(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress,
+                                                           layout), config.quantization)
+        else:  # each linear weight quantized as it loads: the float model is never whole on the device
+            weights = load_weights(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout,
+                                   quantization=config.quantization)
         if not config.deterministic:  # a quantized prefill may take the float GEMM (README "Same answer ...")
             allow_prefill_gemms(weights)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
         self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
         self.state_bytes_per_slot = ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)
         self.state_bytes = self.num_state_slots * self.state_bytes_per_slot
-        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min,
-                                                         reserved_bytes=self.state_bytes)
-        self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
-                                num_state_slots=self.num_state_slots)
-        self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
-        self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]  # their expert_load
-        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.cow_bytes = 0
         self.state_copy_bytes = 0  # recurrent states copied into a slot (a cached prefix resumed, a sample forked)
         self.state_snapshot_bytes = 0  # recurrent states the model kept in snapshot slots (at block boundaries)
         self.staging = HostStaging(self.device)
         self.buffers = DeviceBuffers(self.staging)
+        self.graph_steps = 0  # steps replayed from a CUDA graph
+        self.eager_steps = 0
         # Decode steps replay CUDA graphs on CUDA with the Triton ops (the torch twins read host lists per step).
         # (Not with several ranks yet: a graph would have to capture the collectives too. Nor for linear-attention
         # layers yet: their torch twins read the step's host lists.)
         use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
                       and layout.world_size == 1 and not recurrent)
+        memory = memory_probe(spec)
+        # measured before the cache exists: the cache gets what the largest step leaves
+        self.memory_profile = (self.profile_memory(memory, config, layer_types, weights, use_graphs)
+                               if memory is not None else None)
+        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min,
+                                                         reserved_bytes=self.state_bytes, profile=self.memory_profile)
+        self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
+                                num_state_slots=self.num_state_slots)
+        self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
+        self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]  # their expert_load
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if self.memory_profile is not None:
+            log.info("KV cache: %d blocks of %d tokens (%s); %s", self.num_blocks, self.block_size,
+                     gib(self.num_blocks * self.kv_bytes_per_block), self.memory_profile.describe())
         self.graphs = DecodeGraphs(self, config.max_num_seqs) if use_graphs else None
-        self.graph_steps = 0  # steps replayed from a CUDA graph
-        self.eager_steps = 0
+        self.graph_bytes = 0  # device memory the start-up captures took (measured; 0 without graphs)
+        if self.graphs is not None:  # every decode shape now: no request pays for a capture or a compile
+            before = memory.free_bytes() if memory is not None else 0
+            self.graphs.capture_all(spec.progress)
+            if memory is not None:
+                self.graph_bytes = max(before - memory.free_bytes(), 0)
+                log.info("captured %d CUDA graphs of decode steps in %s (%s held for them)",
+                         len(self.graphs.graphs), gib(self.graph_bytes), gib(self.memory_profile.graph_bytes))
         # one process on the CPU: its threads follow the cores other processes leave free (a rank's are its own)
         self.cpu_threads = CpuThreads() if self.device.type == "cpu" and layout.world_size == 1 else None
+
+    def profile_memory(self, memory: MemoryProbe, config, layer_types, weights, use_graphs: bool) -> MemoryProfile:
+        """Measure the largest step before the cache exists: one forward of a full prefill chunk (one sequence of
+        `max_num_batched_tokens` - `max_num_seqs` + 1 tokens, and `max_num_seqs` - 1 one-token rows beside it, every
+        row sampled) over a throw-away cache that holds just that step, then the sampler over its logits with every
+        stage on (penalties, top-k / top-p, min-p, logprobs). `step_bytes`: the peak allocated over what was
+        allocated before the step. Run by every rank of a multi-rank executor (its collectives included)."""
+        cfg, block = self.cfg, self.block_size
+        tokens = min(config.max_num_batched_tokens, config.max_model_len or cfg.max_position_embeddings)
+        rows = min(config.max_num_seqs, tokens)
+        first = tokens - (rows - 1)  # the long chunk, then rows - 1 single tokens
+        first_blocks = -(-first // block)
+        step = HostStep()
+        for i, n in enumerate([first] + [1] * (rows - 1)):
+            table = list(range(first_blocks)) if i == 0 else [first_blocks + i - 1]
+            step.input_ids.extend([0] * n)
+            step.positions.extend(range(n))
+            step.slot_mapping.extend(table[p // block] * block + p % block for p in range(n))
+            step.query_start_loc.append(step.query_start_loc[-1] + n)
+            step.seq_lens.append(n)
+            step.block_tables.append(table)
+            step.state_slots.append(i if self.num_state_slots else -1)
+        step.sample_rows = [end - 1 for end in step.query_start_loc[1:]]
+        memory.release_cached()
+        free = memory.free_bytes()
+        layout = self.par.layout
+        cache = ModelCache(cfg, layer_types, first_blocks + rows - 1, block, self.dtype, self.device, layout,
+                           num_state_slots=rows if self.num_state_slots else 0)
+        self.cache, self.model = cache, DecoderModel(cfg, weights, cache, tokens, self.ops, self.par)
+        baseline = memory.allocated_bytes()
+        memory.reset_peak()
+        try:
+            logits = self.run_step(step)
+            params = SamplingParams(temperature=0.8, top_k=max(cfg.vocab_size // 2, 1), top_p=0.9, min_p=0.01,
+                                    repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                                    logprobs=MAX_LOGPROBS)
+            Sampler(seed=config.seed)(logits, [
+                SamplingRow(params, PenaltyState.from_ids(params, [0], [0], cfg.vocab_size, self.device))
+                for _ in range(rows)])
+            del logits
+            step_bytes = max(memory.peak_bytes() - baseline, 0)
+        finally:
+            del self.cache, self.model, cache
+            self.eager_steps = 0
+        memory.release_cached()
+        graph_bytes = 0
+        if use_graphs:
+            longest = config.max_model_len or cfg.max_position_embeddings
+            plan = capture_plan(batch_buckets(config.max_num_seqs), context_widths(block, -(-longest // block)))
+            graph_bytes = graph_memory_estimate(plan, cfg.vocab_size, step_bytes, tokens)
+        return MemoryProfile(free, step_bytes, graph_bytes, tokens, rows)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked partial blocks: the only KV data ever copied, and counted."""

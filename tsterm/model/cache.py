@@ -190,10 +190,18 @@ class ModelCache:
 
 
 def num_state_slots(layer_types: tuple[LayerType, ...], max_num_seqs: int, prefix_caching: bool) -> int:
-    """State slots a model holds when some layer keeps a per-sequence state (linear attention), else 0: one per
-    sequence the engine may run at once; with prefix caching also one snapshot per running sequence and as many
-    again for finished ones' snapshots kept for reuse. The executor sizes its pool and the engine numbers its slots
-    by this."""
+    """State slots a model holds when some layer keeps a per-sequence state (linear attention), else 0. The executor
+    sizes its pool and the engine numbers its slots by this; their bytes come off the KV budget (and the profile run's
+    fit check counts them).
+
+    What the sequences the scheduler may run at once (`max_num_seqs`, every sample of an n > 1 request included:
+    admission refuses n > max_num_seqs) can hold at the same time, so that handing a slot out never fails:
+    - one live state per running sequence;
+    - with prefix caching, one snapshot slot per running sequence (its state at the last block boundary it computed),
+      and one kept snapshot per running sequence that a resumed prefix is copied from: `use_snapshot` holds it until
+      the step that copies it has run, and every running sequence may have been admitted in that one step.
+    Kept snapshots beyond those (finished turns' states for reuse) take the slots no live sequence holds."""
     if not any(layer_type.mixer == LINEAR_ATTENTION for layer_type in layer_types):
         return 0
-    return 3 * max_num_seqs if prefix_caching else max_num_seqs
+    live, snapshots, restores = max_num_seqs, max_num_seqs if prefix_caching else 0, max_num_seqs if prefix_caching else 0
+    return live + snapshots + restores

@@ -36,6 +36,7 @@ from tsterm.config import ModelConfig
 from tsterm.errors import ModelLoadError
 from tsterm.model.arch import ARCHITECTURES
 from tsterm.model.parallel import ParallelLayout
+from tsterm.model.quant import QuantizeOnLoad
 from tsterm.model.safetensors_mmap import WEIGHT_DTYPES, SafetensorsFile
 
 ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
@@ -313,9 +314,11 @@ def unsqueeze(weight: Weight) -> Weight:
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  progress: ProgressFn | None = None, layout: ParallelLayout = ParallelLayout(),
-                 keep_fp8: bool | None = None) -> dict[str, torch.Tensor]:
+                 keep_fp8: bool | None = None, quantization: str = "none") -> dict[str, torch.Tensor]:
     """Returns the decoder's weights by canonical name (see `tsterm.model.decoder`): `layout.rank`'s shard.
-    keep_fp8: keep a block-scaled FP8 checkpoint's matrices as fp8 (None: on a CUDA device; see the module doc)."""
+    keep_fp8: keep a block-scaled FP8 checkpoint's matrices as fp8 (None: on a CUDA device; see the module doc).
+    quantization: EngineConfig.quantization, applied to each linear weight as it is loaded (`QuantizeOnLoad`): the
+    float model is never whole on the device."""
     model_dir = Path(model_dir)
     spec = ARCHITECTURES[cfg.model_type]
     keep_fp8 = device.type == "cuda" if keep_fp8 is None else keep_fp8
@@ -327,7 +330,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     q0, nq = layout.q_heads(cfg)
     kv0, nkv = layout.kv_heads(cfg)
     q_rows, kv_rows = (q0 * D, nq * D), (kv0 * D, nkv * D)
-    w: dict[str, torch.Tensor] = {}
+    w = QuantizeOnLoad(quantization, device, dtype)  # each linear weight quantized as it is stored
     w["embed"] = src.get("model.embed_tokens.weight", (cfg.vocab_size, H), rows=vocab_rows)
     w["final_norm"] = src.get("model.norm.weight", (H,))
     if cfg.tie_word_embeddings and not src.is_quantized("lm_head.weight"):
@@ -363,7 +366,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         else:
             _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w, (layout.tp_rank, layout.tp_size))
     src.check_all_used()
-    return w
+    return w.finish()
 
 
 def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: dict[str, torch.Tensor],
@@ -371,9 +374,9 @@ def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: di
     """A dense MLP is the trivial MoE: one expert, always on, weight 1. `part` (index, parts): the share of the
     intermediate dimension this rank holds."""
     span = (part[0] * (inter // part[1]), inter // part[1])
-    gate_up = cat([src.weight(p + "gate_proj.weight", (inter, H), rows=span),
-                   src.weight(p + "up_proj.weight", (inter, H), rows=span)], 0, src.dtype)
-    w[o + "w13"] = unsqueeze(gate_up)  # [1, 2I, H]
+    # (each matrix stored as soon as it is made, and no local name keeps it: quantized on load, its float form goes)
+    w[o + "w13"] = unsqueeze(cat([src.weight(p + "gate_proj.weight", (inter, H), rows=span),
+                                  src.weight(p + "up_proj.weight", (inter, H), rows=span)], 0, src.dtype))  # [1, 2I, H]
     w[o + "w2"] = unsqueeze(src.weight(p + "down_proj.weight", (H, inter), cols=span))  # [1, H, I]
 
 
@@ -389,9 +392,11 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
         gate_up = src.weight(p + "experts.gate_up_proj", (E, 2 * inter, H), rows=(first, count))
         if ni == inter:  # whole experts: views of the mapping
             w[o + "w13"] = gate_up
+            del gate_up  # (quantized on load: its float form goes before down_proj is read)
             w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count))
         else:
             w[o + "w13"] = cat([narrow(gate_up, 1, i0, ni), narrow(gate_up, 1, inter + i0, ni)], 1, src.dtype)
+            del gate_up
             w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count), cols=(i0, ni))
     else:
         e = p + "experts."
@@ -411,6 +416,7 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
                 w13[x - first, :ni].copy_(src.get(f"{e}{x}.{gate}.weight", (inter, H), convert=False, rows=(i0, ni)))
                 w13[x - first, ni:].copy_(src.get(f"{e}{x}.{up}.weight", (inter, H), convert=False, rows=(i0, ni)))
             w[o + "w13"] = w13  # [E_local, 2I_local, H]
+            del w13  # (quantized on load: the float stack goes before down_proj's is made)
             w[o + "w2"] = src.stack([f"{e}{x}.{down}.weight" for x in mine], (H, inter),
                                     cols=(i0, ni))  # [E_local, H, I_local]
     if spec.shared_expert and cfg.shared_expert_intermediate_size:

@@ -7,9 +7,13 @@ embedding (a row lookup), norms, biases, the router and the shared expert's gate
 the convolution and the linear-attention decay parameters.
 
 int8 and int4 quantize blocks of 32 inputs (GGUF Q8_0 / Q4_1's forms, `tsterm_kernels.quant`); a matrix whose inputs
-are not a multiple of 32 stays float (a row-local rule: fused and separate projections get the same format). Each float matrix is dropped as
-soon as its quantized form exists, so the float copies made at load (fused q/k/v, stacked experts) go one by one.
+are not a multiple of 32 stays float (a row-local rule: fused and separate projections get the same format).
 fp8 quantizes blocks of 128 x 128 (any shape; a partial block at the edges), as fine-grained FP8 checkpoints do.
+
+Quantized as they load: the loader stores each weight into a `QuantizeOnLoad` dict, which quantizes a linear weight
+as it is stored, so its float form (the fused q/k/v, a layer's stacked experts, on the device already) is dropped
+before the next one is read: the float model never exists whole, and the load's peak is the quantized model plus
+one float matrix (and the parts it was fused from). `quantize_weights` does the same to a dict loaded whole.
 
 Devices. On the CPU: fp16, int8 and int4 (fbgemm's GEMM and tsterm's C kernels); fp8 is refused there, since no CPU
 kernel reads it (every matmul would dequantize the whole matrix): use int8 or int4. On a GPU: int8, int4 and fp8
@@ -49,13 +53,12 @@ def quantize(weight: torch.Tensor, mode: str) -> QuantizedWeight | torch.Tensor:
     return quantize_int4(weight) if mode == "int4" else quantize_int8(weight)
 
 
-def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
-    """Replace the linear weights of a loaded model (in `weights`, in place) by their `mode` form; returns it."""
+def check_mode(mode: str, device: torch.device) -> None:
+    """A ConfigError unless `mode` is a quantization with a kernel on `device`."""
     if mode not in QUANTIZATIONS:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "none":
-        return weights
-    device = weights["embed"].device
+        return
     on_cpu = device.type == "cpu"
     if on_cpu and mode not in CPU_QUANTIZATIONS:
         raise ConfigError(f"quantization: {mode} has no CPU kernel (device is {device}): its weights would be "
@@ -64,24 +67,56 @@ def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict[str, t
     if not on_cpu and mode not in GPU_QUANTIZATIONS:
         raise ConfigError(f"quantization: {mode} runs on the CPU only (fbgemm's packed matrices; device is "
                           f"{device}); on a GPU use quantization: int8, int4 or fp8")
-    tied = weights["lm_head"] is weights["embed"]
-    for name in [n for n in weights if is_linear_weight(n)]:
-        if isinstance(weights[name], QuantizedWeight):  # an FP8 checkpoint's matrix kept as fp8 (tsterm.model.loader)
-            if weights[name].kind == mode:
-                continue
-            weights[name] = weights[name].dequantize().to(weights["embed"].dtype)  # float where it stays float
-        if name == "lm_head" and tied:  # the embedding stays float for its lookup; the head gets its own copy
-            weights[name] = quantize(weights["embed"], mode)
-            continue
-        weights[name] = quantize(weights[name], mode)  # the float tensor is released here
-    # The float tensors left (embedding, norms, router, biases) are views of the checkpoint's file mapping, which keeps
-    # every page read at load resident, the quantized matrices' float pages too: owning copies lets the mapping go.
-    # (On a GPU the weights were copied off the mapping at load already.)
-    if on_cpu:
-        for name, weight in weights.items():
-            if not isinstance(weight, QuantizedWeight):
-                weights[name] = weight.clone()
-        _return_freed_memory()
+
+
+class QuantizeOnLoad(dict):
+    """The loader's name -> weight dict, quantizing each linear weight (`is_linear_weight`) to `mode` as it is stored
+    (see the module doc); other weights are stored as they are. `finish()` after the last weight.
+
+    A tied LM head stored as the embedding itself gets its own quantized copy (the embedding stays float for its
+    lookup); an FP8 checkpoint's matrix kept as fp8 stays so under `mode` fp8, and is re-quantized under another."""
+
+    def __init__(self, mode: str, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        check_mode(mode, device)
+        self.mode, self.device, self.dtype = mode, device, dtype
+
+    def __setitem__(self, name: str, weight: torch.Tensor | QuantizedWeight) -> None:
+        if self.mode != "none" and is_linear_weight(name):
+            weight = self._quantized(weight)  # the caller's float tensor is dropped when the caller lets it go
+        super().__setitem__(name, weight)
+
+    def _quantized(self, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        if isinstance(weight, QuantizedWeight):  # an FP8 checkpoint's matrix kept as fp8 (tsterm.model.loader)
+            if weight.kind == self.mode:
+                return weight
+            weight = weight.dequantize().to(self.dtype)  # float where it stays float
+        return quantize(weight, self.mode)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """The weights as a plain dict. On the CPU, the float tensors left (embedding, norms, router, biases) are views
+        of the checkpoint's file mapping, which keeps every page read at load resident, the quantized matrices'
+        float pages too: owning copies let the mapping go. (On a GPU the weights were copied off the mapping.)"""
+        weights = dict(self)
+        if self.mode != "none" and self.device.type == "cpu":
+            copies: dict[int, torch.Tensor] = {}  # a tensor stored under two names stays one tensor
+            for name, weight in weights.items():
+                if not isinstance(weight, QuantizedWeight):
+                    weights[name] = copies.setdefault(id(weight), weight.clone())
+            _return_freed_memory()
+        return weights
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:
+    """Replace the linear weights of a model loaded whole (in `weights`, in place) by their `mode` form; returns it.
+    (The loaders quantize as they load instead: `QuantizeOnLoad`.)"""
+    check_mode(mode, weights["embed"].device)
+    if mode == "none":
+        return weights
+    sink = QuantizeOnLoad(mode, weights["embed"].device, weights["embed"].dtype)
+    for name in list(weights):
+        sink[name] = weights.pop(name)  # each float matrix released as its quantized form is made
+    weights.update(sink.finish())
     return weights
 
 
