@@ -56,8 +56,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def gather_context(cache: torch.Tensor, table: list[int], seq_len: int) -> torch.Tensor:
     """A sequence's first seq_len positions of a pool [num_blocks, B, Hkv, D], through its block table: [n, Hkv, D]."""
-    block_size = cache.shape[1]
-    return torch.stack([cache[table[p // block_size], p % block_size] for p in range(seq_len)])
+    blocks = torch.tensor(table[:-(-seq_len // cache.shape[1])], device=cache.device)
+    return cache[blocks].flatten(0, 1)[:seq_len]  # [n, Hkv, D]: the blocks in table order, a copy
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""tsterm's C kernels for CPU decode (csrc/decode.c) against from-scratch torch, and how they are built."""
+"""tsterm's C kernels for the CPU (csrc/), through torch_ops, against the float64 oracles and plain torch, and how
+they are built."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from tsterm_kernels import cpu_native, torch_ops
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
+
+from tests.kernels import oracles
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +45,10 @@ def _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, block_size=4, seed
 
 
 def _from_scratch(q, k_cache, v_cache, tables, seq_lens, scale):
-    """Each sequence's keys gathered into a dense tensor, plain softmax attention in float64."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    out = []
-    for i, n in enumerate(seq_lens):
-        k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)  # [n, Hq, D]
-        v = v_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * scale, -1)
-        out.append(torch.einsum("hn,nhd->hd", p, v))
-    return torch.stack(out).float()
+    """One new token per sequence: the oracle's attention over each context, gathered densely, in float64."""
+    return torch.stack([oracles.attention(q[i:i + 1], oracles.gather_context(k_cache, tables[i], n),
+                                          oracles.gather_context(v_cache, tables[i], n), scale)[0]
+                        for i, n in enumerate(seq_lens)]).float()
 
 
 @pytest.mark.parametrize("seq_lens,heads,kv_heads,head_dim", [
@@ -102,7 +100,7 @@ def test_decode_attention_merges_each_threads_run_of_chunks_at_any_thread_count(
     per process, so each count runs in its own."""
     script = f"""
 import sys, torch
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parents[2])!r}]
 from test_cpu_native import _decode_case, _from_scratch
 from tsterm_kernels import torch_ops
 lens = [5, 31, 33, 130, 64, 1]
@@ -204,19 +202,9 @@ def _prefill_case(seq_lens, num_qs, num_heads, num_kv_heads, head_dim, block_siz
 
 
 def _causal_from_scratch(q, k_cache, v_cache, tables, meta, scale):
-    """Each sequence's keys gathered dense; query j of n new ones sits at position seq_len - n + j and sees the keys
-    at and before it. Plain softmax in float64."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    out = []
-    for i, n in enumerate(meta.seq_lens):
-        q_i = q[meta.query_start_loc[i]:meta.query_start_loc[i + 1]].double()  # [nq, Hq, D]
-        k = k_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)
-        v = v_cache[tables[i]].flatten(0, 1)[:n].double().repeat_interleave(num_heads // num_kv_heads, 1)
-        scores = torch.einsum("qhd,khd->hqk", q_i, k) * scale
-        q_pos = torch.arange(n - len(q_i), n)[:, None]
-        scores.masked_fill_(torch.arange(n)[None] > q_pos, float("-inf"))
-        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v))
-    return torch.cat(out).float()
+    """The oracle: each sequence's keys gathered dense; query j of n new ones sits at position seq_len - n + j and
+    sees the keys at and before it. Plain softmax in float64."""
+    return oracles.paged_attention(q, k_cache, v_cache, meta, scale).float()
 
 
 @pytest.mark.parametrize("seq_lens,num_qs,heads,kv_heads,head_dim,block_size", [

@@ -2,9 +2,9 @@
 
 A query row's attention gives the same bits in a prefill of the whole sequence, an extend of its last tokens, a
 decode of it alone and a decode batched with other sequences, on one thread or two; a row of a float32 linear is
-the same alone and in a GEMM of hundreds; a token's mixture of experts is the same alone and among forty. The
-oracles of what each op computes (float64, from scratch) live in test_cpu_native.py; here the reference is the
-kernel itself run another way, and one float64 check keeps the shared answer honest.
+the same alone and in a GEMM of hundreds; a token's mixture of experts is the same alone and among forty. Here the
+reference is the kernel itself run another way; the float64 oracles (tests/kernels/oracles.py) keep the shared
+answer honest.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import pytest
 import torch
 from tsterm_kernels import cpu_native, torch_ops
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
+
+from tests.kernels import oracles
 
 LEN = 1300  # positions: past ten 128-position splits
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2's attention
@@ -74,11 +76,8 @@ def test_the_shared_attention_is_a_causal_softmax(pool):
     """What every path agrees on is attention: float64 from scratch, the keys gathered densely."""
     q, k_cache, v_cache, table = pool
     got = _attend(pool, [(LEN, LEN)])[0]
-    k = k_cache[table].flatten(0, 1)[:LEN].double().repeat_interleave(HEADS // KV_HEADS, 1)  # [n, Hq, D]
-    v = v_cache[table].flatten(0, 1)[:LEN].double().repeat_interleave(HEADS // KV_HEADS, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * HEAD_DIM ** -0.5
-    scores.masked_fill_(torch.ones(LEN, LEN, dtype=torch.bool).triu(1), float("-inf"))
-    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    k, v = oracles.gather_context(k_cache, table, LEN), oracles.gather_context(v_cache, table, LEN)
+    want = oracles.attention(q, k, v, HEAD_DIM ** -0.5)
     assert (got.double() - want).abs().max() < 2e-5
 
 
@@ -92,7 +91,7 @@ def test_a_float32_linear_row_is_the_same_bits_alone_or_in_a_gemm(native, out_f,
     for i in (0, 5, 150, 299):
         for rows in (1, 2, 3, 4, 7):
             assert torch.equal(torch_ops.linear(x[i:i + rows], weight)[0], many[i]), (i, rows)
-    torch.testing.assert_close(many.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(many.double(), oracles.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -111,6 +110,12 @@ def test_a_tokens_experts_are_the_same_bits_alone_or_among_many(native, renormal
         return torch_ops.fused_moe(rows, w13, w2, weights, ids, torch.zeros_like(rows))
 
     many = moe(x)
+    weights, ids = torch_ops.moe_route(torch_ops.linear(x, router), top_k, renormalize)
+    want_weights, want_ids = oracles.moe_route(oracles.linear(x, router), top_k, renormalize)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights.double(), want_weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(many.double(), oracles.fused_moe(x, w13, w2, weights, ids, torch.zeros_like(x)),
+                               rtol=1e-5, atol=1e-5)
     for i in (0, 13, 39):
         assert torch.equal(moe(x[i:i + 1]), many[i:i + 1])
         assert torch.equal(moe(x[i:i + 3])[0], many[i])

@@ -1,12 +1,12 @@
-"""Triton Gated DeltaNet decode kernels (interpreted on the CPU) against their torch twins."""
+"""Triton Gated DeltaNet kernels, decode and prefill (interpreted on the CPU), against the float64 oracles: the
+rule token by token, the conv position by position."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tsterm_kernels import torch_gated_delta as twin
-
+from tests.kernels import oracles
 from tests.kernels.cases import TOLERANCE
 
 
@@ -19,23 +19,22 @@ def kernels():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_seqs, channels, kernel", [(1, 24, 4), (3, 40, 2), (2, 300, 3)])
-def test_conv_update_matches_twin(kernels, poison, dtype, num_seqs, channels, kernel):
+def test_conv_update_matches_the_oracle(kernels, poison, dtype, num_seqs, channels, kernel):
     gen = torch.Generator().manual_seed(channels + kernel)
     wide = torch.randn(num_seqs, channels + 8, generator=gen).to(dtype)
     x = wide[:, 8:]  # a column slice of the fused projection: row stride != C
     weight = torch.randn(channels, kernel, generator=gen).to(dtype)
     pool = torch.randn(5, channels, kernel - 1, generator=gen).to(dtype)
     slots = torch.tensor([4, 1, 2][:num_seqs])
-    want_pool = pool.clone()
-    want = twin.causal_conv1d_update(x, weight, want_pool, slots)
+    want, want_pool = oracles.causal_conv1d_update(x, weight, pool, slots)
     got = kernels.causal_conv1d_update(x, weight, pool, slots)
-    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+    torch.testing.assert_close(got, want.to(dtype), **TOLERANCE[dtype])
     torch.testing.assert_close(pool, want_pool, atol=0, rtol=0)  # shifted, and the untouched slots unchanged
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_seqs, hk, hv, dk, dv", [(1, 2, 2, 16, 16), (3, 1, 3, 8, 20), (2, 2, 4, 32, 8)])
-def test_recurrent_step_matches_twin(kernels, poison, dtype, num_seqs, hk, hv, dk, dv):
+def test_recurrent_step_matches_the_oracle(kernels, poison, dtype, num_seqs, hk, hv, dk, dv):
     gen = torch.Generator().manual_seed(num_seqs * 100 + dv)
     qkv = torch.randn(num_seqs, 2 * hk * dk + hv * dv, generator=gen).to(dtype)  # q, k, v: views of one projection
     q = qkv[:, :hk * dk].view(num_seqs, hk, dk)
@@ -45,35 +44,37 @@ def test_recurrent_step_matches_twin(kernels, poison, dtype, num_seqs, hk, hv, d
     beta = torch.rand(num_seqs, hv, generator=gen)
     pool = torch.randn(5, hv, dk, dv, generator=gen)
     slots = torch.tensor([3, 0, 4][:num_seqs])  # out of order, not a run
-    want_pool = pool.clone()
-    want = twin.recurrent_gated_delta_rule(q, k, v, g, beta, want_pool, slots)
+    want, want_pool = oracles.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots)
     got = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(pool, want_pool, atol=1e-5, rtol=1e-5)  # updated in place, the other slots unchanged
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool, want_pool.float(), atol=1e-5, rtol=1e-5)  # updated in place, the other slots unchanged
 
 
 def test_decode_steps_follow_the_chunked_prefill(kernels):
-    """A prompt through the chunked twin, then tokens through the kernels: the outputs the twin gives for the whole."""
+    """A prompt through the chunked kernel, then tokens through the decode kernel, from the state it left in its
+    slot: the oracle's outputs for the whole sequence."""
     gen = torch.Generator().manual_seed(9)
-    n, hk, hv, dk, dv = 12, 1, 2, 8, 8
+    n, prompt, hk, hv, dk, dv = 24, 20, 1, 2, 8, 8  # a prompt of one chunk of 16 and a bit, then 4 tokens
     q, k = torch.randn(n, hk, dk, generator=gen), torch.randn(n, hk, dk, generator=gen)
     v = torch.randn(n, hv, dv, generator=gen)
     g = -F.softplus(torch.randn(n, hv, generator=gen))
     beta = torch.rand(n, hv, generator=gen)
-    want = twin.gated_delta_chunked(q, k, v, g, beta, torch.zeros(hv, dk, dv), chunk_size=4)
+    want, _ = oracles.gated_delta_rule(q, k, v, g, beta, None)
     pool = torch.randn(3, hv, dk, dv, generator=gen)
     pool[2] = 0
-    steps = [twin.gated_delta_chunked(q[:8], k[:8], v[:8], g[:8], beta[:8], pool[2], chunk_size=4)]
-    for t in range(8, n):
+    rows = slice(0, prompt)
+    steps = [kernels.chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], pool, torch.tensor([2]),
+                                            torch.tensor([[0, prompt]]), torch.empty(prompt, hv, dv), chunk_size=16)]
+    for t in range(prompt, n):
         steps.append(kernels.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1],
                                                         beta[t:t + 1], pool, torch.tensor([2])))
-    torch.testing.assert_close(torch.cat(steps), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps), want.float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("lengths, channels, kernel", [([5, 2, 0, 20], 24, 4), ([1, 9], 40, 2), ([3], 300, 3)],
                          ids=["short-empty-long", "k2", "wide"])
-def test_conv_prefill_matches_twin(kernels, poison, dtype, lengths, channels, kernel):
+def test_conv_prefill_matches_the_oracle(kernels, poison, dtype, lengths, channels, kernel):
     """Several sequences' prompt rows (fewer than K-1 of them, none, several row blocks), each from its slot."""
     gen = torch.Generator().manual_seed(channels + len(lengths))
     rows = 3 + sum(lengths)  # 3 rows first that belong to no sequence here (a decode token's, say)
@@ -83,11 +84,10 @@ def test_conv_prefill_matches_twin(kernels, poison, dtype, lengths, channels, ke
     slots = torch.tensor([5, 0, 3, 2][:len(lengths)])
     starts = torch.tensor([3] + lengths[:-1]).cumsum(0)
     bounds = torch.stack((starts, starts + torch.tensor(lengths)), dim=1)
-    want_pool, want = pool.clone(), torch.full((rows, channels), float("nan"), dtype=dtype)
-    twin.causal_conv1d(x, weight, want_pool, slots, bounds, want)
     got = torch.full((rows, channels), float("nan"), dtype=dtype)
+    want, want_pool = oracles.causal_conv1d(x, weight, pool, slots, bounds, got)
     kernels.causal_conv1d(x, weight, pool, slots, bounds, got)
-    torch.testing.assert_close(got, want, equal_nan=True, **TOLERANCE[dtype])
+    torch.testing.assert_close(got, want.to(dtype), equal_nan=True, **TOLERANCE[dtype])
     torch.testing.assert_close(pool, want_pool, atol=0, rtol=0)  # the last K-1 inputs; the other slots unchanged
 
 
@@ -97,7 +97,7 @@ PREFILL_SHAPES = [(2, 2, 16, 16, 16), (1, 3, 8, 20, 16), (2, 4, 32, 8, 32)]
 
 @pytest.mark.parametrize("num_k_heads, num_v_heads, dk, dv, chunk", PREFILL_SHAPES,
                          ids=[f"hk{s[0]}-hv{s[1]}-dk{s[2]}-dv{s[3]}-c{s[4]}" for s in PREFILL_SHAPES])
-def test_chunked_prefill_matches_twin(kernels, poison, num_k_heads, num_v_heads, dk, dv, chunk):
+def test_chunked_prefill_matches_the_oracle(kernels, poison, num_k_heads, num_v_heads, dk, dv, chunk):
     """Sequences of different lengths (one chunk and a bit, less than one, none, exactly two), each resuming from
     the state in its slot, their rows interleaved with rows of no sequence."""
     gen = torch.Generator().manual_seed(dk * dv + chunk)
@@ -114,17 +114,16 @@ def test_chunked_prefill_matches_twin(kernels, poison, num_k_heads, num_v_heads,
     slots = torch.tensor([4, 1, 0, 3])
     starts = torch.tensor([2] + lengths[:-1]).cumsum(0)
     bounds = torch.stack((starts, starts + torch.tensor(lengths)), dim=1)
-    want_pool, want = pool.clone(), torch.full((rows, num_v_heads, dv), float("nan"))
-    twin.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want, chunk_size=chunk)
     got = torch.full((rows, num_v_heads, dv), float("nan"))
+    want, want_pool = oracles.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, got)
     kernels.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, got, chunk_size=chunk)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, equal_nan=True)
-    torch.testing.assert_close(pool, want_pool, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(pool, want_pool.float(), atol=1e-4, rtol=1e-4)
 
 
 def test_chunked_prefill_of_a_repeated_token(kernels):
     """The same key again and again with beta near 1 and no decay: the within-chunk system is as ill-conditioned as
-    it gets ((I + A) is all ones below the diagonal), and the kernel still follows the twin."""
+    it gets ((I + A) is all ones below the diagonal), and the kernel still follows the rule."""
     gen = torch.Generator().manual_seed(2)
     n, hv, dk, dv = 40, 2, 16, 16
     q = torch.randn(n, 1, dk, generator=gen)
@@ -132,8 +131,7 @@ def test_chunked_prefill_of_a_repeated_token(kernels):
     v = torch.randn(n, hv, dv, generator=gen)
     g, beta = torch.zeros(n, hv), torch.full((n, hv), 0.999)
     pool, slots, bounds = torch.randn(1, hv, dk, dv, generator=gen), torch.tensor([0]), torch.tensor([[0, n]])
-    want_pool, want = pool.clone(), torch.empty(n, hv, dv)
-    twin.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want, chunk_size=32)
+    want, want_pool = oracles.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, torch.empty(n, hv, dv))
     got = kernels.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, torch.empty(n, hv, dv), chunk_size=32)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(pool, want_pool, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool, want_pool.float(), atol=1e-4, rtol=1e-4)

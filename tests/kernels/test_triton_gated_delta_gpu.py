@@ -1,6 +1,6 @@
 """The Gated DeltaNet kernels (decode and prefill) compiled on a CUDA device, at Qwen3.5-397B-A17B's
 linear-attention sizes (16 key heads / 64 value heads of 128, conv kernel 4), bfloat16 activations, float32 states,
-against their torch twins on the same device.
+against the float64 oracles (tests/kernels/oracles.py: the rule token by token) on the same device.
 
 Skipped without CUDA, and under TRITON_INTERPRET (tests/conftest.py sets it for the CPU suite): run these with
 `pytest --noconftest tests/kernels/test_triton_gated_delta_gpu.py`, as scripts/gpu_check.sh does. Self-contained: no
@@ -12,7 +12,9 @@ import os
 
 import pytest
 import torch
-from tsterm_kernels import torch_ops, triton_ops
+from tsterm_kernels import triton_ops
+
+from tests.kernels import oracles
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -31,10 +33,9 @@ def test_conv_update_bf16():
     weight = torch.randn(CHANNELS, KERNEL, generator=gen).to(BF16).cuda()
     pool = torch.randn(2 * SEQS, CHANNELS, KERNEL - 1, generator=gen).to(BF16).cuda()
     slots = torch.randperm(2 * SEQS, generator=gen)[:SEQS].cuda()
-    want_pool = pool.clone()
-    want = torch_ops.causal_conv1d_update(x, weight, want_pool, slots)
+    want, want_pool = oracles.causal_conv1d_update(x, weight, pool, slots)
     got = triton_ops.causal_conv1d_update(x, weight, pool, slots)
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want.to(BF16), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pool, want_pool, atol=0, rtol=0)
 
 
@@ -49,11 +50,10 @@ def test_recurrent_step_bf16_inputs_float32_state():
     beta = torch.rand(SEQS, VALUE_HEADS, generator=gen).cuda()
     pool = (torch.randn(2 * SEQS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1).cuda()
     slots = torch.randperm(2 * SEQS, generator=gen)[:SEQS].cuda()
-    want_pool = pool.clone()
-    want = torch_ops.recurrent_gated_delta_rule(q, k, v, g, beta, want_pool, slots)
+    want, want_pool = oracles.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots)
     got = triton_ops.recurrent_gated_delta_rule(q, k, v, g, beta, pool, slots)
-    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(pool, want_pool, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(got, want.float(), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(pool, want_pool.float(), atol=1e-3, rtol=1e-3)
 
 
 def prompt_rows(gen, lengths):
@@ -71,16 +71,16 @@ def test_conv_prefill_bf16():
     x = torch.randn(rows, CHANNELS + 64, generator=gen).to(BF16).cuda()[:, :CHANNELS]
     weight = torch.randn(CHANNELS, KERNEL, generator=gen).to(BF16).cuda()
     pool = torch.randn(2 * len(lengths), CHANNELS, KERNEL - 1, generator=gen).to(BF16).cuda()
-    want_pool, want = pool.clone(), torch.empty(rows, CHANNELS, dtype=BF16, device="cuda")
-    torch_ops.causal_conv1d(x, weight, want_pool, slots, bounds, want)
-    got = triton_ops.causal_conv1d(x, weight, pool, slots, bounds, torch.empty_like(want))
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    out = torch.zeros(rows, CHANNELS, dtype=BF16, device="cuda")
+    want, want_pool = oracles.causal_conv1d(x, weight, pool, slots, bounds, out)
+    got = triton_ops.causal_conv1d(x, weight, pool, slots, bounds, out)
+    torch.testing.assert_close(got, want.to(BF16), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(pool, want_pool, atol=0, rtol=0)
 
 
 def test_chunked_prefill_bf16_inputs_float32_state():
     """Several prompts (a long one, a ragged one, one token past a chunk) from nonzero states: the kernel's chunked
-    form against the twin's, outputs and final states."""
+    form against the rule token by token, outputs and final states."""
     gen = torch.Generator().manual_seed(3)
     lengths = [1000, 37, 65]
     bounds, slots = prompt_rows(gen, lengths)
@@ -92,8 +92,8 @@ def test_chunked_prefill_bf16_inputs_float32_state():
     g = (-torch.rand(rows, VALUE_HEADS, generator=gen) * 0.5).cuda()
     beta = torch.rand(rows, VALUE_HEADS, generator=gen).cuda()
     pool = (torch.randn(2 * len(lengths), VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen) * 0.1).cuda()
-    want_pool, want = pool.clone(), torch.empty(rows, VALUE_HEADS, HEAD_DIM, device="cuda")
-    torch_ops.chunk_gated_delta_rule(q, k, v, g, beta, want_pool, slots, bounds, want)
-    got = triton_ops.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, torch.empty_like(want))
-    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(pool, want_pool, atol=2e-3, rtol=2e-3)
+    out = torch.zeros(rows, VALUE_HEADS, HEAD_DIM, device="cuda")
+    want, want_pool = oracles.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, out)
+    got = triton_ops.chunk_gated_delta_rule(q, k, v, g, beta, pool, slots, bounds, out)
+    torch.testing.assert_close(got, want.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(pool, want_pool.float(), atol=2e-3, rtol=2e-3)

@@ -1,4 +1,4 @@
-"""Triton MoE routing, token/expert alignment and fused experts against the torch twins."""
+"""Triton MoE routing, token/expert alignment and fused experts against the float64 oracles."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +7,8 @@ import torch
 from tsterm_kernels import torch_ops
 from tsterm_kernels.quant import QuantizedWeight, quantize_fp8, quantize_int4, quantize_int8
 from tsterm_kernels.triton_moe_align import moe_align, num_aligned_tiles
+
+from tests.kernels import oracles
 
 
 def distinct_logits(num_tokens: int, num_experts: int, gen: torch.Generator) -> torch.Tensor:
@@ -20,16 +22,22 @@ def distinct_logits(num_tokens: int, num_experts: int, gen: torch.Generator) -> 
     (1, 6, 1), (5, 6, 2), (3, 10, 3), (33, 7, 4), (4, 64, 8), (2, 8, 8),
 ])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_moe_route_matches_twin(triton_ops, poison, dtype, num_tokens, num_experts, top_k, renormalize):
+def test_moe_route_matches_the_oracle(triton_ops, poison, dtype, num_tokens, num_experts, top_k, renormalize):
     gen = torch.Generator().manual_seed(num_tokens * num_experts + top_k)
     logits = distinct_logits(num_tokens, num_experts, gen).to(dtype)
 
     weights, expert_ids = triton_ops.moe_route(logits, top_k, renormalize)
-    want_weights, want_ids = torch_ops.moe_route(logits, top_k, renormalize)
+    want_weights, want_ids = oracles.moe_route(logits, top_k, renormalize)
 
     assert weights.dtype == torch.float32 and expert_ids.dtype == torch.int64
     torch.testing.assert_close(expert_ids, want_ids, atol=0, rtol=0)
-    torch.testing.assert_close(weights, want_weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weights, want_weights.float(), atol=1e-6, rtol=1e-5)
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle's renormalised routing, its weights in float32 as the kernels receive them."""
+    weights, expert_ids = oracles.moe_route(logits, top_k, True)
+    return weights.float(), expert_ids
 
 
 def expected_alignment(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[list[int], list[int]]:
@@ -70,17 +78,17 @@ def test_moe_align_sorts_and_pads_segments(poison, num_tokens, top_k, num_expert
     (19, 32, 40, 10, 8),  # top-8, several tiles for the busier experts
     (6, 48, 16, 1, 1),  # dense MLP / shared expert: one expert, weight = gate
 ])
-def test_fused_moe_matches_twin(triton_ops, poison, dtype, num_tokens, hidden, inter, num_experts, top_k):
+def test_fused_moe_matches_the_oracle(triton_ops, poison, dtype, num_tokens, hidden, inter, num_experts, top_k):
     gen = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
     x = torch.randn(num_tokens, hidden + 8, generator=gen).to(dtype)[:, 8:]  # a strided view, as after a split
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
-    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    weights, expert_ids = route(distinct_logits(num_tokens, num_experts, gen), top_k)
     start = torch.randn(num_tokens, hidden, generator=gen).to(dtype)  # accumulation target: out += ...
-    out, want = start.clone(), start.clone()
+    out = start.clone()
 
     result = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, out)
-    torch_ops.fused_moe(x, w13, w2, weights, expert_ids, want)
+    want = oracles.fused_moe(x, w13, w2, weights, expert_ids, start).to(dtype)
 
     assert result is out
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-3, rtol=6e-3)
@@ -88,7 +96,7 @@ def test_fused_moe_matches_twin(triton_ops, poison, dtype, num_tokens, hidden, i
 
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 40])  # the twin's host-grouped decode path and its sorted path
+@pytest.mark.parametrize("num_tokens", [1, 3, 40])  # torch_ops' host-grouped decode path and its sorted path
 def test_fused_moe_skips_other_ranks_experts(triton_ops, poison, num_tokens):
     """Expert parallel: a rank holds experts [4, 8) of 8 as local 0..3; id 4 (= E_local) marks the other rank's."""
     gen = torch.Generator().manual_seed(num_tokens)
@@ -96,17 +104,17 @@ def test_fused_moe_skips_other_ranks_experts(triton_ops, poison, num_tokens):
     x = torch.randn(num_tokens, hidden, generator=gen)
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
-    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    weights, expert_ids = route(distinct_logits(num_tokens, num_experts, gen), top_k)
     local_ids = (expert_ids - first).masked_fill(expert_ids < first, num_experts - first)
     assert (local_ids == num_experts - first).any() and (local_ids < num_experts - first).any()
     start = torch.randn(num_tokens, hidden, generator=gen)
-    # oracle: every expert present, the other rank's pairs weighted 0
-    want = torch_ops.fused_moe(x, w13, w2, weights.masked_fill(expert_ids < first, 0.0), expert_ids, start.clone())
+    # every expert present, the other rank's pairs weighted 0
+    want = oracles.fused_moe(x, w13, w2, weights.masked_fill(expert_ids < first, 0.0), expert_ids, start).float()
 
-    twin = torch_ops.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
+    torch_path = torch_ops.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
     kernel = triton_ops.fused_moe(x, w13[first:], w2[first:], weights, local_ids, start.clone())
 
-    torch.testing.assert_close(twin, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch_path, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel, want, atol=1e-4, rtol=1e-4)
 
 
@@ -121,23 +129,23 @@ QUANTIZE = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8}
     ("int4", None, 64, 40),  # I = 40 is not whole int4 blocks: w2 stays float, as quantize-on-load leaves it
 ])
 @pytest.mark.parametrize("num_tokens, num_experts, top_k", [(1, 6, 2), (19, 10, 4)])
-def test_quantized_fused_moe_matches_the_dequantized_twin(triton_ops, poison, dtype, kind13, kind2, hidden, inter,
+def test_quantized_fused_moe_matches_the_oracle_on_the_dequantized_stacks(triton_ops, poison, dtype, kind13, kind2, hidden, inter,
                                                           num_tokens, num_experts, top_k):
-    """Expert stacks read as stored (int8 codes, int4 nibbles, fp8 values with their block scales) against the twin
-    run on the same stacks dequantized to float32: the kernel scales each block's partial dot, the twin multiplies
-    dequantized weights; float32 agrees to float32 summation order, float16 x to one rounding of each projection."""
+    """Expert stacks read as stored (int8 codes, int4 nibbles, fp8 values with their block scales) against the oracle
+    run on the same stacks dequantized (exactly, in float64): the kernel scales each block's partial dot; float32
+    agrees to float32 summation order, float16 x to one rounding of each projection."""
     gen = torch.Generator().manual_seed(num_tokens * 31 + hidden + inter)
     x = torch.randn(num_tokens, hidden + 8, generator=gen).to(dtype)[:, 8:]  # a strided view, as after a split
     w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * torch.rand(num_experts, 2 * inter, 1, generator=gen)
     w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter ** -0.5
     w13 = QUANTIZE[kind13](w13 * hidden ** -0.5)
     w2 = QUANTIZE[kind2](w2) if kind2 else w2.to(dtype)
-    weights, expert_ids = torch_ops.moe_route(distinct_logits(num_tokens, num_experts, gen), top_k, True)
+    weights, expert_ids = route(distinct_logits(num_tokens, num_experts, gen), top_k)
     start = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
 
     got = triton_ops.fused_moe(x, w13, w2, weights, expert_ids, start.clone())
-    floats = [w.dequantize() if isinstance(w, QuantizedWeight) else w.float() for w in (w13, w2)]
-    want = torch_ops.fused_moe(x.float(), *floats, weights, expert_ids, start.float())
+    floats = [oracles.dequantize(w) if isinstance(w, QuantizedWeight) else w for w in (w13, w2)]
+    want = oracles.fused_moe(x, *floats, weights, expert_ids, start).float()
 
     assert got.dtype == dtype
     if dtype == torch.float32:

@@ -1,15 +1,15 @@
-"""The Triton quantized linear layer (int8, int4, fp8 weights) against its torch twin, `quant.dequantized_linear`,
-interpreted on the CPU on tiny shapes; and a tiny quantized model through it against the torch path.
+"""The Triton quantized linear layer (int8, int4, fp8 weights) against the float64 oracle (x times the weight
+dequantized from its stored bytes), interpreted on the CPU on tiny shapes; and a tiny quantized model through it
+against the torch path.
 
-Both sides compute with the same dequantized weights in float32: only the summation order differs (the kernel
-scales each block's partial sum, the twin multiplies dequantized weights), a few float32 ulps of the largest
-partial products, so float32 results agree to ~1e-6 of the output's scale. float16 inputs round the output once.
+The kernel computes with the dequantized weights in float32: against the exact product it differs by float32
+summation order (the kernel scales each block's partial sum), a few float32 ulps of the largest partial products,
+so float32 results agree to ~1e-6 of the output's scale. float16 inputs round the output once.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tsterm_kernels import cpu_native, quant, torch_ops
 from tsterm_kernels import triton_fused_moe
 from tsterm_kernels import triton_quant_linear as tql
@@ -18,6 +18,7 @@ from tsterm_kernels.quant import QuantizedWeight, quantize_fp8, quantize_int4, q
 from tsterm import LLM, SamplingParams
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.kernels import oracles
 
 QUANTIZE = {"int8": quantize_int8, "int4": quantize_int4, "fp8": quantize_fp8}
 # (out features, in features): odd outputs everywhere; fp8 with inputs not a multiple of 128 (a partial block) and
@@ -29,11 +30,16 @@ def _weight(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(out_f, in_f, generator=gen) * torch.rand(out_f, 1, generator=gen)  # rows of varied scale
 
 
+def _exact(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle's x @ W.T (+ bias), rounded once to x's dtype."""
+    return oracles.linear(x, oracles.dequantize(weight), bias).to(x.dtype)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     if want.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
-    else:  # one rounding to float16 on each side, of sums that may differ in their last float32 bits
+    else:  # one rounding to float16 on each side, of sums that may differ in their last bits
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3 * want.abs().max().item())
 
 
@@ -41,7 +47,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_matches_twin(poison, kind, rows, with_bias, dtype):
+def test_matches_the_oracle(poison, kind, rows, with_bias, dtype):
     gen = torch.Generator().manual_seed(rows * 7 + len(kind))
     out_f, in_f = SHAPES[kind]
     weight = QUANTIZE[kind](_weight(out_f, in_f, gen))
@@ -50,7 +56,7 @@ def test_matches_twin(poison, kind, rows, with_bias, dtype):
 
     got = tql.quant_linear(x, weight, bias)
 
-    _close(got, quant.dequantized_linear(x, weight, bias))
+    _close(got, _exact(x, weight, bias))
 
 
 @pytest.mark.parametrize("kind", list(QUANTIZE))
@@ -58,13 +64,13 @@ def test_matches_twin(poison, kind, rows, with_bias, dtype):
     dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=2),  # fp8: 4 K steps per 128-input block
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2),  # one N tile over 64 of 131 rows
 ], ids=["k32", "k64"])
-def test_any_tiles_give_the_twin(poison, kind, tiles):
+def test_any_tiles_give_the_oracles_result(poison, kind, tiles):
     gen = torch.Generator().manual_seed(11)
     out_f, in_f = (131, 288) if kind == "fp8" else (67, 128)
     weight = QUANTIZE[kind](_weight(out_f, in_f, gen))
     x = torch.randn(20, in_f, generator=gen)  # two M tiles, the second mostly padding
     bias = torch.randn(out_f, generator=gen)
-    _close(tql.quant_linear(x, weight, bias, tiles=tiles), quant.dequantized_linear(x, weight, bias))
+    _close(tql.quant_linear(x, weight, bias, tiles=tiles), _exact(x, weight, bias))
 
 
 @pytest.mark.parametrize("kind", list(QUANTIZE))
@@ -74,7 +80,7 @@ def test_an_expert_of_a_stack_is_read_in_place(poison, kind):
     expert = stack[2]
     assert expert.data.data_ptr() == stack.data[2].data_ptr()
     x = torch.randn(4, expert.dims[1], generator=gen)
-    _close(tql.quant_linear(x, expert), F.linear(x, stack.dequantize()[2]))
+    _close(tql.quant_linear(x, expert), oracles.linear(x, oracles.dequantize(stack)[2]).float())
 
 
 def test_block_scales_are_used_per_block():

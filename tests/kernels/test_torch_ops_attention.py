@@ -1,22 +1,18 @@
-"""The torch twin of paged attention (the CPU path) against dense causal attention over a gathered context."""
+"""torch_ops.paged_attention (the CPU path: torch's flash kernel on views of the pool, runs merged by log-sum-exp,
+or plain matmuls) against the float64 oracle: dense causal attention over the gathered context."""
 from __future__ import annotations
 
 import pytest
 import torch
-
 from tsterm_kernels import torch_ops
 from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
 
+from tests.kernels import oracles
+
 
 def dense_reference(q, k_cache, v_cache, table, seq_len, scale):
-    k = torch.cat([k_cache[b] for b in table])[:seq_len]  # [n, Hkv, D] (a copy: fine for an oracle)
-    v = torch.cat([v_cache[b] for b in table])[:seq_len]
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    q_pos = torch.arange(seq_len - q.shape[0], seq_len)
-    scores.masked_fill_(torch.arange(seq_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
+    k, v = oracles.gather_context(k_cache, table, seq_len), oracles.gather_context(v_cache, table, seq_len)
+    return oracles.attention(q, k, v, scale).float()
 
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash-kernel", "matmul"])

@@ -1,4 +1,5 @@
-"""The CPU fast paths of the reference twins equal the plain torch computation they replace."""
+"""The CPU fast paths of torch_ops (the C kernels, the row-split matmul, the host-grouped MoE) equal the plain
+torch computation they replace and the float64 oracles."""
 from __future__ import annotations
 
 import pytest
@@ -6,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tsterm_kernels import torch_ops
+
+from tests.kernels import oracles
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33])
@@ -28,18 +31,6 @@ def test_linear_on_a_non_contiguous_weight_falls_back():
     torch.testing.assert_close(torch_ops.linear(x, w), F.linear(x, w))
 
 
-def dense_moe(x, w13, w2, weights, expert_ids):
-    """Every (token, slot) pair computed on its own, in float64."""
-    inter = w2.shape[2]
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for slot in range(expert_ids.shape[1]):
-            e = int(expert_ids[t, slot])
-            h = w13[e].double() @ x[t].double()
-            out[t] += float(weights[t, slot]) * (w2[e].double() @ (F.silu(h[:inter]) * h[inter:]))
-    return out
-
-
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 40])  # 40 x 2 pairs: past the host-grouped decode path
 def test_fused_moe_accumulates_every_pair(num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
@@ -53,7 +44,7 @@ def test_fused_moe_accumulates_every_pair(num_tokens):
     start = torch.randn(num_tokens, hidden, generator=gen)
     out = start.clone()
     assert torch_ops.fused_moe(x, w13, w2, weights, expert_ids, out) is out
-    torch.testing.assert_close(out.double(), start.double() + dense_moe(x, w13, w2, weights, expert_ids),
+    torch.testing.assert_close(out.double(), oracles.fused_moe(x, w13, w2, weights, expert_ids, start),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -87,6 +78,5 @@ def test_fused_moe_in_c_is_the_torch_loop_bit_for_bit(native_spy, num_tokens, to
     assert torch_ops.fused_moe(x, w13, w2, weights, expert_ids, out) is out
     assert spy.calls == 1  # the C path ran
     assert torch.equal(out, want)
-    kept = (expert_ids < experts).to(weights.dtype)
-    ref = dense_moe(x, w13, w2, weights * kept, expert_ids.clamp(max=experts - 1))
-    torch.testing.assert_close(out.double(), start.double() + ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), oracles.fused_moe(x, w13, w2, weights, expert_ids, start),
+                               rtol=1e-5, atol=1e-5)

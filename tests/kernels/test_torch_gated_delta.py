@@ -1,5 +1,5 @@
-"""The Gated DeltaNet twins: chunked == recurrent == a float64 token-by-token oracle, and both equal transformers'
-own torch implementations (the fallbacks of its Qwen3-Next model); the causal conv and its one-step update equal
+"""The Gated DeltaNet ops of the CPU path (torch_gated_delta): chunked == recurrent == the float64 token-by-token
+oracle, and both equal transformers' own torch implementations (the fallbacks of its Qwen3-Next model); the causal conv and its one-step update equal
 transformers' conv fallbacks and each other."""
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tsterm_kernels import torch_gated_delta as gdn
+
+from tests.kernels import oracles
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -27,21 +29,6 @@ def random_inputs(n, hk, hv, dk, dv, seed, with_state=True):
     return q, k, v, g, beta, state
 
 
-def oracle(q, k, v, g, beta, state):
-    """The rule as written, token by token, in float64."""
-    group = v.shape[1] // k.shape[1]
-    q = F.normalize(q.double(), dim=-1, eps=0).repeat_interleave(group, 1)
-    k = F.normalize(k.double(), dim=-1, eps=0).repeat_interleave(group, 1)
-    s = torch.zeros(v.shape[1], k.shape[2], v.shape[2], dtype=torch.float64) if state is None else state.double()
-    out = []
-    for t in range(v.shape[0]):
-        s = s * g[t].double().exp()[:, None, None]
-        delta = beta[t].double()[:, None] * (v[t].double() - torch.einsum("hkv,hk->hv", s, k[t]))  # [Hv, dv]
-        s = s + k[t][:, :, None] * delta[:, None]
-        out.append(torch.einsum("hkv,hk->hv", s, q[t]) / q.shape[-1] ** 0.5)
-    return torch.stack(out), s
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"n{s[0]}-hk{s[1]}-hv{s[2]}-dk{s[3]}-dv{s[4]}-c{s[5]}" for s in SHAPES])
 @pytest.mark.parametrize("with_state", [True, False])
 def test_chunked_equals_recurrent_equals_oracle(shape, with_state):
@@ -54,7 +41,7 @@ def test_chunked_equals_recurrent_equals_oracle(shape, with_state):
     others = pool[[0, 2]].clone()
     steps = [gdn.recurrent_gated_delta_rule(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], pool,
                                             torch.tensor([1]))[0] for t in range(n)]
-    o_ref, s_ref = oracle(q, k, v, g, beta, state)
+    o_ref, s_ref = oracles.gated_delta_rule(q, k, v, g, beta, state)
     assert o_chunk.shape == (n, hv, dv) and s_chunk.shape == (hv, dk, dv)
     torch.testing.assert_close(o_chunk.double(), o_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(s_chunk.double(), s_ref, rtol=1e-4, atol=1e-4)
