@@ -79,3 +79,32 @@ def test_mixed_steps_through_state_slots_equal_transformers_whole_sequences(laye
     (o,) = run_step(ours, ctx, [(fresh, 6, 3)])
     with torch.no_grad():
         torch.testing.assert_close(o, hf_layer(fresh[None])[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_step_plan_travels_with_the_step_inputs():
+    """A hybrid step's plan (`RecurrentPlan`) is laid out with the other step inputs: per sequence kind its slots and
+    rows, a prompt cut where its state is kept (rows before the cut, the copy, rows after), a decode token keeping
+    a state; a step of a model without state slots carries none."""
+    from tsterm.engine.step_inputs import DeviceBuffers, HostStaging, HostStep, StepLayout, step_inputs
+
+    # seq 0: a fresh 6-token prompt whose state is kept at 4 (snapshot slot 7); seq 1: a decode token at 8, its state
+    # kept (slot 6); seq 2: a decode token at 3; seq 3: a 2-token chunk resuming at 5 (no snapshot)
+    step = HostStep(input_ids=[1] * 10, positions=[0] * 10, slot_mapping=[0] * 10, query_start_loc=[0, 6, 7, 8, 10],
+                    seq_lens=[6, 8, 3, 7], block_tables=[[0, 1], [2, 3], [4], [5, 6]], sample_rows=[5, 6, 7, 9],
+                    state_slots=[2, 0, 5, 1], snapshot_slots=[7, 6, -1, -1], snapshot_positions=[4, 8, 0, 0])
+    staging = HostStaging(torch.device("cpu"))
+    layout = StepLayout(10, 4, 2, 4)
+    staging.write(layout, step)
+    i64, i32 = DeviceBuffers(staging).reserve(layout)
+    plan = step_inputs(layout, i64, i32, step, block_size=4).meta.recurrent
+    got = {name: getattr(plan, name).tolist() for name in plan.__slots__ if name != "shape"}
+    assert got == dict(fresh_slots=[2], decode_slots=[0, 5], decode_rows=[6, 7], decode_keep_src=[0],
+                       decode_keep_dst=[6], prefill_slots=[2, 1], prefill_bounds=[[0, 4], [8, 10]],
+                       prefill_keep_src=[2], prefill_keep_dst=[7], resume_slots=[2], resume_bounds=[[4, 6]])
+    assert not plan.shape.every_decode
+
+    plain = HostStep(input_ids=[1], positions=[3], slot_mapping=[3], query_start_loc=[0, 1], seq_lens=[4],
+                     block_tables=[[0]], sample_rows=[0], state_slots=[-1])
+    layout = StepLayout(1, 1, 1, 1)
+    staging.write(layout, plain)
+    assert step_inputs(layout, *DeviceBuffers(staging).reserve(layout), plain, block_size=4).meta.recurrent is None

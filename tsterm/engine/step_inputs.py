@@ -2,7 +2,8 @@
 
 The integer inputs of a step (token ids, positions, KV slots, rows to sample; query offsets, context lengths,
 recurrent-state slots, block tables) are packed into two flat buffers, int64 and int32, at offsets that depend only on the step's shape
-(`StepLayout`). The host side (`HostStaging`) is pinned memory on CUDA, written through numpy views (no torch op,
+(`StepLayout`); a hybrid model's step adds its recurrent-state plan (`tsterm_kernels.metadata.RecurrentPlan`: the
+linear-attention layers' row and slot indices) to the int64 buffer, so its layers never build an index themselves. The host side (`HostStaging`) is pinned memory on CUDA, written through numpy views (no torch op,
 so no copy to count and nothing queued); `upload` copies the used prefix of each buffer to its device twin with
 `non_blocking=True`, in stream order. Nothing here reads device memory, so preparing a step never waits for the
 device, except for the one case spelled out in `HostStaging._writable`.
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tsterm_kernels.metadata import AttentionMetadata, BlockRuns
+from tsterm_kernels.metadata import AttentionMetadata, BlockRuns, RecurrentPlan, RecurrentPlanShape, plan_recurrent_step
 
 ALIGN = 16  # elements: every region starts on a 64/128-byte boundary (vector loads, Triton's pointer specialisation)
 
@@ -34,15 +35,28 @@ class StepLayout:
 
     `table_width` is the row stride of the block table; `num_pairs` > 0 only for a padded decode step, whose
     (token, expert) pairs carry a weight in the expert-load count (1 for a real row, 0 for padding).
+    A step of a model with recurrent state also places its plan (`plan_state`, which `HostStaging.write` calls):
+    a region after the others in the int64 buffer, sized by how the step's sequences split.
     """
 
     def __init__(self, num_tokens: int, num_seqs: int, table_width: int, num_samples: int, num_pairs: int = 0):
         self.num_tokens, self.num_seqs, self.table_width = num_tokens, num_seqs, table_width
         self.num_samples, self.num_pairs = num_samples, num_pairs
-        self.i64, self.i64_size = _pack({"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
-                                         "sample_rows": num_samples, "pair_weights": num_pairs})
+        self._i64_sizes = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
+                           "sample_rows": num_samples, "pair_weights": num_pairs}
+        self.i64, self.i64_size = _pack(self._i64_sizes)
         self.i32, self.i32_size = _pack({"query_start_loc": num_seqs + 1, "seq_lens": num_seqs,
                                          "state_slots": num_seqs, "block_tables": num_seqs * table_width})
+        self.recurrent: RecurrentPlanShape | None = None  # the plan of the step last written with this layout
+
+    def plan_state(self, step: HostStep) -> list[int]:
+        """Place `step`'s recurrent-state plan (none when no sequence has a state slot): returns its values."""
+        self.recurrent, values = None, []
+        if any(slot >= 0 for slot in step.state_slots):
+            snapshots = list(zip(step.snapshot_slots, step.snapshot_positions)) if any(step.snapshot_positions) else None
+            self.recurrent, values = plan_recurrent_step(step.query_start_loc, step.seq_lens, step.state_slots, snapshots)
+        self.i64, self.i64_size = _pack({**self._i64_sizes, "recurrent": len(values)})
+        return values
 
 
 @dataclass(slots=True)
@@ -121,7 +135,9 @@ class HostStaging:
         return self._i64_np, self._i32_np
 
     def write(self, layout: StepLayout, step: HostStep, pair_weights: list[int] | None = None) -> None:
+        recurrent = layout.plan_state(step)  # (before the buffers are sized: the plan may grow the int64 one)
         i64, i32 = self._writable(layout)
+        _put(i64, layout.i64["recurrent"], recurrent)
         _put(i64, layout.i64["input_ids"], step.input_ids)
         _put(i64, layout.i64["positions"], step.positions)
         _put(i64, layout.i64["slot_mapping"], step.slot_mapping)
@@ -189,6 +205,7 @@ def step_inputs(layout: StepLayout, i64: torch.Tensor, i32: torch.Tensor, step: 
         slot_mapping=view64("slot_mapping"),
         block_tables=view32("block_tables").view(layout.num_seqs, layout.table_width), block_size=block_size,
         query_start_loc_device=view32("query_start_loc"), seq_lens_device=view32("seq_lens"),
+        recurrent=None if layout.recurrent is None else RecurrentPlan.from_buffer(layout.recurrent, view64("recurrent")),
     )
     return StepInputs(view64("input_ids"), view64("positions"), view64("sample_rows"), view64("pair_weights"),
                       view32("state_slots"), meta)

@@ -9,7 +9,9 @@ the layer also copies a sequence's state at a block boundary into the sequence's
 chunk there, so that a later prompt with that prefix can resume from it. Prompt chunks run the
 chunked form of the rule, decode tokens the recurrent form, each kind every sequence of the step at once (a prompt
 split at a snapshot: the rows before the cut, then the rows after it), through the model's kernel ops (Triton on
-CUDA), which update each sequence's state in its slot in place.
+CUDA), which update each sequence's state in its slot in place. Which rows and slots go where is the step's
+`RecurrentPlan` (`tsterm_kernels.metadata`), index tensors prepared once per step with the other step inputs: a
+layer reads no device value back and copies no host data to the device.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from tsterm_kernels.metadata import build_recurrent_plan
 from tsterm_kernels.torch_ops import linear
 
 from tsterm.config import ModelConfig
@@ -74,64 +77,51 @@ class GatedDeltaNet:
 
     def _mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """The conv and the delta rule of every sequence of the step, reading and writing their state slots (and
-        keeping a copy of a state in its snapshot slot where the step says so)."""
-        meta, slots = self.ctx.meta, self.ctx.state_slots.long()  # slots: [S] on the pool's device
-        starts, seq_lens, snapshots = meta.query_start_loc, meta.seq_lens, self.ctx.snapshots
+        keeping a copy of a state in its snapshot slot where the step says so).
+
+        What goes where is the step's `RecurrentPlan` (`tsterm_kernels.metadata`), index tensors set up once per
+        step with the other step inputs: this only branches on its host sizes and launches ops, so it never waits
+        for the device nor copies host data to it."""
+        ctx = self.ctx
+        plan = ctx.meta.recurrent
+        if plan is None:  # metadata built by hand (tests): the plan is built once for the step's layers
+            plan = build_recurrent_plan(ctx.meta, ctx.state_slots, ctx.snapshots)
+        sizes = plan.shape.sizes
         conv_states, states = self.conv_states, self.recurrent_states
-        fresh = [i for i, seq_len in enumerate(seq_lens) if seq_len == starts[i + 1] - starts[i]]  # from position 0
-        if fresh:
-            fresh_slots = slots[fresh] if len(fresh) < len(seq_lens) else slots
-            conv_states.index_fill_(0, fresh_slots, 0.0)
-            states.index_fill_(0, fresh_slots, 0.0)
+        if sizes["fresh_slots"]:  # sequences starting at position 0: a clean state, whatever the slot held
+            conv_states.index_fill_(0, plan.fresh_slots, 0.0)
+            states.index_fill_(0, plan.fresh_slots, 0.0)
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=torch.float32, device=mixed.device)
-        decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        if decode:  # one token per sequence: every sequence at once
-            every = len(decode) == len(seq_lens)
-            step_slots = slots if every else slots[decode]  # [S_dec]
-            rows = slice(None) if every else [starts[i] for i in decode]
-            qkv = self.ops.causal_conv1d_update(mixed[rows], self.conv, conv_states, step_slots)  # [S_dec, C]
+        if sizes["decode_slots"]:  # one token per sequence: every sequence at once
+            every = plan.shape.every_decode
+            rows = slice(None) if every else plan.decode_rows  # [S_dec]
+            qkv = self.ops.causal_conv1d_update(mixed[rows], self.conv, conv_states, plan.decode_slots)  # [S_dec, C]
             q, k, v = self._split(qkv)
-            o = self.ops.recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], states, step_slots)  # in place
+            o = self.ops.recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], states, plan.decode_slots)  # in place
             if every:
                 out = o
             else:
                 out[rows] = o
-            if snapshots:  # a decode token that completes a block: its state is kept
-                kept = [i for i in decode if snapshots[i][1] == seq_lens[i]]
-                if kept:
-                    self._keep([snapshots[i][0] for i in kept], slots[kept])
-        prompts = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1]
-        if prompts:  # prompt chunks: every sequence at once, chunked; split where a snapshot is kept
-            before, after, kept = [], [], []  # (sequence, first row, end row); sequences keeping a snapshot
-            for i in prompts:
-                start, end = starts[i], starts[i + 1]
-                position = snapshots[i][1] if snapshots else 0
-                cut = start + position - (seq_lens[i] - (end - start)) if position else end  # the row reaching it
-                before.append((i, start, cut))
-                if position:
-                    kept.append(i)
-                    if cut < end:
-                        after.append((i, cut, end))
+            if sizes["decode_keep_src"]:  # a decode token that completes a block: its state is kept
+                self._keep(plan.decode_keep_dst, plan.decode_keep_src)
+        if sizes["prefill_slots"]:  # prompt chunks: every sequence at once, chunked; split where a snapshot is kept
             qkv = torch.empty_like(mixed)  # [T, C]: the conv's output at the prompt rows
-            self._prefill(mixed, qkv, g, beta, before, slots, out)
-            if kept:
-                self._keep([snapshots[i][0] for i in kept], slots[kept])
-            if after:
-                self._prefill(mixed, qkv, g, beta, after, slots, out)
+            self._prefill(mixed, qkv, g, beta, plan.prefill_slots, plan.prefill_bounds, out)
+            if sizes["prefill_keep_src"]:
+                self._keep(plan.prefill_keep_dst, plan.prefill_keep_src)
+            if sizes["resume_slots"]:
+                self._prefill(mixed, qkv, g, beta, plan.resume_slots, plan.resume_bounds, out)
         return out
 
     def _prefill(self, mixed: torch.Tensor, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 rows: list[tuple[int, int, int]], slots: torch.Tensor, out: torch.Tensor) -> None:
-        """(sequence, first row, end row) of each prompt piece: through the conv (into qkv [T, C]) and the chunked
-        rule (into out [T, Hv, dv]), each from and into its state slot, in place."""
-        seq_slots = slots if len(rows) == len(slots) else slots[[i for i, _, _ in rows]]  # [N]
-        bounds = torch.tensor([[start, end] for _, start, end in rows], dtype=torch.int32, device=slots.device)
-        self.ops.causal_conv1d(mixed, self.conv, self.conv_states, seq_slots, bounds, qkv)
+                 slots: torch.Tensor, bounds: torch.Tensor, out: torch.Tensor) -> None:
+        """Prompt pieces, sequence i's rows [bounds[i, 0], bounds[i, 1]) from state slot slots[i]: through the conv
+        (into qkv [T, C]) and the chunked rule (into out [T, Hv, dv]), each from and into its state slot, in place."""
+        self.ops.causal_conv1d(mixed, self.conv, self.conv_states, slots, bounds, qkv)
         q, k, v = self._split(qkv)
-        self.ops.chunk_gated_delta_rule(q, k, v, g, beta, self.recurrent_states, seq_slots, bounds, out)
+        self.ops.chunk_gated_delta_rule(q, k, v, g, beta, self.recurrent_states, slots, bounds, out)
 
-    def _keep(self, snapshot_slots: list[int], slots: torch.Tensor) -> None:
-        """Copy the states in `slots` [n] into `snapshot_slots` (a prefix's state, kept for reuse)."""
-        dst = torch.tensor(snapshot_slots, device=slots.device)
-        self.conv_states.index_copy_(0, dst, self.conv_states.index_select(0, slots))
-        self.recurrent_states.index_copy_(0, dst, self.recurrent_states.index_select(0, slots))
+    def _keep(self, snapshot_slots: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy the states in `slots` [n] into `snapshot_slots` [n] (a prefix's state, kept for reuse)."""
+        self.conv_states.index_copy_(0, snapshot_slots, self.conv_states.index_select(0, slots))
+        self.recurrent_states.index_copy_(0, snapshot_slots, self.recurrent_states.index_select(0, slots))
