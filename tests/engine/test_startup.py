@@ -97,14 +97,16 @@ def test_the_pool_gets_what_the_profile_run_leaves(checkpoint, recorded):
     engine = engine_with(checkpoint, memory, kv_cache_fraction=0.25, max_num_batched_tokens=40, max_num_seqs=6)
     runner = engine.executor
     profile = runner.memory_profile
-    assert profile == MemoryProfile(free, step, 0, num_tokens=40, num_rows=6)  # no graphs on the CPU
+    assert profile == MemoryProfile(free, step, 0, 0, num_tokens=40, num_rows=6)  # no graphs on the CPU
     assert engine.kv.pool.num_blocks == runner.num_blocks == (free // 4 - step) // runner.kv_bytes_per_block
 
     # the order: free memory read with the weights loaded, a throw-away cache for one chunk (35 tokens: 9 blocks of
-    # 4, and 5 one-token rows), the peak reset, the chunk's forward (40 tokens, 6 rows), the sampler over its 6 rows,
-    # the peak read; only then the pool, of the size the numbers give
+    # 4, and 5 one-token rows) and a model over it (what it allocates besides: read around them), the peak reset, the
+    # chunk's forward (40 tokens, 6 rows), the sampler over its 6 rows, the peak read; only then the pool, of the
+    # size the numbers give
     assert recorded[:recorded.index("peak") + 1] == [
-        "release", "free", ("cache", 14), "allocated", "reset_peak", ("forward", 40, 6), ("sample", 6), "peak"]
+        "release", "free", "allocated", ("cache", 14), "allocated", "reset_peak", ("forward", 40, 6), ("sample", 6),
+        "peak"]
     assert recorded[recorded.index("peak") + 1:] == ["release", ("cache", runner.num_blocks)]
     assert runner.eager_steps == 0 and all(not layer.expert_load.any() for layer in runner.moe_layers)
 
@@ -161,7 +163,7 @@ def test_without_a_probe_the_cpu_pool_keeps_its_default_budget(checkpoint, recor
 def test_size_cache_arithmetic():
     spec = SimpleNamespace(config=EngineConfig(model="m", kv_cache_fraction=0.5, block_size=16),
                            model_config=SimpleNamespace(max_position_embeddings=1 << 20), device=torch.device("cuda"))
-    profile = MemoryProfile(free_bytes=1000_000, step_bytes=100_000, graph_bytes=50_000)
+    profile = MemoryProfile(free_bytes=1000_000, step_bytes=90_000, graph_bytes=50_000, model_bytes=10_000)
     # 0.5 x 1,000,000 - 150,000 working - 30,000 state slots = 320,000: 32 blocks of 10,000
     assert size_cache(spec, 10_000, reserved_bytes=30_000, profile=profile) == (32, 32 * 16)
     assert size_cache(spec, 10_000, agree=lambda n: n - 2, profile=profile)[0] == 33  # the ranks' minimum
@@ -204,12 +206,13 @@ def test_the_capture_plan_covers_every_batch_up_to_max_num_seqs_largest_first(mo
 def test_graph_memory_estimate():
     plan = capture_plan((1, 2, 4), (8, 16))
     estimate = graph_memory_estimate(plan, vocab_size=1000, step_bytes=64_000, step_tokens=64)
-    # the shared output (4 x 1000 float32 = 16,000), the inputs, and the 4-row decode's working memory (4/64 of the
-    # step, 4,000, and its own logits, 16,000)
-    inputs = estimate - 16_000 - 20_000
+    # the fixed part, the shared output (4 x 1000 float32 = 16,000), the inputs, and the 4-row decode's working memory
+    # (4/64 of the step, 4,000, and its own logits, 16,000)
+    inputs = estimate - cuda_graphs.GRAPH_BASE_BYTES - 16_000 - 20_000
     assert 0 < inputs < 8_000  # six graphs of at most 4 rows and 16-block tables: a few KB
     assert graph_memory_estimate([], 1000, 64_000, 64) == 0
-    assert graph_memory_estimate(plan, 1000, 10_000, 64) == 16_000 + inputs + 10_000  # never above the step's
+    # the decode's working memory never above the step's
+    assert graph_memory_estimate(plan, 1000, 10_000, 64) == cuda_graphs.GRAPH_BASE_BYTES + 16_000 + inputs + 10_000
 
 
 def test_after_the_start_up_capture_a_request_captures_nothing(checkpoint, monkeypatch):

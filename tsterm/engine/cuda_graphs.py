@@ -10,8 +10,8 @@ What a replay relies on (see torch.cuda.graph):
 - Static addresses. Each graph owns its input buffers, laid out for its batch size and block-table width; its
   logits are copied, inside the graph, into rows of one output buffer that every graph shares (`DecodeGraphs.out`,
   allocated outside the pool): the graphs keep no output of their own alive, and a step's logits are consumed
-  before the next replay (the Executor contract). A step writes the staging buffer, uploads into the graph's buffers on the
-  current stream, then replays on that stream.
+  before the next replay (the Executor contract). A step writes the staging buffer, uploads into the graph's
+  buffers on the current stream, then replays on that stream.
 - The same kernels for any inputs of the graph's shape. The Triton ops make every host-side choice (tile sizes,
   grid sizes, the number of KV splits) from shapes and host lists only; at capture these describe the bucket:
   `batch_size` rows of one token each, contexts up to `max_context` (= table width x block size), which fixes the
@@ -22,7 +22,8 @@ What a replay relies on (see torch.cuda.graph):
   expert) pairs weigh 0 in the expert-load count (the step's `pair_weights`, passed to the model's step context).
 - Capture hygiene. Warm-up runs (Triton compiles, cuBLAS workspaces) and the capture use one dedicated side
   stream; every graph captures into one shared memory pool. Sharing is safe because replays never overlap (one
-  stream) and no graph reads another's memory: inputs live in each graph's own buffers, outputs stay referenced.
+  stream) and no graph reads another's memory: inputs live in each graph's own buffers, and a graph's logits leave
+  the pool within its own replay (copied into the shared output buffer, which is not in the pool).
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
 LARGE_BUCKET_STEP = 16  # past the last of BATCH_BUCKETS, a bucket every this many sequences
 MIN_GRAPH_CONTEXT = 1024  # tokens: the smallest context tier (shorter contexts use its graph)
+# what the captures take whatever the model: the capture stream's own cuBLAS and cuBLASLt workspaces, the first
+# segments of the graphs' pool (the caching allocator maps memory in segments of 2 MiB for small blocks, 20 MiB for
+# large ones), the compiled kernels' code
+GRAPH_BASE_BYTES = 128 << 20
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -75,16 +80,17 @@ def capture_message(index: int, total: int, batch_size: int, max_context: int) -
 
 
 def graph_memory_estimate(plan: list[tuple[int, int]], vocab_size: int, step_bytes: int, step_tokens: int) -> int:
-    """Bytes to hold for the graphs of `plan` when sizing the cache before they exist: the shared output buffer (the
-    largest batch's float32 logits), every graph's input buffers, and the working memory of the largest decode step,
-    scaled from the profile step's (`step_bytes` over `step_tokens` tokens) with its own logits counted in full."""
+    """Bytes to hold for the graphs of `plan` when sizing the cache before they exist: GRAPH_BASE_BYTES, the shared
+    output buffer (the largest batch's float32 logits), every graph's input buffers, and the working memory of the
+    largest decode step, scaled from the profile step's (`step_bytes` over `step_tokens` tokens) with its own logits
+    counted in full. (The runner measures what the captures took and logs both.)"""
     if not plan:
         return 0
     largest = max(size for size, _ in plan)
     inputs = sum(StepLayout(size, size, width, 0, size).i64_size * 8 + StepLayout(size, size, width, 0).i32_size * 4
                  for size, width in plan)
     working = step_bytes * largest // max(step_tokens, 1) + largest * vocab_size * 4
-    return largest * vocab_size * 4 + inputs + min(working, step_bytes)
+    return GRAPH_BASE_BYTES + largest * vocab_size * 4 + inputs + min(working, step_bytes)
 
 
 class DecodeGraph:

@@ -164,24 +164,27 @@ class MemoryProfile:
       `max_num_batched_tokens` tokens (activations, the kernels' workspaces), the logits of `max_num_seqs` rows and
       the sampler's temporaries over them;
     - `graph_bytes`: held for the CUDA graphs captured after the cache (their memory pool and static buffers; an
-      estimate, `cuda_graphs.graph_memory_estimate`; 0 without graphs).
+      estimate, `cuda_graphs.graph_memory_estimate`; 0 without graphs);
+    - `model_bytes`: what the model allocates besides its weights and cache (its rotary tables for the longest
+      context), measured on the profile's model.
     """
 
     free_bytes: int
     step_bytes: int
     graph_bytes: int = 0
+    model_bytes: int = 0  # what the model allocates besides its cache and weights (rotary tables)
     num_tokens: int = 0  # the profile step's tokens and sampled rows (for the messages)
     num_rows: int = 0
 
     @property
     def working_bytes(self) -> int:
         """What the engine needs besides its caches while it runs."""
-        return self.step_bytes + self.graph_bytes
+        return self.step_bytes + self.graph_bytes + self.model_bytes
 
     def describe(self) -> str:
-        return (f"{gib(self.free_bytes)} free after the weights; the largest step (a prefill chunk of {self.num_tokens} "
-                f"tokens, {self.num_rows} rows sampled) needs {gib(self.step_bytes)}, CUDA graphs "
-                f"{gib(self.graph_bytes)}")
+        return (f"{gib(self.free_bytes)} free after the weights; the largest step (a prefill chunk of "
+                f"{self.num_tokens} tokens, {self.num_rows} rows sampled) needs {gib(self.step_bytes)}, CUDA graphs "
+                f"{gib(self.graph_bytes)}, the model's tables {gib(self.model_bytes)}")
 
 
 def size_cache(spec: ExecutorSpec, bytes_per_block: int,

@@ -125,7 +125,8 @@ class ModelRunner(Executor):
         `max_num_batched_tokens` - `max_num_seqs` + 1 tokens, and `max_num_seqs` - 1 one-token rows beside it, every
         row sampled) over a throw-away cache that holds just that step, then the sampler over its logits with every
         stage on (penalties, top-k / top-p, min-p, logprobs). `step_bytes`: the peak allocated over what was
-        allocated before the step. Run by every rank of a multi-rank executor (its collectives included)."""
+        allocated before the step; `model_bytes`: what the model allocates besides its cache (rotary tables for the
+        longest context). Run by every rank of a multi-rank executor (its collectives included)."""
         cfg, block = self.cfg, self.block_size
         tokens = min(config.max_num_batched_tokens, config.max_model_len or cfg.max_position_embeddings)
         rows = min(config.max_num_seqs, tokens)
@@ -144,11 +145,17 @@ class ModelRunner(Executor):
         step.sample_rows = [end - 1 for end in step.query_start_loc[1:]]
         memory.release_cached()
         free = memory.free_bytes()
-        layout = self.par.layout
-        cache = ModelCache(cfg, layer_types, first_blocks + rows - 1, block, self.dtype, self.device, layout,
-                           num_state_slots=rows if self.num_state_slots else 0)
-        self.cache, self.model = cache, DecoderModel(cfg, weights, cache, tokens, self.ops, self.par)
+        before = memory.allocated_bytes()
+        num_blocks, num_slots = first_blocks + rows - 1, rows if self.num_state_slots else 0
+        cache = ModelCache(cfg, layer_types, num_blocks, block, self.dtype, self.device, self.par.layout,
+                           num_state_slots=num_slots)
+        # a model as the real one will be (its rotary tables for the longest context): what it allocates besides the
+        # cache is allocated again by the real model
+        longest = config.max_model_len or cfg.max_position_embeddings
+        self.cache, self.model = cache, DecoderModel(cfg, weights, cache, longest, self.ops, self.par)
         baseline = memory.allocated_bytes()
+        cache_bytes = num_blocks * self.kv_bytes_per_block + num_slots * self.state_bytes_per_slot
+        model_bytes = max(baseline - before - cache_bytes, 0)
         memory.reset_peak()
         try:
             logits = self.run_step(step)
@@ -166,10 +173,9 @@ class ModelRunner(Executor):
         memory.release_cached()
         graph_bytes = 0
         if use_graphs:
-            longest = config.max_model_len or cfg.max_position_embeddings
             plan = capture_plan(batch_buckets(config.max_num_seqs), context_widths(block, -(-longest // block)))
             graph_bytes = graph_memory_estimate(plan, cfg.vocab_size, step_bytes, tokens)
-        return MemoryProfile(free, step_bytes, graph_bytes, tokens, rows)
+        return MemoryProfile(free, step_bytes, graph_bytes, model_bytes, tokens, rows)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked partial blocks: the only KV data ever copied, and counted."""

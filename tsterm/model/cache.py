@@ -203,5 +203,6 @@ def num_state_slots(layer_types: tuple[LayerType, ...], max_num_seqs: int, prefi
     Kept snapshots beyond those (finished turns' states for reuse) take the slots no live sequence holds."""
     if not any(layer_type.mixer == LINEAR_ATTENTION for layer_type in layer_types):
         return 0
-    live, snapshots, restores = max_num_seqs, max_num_seqs if prefix_caching else 0, max_num_seqs if prefix_caching else 0
+    live = max_num_seqs
+    snapshots = restores = max_num_seqs if prefix_caching else 0
     return live + snapshots + restores
