@@ -306,3 +306,20 @@ def test_every_flag_has_help_and_shows_its_default(command):
         if action.default is not False and not action.required:  # a switch is off unless given
             assert "(default: " in text, f"{command} {action.option_strings[0]}: {text!r}"
     assert "(default: 8)" in parser.format_help() if command == "bench" else True
+
+
+def test_the_subcommands_of_other_modules_are_listed_by_their_own_help(capsys):
+    """`tsterm --help` names agent, bench, serve and plan without importing their modules: the one-line help it shows
+    for each is the one its module's parser gives, and the command line that runs one gets its whole parser."""
+    from tsterm.cli import ELSEWHERE, build_parser
+
+    def helps(parser):
+        return {a.dest: a.help for a in parser._subparsers._group_actions[0]._choices_actions}
+
+    assert set(ELSEWHERE) <= set(helps(build_parser()))
+    assert helps(build_parser(full=())) == helps(build_parser())
+    for name in ELSEWHERE:
+        with pytest.raises(SystemExit) as info:
+            main([name, "--help"])
+        out = capsys.readouterr().out
+        assert info.value.code == 0 and out.startswith(f"usage: tsterm {name}") and "--model" in out, out

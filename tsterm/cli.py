@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Collection
 from typing import Any
 
 from tsterm.errors import TstermError
@@ -176,7 +177,7 @@ def _warn(warnings: list[str]) -> None:
 
 
 def _import_gguf(rest: list[str]) -> int:
-    from tsterm.convert.gguf import cli_main
+    from tsterm.convert.gguf_cli import cli_main
     return cli_main(rest)
 
 
@@ -226,7 +227,40 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, full: bool = True) 
                                                  "(default: none, a fresh draw each run)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_agent(sub: Any) -> argparse.ArgumentParser:
+    from tsterm.agent.headless import add_parser
+    return add_parser(sub)
+
+
+def _add_bench(sub: Any) -> argparse.ArgumentParser:
+    from tsterm.bench import add_parser  # torch, transformers' baselines: only for `tsterm bench`
+    return add_parser(sub)
+
+
+def _add_serve(sub: Any) -> argparse.ArgumentParser:
+    from tsterm.server.serve import add_parser
+    return add_parser(sub)
+
+
+def _add_plan(sub: Any) -> argparse.ArgumentParser:
+    from tsterm.plan import add_parser
+    return add_parser(sub)
+
+
+# The subcommands other modules define, by name: (their one-line help, what adds their parser). A command line
+# builds only the one it runs, so `tsterm --help`, `tsterm plan` and `tsterm profiles` never import what the others
+# need (torch for `bench`). tests/test_cli.py checks each help here against its module's own.
+ELSEWHERE: dict[str, tuple[str, Callable[[Any], argparse.ArgumentParser]]] = {
+    "agent": ("run one agent task: the model calls tools until it answers", _add_agent),
+    "bench": ("replay a multi-turn agent trace; report reuse, copies, roofline, speedup", _add_bench),
+    "serve": ("serve the model over an OpenAI-compatible HTTP API", _add_serve),
+    "plan": ("memory and decode-speed plan for a model on N GPUs, from config.json alone", _add_plan),
+}
+
+
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The `tsterm` parser. `full`: which of the subcommands in ELSEWHERE get their whole parser (default: all);
+    the others are there by name and help only (what `tsterm --help` lists), and parse nothing."""
     parser = argparse.ArgumentParser(prog="tsterm", description="A terminal workstation for local MoE language models.",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -273,17 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("profile_name", metavar="NAME|PATH")
     profiles.set_defaults(func=cmd_profiles)
 
-    from tsterm.agent.headless import add_parser as add_agent_parser
-    add_agent_parser(sub)
-
-    from tsterm.bench import add_parser as add_bench_parser
-    add_bench_parser(sub)
-
-    from tsterm.server.serve import add_parser as add_serve_parser
-    add_serve_parser(sub)
-
-    from tsterm.plan import add_parser as add_plan_parser
-    add_plan_parser(sub).set_defaults(func=cmd_plan)
+    for name, (help_text, add) in ELSEWHERE.items():  # in full where asked for, else by name and help only
+        if full is None or name in full:
+            add(sub)
+        else:
+            sub.add_parser(name, help=help_text, add_help=False)
+    sub.choices["plan"].set_defaults(func=cmd_plan)
 
     gguf = sub.add_parser("import-gguf", help="convert a GGUF file into an HF-format model directory", add_help=False)
     gguf.set_defaults(func=lambda args: _import_gguf(args.rest))
@@ -294,12 +323,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """(the parser, the parsed command line), building in full only the subcommand `argv` runs: a first pass with
+    every subcommand by name finds which one (an option it does not know is left for the second pass)."""
+    command = build_parser(full=()).parse_known_args(argv)[0].command
+    parser = build_parser(full=(command,) if command in ELSEWHERE else ())
+    return parser, parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["import-gguf"]:  # its own parser (tsterm.convert.gguf.cli_main) owns every option, --help too
+    if argv[:1] == ["import-gguf"]:  # its own parser (tsterm.convert.gguf_cli.cli_main) owns every option, --help too
         return _import_gguf(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    parser, args = parse_args(argv)
     if args.command is None:  # bare `tsterm` (or `tsterm --profile X`): the workstation
         from tsterm.server.serve import workstation_serve_overrides
         from tsterm.tui import main as tui

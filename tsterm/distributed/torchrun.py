@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tsterm.cli import build_parser
+from tsterm.cli import parse_args
 from tsterm.config import EngineConfig, ModelConfig
 from tsterm.distributed.executor import TORCHRUN_ENV
 from tsterm.distributed.worker import WorkerArgs, worker_main
@@ -30,7 +30,7 @@ from tsterm.model.parallel import ParallelLayout
 
 def worker_args(argv: list[str], rank: int, local_rank: int) -> WorkerArgs:
     """What a worker rank needs, from the same command line as rank 0's."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)[1]
     model_dir, options = engine_options(profile_from_args(args), getattr(args, "model", None),
                                         **overrides_from_args(args))
     config = EngineConfig.from_options(model_dir, **options)
