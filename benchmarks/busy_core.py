@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from tsterm import LLM, SamplingParams
-    from tsterm.convert.gguf import ensure_default_model
+    from tsterm.convert.shipped import ensure_default_model
 
     max_threads = torch.get_num_threads()
     model_dir = str(ensure_default_model())

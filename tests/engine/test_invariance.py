@@ -16,6 +16,7 @@ import torch
 
 from tests.helpers.checkpoints import make_checkpoint
 from tsterm.config import SamplingParams
+from tsterm.launch import engine_config
 from tsterm.llm import LLM
 from tsterm.profiles import SHIPPED_DIR, load_profile
 
@@ -28,7 +29,7 @@ CHUNKS = (16, 64, 512)  # max_num_batched_tokens: the prefill chunk (and where i
 def _default_model():
     profile = load_profile(str(SHIPPED_DIR / "default.yaml"))
     options = dict(profile.engine_options(), kv_cache_memory=None, num_kv_blocks=512, max_model_len=2048)
-    return profile.engine_config().model, options
+    return engine_config(profile).model, options
 
 
 def _float_moe(root: Path):

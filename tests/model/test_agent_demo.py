@@ -13,7 +13,7 @@ import tsterm
 from tsterm import LLM, SamplingParams
 from tsterm.agent.tool_calls import ToolCall, ToolCallParser
 from tsterm.agent.tools import Calculator
-from tsterm.profiles import SHIPPED_MODELS
+from tsterm.convert.shipped import SHIPPED_MODELS
 
 from tests.model.test_parity import reference_greedy
 

@@ -122,6 +122,13 @@ def test_failed_build_leaves_nothing_and_keeps_the_old_checkpoint(tmp_path, tiny
     assert seen[-1][0] == seen[-1][1] == checkpoint_bytes(SPECS["tiny"]) and seen[-1][2] == "lm_head.weight"
 
 
+def test_the_demo_names_profiles_check_are_the_ones_generated():
+    """`tsterm profiles check` knows the `demo:NAME`s without importing the generator (tsterm.paths lists them)."""
+    from tsterm.paths import DEMO_MODEL_NAMES
+
+    assert list(DEMO_MODEL_NAMES) == list(SPECS)
+
+
 def test_ensure_demo_model_builds_once(tmp_path, monkeypatch):
     monkeypatch.setenv("TSTERM_CACHE_DIR", str(tmp_path / "cache"))
     path = ensure_demo_model()

@@ -14,16 +14,11 @@ gguf = pytest.importorskip("gguf", reason="the GGUF importer needs the `gguf` pa
 
 from tsterm import LLM, SamplingParams  # noqa: E402
 from tsterm.errors import ModelLoadError  # noqa: E402
-from tsterm.convert.gguf import (  # noqa: E402
-    INFO_FILE,
-    cli_main,
-    default_cache_dir,
-    ensure_default_model,
-    import_gguf,
-    llama3_rope_factors,
-    reimport_command,
-    shipped_smollm2_gguf,
-)
+from tsterm.convert.gguf import INFO_FILE, import_gguf, reimport_command  # noqa: E402
+from tsterm.convert.gguf_arch import llama3_rope_factors  # noqa: E402
+from tsterm.convert.gguf_cli import cli_main  # noqa: E402
+from tsterm.convert.shipped import ensure_default_model, shipped_smollm2_gguf  # noqa: E402
+from tsterm.paths import default_cache_dir  # noqa: E402
 
 from tests.helpers.gguf import gguf_tensors, tiny_model, write_gguf  # noqa: E402
 from tests.helpers.probes import greedy, last_logits, relative_error  # noqa: E402
@@ -445,11 +440,11 @@ def test_cli(tmp_path, capsys):
 def test_a_float_import_in_the_default_models_place_is_not_taken_for_it(monkeypatch, tmp_path):
     """ensure_default_model re-imports a directory whose info says --dequantize (or predates the flag): the default
     model runs from the file's blocks."""
-    from tsterm.convert import gguf as gguf_import
-    source = gguf_import.shipped_smollm2_gguf()
-    monkeypatch.setattr(gguf_import, "import_damage", lambda target: None)
-    info = {"importer_version": gguf_import.IMPORTER_VERSION, "source": source.name,
+    from tsterm.convert import gguf, shipped
+    source = shipped.shipped_smollm2_gguf()
+    monkeypatch.setattr(shipped, "import_damage", lambda target: None)
+    info = {"importer_version": gguf.IMPORTER_VERSION, "source": source.name,
             "source_bytes": source.stat().st_size}
     for extra, current in (({"dequantize": False}, True), ({"dequantize": True}, False), ({}, False)):
-        (tmp_path / gguf_import.INFO_FILE).write_text(json.dumps({**info, **extra}))
-        assert gguf_import._is_current_import(tmp_path, source) is current, extra
+        (tmp_path / gguf.INFO_FILE).write_text(json.dumps({**info, **extra}))
+        assert shipped._is_current_import(tmp_path, source) is current, extra

@@ -11,7 +11,8 @@ import gguf  # noqa: E402
 
 from tests.helpers.gguf import tiny_model, write_gguf  # noqa: E402
 from tsterm.errors import ModelLoadError  # noqa: E402
-from tsterm.convert.gguf import cli_main, import_gguf  # noqa: E402
+from tsterm.convert.gguf import import_gguf  # noqa: E402
+from tsterm.convert.gguf_cli import cli_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from tsterm.chat.plan import PromptPlan, TextCodec
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.config import SamplingParams
 from tsterm.errors import ConfigError, RequestError
+from tsterm.profiles import AgentOptions
 
 REFUSED = "the user refused this call"
 NO_APPROVER = "this tool needs the user's approval and nobody can give it here (run with --auto, or set " \
@@ -55,24 +56,6 @@ class ChatTokenizer(TextCodec, Protocol):
 
 
 Approver = Callable[["ToolCallRecord", Tool], Awaitable[bool]]
-
-
-@dataclass(frozen=True)
-class AgentOptions:
-    """How a session runs (a profile's `agent:` section sets these; the CLI overrides some)."""
-
-    max_steps: int = 8  # model calls per task; the last one is told nothing, the loop just stops after it
-    auto_approve: bool = False  # run tools that need approval without asking
-    pin_ttl_s: float = 300.0  # how long a waiting session's blocks stay pinned without news from it
-    tool_timeout_s: float = 120.0  # the loop's own bound on one tool call (tools also bound themselves)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or not 1 <= self.max_steps <= 1000:
-            raise ConfigError(f"max_steps must be an integer in [1, 1000], got {self.max_steps!r}")
-        for name in ("pin_ttl_s", "tool_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-                raise ConfigError(f"{name} must be a number of seconds in (0, 86400], got {value!r}")
 
 
 @dataclass

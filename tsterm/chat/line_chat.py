@@ -215,8 +215,7 @@ def _quiet_terminal(stdin: TextIO | None) -> Iterator[None]:
 
 
 def _empty_output(request_id: str, prompt_ids: list[int]) -> Any:
-    from tsterm.engine.sequence import RequestMetrics
-    from tsterm.outputs import CompletionOutput, RequestOutput
+    from tsterm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
     return RequestOutput(request_id, list(prompt_ids), [CompletionOutput(0, [], "")], 0, RequestMetrics())
 

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tsterm.errors import ConfigError
-from tsterm.paths import default_cache_dir, replace_dir
+from tsterm.paths import demo_model_dir, replace_dir
 
 ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
 
@@ -523,8 +523,7 @@ def ensure_demo_model(name: str = "tiny", cache_dir: str | Path | None = None,
     if name not in SPECS:
         raise ConfigError(f"unknown demo model {name!r} (choose one of: {', '.join(SPECS)})")
     spec = SPECS[name]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    model_dir = root / "models" / f"demo-{name}"
+    model_dir = demo_model_dir(name, cache_dir)
     if not is_complete(model_dir, spec):
         make_random_moe(model_dir, spec, progress)
     return model_dir

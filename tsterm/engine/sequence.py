@@ -3,48 +3,14 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
 
 from tsterm.config import SamplingParams
+from tsterm.outputs import RequestMetrics
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Per-request timings (seconds since the epoch) and token counts."""
-
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_computed_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_preemptions: int = 0
-    inter_token_latencies: list[float] = field(default_factory=list)
-
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-    @property
-    def mean_itl(self) -> float | None:
-        itl = self.inter_token_latencies
-        return sum(itl) / len(itl) if itl else None
 
 
 class Sequence:
