@@ -88,10 +88,9 @@ def test_each_turn_resumes_from_the_last_ones_snapshot(hybrid):
     executor = llm.engine.executor
     assert stats["state_copy_bytes"] == 2 * executor.state_bytes // executor.num_state_slots  # two slots restored
     llm.engine.kv.pool.check_invariants()
-    exposition = llm.engine.prometheus()  # the same counters for a scrape
-    for name in ("state_copy_bytes", "state_snapshot_bytes", "state_snapshots"):
-        assert f"tsterm:{name} {stats[name]}\n" in exposition
-    assert f"tsterm:state_pool_bytes {executor.state_bytes}\n" in exposition
+    per_slot = executor.state_bytes // executor.num_state_slots
+    assert stats["state_bytes"] == executor.state_bytes and stats["state_snapshots"] >= 1
+    assert stats["state_snapshot_bytes"] > 0 and stats["state_snapshot_bytes"] % per_slot == 0  # whole slots copied
 
 
 def test_a_snapshot_taken_inside_a_prefill_chunk_resumes_right(hybrid):

@@ -12,6 +12,7 @@ from tsterm import LLM, SamplingParams
 from tsterm.errors import ConfigError, RequestError
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.metrics import scrape
 
 BLOCK = 4
 
@@ -219,7 +220,8 @@ def test_pins_yield_when_nothing_else_could_run(checkpoint, fresh):
     assert llm.stats()["pins_dropped"] == 1 and llm.stats()["pins"] == 0
 
 
-def test_prometheus_exports_pinned_blocks(checkpoint):
+def test_a_scrape_shows_pinned_blocks(checkpoint):
     llm, _ = make_llm(checkpoint, num_blocks=48)
+    assert scrape(llm.engine)["tsterm:kv_cache_blocks_pinned"] == 0
     llm.engine.pin(first_turn(llm, random.Random(12)), ttl_s=60)
-    assert "tsterm:kv_cache_blocks_pinned 6\n" in llm.engine.prometheus()
+    assert scrape(llm.engine)["tsterm:kv_cache_blocks_pinned"] == 6

@@ -1,7 +1,5 @@
-"""Engine metrics: Prometheus exposition, histograms, rolling rates, MoE expert load."""
+"""Engine metrics: histograms, rolling rates, the counters a /metrics scrape reads, MoE expert load."""
 from __future__ import annotations
-
-import re
 
 import pytest
 
@@ -9,16 +7,15 @@ from tsterm import LLM, SamplingParams
 from tsterm.engine.stats import Histogram, RateWindow
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.metrics import scrape
 
-SAMPLE = re.compile(r'^(tsterm:[a-z0-9_]+)(\{[^}]*\})? (-?[0-9.e+-]+|inf)$')
 
-
-def test_histogram_buckets_are_cumulative():
+def test_histogram_counts_each_value_in_its_bucket():
     h = Histogram((0.1, 1.0))
-    for v in (0.05, 0.5, 0.7, 3.0):
+    for v in (0.05, 0.1, 0.5, 0.7, 3.0):
         h.observe(v)
-    assert h.lines("x") == ['x_bucket{le="0.1"} 1', 'x_bucket{le="1.0"} 3', 'x_bucket{le="+Inf"} 4',
-                            "x_sum 4.25", "x_count 4"]
+    assert h.counts == [2, 2, 1]  # <= 0.1 (a bound belongs to its bucket), <= 1.0, +Inf
+    assert h.count == 5 and h.total == pytest.approx(4.35)
 
 
 def test_rate_window_expires_old_events():
@@ -36,26 +33,24 @@ def llm(tmp_path_factory):
     return LLM(str(path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
 
 
-def test_prometheus_exposition_after_two_turns(llm):
+def test_a_scrape_after_two_turns(llm):
+    """What /metrics shows (the server's collector, through prometheus_client's text format and parser) after a
+    conversation's second turn reused the first one's blocks."""
     prompt = list(range(10, 40))
     first = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
     llm.generate(prompt + first.token_ids + [7, 8], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    text = llm.engine.prometheus()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("#"):
-            assert re.match(r"^# (HELP|TYPE) tsterm:[a-z0-9_]+ ", line), line
-            continue
-        m = SAMPLE.match(line)
-        assert m, line
-        values[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    values = scrape(llm.engine)
     # the second prompt holds the first turn's 34 computed tokens: 8 full blocks and a partial one of 2
-    assert values["tsterm:prefix_cache_hits"] == 34 and values["tsterm:prefix_cache_queries"] == 30 + 37
-    assert values["tsterm:generation_tokens"] == 10
-    assert values['tsterm:request_success{finished_reason="length"}'] == 2
+    assert values["tsterm:prefix_cache_hits_total"] == 34 and values["tsterm:prefix_cache_queries_total"] == 30 + 37
+    assert values["tsterm:prompt_tokens_total"] == 30 + 37 and values["tsterm:generation_tokens_total"] == 10
+    assert values['tsterm:request_success_total{finished_reason="length"}'] == 2
     assert values['tsterm:time_to_first_token_seconds_bucket{le="+Inf"}'] == 2
+    assert values["tsterm:time_to_first_token_seconds_count"] == 2
     assert values["tsterm:inter_token_latency_seconds_count"] == 8
+    itl = [values[f'tsterm:inter_token_latency_seconds_bucket{{le="{le}"}}'] for le in ("0.001", "0.1", "+Inf")]
+    assert itl == sorted(itl) and itl[-1] == 8  # cumulative buckets
     assert 0 <= values["tsterm:kv_cache_usage_perc"] <= 1
+    assert values["tsterm:num_requests_running"] == 0 and values["tsterm:num_requests_waiting"] == 0
 
 
 def test_expert_load_counts_every_routed_token(llm):

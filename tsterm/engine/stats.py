@@ -29,7 +29,7 @@ class Histogram:
         self.counts = [0] * (len(self.buckets) + 1)  # the last bucket is +Inf
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_right(self.buckets, value)] += 1
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.total += value
         self.count += 1
 
@@ -79,7 +79,7 @@ class EngineMetrics:
     def on_step(self, prefill_tokens: int, decode_tokens: int, now: float) -> None:
         self.prefill_window.add(prefill_tokens, now)
         self.decode_window.add(decode_tokens, now)
-        self.generation_tokens += 0
+        self.generation_tokens += decode_tokens
 
     def on_token_latency(self, itl: float) -> None:
         self.itl.observe(itl)
