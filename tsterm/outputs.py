@@ -1,4 +1,5 @@
-"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample (n > 1).
+"""What the engine hands back: one RequestOutput per request (with its RequestMetrics: timings and token counts), one
+CompletionOutput per sample (n > 1).
 
 A streamed output is a snapshot taken at one step. Its `token_ids`, `text` and `logprobs` cover everything generated
 so far, so copying them every step would cost O(output) per step and O(output^2) per request. The engine therefore
