@@ -30,23 +30,28 @@ def open_store(host: str, port: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore("tsterm/", dist.TCPStore(host, port, is_master=False, timeout=timeout))
 
 
-def start_heartbeat(host: str, port: int, rank: int, timeout_s: float) -> threading.Thread:
-    """A worker: beat until the process ends, or until the store (rank 0's, or torchrun's) is gone."""
-    store = open_store(host, port, timedelta(seconds=max(timeout_s, 30.0)))
-    key, interval = HEARTBEAT_KEY.format(rank=rank), beat_interval(timeout_s)
-    stop = threading.Event()  # never set: the thread ends with the process
+class Heartbeat:
+    """A worker's beat: a thread that counts up its store key until `stop`, the process's end, or until the store
+    (rank 0's, or torchrun's) is gone."""
 
-    def beat() -> None:
+    def __init__(self, host: str, port: int, rank: int, timeout_s: float):
+        self.store = open_store(host, port, timedelta(seconds=max(timeout_s, 30.0)))
+        self.key, self.interval = HEARTBEAT_KEY.format(rank=rank), beat_interval(timeout_s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"tsterm-heartbeat{rank}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
         try:
-            while True:
-                store.add(key, 1)
-                stop.wait(interval)
+            while not self._stop.is_set():
+                self.store.add(self.key, 1)
+                self._stop.wait(self.interval)
         except (RuntimeError, OSError):  # the store went away with rank 0: nobody is left to tell
             pass
 
-    thread = threading.Thread(target=beat, name=f"tsterm-heartbeat{rank}", daemon=True)
-    thread.start()
-    return thread
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class WorkerWatch:

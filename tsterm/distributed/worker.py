@@ -19,7 +19,7 @@ import torch
 
 from tsterm.distributed import protocol
 from tsterm.distributed.groups import IDLE_TIMEOUT, Groups, RankContext, connect_store
-from tsterm.distributed.health import start_heartbeat
+from tsterm.distributed.health import Heartbeat
 from tsterm.distributed.tables import TableMirror
 from tsterm.engine.executor import ExecutorSpec
 from tsterm.engine.model_runner import ModelRunner
@@ -43,7 +43,7 @@ def worker_main(args: WorkerArgs) -> None:
     rank = args.layout.rank
     store = connect_store(args.store_host, args.store_port, args.layout.world_size, False, IDLE_TIMEOUT)
     try:
-        start_heartbeat(args.store_host, args.store_port, rank, args.timeout_s)
+        Heartbeat(args.store_host, args.store_port, rank, args.timeout_s)  # beats until the process ends
         store.set(f"ready/{rank}", str(os.getpid()))
         groups = Groups(store, args.layout, args.spec.device, timedelta(seconds=args.timeout_s))
 
