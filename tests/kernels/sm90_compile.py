@@ -3,8 +3,15 @@
 Run as a script in a process WITHOUT TRITON_INTERPRET (test_triton_compile.py does). The launchers are called on
 `meta` tensors (shapes, strides and dtypes only); each kernel launch is intercepted, specialised exactly as the
 JIT would specialise it (16-divisible ints and pointers), compiled to a cubin with the ptxas bundled in the
-triton wheel, and checked by `ptxas -v` for register spills. Device-dependent choices (tile table row, SM count)
-are those of an H200. Prints one line per compiled variant; exits 1 on any failure or spill.
+triton wheel, checked by `ptxas -v` for register spills, and its shared memory (the compiled kernel's
+`metadata.shared`) checked against what one block may use on sm_90 (227 KB of the SM's 228 KB). Device-dependent
+choices (the fused MoE's tile table row, the SM count) are made for each Hopper the engine meets: an H200 (its own
+row of kernels/moe_tiles.json) and an H100 (the `default` row: its name is not in the table), every M bucket of the
+row. Prints one line per compiled variant; exits 1 on any failure, spill or shared-memory overflow, naming the
+kernel, its constants and the tile config (device, table row, bucket) that asked for it.
+
+`--moe-tiles PATH`: compile only the fused MoE, from the tile table at PATH (a candidate for kernels/moe_tiles.json,
+checked before a GPU ever runs it).
 
 This relies on triton internals (`create_function_from_signature`, `JITFunction._pack_args`) of the pinned
 triton; it answers "does it compile, does it spill", never "is it right" (the GPU tests do that).
@@ -17,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET: the kernels must be JIT functions"
 
@@ -35,12 +43,16 @@ from tsterm_kernels.triton_ops import fused_moe, moe_route, paged_attention, rms
 from tsterm_kernels.triton_quant_linear import quant_linear  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 227 * 1024  # bytes one block may use on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin; 228 KB per SM)
+# the Hoppers whose tile choices are compiled: (device name as torch reports it, SM count)
+DEVICES = {"H200": ("NVIDIA H200", 132), "H100": ("NVIDIA H100 80GB HBM3", 132)}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 META = torch.device("meta")
 BF16 = torch.bfloat16
 
 seen: set[str] = set()
 failures: list[str] = []
+context = {"device": "", "tiles": ""}  # what the launches being compiled were asked for (for the messages)
 
 
 def _compile_launch(kernel: JITFunction, args, kwargs) -> None:
@@ -55,6 +67,7 @@ def _compile_launch(kernel: JITFunction, args, kwargs) -> None:
     if key in seen:
         return
     seen.add(key)
+    label += f" [{context['device']}{', ' + context['tiles'] if context['tiles'] else ''}]"
     start = time.time()
     try:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
@@ -69,11 +82,16 @@ def _compile_launch(kernel: JITFunction, args, kwargs) -> None:
     os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", info.stderr)
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", info.stderr))
+    shared = compiled.metadata.shared
     line = (f"{label}  regs={regs.group(1) if regs else '?'} spill_bytes={spills} "
-            f"shared={compiled.metadata.shared} ({time.time() - start:.1f}s)")
-    print(("SPILL " if spills else "ok   ") + line, flush=True)
+            f"shared={shared} ({time.time() - start:.1f}s)")
+    over = shared > SHARED_LIMIT
+    print(("SPILL " if spills else "SHARED" if over else "ok   ") + " " + line, flush=True)
     if spills:
         failures.append(line)
+    if over:
+        failures.append(f"{label}: shared memory {shared} bytes ({shared / 1024:.1f} KB) exceeds the {SHARED_LIMIT} "
+                        f"bytes ({SHARED_LIMIT // 1024} KB) one block may use on sm_90: smaller tiles or fewer stages")
 
 
 def _intercept_launches() -> None:
@@ -86,13 +104,16 @@ def _intercept_launches() -> None:
                 value.run = (lambda k: lambda *args, grid, warmup=False, **kwargs: _compile_launch(k, args, kwargs))(value)
 
 
-def _as_h200() -> None:
-    triton_fused_moe._device_name = lambda device: "NVIDIA H200"
-    triton_paged_attention._num_sms = lambda device: 132
-    tiles, splits = triton_paged_attention._tiles, triton_paged_attention.num_kv_splits
+ATTENTION_TILES, ATTENTION_SPLITS = triton_paged_attention._tiles, triton_paged_attention.num_kv_splits  # (CUDA's)
+
+
+def _as_device(name: str, num_sms: int) -> None:
+    """Make the launchers' device-dependent choices those of the CUDA device `name` with `num_sms` SMs."""
+    triton_fused_moe._device_name = lambda device: name
+    triton_paged_attention._num_sms = lambda device: num_sms
     cuda = torch.device("cuda")
-    triton_paged_attention._tiles = lambda device, *rest: tiles(cuda, *rest)
-    triton_paged_attention.num_kv_splits = lambda programs, max_len, device: splits(programs, max_len, cuda)
+    triton_paged_attention._tiles = lambda device, *rest: ATTENTION_TILES(cuda, *rest)
+    triton_paged_attention.num_kv_splits = lambda programs, max_len, device: ATTENTION_SPLITS(programs, max_len, cuda)
 
 
 def _attention_batch(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int):
@@ -108,10 +129,49 @@ def _attention_batch(seq_lens: list[int], query_lens: list[int], num_heads: int,
     return q, k_cache, torch.empty_like(k_cache), meta
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    only_moe = len(argv) == 2 and argv[0] == "--moe-tiles"
+    if only_moe:
+        triton_fused_moe.TILES_FILE = Path(argv[1])
+        triton_fused_moe._tile_table.cache_clear()
+    elif argv:
+        print(__doc__)
+        return 2
     _intercept_launches()
-    _as_h200()
-    hidden, inter, experts, top_k = 2048, 768, 128, 8  # Qwen3-30B-A3B layer shapes
+    for device, (name, num_sms) in DEVICES.items():
+        _as_device(name, num_sms)
+        table = triton_fused_moe._tile_table()
+        row = name if name in table else "default"
+        context["device"] = f"{device} ({name}, {num_sms} SMs)"
+        buckets = sorted(int(m) for m in table[row])
+        if only_moe:
+            _compile_moe(f"{triton_fused_moe.TILES_FILE.name}[{row!r}]", buckets)
+        else:
+            _compile_everything(f"{triton_fused_moe.TILES_FILE.name}[{row!r}]", buckets)
+    print(f"{len(seen)} kernel variants compiled for sm_90, {len(failures)} failures")
+    for failure in failures:
+        print("FAILED:", failure)
+    return 1 if failures else 0
+
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # Qwen3-30B-A3B layer shapes
+
+
+def _compile_moe(moe_row: str, moe_buckets: list[int]) -> None:
+    """The fused MoE (float bf16 experts) at each M bucket of its tile table's row (`moe_row`: its name)."""
+    w13 = torch.empty((EXPERTS, 2 * INTER, HIDDEN), dtype=BF16, device=META)
+    w2 = torch.empty((EXPERTS, HIDDEN, INTER), dtype=BF16, device=META)
+    for num_tokens in moe_buckets:  # each bucket's tiles: T = the bucket's bound selects it
+        context["tiles"] = f"{moe_row}[{str(num_tokens)!r}]"
+        x = torch.empty((num_tokens, HIDDEN), dtype=BF16, device=META)
+        weights, expert_ids = moe_route(torch.empty((num_tokens, EXPERTS), dtype=BF16, device=META), TOP_K, True)
+        fused_moe(x, w13, w2, weights, expert_ids, torch.empty_like(x))
+
+
+def _compile_everything(moe_row: str, moe_buckets: list[int]) -> None:
+    """Every kernel through its launcher at Qwen3-30B-A3B / Qwen3-Next sizes; the fused MoE at each M bucket of its
+    tile table's row `moe_row`."""
+    hidden, inter, experts, top_k = HIDDEN, INTER, EXPERTS, TOP_K
 
     x = torch.empty((64, hidden), dtype=BF16, device=META)
     rms_norm(x, torch.empty(hidden, dtype=BF16, device=META), 1e-6, torch.empty_like(x))
@@ -126,13 +186,9 @@ def main() -> int:
         q, k_cache, v_cache, meta = _attention_batch([2048, 700, 90], [512, 200, 1], num_heads, num_kv_heads)
         paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)  # prefill / extend: one split
 
-    w13 = torch.empty((experts, 2 * inter, hidden), dtype=BF16, device=META)
-    w2 = torch.empty((experts, hidden, inter), dtype=BF16, device=META)
-    for num_tokens in (1, 8, 64, 512, 4096):  # one per M bucket of the H200 tile table
-        x = torch.empty((num_tokens, hidden), dtype=BF16, device=META)
-        weights, expert_ids = moe_route(torch.empty((num_tokens, experts), dtype=BF16, device=META), top_k, True)
-        fused_moe(x, w13, w2, weights, expert_ids, torch.empty_like(x))
+    _compile_moe(moe_row, moe_buckets)
     # a gated shared expert / dense MLP: one expert, top-1 (Qwen1.5-MoE-A2.7B's shared expert size)
+    context["tiles"] = f"{moe_row}, 8 tokens"
     x = torch.empty((8, hidden), dtype=BF16, device=META)
     shared_w13 = torch.empty((1, 2 * 5632, hidden), dtype=BF16, device=META)
     shared_w2 = torch.empty((1, hidden, 5632), dtype=BF16, device=META)
@@ -154,11 +210,13 @@ def main() -> int:
                       for rows, cols in ((2 * inter, hidden), (hidden, inter))]}
     for q13, q2 in stacks.values():
         for num_tokens in (1, 512):
+            context["tiles"] = f"{moe_row}, {num_tokens} tokens"
             x = torch.empty((num_tokens, hidden), dtype=BF16, device=META)
             weights, expert_ids = moe_route(torch.empty((num_tokens, experts), dtype=BF16, device=META), top_k, True)
             fused_moe(x, q13, q2, weights, expert_ids, torch.empty_like(x))
 
     # weight-only quantized linear layers (q/k/v of Qwen3-30B-A3B: 5120 x 2048), every tile-table row
+    context["tiles"] = "triton_quant_linear.TILES"
     out_f = 5120
     quantized = [QuantizedWeight.blocks("int8", torch.empty((out_f, hidden), dtype=torch.int8, device=META),
                                         torch.empty((out_f, hidden // 32), dtype=torch.float16, device=META)),
@@ -172,6 +230,7 @@ def main() -> int:
                 quant_linear(torch.empty((num_rows, hidden), dtype=dtype, device=META), weight)
 
     # Gated DeltaNet at Qwen3-Next (32 value heads) and Qwen3.5-397B (64) linear-attention sizes: 16 key heads of 128
+    context["tiles"] = ""
     for value_heads in (32, 64):
         rows, channels, slots = 300, 2 * 16 * 128 + value_heads * 128, torch.zeros(3, dtype=torch.int64, device=META)
         qkv = torch.empty((rows, channels), dtype=BF16, device=META)
@@ -187,11 +246,6 @@ def main() -> int:
         causal_conv1d(qkv, weight, conv_states, slots, bounds, torch.empty_like(qkv))
         # not yet chunk_gated_delta_rule: it compiles but spills (2.5 KB per thread at dk = 128, CHUNK = 64)
 
-    print(f"{len(seen)} kernel variants compiled for sm_90, {len(failures)} failures")
-    for failure in failures:
-        print("FAILED:", failure)
-    return 1 if failures else 0
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
