@@ -281,7 +281,7 @@ async def test_escape_while_the_tools_start_stops_the_task_and_closes_them_once_
                                                                                         tmp_path, monkeypatch):
     import threading
 
-    from tsterm.tui.screens import agent as agent_screen
+    from tsterm.tui.controllers import agent as agent_screen
 
     started, closed = threading.Event(), threading.Event()
     build = agent_screen.build_toolset

@@ -92,14 +92,13 @@ class TstermApp(App):
         old, self.host, self.profile, self.loading = self.host, message.host, message.profile, None
         self.theme = self.host.ui.theme
         if old is None:
-            await self.switch_screen(self._chat_screen(ChatScreen(self.host, self.store)))
+            await self.switch_screen(self._chat_screen(self._new_chat_screen()))
             if self.serve_overrides is not None or self.host.server.enabled:
                 self.start_api_server()
             return
         await self.pop_screen()  # the progress screen, back to the old chat screen: replace it
         self.engine_factory = None
-        await self.switch_screen(self._chat_screen(ChatScreen(self.host, self.store,
-                                                              current_id=self._select_after_switch)))
+        await self.switch_screen(self._chat_screen(self._new_chat_screen(self._select_after_switch)))
         if self.api_server is not None and not self._server_busy:  # serve the new engine on the same address
             old_server, self.api_server, self._server_busy = self.api_server, None, True
             self._run_server(old_server, self.serve_options(old_server.options.port), old)
@@ -107,6 +106,10 @@ class TstermApp(App):
             self._shut_down_engine(old)
         self.notify(f"profile {self.host.profile_name}: {self.host.model_name} on {self.host.device}",
                     title="profile switched")
+
+    def _new_chat_screen(self, current_id: str | None = None) -> ChatScreen:
+        return ChatScreen(self.host, self.store, current_id, agent_workspace=self.agent_workspace,
+                          auto_approve=self.agent_auto_approve)
 
     def _chat_screen(self, screen: ChatScreen) -> ChatScreen:
         self.api_observer.post = screen.post_message  # API clients' requests show on this screen from now on
