@@ -46,22 +46,17 @@ def tool_profiles() -> list[str]:
 
 
 def _model_on_disk(profile_path: Path) -> Path | None:
-    """The profile's model directory when it is there already (like Profile._model_config_json): shipped and demo
-    models that are imported or generated on first use count only once they have been."""
-    from tsterm.paths import default_cache_dir
-    from tsterm.profiles import SHIPPED_MODELS, load_profile, model_path
+    """The profile's model directory when it is there already: the profile's own rule of where its model's files
+    are once it is on disk (shipped and demo models that are imported or generated on first use count only once they
+    have been); nothing is imported, generated or downloaded."""
+    from tsterm.profiles import load_profile
 
     try:
         profile = load_profile(str(profile_path))
     except TstermError:  # a broken profile, or one whose ${ENV} is unset
         return None
-    model = profile.engine.get("model")
-    if not isinstance(model, str):
+    config = profile._model_config_path()  # noqa: SLF001 - the profile's rule, not a copy of it
+    if config is None:
         return None
-    if model == "smollm2-135m-instruct" or model.startswith("demo:"):
-        path = default_cache_dir() / "models" / (model if not model.startswith("demo:") else f"demo-{model[5:]}")
-    elif model in SHIPPED_MODELS:
-        path = Path(SHIPPED_MODELS[model]())
-    else:
-        path = model_path(model, profile.origins.get("model", (profile.path, 1))[0])
+    path = config.parent
     return path if (path / "tokenizer.json").is_file() else None
