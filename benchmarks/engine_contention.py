@@ -31,12 +31,18 @@ the engine's `step` (and its scheduler's `schedule`, to see each batch's shape) 
 
 What "loss" means. Per decode step of the full batch, on the engine thread:
   step      wall time of engine.step() (schedule, inputs, forward, sampling, detokenising, outputs);
-  off-CPU   the step's wall time less the engine thread's own CPU time (time.thread_time): time it waited for the
-            GIL, for a core, or for its OpenMP workers;
   gap       from the end of one step to the start of the next: the AsyncEngine hand-off (one call_soon_threadsafe per
             output), the commands queued meanwhile (adds, the dashboard's stats polls), and waiting for the GIL;
-  cycle     step + gap: the pace at which the engine produces tokens;
-  ITL       the measured request's inter-token latency as its reader sees it (first token to last, per token).
+  cycle     step + gap: the pace at which the engine produces tokens (the run's mean; its median beside it);
+  ITL       the measured request's inter-token latency as its reader sees it (first token to last, per token);
+  blocked   of a step's (or a gap's) wall time, what the engine thread spent neither on a CPU nor waiting for one
+            (/proc/thread-self/schedstat: CPU time and run-queue wait): waiting for the GIL, for its OpenMP workers
+            at a barrier, or for I/O;
+  run q     what it spent runnable but waiting for a core: the front-ends' CPU work competes for the cores even
+            without the GIL, and a process of their own would not change that on the same machine.
+With more than one torch thread, a worker that waits for a core keeps the engine thread waiting at the barrier,
+which counts as blocked: `--threads 1` (the engine on one core, the front-ends free to use the other) makes blocked
+time nearly all GIL; run it beside the default to see how much of the loss is the GIL and how much the cores.
 The loss is the GIL-attributable slowdown of the engine's decode pace, the same 33-request batch with the front-ends
 in the process against without: median cycle (loaded 33) / median cycle (bare 33) - 1; issue 39's threshold is 5%.
 The cycle, not the step alone, because the engine thread can lose the GIL between steps as well as in them: each
@@ -58,6 +64,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -115,8 +122,10 @@ def cpu_description() -> str:
 class StepRecord:
     start: float  # perf_counter at the call
     end: float
-    cpu_start: float  # the engine thread's time.thread_time() at the call
+    cpu_start: float  # the engine thread's CPU time at the call (schedstat's, else time.thread_time())
     cpu_end: float
+    runq_start: float  # the time it has spent runnable but waiting for a core (schedstat; NaN where there is none)
+    runq_end: float
     seqs: int  # sequences in the batch
     tokens: int  # tokens the batch computed
     decoding: int  # sequences in it that had sampled a token before (not a prompt's last chunk)
@@ -126,7 +135,10 @@ class StepRecord:
 class StepRecorder:
     """Wraps one engine's `step` and its scheduler's `schedule` (instance attributes, removed by `remove`) for one
     configuration: each step's wall and thread-CPU times, its batch shape and thread count, and when each token of the
-    measured request came out of the engine. With `gate`, no step runs until that many requests are in the engine
+    measured request came out of the engine. The engine thread's CPU time and run-queue wait come from
+    /proc/thread-self/schedstat (opened on that thread; time.thread_time() and no run-queue split where the kernel
+    has no schedstat): the rest of a step's wall time the thread was blocked (the GIL, its OpenMP workers, I/O),
+    not waiting for a core. With `gate`, no step runs until that many requests are in the engine
     (the engine thread goes back to its commands meanwhile); past `gate_timeout` seconds the gate opens anyway and
     `short` says how many were missing. `threads`: run every step on that many threads (the governor off)."""
 
@@ -140,6 +152,7 @@ class StepRecorder:
         self._shape: tuple[int, int, int] | None = None
         self._saved: dict[tuple[Any, str], Any] = {}
         self._governor = None
+        self._schedstat: dict[int, int] = {}  # thread id -> its schedstat file (-1: none)
 
     def install(self) -> StepRecorder:
         self._wrap(self.engine, "step", self._step)
@@ -150,11 +163,16 @@ class StepRecorder:
 
     def remove(self) -> None:
         for (obj, name), previous in self._saved.items():
+            delattr(obj, f"_bench_{name}")
             if previous is None:
                 delattr(obj, name)
             else:
                 setattr(obj, name, previous)
         self._saved.clear()
+        for fd in self._schedstat.values():
+            if fd >= 0:
+                os.close(fd)
+        self._schedstat.clear()
         if self._governor is not None:
             self.engine.executor.cpu_threads, self._governor = self._governor, None
 
@@ -162,6 +180,22 @@ class StepRecorder:
         self._saved[(obj, name)] = vars(obj).get(name)
         setattr(obj, f"_bench_{name}", getattr(obj, name))
         setattr(obj, name, wrapper)
+
+    def _clocks(self) -> tuple[float, float]:
+        """(CPU time, run-queue wait) of the calling thread, in seconds."""
+        ident = threading.get_ident()
+        fd = self._schedstat.get(ident)
+        if fd is None:
+            try:
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            except OSError:
+                fd = -1
+            self._schedstat[ident] = fd
+        if fd >= 0:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                cpu_ns, runq_ns = os.pread(fd, 128, 0).split()[:2]
+                return int(cpu_ns) / 1e9, int(runq_ns) / 1e9
+        return time.thread_time(), math.nan
 
     def _schedule(self) -> Any:
         batch = self.engine.scheduler._bench_schedule()
@@ -182,13 +216,14 @@ class StepRecorder:
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
         self._shape = None
-        cpu0, t0 = time.thread_time(), time.perf_counter()
+        (cpu0, runq0), t0 = self._clocks(), time.perf_counter()
         outputs = self.engine._bench_step()
-        t1, cpu1 = time.perf_counter(), time.thread_time()
+        t1, (cpu1, runq1) = time.perf_counter(), self._clocks()
         if self._shape is not None:
             import torch
 
-            self.steps.append(StepRecord(t0, t1, cpu0, cpu1, *self._shape, threads=torch.get_num_threads()))
+            self.steps.append(StepRecord(t0, t1, cpu0, cpu1, runq0, runq1, *self._shape,
+                                         threads=torch.get_num_threads()))
         for out in outputs:
             if out.request_id == MEASURED_ID and out.outputs:
                 self.measured.append((t1, len(out.outputs[0].token_ids)))
@@ -229,22 +264,31 @@ class Run:
         return [(a, b) for a, b in zip(self.steps, self.steps[1:]) if self.is_decode(a) and self.is_decode(b)]
 
     def figures(self) -> dict[str, float]:
-        """Over consecutive decode steps of the full batch (seconds): the mean step, its off-CPU part, the gap after
-        it and their sum, the cycle (means add up, and the mean is the pace: a 4 Hz repaint that hits one step in
-        forty moves the mean, not the median), and the cycle's median; the measured request's ITL; the median
-        thread count; how many decode steps there were."""
+        """Over consecutive decode steps of the full batch (seconds): the mean step and gap after it, each split into
+        the time the engine thread was blocked and the time it waited for a core, their sum the cycle (means add
+        up, and the mean is the pace: a repaint that hits one step in forty moves the mean, not the median), and
+        the cycle's median; the measured request's ITL; the median thread count; how many decode steps there
+        were. Without schedstat, `blocked` holds all the off-CPU time and there is no `runq`."""
         pairs = self.pairs()
         if not pairs:
             raise RuntimeError(f"{self.config}: no two steps in a row decoded the whole batch of {self.batch} (it "
                                "never formed: too little KV cache room, or requests that never arrived)")
         mean = statistics.fmean
-        out = {"step": mean(a.end - a.start for a, _ in pairs),
-               "offcpu": mean(max(0.0, (a.end - a.start) - (a.cpu_end - a.cpu_start)) for a, _ in pairs),
-               "gap": mean(b.start - a.end for a, b in pairs),
-               "gap_offcpu": mean(max(0.0, (b.start - a.end) - (b.cpu_start - a.cpu_end)) for a, b in pairs),
+        has_runq = not any(math.isnan(a.runq_start) or math.isnan(b.runq_start) for a, b in pairs)
+
+        def split(t0: float, t1: float, cpu0: float, cpu1: float, runq0: float, runq1: float) -> tuple[float, float]:
+            runq = runq1 - runq0 if has_runq else 0.0
+            return max(0.0, (t1 - t0) - (cpu1 - cpu0) - runq), runq
+
+        steps = [split(a.start, a.end, a.cpu_start, a.cpu_end, a.runq_start, a.runq_end) for a, _ in pairs]
+        gaps = [split(a.end, b.start, a.cpu_end, b.cpu_start, a.runq_end, b.runq_start) for a, b in pairs]
+        out = {"step": mean(a.end - a.start for a, _ in pairs), "blocked": mean(b for b, _ in steps),
+               "gap": mean(b.start - a.end for a, b in pairs), "gap_blocked": mean(b for b, _ in gaps),
                "cycle": mean(b.start - a.start for a, b in pairs),
                "cycle_p50": statistics.median(b.start - a.start for a, b in pairs),
                "threads": statistics.median(a.threads for a, _ in pairs), "steps": len(self.decode_steps())}
+        if has_runq:
+            out["runq"], out["gap_runq"] = mean(r for _, r in steps), mean(r for _, r in gaps)
         itl = self.stream_itl if self.stream_itl is not None else self.engine_itl
         if itl is not None:
             out["itl"] = itl
@@ -534,13 +578,16 @@ def report(runs: dict[str, list[Run]], args: argparse.Namespace, cpu: str) -> No
     print(f"profile {args.profile}: {args.clients} streaming API clients + the measured request, {args.tokens} tokens "
           f"each, greedy; per decode step of the full batch, the run's mean (ms), median of {args.rounds} round(s) "
           "after a warm-up")
-    columns = [("step", "step"), ("offcpu", "off-CPU"), ("gap", "gap"), ("gap_offcpu", "gap off-CPU"),
-               ("cycle", "cycle"), ("cycle_p50", "cycle p50"), ("itl", "ITL")]
-    print(f"{'config':<11}{'batch':>6}{'steps':>6}{'thr':>4}" + "".join(f"{label:>12}" for _, label in columns)
+    print("  step = blocked (the GIL, OpenMP workers, I/O) + run queue (waiting for a core) + on the CPU; the same "
+          "for the gap after it; cycle = step + gap")
+    columns = [("step", "step"), ("blocked", "blocked"), ("runq", "run q"), ("gap", "gap"),
+               ("gap_blocked", "blocked"), ("gap_runq", "run q"), ("cycle", "cycle"), ("cycle_p50", "cycle p50"),
+               ("itl", "ITL")]
+    print(f"{'config':<11}{'batch':>6}{'steps':>6}{'thr':>4}" + "".join(f"{label:>10}" for _, label in columns)
           + "   cycle by round")
     for name in names:
         m, rs = med[name], runs[name]
-        cells = "".join(f"{m[k] * 1e3:12.2f}" if k in m else f"{'-':>12}" for k, _ in columns)
+        cells = "".join(f"{m[k] * 1e3:10.2f}" if k in m else f"{'-':>10}" for k, _ in columns)
         rounds = " ".join(f"{r.figures().get('cycle', float('nan')) * 1e3:.1f}" for r in rs)
         print(f"{name:<11}{rs[0].batch:>6}{m['steps']:>6.0f}{m['threads']:>4.0f}{cells}   {rounds}")
 
@@ -559,8 +606,16 @@ def report(runs: dict[str, list[Run]], args: argparse.Namespace, cpu: str) -> No
     verdict = "over" if loss > 0.05 else "within"
     print(f"loss = cycle({loaded}) / cycle({bare_n}) - 1 = {loss * 100:+.1f}%: {verdict} issue 39's 5%")
     print(f"  inside the step: step({loaded}) / step({bare_n}) - 1 = {(ratio(loaded, bare_n, 'step') - 1) * 100:+.1f}%"
-          f"; between steps: gap {med[loaded]['gap'] * 1e3:.2f} ms against {med[bare_n]['gap'] * 1e3:.2f} ms "
-          f"({med[loaded]['gap_offcpu'] * 1e3:.2f} ms of it off-CPU)")
+          f"; between steps: gap {med[loaded]['gap'] * 1e3:.2f} ms against {med[bare_n]['gap'] * 1e3:.2f} ms")
+
+    def waits(name: str) -> str:
+        m = med[name]
+        blocked = (m["blocked"] + m["gap_blocked"]) * 1e3
+        if "runq" not in m:
+            return f"{blocked:.2f} ms off the CPU (no schedstat here to split the GIL from the cores)"
+        return f"{blocked:.2f} ms blocked, {(m['runq'] + m['gap_runq']) * 1e3:.2f} ms waiting for a core"
+    print(f"  the engine thread per cycle: {waits(loaded)} loaded; {waits(bare_n)} bare. A process of its own "
+          "would take the front-ends off the GIL, not off the cores")
     print(f"  the engine's own hand-off, no front-end: cycle({async_n}) / cycle({bare_n}) - 1 = "
           f"{(ratio(async_n, bare_n, 'cycle') - 1) * 100:+.1f}%; the front-ends over it: cycle({loaded}) / "
           f"cycle({async_n}) - 1 = {(ratio(loaded, async_n, 'cycle') - 1) * 100:+.1f}%")

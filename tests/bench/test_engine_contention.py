@@ -4,6 +4,8 @@ leaves the engine as it found it; the bare loop and the AsyncEngine decode the s
 whole script (the app, its API server, clients in a child process) stops by itself and prints its summary."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 import subprocess
 import sys
@@ -20,24 +22,29 @@ TOKENS = 6
 
 
 def record(start: float, length: float, seqs: int, tokens: int, cpu: tuple[float, float],
-           decoding: int | None = None) -> StepRecord:
-    return StepRecord(start, start + length, *cpu, seqs, tokens, seqs if decoding is None else decoding, 2)
+           runq: tuple[float, float] = (0.01, 0.01), decoding: int | None = None) -> StepRecord:
+    return StepRecord(start, start + length, *cpu, *runq, seqs, tokens, seqs if decoding is None else decoding, 2)
 
 
 def test_only_the_decode_steps_of_the_whole_batch_count():
-    steps = [record(0.0, 0.5, 3, 90, (0.0, 0.5), decoding=0),  # the prompts' prefill
-             record(0.5, 0.05, 3, 3, (0.5, 0.55), decoding=0),  # their last tokens (the rest was in the cache)
-             record(0.6, 0.10, 3, 3, (0.6, 0.66)),  # 0.04 s off the CPU
+    steps = [record(0.0, 0.5, 3, 90, (0.0, 0.5), (0.0, 0.0), decoding=0),  # the prompts' prefill
+             record(0.5, 0.05, 3, 3, (0.5, 0.55), (0.0, 0.0), decoding=0),  # their last tokens (the rest: cached)
+             record(0.6, 0.10, 3, 3, (0.6, 0.66), (0.0, 0.01)),  # 0.04 s off the CPU: 0.01 of it in the run queue
              record(0.72, 0.12, 3, 3, (0.68, 0.80)),
-             record(0.86, 0.14, 3, 3, (0.81, 0.95)),  # the gap before it: 0.01 s off the CPU
+             record(0.86, 0.14, 3, 3, (0.81, 0.95)),  # the gap before it: 0.01 s blocked
              record(1.3, 0.05, 2, 2, (1.0, 1.05))]  # one request finished early: another batch
     figures = Run("x", 3, steps, None, None).figures()
     # two pairs of decode steps in a row, (0.6, 0.72) and (0.72, 0.86): means over their first steps and gaps
-    assert figures["steps"] == 3 and figures["step"] == pytest.approx(0.11) and figures["offcpu"] == pytest.approx(0.02)
-    assert figures["gap"] == pytest.approx(0.02) and figures["gap_offcpu"] == pytest.approx(0.005)
+    assert figures["steps"] == 3 and figures["step"] == pytest.approx(0.11)
+    assert figures["blocked"] == pytest.approx(0.015) and figures["runq"] == pytest.approx(0.005)
+    assert figures["gap"] == pytest.approx(0.02) and figures["gap_blocked"] == pytest.approx(0.005)
+    assert figures["gap_runq"] == pytest.approx(0)
     assert figures["cycle"] == pytest.approx(0.13) == figures["step"] + figures["gap"]
     assert figures["cycle_p50"] == pytest.approx(0.13) and figures["threads"] == 2 and "itl" not in figures
     assert Run("x", 3, steps, 0.2, 0.25).figures()["itl"] == 0.25  # the reader's, when there is one
+    no_schedstat = [dataclasses.replace(r, runq_start=math.nan, runq_end=math.nan) for r in steps]
+    lumped = Run("x", 3, no_schedstat, None, None).figures()  # all the off-CPU time, the run queue's too
+    assert "runq" not in lumped and lumped["blocked"] == pytest.approx(0.02)
     assert Run("x", 3, steps, 0.2, None).figures()["itl"] == 0.2
     assert per_token([(1.0, 1), (1.5, 2), (3.0, 5)]) == pytest.approx(0.5) and per_token([(1.0, 1)]) is None
     with pytest.raises(RuntimeError, match="never formed"):
@@ -70,7 +77,8 @@ def test_the_gate_holds_steps_until_the_batch_is_whole_and_the_engine_is_left_as
             engine.step()
     finally:
         recorder.remove()
-    assert "step" not in vars(engine) and "schedule" not in vars(engine.scheduler)
+    wrapped = {"step", "schedule", "_bench_step", "_bench_schedule"}
+    assert not wrapped & {*vars(engine), *vars(engine.scheduler)}  # the class's own methods again, nothing left
     assert recorder.short == 0 and {s.seqs for s in recorder.steps} == {2}
     assert len(Run("x", 2, recorder.steps, None, None).decode_steps()) == TOKENS - 1
     assert [n for _, n in recorder.measured] == list(range(1, TOKENS + 1))  # every token of the measured request
