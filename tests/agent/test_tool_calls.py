@@ -235,6 +235,33 @@ def test_check_schema_types():
         "x.a: expected string, got integer 1"]
 
 
+def test_check_schema_is_full_json_schema():
+    """jsonschema checks every keyword (not a subset): each problem still names its field by path."""
+    schema = {"type": "object", "$defs": {"name": {"type": "string", "minLength": 1, "pattern": "^[a-z]+$"}},
+              "properties": {"names": {"type": "array", "items": {"$ref": "#/$defs/name"}, "maxItems": 3},
+                             "limit": {"anyOf": [{"type": "integer", "exclusiveMinimum": 0}, {"type": "null"}]}}}
+    assert check_schema({"names": ["ok", "", "Bad"], "limit": None}, schema, "arguments") == [
+        "arguments.names[1]: '' should be non-empty", "arguments.names[1]: '' does not match '^[a-z]+$'",
+        "arguments.names[2]: 'Bad' does not match '^[a-z]+$'"]
+    assert check_schema({"names": ["a", "b", "c", "d"], "limit": 0}, schema, "arguments") == [
+        "arguments.names: ['a', 'b', 'c', 'd'] is too long",
+        "arguments.limit: 0 is not valid under any of the given schemas"]
+    assert check_schema({"names": ["ok"], "limit": 3}, schema, "arguments") == []
+
+
+def test_a_schema_with_a_mistake_is_checked_as_far_as_it_can_be():
+    """A client's schema with an unknown type or a reference to nothing: the calls are still read, never crash."""
+    typo = {"type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "int"}}}
+    assert check_schema({"path": 3, "n": 1}, typo, "arguments") == ["arguments.path: expected string, got integer 3"]
+    dangling = {"type": "object", "properties": {"path": {"$ref": "#/$defs/nowhere"}}}
+    assert check_schema({"path": "a"}, dangling, "arguments")[0].startswith(
+        "arguments: the tool's schema has a reference that cannot be resolved")
+    parser = ToolCallParser([{"name": "f", "parameters": typo}])
+    (call,) = [e for e in parser.feed('<tool_call>{"name": "f", "arguments": {"path": "a", "n": 1}}</tool_call>')
+               if isinstance(e, ToolCall)]
+    assert call.ok and call.arguments == {"path": "a", "n": 1}
+
+
 # ---- properties
 
 TAGGY = ["<", "<tool", "<tool_call", "</tool_call>", "tool_call>", "<function=x>", "</parameter>", ">", "\n", " ", "{"]

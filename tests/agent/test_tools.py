@@ -47,11 +47,16 @@ def test_builtin_tools_add_write_and_commands_only_when_enabled(ws):
 
 def test_arguments_are_checked_against_the_schema(ws):
     read = ReadFile(ws)
-    assert "missing required argument(s) ['path']" in read.call({}).error
-    assert "unknown argument(s) ['paht']" in read.call({"path": "notes.txt", "paht": "x"}).error
-    assert "argument 'offset' must be integer" in read.call({"path": "notes.txt", "offset": "3"}).error
-    assert "argument 'offset' must be integer" in read.call({"path": "notes.txt", "offset": True}).error
-    assert "must be >= 0" in read.call({"path": "notes.txt", "offset": -1}).error
+    assert read.call({}).error == "read_file: arguments: missing required field 'path'"
+    assert read.call({"path": "notes.txt", "paht": "x"}).error == \
+        "read_file: arguments: unexpected field 'paht' (allowed: path, offset, max_bytes)"
+    assert read.call({"path": "notes.txt", "offset": "3"}).error == \
+        'read_file: arguments.offset: expected integer, got string "3"'
+    assert "arguments.offset: expected integer, got boolean true" in read.call({"path": "notes.txt", "offset": True}).error
+    assert "arguments.offset: must be >= 0, got -1" in read.call({"path": "notes.txt", "offset": -1}).error
+    both = read.call({"offset": -1, "extra": 1}).error  # every problem, each with its field
+    assert all(part in both for part in ("missing required field 'path'", "unexpected field 'extra'",
+                                         "arguments.offset: must be >= 0"))
     assert "must be a JSON object" in read.call(["notes.txt"]).error
     assert "surrogates not allowed" in read.call({"path": "\ud800.txt"}).error
     assert "surrogates not allowed" in WriteFile(ws).call({"path": "x.txt", "content": "\ud800"}).error
@@ -222,7 +227,7 @@ def test_run_command_output_and_failures(ws):
     assert len(flood.content) == 1000 and "exceeded 1000 bytes" in flood.error
     assert "cannot run 'nope'" in run.call({"argv": ["nope"]}).error
     assert "leaves the workspace" in run.call({"argv": ["ls"], "cwd": "door"}).error
-    assert "list of strings" in run.call({"argv": ["ls", 3]}).error
+    assert "arguments.argv[1]: expected string, got integer 3" in run.call({"argv": ["ls", 3]}).error
 
 
 def _echo_tool(ws, **overrides):
@@ -243,7 +248,9 @@ def test_command_tool_fills_each_placeholder_into_one_argv_element(ws):
     result = tool.call({"message": hostile, "count": 7})
     assert (result.content, result.error) == (f"{hostile}\n-n=7\n", None)
     assert "may not start with '-'" in tool.call({"message": "--output=/etc/passwd"}).error
-    assert "missing required argument(s) ['message']" in tool.call({}).error
+    assert "arguments: missing required field 'message'" in tool.call({}).error
+    assert "unexpected field 'shell' (allowed: message, count)" in tool.call({"message": "x", "shell": 1}).error
+    assert "arguments.count: expected integer" in tool.call({"message": "x", "count": "7; ls"}).error
 
 
 @pytest.mark.parametrize("overrides, error", [
@@ -253,6 +260,8 @@ def test_command_tool_fills_each_placeholder_into_one_argv_element(ws):
     ({"timeout_s": "5"}, "'timeout_s'"), ({"cwd": "../elsewhere"}, "'cwd'"),
     ({"shell": True}, "unknown key(s) ['shell']"),
     ({"parameters": {"type": "array"}}, "'parameters' must be"),
+    ({"parameters": {"type": "object", "required": "message", "properties": {"message": {"type": "string"}}}},
+     "'parameters' is not a valid JSON schema (parameters.required: 'message' is not of type 'array')"),
     ({"parameters": {"type": "object", "required": ["message"], "properties": {
         "message": {"type": "string"}, "count": {"type": "integer"}}}}, "{count} in argv must be required or have"),
     ({"max_output_bytes": -1}, "'max_output_bytes'"),

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tsterm.agent.schema import ArgumentSchema, json_type
+
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*\Z", re.S)
@@ -67,6 +69,7 @@ class ToolCallParser:
 
     def __init__(self, tools: Iterable[Mapping[str, Any]] | None = None, *, id_prefix: str = "call_"):
         self.schemas = None if tools is None else _tool_schemas(tools)
+        self._checkers: dict[str, ArgumentSchema] = {}  # per tool name, compiled on its first call
         self.id_prefix = id_prefix
         self._buffer = ""  # text state: held-back text (a proper prefix of OPEN_TAG); call state: the call so far
         self._in_call = False
@@ -156,7 +159,10 @@ class ToolCallParser:
         if read.name not in self.schemas:
             known = ", ".join(sorted(self.schemas)) or "none"
             return _Read(read.name, read.arguments, f"unknown tool {read.name!r}; available tools: {known}")
-        problems = check_schema(read.arguments, self.schemas[read.name], "arguments")
+        checker = self._checkers.get(read.name)
+        if checker is None:
+            checker = self._checkers[read.name] = ArgumentSchema(self.schemas[read.name])
+        problems = checker.problems(read.arguments, "arguments")
         if problems:
             read.error = f"bad arguments for tool {read.name!r}: " + "; ".join(problems)
         return read
@@ -194,7 +200,7 @@ def _read_json(body: str) -> _Read:
     except json.JSONDecodeError as error:
         return _Read(error=f"tool call is not valid JSON ({error}); {expected}")
     if not isinstance(call, dict):
-        return _Read(error=f"tool call JSON is a {_json_type(call)}; {expected}")
+        return _Read(error=f"tool call JSON is a {json_type(call)}; {expected}")
     name = call.get("name")
     if not isinstance(name, str) or not name.strip():
         return _Read(error=f"tool call has no \"name\" (got {name!r}); {expected}")
@@ -207,7 +213,7 @@ def _read_json(body: str) -> _Read:
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        return _Read(name, {}, f"\"arguments\" must be an object, got {_json_type(arguments)}")
+        return _Read(name, {}, f"\"arguments\" must be an object, got {json_type(arguments)}")
     return _Read(name, arguments)
 
 
@@ -256,62 +262,7 @@ def _convert(value: str, schema: Any) -> Any:
         raise ValueError(f"expected {' or '.join(types)} as JSON, got {text[:40]!r}") from None
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    return {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
-
-
-def _is_type(value: Any, name: str) -> bool:
-    actual = _json_type(value)
-    if name == "number":
-        return actual in ("integer", "number")
-    if name == "integer":
-        return actual == "integer" or (actual == "number" and float(value).is_integer())
-    return actual == name
-
-
 def check_schema(value: Any, schema: Any, path: str) -> list[str]:
-    """The subset of JSON Schema that tool parameters use: type (or a list of types), enum, const, properties,
-    required, additionalProperties (false or a schema), items. Other keywords are not checked. Returns one message
-    per problem, each naming the field by its path (e.g. `arguments.paths[2]`)."""
-    if not isinstance(schema, Mapping):
-        return []
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else list(types or [])
-    if types and not any(_is_type(value, name) for name in types):
-        return [f"{path}: expected {' or '.join(types)}, got {_json_type(value)} {_short(value)}"]
-    if "enum" in schema and value not in schema["enum"]:
-        return [f"{path}: {_short(value)} is not one of {json.dumps(schema['enum'])}"]
-    if "const" in schema and value != schema["const"]:
-        return [f"{path}: must be {json.dumps(schema['const'])}, got {_short(value)}"]
-    problems: list[str] = []
-    if isinstance(value, dict):
-        properties = schema.get("properties", {})
-        for key in schema.get("required", []):
-            if key not in value:
-                problems.append(f"{path}: missing required field {key!r}")
-        extra = schema.get("additionalProperties", True)
-        for key, item in value.items():
-            if key in properties:
-                problems += check_schema(item, properties[key], f"{path}.{key}")
-            elif extra is False:
-                allowed = ", ".join(properties) or "none"
-                problems.append(f"{path}: unexpected field {key!r} (allowed: {allowed})")
-            else:
-                problems += check_schema(item, extra, f"{path}.{key}")
-    elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
-        for index, item in enumerate(value):
-            problems += check_schema(item, schema["items"], f"{path}[{index}]")
-    return problems
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 40 else text[:37] + "..."
+    """`value` against the JSON schema `schema` (jsonschema, full JSON Schema); one message per problem, each naming
+    the field by its path (e.g. `arguments.paths[2]`). See tsterm.agent.schema."""
+    return ArgumentSchema(schema).problems(value, path)

@@ -12,9 +12,11 @@ import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 from tsterm.agent.sandbox import DEFAULT_MAX_OUTPUT_BYTES, SandboxError, Workspace
+from tsterm.agent.schema import ArgumentSchema, field_path
 from tsterm.errors import ConfigError, TstermError
 
 
@@ -37,7 +39,8 @@ class Tool(ABC):
     """One function the model may call.
 
     `parameters` is the JSON schema of the arguments (an object); `spec()` is the OpenAI function-tool form the
-    chat template and the server hand to the model. `call` checks the arguments against the schema, runs the tool
+    chat template and the server hand to the model. `call` checks the arguments against the schema (jsonschema:
+    each problem named by its field's path, `arguments.offset: must be >= 0, got -1`), runs the tool
     and times it; ToolError, SandboxError and OSError become an error result. `needs_approval` marks tools that
     change the workspace or run programs: the agent loop asks the user before calling them.
     """
@@ -67,8 +70,16 @@ class Tool(ABC):
         return ToolResult(content, error, time.monotonic() - start)
 
     def check_arguments(self, arguments: Any) -> None:
-        """Raise ToolError unless `arguments` fit `parameters`; the built-ins' schemas use a small subset."""
-        _check_arguments(self.name, self.parameters, arguments)
+        """Raise ToolError unless `arguments` is an object that fits `parameters`, naming every problem."""
+        if not isinstance(arguments, dict):
+            raise ToolError(f"{self.name}: arguments must be a JSON object, got {type(arguments).__name__}")
+        problems = self._argument_schema.problems(arguments, "arguments")
+        if problems:
+            raise ToolError(f"{self.name}: " + "; ".join(problems))
+
+    @cached_property
+    def _argument_schema(self) -> ArgumentSchema:
+        return ArgumentSchema(self.parameters)
 
     @abstractmethod
     def run(self, arguments: dict) -> str:
@@ -81,33 +92,6 @@ class _PartialResult(Exception):
     def __init__(self, content: str, error: str):
         super().__init__(error)
         self.content, self.error = content, error
-
-
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
-                                            "boolean": (bool,), "array": (list,), "object": (dict,)}
-
-
-def _check_arguments(tool: str, schema: dict, arguments: Any) -> None:
-    """The subset of JSON schema tools use: object properties with a type, required, no unknown keys."""
-    if not isinstance(arguments, dict):
-        raise ToolError(f"{tool}: arguments must be a JSON object, got {type(arguments).__name__}")
-    properties = schema.get("properties", {})
-    unknown = sorted(set(arguments) - set(properties))
-    if unknown:
-        raise ToolError(f"{tool}: unknown argument(s) {unknown}; it takes {sorted(properties)}")
-    missing = [key for key in schema.get("required", []) if key not in arguments]
-    if missing:
-        raise ToolError(f"{tool}: missing required argument(s) {missing}")
-    for key, value in arguments.items():
-        kind = properties[key].get("type")
-        types = _JSON_TYPES.get(kind, (object,))
-        if not isinstance(value, types) or (isinstance(value, bool) and kind in ("integer", "number")):
-            raise ToolError(f"{tool}: argument {key!r} must be {kind}, got {value!r}")
-        if kind == "array" and properties[key].get("items", {}).get("type") == "string" \
-                and not all(isinstance(item, str) for item in value):
-            raise ToolError(f"{tool}: argument {key!r} must be a list of strings, got {value!r}")
-        if "minimum" in properties[key] and isinstance(value, (int, float)) and value < properties[key]["minimum"]:
-            raise ToolError(f"{tool}: argument {key!r} must be >= {properties[key]['minimum']}, got {value!r}")
 
 
 def _schema(required: list[str], **properties: tuple[str, str]) -> dict:
@@ -419,6 +403,11 @@ class CommandTool(_WorkspaceTool):
         if not isinstance(parameters, dict) or parameters.get("type") != "object" \
                 or not isinstance(parameters.get("properties", {}), dict):
             raise ConfigError(f"{where}: 'parameters' must be a JSON schema with type 'object', got {parameters!r}")
+        schema_error = ArgumentSchema(parameters).schema_error
+        if schema_error is not None:
+            raise ConfigError(f"{where}: 'parameters' is not a valid JSON schema "
+                              f"({field_path('parameters', schema_error.absolute_path)}: {schema_error.message})")
+        parameters = {"additionalProperties": False, **parameters}  # unknown arguments are refused unless allowed
         properties = parameters.get("properties", {})
         for key, schema in properties.items():
             if not isinstance(schema, dict) or schema.get("type") not in ("string", "integer", "number", "boolean"):
