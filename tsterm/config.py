@@ -105,7 +105,9 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available else cpu
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free device memory
-    kv_cache_fraction: float = 0.5  # CUDA only: fraction of free memory after weights
+    # CUDA only: the share of the memory free after the weights that the engine may use: the KV pool gets what is left
+    # of it once the profile run's working memory (largest step, sampler, CUDA graphs) is taken off
+    kv_cache_fraction: float = 0.5
     num_kv_blocks: int | None = None  # exact pool size (overrides the memory budget); tests use it
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64

@@ -86,15 +86,18 @@ def recorded(monkeypatch):
     return events
 
 
-def engine_with(checkpoint, memory: MemoryProbe | None, **options) -> Engine:
+def engine_with(checkpoint, memory: MemoryProbe | None, progress=None, **options) -> Engine:
     config = EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, **options)
-    return Engine(config, executor=lambda spec: ModelRunner(dataclasses.replace(spec, memory=memory)))
+    return Engine(config, progress, executor=lambda spec: ModelRunner(dataclasses.replace(spec, memory=memory)))
 
 
 def test_the_pool_gets_what_the_profile_run_leaves(checkpoint, recorded):
     free, step = 64 * MiB, 5 * MiB
     memory = FakeMemory(recorded, free, step)
-    engine = engine_with(checkpoint, memory, kv_cache_fraction=0.25, max_num_batched_tokens=40, max_num_seqs=6)
+    messages = []
+    engine = engine_with(checkpoint, memory, lambda done, total, what: messages.append((done, total, what)),
+                         kv_cache_fraction=0.25, max_num_batched_tokens=40, max_num_seqs=6)
+    assert messages[-1] == (0, 0, "measuring memory: a forward of 40 tokens")  # after the weights' progress
     runner = engine.executor
     profile = runner.memory_profile
     assert profile == MemoryProfile(free, step, 0, 0, num_tokens=40, num_rows=6)  # no graphs on the CPU

@@ -119,6 +119,7 @@ def test_start_up_profiles_sizes_the_pool_then_captures_every_decode_shape(check
             assert shape is not None and graphs.graphs[shape].graph is not None, (batch_size, context)
     capture_lines = [m for m in messages if m.startswith("capturing CUDA graphs")]
     assert len(capture_lines) == len(captures)
+    assert messages.index("measuring memory: a forward of 256 tokens") < messages.index(capture_lines[0])
     assert capture_lines[-1].startswith(f"capturing CUDA graphs {len(captures)}/{len(captures)}: decode of 1 sequence")
 
     # requests replay them: no capture, every decode step from a graph

@@ -95,9 +95,12 @@ class ModelRunner(Executor):
         use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
                       and layout.world_size == 1 and not recurrent)
         memory = memory_probe(spec)
-        # measured before the cache exists: the cache gets what the largest step leaves
-        self.memory_profile = (self.profile_memory(memory, config, layer_types, weights, use_graphs)
-                               if memory is not None else None)
+        self.memory_profile = None  # measured before the cache exists: the cache gets what the largest step leaves
+        if memory is not None:
+            if spec.progress is not None:  # (a status line: the loading screen shows it as it is)
+                tokens = min(config.max_num_batched_tokens, config.max_model_len or cfg.max_position_embeddings)
+                spec.progress(0, 0, f"measuring memory: a forward of {tokens} tokens")
+            self.memory_profile = self.profile_memory(memory, config, layer_types, weights, use_graphs)
         self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min,
                                                          reserved_bytes=self.state_bytes, profile=self.memory_profile)
         self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
