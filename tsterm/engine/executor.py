@@ -38,7 +38,8 @@ class ExecutorSpec:
 
 class Executor(ABC):
     """Runs the model for one engine. Constructed from an `ExecutorSpec`; when the constructor returns, the
-    weights are loaded and the cache is allocated, and these attributes are set:
+    weights are loaded, the cache is allocated (on a device with a `MemoryProbe`, sized after a profile run:
+    `size_cache`), any decode graphs are captured, and these attributes are set:
 
     - `num_blocks`: KV blocks of `config.block_size` tokens in the cache (the engine's block pool mirrors them);
     - `max_model_len`: the longest sequence the cache and the model's positions can hold;
