@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tsterm.chat.plan import PromptPlan, first_divergence
-from tsterm.chat.session import Session, TurnStats
+from tsterm.chat.session import FORMAT_VERSION, Session, TurnStats
 from tsterm.chat.store import SessionStore, default_data_dir
 
 
@@ -173,8 +173,9 @@ def test_a_file_written_by_the_tui_sessions_module_still_loads(tmp_path):
     (loaded,), errors = SessionStore(tmp_path).load_all()
     assert errors == [] and loaded.token_ids == [0, 5, 6, 1] and loaded.turns == [TurnStats(3, 0, 0, 1, ttft=0.2,
                                                                                           finish_reason="stop")]
-    assert loaded.to_dict()["version"] == 1 and loaded.model == "/models/m"
+    assert loaded.to_dict()["version"] == FORMAT_VERSION == 2 and loaded.model == "/models/m"
     assert loaded.kind == "chat"  # files from before session kinds are chats
+    assert loaded.kept_messages == 0 and not loaded.kept_intact()  # version 1 did not say which messages the ids are
 
 
 def test_an_agent_session_keeps_its_kind_tool_messages_and_forks_as_an_agent(tmp_path):

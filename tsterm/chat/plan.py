@@ -34,6 +34,11 @@ class PromptPlan:
     kept_tokens: int  # leading ids taken verbatim from the session's kept ids
     miss: bool = False  # the rendering changed text that the kept ids stand for
     diverged_at: int | None = None  # on a miss: first position where the prompt and the kept ids differ
+    # the history policy (history.py) that made these ids: "template" (the template's rendering, as above) or
+    # "preserve" (the kept ids + the new messages' text); `fallback_reason` says why a "preserve" turn was planned as
+    # "template" instead
+    policy_applied: str = "template"
+    fallback_reason: str | None = None
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -1,19 +1,25 @@
 """A chat session: messages plus the exact token ids the engine saw and produced (persisted by store.py).
 
 The prompt of turn k+1 is the kept ids (turn k's prompt + its generated ids) followed by the tokens of the text
-the new messages add to the rendered conversation (plan.py, which also detects and reports a template miss).
+the new messages add to the rendered conversation (plan.py, which also detects and reports a template miss). Under the
+`preserve` history policy (history.py) the new text is that of the messages after the `kept_messages` the kept ids
+stand for, so a template that drops earlier reasoning changes nothing the engine computed.
 """
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from tsterm.chat.plan import PromptPlan, TextCodec, plan_prompt
+from tsterm.chat.history import PRESERVE, TEMPLATE, check_policy, kept_digest, plan_turn
+from tsterm.chat.plan import PromptPlan, TextCodec
 
-FORMAT_VERSION = 1
+# 2 added `kept_messages` and `kept_digest` (which messages the kept ids stand for). A file of version 1 loads with
+# kept_messages = 0: its next turn is planned as the template renders it, and tracked from then on. Readers ignore
+# keys they do not know, so an older tsterm still reads a version 2 file (it drops the new keys).
+FORMAT_VERSION = 2
 TRACE_FORMAT = "tsterm-agent-trace"  # a session's token counts per turn, replayed by `tsterm bench --trace FILE`
 TRACE_VERSION = 1
 Render = Callable[[list[dict]], str]  # messages -> prompt text (chat template + generation prompt)
@@ -48,6 +54,14 @@ class TurnStats:
     ttft: float | None = None
     mean_itl: float | None = None
     finish_reason: str | None = None
+    policy_applied: str | None = None  # the history policy that planned the turn (None: recorded before policies)
+    fallback_reason: str | None = None  # why a `preserve` turn was planned as `template`
+
+    @classmethod
+    def from_plan(cls, plan: PromptPlan, cached_tokens: int, generated_tokens: int, **timing: Any) -> TurnStats:
+        """A turn's stats from its plan (prompt, kept, miss, policy) and what the engine reported."""
+        return cls(len(plan.token_ids), cached_tokens, plan.kept_tokens, generated_tokens, plan.miss, plan.diverged_at,
+                   policy_applied=plan.policy_applied, fallback_reason=plan.fallback_reason, **timing)
 
     @property
     def new_tokens(self) -> int:
@@ -69,6 +83,10 @@ class Session:
     # "chat" | "agent" (an agent session: its history holds tool calls and tool messages) | "api" (a conversation an
     # API client holds with `tsterm serve` in the workstation: its history is the client's, shown, not typed into)
     kind: str = "chat"
+    # how many leading messages `token_ids` stand for (through the reply they end with), and a digest of both as they
+    # were recorded: the `preserve` policy appends the messages after them, and applies only while the digest holds
+    kept_messages: int = 0
+    kept_digest: str = ""
 
     # ---- conversation
     @property
@@ -92,15 +110,43 @@ class Session:
             self.title = title_from(text) or self.title
         self.touch()
 
-    def plan(self, render: Render, tokenizer: TextCodec) -> PromptPlan:
-        """This turn's prompt: the kept ids + the tokens of the text `render` adds (a miss is reported, not fatal)."""
-        return plan_prompt(self.token_ids, render(self.messages), tokenizer)
+    def plan(self, render: Render, tokenizer: TextCodec, policy: str = TEMPLATE,
+             stop_ids: Collection[int] | None = None) -> PromptPlan:
+        """This turn's prompt under the history `policy` (history.py): `template`, the kept ids + the tokens of the
+        text `render` adds (a miss is reported, not fatal); `preserve`, the kept ids + the tokens of the messages
+        after `kept_messages`, falling back to `template` (the plan says why) when that cannot apply. `stop_ids`: the
+        ids that end a reply (default: the tokenizer's eos ids)."""
+        check_policy(policy)
+        if policy == PRESERVE and self.token_ids and not self.kept_intact():
+            plan = plan_turn(self.token_ids, self.messages, render, tokenizer, TEMPLATE)
+            return replace(plan, fallback_reason="the kept ids or the messages they stand for changed since they "
+                                                 "were recorded" if self.kept_messages else
+                                                 "the session does not know which messages its kept ids stand for")
+        return plan_turn(self.token_ids, self.messages, render, tokenizer, policy, self.kept_messages, stop_ids)
 
-    def record_reply(self, plan: PromptPlan, text: str, generated_ids: list[int], stats: TurnStats) -> None:
-        self.messages.append({"role": "assistant", "content": text})
-        self.token_ids = list(plan.token_ids) + list(generated_ids)
+    def record_reply(self, plan: PromptPlan, text: str, generated_ids: list[int], stats: TurnStats,
+                     message: dict | None = None) -> None:
+        """The reply to `plan`: `message` (default: an assistant message holding `text`) joins the conversation, and
+        the kept ids become the plan's ids + the generated ids, standing for every message through it."""
+        self.messages.append(message if message is not None else {"role": "assistant", "content": text})
+        self.keep(list(plan.token_ids) + list(generated_ids), len(self.messages))
         self.turns.append(stats)
         self.touch()
+
+    def keep(self, token_ids: Sequence[int], covered: int) -> None:
+        """Set the kept ids: the exact ids the engine holds for `messages[:covered]` (a conversation through a reply
+        and that reply's generated ids)."""
+        if not 0 <= covered <= len(self.messages):
+            raise ValueError(f"kept ids cannot stand for {covered} messages: the session has {len(self.messages)}")
+        self.token_ids = list(token_ids)
+        self.kept_messages = covered if self.token_ids else 0
+        self.kept_digest = kept_digest(self.messages[:self.kept_messages], self.token_ids) if self.kept_messages \
+            else ""
+
+    def kept_intact(self) -> bool:
+        """The kept ids and the messages they stand for are as `keep` recorded them (False when it never did)."""
+        return 0 < self.kept_messages <= len(self.messages) and \
+            self.kept_digest == kept_digest(self.messages[:self.kept_messages], self.token_ids)
 
     def drop_last_user(self) -> None:
         """Undo `add_user` after a refused or failed turn, so the session is as it was: a title taken from the
@@ -115,7 +161,8 @@ class Session:
     def clear(self) -> None:
         """Forget the conversation, keeping the system prompt."""
         system = self.system_prompt
-        self.messages, self.token_ids, self.turns = [], [], []
+        self.messages, self.turns = [], []
+        self.keep([], 0)
         self.set_system_prompt(system)
 
     # ---- numbering: what the chat log shows next to each message (a leading system prompt has no number)
@@ -165,8 +212,14 @@ class Session:
         replies = sum(m["role"] == "assistant" for m in messages)
         kept = list(self.token_ids) if end == len(self.messages) else self.ids_through_reply(replies)
         turns = [replace(t) for t in self.reply_stats()[:replies] if t is not None]
-        return Session(id=new_id or new_session_id(), title=f"{self.title} (fork)", messages=messages,
-                       token_ids=kept, turns=turns, parent_id=self.id, model=self.model, kind=self.kind)
+        child = Session(id=new_id or new_session_id(), title=f"{self.title} (fork)", messages=messages,
+                        turns=turns, parent_id=self.id, model=self.model, kind=self.kind)
+        if end == len(self.messages):  # the parent's ids as they are; their messages are known if they were recorded
+            covered = self.kept_messages if self.kept_intact() else 0
+        else:  # the ids through the last reply of the branch
+            covered = max((i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
+        child.keep(kept, covered)  # covered 0: ids without their messages (`preserve` falls back, `template` works)
+        return child
 
     # ---- a conversation that outgrows the context
     def exchanges(self) -> list[tuple[int, int]]:
@@ -183,7 +236,7 @@ class Session:
             raise ValueError(f"cannot drop {count} exchange(s): the session has {len(exchanges)}")
         start, end = exchanges[0][0], exchanges[count - 1][1]
         del self.messages[start:end]
-        self.token_ids = []
+        self.keep([], 0)
         self.touch()
         return end - start
 
@@ -212,7 +265,8 @@ class Session:
         if self.model == model:
             return False
         dropped = bool(self.token_ids)
-        self.model, self.token_ids = model, []
+        self.model = model
+        self.keep([], 0)
         return dropped
 
     def touch(self) -> None:
@@ -253,6 +307,9 @@ class Session:
         token_ids = d.get("token_ids", [])
         if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):
             raise SessionFileError("'token_ids' must be a list of non-negative integers")
+        kept_messages, digest = d.get("kept_messages", 0), d.get("kept_digest", "")
+        if type(kept_messages) is not int or not 0 <= kept_messages <= len(messages) or not isinstance(digest, str):
+            raise SessionFileError("'kept_messages' must be a message count and 'kept_digest' a string")
         known = {f.name for f in fields(TurnStats)}
         try:
             turns = [TurnStats(**{k: v for k, v in t.items() if k in known}) for t in d.get("turns", [])]
@@ -261,7 +318,7 @@ class Session:
         return cls(id=d["id"], title=str(d.get("title", "chat")), messages=messages, token_ids=token_ids,
                    turns=turns, parent_id=d.get("parent_id"), model=d.get("model"),
                    created=float(d.get("created", 0.0)), updated=float(d.get("updated", 0.0)),
-                   kind=str(d.get("kind") or "chat"))
+                   kind=str(d.get("kind") or "chat"), kept_messages=kept_messages, kept_digest=digest)
 
     def to_markdown(self) -> str:
         lines = [f"# {self.title}", ""]
