@@ -6,8 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.tokenizers import QWEN3_TEMPLATE
 from tsterm.chat.plan import PromptPlan, first_divergence, plan_prompt
 from tsterm.chat.session import Session, TurnStats
+from tsterm.tokenizer import Tokenizer
 
 CHAT = [{"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Un café, s'il vous plaît 🙂 — and print(add(2, 3))?"},
@@ -111,6 +113,49 @@ def test_a_template_that_drops_earlier_thinking_is_a_miss_that_keeps_the_ids_bef
     kept = list(session.token_ids)
     plan = session.plan(lambda m: render(tok, m), tok)
     assert not plan.miss and plan.kept_tokens == len(kept) and plan.token_ids[:len(kept)] == kept
+
+
+def thinking_chat(tok, policy: str) -> tuple[Session, list[PromptPlan], list[list[int]]]:
+    """Three questions answered with reasoning, each turn planned under `policy`: (session, plans, kept ids of each)."""
+    im_end = tok.token_to_id("<|im_end|>")
+    session = Session(id="s")
+    session.set_system_prompt("be brief")
+    plans, held = [], []
+    for question, reasoning, answer in [("What is 2+2?", "simple arithmetic", "4"),
+                                        ("And 3+3?", "the same again 🙂", "6"),
+                                        ("Thanks", "nothing to compute", "You're welcome.")]:
+        session.add_user(question)
+        held.append(list(session.token_ids))
+        plan = session.plan(lambda m: render(tok, m), tok, policy)
+        plans.append(plan)
+        text = f"<think>\n{reasoning}\n</think>\n\n{answer}"
+        record(session, plan, text, split_encoding(tok, text) + [im_end])
+    return session, plans, held
+
+
+@pytest.fixture(params=["trained", "smollm2"])
+def any_qwen3_tokenizer(request, tokenizer_dir):
+    """Qwen3's thinking template on the trained vocabulary and on SmolLM2's."""
+    if request.param == "trained":
+        return request.getfixturevalue("qwen3_tokenizer")
+    tok = Tokenizer.from_dir(request.getfixturevalue("default_model_dir"))
+    tok.chat_templates = {"default": QWEN3_TEMPLATE}
+    return tok
+
+
+def test_preserve_keeps_the_earlier_thinking_and_appends_only_the_new_question(any_qwen3_tokenizer):
+    """The same chat as above under `preserve`: no turn misses, each keeps every id the engine holds (the replies'
+    <think> blocks included) and adds exactly the new user message and the generation prompt."""
+    tok = any_qwen3_tokenizer
+    session, plans, held = thinking_chat(tok, "preserve")
+    for question, plan, kept in zip(["And 3+3?", "Thanks"], plans[1:], held[1:]):
+        assert plan.policy_applied == "preserve" and plan.fallback_reason is None and not plan.miss
+        assert plan.kept_tokens == len(kept) and plan.token_ids[:len(kept)] == kept
+        assert plan.token_ids[len(kept):] == tok.encode(f"\n<|im_start|>user\n{question}<|im_end|>\n"
+                                                        "<|im_start|>assistant\n")
+    assert session.num_misses == 0 and session.kept_messages == len(session.messages) == 7
+    # under `template` the same replies miss at every turn
+    assert sum(p.miss for p in thinking_chat(tok, "template")[1]) == 2
 
 
 def test_a_cut_inside_a_character_keeps_the_ids_up_to_it(tokenizer):
