@@ -104,6 +104,10 @@ def progress_printer(label: str) -> ProgressFn:
     tty = sys.stderr.isatty()
 
     def progress(done: int, total: int, what: str) -> None:
+        if tty and total <= 0:  # a start-up step after the weights (a profile run, a graph capture): its name
+            sys.stderr.write(f"\r{label}: {what}\033[K")
+            sys.stderr.flush()
+            return
         now = time.monotonic()
         if tty and (now - last[0] > 0.1 or done >= total):
             last[0] = now
