@@ -36,8 +36,8 @@ What "loss" means. Per decode step of the full batch, on the engine thread:
   cycle     step + gap: the pace at which the engine produces tokens (the run's mean; its median beside it);
   ITL       the measured request's inter-token latency as its reader sees it (first token to last, per token);
   blocked   of a step's (or a gap's) wall time, what the engine thread spent neither on a CPU nor waiting for one
-            (/proc/thread-self/schedstat: CPU time and run-queue wait): waiting for the GIL, for its OpenMP workers
-            at a barrier, or for I/O;
+            (time.thread_time() and /proc/thread-self/schedstat's run-queue wait): waiting for the GIL, for its
+            OpenMP workers at a barrier, or for I/O;
   run q     what it spent runnable but waiting for a core: the front-ends' CPU work competes for the cores even
             without the GIL, and a process of their own would not change that on the same machine.
 With more than one torch thread, a worker that waits for a core keeps the engine thread waiting at the barrier,
@@ -122,7 +122,7 @@ def cpu_description() -> str:
 class StepRecord:
     start: float  # perf_counter at the call
     end: float
-    cpu_start: float  # the engine thread's CPU time at the call (schedstat's, else time.thread_time())
+    cpu_start: float  # the engine thread's time.thread_time() at the call
     cpu_end: float
     runq_start: float  # the time it has spent runnable but waiting for a core (schedstat; NaN where there is none)
     runq_end: float
@@ -135,10 +135,10 @@ class StepRecord:
 class StepRecorder:
     """Wraps one engine's `step` and its scheduler's `schedule` (instance attributes, removed by `remove`) for one
     configuration: each step's wall and thread-CPU times, its batch shape and thread count, and when each token of the
-    measured request came out of the engine. The engine thread's CPU time and run-queue wait come from
-    /proc/thread-self/schedstat (opened on that thread; time.thread_time() and no run-queue split where the kernel
-    has no schedstat): the rest of a step's wall time the thread was blocked (the GIL, its OpenMP workers, I/O),
-    not waiting for a core. With `gate`, no step runs until that many requests are in the engine
+    measured request came out of the engine. The engine thread's CPU time is time.thread_time(), its run-queue wait
+    /proc/thread-self/schedstat's second field (opened on that thread; no run-queue split where the kernel has no
+    schedstat): the rest of a step's wall time the thread was blocked (the GIL, its OpenMP workers, I/O), not
+    waiting for a core. With `gate`, no step runs until that many requests are in the engine
     (the engine thread goes back to its commands meanwhile); past `gate_timeout` seconds the gate opens anyway and
     `short` says how many were missing. `threads`: run every step on that many threads (the governor off)."""
 
@@ -182,7 +182,7 @@ class StepRecorder:
         setattr(obj, name, wrapper)
 
     def _clocks(self) -> tuple[float, float]:
-        """(CPU time, run-queue wait) of the calling thread, in seconds."""
+        """(CPU time, run-queue wait) of the calling thread, in seconds (the wait NaN without schedstat)."""
         ident = threading.get_ident()
         fd = self._schedstat.get(ident)
         if fd is None:
@@ -191,11 +191,12 @@ class StepRecorder:
             except OSError:
                 fd = -1
             self._schedstat[ident] = fd
+        runq = math.nan
         if fd >= 0:
             with contextlib.suppress(OSError, ValueError, IndexError):
-                cpu_ns, runq_ns = os.pread(fd, 128, 0).split()[:2]
-                return int(cpu_ns) / 1e9, int(runq_ns) / 1e9
-        return time.thread_time(), math.nan
+                runq = int(os.pread(fd, 128, 0).split()[1]) / 1e9
+        # CPU time from the clock, not schedstat's first field: for a running thread that one lags by up to a tick
+        return time.thread_time(), runq
 
     def _schedule(self) -> Any:
         batch = self.engine.scheduler._bench_schedule()
@@ -616,6 +617,17 @@ def report(runs: dict[str, list[Run]], args: argparse.Namespace, cpu: str) -> No
         return f"{blocked:.2f} ms blocked, {(m['runq'] + m['gap_runq']) * 1e3:.2f} ms waiting for a core"
     print(f"  the engine thread per cycle: {waits(loaded)} loaded; {waits(bare_n)} bare. A process of its own "
           "would take the front-ends off the GIL, not off the cores")
+    def blocked(name: str) -> float:
+        return med[name]["blocked"] + med[name]["gap_blocked"]
+    added = blocked(loaded) - blocked(bare_n)
+    print(f"  blocked time the front-ends add per cycle: {added * 1e3:+.2f} ms = "
+          f"{added / med[bare_n]['cycle'] * 100:+.1f}% of the bare cycle (the GIL's part of the loss; nearly all of "
+          "blocked is the GIL with one torch thread)")
+    if "runq" in med[bare_n]:
+        busy = (med[bare_n]["runq"] + med[bare_n]["gap_runq"]) / med[bare_n]["cycle"]
+        if busy > 0.1:
+            print(f"  NOTE: even bare, the engine thread waited for a core {busy * 100:.0f}% of its cycle: other "
+                  "processes were using the cores, and the loss above is mostly their noise; rerun on a quiet machine")
     print(f"  the engine's own hand-off, no front-end: cycle({async_n}) / cycle({bare_n}) - 1 = "
           f"{(ratio(async_n, bare_n, 'cycle') - 1) * 100:+.1f}%; the front-ends over it: cycle({loaded}) / "
           f"cycle({async_n}) - 1 = {(ratio(loaded, async_n, 'cycle') - 1) * 100:+.1f}%")
