@@ -43,6 +43,8 @@ What "loss" means. Per decode step of the full batch, on the engine thread:
 With more than one torch thread, a worker that waits for a core keeps the engine thread waiting at the barrier,
 which counts as blocked: `--threads 1` (the engine on one core, the front-ends free to use the other) makes blocked
 time nearly all GIL; run it beside the default to see how much of the loss is the GIL and how much the cores.
+Without --threads the thread governor sizes each step as users get it, and it counts the clients' process as a
+neighbour: the `thr` column shows when the loaded case ran on fewer threads than the bare one (not a GIL effect).
 The loss is the GIL-attributable slowdown of the engine's decode pace, the same 33-request batch with the front-ends
 in the process against without: median cycle (loaded 33) / median cycle (bare 33) - 1; issue 39's threshold is 5%.
 The cycle, not the step alone, because the engine thread can lose the GIL between steps as well as in them: each
