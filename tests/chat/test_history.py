@@ -5,6 +5,7 @@ the plan is the template's own (plan.py), a miss where the template dropped the 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -134,7 +135,7 @@ def test_template_is_the_templates_own_rendering_with_a_miss_at_the_loops_first_
         assert [p.diverged_at for p in plans[1:]] == [len(p.token_ids) + offset for p in plans[:-1]]
     kept = list(session.token_ids)
     plan = session.plan(render, tok, TEMPLATE)
-    assert plan == plan_prompt(kept, render(session.messages), tok)  # today's plan, unchanged
+    assert plan == replace(plan_prompt(kept, render(session.messages), tok), context=plan.context)  # today's plan
     assert tok.decode(plan.token_ids, skip_special_tokens=False) == render(session.messages)
     # the first reply that still holds its reasoning: the loop's first, or for R1 the last (the others were re-rendered)
     first = plans[-1 if r1 else 0]
@@ -184,8 +185,8 @@ def test_a_reply_cut_at_max_tokens_falls_back_to_the_template_and_says_why(famil
     plan = session.plan(render, tok, PRESERVE)
     assert plan.policy_applied == TEMPLATE
     assert plan.fallback_reason == "the last reply did not end with a stop token (cut by max_tokens or a stop string)"
-    assert plan == PromptPlan(**{**plan_prompt(session.token_ids, render(session.messages), tok).__dict__,
-                                 "fallback_reason": plan.fallback_reason})
+    assert plan == replace(plan_prompt(session.token_ids, render(session.messages), tok),
+                           fallback_reason=plan.fallback_reason, context=plan.context)
 
 
 def test_changed_history_or_unknown_coverage_falls_back(tokenizer_for_qwen3, tmp_path):
@@ -214,6 +215,21 @@ def test_changed_history_or_unknown_coverage_falls_back(tokenizer_for_qwen3, tmp
     system = session.fork("system")
     system.set_system_prompt("You are terse.")
     assert system.plan(render, tok, PRESERVE).fallback_reason.startswith("the kept ids or the messages")
+
+    # the agent's tool list changed: the kept ids hold the old one, so the turn renders the new one (a miss there)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    def with_tools(messages):
+        return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+
+    plan = session.plan(with_tools, tok, PRESERVE)
+    assert plan.policy_applied == TEMPLATE and plan.miss and plan.fallback_reason == (
+        "the template renders another context (tools, system block) than the kept ids were made with")
+    assert tok.decode(plan.token_ids, skip_special_tokens=False) == with_tools(session.messages)
+    # a switch that changes only the generation prompt is no change of context
+    switched = lambda messages: render(messages) + "<think>\n\n</think>\n\n"  # noqa: E731
+    plan = session.plan(switched, tok, PRESERVE)
+    assert plan.policy_applied == PRESERVE and plan.token_ids[plan.kept_tokens:] == tok.encode(
+        FOLLOW_UP_TEXT["qwen3"] + "<think>\n\n</think>\n\n")
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,17 @@ from tsterm.tokenizer import Tokenizer
 QWEN3_AGENT_TEMPLATE = """\
 {%- set ns = namespace(last_user=-1) %}
 {%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- if tools %}
+{{- '<|im_start|>system\\n' + (messages[0].content + '\\n\\n' if messages[0].role == 'system' else '') }}
+{{- '# Tools\\n<tools>' }}
+    {%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}
+{{- '\\n</tools><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
 {%- for m in messages %}
-    {%- if m.role in ('system', 'user') %}
+    {%- if m.role == 'system' %}
+    {%- elif m.role == 'user' %}
 {{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}
     {%- elif m.role == 'assistant' %}
         {%- set content = m.content | default('', true) %}

@@ -10,6 +10,8 @@ again.
 the new messages (those after the `covered` messages the kept ids stand for). That text is found without trusting the
 template to render the covered messages as the engine saw them:
 
+0. The kept ids were recorded with the messages they stand for (a digest of both) and the template's context (tools,
+   its own system block: `render_context`); if either changed since, the turn renders as the template says.
 1. The probe conversation is the covered messages without their reasoning (nothing for the template to drop), the
    last one's content replaced by a sentinel S, then the new messages with the first one's content replaced by a
    second sentinel T.
@@ -49,6 +51,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # ends a final answer with <|return|>, which history holds as <|end|>; its <|call|> stays <|call|>.
 HISTORY_END: Mapping[str, str] = {"<|return|>": "<|end|>"}
 THINK_END = "</think>"
+CONTEXT_PROBE = "tsterm-context-probe"
 
 Render = Callable[[list[dict]], str]  # messages -> prompt text (chat template + generation prompt)
 
@@ -85,6 +88,18 @@ def kept_digest(messages: Sequence[Mapping[str, Any]], token_ids: Sequence[int])
     h.update(b"\0")
     h.update(array("q", token_ids).tobytes())
     return h.hexdigest()
+
+
+def render_context(render: Render) -> str:
+    """A fingerprint of what the template writes before a conversation's first message: the tool list, a default
+    system prompt, a date. The messages are not in it (a session's digest covers those) and neither is the generation
+    prompt (a switch such as enable_thinking changes only the next reply). If it changes, the kept ids were made with
+    another context, which `preserve` cannot append to: the turn renders as the template says."""
+    try:
+        text = render([{"role": "user", "content": CONTEXT_PROBE}])
+    except Exception as e:  # noqa: BLE001 - a template that cannot render a lone user message: its error is the context
+        text = f"{type(e).__name__}: {e}"
+    return hashlib.sha256(text.partition(CONTEXT_PROBE)[0].encode()).hexdigest()[:32]
 
 
 class Fallback(Exception):

@@ -39,6 +39,9 @@ class PromptPlan:
     # "template" instead
     policy_applied: str = "template"
     fallback_reason: str | None = None
+    # a fingerprint of what the template renders around the messages (tools, its own system block), which a session
+    # keeps with the ids: `preserve` applies only while it is the same (history.render_context); "" when not taken
+    context: str = ""
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

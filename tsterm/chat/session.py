@@ -13,10 +13,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from tsterm.chat.history import PRESERVE, TEMPLATE, check_policy, kept_digest, plan_turn
+from tsterm.chat.history import PRESERVE, TEMPLATE, check_policy, kept_digest, plan_turn, render_context
 from tsterm.chat.plan import PromptPlan, TextCodec
 
-# 2 added `kept_messages` and `kept_digest` (which messages the kept ids stand for). A file of version 1 loads with
+# 2 added `kept_messages`, `kept_digest` and `kept_context` (which messages the kept ids stand for, rendered in which
+# template context), and the turns' `policy_applied` / `fallback_reason`. A file of version 1 loads with
 # kept_messages = 0: its next turn is planned as the template renders it, and tracked from then on. Readers ignore
 # keys they do not know, so an older tsterm still reads a version 2 file (it drops the new keys).
 FORMAT_VERSION = 2
@@ -87,6 +88,7 @@ class Session:
     # were recorded: the `preserve` policy appends the messages after them, and applies only while the digest holds
     kept_messages: int = 0
     kept_digest: str = ""
+    kept_context: str = ""  # history.render_context of the turn that made the kept ids
 
     # ---- conversation
     @property
@@ -117,31 +119,40 @@ class Session:
         after `kept_messages`, falling back to `template` (the plan says why) when that cannot apply. `stop_ids`: the
         ids that end a reply (default: the tokenizer's eos ids)."""
         check_policy(policy)
-        if policy == PRESERVE and self.token_ids and not self.kept_intact():
-            plan = plan_turn(self.token_ids, self.messages, render, tokenizer, TEMPLATE)
-            return replace(plan, fallback_reason="the kept ids or the messages they stand for changed since they "
-                                                 "were recorded" if self.kept_messages else
-                                                 "the session does not know which messages its kept ids stand for")
-        return plan_turn(self.token_ids, self.messages, render, tokenizer, policy, self.kept_messages, stop_ids)
+        context = render_context(render)
+        why = None
+        if policy == PRESERVE and self.token_ids:
+            if not self.kept_messages:
+                why = "the session does not know which messages its kept ids stand for"
+            elif not self.kept_intact():
+                why = "the kept ids or the messages they stand for changed since they were recorded"
+            elif self.kept_context != context:
+                why = "the template renders another context (tools, system block) than the kept ids were made with"
+        if why is not None:
+            plan = replace(plan_turn(self.token_ids, self.messages, render, tokenizer, TEMPLATE), fallback_reason=why)
+        else:
+            plan = plan_turn(self.token_ids, self.messages, render, tokenizer, policy, self.kept_messages, stop_ids)
+        return replace(plan, context=context)
 
     def record_reply(self, plan: PromptPlan, text: str, generated_ids: list[int], stats: TurnStats,
                      message: dict | None = None) -> None:
         """The reply to `plan`: `message` (default: an assistant message holding `text`) joins the conversation, and
         the kept ids become the plan's ids + the generated ids, standing for every message through it."""
         self.messages.append(message if message is not None else {"role": "assistant", "content": text})
-        self.keep(list(plan.token_ids) + list(generated_ids), len(self.messages))
+        self.keep(list(plan.token_ids) + list(generated_ids), len(self.messages), plan.context)
         self.turns.append(stats)
         self.touch()
 
-    def keep(self, token_ids: Sequence[int], covered: int) -> None:
+    def keep(self, token_ids: Sequence[int], covered: int, context: str = "") -> None:
         """Set the kept ids: the exact ids the engine holds for `messages[:covered]` (a conversation through a reply
-        and that reply's generated ids)."""
+        and that reply's generated ids), rendered in the template `context` (PromptPlan.context)."""
         if not 0 <= covered <= len(self.messages):
             raise ValueError(f"kept ids cannot stand for {covered} messages: the session has {len(self.messages)}")
         self.token_ids = list(token_ids)
         self.kept_messages = covered if self.token_ids else 0
         self.kept_digest = kept_digest(self.messages[:self.kept_messages], self.token_ids) if self.kept_messages \
             else ""
+        self.kept_context = context if self.kept_messages else ""
 
     def kept_intact(self) -> bool:
         """The kept ids and the messages they stand for are as `keep` recorded them (False when it never did)."""
@@ -218,7 +229,8 @@ class Session:
             covered = self.kept_messages if self.kept_intact() else 0
         else:  # the ids through the last reply of the branch
             covered = max((i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
-        child.keep(kept, covered)  # covered 0: ids without their messages (`preserve` falls back, `template` works)
+        # covered 0: ids without their messages (`preserve` falls back, `template` works)
+        child.keep(kept, covered, self.kept_context)
         return child
 
     # ---- a conversation that outgrows the context
@@ -307,9 +319,10 @@ class Session:
         token_ids = d.get("token_ids", [])
         if not isinstance(token_ids, list) or not all(type(t) is int and t >= 0 for t in token_ids):
             raise SessionFileError("'token_ids' must be a list of non-negative integers")
-        kept_messages, digest = d.get("kept_messages", 0), d.get("kept_digest", "")
-        if type(kept_messages) is not int or not 0 <= kept_messages <= len(messages) or not isinstance(digest, str):
-            raise SessionFileError("'kept_messages' must be a message count and 'kept_digest' a string")
+        kept_messages, digest, context = d.get("kept_messages", 0), d.get("kept_digest", ""), d.get("kept_context", "")
+        if type(kept_messages) is not int or not 0 <= kept_messages <= len(messages) or \
+                not isinstance(digest, str) or not isinstance(context, str):
+            raise SessionFileError("'kept_messages' must be a message count, 'kept_digest' and 'kept_context' strings")
         known = {f.name for f in fields(TurnStats)}
         try:
             turns = [TurnStats(**{k: v for k, v in t.items() if k in known}) for t in d.get("turns", [])]
@@ -318,7 +331,8 @@ class Session:
         return cls(id=d["id"], title=str(d.get("title", "chat")), messages=messages, token_ids=token_ids,
                    turns=turns, parent_id=d.get("parent_id"), model=d.get("model"),
                    created=float(d.get("created", 0.0)), updated=float(d.get("updated", 0.0)),
-                   kind=str(d.get("kind") or "chat"), kept_messages=kept_messages, kept_digest=digest)
+                   kind=str(d.get("kind") or "chat"), kept_messages=kept_messages, kept_digest=digest,
+                   kept_context=context)
 
     def to_markdown(self) -> str:
         lines = [f"# {self.title}", ""]
