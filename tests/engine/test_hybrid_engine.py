@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.metrics import scrape
 from tsterm import LLM, SamplingParams
 from tsterm.errors import RequestError
 
@@ -91,6 +92,11 @@ def test_each_turn_resumes_from_the_last_ones_snapshot(hybrid):
     per_slot = executor.state_bytes // executor.num_state_slots
     assert stats["state_bytes"] == executor.state_bytes and stats["state_snapshots"] >= 1
     assert stats["state_snapshot_bytes"] > 0 and stats["state_snapshot_bytes"] % per_slot == 0  # whole slots copied
+    exposition = scrape(llm.engine)  # the same counters for a scrape of /metrics
+    assert exposition["tsterm:state_copy_bytes_total"] == stats["state_copy_bytes"]
+    assert exposition["tsterm:state_pool_bytes"] == stats["state_bytes"]
+    assert exposition["tsterm:state_snapshots"] == stats["state_snapshots"]
+    assert exposition["tsterm:state_snapshot_bytes_total"] == stats["state_snapshot_bytes"]
 
 
 def test_a_snapshot_taken_inside_a_prefill_chunk_resumes_right(hybrid):

@@ -51,6 +51,11 @@ def test_a_scrape_after_two_turns(llm):
     assert itl == sorted(itl) and itl[-1] == 8  # cumulative buckets
     assert 0 <= values["tsterm:kv_cache_usage_perc"] <= 1
     assert values["tsterm:num_requests_running"] == 0 and values["tsterm:num_requests_waiting"] == 0
+    stats = llm.stats()  # the copy ledger and the thread count, as llm.stats() reads them
+    assert values["tsterm:kv_reused_bytes_total"] == stats["kv_reused_bytes"] > 0
+    assert values["tsterm:kv_cow_copies_total"] == stats["cow_copies"]
+    assert values["tsterm:kv_cache_blocks_shared"] == stats["shared"]
+    assert values["tsterm:cpu_threads"] == stats["cpu_threads"] >= 1
 
 
 def test_expert_load_counts_every_routed_token(llm):

@@ -29,14 +29,32 @@ class EngineCollector(Collector):
                    s["used"] / max(s["num_blocks"], 1)),
                   ("kv_cache_blocks_used", "KV blocks referenced by requests.", s["used"]),
                   ("kv_cache_blocks_cached", "Unreferenced KV blocks kept for prefix reuse.", s["cached"]),
-                  ("kv_cache_blocks_pinned", "KV blocks pinned for waiting sessions.", s.get("pinned_blocks", 0)))
+                  ("kv_cache_blocks_pinned", "KV blocks pinned for waiting sessions.", s.get("pinned_blocks", 0)),
+                  ("kv_cache_blocks_shared", "KV blocks referenced by more than one request.", s["shared"]))
+        if "cpu_threads" in s:
+            gauges += (("cpu_threads", "Threads a CPU step runs on (the cores other processes leave free).",
+                        s["cpu_threads"]),)
+        if s.get("state_slots"):  # a hybrid model's recurrent-state pool and its snapshots
+            gauges += (("state_pool_bytes", "Bytes of the recurrent-state slots (linear-attention layers).",
+                        s["state_bytes"]),
+                       ("state_snapshots", "Recurrent-state snapshots kept with cached blocks for prefix reuse.",
+                        s["state_snapshots"]))
         for name, help_text, value in gauges:
             yield GaugeMetricFamily(f"tsterm:{name}", help_text, value=value)
         counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_query_tokens"]),
                     ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hit_tokens"]),
                     ("num_preemptions", "Requests preempted for lack of KV blocks.", s["preemptions"]),
+                    ("kv_cow_copies", "Partial KV blocks copied on write after a fork.", s["cow_copies"]),
+                    ("kv_cow_bytes", "Bytes copied by KV copy-on-write.", s["cow_bytes"]),
+                    ("kv_reused_bytes", "KV bytes taken by reference from the prefix cache instead of computed.",
+                     s["kv_reused_bytes"]),
                     ("prompt_tokens", "Prompt tokens of finished requests.", m.prompt_tokens),
                     ("generation_tokens", "Generated tokens.", m.generation_tokens))
+        if s.get("state_slots"):
+            counters += (("state_snapshot_bytes", "Recurrent-state bytes copied into snapshot slots.",
+                          s["state_snapshot_bytes"]),
+                         ("state_copy_bytes", "Recurrent-state bytes copied into a sequence's slot (a cached prefix "
+                          "resumed, a sample forked).", s["state_copy_bytes"]))
         for name, help_text, value in counters:
             yield CounterMetricFamily(f"tsterm:{name}", help_text, value=value)
         success = CounterMetricFamily("tsterm:request_success", "Finished requests by finish reason.",
