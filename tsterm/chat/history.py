@@ -1,10 +1,10 @@
 """The history policy: how a turn treats what the engine already computed for earlier turns.
 
 `template` renders the whole conversation through the chat template and keeps the kept ids only as far as the
-rendering still starts with their text (plan.py). Reasoning templates (Qwen3 / Qwen3.5, DeepSeek-R1, GLM-4.5, gpt-oss
-harmony, MiniMax-M2) drop the reasoning of assistant turns before the last user message, so after a tool loop a new
-user message re-renders the loop's first assistant turn differently: a miss there, and the whole loop is computed
-again.
+rendering still starts with their text (plan.py). Reasoning templates drop the reasoning of earlier assistant turns
+(Qwen3 / Qwen3.5, GLM-4.5, gpt-oss harmony's analysis channel, MiniMax-M2: of those before the last user message;
+DeepSeek-R1: of every earlier turn), so after a tool loop a new user message re-renders the loop's first assistant turn
+differently: a miss there, and the whole loop is computed again.
 
 `preserve` continues from the exact kept ids, reasoning included, and appends only the text the template renders for
 the new messages (those after the `covered` messages the kept ids stand for). That text is found without trusting the
@@ -12,9 +12,9 @@ template to render the covered messages as the engine saw them:
 
 0. The kept ids were recorded with the messages they stand for (a digest of both) and the template's context (tools,
    its own system block: `render_context`); if either changed since, the turn renders as the template says.
-1. The probe conversation is the covered messages without their reasoning (nothing for the template to drop), the
-   last one's content replaced by a sentinel S, then the new messages with the first one's content replaced by a
-   second sentinel T.
+1. The probe conversation is the covered messages without their reasoning (nothing for the template to drop; and
+   gpt-oss's template refuses a tool call carrying both content and thinking), the last one's content replaced by a
+   sentinel S, then the new messages with the first one's content replaced by a second sentinel T.
 2. The kept ids end with the model's stop token (else: fall back, see below). Its text as history renders it (the
    stop's own text, e.g. `<|im_end|>`, `<｜end▁of▁sentence｜>`, `[e~[`; GLM's `<|observation|>` / `<|user|>`, which
    open the next message; harmony's `<|return|>` becomes `<|end|>`, HISTORY_END) is looked for after S: its first
