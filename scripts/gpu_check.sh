@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# One prepared GPU session (one call, well under 8 minutes): the GPU tests (kernels compiled on the device, the CUDA
-# decode path: no host syncs, graph replay = eager, greedy output = CPU reference), the kernel microbenchmarks (and the
+# One prepared GPU session (one call, under 10 minutes): the GPU tests (kernels compiled on the device, the CUDA
+# decode path: no host syncs, graph replay = eager, greedy output = CPU reference; start-up: the profile run before the
+# KV pool, every decode graph captured before the first request; the hybrid path with no host sync or host-to-device
+# copy in its forward; NCCL process groups, TP over NCCL on 2+ GPUs), the kernel microbenchmarks (and the
 # Gated DeltaNet ones: prefill time per chunk, decode), then
 # batch-1 decode of a Qwen3-30B-A3B-shaped model, eager vs CUDA graphs, against its roofline, then one GPU vs
 # tensor/expert parallel ranks where the machine has 2+ GPUs (it says so where it has one); a summary table prints last. Usage, from anywhere: bash scripts/gpu_check.sh
 # Uses $PYTHON (default python3, the GPU machine's own interpreter, with its torch and triton), into which it installs
 # this checkout in editable mode when it is not installed yet.
-# Time: every phase runs under `timeout`, sized from one deadline ($GPU_CHECK_SECONDS, default 400) so that the
+# Time: every phase runs under `timeout`, sized from one deadline ($GPU_CHECK_SECONDS, default 540) so that the
 # whole script ends within it, each later phase keeping a reserve.
 # Exit status: non-zero when the GPU tests or a benchmark fail.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-DEADLINE=${GPU_CHECK_SECONDS:-400}
+DEADLINE=${GPU_CHECK_SECONDS:-540}
 unset TRITON_INTERPRET  # compiled kernels; the CPU suite's conftest would set it, hence --noconftest below
 export PYTHONUNBUFFERED=1  # a phase killed at its time limit still shows what it printed
 
@@ -35,10 +37,11 @@ echo "== environment =="
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: n/a"
 "$PYTHON" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 
-GPU_TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_gated_delta_gpu.py tests/engine/test_decode_graphs_gpu.py)
-echo; echo "== GPU tests: kernels in bf16 at real sizes, the CUDA decode path (${GPU_TESTS[*]}) =="
+GPU_TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_gated_delta_gpu.py tests/engine/test_decode_graphs_gpu.py
+           tests/engine/test_startup_gpu.py tests/engine/test_hybrid_gpu.py tests/distributed/test_nccl_gpu.py)
+echo; echo "== GPU tests: kernels in bf16 at real sizes, the CUDA decode path, start-up (profile run, graphs captured at start), the hybrid path without host syncs, NCCL groups (${GPU_TESTS[*]}) =="
 test_log=$(mktemp)
-timeout "$(limit 190)" "$PYTHON" -m pytest --noconftest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 | tee "$test_log"
+timeout "$(limit 230)" "$PYTHON" -m pytest --noconftest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 | tee "$test_log"
 tests_rc=${PIPESTATUS[0]}
 tests_line=$(grep -E "passed|failed|error|skipped" "$test_log" | tail -n 1)
 
