@@ -6,10 +6,11 @@ import pytest
 import torch
 from tsterm_kernels.quant import QuantizedWeight
 
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
 from tsterm.config import ModelConfig
 from tsterm.errors import ConfigError
 from tsterm.model import loader, quant
+from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
 from tsterm.model.quant import QuantizeOnLoad, quantize_weights
 
@@ -41,6 +42,24 @@ def test_quantized_on_load_equals_quantized_after(checkpoint, mode):
         other = after[name]
         if isinstance(weight, QuantizedWeight):
             assert weight.kind == other.kind == mode
+            assert torch.equal(weight.data, other.data) and torch.equal(weight.scale, other.scale), name
+        else:
+            assert torch.equal(weight, other), name
+
+
+def test_a_hybrid_quantized_on_load_equals_quantized_after(tmp_path):
+    """The hybrids' loader (Gated DeltaNet + gated attention) quantizes as it loads too."""
+    path, _ = make_hybrid_checkpoint(tmp_path / "h", "qwen3_next", {})
+    cfg = ModelConfig.from_dir(path)
+    cpu = torch.device("cpu")
+    on_load = load_hybrid_weights(path, cfg, torch.float32, cpu, quantization="int8")
+    after = quantize_weights(load_hybrid_weights(path, cfg, torch.float32, cpu), "int8")
+    assert type(on_load) is dict and on_load.keys() == after.keys()
+    assert any(isinstance(w, QuantizedWeight) for w in on_load.values())
+    for name, weight in on_load.items():
+        other = after[name]
+        assert type(weight) is type(other), name
+        if isinstance(weight, QuantizedWeight):
             assert torch.equal(weight.data, other.data) and torch.equal(weight.scale, other.scale), name
         else:
             assert torch.equal(weight, other), name

@@ -43,7 +43,7 @@ from tsterm.model.decoder import DecoderModel
 from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
 from tsterm.model.parallel import ParallelContext, SingleRank
-from tsterm.model.quant import allow_prefill_gemms, quantize_weights
+from tsterm.model.quant import allow_prefill_gemms
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,10 @@ class ModelRunner(Executor):
         # allocated up front and taken off the KV budget
         self.num_state_slots = num_state_slots(layer_types, config.max_num_seqs, config.enable_prefix_caching)
         recurrent = self.num_state_slots > 0
-        if recurrent:  # (tsterm.model.hybrid_loader builds a plain dict: its linear weights are quantized after)
-            weights = quantize_weights(load_hybrid_weights(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress,
-                                                           layout), config.quantization)
-        else:  # each linear weight quantized as it loads: the float model is never whole on the device
-            weights = load_weights(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout,
-                                   quantization=config.quantization)
+        # each linear weight quantized as it loads: the float model is never whole on the device
+        load = load_hybrid_weights if recurrent else load_weights
+        weights = load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout,
+                       quantization=config.quantization)
         if not config.deterministic:  # a quantized prefill may take the float GEMM (README "Same answer ...")
             allow_prefill_gemms(weights)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this

@@ -19,14 +19,16 @@ from tsterm.errors import ModelLoadError
 from tsterm.model.arch import ARCHITECTURES, LINEAR_ATTENTION, ArchSpec
 from tsterm.model.loader import ProgressFn, WeightSource, _load_dense_mlp, _load_moe, find_weight_files
 from tsterm.model.parallel import ParallelLayout
+from tsterm.model.quant import QuantizeOnLoad
 
 
 def load_hybrid_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                        progress: ProgressFn | None = None,
-                        layout: ParallelLayout = ParallelLayout()) -> dict[str, torch.Tensor]:
+                        progress: ProgressFn | None = None, layout: ParallelLayout = ParallelLayout(),
+                        quantization: str = "none") -> dict[str, torch.Tensor]:
     """The decoder's weights by canonical name, as `tsterm.model.loader.load_weights` returns them: `layout.rank`'s
     shard (the experts split as for every family; the heads of both mixers, the embedding and the LM head over the
-    tensor-parallel ranks, as `tsterm.model.parallel` describes)."""
+    tensor-parallel ranks, as `tsterm.model.parallel` describes). quantization: as for `load_weights`, each linear
+    weight quantized as it is stored (`QuantizeOnLoad`): the float model is never whole on the device."""
     spec = ARCHITECTURES[cfg.model_type]
     if cfg.attention_bias:
         raise ModelLoadError(f"{cfg.source}: attention_bias is not supported for {cfg.model_type}")
@@ -37,7 +39,7 @@ def load_hybrid_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dt
                 src.skip(name)
     P, H = spec.weight_prefix, cfg.hidden_size
     vocab_first, vocab_count, _ = layout.vocab(cfg.vocab_size)
-    w: dict[str, torch.Tensor] = {}
+    w = QuantizeOnLoad(quantization, device, dtype)
     w["embed"] = src.get(P + "embed_tokens.weight", (cfg.vocab_size, H), rows=(vocab_first, vocab_count))
     w["final_norm"] = _norm(src, spec, P + "norm.weight", H)
     if cfg.tie_word_embeddings:
@@ -59,7 +61,7 @@ def load_hybrid_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dt
         else:
             _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w, (layout.tp_rank, layout.tp_size))
     src.check_all_used()
-    return w
+    return w.finish()
 
 
 def _norm(src: WeightSource, spec: ArchSpec, name: str, size: int) -> torch.Tensor:
