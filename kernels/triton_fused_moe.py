@@ -1,7 +1,7 @@
 """Fused MoE: grouped GEMMs over expert-aligned token tiles, SwiGLU fused into the first, the routing weight
 and the combine fused into the second, which atomically adds straight into `out` (no [T, k, H] temporary).
 
-Twin: `tsterm_kernels.reference.fused_moe`. The expert stacks are float, or int8 / int4 / fp8 `QuantizedWeight`s
+Twin: `tsterm_kernels.torch_ops.fused_moe`. The expert stacks are float, or int8 / int4 / fp8 `QuantizedWeight`s
 read as stored and dequantized in registers by the quantized linear layer's K loop (`triton_quant_linear.quant_dot`;
 its twin is the reference with the dequantized stacks). Tile sizes come from `moe_tiles.json` (device name x M bucket).
 The only temporary is the SwiGLU activation, [T*k, I] in the activation dtype. Rounding follows the twin: the

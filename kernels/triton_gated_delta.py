@@ -8,7 +8,7 @@ matmuls (`tl.dot`, float32-accurate tf32x3) and the within-chunk unit lower-tria
 substitution, row by row (stable where it is close to singular, e.g. a repeated token; a product of powers of A
 is not).
 
-Twins: the functions of the same names in `tsterm_kernels.reference_gated_delta` (the math and the shapes are
+Twins: the functions of the same names in `tsterm_kernels.torch_gated_delta` (the math and the shapes are
 documented there).
 """
 from __future__ import annotations

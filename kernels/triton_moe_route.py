@@ -1,6 +1,6 @@
 """MoE routing on the device: softmax -> top-k -> renormalise, fused, one program per block of tokens.
 
-Twin: `tsterm_kernels.reference.moe_route`. Top-k is k rounds of arg-max over the row held in registers; equal
+Twin: `tsterm_kernels.torch_ops.moe_route`. Top-k is k rounds of arg-max over the row held in registers; equal
 probabilities go to the lower expert id.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Triton implementation of every op in `dispatch.OP_NAMES`, registered in dispatch as "triton".
 
 Imported only when `use("triton")` is called, so importing tsterm_kernels never needs a GPU. Each launcher has
-the signature of its torch twin in `reference`; on CPU tensors the kernels run under TRITON_INTERPRET=1 (tests).
+the signature of its torch twin in `torch_ops`; on CPU tensors the kernels run under TRITON_INTERPRET=1 (tests).
 """
 from tsterm_kernels.triton_fused_moe import fused_moe
 from tsterm_kernels.triton_gated_delta import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,

@@ -1,7 +1,7 @@
 """Paged attention for decode and extend/prefill: K/V read in place through the block table, GQA, causal,
 split-K over long contexts with a log-sum-exp merge.
 
-Twin: `tsterm_kernels.reference.paged_attention`.
+Twin: `tsterm_kernels.torch_ops.paged_attention`.
 
 Work split. A program owns one KV head, one split of the context and one query tile: BLOCK_Q consecutive new
 tokens of one sequence times the G query heads that share the KV head (rows = BLOCK_Q * G_PAD), so each K/V

@@ -1,6 +1,6 @@
 """RMSNorm fused with the residual add: one read of x (+ residual), one write of each output.
 
-Twin: `tsterm_kernels.reference.rms_norm`. Rounding follows the twin: the residual sum and the normalised row
+Twin: `tsterm_kernels.torch_ops.rms_norm`. Rounding follows the twin: the residual sum and the normalised row
 are rounded to the storage dtype before they are used, so only the reductions differ in order.
 """
 from __future__ import annotations

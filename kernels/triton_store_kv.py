@@ -1,6 +1,6 @@
 """KV store: each new token's K and V rows go straight into their slots of the paged pool.
 
-Twin: `tsterm_kernels.reference.store_kv`. A negative slot (a padding token) is skipped.
+Twin: `tsterm_kernels.torch_ops.store_kv`. A negative slot (a padding token) is skipped.
 """
 from __future__ import annotations
 

@@ -89,7 +89,8 @@ class ModelRunner(Executor):
         self.eager_steps = 0
         # Decode steps replay CUDA graphs on CUDA with the Triton ops (the torch twins read host lists per step).
         # (Not with several ranks yet: a graph would have to capture the collectives too. Nor for linear-attention
-        # layers yet: their torch twins read the step's host lists.)
+        # layers yet: their step's recurrent plan, `tsterm_kernels.metadata.RecurrentPlan`, changes shape from step to
+        # step (decode rows that keep a state, 1-token prompts); a graph needs a fixed-shape plan.)
         use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
                       and layout.world_size == 1 and not recurrent)
         memory = memory_probe(spec)

@@ -1,6 +1,6 @@
 """Quantize-on-load: the decoder's linear weights as weight-only fp16 / int8 / int4 / fp8 ones (EngineConfig.quantization).
 
-What is quantized: every matrix the decoder multiplies through `tsterm_kernels.reference.linear` - fused q/k/v
+What is quantized: every matrix the decoder multiplies through `tsterm_kernels.torch_ops.linear` - fused q/k/v
 (and the hybrids' q/k/v/gate and linear-attention projections), o_proj / out_proj, the experts' and dense MLPs'
 `w13` / `w2` stacks (per expert), the shared expert, and the LM head. What stays in the float dtype: the
 embedding (a row lookup), norms, biases, the router and the shared expert's gate (a few KB that decide routing),
