@@ -75,6 +75,9 @@ def error_of(path: Path | str) -> str:
     ("model: m\nagent:\n  mcp_servers: [git]\n", 3, ["mcp_servers", "list of mappings"]),
     ("model: m\ndevice: tpu\n", 2, ["device", "'tpu'"]),
     ("model: m\nsystem_prompt: [a]\n", 2, ["system_prompt", "string"]),
+    ("model: m\n\nthinking_history: keep\n", 3, ["thinking_history must be preserve or template", "'keep'"]),
+    ("model: m\nthinking_history: true\n", 2, ["thinking_history must be preserve or template", "True"]),
+    ("model: m\nthinking_histroy: template\n", 2, ["unknown key 'thinking_histroy'", "'thinking_history'"]),
     ("model: m\nblock_size: [16\n", 3, ["invalid YAML"]),
     ("model: m\n  bad: indent\n", 2, ["invalid YAML"]),
     ("- model: m\n", 1, ["must be a mapping"]),
@@ -165,6 +168,20 @@ def test_extends_inherits_and_overrides(tmp_path):
     ui = child.ui_options()
     assert (ui.theme, ui.dashboard, ui.thinking, ui.stats_interval) == ("nord", "shown", "collapsed", 0.25)
     assert "ui:\n  theme: nord\n  dashboard: shown\n" in child.to_yaml()
+
+
+def test_thinking_history_defaults_to_preserve_and_is_inherited(tmp_path, capsys):
+    """The resolved policy is what every session of the profile reads (`Profile.thinking_history`): `preserve` unless
+    a file of the `extends` chain says otherwise; `profiles show` prints it."""
+    write(tmp_path / "profiles" / "base.yaml", "model: m\n")
+    write(tmp_path / "profiles" / "tpl.yaml", "extends: base\nthinking_history: template\n")
+    write(tmp_path / "profiles" / "child.yaml", "extends: tpl\nblock_size: 32\n")
+    write(tmp_path / "profiles" / "on.yaml", "extends: child\nthinking_history: preserve\n")
+    assert [load_profile(name).thinking_history for name in ("base", "tpl", "child", "on")] == \
+        ["preserve", "template", "template", "preserve"]
+    assert load_profile("moe-demo").thinking_history == "preserve"
+    assert main(["profiles", "show", "child"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["thinking_history"] == "template"
 
 
 def test_env_expansion_keeps_types(tmp_path, monkeypatch):

@@ -18,10 +18,17 @@ from typing import Any
 
 import yaml
 
+from tsterm.chat.history import POLICIES, PRESERVE
 from tsterm.config import EngineConfig, SamplingParams
 from tsterm.errors import ConfigError
 from tsterm.paths import DEMO_MODEL_NAMES, SHIPPED_MODEL_NAMES, demo_model_dir, model_path, shipped_model_dir
 
+
+# The thinking-history policy (tsterm.chat.history) of every session a profile runs - agent sessions, chats, the line
+# chat - when no profile in its `extends` chain sets `thinking_history`: `preserve` continues from the exact ids the
+# engine computed for earlier turns, the reasoning a template would drop included; `template` renders the history as
+# the chat template says (and recomputes from where that rendering differs).
+DEFAULT_THINKING_HISTORY = PRESERVE
 
 DEFAULT_THEME = "textual-dark"  # Textual's own default, one of its built-in themes in every version tsterm supports
 
@@ -160,7 +167,7 @@ ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings, "server": ServerSettings}  # nested mappings, each checked by its dataclass
 SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
-TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description", "plan_config"}
+TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description", "plan_config", "thinking_history"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -178,6 +185,8 @@ class Profile:
     agent: dict[str, Any] = field(default_factory=dict)
     server: dict[str, Any] = field(default_factory=dict)
     plan_config: str | None = None  # the config.json `tsterm plan --profile` reads when the model is not here
+    # the history policy of this profile's sessions (resolved: the default when no file of the chain sets it)
+    thinking_history: str = DEFAULT_THINKING_HISTORY
 
     def where(self, key: str) -> str:
         path, line = self.origins.get(key, (self.path, 1))
@@ -312,6 +321,7 @@ class Profile:
             data["system_prompt"] = self.system_prompt
         if self.plan_config is not None:
             data["plan_config"] = self.plan_config
+        data["thinking_history"] = self.thinking_history
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=float("inf"))
 
 
@@ -424,6 +434,9 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     for key in ("extends", "description", "system_prompt", "plan_config"):
         if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
             fail(key, f"{at(key)}: {key} must be a string, got {raw[key]!r}")
+    if "thinking_history" in raw and raw["thinking_history"] not in POLICIES:
+        fail("thinking_history", f"{at('thinking_history')}: thinking_history must be {' or '.join(POLICIES)}, "
+                                 f"got {raw['thinking_history']!r}")
     base = None
     if "extends" in raw and "extends" not in bad:
         chain = (*seen, path)
@@ -490,8 +503,9 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
         (base.system_prompt if base else None)
     description = text("description") if text("description") is not None else (base.description if base else "")
     plan_config = text("plan_config") if text("plan_config") is not None else (base.plan_config if base else None)
+    thinking_history = text("thinking_history") or (base.thinking_history if base else DEFAULT_THINKING_HISTORY)
     return Profile(path.stem, path, engine, sampling, system_prompt, description, origins, ui, agent, server,
-                   plan_config)
+                   plan_config, thinking_history)
 
 
 def _did_you_mean(key: str, choices: set[str]) -> str:
