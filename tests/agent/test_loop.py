@@ -15,6 +15,7 @@ from tsterm.agent.loop import (ABORTED, NO_APPROVER, REFUSED, Agent, AgentFinish
                                StepStarted, TextChunk, ToolCallParsed, ToolFinished)
 from tsterm.agent.tool_calls import CLOSE_TAG, OPEN_TAG
 from tsterm.agent.tools import Calculator, Tool, ToolError
+from tsterm.chat.history import PRESERVE, TEMPLATE
 from tsterm.config import SamplingParams
 from tsterm.errors import ConfigError
 from tsterm.tokenizer import Tokenizer
@@ -258,6 +259,9 @@ async def test_a_template_miss_is_reported_with_the_tokens_it_costs(tokenizer):
     events = await run(agent, "two")
     [started] = of(events, StepStarted)
     assert started.miss and started.diverged_at is not None and started.diverged_at < 20
+    # the default `preserve` cannot append to ids whose messages changed: the step is the template's, and says why
+    assert (started.policy_applied, started.fallback_reason) == (
+        TEMPLATE, "the kept ids or the messages they stand for changed since they were recorded")
     assert started.lost_tokens == kept - started.kept_tokens > 0
     assert agent.steps[-1].miss and agent.to_json()["steps"][-1]["lost_tokens"] == started.lost_tokens
 
@@ -287,12 +291,12 @@ async def test_an_empty_task_is_refused(tokenizer):
         await run(agent, "  ")
 
 
-async def test_qwen3_dropping_an_earlier_think_block_is_a_reported_miss(tmp_path):
+async def test_qwen3_dropping_an_earlier_think_block_is_a_reported_miss_under_template(tmp_path):
     from tests.helpers.tokenizers import make_tokenizer_dir
 
     tok = Tokenizer.from_dir(make_tokenizer_dir(tmp_path / "qwen3", template="qwen3"))
     backend = ScriptedBackend(tok, ["<think>\nthe user wants a number\n</think>\n\nIt is 4.", "It is 6."])
-    agent = Agent(backend, tok, [])
+    agent = Agent(backend, tok, [], history_policy=TEMPLATE)
     await run(agent, "2 + 2?")
     kept = list(agent.session.token_ids)
     events = await run(agent, "3 + 3?")
@@ -302,5 +306,56 @@ async def test_qwen3_dropping_an_earlier_think_block_is_a_reported_miss(tmp_path
                     .endswith("<think>"))
     assert started.miss and started.diverged_at == started.kept_tokens <= think_at
     assert started.lost_tokens == len(kept) - started.kept_tokens
+    assert (started.policy_applied, started.fallback_reason) == (TEMPLATE, None)
     assert backend.prompts[1][:started.kept_tokens] == kept[:started.kept_tokens]
     assert "<think>" not in tok.decode(backend.prompts[1], skip_special_tokens=False)
+
+
+async def test_qwen3_keeps_the_earlier_think_block_under_preserve(tmp_path):
+    """The default policy: the next task's prompt is every kept id (the first reply's <think> block included) and
+    exactly the new user message's text; the step, its JSON and the session's turn say which policy planned it."""
+    from tests.helpers.tokenizers import make_tokenizer_dir
+
+    tok = Tokenizer.from_dir(make_tokenizer_dir(tmp_path / "qwen3", template="qwen3"))
+    backend = ScriptedBackend(tok, ["<think>\nthe user wants a number\n</think>\n\nIt is 4.", "It is 6."])
+    agent = Agent(backend, tok, [])
+    assert agent.history_policy == PRESERVE
+    await run(agent, "2 + 2?")
+    kept = list(agent.session.token_ids)
+    events = await run(agent, "3 + 3?")
+    [started] = of(events, StepStarted)
+    assert not started.miss and started.kept_tokens == len(kept) and started.lost_tokens == 0
+    assert (started.policy_applied, started.fallback_reason) == (PRESERVE, None)
+    second = backend.prompts[1]
+    assert second[:len(kept)] == kept
+    assert tok.decode(second[len(kept):], skip_special_tokens=False) == \
+        "\n<|im_start|>user\n3 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert agent.to_json()["steps"][1]["policy_applied"] == PRESERVE
+    assert agent.session.turns[1].policy_applied == PRESERVE
+
+
+async def test_a_reply_cut_at_max_tokens_is_planned_as_the_template_says_and_the_step_says_why(tokenizer):
+    """The scripted reply ends without the model's stop token (as a reply cut by max_tokens would): `preserve` cannot
+    know where the reply ends in the template's text, so the next step falls back and StepStarted carries why."""
+    backend = ScriptedBackend(tokenizer, ["first", "second"])
+    agent = Agent(backend, tokenizer, [], stop_ids=[tokenizer.eos_token_ids[1]])  # the scripted stop is not a stop
+    await run(agent, "one")
+    [started] = of(await run(agent, "two"), StepStarted)
+    assert started.policy_applied == TEMPLATE
+    assert started.fallback_reason == \
+        "the last reply did not end with a stop token (cut by max_tokens or a stop string)"
+    assert agent.steps[-1].fallback_reason == started.fallback_reason
+
+
+def test_the_stop_set_is_the_engines_eos_and_the_requests_stop_ids(tokenizer):
+    class EngineLike:
+        eos_token_ids = {7, 8}
+
+    backend = ScriptedBackend(tokenizer, [])
+    backend.engine = EngineLike()  # as an AsyncEngine holds its Engine
+    assert Agent(backend, tokenizer, []).stop_ids == {7, 8}
+    assert Agent(backend, tokenizer, [], SamplingParams(stop_token_ids=[3])).stop_ids == {3, 7, 8}
+    assert Agent(backend, tokenizer, [], SamplingParams(stop_token_ids=[3], ignore_eos=True)).stop_ids == {3}
+    assert Agent(ScriptedBackend(tokenizer, []), tokenizer, []).stop_ids == set(tokenizer.eos_token_ids)
+    with pytest.raises(ValueError, match="preserve, template"):
+        Agent(backend, tokenizer, [], history_policy="keep")

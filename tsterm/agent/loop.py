@@ -1,13 +1,20 @@
 """The agent loop: model -> tool calls -> tool results as tool messages -> model, until a final answer or max_steps.
 
 Each step's prompt is the previous step's exact ids (its prompt + every id it generated) followed by the tokens of
-the text the new tool messages add (tsterm.chat's plan): the engine finds the whole previous context in its prefix
-cache and computes only the tool results and the next assistant header. Where the chat template renders the history
-differently from the ids the model saw, the step says so (`StepStarted.miss`, the first divergent position and the
-tokens that are recomputed) instead of hiding it.
+the text the new messages add - the tool results, or a next task's user message - planned by tsterm.chat under the
+session's thinking-history policy (`history_policy`, tsterm.chat.history). Under `preserve` (the default) the kept
+ids are never re-rendered: a reasoning template that drops the `<think>` of replies before the last user message
+changes nothing the engine computed, so a task after a tool loop computes only its own message. Under `template`
+the history is rendered as the chat template says; where that differs from the ids the model saw, the step says so
+(`StepStarted.miss`, the first divergent position and the tokens that are recomputed) instead of hiding it. A
+`preserve` step that cannot apply (a reply cut at max_tokens, a history edited since) is planned as `template`, and
+the step says why (`fallback_reason`). A reply ends on the engine's stop set: its eos ids (`stop_ids`, read from the
+backend's engine when not given) and the request's `stop_token_ids`.
 
-The assistant message keeps the model's raw text, tool-call tags included: the template renders it back verbatim,
-so the ids stay a prefix of the rendering (a template re-formatting structured `tool_calls` would not).
+The assistant message is the model's reply as it wrote it: its raw text, the `<think>` block and the tool-call tags
+included. That is what its ids stand for, malformed calls too, and what the reasoning templates read back: they
+parse the reasoning out of a content's `</think>` and render the tags verbatim (so `template` keeps the ids inside
+a loop too; re-serialised structured `tool_calls` would not be the model's text).
 
 While the session waits on its tools, and after its answer while it waits on the user, the session's blocks are
 pinned in the engine (a TTL, under the engine's cap), so other sessions' traffic cannot evict its prefix; `close()`
@@ -20,12 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
 from tsterm.agent.tools import Tool, ToolResult
+from tsterm.chat.history import PRESERVE, check_policy, request_stop_ids, stop_ids_of
 from tsterm.chat.plan import PromptPlan, TextCodec
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.config import SamplingParams
@@ -93,6 +101,8 @@ class AgentStep:
     lost_tokens: int = 0  # previous ids the template's rendering did not keep (recomputed on a miss)
     ttft_s: float | None = None
     duration_s: float = 0.0
+    policy_applied: str | None = None  # the thinking-history policy that planned the prompt
+    fallback_reason: str | None = None  # why `preserve` could not apply to this step (planned as `template`)
 
     @property
     def new_tokens(self) -> int:
@@ -104,6 +114,7 @@ class AgentStep:
                 "generated_tokens": self.generated_tokens, "text": self.text,
                 "tool_calls": [c.to_json() for c in self.tool_calls], "finish_reason": self.finish_reason,
                 "miss": self.miss, "diverged_at": self.diverged_at, "lost_tokens": self.lost_tokens,
+                "policy_applied": self.policy_applied, "fallback_reason": self.fallback_reason,
                 "ttft_s": self.ttft_s, "duration_s": self.duration_s,
                 "tool_latency_s": [c.duration_s for c in self.tool_calls]}
 
@@ -118,6 +129,8 @@ class StepStarted:
     miss: bool
     diverged_at: int | None
     lost_tokens: int
+    policy_applied: str | None = None  # the thinking-history policy that planned this prompt
+    fallback_reason: str | None = None  # why `preserve` could not apply (the step is planned as `template`)
 
 
 @dataclass(frozen=True)
@@ -163,12 +176,17 @@ class Agent:
     `run(task)` is an async generator of events; a session can run several tasks one after the other (the history
     grows). `abort()` stops the current task at the next point it can (the model's request is aborted at once; a
     tool already running finishes first). Several agents can run at once on one backend: the engine batches them.
+
+    `history_policy`: `preserve` (default) or `template` (tsterm.chat.history; a profile's `thinking_history`).
+    `stop_ids`: the ids the engine ends a reply on (default: the backend engine's `eos_token_ids`, else the
+    tokenizer's); the request's own `stop_token_ids` are added per step.
     """
 
     def __init__(self, backend: Backend, tokenizer: ChatTokenizer, tools: Sequence[Tool],
                  params: SamplingParams | None = None, *, options: AgentOptions | None = None,
                  approve: Approver | None = None, session: Session | None = None,
-                 system_prompt: str | None = None, template_kwargs: dict[str, Any] | None = None):
+                 system_prompt: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                 history_policy: str = PRESERVE, stop_ids: Collection[int] | None = None):
         self.backend, self.tokenizer = backend, tokenizer
         self.tools: dict[str, Tool] = {}
         for tool in tools:
@@ -183,6 +201,8 @@ class Agent:
         if system_prompt and self.session.system_prompt is None and not self.session.messages:
             self.session.set_system_prompt(system_prompt)
         self.template_kwargs = dict(template_kwargs or {})
+        self.history_policy = check_policy(history_policy)
+        self.eos_ids = frozenset(stop_ids) if stop_ids is not None else engine_eos_ids(backend, tokenizer)
         self.steps: list[AgentStep] = []
         self.pin_key = f"agent:{self.session.id}"
         self._pinned = False
@@ -194,6 +214,16 @@ class Agent:
     def render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.specs or None, add_generation_prompt=True,
                                                   tokenize=False, **self.template_kwargs)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end this session's replies: the engine's eos ids (unless the params ignore eos) and the
+        params' stop_token_ids. A reply whose last id is not one of them was cut (max_tokens, a stop string)."""
+        return request_stop_ids(self.eos_ids, self.params)
+
+    def plan(self) -> PromptPlan:
+        """The next model call's prompt under the session's history policy (raises what the template raises)."""
+        return self.session.plan(self.render, self.tokenizer, self.history_policy, self.stop_ids)
 
     # ---- control
     def abort(self) -> None:
@@ -245,7 +275,8 @@ class Agent:
         index = len(self.steps) + 1
         plan = self._plan(index)
         lost = before - plan.kept_tokens if plan.miss else 0
-        yield StepStarted(index, len(plan.token_ids), plan.kept_tokens, plan.miss, plan.diverged_at, lost)
+        yield StepStarted(index, len(plan.token_ids), plan.kept_tokens, plan.miss, plan.diverged_at, lost,
+                          plan.policy_applied, plan.fallback_reason)
         parser = ToolCallParser(self.specs, id_prefix=f"call_{index}_")
         calls: list[ToolCallRecord] = []
         text: list[str] = []
@@ -273,12 +304,15 @@ class Agent:
             self._aborted = True
             return
         ids = list(final.outputs[0].token_ids)
-        stats = TurnStats(len(plan.token_ids), final.num_cached_tokens, plan.kept_tokens, len(ids), plan.miss,
-                          plan.diverged_at, ttft=final.metrics.ttft, finish_reason=final.finish_reason)
-        self.session.record_reply(plan, final.outputs[0].text, ids, stats)
+        raw = final.outputs[0].text
+        stats = TurnStats.from_plan(plan, final.num_cached_tokens, len(ids), ttft=final.metrics.ttft,
+                                    finish_reason=final.finish_reason)
+        # the reply as the model wrote it (see the module docstring): the kept ids become the plan's + these ids,
+        # standing for every message through this one; the tool messages that answer its calls come after them
+        self.session.record_reply(plan, raw, ids, stats, message={"role": "assistant", "content": raw})
         step = AgentStep(index, len(plan.token_ids), final.num_cached_tokens, plan.kept_tokens, len(ids),
-                         "".join(text), final.outputs[0].text, calls, final.finish_reason, plan.miss,
-                         plan.diverged_at, lost, final.metrics.ttft, time.monotonic() - start)
+                         "".join(text), raw, calls, final.finish_reason, plan.miss, plan.diverged_at, lost,
+                         final.metrics.ttft, time.monotonic() - start, plan.policy_applied, plan.fallback_reason)
         self.steps.append(step)
         yield StepFinished(step)
 
@@ -288,7 +322,7 @@ class Agent:
         take (a result holding a lone surrogate, say), those results are replaced in the session by an error note
         first, so that the session's next turn renders."""
         try:
-            return self.session.plan(self.render, self.tokenizer)
+            return self.plan()
         except Exception as err:  # noqa: BLE001 - whatever the template or the tokenizer raised, said below
             cause = f"{type(err).__name__}: {err}"
             error = err
@@ -318,7 +352,7 @@ class Agent:
 
     def _renders(self) -> bool:
         try:
-            self.session.plan(self.render, self.tokenizer)
+            self.plan()
         except Exception:  # noqa: BLE001
             return False
         return True
@@ -385,6 +419,16 @@ class Agent:
         return self.session.trace(model, [[]] * offset + latencies)
 
 
+def engine_eos_ids(backend: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids an engine ends a reply on: an AsyncEngine's `engine.eos_token_ids` (the tokenizer's and the model
+    config's), a backend's own `eos_token_ids`, else the tokenizer's eos ids."""
+    for owner in (getattr(backend, "engine", None), backend):
+        ids = getattr(owner, "eos_token_ids", None)
+        if ids is not None:
+            return frozenset(ids)
+    return stop_ids_of(tokenizer)
+
+
 def _record(call: ToolCall) -> ToolCallRecord:
     return ToolCallRecord(call.id, call.name, dict(call.arguments), call.raw, call.error,
                           status="parsed" if call.error is None else "error")
@@ -398,5 +442,5 @@ def _tool_message(call: ToolCallRecord) -> dict[str, Any]:
 
 
 __all__ = ["ABORTED", "Agent", "AgentEvent", "AgentFinished", "AgentOptions", "AgentStep", "Backend",
-           "NO_APPROVER", "REFUSED", "StepFinished", "StepStarted", "TextChunk", "ToolCallParsed", "ToolCallRecord",
+           "engine_eos_ids", "NO_APPROVER", "REFUSED", "StepFinished", "StepStarted", "TextChunk", "ToolCallParsed", "ToolCallRecord",
            "ToolFinished", "ToolStarted"]

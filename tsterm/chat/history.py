@@ -81,6 +81,14 @@ def stop_ids_of(tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def request_stop_ids(eos_token_ids: Collection[int], params: Any = None) -> frozenset[int]:
+    """The ids that end one request's reply, as the engine decides it: the engine's eos ids (Engine.eos_token_ids:
+    the tokenizer's and the model config's), unless the request sets `ignore_eos`, and the request's own
+    `stop_token_ids`. What `plan_turn`'s `stop_ids` should be for a turn whose kept ids that request made."""
+    ignore = bool(getattr(params, "ignore_eos", False))
+    return frozenset(() if ignore else eos_token_ids) | frozenset(getattr(params, "stop_token_ids", None) or ())
+
+
 def kept_digest(messages: Sequence[Mapping[str, Any]], token_ids: Sequence[int]) -> str:
     """A fingerprint of kept ids together with the messages they stand for: a session records it with its ids, and
     `preserve` applies only while both are as recorded."""
