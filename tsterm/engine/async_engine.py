@@ -62,6 +62,12 @@ class _Stream:
         return True
 
 
+def _put_each(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """On a consumer's loop: hand a step's outputs to their queues, in order."""
+    for stream_queue, item in items:
+        stream_queue.put_nowait(item)
+
+
 def _step_error(error: Exception, what_happened: str) -> EngineStepError:
     """What a stream raises when the engine's step failed on its request: an EngineStepError caused by the error."""
     failure = EngineStepError(f"the engine's step failed ({type(error).__name__}: {error}); {what_happened}")
@@ -127,8 +133,7 @@ class AsyncEngine:
                 log.debug("an engine step failed", exc_info=True)
                 self._fail_requests(e)
                 continue
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
 
     def _execute(self, command: _Command) -> None:
         if not command.cancelled:
@@ -162,18 +167,29 @@ class AsyncEngine:
         elif not stream.put(rid):
             self._drop(stream)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        with self._lock:
-            stream = self._streams.get(out.request_id)
-            if stream is not None and out.finished:
-                del self._streams[out.request_id]
-        if stream is None:
-            return
-        item: RequestOutput | Exception = out
-        if out.error is not None:  # the engine failed on this request (and only on it)
-            item = _step_error(out.error, "this request was failed; the engine serves the others")
-        if not stream.put(item):
-            self._drop(stream)  # nobody is listening any more: free the request's blocks
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per consumer loop and step, not one per output (32
+        streaming clients on the server's loop were 32 `call_soon_threadsafe`s a step, each a system call and a GIL
+        hand-off between the engine thread's steps; benchmarks/engine_contention.py)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | Exception]]] = {}
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.get(out.request_id)
+                if stream is not None and out.finished:
+                    del self._streams[out.request_id]
+            if stream is None:
+                continue
+            item: RequestOutput | Exception = out
+            if out.error is not None:  # the engine failed on this request (and only on it)
+                item = _step_error(out.error, "this request was failed; the engine serves the others")
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_each, [(stream.queue, item) for stream, item in items])
+            except Exception:  # noqa: BLE001 - RuntimeError('Event loop is closed') or anything else on the way
+                log.debug("%d request(s): their consumers' event loop is gone", len(items), exc_info=True)
+                for stream, _ in items:
+                    self._drop(stream)  # nobody is listening any more: free the requests' blocks
 
     def _drop(self, stream: _Stream) -> None:
         """The consumer has left (early exit, cancellation, its loop closed): abort its request if still running."""
