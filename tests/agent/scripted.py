@@ -85,3 +85,63 @@ class ScriptedBackend:
     def unpin(self, pin_id: str) -> bool:
         self.unpinned.append(pin_id)
         return self.pins.pop(pin_id, None) is not None
+
+
+class EngineScript:
+    """A scripted model on a real engine. Each scripted reply (the text the model generates, through its stop token)
+    is computed by the engine as if the model had generated it: its ids, less the stop (a generated stop is never fed
+    back), follow the prompt in a request that samples one token, which is dropped. So the prefix cache holds exactly
+    the blocks a generated reply leaves, and `num_cached_tokens` is the engine's own. Once the script is done, requests
+    go to the engine as they are: the model's own replies. Wraps an AsyncEngine (`shutdown` too)."""
+
+    def __init__(self, engine, replies: list[str]):
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.replies = list(replies)
+        self.prompts: list[list[int]] = []
+        self.outputs: list[RequestOutput] = []  # the final output of every request, scripted or not
+
+    @property
+    def eos_token_ids(self):
+        return self.engine.engine.eos_token_ids
+
+    async def generate(self, prompt, params=None, request_id=None):
+        prompt = list(prompt)
+        self.prompts.append(prompt)
+        if not self.replies:
+            async for out in self.engine.generate(prompt, params, request_id=request_id):
+                if out.finished:
+                    self.outputs.append(out)
+                yield out
+            return
+        ids = self.tokenizer.encode(self.replies.pop(0))
+        if ids[-1] not in self.eos_token_ids:
+            raise AssertionError("a scripted reply ends with the model's stop token")
+        from tsterm.config import SamplingParams
+
+        final = None
+        async for out in self.engine.generate(prompt + ids[:-1], SamplingParams(temperature=0, max_tokens=1),
+                                              request_id=request_id):
+            final = out
+        if final is None or not final.finished:  # aborted
+            return
+        cached = min(final.num_cached_tokens, len(prompt))
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=0.001, num_prompt_tokens=len(prompt),
+                                 num_cached_tokens=cached)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        out = RequestOutput(request_id, prompt, [CompletionOutput(0, ids, text, "stop", delta_text=text)], cached,
+                            metrics, True)
+        self.outputs.append(out)
+        yield out
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def pin(self, token_ids, ttl_s=300.0, key=None):
+        return self.engine.pin(token_ids, ttl_s, key)
+
+    def unpin(self, pin_id: str) -> bool:
+        return self.engine.unpin(pin_id)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -64,11 +64,56 @@ def test_an_agent_stopped_by_max_steps_says_so_in_words(capsys, tmp_path):
     assert code == 1 and "before a final answer (it used its only step; raise --max-steps)" in err, err
 
 
+def test_tsterm_agent_follow_ups_run_in_the_same_session_and_report_their_reuse(capsys, tmp_path):
+    """Each follow-up is a new user message in the task's session: its first step keeps every id of the session
+    (the tool loop before it included) and takes them from the cache; stdout has one answer per task, stderr one
+    reuse line per follow-up."""
+    code = main(["agent", "--profile", "agent-demo", "--device", "cpu", "--workspace", str(tmp_path),
+                 "--follow-up", "What is 6 * 7?", "--follow-up", "What is 9 + 9?", "What is 5 + 8?"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.splitlines() == [line for line in out.splitlines() if line] and len(out.splitlines()) == 3
+    assert "13" in out.splitlines()[0], out  # (the tiny demo model answers a follow-up from the first question)
+    assert err.count("[follow-up 1: What is 6 * 7?]") == 1 and err.count("[follow-up 2: What is 9 + 9?]") == 1
+    assert "[step 1: " in err and "prompt tokens, history: preserve]" in err
+    reuse = [line for line in err.splitlines() if line.startswith("[follow-up") and "from the cache" in line]
+    assert len(reuse) == 2 and all(line.endswith("thinking history: preserve]") for line in reuse), err
+
+    code = main(["agent", "--profile", "agent-demo", "--device", "cpu", "--workspace", str(tmp_path), "--json",
+                 "--follow-up", "What is 6 * 7?", "What is 5 + 8?"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and "13" in out["answer"] and out["thinking_history"] == "preserve"
+    [follow_up] = out["follow_ups"]
+    assert follow_up["reason"] == "answer" and follow_up["task"] == "What is 6 * 7?"
+    task_steps = follow_up["first_step"] - 1
+    assert task_steps >= 2 and len(out["steps"]) == task_steps + follow_up["step_count"]  # the task called a tool
+    last = out["steps"][task_steps - 1]
+    prior = last["prompt_tokens"] + last["generated_tokens"]
+    assert follow_up["prior_tokens"] == follow_up["kept_tokens"] == prior
+    assert follow_up["policy_applied"] == "preserve" and follow_up["fallback_reason"] is None
+    assert follow_up["cached_tokens"] >= 0.95 * (prior // BLOCK * BLOCK) > 0
+    assert out["steps"][task_steps]["policy_applied"] == "preserve"
+
+
+def test_a_profile_s_thinking_history_reaches_tsterm_agent(capsys, tmp_path):
+    profile = tmp_path / "tpl.yaml"
+    profile.write_text("extends: agent-demo\nthinking_history: template\n")
+    code = main(["agent", "--profile", str(profile), "--device", "cpu", "--workspace", str(tmp_path), "--json",
+                 "--max-steps", "1", "--follow-up", "What is 6 * 7?", "What is 5 + 8?"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["reason"] == "max_steps" and out["thinking_history"] == "template"
+    assert [s["policy_applied"] for s in out["steps"]] == ["template", "template"]
+    # the agent-demo's template drops nothing: the template's own rendering keeps the whole history too
+    assert not out["follow_ups"][0]["miss"] and out["follow_ups"][0]["kept_tokens"] == out["follow_ups"][0][
+        "prior_tokens"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["agent", "--model", str(AGENT_DEMO), "  "], "the task is empty"),
     (["agent", "--model", str(AGENT_DEMO), "--workspace", "/no/such/dir", "hi"], "is not a directory"),
     (["agent", "--model", str(AGENT_DEMO), "--max-steps", "0", "hi"], "max_steps"),
     (["agent", "--model", str(AGENT_DEMO), "--tools", "calculator,shell", "hi"], "unknown built-in tool 'shell'"),
+    (["agent", "--model", str(AGENT_DEMO), "--follow-up", "ok", "--follow-up", " ", "hi"],
+     "--follow-up number 2 is empty"),
 ])
 def test_bad_agent_arguments_are_one_line_errors(capsys, argv, message):
     assert main(argv) == 2

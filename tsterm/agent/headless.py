@@ -1,6 +1,11 @@
-"""`tsterm agent "task"`: one agent task on the command line. Steps stream to stderr as they happen (the model's
-text, each tool call and its result, the tokens each step reused); the final answer goes to stdout, or with --json
-one JSON object: {"answer", "reason", "steps": [{"prompt_tokens", "cached_tokens", "text", "tool_calls": [...]}]}.
+"""`tsterm agent "task"`: one agent task on the command line, and its follow-ups (`--follow-up TEXT`, repeatable:
+further user messages sent in the same session, each after the one before has answered, as a user would in the
+TUI). Steps stream to stderr as they happen (the model's text, each tool call and its result, the tokens each step
+reused, the thinking-history policy that planned it); each task's answer goes to stdout, or with --json one JSON
+object: {"answer", "reason", "thinking_history", "steps": [{"prompt_tokens", "cached_tokens", "text", "tool_calls":
+[...], "policy_applied", ...}], "follow_ups": [{"task", "answer", "reason", "prompt_tokens", "cached_tokens",
+"prior_tokens", "policy_applied", "fallback_reason", ...}]} ("answer"/"reason" are the task's; "steps" every step of
+the session). A follow-up's numbers are those of its first step, the one that starts from the session's history.
 
 Tools that need approval are asked about on the terminal (y/N); without a terminal they are refused unless --auto
 (or the profile's agent.auto_approve) allows them.
@@ -15,12 +20,13 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from tsterm.agent.loop import (Agent, AgentFinished, StepFinished, StepStarted, TextChunk, ToolCallRecord,
-                               ToolFinished, ToolStarted)
+from tsterm.agent.loop import (Agent, AgentFinished, AgentStep, StepFinished, StepStarted, TextChunk,
+                               ToolCallRecord, ToolFinished, ToolStarted)
 from tsterm.agent.tools import Tool
 from tsterm.agent.toolset import build_toolset
+from tsterm.chat.history import POLICIES
 from tsterm.errors import ConfigError
-from tsterm.profiles import AgentSettings
+from tsterm.profiles import DEFAULT_THINKING_HISTORY, AgentSettings
 
 EXIT_CODES = {"answer": 0, "length": 1, "max_steps": 1, "aborted": 130}
 
@@ -28,6 +34,15 @@ EXIT_CODES = {"answer": 0, "length": 1, "max_steps": 1, "aborted": 130}
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run one agent task: the model calls tools until it answers")
     p.add_argument("task", help="what the agent should do")
+    p.add_argument("--follow-up", action="append", dest="follow_ups", metavar="TEXT", default=[],
+                   help="a further user message, sent in the same session once the task (or the follow-up before "
+                        "it) has answered; repeatable, run in order. Its answer goes to stdout after the task's; "
+                        "stderr (and --json's follow_ups) say how many of its prompt tokens came from the cache")
+    p.add_argument("--thinking-history", choices=POLICIES, dest="thinking_history",
+                   help="earlier turns in each prompt: preserve (the exact ids the engine computed, the reasoning "
+                        "a template would drop included) or template (as the chat template renders them, "
+                        f"recomputed from where they differ) (default: the profile's thinking_history, else "
+                        f"{DEFAULT_THINKING_HISTORY})")
     p.add_argument("--model", help="HF-format model directory (or demo:tiny)")
     p.add_argument("--profile", dest="profile", default=argparse.SUPPRESS, help="profile name or YAML path")
     p.add_argument("--max-steps", type=int, dest="max_steps", help="model calls at most (profile: agent.max_steps)")
@@ -53,6 +68,9 @@ def main(args: argparse.Namespace) -> int:
 
     if not args.task.strip():
         raise ConfigError("the task is empty: say what the agent should do")
+    for n, text in enumerate(args.follow_ups, 1):
+        if not text.strip():
+            raise ConfigError(f"--follow-up number {n} is empty: give the message to send")
     if not args.model and not getattr(args, "profile", None):
         args.profile = "default"
     profile = profile_from_args(args)
@@ -63,6 +81,7 @@ def main(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, key) for key in ("temperature", "max_tokens", "seed")}
     params = profile.sampling_params(**overrides) if profile else _params(overrides)
     system = args.system if args.system is not None else (profile.system_prompt if profile else None)
+    policy = args.thinking_history or (profile.thinking_history if profile else DEFAULT_THINKING_HISTORY)
     with build_toolset(settings, args.workspace) as toolset:  # bad tool config fails before the model loads
         llm = llm_from_args(args, profile)
         if toolset.tools and not _template_mentions_tools(llm.tokenizer):
@@ -72,23 +91,30 @@ def main(args: argparse.Namespace) -> int:
         log = None if args.json else sys.stderr
         approve = _ask_on_terminal(toolset.workspace.root, log or sys.stderr) if sys.stdin.isatty() else None
         agent = Agent(engine, llm.tokenizer, toolset.tools, params, options=options, approve=approve,
-                      system_prompt=system)
+                      system_prompt=system, history_policy=policy, stop_ids=llm.engine.eos_token_ids)
         try:
-            done = asyncio.run(_run(agent, args.task, log))
+            tasks = asyncio.run(_run(agent, [args.task, *args.follow_ups], log))
         finally:
             engine.shutdown()
     if args.trace:
         trace = agent.trace(model=str(llm.config.model))
         Path(args.trace).write_text(json.dumps(trace, indent=1) + "\n")
+    first, *follow_ups = tasks
     if args.json:
-        json.dump({**agent.to_json(done.answer), "reason": done.reason}, sys.stdout, ensure_ascii=False)
+        json.dump({**agent.to_json(first.done.answer), "reason": first.done.reason, "thinking_history": policy,
+                   "follow_ups": [task.to_json() for task in follow_ups]}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
-        print(done.answer)
-        if done.reason != "answer":
-            print(f"tsterm: the agent stopped before a final answer ({_why(done, options.max_steps)})",
-                  file=sys.stderr)
-    return EXIT_CODES[done.reason]
+        for n, task in enumerate(tasks):
+            print(task.done.answer)
+            if task.done.reason != "answer":
+                which = f"follow-up {n}: " if n else ""
+                print(f"tsterm: {which}the agent stopped before a final answer "
+                      f"({_why(task.done, options.max_steps)})", file=sys.stderr)
+    unsent = 1 + len(args.follow_ups) - len(tasks)
+    if unsent:
+        print(f"tsterm: {unsent} follow-up(s) not sent: the session was aborted", file=sys.stderr)
+    return max(EXIT_CODES[task.done.reason] for task in tasks)
 
 
 def _params(overrides: dict[str, Any]):
@@ -107,23 +133,73 @@ def _template_mentions_tools(tokenizer) -> bool:
     return any("tools" in source for source in tokenizer.chat_templates.values())
 
 
-async def _run(agent: Agent, task: str, log: TextIO | None) -> AgentFinished:
-    done: AgentFinished | None = None
-    async for event in agent.run(task):
-        if isinstance(event, AgentFinished):
-            done = event
-        elif log is not None:
-            _show(event, log)
-    await agent.close()
-    assert done is not None
-    return done
+@dataclasses.dataclass
+class TaskRun:
+    """One task of the session (the task or a follow-up): how it ended and the steps it took."""
+
+    text: str
+    done: AgentFinished
+    steps: list[AgentStep]
+    prior_tokens: int  # the session's kept ids when it started: what its first step could reuse at most
+
+    def to_json(self) -> dict[str, Any]:
+        """A follow-up's entry in --json: its answer, and what its first step reused of the session's history."""
+        first = self.steps[0] if self.steps else None
+        reuse = {"prompt_tokens": first.prompt_tokens, "cached_tokens": first.cached_tokens,
+                 "new_tokens": first.new_tokens, "kept_tokens": first.kept_tokens, "miss": first.miss,
+                 "diverged_at": first.diverged_at, "policy_applied": first.policy_applied,
+                 "fallback_reason": first.fallback_reason} if first else {}
+        return {"task": self.text, "answer": self.done.answer, "reason": self.done.reason,
+                "first_step": first.index if first else None, "step_count": len(self.steps),
+                "prior_tokens": self.prior_tokens, **reuse}
+
+
+async def _run(agent: Agent, tasks: list[str], log: TextIO | None) -> list[TaskRun]:
+    """The task and its follow-ups, one after the other in the agent's session; an aborted one ends the run."""
+    runs: list[TaskRun] = []
+    try:
+        for n, text in enumerate(tasks):
+            if n and log is not None:
+                log.write(f"\n[follow-up {n}: {_clip(text, 200)}]\n")
+            prior, first = len(agent.session.token_ids), len(agent.steps)
+            done: AgentFinished | None = None
+            async for event in agent.run(text):
+                if isinstance(event, AgentFinished):
+                    done = event
+                elif log is not None:
+                    _show(event, log)
+            assert done is not None
+            runs.append(TaskRun(text, done, agent.steps[first:], prior))
+            if n and log is not None:
+                _show_follow_up(n, runs[-1], log)
+            if done.reason == "aborted":
+                break
+    finally:
+        await agent.close()
+    return runs
+
+
+def _show_follow_up(n: int, run: TaskRun, log: TextIO) -> None:
+    if not run.steps:
+        return
+    s = run.steps[0]
+    share = f" ({100 * s.cached_tokens / run.prior_tokens:.1f}% of the session's {run.prior_tokens})" \
+        if run.prior_tokens else ""
+    log.write(f"[follow-up {n}: {s.cached_tokens} of {s.prompt_tokens} prompt tokens from the cache{share}; "
+              f"thinking history: {_policy_text(s.policy_applied, s.fallback_reason)}]\n")
+    log.flush()
+
+
+def _policy_text(applied: str | None, fallback: str | None) -> str:
+    return f"{applied}" + (f" (preserve could not apply: {fallback})" if fallback else "")
 
 
 def _show(event, log: TextIO) -> None:
     if isinstance(event, StepStarted):
         miss = (f"; the chat template re-rendered the history from token {event.diverged_at}, so "
                 f"{event.lost_tokens} tokens are computed again" if event.miss else "")
-        log.write(f"[step {event.step}: {event.prompt_tokens} prompt tokens{miss}]\n")
+        log.write(f"[step {event.step}: {event.prompt_tokens} prompt tokens, history: "
+                  f"{_policy_text(event.policy_applied, event.fallback_reason)}{miss}]\n")
     elif isinstance(event, TextChunk):
         log.write(event.text)
     elif isinstance(event, StepFinished):
