@@ -12,7 +12,8 @@ import yaml
 from tsterm.convert import shipped
 from tsterm.cli import main
 from tsterm.errors import ConfigError
-from tsterm.profiles import SHIPPED_DIR, list_profiles, load_profile
+from tsterm.chat.history import POLICIES
+from tsterm.profiles import SHIPPED_DIR, THINKING_HISTORY_POLICIES, list_profiles, load_profile
 
 
 @pytest.fixture(autouse=True)
@@ -182,6 +183,7 @@ def test_thinking_history_defaults_to_preserve_and_is_inherited(tmp_path, capsys
     assert load_profile("moe-demo").thinking_history == "preserve"
     assert main(["profiles", "show", "child"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["thinking_history"] == "template"
+    assert THINKING_HISTORY_POLICIES == POLICIES  # the configuration layer's copy of the chat layer's names
 
 
 def test_env_expansion_keeps_types(tmp_path, monkeypatch):

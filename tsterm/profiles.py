@@ -18,17 +18,18 @@ from typing import Any
 
 import yaml
 
-from tsterm.chat.history import POLICIES, PRESERVE
 from tsterm.config import EngineConfig, SamplingParams
 from tsterm.errors import ConfigError
 from tsterm.paths import DEMO_MODEL_NAMES, SHIPPED_MODEL_NAMES, demo_model_dir, model_path, shipped_model_dir
 
 
-# The thinking-history policy (tsterm.chat.history) of every session a profile runs - agent sessions, chats, the line
-# chat - when no profile in its `extends` chain sets `thinking_history`: `preserve` continues from the exact ids the
-# engine computed for earlier turns, the reasoning a template would drop included; `template` renders the history as
-# the chat template says (and recomputes from where that rendering differs).
-DEFAULT_THINKING_HISTORY = PRESERVE
+# The thinking-history policies (tsterm.chat.history.POLICIES; named here too, since configuration sits below the chat
+# layer) and the one of every session a profile runs - agent sessions, chats, the line chat - when no profile in its
+# `extends` chain sets `thinking_history`: `preserve` continues from the exact ids the engine computed for earlier
+# turns, the reasoning a template would drop included; `template` renders the history as the chat template says (and
+# recomputes from where that rendering differs).
+THINKING_HISTORY_POLICIES = ("preserve", "template")
+DEFAULT_THINKING_HISTORY = "preserve"
 
 DEFAULT_THEME = "textual-dark"  # Textual's own default, one of its built-in themes in every version tsterm supports
 
@@ -434,9 +435,9 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     for key in ("extends", "description", "system_prompt", "plan_config"):
         if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
             fail(key, f"{at(key)}: {key} must be a string, got {raw[key]!r}")
-    if "thinking_history" in raw and raw["thinking_history"] not in POLICIES:
-        fail("thinking_history", f"{at('thinking_history')}: thinking_history must be {' or '.join(POLICIES)}, "
-                                 f"got {raw['thinking_history']!r}")
+    if "thinking_history" in raw and raw["thinking_history"] not in THINKING_HISTORY_POLICIES:
+        fail("thinking_history", f"{at('thinking_history')}: thinking_history must be "
+                                 f"{' or '.join(THINKING_HISTORY_POLICIES)}, got {raw['thinking_history']!r}")
     base = None
     if "extends" in raw and "extends" not in bad:
         chain = (*seen, path)
