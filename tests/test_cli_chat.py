@@ -78,3 +78,24 @@ def test_exit_command_ends_the_chat(model_dir, monkeypatch, capsys):
 def test_eof_ends_the_chat(model_dir, monkeypatch, capsys):
     code, replies, turns = chat(model_dir, "", monkeypatch, capsys)
     assert (code, replies, turns) == (0, [], [])
+
+
+@pytest.mark.parametrize("flags, policy", [((), "preserve"), (("--thinking-history", "template"), "template"),
+                                           (("--profile", "tpl.yaml"), "template")])
+def test_the_thinking_history_policy_comes_from_the_flag_or_the_profile(model_dir, monkeypatch, capsys, tmp_path,
+                                                                        flags, policy):
+    """The saved session's first turn says which policy planned it (the second falls back: the first reply was cut
+    at --max-tokens, so only the first shows the choice)."""
+    from tsterm.chat.store import SessionStore
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tpl.yaml").write_text(f"model: {model_dir}\nthinking_history: template\n")
+    model = () if "--profile" in flags else ("--model", model_dir)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\nand tomorrow?\n"))
+    assert main(["chat", "--plain", *model, "--max-tokens", "6", "--temperature", "0", *flags]) == 0
+    capsys.readouterr()
+    [session], errors = SessionStore().load_all()
+    assert not errors and [t.policy_applied for t in session.turns] == [policy, "template"]
+    assert session.turns[1].fallback_reason == (None if policy == "template" else
+                                                "the last reply did not end with a stop token (cut by max_tokens or "
+                                                "a stop string)")

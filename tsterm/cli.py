@@ -111,6 +111,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         return tui(args.profile or "default", engine_options=_parallel_options(args))
     from tsterm.chat import line_chat
     from tsterm.launch import llm_from_args, profile_from_args
+    from tsterm.profiles import DEFAULT_THINKING_HISTORY
 
     if not args.model and not args.profile:
         args.profile = "default"
@@ -118,7 +119,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     _sampling_params(args, profile)  # validated before the model load
     llm = llm_from_args(args, profile)
     system = args.system if args.system is not None else (profile.system_prompt if profile else None)
-    return line_chat.run(llm, _model_sampling(args, profile, llm, system), system)
+    policy = args.thinking_history or (profile.thinking_history if profile else DEFAULT_THINKING_HISTORY)
+    return line_chat.run(llm, _model_sampling(args, profile, llm, system), system, history_policy=policy)
 
 
 def _parallel_options(args: argparse.Namespace) -> dict[str, int | str | None]:
@@ -269,7 +271,9 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
     parser.add_argument("--workspace", help="the directory TUI agent sessions' tools work in (default: the profile's)")
     from tsterm.server.serve import add_workstation_serve_arguments
     add_workstation_serve_arguments(parser)
+    from tsterm.chat.history import POLICIES
     from tsterm.launch import add_parallel_arguments
+    from tsterm.profiles import DEFAULT_THINKING_HISTORY
     add_parallel_arguments(parser)
     sub = parser.add_subparsers(dest="command")
 
@@ -294,6 +298,10 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
                       help=PROFILE_HELP % "default, unless --model is given")
     chat.add_argument("--plain", action="store_true", help="line mode even on a terminal")
     chat.add_argument("--system", help="system prompt (default: the profile's system_prompt)")
+    chat.add_argument("--thinking-history", choices=POLICIES, dest="thinking_history",
+                      help="line mode: earlier turns in each prompt, preserve (the exact ids the engine computed, "
+                           "reasoning included) or template (as the chat template renders them) (default: the "
+                           f"profile's thinking_history, else {DEFAULT_THINKING_HISTORY})")
     _add_sampling_arguments(chat, full=False)
     _add_engine_arguments(chat)
     add_parallel_arguments(chat)

@@ -91,3 +91,62 @@ def test_a_reply_the_engine_fails_on_is_reported_and_the_chat_goes_on(llm, monke
     assert not line.session.messages and not line.session.turns  # the chat is as it was
     line.turn("What is 2 + 2?")
     assert len(line.session.turns) == 1 and llm.engine.stats()["used"] == 0
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_profile, default_model_dir):
+    llm = LLM(str(default_model_dir), **default_profile.engine_options())
+    yield llm
+    llm.engine.shutdown()
+
+
+THINKING_OFF = "<think>\n\n</think>\n\n"
+
+
+@pytest.mark.parametrize("policy", ["preserve", "template"])
+def test_a_generation_prompt_the_history_does_not_keep_costs_a_miss_only_under_template(smollm2, default_profile,
+                                                                                        monkeypatch, policy):
+    """Qwen3's template with thinking off opens every reply with an empty think block, which it does not write back
+    into the history: under `template` every next turn re-renders the last reply without it (a miss there), under
+    `preserve` the turn continues from every id the engine computed. SmolLM2's own template, given that prefix."""
+    tok = smollm2.tokenizer
+    template = tok.chat_templates["default"]
+    thinking_off = template.replace("{{ '<|im_start|>assistant\n' }}{% endif %}",
+                                    "{{ '<|im_start|>assistant\n" + THINKING_OFF + "' }}{% endif %}")
+    assert thinking_off != template
+    monkeypatch.setattr(tok, "chat_templates", {**tok.chat_templates, "default": thinking_off})
+    stdin, stdout, stderr = io.StringIO("What is the capital of France?\nAnd of Italy?\n"), io.StringIO(), io.StringIO()
+    params = default_profile.sampling_params(temperature=0, max_tokens=48)
+    system = f"You are a helpful assistant. ({policy})"  # each case its own prefix: nothing cached by the other
+    line = LineChat(smollm2, params, system, None, stdin, stdout, stderr, interactive=False, history_policy=policy)
+    assert line.run() == 0
+    first, second = line.session.turns
+    assert first.finish_reason == "stop"  # the reply ended on the model's stop token: `preserve` can apply
+    previous = first.prompt_tokens + first.generated_tokens
+    assert (second.policy_applied, second.fallback_reason) == (policy, None)
+    if policy == "preserve":
+        assert not second.miss and second.kept_tokens == previous
+        assert second.cached_tokens == previous - 1  # every id the engine computed (the last reply's stop is not)
+        assert "computed again" not in stderr.getvalue()
+    else:
+        assert second.miss and second.diverged_at == first.prompt_tokens - len(tok.encode(THINKING_OFF))
+        assert second.cached_tokens <= second.diverged_at
+        assert f"differently from token {second.diverged_at} on" in stderr.getvalue()
+
+
+def test_a_reply_cut_at_max_tokens_falls_back_and_a_miss_says_why(smollm2, default_profile, monkeypatch):
+    """A reply cut by max_tokens does not end with the stop token: `preserve` cannot tell where the template ends it,
+    the turn is the template's, and the status line of its miss says why."""
+    tok = smollm2.tokenizer
+    template = tok.chat_templates["default"]
+    thinking_off = template.replace("{{ '<|im_start|>assistant\n' }}{% endif %}",
+                                    "{{ '<|im_start|>assistant\n" + THINKING_OFF + "' }}{% endif %}")
+    monkeypatch.setattr(tok, "chat_templates", {**tok.chat_templates, "default": thinking_off})
+    stdin, stdout, stderr = io.StringIO("What is the capital of France?\nAnd of Italy?\n"), io.StringIO(), io.StringIO()
+    line = LineChat(smollm2, default_profile.sampling_params(temperature=0, max_tokens=3), None, None, stdin, stdout,
+                    stderr, interactive=False)
+    assert line.run() == 0
+    first, second = line.session.turns
+    assert first.finish_reason == "length" and second.policy_applied == "template" and second.miss
+    why = "the last reply did not end with a stop token (cut by max_tokens or a stop string)"
+    assert second.fallback_reason == why and f"; preserve could not apply: {why}]" in stderr.getvalue()

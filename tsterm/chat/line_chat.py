@@ -4,7 +4,11 @@ On a terminal: a `>>> ` prompt with line editing; ctrl+c stops the reply (the re
 kept), not the chat; keys typed while a reply streams are not echoed into it (and are dropped); ctrl+d or `/bye`
 leaves. Slash commands (`/help`, `/new`, `/system [TEXT]`, `/bye`) are handled here, never sent to the model. On a
 pipe: one message per line, the reply on stdout, nothing else there. Either way each chat keeps the exact token ids
-between turns and is saved in the TUI's session store, so `tsterm` shows it afterwards.
+between turns and is saved in the TUI's session store, so `tsterm` shows it afterwards. Each turn is planned under the
+profile's thinking-history policy (`history_policy`, tsterm.chat.history): under `preserve` (the default) a reasoning
+template that drops earlier `<think>` blocks changes nothing the engine computed; a turn `preserve` cannot take (the
+last reply was stopped or cut at max_tokens, the system prompt changed) is planned as the template renders it, and
+when that costs a miss the status line says why.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from tsterm.chat.history import PRESERVE, check_policy, request_stop_ids
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.chat.store import SessionStore
 from tsterm.config import SamplingParams
@@ -35,9 +40,11 @@ class LineChat:
 
     def __init__(self, llm: Any, params: SamplingParams, system_prompt: str | None, store: SessionStore | None,
                  stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
-                 interactive: bool | None = None):
-        """`stdin`/`stdout`/`stderr` default to the process's streams as they are now (not at import)."""
+                 interactive: bool | None = None, history_policy: str = PRESERVE):
+        """`stdin`/`stdout`/`stderr` default to the process's streams as they are now (not at import).
+        `history_policy`: `preserve` or `template` (a profile's `thinking_history`)."""
         self.llm, self.params, self.store = llm, params, store
+        self.history_policy = check_policy(history_policy)
         self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
         stdin, stdout = self.stdin, self.stdout
         self.interactive = stdin.isatty() and stdout.isatty() if interactive is None else interactive
@@ -112,7 +119,7 @@ class LineChat:
         session.add_user(text)
         tokenizer = self.llm.tokenizer
         plan = session.plan(lambda m: tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-                            tokenizer)
+                            tokenizer, self.history_policy, request_stop_ids(self.llm.engine.eos_token_ids, self.params))
         try:
             out = self._generate(plan.token_ids)
         # the conversation outgrew the context, or the engine failed on this reply (and serves on): report it, keep
@@ -125,16 +132,17 @@ class LineChat:
         self.stdout.flush()
         aborted = not out.finished
         completion = out.outputs[0]
-        session.record_reply(plan, completion.text, list(completion.token_ids), TurnStats(
-            len(plan.token_ids), out.num_cached_tokens, plan.kept_tokens, len(completion.token_ids), plan.miss,
-            plan.diverged_at, finish_reason="abort" if aborted else completion.finish_reason))
+        session.record_reply(plan, completion.text, list(completion.token_ids), TurnStats.from_plan(
+            plan, out.num_cached_tokens, len(completion.token_ids),
+            finish_reason="abort" if aborted else completion.finish_reason))
         self._save()
         if aborted:
             self._note("(stopped)")
-        if plan.miss:
+        if plan.miss:  # (a `preserve` turn that fell back and kept every id cost nothing: its turn stats say why)
             lost = len(plan.token_ids) - out.num_cached_tokens
+            why = f"; preserve could not apply: {plan.fallback_reason}" if plan.fallback_reason else ""
             self._note(f"[the chat template wrote the earlier conversation differently from token {plan.diverged_at} "
-                       f"on, so {lost} tokens were computed again instead of reused]")
+                       f"on, so {lost} tokens were computed again instead of reused{why}]")
         self._note(f"[cached {out.num_cached_tokens}/{len(plan.token_ids)} tokens]")
 
     def _generate(self, prompt_ids: list[int]) -> Any:
@@ -221,6 +229,6 @@ def _empty_output(request_id: str, prompt_ids: list[int]) -> Any:
 
 
 def run(llm: Any, params: SamplingParams, system_prompt: str | None,
-        store_factory: Callable[[], SessionStore] = SessionStore) -> int:
+        store_factory: Callable[[], SessionStore] = SessionStore, history_policy: str = PRESERVE) -> int:
     """`tsterm chat --plain`: the loop on this process's stdin/stdout, chats saved in the session store."""
-    return LineChat(llm, params, system_prompt, store_factory()).run()
+    return LineChat(llm, params, system_prompt, store_factory(), history_policy=history_policy).run()
