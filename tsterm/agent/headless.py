@@ -34,7 +34,7 @@ EXIT_CODES = {"answer": 0, "length": 1, "max_steps": 1, "aborted": 130}
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("agent", help="run one agent task: the model calls tools until it answers")
     p.add_argument("task", help="what the agent should do")
-    p.add_argument("--follow-up", action="append", dest="follow_ups", metavar="TEXT", default=[],
+    p.add_argument("--follow-up", action="append", dest="follow_ups", metavar="TEXT",
                    help="a further user message, sent in the same session once the task (or the follow-up before "
                         "it) has answered; repeatable, run in order. Its answer goes to stdout after the task's; "
                         "stderr (and --json's follow_ups) say how many of its prompt tokens came from the cache")
@@ -68,7 +68,8 @@ def main(args: argparse.Namespace) -> int:
 
     if not args.task.strip():
         raise ConfigError("the task is empty: say what the agent should do")
-    for n, text in enumerate(args.follow_ups, 1):
+    follow_ups = args.follow_ups or []
+    for n, text in enumerate(follow_ups, 1):
         if not text.strip():
             raise ConfigError(f"--follow-up number {n} is empty: give the message to send")
     if not args.model and not getattr(args, "profile", None):
@@ -93,16 +94,16 @@ def main(args: argparse.Namespace) -> int:
         agent = Agent(engine, llm.tokenizer, toolset.tools, params, options=options, approve=approve,
                       system_prompt=system, history_policy=policy, stop_ids=llm.engine.eos_token_ids)
         try:
-            tasks = asyncio.run(_run(agent, [args.task, *args.follow_ups], log))
+            tasks = asyncio.run(_run(agent, [args.task, *follow_ups], log))
         finally:
             engine.shutdown()
     if args.trace:
         trace = agent.trace(model=str(llm.config.model))
         Path(args.trace).write_text(json.dumps(trace, indent=1) + "\n")
-    first, *follow_ups = tasks
     if args.json:
+        first = tasks[0]
         json.dump({**agent.to_json(first.done.answer), "reason": first.done.reason, "thinking_history": policy,
-                   "follow_ups": [task.to_json() for task in follow_ups]}, sys.stdout, ensure_ascii=False)
+                   "follow_ups": [task.to_json() for task in tasks[1:]]}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         for n, task in enumerate(tasks):
@@ -111,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
                 which = f"follow-up {n}: " if n else ""
                 print(f"tsterm: {which}the agent stopped before a final answer "
                       f"({_why(task.done, options.max_steps)})", file=sys.stderr)
-    unsent = 1 + len(args.follow_ups) - len(tasks)
+    unsent = 1 + len(follow_ups) - len(tasks)
     if unsent:
         print(f"tsterm: {unsent} follow-up(s) not sent: the session was aborted", file=sys.stderr)
     return max(EXIT_CODES[task.done.reason] for task in tasks)
