@@ -1,6 +1,7 @@
 """Tensor parallelism over NCCL on real devices, as far as the machine's GPUs allow.
 
-One GPU: the standard groups with an NCCL world of one rank (created, used, destroyed, created again), and the
+One GPU: the standard groups (`init_process_group` + `new_group`) with an NCCL world of one rank (created, used,
+destroyed, created again), and the
 distributed executor of one rank (NCCL data group, gloo control group, incremental block tables, the worker watch)
 giving one GPU's greedy output. Two GPUs or more: TP=2 over NCCL gives one GPU's output, the workers' block tables
 equal rank 0's, and a worker killed while rank 0 waits on NCCL (whose waits never raise) ends the run with a
@@ -66,11 +67,11 @@ def test_nccl_groups_of_one_rank_are_created_used_and_destroyed():
         store = connect_store("127.0.0.1", 0, 1, True, timedelta(seconds=30))
         groups = Groups(store, ParallelLayout(), torch.device("cuda", 0), timedelta(seconds=30))
         try:
-            assert dist.get_backend(groups.world) == "nccl" and dist.get_backend(groups.control) == "gloo"
+            assert dist.get_backend(groups.world) == "nccl" and isinstance(groups.control, dist.ProcessGroupGloo)
             x = torch.arange(4.0, device="cuda")
-            dist.all_reduce(x, group=groups.world)
+            groups.world.allreduce([x]).wait()
             header = torch.tensor([7, 0])
-            dist.broadcast(header, src=0, group=groups.control)
+            groups.control.broadcast([header], dist.BroadcastOptions()).wait()
             torch.cuda.synchronize()
             assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and header.tolist() == [7, 0]
         finally:

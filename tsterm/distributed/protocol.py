@@ -78,19 +78,19 @@ def parse_step(words: list[int]) -> tuple[HostStep, list[int], list[int], list[i
 def send(group: dist.ProcessGroup, kind: Command, payload: list[int] | None = None) -> int:
     """Rank 0: broadcast a command to every worker; the bytes it sent to each."""
     words = payload or []
-    dist.broadcast(torch.tensor([int(kind), len(words)], dtype=torch.int64), src=0, group=group)
+    group.broadcast([torch.tensor([int(kind), len(words)], dtype=torch.int64)], dist.BroadcastOptions()).wait()
     if words:
-        dist.broadcast(torch.tensor(words, dtype=torch.int64), src=0, group=group)
+        group.broadcast([torch.tensor(words, dtype=torch.int64)], dist.BroadcastOptions()).wait()
     return HEADER_BYTES + 8 * len(words)
 
 
 def receive(group: dist.ProcessGroup) -> tuple[Command, list[int]]:
     """A worker: wait for rank 0's next command."""
     header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, src=0, group=group)
+    group.broadcast([header], dist.BroadcastOptions()).wait()
     kind, size = Command(int(header[0])), int(header[1])
     if not size:
         return kind, []
     data = torch.empty(size, dtype=torch.int64)
-    dist.broadcast(data, src=0, group=group)
+    group.broadcast([data], dist.BroadcastOptions()).wait()
     return kind, np.asarray(data).tolist()
