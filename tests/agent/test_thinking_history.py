@@ -113,6 +113,7 @@ def test_a_follow_up_after_a_tool_loop_reuses_the_loop_under_preserve_and_recomp
     tok = agent.tokenizer
     steps = agent.steps
     assert task[-1].reason == "answer" and len(steps) == 4  # three scripted loop steps, then the follow-up's
+    assert task[-1].answer == LOOP[2][1]  # the answer without the reasoning before it (the step's text keeps it)
     first, second, third, asked = steps
     assert [c.name for c in first.tool_calls] == ["read_file", "calculator"]  # two calls in the loop's first turn
     [log_result, product] = [m["content"] for m in agent.session.messages if m["role"] == "tool"][:2]
@@ -169,7 +170,7 @@ def cli_session(monkeypatch, capsys, model_dir: Path, workspace: Path, *flags: s
 
 def test_tsterm_agent_with_a_follow_up_reports_its_reuse_per_policy(monkeypatch, capsys, model_dir, workspace):
     code, out = cli_session(monkeypatch, capsys, model_dir, workspace)
-    assert out["reason"] == "answer" and out["answer"].endswith(LOOP[2][1]) and out["thinking_history"] == PRESERVE
+    assert out["reason"] == "answer" and out["answer"] == LOOP[2][1] and out["thinking_history"] == PRESERVE
     [follow_up] = out["follow_ups"]
     loop = out["steps"][2]
     prior = loop["prompt_tokens"] + loop["generated_tokens"]

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
 from tsterm.agent.tools import Tool, ToolResult
-from tsterm.chat.history import PRESERVE, check_policy, request_stop_ids, stop_ids_of
+from tsterm.chat.history import PRESERVE, THINK_END, check_policy, request_stop_ids, stop_ids_of
 from tsterm.chat.plan import PromptPlan, TextCodec
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.config import SamplingParams
@@ -162,7 +162,7 @@ class ToolFinished:
 
 @dataclass(frozen=True)
 class AgentFinished:
-    answer: str
+    answer: str  # the last reply's text after its reasoning (the step's `text` keeps the `<think>` block)
     reason: str  # "answer" | "max_steps" | "length" (the last reply hit max_tokens) | "aborted"
     steps: int  # steps this task took
 
@@ -257,7 +257,7 @@ class Agent:
                 if len(self.steps) == first:  # nothing of this task happened: the session is as it was
                     self.session.drop_last_user()
                 break
-            answer = step.text
+            answer = _after_reasoning(step.text)
             if not step.tool_calls:
                 reason = "length" if step.finish_reason == "length" else "answer"
                 break
@@ -409,7 +409,7 @@ class Agent:
     def to_json(self, answer: str | None = None) -> dict[str, Any]:
         """The `tsterm agent --json` object: the answer and every step of this session."""
         if answer is None:
-            answer = self.steps[-1].text.strip() if self.steps else ""
+            answer = _after_reasoning(self.steps[-1].text).strip() if self.steps else ""
         return {"answer": answer, "steps": [s.to_json() for s in self.steps]}
 
     def trace(self, model: str | None = None) -> dict[str, Any]:
@@ -427,6 +427,11 @@ def engine_eos_ids(backend: Any, tokenizer: Any) -> frozenset[int]:
         if ids is not None:
             return frozenset(ids)
     return stop_ids_of(tokenizer)
+
+
+def _after_reasoning(text: str) -> str:
+    """A reply's text without its reasoning: what follows its last `</think>` (all of it when there is none)."""
+    return text.rsplit(THINK_END, 1)[1] if THINK_END in text else text
 
 
 def _record(call: ToolCall) -> ToolCallRecord:
