@@ -7,6 +7,10 @@ tool-call parser, admission, generation with disconnect watching and usage count
 tool_choice "any" and a named tool constrain generation as on the OpenAI route (the reply opens with a call; a named
 tool, or `disable_parallel_tool_use`, stops after one); the forced opening counts in `input_tokens`. A constrained
 reply that still is not a valid call is a 422 (in a stream, an error event).
+Reasoning: `thinking: {"type": "enabled" | "disabled"}` reaches the chat template as `enable_thinking` (true |
+false); an assistant message's `thinking` blocks reach it as the message's `reasoning_content`. A request that
+continues a conversation the server stored is planned under the server's history policy (`preserve` by default;
+Anthropic's API has no field to choose it per request), as on the OpenAI route (generation.plan_chat).
 A streamed tool_use block starts (`content_block_start`, empty input) once its name is read and is an offered tool;
 `input_json_delta` events carry `partial_json` fragments of the input as the model writes it; `content_block_stop`
 ends it. A streamed block that turns out malformed stays (its input is what the model wrote); stop_reason is still
@@ -30,8 +34,9 @@ from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
-    LAST, Lease, SSEResponse, check_max_tokens, check_model, check_prompt, check_stop, count_usage, generate, gone,
-    render_messages, run_to_end, sse_events,
+    LAST, ChatPrompt, Lease, ReplyRecord, SSEResponse, check_max_tokens, check_model, check_prompt, check_stop,
+    count_history, count_usage, generate, gone, plan_chat, remember, render_messages, request_owner, run_to_end,
+    sse_events,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
@@ -65,6 +70,23 @@ class ToolUseBlock(_Body):
     input: dict[str, Any]
 
 
+class ThinkingBlock(_Body):
+    """An assistant's reasoning as Anthropic returns it; a client sends it back with the message. It reaches the chat
+    template as the message's `reasoning_content` (the signature is not checked: tsterm signs nothing)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class ThinkingConfig(_Body):
+    """`thinking`: Anthropic's switch for extended thinking, given to the chat template as `enable_thinking`
+    (`budget_tokens` is accepted and not enforced: max_tokens bounds the whole reply)."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
@@ -74,7 +96,7 @@ class ToolResultBlock(_Body):
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock | ToolUseBlock | ToolResultBlock]
+    content: str | list[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock]
 
 
 class Tool(_Body):
@@ -97,6 +119,7 @@ class CountTokensRequest(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -125,10 +148,14 @@ def _template_messages(body: CountTokensRequest) -> list[dict]:
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for block in message.content:
             if isinstance(block, TextBlock):
                 text.append(block.text)
+            elif isinstance(block, ThinkingBlock):
+                if message.role != "assistant":
+                    raise APIError(400, "thinking blocks belong in assistant messages", param="messages")
+                thinking.append(block.thinking)
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
                     raise APIError(400, "tool_use blocks belong in assistant messages", param="messages")
@@ -145,6 +172,8 @@ def _template_messages(body: CountTokensRequest) -> list[dict]:
                             "content": f"Error: {result}" if block.is_error else result})
         if message.role == "assistant":
             entry: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            if thinking:
+                entry["reasoning_content"] = "".join(thinking)
             if calls:
                 entry["tool_calls"] = calls
             out.append(entry)
@@ -171,6 +200,11 @@ def _tools(body: CountTokensRequest) -> ToolUse:
         return ToolUse(named, True, True, name=name, single=True)
     single = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
     return ToolUse(specs, True, kind == "any", single=single)
+
+
+def _template_kwargs(body: CountTokensRequest) -> dict[str, Any]:
+    """Anthropic's `thinking` as the chat template's `enable_thinking` (absent: the template's own default)."""
+    return {} if body.thinking is None else {"enable_thinking": body.thinking.type == "enabled"}
 
 
 def _sampling(state: ServerState, body: MessagesRequest) -> SamplingParams:
@@ -221,7 +255,8 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
     forced opening included); nothing is generated."""
     state = request.app.state.server
     check_model(state, body.model)
-    prompt = await asyncio.to_thread(render_messages, state, _template_messages(body), _tools(body))
+    prompt = await asyncio.to_thread(render_messages, state, _template_messages(body), _tools(body),
+                                     _template_kwargs(body))
     return JSONResponse({"input_tokens": len(prompt.ids)})
 
 
@@ -232,14 +267,18 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     tools = _tools(body)
     params = stop_at_call_end(_sampling(state, body), tools)
     messages = _template_messages(body)
-    prompt = await asyncio.to_thread(render_messages, state, messages, tools)
+    owner = request_owner(request, state)
+    stored = state.conversations.find(owner, messages) if state.conversations is not None else None
+    prompt = await asyncio.to_thread(plan_chat, state, messages, tools, _template_kwargs(body), None, stored)
     check_prompt(state, prompt.ids)
     check_max_tokens(state, prompt.ids, body.max_tokens, "max_tokens")
     lease = Lease(state, metrics)
-    info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages)
+    info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages,
+                       history_policy=prompt.policy, history_fallback=prompt.fallback_reason)
+    count_history(metrics, prompt, info.request_id)
     parser = reply_parser(tools, prompt.forced, prefix="toolu")
     if body.stream:
-        events = _stream(state, metrics, tools, parser, info, params)
+        events = _stream(state, metrics, tools, parser, info, params, owner, prompt)
         return SSEResponse(sse_events(events, lease, metrics, _error_event), lease.release,
                            media_type="text/event-stream")
     out = await run_to_end(request, state, metrics, lease, info, params)
@@ -249,6 +288,9 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     pieces = parser.feed(o.text, final=True, stop_reason=o.stop_reason)
     if tools.required and not parser.calls:
         raise unsatisfied()
+    record = ReplyRecord()
+    record.add(pieces)
+    remember(state, owner, prompt, out, {o.index: record.message()})
     text = "".join(p for p in pieces if isinstance(p, str))
     calls = [p.call for p in pieces if isinstance(p, CallEnd)]
     content: list[dict] = [{"type": "text", "text": text}] if text.strip() or not calls else []
@@ -260,17 +302,20 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
 
 
 async def _stream(state: ServerState, metrics: ServerMetrics, tools: ToolUse, parser: ReplyParser,
-                  info: RequestInfo, params: SamplingParams) -> AsyncIterator[str]:
+                  info: RequestInfo, params: SamplingParams, owner: str, prompt: ChatPrompt) -> AsyncIterator[str]:
     last, index, text_open = None, 0, False
     start = {"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
              "content": [], "stop_reason": None, "stop_sequence": None,
              "usage": {**_usage(None), "input_tokens": len(info.prompt_ids)}}
     yield _event("message_start", {"message": start})
     o = None
+    record = ReplyRecord()
     async for out in generate(state, info, params):
         last = out
         (o,) = out.outputs
-        for piece in parser.feed(o.delta_text, o.finish_reason is not None, o.stop_reason):
+        pieces = parser.feed(o.delta_text, o.finish_reason is not None, o.stop_reason)
+        record.add(pieces)
+        for piece in pieces:
             if isinstance(piece, str):
                 if not text_open and not piece.strip():
                     continue
@@ -300,6 +345,7 @@ async def _stream(state: ServerState, metrics: ServerMetrics, tools: ToolUse, pa
     if text_open:
         yield _event("content_block_stop", {"index": index})
     count_usage(metrics, last)
+    remember(state, owner, prompt, last, {o.index: record.message()})
     stop_reason, stop_sequence = _stop(o, parser)
     yield _event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                    "usage": _usage(last)})

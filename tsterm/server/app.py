@@ -101,6 +101,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tsterm", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.state.metrics = metrics
+    store = state.conversations
+    metrics.conversations.set_function(lambda: len(store) if store is not None else 0)
 
     async def check_key(request: Request) -> None:
         if state.api_key is None:

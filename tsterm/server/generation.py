@@ -4,12 +4,19 @@ watching for the client leaving, and an SSE response that aborts the engine requ
 Errors are `APIError`s; each route shapes its own bodies. Splitting a reply into text and (streamed) tool calls is
 `tool_stream.ReplyParser`'s; what tools and tool_choice ask of generation (the forced call opening of
 tool_choice "required" and a named tool) is `tool_choice`'s.
+
+Chat requests go through `ChatPlanner`: a request that continues a conversation the server stored (conversations.py)
+is planned under the history policy (`preserve` by default: the stored exact ids + the template's text for the new
+messages; `template`: the client's messages rendered as the template says, the stored ids kept as far as that text
+starts with theirs); one that continues none is rendered as sent. `remember` stores each choice's conversation with
+its exact ids for the next request. What was applied is counted in /metrics, logged, and told to the observer.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,14 +26,18 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tsterm.chat.history import POLICIES, PRESERVE, TEMPLATE
+from tsterm.chat.session import Session
 from tsterm.config import SamplingParams
 from tsterm.engine.admission import check_reply_room
 from tsterm.errors import DistributedError, EngineStepError, EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
+from tsterm.server.conversations import owner_of
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_choice import ToolUse, open_call
+from tsterm.server.tool_stream import CallArguments, CallStart, Piece
 
 log = logging.getLogger("tsterm.server")
 CUT_SHORT = "cut short before its end (the client left, or the server refused the reply)"
@@ -244,15 +255,188 @@ class Prompt:
     forced: str = ""  # the reply's start the engine did not generate (its ids end `ids`)
 
 
-def render_messages(state: ServerState, messages: list[dict], tools: ToolUse) -> Prompt:
+def render_messages(state: ServerState, messages: list[dict], tools: ToolUse,
+                    template_kwargs: dict[str, Any] | None = None) -> Prompt:
     """Chat-template messages (tool calls with object arguments) -> the prompt, a required call's opening appended
-    (`open_call`); shared with the Anthropic route."""
+    (`open_call`); shared with the Anthropic route. `template_kwargs` are variables for the template."""
     try:
         ids = list(state.tokenizer.apply_chat_template(messages, tools=tools.offered, add_generation_prompt=True,
-                                                       tokenize=True))
+                                                       tokenize=True, **(template_kwargs or {})))
     except TstermError as e:
         raise APIError(400, str(e), param="messages") from e
     if not tools.required:
         return Prompt(ids)
     forced = open_call(state, tools)
     return Prompt(ids + forced, state.tokenizer.decode(forced, skip_special_tokens=False))
+
+
+# ---- chat template variables and the history policy -------------------------------------------------------------
+
+# Variables the server itself hands to the template: a request may not set them
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "tokenize")
+# Switches templates read, checked for their type (a template sees any other key as it came)
+BOOLEAN_TEMPLATE_KWARGS = ("enable_thinking", "preserve_thinking", "clear_thinking")
+HISTORY_KEY = "thinking_history"  # tsterm's: the history policy of this request; not passed to the template
+
+
+def template_kwargs(raw: dict[str, Any] | None, param: str = "chat_template_kwargs") -> tuple[dict[str, Any],
+                                                                                            str | None]:
+    """A request's `chat_template_kwargs` -> (the template's variables, the history policy it names or None); a 400
+    naming the bad field otherwise. The body is JSON, so every value is a JSON value already."""
+    if raw is None:
+        return {}, None
+    kwargs = dict(raw)
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise APIError(400, f"{param}.{key}: the server sets {key!r} itself; it cannot be a template variable",
+                           param=f"{param}.{key}")
+        if not key.isidentifier():
+            raise APIError(400, f"{param}: {key!r} is not a template variable name", param=f"{param}.{key}")
+    for key in BOOLEAN_TEMPLATE_KWARGS:
+        if key in kwargs and not isinstance(kwargs[key], bool):
+            raise APIError(400, f"{param}.{key} must be true or false, got {kwargs[key]!r}", param=f"{param}.{key}")
+    policy = kwargs.pop(HISTORY_KEY, None)
+    if policy is not None and policy not in POLICIES:
+        raise APIError(400, f"{param}.{HISTORY_KEY} must be one of {', '.join(map(repr, POLICIES))}, got {policy!r}",
+                       param=f"{param}.{HISTORY_KEY}")
+    return kwargs, policy
+
+
+# Prefixes of history.py's / Session.plan's fallback reasons -> the short label /metrics counts them under
+FALLBACK_LABELS = (
+    ("the last reply did not end with a stop token", "reply_cut"),
+    ("the kept ids or the messages they stand for changed", "history_changed"),
+    ("the session does not know which messages", "coverage_unknown"),
+    ("the template renders another context", "context_changed"),
+    ("the template rejected the probe", "template_rejected"),
+    ("the kept ids do not end with an assistant reply", "no_reply"),
+    ("no new messages", "no_new_messages"),
+)
+
+
+def fallback_label(reason: str) -> str:
+    return next((label for prefix, label in FALLBACK_LABELS if reason.startswith(prefix)), "end_marker")
+
+
+@dataclasses.dataclass
+class ChatPrompt(Prompt):
+    """A chat request's prompt with how it was planned: `messages` is the conversation its ids stand for (what
+    `remember` stores with each reply), `policy` the history policy applied (None: it continued no stored
+    conversation and was rendered as sent)."""
+
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    context: str = ""
+    policy: str | None = None
+    fallback_reason: str | None = None
+    kept_tokens: int = 0
+
+
+def plan_chat(state: ServerState, messages: list[dict], tools: ToolUse, kwargs: dict[str, Any],
+              policy: str | None, stored: Session | None) -> ChatPrompt:
+    """The prompt of a chat request (blocking: run it off the event loop). `stored` is the conversation it continues
+    (ConversationStore.find), or None."""
+    tokenizer = state.tokenizer
+
+    def render(conversation: list[dict]) -> str:
+        return tokenizer.apply_chat_template(conversation, tools=tools.offered, add_generation_prompt=True,
+                                             tokenize=False, **kwargs)
+
+    try:
+        if stored is None:
+            fresh = Session(id="api", kind="api", messages=list(messages))
+            plan = fresh.plan(render, tokenizer, TEMPLATE)
+            applied, planned = None, messages
+        else:
+            policy = policy or state.history_policy
+            covered = stored.kept_messages
+            if policy == PRESERVE:
+                stored.messages = stored.messages[:covered] + list(messages[covered:])
+                plan = stored.plan(render, tokenizer, PRESERVE)
+                planned = stored.messages
+            if policy == TEMPLATE or plan.fallback_reason is not None:  # the client's messages, as the template says
+                why = None if policy == TEMPLATE else plan.fallback_reason
+                stored.messages = list(messages)
+                plan = dataclasses.replace(stored.plan(render, tokenizer, TEMPLATE), fallback_reason=why)
+                planned = messages
+            applied = plan.policy_applied
+    except TstermError as e:
+        raise APIError(400, str(e), param="messages") from e
+    prompt = ChatPrompt(list(plan.token_ids), messages=[dict(m) for m in planned], context=plan.context,
+                        policy=applied, fallback_reason=plan.fallback_reason, kept_tokens=plan.kept_tokens)
+    if tools.required:
+        forced = open_call(state, tools)
+        prompt.ids += forced
+        prompt.forced = tokenizer.decode(forced, skip_special_tokens=False)
+    return prompt
+
+
+def count_history(metrics: ServerMetrics, prompt: ChatPrompt, request_id: str) -> None:
+    """/metrics and the log: which history policy planned a chat request, and why a `preserve` one fell back."""
+    if prompt.policy is None:
+        metrics.history_unmatched.inc()
+        log.debug("%s continues no stored conversation: rendered as sent (%d prompt tokens)", request_id,
+                  len(prompt.ids))
+        return
+    metrics.history_policy.labels(prompt.policy).inc()
+    if prompt.fallback_reason is not None:
+        metrics.history_fallbacks.labels(fallback_label(prompt.fallback_reason)).inc()
+        log.info("%s: history policy 'preserve' fell back to 'template': %s", request_id, prompt.fallback_reason)
+    else:
+        log.debug("%s: history policy %r kept %d of %d prompt tokens", request_id, prompt.policy, prompt.kept_tokens,
+                  len(prompt.ids))
+
+
+class ReplyRecord:
+    """One choice's reply as the client receives it (its text and its calls), from the pieces sent to it: the
+    assistant message a client sends back, stored with the conversation."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: list[list] = []  # [id, name, arguments text]
+
+    def add(self, pieces: list[Piece]) -> None:
+        for piece in pieces:
+            if isinstance(piece, str):
+                self.text.append(piece)
+            elif isinstance(piece, CallStart):
+                self.calls.append([piece.id, piece.name, ""])
+            elif isinstance(piece, CallArguments):
+                self.calls[piece.index][2] += piece.text
+
+    def message(self) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        calls = []
+        for call_id, name, arguments in self.calls:
+            try:
+                parsed: Any = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = arguments
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}})
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+
+def request_owner(request: Request, state: ServerState, user: str | None = None) -> str:
+    """The owner of a request's conversations (conversations.owner_of): the API key it presented when the server
+    has one (app.create_app checked it), and the client's `user`."""
+    key = None
+    if state.api_key is not None:
+        key = request.headers.get("x-api-key") or request.headers.get("authorization", "").partition(" ")[2].strip()
+    return owner_of(key, user)
+
+
+def remember(state: ServerState, owner: str, prompt: ChatPrompt, out: RequestOutput | None,
+             replies: dict[int, dict]) -> None:
+    """Store each finished choice's conversation (the request's messages + its reply) with its exact ids (the prompt
+    + the choice's generated ids) for the owner's next request. Choices not in `replies` (not finished) are not."""
+    if out is None or state.conversations is None:
+        return
+    for o in out.outputs:
+        reply = replies.get(o.index)
+        if reply is None or o.finish_reason is None or o.finish_reason == "error":
+            continue
+        session = Session(id=f"{out.request_id}-{o.index}", kind="api", messages=[*prompt.messages, reply],
+                          model=state.model_name)
+        session.keep(list(prompt.ids) + list(o.token_ids), len(session.messages), prompt.context)
+        state.conversations.put(owner, session)

@@ -91,6 +91,19 @@ class ServerMetrics:
                                    "Requests aborted because their client went away.", registry=self.registry)
         self.in_flight = Gauge("tsterm:server_requests_in_flight", "Generation requests admitted and not finished.",
                                registry=self.registry)
+        # chat requests that continued a stored API conversation, by the history policy that planned their prompt
+        # (tsterm/chat/history.py), the `preserve` ones planned as `template` by why, and those that continued none
+        self.history_policy = Counter("tsterm:server_history_policy",
+                                      "Chat requests continuing a stored conversation, by the history policy applied.",
+                                      ["policy"], registry=self.registry)
+        self.history_fallbacks = Counter("tsterm:server_history_fallbacks",
+                                         "Chat requests asking for the 'preserve' history policy that were planned "
+                                         "as 'template', by reason.", ["reason"], registry=self.registry)
+        self.history_unmatched = Counter("tsterm:server_history_unmatched",
+                                         "Chat requests that continued no stored conversation (rendered as sent).",
+                                         registry=self.registry)
+        self.conversations = Gauge("tsterm:server_conversations", "API conversations stored for their next request.",
+                                   registry=self.registry)
         if engine_collector is not None:
             self.registry.register(engine_collector)
 

@@ -14,6 +14,12 @@ offered tool, then `function.arguments` fragments whose concatenation is the arg
 string a non-streamed reply carries). A streamed call that turns out malformed cannot be taken back: the client keeps
 the arguments as the model wrote them, and finish_reason is still "tool_calls", unless max_tokens cut the call short
 ("length"). Admission, prompt rendering and disconnect-aware generation live in `generation`.
+
+`chat_template_kwargs` (as vLLM and SGLang take it): an object whose keys reach the chat template as variables
+(`enable_thinking`, `preserve_thinking`, `clear_thinking` must be booleans; the variables the server sets itself,
+such as `messages` and `tools`, are refused), plus tsterm's `thinking_history: "preserve" | "template"`, the history
+policy of this request when it continues a conversation the server stored (conversations.py; default `preserve`).
+An assistant message's `reasoning_content` (or `reasoning`) reaches the template too.
 """
 from __future__ import annotations
 
@@ -32,8 +38,9 @@ from tsterm.config import SamplingParams
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.server.errors import APIError
 from tsterm.server.generation import (
-    LAST, Lease, SSEResponse, check_max_tokens, check_model, check_prompt, check_stop, count_usage, generate, gone,
-    render_messages, run_to_end, sse_events,
+    LAST, ChatPrompt, Lease, ReplyRecord, SSEResponse, check_max_tokens, check_model, check_prompt, check_stop,
+    count_history, count_usage, generate, gone, plan_chat, remember, request_owner, run_to_end, sse_events,
+    template_kwargs,
 )
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.metrics import ServerMetrics
@@ -116,6 +123,9 @@ def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
         out["name"] = message.name
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    for field in ("reasoning_content", "reasoning"):  # the tokenizer hands it to the template under every name
+        if getattr(message, field) is not None and role == "assistant":
+            out[field] = getattr(message, field)
     if message.tool_calls:
         if role != "assistant":
             raise APIError(400, f"messages[{index}]: only assistant messages carry tool_calls",
@@ -187,28 +197,37 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     tools = _tools(body)
     params = stop_at_call_end(_sampling(state, body, body.max_completion_tokens or body.max_tokens,
                                         (body.top_logprobs or 0) if body.logprobs else None), tools)
+    kwargs, policy = template_kwargs(body.chat_template_kwargs)
     messages = [_template_message(m, i) for i, m in enumerate(body.messages)]
-    prompt = await asyncio.to_thread(render_messages, state, messages, tools)  # a long history: off the event loop
+    owner = request_owner(request, state, body.user)
+    stored = state.conversations.find(owner, messages) if state.conversations is not None else None
+    # a long history: planned off the event loop
+    prompt = await asyncio.to_thread(plan_chat, state, messages, tools, kwargs, policy, stored)
     check_prompt(state, prompt.ids)
     check_max_tokens(state, prompt.ids, body.max_completion_tokens or body.max_tokens,
                      "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     lease = Lease(state, metrics)
-    info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages)
+    info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages,
+                       history_policy=prompt.policy, history_fallback=prompt.fallback_reason)
+    count_history(metrics, prompt, info.request_id)
     parsers = [reply_parser(tools, prompt.forced) for _ in range(params.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _chat_stream(state, metrics, body, tools, parsers, info, params, include_usage)
+        events = _chat_stream(state, metrics, body, tools, parsers, info, params, include_usage, owner, prompt)
         return SSEResponse(sse_events(events, lease, metrics, _sse_error), lease.release,
                            media_type="text/event-stream")
     out = await run_to_end(request, state, metrics, lease, info, params)
     if out is None:
         return gone()
-    choices = []
+    choices, replies = [], {}
     for o in out.outputs:
         parser = parsers[o.index]
         pieces = parser.feed(o.text, final=True, stop_reason=o.stop_reason)
         if tools.required and not parser.calls:
             raise unsatisfied()
+        record = ReplyRecord()
+        record.add(pieces)
+        replies[o.index] = record.message()
         content = "".join(p for p in pieces if isinstance(p, str))
         calls = [ToolCallOut(id=p.id, function=ToolCallFunction(name=p.name, arguments="")) for p in pieces
                  if isinstance(p, CallStart)]
@@ -219,6 +238,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         logprobs = _chat_logprobs(state, o.logprobs or []) if body.logprobs else None
         choices.append(ChatChoice(index=o.index, message=message, logprobs=logprobs,
                                   finish_reason=parser.finish_reason(o.finish_reason)))
+    remember(state, owner, prompt, out, replies)
     result = ChatCompletion(id=info.request_id, created=int(time.time()), model=state.model_name, choices=choices,
                             usage=_usage(out))
     return JSONResponse(result.model_dump(exclude_none=True))
@@ -226,7 +246,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 async def _chat_stream(state: ServerState, metrics: ServerMetrics, body: ChatCompletionRequest,
                        tools: ToolUse, parsers: list[ReplyParser], info: RequestInfo, params: SamplingParams,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool, owner: str, prompt: ChatPrompt) -> AsyncIterator[str]:
     created = int(time.time())
 
     def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
@@ -234,6 +254,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, body: ChatCom
                                         usage=usage))
 
     sent_logprobs, done = [0] * params.n, set()
+    records = [ReplyRecord() for _ in range(params.n)]
     last = None
     for index in range(params.n):
         yield chunk([ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))])
@@ -243,7 +264,9 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, body: ChatCom
             if o.index in done:
                 continue
             i, final, parser = o.index, o.finish_reason is not None, parsers[o.index]
-            text, deltas = _call_deltas(parser.feed(o.delta_text, final, o.stop_reason))
+            pieces = parser.feed(o.delta_text, final, o.stop_reason)
+            records[i].add(pieces)
+            text, deltas = _call_deltas(pieces)
             logprobs = None
             if body.logprobs:
                 entries = _new_logprobs(o, sent_logprobs)
@@ -259,6 +282,7 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, body: ChatCom
                 yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(),
                                          finish_reason=parser.finish_reason(o.finish_reason))])
     count_usage(metrics, last)
+    remember(state, owner, prompt, last, {i: records[i].message() for i in done})
     if include_usage and last is not None:
         yield chunk([], usage=_usage(last))
     yield LAST

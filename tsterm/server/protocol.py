@@ -38,6 +38,10 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    # an assistant message's reasoning, as clients of reasoning parsers send it back (vLLM, SGLang: reasoning_content;
+    # others: reasoning); the chat template decides whether it renders it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionSpec(_Body):
@@ -91,6 +95,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # variables for the chat template, as vLLM and SGLang take them (enable_thinking, preserve_thinking, ...), and
+    # tsterm's `thinking_history` ("preserve" | "template"): checked by generation.template_kwargs
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -4,8 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tsterm.chat.history import PRESERVE, check_policy
 from tsterm.config import SamplingParams
 from tsterm.outputs import RequestOutput
+from tsterm.server.conversations import ConversationStore
 
 
 @dataclass
@@ -15,6 +17,10 @@ class ServerLimits:
     max_n: int = 8  # choices per chat completion
     max_stop: int = 16  # stop strings per request (each is checked at every generated token)
     max_stop_chars: int = 256  # characters per stop string
+    # API conversations kept for their next request (conversations.py): how many, and for how long after their
+    # last request (0 keeps none: every request is rendered as sent)
+    max_conversations: int = 64
+    conversation_ttl_s: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,12 @@ class RequestInfo:
     n: int = 1
     messages: list[dict] | None = None
     prompt: str | None = None
+    # the chat routes' history policy (tsterm/chat/history.py) applied to this request's prompt: "preserve" (the
+    # stored conversation's exact ids + the new messages), "template" (the messages rendered as the template says),
+    # None (a request that continues no stored conversation, rendered as sent; or not a chat request);
+    # `history_fallback` says why a `preserve` request was planned as `template`
+    history_policy: str | None = None
+    history_fallback: str | None = None
 
 
 class RequestObserver(Protocol):
@@ -58,3 +70,12 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     in_flight: int = 0  # admitted requests not yet finished (the queue bound counts these)
     observer: RequestObserver | None = None  # the workstation showing external conversations
+    # the history policy of a request that continues a stored conversation and names none
+    # (`chat_template_kwargs.thinking_history`)
+    history_policy: str = PRESERVE
+    conversations: ConversationStore | None = None  # made from `limits` when not given
+
+    def __post_init__(self) -> None:
+        check_policy(self.history_policy)
+        if self.conversations is None:
+            self.conversations = ConversationStore(self.limits.max_conversations, self.limits.conversation_ttl_s)
