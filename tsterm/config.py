@@ -23,6 +23,60 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
+class StructuredOutputs:
+    """Constrain a reply to a grammar (vLLM's `structured_outputs` / `guided_decoding`): exactly one of
+    `json` (a JSON schema: a dict or its JSON text), `json_object` (any JSON object), `regex`, `choice` (one of these
+    strings, exactly) or `grammar` (Lark, or llama.cpp's GBNF, as llguidance reads them).
+
+    The engine masks, at each step, every token that cannot continue the grammar (tsterm/engine/structured.py); the
+    eos token only where the grammar accepts, and a reply that reaches the grammar's end finishes with "stop". Whether
+    the grammar compiles is checked when the engine admits the request (a RequestError naming the field).
+    `disable_any_whitespace`: JSON (json, json_object) with the separators `, ` and `: ` and no other whitespace, so
+    a small model cannot spend its max_tokens on newlines (default: any JSON whitespace, as vLLM)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: json, json_object, regex, choice or grammar."""
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    def validate(self) -> None:
+        name = "structured_outputs"
+        kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(kinds) == 1, f"{name} must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+               f"got {', '.join(kinds) or 'none'}", name)
+        _check(isinstance(self.json, (dict, str, type(None))),
+               f"{name}.json must be a JSON schema (an object, or its JSON text), got {type(self.json).__name__}",
+               f"{name}.json")
+        _check(isinstance(self.json_object, bool), f"{name}.json_object must be true or false, got "
+               f"{self.json_object!r}", f"{name}.json_object")
+        for field_name in ("regex", "grammar"):
+            value = getattr(self, field_name)
+            _check(value is None or (isinstance(value, str) and value != ""),
+                   f"{name}.{field_name} must be a non-empty string, got {value!r}", f"{name}.{field_name}")
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   f"{name}.choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+                   f"{name}.choice")
+            self.choice = list(self.choice)
+        _check(isinstance(self.disable_any_whitespace, bool), f"{name}.disable_any_whitespace must be true or false, "
+               f"got {self.disable_any_whitespace!r}", f"{name}.disable_any_whitespace")
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling. `temperature=0` is greedy; every field is checked in `__post_init__` (and again by
     `validate()` when the engine admits a request, in case a field was changed since)."""
@@ -41,6 +95,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the sampled token's)
     n: int = 1
+    # constrain the reply to a JSON schema, a regex, a choice or a grammar (a dict of StructuredOutputs' fields is
+    # taken too); None: free
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +143,17 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers: {self.stop_token_ids}", "stop_token_ids")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            unknown = sorted(set(so) - {f.name for f in dataclasses.fields(StructuredOutputs)})
+            _check(not unknown, f"structured_outputs has no field {unknown[0] if unknown else ''!r}; it takes "
+                   f"{', '.join(STRUCTURED_KINDS)}, disable_any_whitespace", "structured_outputs")
+            self.structured_outputs = so = StructuredOutputs(**so)
+        _check(so is None or isinstance(so, StructuredOutputs),
+               f"structured_outputs must be None, a StructuredOutputs or a dict of its fields, got {so!r}",
+               "structured_outputs")
+        if so is not None:
+            so.validate()
 
     @property
     def greedy(self) -> bool:

@@ -135,6 +135,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def to_json_str(self) -> str:
+        """The tokenizer as tokenizer.json text (with the added tokens this class registered), for libraries that
+        rebuild it themselves (llguidance's tokenizer: tsterm.engine.structured)."""
+        return self._backend.to_str()
+
     # ---- chat template
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None,
                             add_generation_prompt: bool = True, tokenize: bool = False,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tsterm.config import SamplingParams
+from tsterm.engine.structured import Grammar, GrammarCompiler
 from tsterm.errors import ConfigError, RequestError
 
 
@@ -61,3 +62,12 @@ def check_reply_room(num_prompt_tokens: int, max_tokens: int, max_model_len: int
         raise RequestError(f"{name} is {max_tokens} but the prompt has {num_prompt_tokens} tokens and the context "
                            f"holds {max_model_len}, so {name} must be in [1, {room}]; lower it or shorten the prompt",
                            param=name)
+
+
+def compile_structured(params: SamplingParams, compiler: GrammarCompiler) -> Grammar | None:
+    """The grammar of the request's `structured_outputs` (None when it has none), or a RequestError whose `param` is
+    the field (structured_outputs.json, .regex, .grammar, ...) and whose message says what llguidance could not
+    compile (an unknown type, an unsupported regex construct, an undefined rule). Call after `check_request`."""
+    if params.structured_outputs is None:
+        return None
+    return compiler.compile(params.structured_outputs)

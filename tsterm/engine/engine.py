@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tsterm.config import EngineConfig, ModelConfig, SamplingParams
-from tsterm.engine.admission import Limits, check_request
+from tsterm.engine.admission import Limits, check_request, compile_structured
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.block_pool import BlockPool
 from tsterm.engine.copy_audit import CopyAudit
@@ -31,6 +31,7 @@ from tsterm.engine.request import Request, Sample
 from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalty
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
+from tsterm.engine.structured import GrammarCompiler
 from tsterm.engine.stats import EngineMetrics
 from tsterm.errors import ExecutorError, ModelLoadError, RequestError
 from tsterm.model.arch import ARCHITECTURES
@@ -105,7 +106,9 @@ class Engine:
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
         self.scheduler = Scheduler(config, self.kv, lambda: self.clock())  # (the engine's clock, even if replaced)
         self.limits = Limits(cfg.vocab_size, self.max_model_len, config.max_num_seqs)
-        self.sampler = Sampler(seed=config.seed)
+        # structured outputs: the engine's llguidance tokenizer (built on the first constrained request) and pool
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.sampler = Sampler(seed=config.seed, grammars=self.grammars)
         self.requests: dict[str, Request] = {}
         self._samples: dict[int, Sample] = {}  # seq_id -> its sample (live requests only, from their admission)
         self._next_id = 0
@@ -127,11 +130,12 @@ class Engine:
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(prompt_ids, params, self.limits, strict_max_tokens)
+        grammar = compile_structured(params, self.grammars)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
-        req = Request.create(request_id, prompt_ids, params, self.tokenizer, self.device, self._seq_ids)
+        req = Request.create(request_id, prompt_ids, params, self.tokenizer, self.device, self._seq_ids, grammar)
         self.requests[request_id] = req
         for sample in req.samples:
             self._samples[sample.seq.seq_id] = sample
@@ -273,7 +277,7 @@ class Engine:
                                                        logits.shape[1], logits.device)
         if len(rows) > logits.shape[0]:  # a fork's samples read their first sample's row
             logits = logits[torch.tensor(rows, device=logits.device)]  # [S + forked, V]
-        result = self.sampler(logits, [SamplingRow(s.seq.params, s.penalty, s.generator) for s in samples])
+        result = self.sampler(logits, [SamplingRow(s.seq.params, s.penalty, s.generator, s.grammar) for s in samples])
         return list(zip(samples, result.token_ids, result.logprobs))
 
     # ---- postprocess: bookkeeping, stop checks, outputs ----------------------------------------------------------
@@ -336,6 +340,8 @@ class Engine:
         m.last_token_time = now
         m.num_generated_tokens += 1
         self.num_generated_tokens += 1
+        if sample.grammar is not None:
+            sample.grammar.accept(token)  # (the mask allowed only tokens it takes)
         self._check_stop(seq, token, sample.out.add(token))
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
@@ -363,11 +369,16 @@ class Engine:
             return self._finish(seq, "stop")
         if not params.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop")
+        grammar = self._samples[seq.seq_id].grammar
+        if grammar is not None and grammar.done:  # the structured output is complete: nothing may follow
+            return self._finish(seq, "stop")
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self._samples[seq.seq_id].out.flush()  # release any held-back partial character
+        sample = self._samples[seq.seq_id]
+        sample.out.flush()  # release any held-back partial character
+        sample.grammar = None  # its matcher is done with
         self.scheduler.finish(seq, reason)
         self.metrics.on_finished(seq.metrics, reason)
 

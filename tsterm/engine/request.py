@@ -16,6 +16,7 @@ from tsterm.config import SEED_MAX, SamplingParams
 from tsterm.engine.output_processor import SampleOutput
 from tsterm.engine.sampler import PenaltyState, seeded_generator
 from tsterm.engine.sequence import Sequence
+from tsterm.engine.structured import Grammar
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.tokenizer import Tokenizer
 
@@ -31,6 +32,9 @@ class Sample:
     # the history its penalties read, on the device: built at its first sampling, then kept up to date by the
     # Sampler; None while not built, and for ever when the params have no penalty
     penalty: PenaltyState | None = None
+    # its grammar's state (params.structured_outputs), advanced with each token it appends; None: free, and once the
+    # sample has finished
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -43,14 +47,16 @@ class Request:
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-               device: torch.device, seq_ids: Iterator[int]) -> Request:
-        """All n samples; sample i draws from a generator seeded with (seed + i) mod 2**64."""
+               device: torch.device, seq_ids: Iterator[int], grammar: Grammar | None = None) -> Request:
+        """All n samples; sample i draws from a generator seeded with (seed + i) mod 2**64. grammar: the compiled
+        structured_outputs (admission.compile_structured), sample 0's; the others get copies of it."""
         req = cls(request_id, prompt_ids, params, forked=params.n == 1)
         for index in range(params.n):
             seq = Sequence(prompt_ids, params, request_id=request_id, seq_id=next(seq_ids))
             generator = None if params.seed is None else seeded_generator((params.seed + index) % (SEED_MAX + 1),
                                                                           device)
-            req.samples.append(Sample(index, seq, SampleOutput(tokenizer, prompt_ids, params.stop), generator))
+            req.samples.append(Sample(index, seq, SampleOutput(tokenizer, prompt_ids, params.stop), generator,
+                                      grammar=None if grammar is None else grammar if index == 0 else grammar.fork()))
         return req
 
     @property

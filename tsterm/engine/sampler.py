@@ -1,6 +1,9 @@
 """Sampler: one next token per row of a logits batch, with penalties, truncation, seeds and logprobs.
 
 Order of the stages (what vLLM / OpenAI users expect):
+  0. the grammar mask of constrained rows (structured outputs, `tsterm.engine.structured`): every token the row's
+     grammar cannot take next is set to -inf, so the stages below (and the logprobs) see only the allowed tokens;
+     free rows in the same batch are untouched;
   1. penalties on the raw logits: repetition (HF-style, over prompt + output tokens), then presence and
      frequency (OpenAI-style, over output tokens only);
   2. logprobs: log_softmax of the *penalised* logits, before temperature and truncation, so a request's
@@ -11,7 +14,8 @@ Order of the stages (what vLLM / OpenAI users expect):
 
 Everything stays a tensor op on the logits' device. On CUDA, host lists reach the device through pinned memory
 without waiting (`_to_device`), and `_read_back` is the one place that waits: for the sampled ids (and requested
-logprobs), through pinned memory and an event.
+logprobs), through pinned memory and an event. The grammar masks are computed on the host from the matchers' states
+(which the device never holds) while the queued forward runs, and go up as one bitmask per step.
 
 The penalties read a sequence's history through its `PenaltyState`, kept on the device and updated in place with each
 sampled token, so a step costs O(V) per penalised row and uploads no ids, however long the context.
@@ -26,6 +30,7 @@ import torch
 from torch import Tensor
 
 from tsterm.config import SamplingParams
+from tsterm.engine.structured import Grammar, GrammarCompiler, apply_bitmask, bitmask_words
 
 
 @dataclass(slots=True, weakref_slot=True)
@@ -78,12 +83,14 @@ class SamplingRow:
     sampled token to it. `generator` is the request's own RNG, set by the engine when `params.seed` is given (see
     `seeded_generator`; it must live on the logits' device). Seeded once, it is advanced by exactly one [V] noise
     draw per sampled token, so a seeded request draws the same tokens wherever it sits in whichever batch. None: the
-    row draws from the Sampler's shared generator.
+    row draws from the Sampler's shared generator. `grammar`: the row's structured-output state (params'
+    `structured_outputs`), which the Sampler reads and never advances (the engine does, with the token it appends).
     """
 
     params: SamplingParams
     penalty: PenaltyState | None = None
     generator: torch.Generator | None = None
+    grammar: Grammar | None = None
 
 
 @dataclass(slots=True)
@@ -102,8 +109,11 @@ def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gen
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None) -> None:
+        """grammars: the engine's, whose thread pool computes the masks of several constrained rows at once (without
+        it they are computed one after the other)."""
         self.seed = seed
+        self.grammars = grammars
         self._shared: dict[torch.device, torch.Generator] = {}  # one per device, made on first use
         self.last_stages: tuple[str, ...] = ()  # stages the last call ran (tests and stats read it)
         # the states whose tensors are views of the last call's batch tensors (weak: a finished one is just dropped)
@@ -123,9 +133,13 @@ class Sampler:
         stages: list[str] = []
         if self._adopted:
             self._release_absent(rows)
+        constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if constrained:
+            stages.append("grammar")
+            logits = self._constrain(logits, rows, constrained)
         if not sample_rows and not logprob_rows and not any(has_penalty(p) for p in params):
             # the common case: all greedy, nothing to penalise -> one argmax, no copies, no extra tensors
-            self.last_stages = ("argmax",)
+            self.last_stages = (*stages, "argmax")
             return _to_host(logits.argmax(dim=-1), None, [], params)
 
         scores, seen, counts = self._penalise(logits, rows, stages)  # [B, V] float32, the stacked histories
@@ -149,6 +163,25 @@ class Sampler:
             logprobs = self._logprobs(scores, token_ids, logprob_rows, params)
         self.last_stages = tuple(stages)
         return _to_host(token_ids, logprobs, logprob_rows, params)
+
+    # ---- grammar -----------------------------------------------------------------------------------
+
+    def _constrain(self, logits: Tensor, rows: list[SamplingRow], constrained: list[int]) -> Tensor:
+        """`logits` with what the constrained rows' grammars do not allow next at -inf (a new tensor).
+
+        The bitmask ([R, V / 32] int32) is filled on the host, in pinned memory on CUDA, and uploaded without waiting:
+        no host sync (on CUDA the forward is still running while the host computes it)."""
+        grammars = [rows[i].grammar for i in constrained]
+        bitmask = torch.empty(len(grammars), bitmask_words(logits.shape[1]), dtype=torch.int32,
+                              pin_memory=logits.device.type == "cuda")
+        if self.grammars is not None:
+            self.grammars.fill_bitmask(grammars, bitmask)
+        else:
+            for i, grammar in enumerate(grammars):
+                GrammarCompiler.fill_one(grammar, bitmask[i])
+        if logits.device.type == "cuda":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        return apply_bitmask(logits, constrained, bitmask)
 
     # ---- penalties ---------------------------------------------------------------------------------
 
