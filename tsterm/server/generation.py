@@ -7,8 +7,8 @@ tool_choice "required" and a named tool) is `tool_choice`'s.
 
 Chat requests go through `ChatPlanner`: a request that continues a conversation the server stored (conversations.py)
 is planned under the history policy (`preserve` by default: the stored exact ids + the template's text for the new
-messages; `template`: the client's messages rendered as the template says, the stored ids kept as far as that text
-starts with theirs); one that continues none is rendered as sent. `remember` stores each choice's conversation with
+messages; `template`, or a `preserve` that cannot apply: the client's messages rendered as the template says, as a
+request that continues nothing is; the prefix cache serves what that rendering shares with earlier prompts). `remember` stores each choice's conversation with
 its exact ids for the next request. What was applied is counted in /metrics, logged, and told to the observer.
 """
 from __future__ import annotations
@@ -342,27 +342,24 @@ def plan_chat(state: ServerState, messages: list[dict], tools: ToolUse, kwargs: 
                                              tokenize=False, **kwargs)
 
     try:
-        if stored is None:
-            fresh = Session(id="api", kind="api", messages=list(messages))
-            plan = fresh.plan(render, tokenizer, TEMPLATE)
-            applied, planned = None, messages
-        else:
-            policy = policy or state.history_policy
-            covered = stored.kept_messages
-            if policy == PRESERVE:
-                stored.messages = stored.messages[:covered] + list(messages[covered:])
+        applied, why, plan = None, None, None
+        if stored is not None:
+            applied = policy or state.history_policy
+            if applied == PRESERVE:
+                stored.messages = stored.messages[:stored.kept_messages] + list(messages[stored.kept_messages:])
                 plan = stored.plan(render, tokenizer, PRESERVE)
-                planned = stored.messages
-            if policy == TEMPLATE or plan.fallback_reason is not None:  # the client's messages, as the template says
-                why = None if policy == TEMPLATE else plan.fallback_reason
-                stored.messages = list(messages)
-                plan = dataclasses.replace(stored.plan(render, tokenizer, TEMPLATE), fallback_reason=why)
-                planned = messages
-            applied = plan.policy_applied
+                if plan.fallback_reason is not None:
+                    applied, why, plan = TEMPLATE, plan.fallback_reason, None
+        if plan is None:  # the client's messages as the template renders them (today's path; the cache serves what
+            # the rendering shares with earlier prompts)
+            plan = Session(id="api", kind="api", messages=list(messages)).plan(render, tokenizer, TEMPLATE)
+            planned = messages
+        else:
+            planned = stored.messages
     except TstermError as e:
         raise APIError(400, str(e), param="messages") from e
     prompt = ChatPrompt(list(plan.token_ids), messages=[dict(m) for m in planned], context=plan.context,
-                        policy=applied, fallback_reason=plan.fallback_reason, kept_tokens=plan.kept_tokens)
+                        policy=applied, fallback_reason=why, kept_tokens=plan.kept_tokens)
     if tools.required:
         forced = open_call(state, tools)
         prompt.ids += forced

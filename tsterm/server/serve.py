@@ -39,12 +39,14 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def build_state(llm: Any, aengine: Any, model_name: str, defaults: SamplingParams | None = None,
-                api_key: str | None = None, **limits: Any) -> Any:
+                api_key: str | None = None, history_policy: str = "preserve", **limits: Any) -> Any:
+    """`history_policy`: the thinking-history policy of API conversations (a profile's `thinking_history`);
+    `limits`: ServerLimits fields (max_conversations, conversation_ttl_s, ...)."""
     from tsterm.server.state import ServerLimits, ServerState
 
     return ServerState(engine=aengine, tokenizer=llm.tokenizer, model_name=model_name,
                        max_model_len=llm.engine.max_model_len, defaults=defaults or SamplingParams(),
-                       api_key=api_key or None, limits=ServerLimits(**limits))
+                       api_key=api_key or None, limits=ServerLimits(**limits), history_policy=history_policy)
 
 
 class BackgroundServer:
@@ -149,7 +151,8 @@ def main(args: argparse.Namespace) -> int:
         llm = llm_from_args(args, profile)
         aengine = AsyncEngine(llm.engine)
         try:
-            state = build_state(llm, aengine, name, profile.sampling_params() if profile else None, api_key)
+            state = build_state(llm, aengine, name, profile.sampling_params() if profile else None, api_key,
+                                profile.thinking_history if profile else "preserve", **server_limits(settings))
             server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level="info",
                                                    lifespan="off"))
             print(f"tsterm serve: {name} on http://{host}:{port}/v1 (OpenAI and Anthropic APIs)"
@@ -159,6 +162,14 @@ def main(args: argparse.Namespace) -> int:
             aengine.shutdown()
             llm.engine.shutdown()
     return 0
+
+
+CONVERSATION_SETTINGS = ("max_conversations", "conversation_ttl_s")  # a profile's server: keys -> ServerLimits
+
+
+def server_limits(settings: Any) -> dict[str, Any]:
+    """The ServerLimits a profile's `server:` section sets (the API conversations' bounds), where it has them."""
+    return {k: v for k in CONVERSATION_SETTINGS if (v := getattr(settings, k, None)) is not None}
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
