@@ -133,8 +133,9 @@ def apply_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor) -> Tensor:
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]  # [R, V]
     if len(rows) == batch and rows == list(range(batch)):
         return logits.masked_fill(~allowed, -math.inf)
-    index = torch.tensor(rows, device="cpu")
-    index = index.to(logits.device, non_blocking=True) if logits.device.type == "cuda" else index
+    index = torch.tensor(rows)
+    if logits.device.type == "cuda":  # through pinned memory: a pageable upload would wait for the queued forward
+        index = index.pin_memory().to(logits.device, non_blocking=True)
     banned = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
     banned.index_copy_(0, index, ~allowed)
     return logits.masked_fill(banned, -math.inf)
