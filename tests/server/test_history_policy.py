@@ -256,9 +256,11 @@ def test_n_choices_and_streaming_keep_the_conversation(client, served):
     as the client assembles it."""
     messages = [{"role": "system", "content": "You are a careful agent."},
                 {"role": "user", "content": "Read the tides document (n=2)."}]
+    stored = len(served.state.conversations)
     reply = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=16,
                                            n=2)
     assert [c.finish_reason for c in reply.choices] == ["tool_calls", "tool_calls"]
+    assert len(served.state.conversations) == stored + 2  # one conversation per choice
     call = reply.choices[1].message.tool_calls[0]
     messages += [assistant(reply.choices[1], "dropped"),
                  {"role": "tool", "tool_call_id": call.id, "content": LONG_RESULT}]
@@ -382,3 +384,32 @@ def test_the_store_matches_modulo_reasoning_arguments_and_whitespace_and_is_boun
     clock.now = 24
     assert store.find("alice", [{"role": "user", "content": "P"}, {"role": "assistant", "content": "x"},
                                 {"role": "user", "content": "z"}]) is None and len(store) == 1  # P aged out
+
+
+def test_anthropic_messages_continue_a_stored_conversation_too(served):
+    """The Messages API: a tool loop whose reasoning the client sends back as a thinking block, then a follow-up."""
+    tools = [{"name": TOOL, "description": "Read a document by its name.",
+              "input_schema": TOOLS[0]["function"]["parameters"]}]
+    messages = [{"role": "user", "content": "Read the tides document (anthropic)."}]
+
+    def create(messages):
+        body = {"model": MODEL, "max_tokens": 16, "system": "You are a careful agent.", "tools": tools,
+                "messages": messages}
+        status, text = http("POST", f"{served.url}/v1/messages", body, timeout=120)
+        assert status == 200, text
+        return json.loads(text)
+
+    for result in (LONG_RESULT, "Done."):
+        reply = create(messages)
+        text, call = reply["content"]
+        assert reply["stop_reason"] == "tool_use" and text["text"] == REPLY_CONTENT and call["input"] == ARGUMENTS
+        sent = [{"type": "thinking", "thinking": REASONING.strip(), "signature": ""}, call]  # reasoning as a block
+        messages += [{"role": "assistant", "content": sent},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": result}]}]
+        info, output = served.state.observer.last()
+        loop_ids = list(info.prompt_ids) + list(output.outputs[0].token_ids)
+    messages[-1]["content"].append({"type": "text", "text": FOLLOW_UP})
+    reply = create(messages)
+    info, _ = served.state.observer.last()
+    assert info.history_policy == PRESERVE and list(info.prompt_ids[:len(loop_ids)]) == loop_ids
+    assert reply["usage"]["cache_read_input_tokens"] >= 0.95 * ideal(loop_ids)
