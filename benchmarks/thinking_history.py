@@ -1,4 +1,4 @@
-"""Thinking history, `preserve` against `template` (issue 40): the prefill a follow-up saves, and the answers it changes.
+"""Thinking history, `preserve` against `template` (issue 40): the prefill a follow-up saves, the answers it changes.
 
     python benchmarks/thinking_history.py [--quick] [--parts trace,agent,factual] [--rounds 2] [--turns 3]
                                           [--result-tokens 1100] [--sessions 100] [--questions 20] [--json FILE]
@@ -491,8 +491,8 @@ def run_factual(policy: str, variant: str, questions: Sequence[tuple[str, tuple[
 
 
 def factual_report(results: dict[tuple[str, str], ChatResult], count: int) -> list[str]:
-    lines = ["", f"| template | policy | right (of {count}) | prompt tokens computed | preserve fell back | replies cut "
-                 "at max_tokens |", "|---|---|---|---|---|---|"]
+    lines = ["", f"| template | policy | right (of {count}) | prompt tokens computed | preserve fell back "
+                 "| replies cut at max_tokens |", "|---|---|---|---|---|---|"]
     for (variant, policy), r in results.items():
         lines.append(f"| {variant} | {policy} | {sum(r.right)} | {r.prefilled} | {r.fallbacks} | {r.cut} |")
     for variant in dict.fromkeys(v for v, _ in results):

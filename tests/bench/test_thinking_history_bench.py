@@ -33,7 +33,9 @@ def test_agent_demo_answers_and_calls_are_checked_as_its_training_report_does():
     assert answer_right(task, "2 + 3 = 5 and 4 * 5 = 20.")
     assert not answer_right(task, "2 + 3 = 5 and 4 * 5 = 205.")  # a longer number is another result
     assert not answer_right(task, "2 + 3 = 5.")
-    call = lambda e, error=None: SimpleNamespace(name="calculator", arguments={"expression": e}, error=error)  # noqa: E731
+    def call(expression: str, error: str | None = None) -> SimpleNamespace:
+        return SimpleNamespace(name="calculator", arguments={"expression": expression}, error=error)
+
     assert calls_right(task, [SimpleNamespace(tool_calls=[call("2 + 3"), call("4 * 5")])])
     assert not calls_right(task, [SimpleNamespace(tool_calls=[call("4 * 5"), call("2 + 3")])])  # in the task's order
     assert not calls_right(task, [SimpleNamespace(tool_calls=[call("2 + 3"), call("4 * 5", "malformed")])])
@@ -42,7 +44,7 @@ def test_agent_demo_answers_and_calls_are_checked_as_its_training_report_does():
 
 def test_a_tiny_run_of_every_part(tmp_path, capsys):
     out = tmp_path / "figures.json"
-    figures = main(["--turns", "1", "--result-tokens", "100", "--rounds", "1", "--sessions", "2",
+    figures = main(["--turns", "1", "--result-tokens", "40", "--rounds", "1", "--sessions", "2",
                     "--questions", "2", "--answer-tokens", "24", "--json", str(out)])
     printed = capsys.readouterr().out
     assert printed.startswith("CPU: ") and "AVX-512: " in printed and "AMX: " in printed
