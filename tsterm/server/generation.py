@@ -426,13 +426,14 @@ def request_owner(request: Request, state: ServerState, user: str | None = None)
 def remember(state: ServerState, owner: str, prompt: ChatPrompt, out: RequestOutput | None,
              replies: dict[int, dict]) -> None:
     """Store each finished choice's conversation (the request's messages + its reply) with its exact ids (the prompt
-    + the choice's generated ids) for the owner's next request. Choices not in `replies` (not finished) are not."""
+    + the choice's generated ids) for the owner's next request. Choices not in `replies` (not finished) and replies
+    that ended otherwise than by a stop or max_tokens (aborted, failed) are not."""
     if out is None or state.conversations is None:
         return
     for o in out.outputs:
         reply = replies.get(o.index)
-        if reply is None or o.finish_reason is None or o.finish_reason == "error":
-            continue
+        if reply is None or o.finish_reason not in ("stop", "length"):  # (a cut reply is kept: its next turn
+            continue  # is planned as `template`, and says why)
         session = Session(id=f"{out.request_id}-{o.index}", kind="api", messages=[*prompt.messages, reply],
                           model=state.model_name)
         session.keep(list(prompt.ids) + list(o.token_ids), len(session.messages), prompt.context)
