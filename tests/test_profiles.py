@@ -74,6 +74,8 @@ def error_of(path: Path | str) -> str:
     ("model: m\nagent:\n  auto_approve: yes please\n", 3, ["auto_approve", "true or false"]),
     ("model: m\nagent:\n  tool_timeout_s: -1\n", 3, ["tool_timeout_s", "(0, 86400]"]),
     ("model: m\nagent:\n  mcp_servers: [git]\n", 3, ["mcp_servers", "list of mappings"]),
+    ("model: m\nserver:\n  max_conversations: -1\n", 3, ["max_conversations", "integer >= 0", "-1"]),
+    ("model: m\nserver:\n  conversation_ttl_s: long\n", 3, ["conversation_ttl_s", "number", "'long'"]),
     ("model: m\ndevice: tpu\n", 2, ["device", "'tpu'"]),
     ("model: m\nsystem_prompt: [a]\n", 2, ["system_prompt", "string"]),
     ("model: m\n\nthinking_history: keep\n", 3, ["thinking_history must be preserve or template", "'keep'"]),
@@ -343,3 +345,10 @@ def test_a_missing_profile_names_each_folder_once(monkeypatch, capsys):
     assert main(["run", "--profile", "no-such-profile", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.count(str(SHIPPED_DIR)) == 1 and "no-such-profile.yaml and no-such-profile.yml" in err, err
+
+
+def test_server_conversation_bounds_reach_the_server_limits(tmp_path):
+    from tsterm.server.serve import server_limits
+
+    profile = load_profile(write(tmp_path / "s.yaml", "model: m\nserver:\n  max_conversations: 8\n"))
+    assert server_limits(profile.server_settings()) == {"max_conversations": 8, "conversation_ttl_s": 3600.0}

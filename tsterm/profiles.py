@@ -141,6 +141,10 @@ class ServerSettings:
     host: str = "127.0.0.1"  # any non-loopback address needs an API key
     port: int = 8000
     model_name: str | None = None  # the served model name (default: the profile's name)
+    # API conversations kept with their exact ids, so a client's next request continues them (README "Reasoning
+    # history across turns"): at most this many, each for this long after its last request (0: none kept)
+    max_conversations: int = 64
+    conversation_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -151,6 +155,12 @@ class ServerSettings:
             raise ConfigError(f"port must be in 1..65535, got {self.port!r}")
         if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name.strip()):
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        if isinstance(self.max_conversations, bool) or not isinstance(self.max_conversations, int) \
+                or self.max_conversations < 0:
+            raise ConfigError(f"max_conversations must be an integer >= 0, got {self.max_conversations!r}")
+        if isinstance(self.conversation_ttl_s, bool) or not isinstance(self.conversation_ttl_s, (int, float)) \
+                or not 0 <= self.conversation_ttl_s < float("inf"):
+            raise ConfigError(f"conversation_ttl_s must be a number of seconds >= 0, got {self.conversation_ttl_s!r}")
 
 
 def _textual_themes() -> list[str] | None:
