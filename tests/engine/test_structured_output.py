@@ -8,6 +8,7 @@ output already satisfies the grammar the constrained greedy output is that outpu
 from __future__ import annotations
 
 import json
+import math
 import re
 from enum import Enum
 
@@ -118,11 +119,17 @@ def test_choice_stops_at_the_grammars_end_even_with_ignore_eos(llm):
     choices = ["positive", "negative", "neutral"]
     prompt = _chat(llm, "Is the sentiment of 'I love this film' positive, negative or neutral?")
     for params in (SamplingParams(temperature=0, max_tokens=20, structured_outputs={"choice": choices}),
-                   SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True,
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=20, ignore_eos=True, logprobs=20,
                                   structured_outputs={"choice": choices})):
         out = llm.generate([prompt], [params])[0].outputs[0]
         assert out.finish_reason == "stop"
         assert out.text in choices
+    # logprobs are the constrained distribution's: the first token's alternatives are the allowed tokens only (each
+    # the start of a choice), fewer than the 20 asked for, none at -inf
+    top = out.logprobs[0]["top"]
+    assert 1 <= len(top) < 20
+    assert all(math.isfinite(v) for _, v in top)
+    assert all(any(c.startswith(llm.tokenizer.decode([t])) for c in choices) for t, _ in top)
 
 
 def test_regex(llm):

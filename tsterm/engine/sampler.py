@@ -97,7 +97,7 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]  # one per row, on the host
     # per row: None, or {"token_id": int, "logprob": float, "top": [(token_id, logprob), ...]} with
-    # len(top) == params.logprobs, sorted by logprob, highest first
+    # len(top) == params.logprobs (fewer where a grammar allows fewer tokens), sorted by logprob, highest first
     logprobs: list[dict | None]
 
 
@@ -420,6 +420,7 @@ def _to_host(token_ids: Tensor, logprobs: tuple[Tensor, Tensor | None, Tensor | 
     if logprobs is not None:
         for n, i in enumerate(logprob_rows):
             k = params[i].logprobs
-            top = list(zip(top_id_list[n][:k], values[n][:k])) if k else []
+            # a grammar may allow fewer than k tokens: the disallowed ones (-inf) are no alternatives
+            top = [(t, v) for t, v in zip(top_id_list[n][:k], values[n][:k]) if v != -math.inf] if k else []
             per_row[i] = {"token_id": ids[i], "logprob": chosen_list[n], "top": top}
     return SamplerOutput(token_ids=ids, logprobs=per_row)

@@ -1,13 +1,14 @@
 """Structured outputs: a request's grammar (a JSON schema, any JSON object, a regex, a choice, a Lark / GBNF grammar)
 as a token mask the sampler applies, on llguidance.
 
-Why llguidance (and not xgrammar): both compute the mask fast enough (SmolLM2's 49,152-token vocabulary, a
-six-field pydantic schema, on this project's CPU: about 30 us a token for llguidance, 6 us for xgrammar, against a
-5 ms default-model decode step, so either is well under the issue's 10%: BENCHMARKS.md "Structured outputs"), and
-llguidance has no dependency at all, while xgrammar 0.2.9 requires torch, transformers and triton (897 MB, which the
-default CPU install never pulls in) and apache-tvm-ffi. llguidance also builds its tokenizer from tokenizer.json's own
-text (no transformers tokenizer), compiles a schema lazily (about 1 ms: no per-schema precompute), and reads Lark and
-GBNF grammars as well as JSON schemas and regexes.
+Why llguidance (and not xgrammar): both compute the mask far below the issue's budget (10% of a default-model decode
+step). On this project's 2-core Xeon (AVX-512, AMX), SmolLM2's 49,152-token vocabulary and a six-field pydantic
+schema, llguidance fills a row's mask in 30-40 us a token on average, xgrammar in 6 us, against a 17 ms decode step
+on one thread (5 ms on two, quiet): BENCHMARKS.md "Structured outputs". What decides is the install: llguidance is one
+wheel with no dependencies, while xgrammar 0.2.9 requires torch, transformers and triton (897 MB, which the default
+CPU install never pulls in) and apache-tvm-ffi. llguidance also builds its tokenizer from tokenizer.json's own text (no
+transformers tokenizer), compiles a schema lazily (about 1.5 ms, no per-schema precompute), and reads Lark grammars
+(with inline JSON schemas: what a tool call's format needs) and GBNF as well as JSON schemas and regexes.
 
 The pieces, none of them module-level state:
 - `GrammarCompiler`: one per engine. It holds the llguidance tokenizer built from the engine's `Tokenizer` (once, on
