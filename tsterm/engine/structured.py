@@ -14,10 +14,12 @@ The pieces, none of them module-level state:
 - `GrammarCompiler`: one per engine. It holds the llguidance tokenizer built from the engine's `Tokenizer` (once, on
   the first constrained request: about 0.25 s) and a thread pool for batched masks; `compile` turns a request's
   `StructuredOutputs` into a `Grammar` or raises a RequestError naming the field and what llguidance said.
-- `Grammar`: one per sample. Its matcher state follows the sample's output: `fill` writes its allowed tokens into a
-  row of a bitmask, `accept` advances it by the token the sample appended. `fork` copies it (a request's n samples).
-- `fill_bitmask` / `apply_bitmask`: the batch's rows, computed on the host into one int32 [R, ceil(V / 32)] tensor
-  (in parallel over the rows), then unpacked and applied to the logits on their device.
+- `Grammar`: one per sample. Its matcher state follows the sample's output: `accept` advances it by the token the
+  sample appended (the engine, in its postprocess), `fork` copies it (a request's n samples), `done` says the grammar
+  has ended.
+- `GrammarCompiler.fill_bitmask` / `apply_bitmask`: the sampler's first stage. The constrained rows' allowed tokens,
+  computed on the host into one int32 [R, ceil(V / 32)] tensor (in parallel over the rows), then unpacked and applied
+  to the logits on their device.
 """
 from __future__ import annotations
 
