@@ -146,7 +146,9 @@ def test_count_tokens_is_what_the_request_would_cost(claude):
     counted = claude.messages.count_tokens(**kwargs)
     reply = claude.messages.create(max_tokens=4, extra_body=GREEDY, **kwargs)
     assert counted.input_tokens == reply.usage.input_tokens > 0
-    forced = claude.messages.count_tokens(**kwargs, tool_choice={"type": "any"})
-    assert forced.input_tokens > counted.input_tokens  # a required call's opening is part of the prompt
+    required = claude.messages.count_tokens(**kwargs, tool_choice={"type": "any"})
+    called = claude.messages.create(max_tokens=40, extra_body=GREEDY, **kwargs, tool_choice={"type": "any"})
+    assert called.stop_reason == "tool_use"  # held to a call by its grammar, which adds no prompt tokens
+    assert required.input_tokens == called.usage.input_tokens == counted.input_tokens
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.count_tokens(model="nope", messages=QUESTION)

@@ -21,8 +21,6 @@ GREEDY = {"temperature": 0}
 TWO_CALLS = [{"role": "user", "content": "What is 12 + 7 and 3 * 45?"}]  # the model answers with two calls
 GREETING = [{"role": "user", "content": "Hello"}]  # the model answers in text under "auto"
 NAMED = {"type": "function", "function": {"name": "calculator"}}
-# what the chat template renders before a calculator call's arguments: the opening a named/required call is forced to
-FORCED_OPENING = '<tool_call>\n{"name": "calculator", "arguments":'
 
 
 @pytest.fixture
@@ -97,7 +95,7 @@ def test_anthropic_stream_sends_input_json_in_pieces_that_rebuild_the_reply(clau
     assert [e.index for e in events if e.type == "content_block_stop"] == [0, 1]
 
 
-def test_required_makes_a_greeting_a_call_and_counts_the_opening_as_prompt_tokens(client, llm):
+def test_required_makes_a_greeting_a_call_through_the_grammar(client, llm):
     kwargs = dict(model=MODEL, messages=GREETING, tools=TOOLS, temperature=0, max_tokens=40)
     auto = client.chat.completions.create(**kwargs)
     assert auto.choices[0].finish_reason == "stop" and not auto.choices[0].message.tool_calls
@@ -106,8 +104,7 @@ def test_required_makes_a_greeting_a_call_and_counts_the_opening_as_prompt_token
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     ((name, arguments),) = _calls(choice.message)
     assert name == "calculator" and set(json.loads(arguments)) == {"expression"}
-    forced = len(llm.tokenizer.encode(FORCED_OPENING))
-    assert required.usage.prompt_tokens == auto.usage.prompt_tokens + forced  # prefilled, not sampled
+    assert required.usage.prompt_tokens == auto.usage.prompt_tokens  # the grammar adds no prompt tokens
     assert required.usage.total_tokens == required.usage.prompt_tokens + required.usage.completion_tokens
     with client.chat.completions.stream(**kwargs, tool_choice="required") as stream:
         final = stream.get_final_completion()
@@ -256,24 +253,30 @@ class _XmlCallsTemplate(_NoToolCallsTemplate):
         return super().apply_chat_template(rendered, **kwargs)
 
 
-def test_the_forced_opening_is_what_every_allowed_call_begins_with(llm):
-    from types import SimpleNamespace
+def test_the_call_grammar_follows_the_template_and_the_allowed_tools(llm):
+    from tsterm.server.state import ServerState
+    from tsterm.server.tool_choice import ToolUse, call_grammar
 
-    from tsterm.server.tool_choice import ToolUse, open_call
-
-    def opening(tokenizer, tools, name=None):
-        return llm.tokenizer.decode(open_call(SimpleNamespace(tokenizer=tokenizer), ToolUse(tools, True, True, name)),
-                                    skip_special_tokens=False)
-
+    state = ServerState(engine=None, tokenizer=llm.tokenizer, model_name=MODEL, max_model_len=512)
     other = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
-    assert opening(llm.tokenizer, TOOLS) == FORCED_OPENING  # one tool: its name too
-    assert opening(llm.tokenizer, [TOOLS[0], other], "calculator") == FORCED_OPENING
-    several = opening(llm.tokenizer, [TOOLS[0], other])  # any of two tools: up to the name
-    assert '<tool_call>\n{"name":'.startswith(several) or several.startswith('<tool_call>\n{"name":')
-    assert "calculator" not in several and "clock" not in several
-    xml = opening(_XmlCallsTemplate(llm.tokenizer), TOOLS)
-    assert xml.startswith("<tool_call>\n<function=calculator>") and "<tool_call>\n<function=calculator>\n<".startswith(
-        xml)
+    prompt = list(llm.tokenizer.apply_chat_template(GREETING, tools=TOOLS, add_generation_prompt=True, tokenize=True))
+    tags = [llm.tokenizer.token_to_id(t) for t in ("<tool_call>", "</tool_call>")]
+    one = call_grammar(state, ToolUse(TOOLS, True, True, "calculator", single=True), prompt, False).grammar
+    lines = one.splitlines()
+    assert lines[0] == "start: tc" and lines[1] == f'tc: <[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
+    (schema,) = [json.loads(line.split("%json ", 1)[1]) for line in lines if line.startswith("call:")]
+    assert schema["properties"] == {"name": {"const": "calculator"}, "arguments": _SPEC["parameters"]}
+    several = call_grammar(state, ToolUse([TOOLS[0], other], True, True), prompt, False).grammar
+    assert several.startswith('start: tc ("\\n" tc)*')  # the template separates two calls with a newline
+    assert [s["properties"]["name"] for s in json.loads(several.split("%json ", 1)[1].splitlines()[0])["anyOf"]] == [
+        {"const": "calculator"}, {"const": "clock"}]
+    thinking = call_grammar(state, ToolUse(TOOLS, True, True), prompt, True).grammar
+    think = llm.tokenizer.token_to_id("<think>"), llm.tokenizer.token_to_id("</think>")
+    assert thinking.startswith("start: think tc") and f"think: (<[{think[0]}]> /(?s:.*)/ <[{think[1]}]>" in thinking
+    with pytest.raises(Exception) as err:  # a template whose calls are no JSON object: the choice cannot be enforced
+        call_grammar(ServerState(engine=None, tokenizer=_XmlCallsTemplate(llm.tokenizer), model_name=MODEL,
+                                 max_model_len=512), ToolUse(TOOLS, True, True), prompt, False)
+    assert err.value.code == "tool_choice_unsupported" and err.value.status == 400
 
 
 class _Starts:
@@ -302,7 +305,7 @@ def test_the_observer_sees_the_prompt_ids_actually_sent(llm, aengine):
                                            temperature=0, max_tokens=40)
         (info,) = state.observer.infos
         rendered = llm.tokenizer.apply_chat_template(GREETING, tools=TOOLS, add_generation_prompt=True, tokenize=True)
-        assert info.prompt_ids == list(rendered) + llm.tokenizer.encode(FORCED_OPENING)
+        assert info.prompt_ids == list(rendered)  # the template's prompt: the grammar holds the reply to a call
         assert len(info.prompt_ids) == r.usage.prompt_tokens
     finally:
         server.stop()

@@ -4,9 +4,10 @@ The request becomes the same chat-template messages the OpenAI route renders (sy
 text + tool_use blocks -> one assistant message with `tool_calls`, tool_result blocks -> `tool` messages), so a
 follow-up request re-renders the history the model produced and reuses the prefix cache. Prompt rendering, the
 tool-call parser, admission, generation with disconnect watching and usage counting are `generation`'s.
-tool_choice "any" and a named tool constrain generation as on the OpenAI route (the reply opens with a call; a named
-tool, or `disable_parallel_tool_use`, stops after one); the forced opening counts in `input_tokens`. A constrained
-reply that still is not a valid call is a 422 (in a stream, an error event).
+tool_choice "any" and a named tool constrain generation as on the OpenAI route (tool_choice.call_grammar: the reply is
+calls of the offered tools, their `input` held to each tool's `input_schema`; a named tool, or
+`disable_parallel_tool_use`, allows one). A constrained reply cut short by max_tokens before its first call was
+whole is a 422 (in a stream, an error event).
 Reasoning: `thinking: {"type": "enabled" | "disabled"}` reaches the chat template as `enable_thinking` (true |
 false); an assistant message's `thinking` blocks reach it as the message's `reasoning_content`. A request that
 continues a conversation the server stored is planned under the server's history policy (`preserve` by default;
@@ -251,8 +252,8 @@ def _error_event(error: APIError) -> str:
 
 @router.post(f"{PATH}/count_tokens", response_model=None)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
-    """The prompt's tokens as `/v1/messages` would render it (the system prompt, the tools and a required call's
-    forced opening included); nothing is generated."""
+    """The prompt's tokens as `/v1/messages` would render it (the system prompt and the tools included; a required
+    call is held to its grammar, which adds no prompt tokens); nothing is generated."""
     state = request.app.state.server
     check_model(state, body.model)
     prompt = await asyncio.to_thread(render_messages, state, _template_messages(body), _tools(body),
@@ -272,11 +273,13 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     prompt = await asyncio.to_thread(plan_chat, state, messages, tools, _template_kwargs(body), None, stored)
     check_prompt(state, prompt.ids)
     check_max_tokens(state, prompt.ids, body.max_tokens, "max_tokens")
+    if prompt.grammar is not None:
+        params = dataclasses.replace(params, structured_outputs=prompt.grammar)
     lease = Lease(state, metrics)
     info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages,
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason)
     count_history(metrics, prompt, info.request_id)
-    parser = reply_parser(tools, prompt.forced, prefix="toolu")
+    parser = reply_parser(tools, prefix="toolu")
     if body.stream:
         events = _stream(state, metrics, tools, parser, info, params, owner, prompt)
         return SSEResponse(sse_events(events, lease, metrics, _error_event), lease.release,

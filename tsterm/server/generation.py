@@ -2,8 +2,8 @@
 chat-template messages (tool calls with object arguments) into prompt ids, running a request to its end while
 watching for the client leaving, and an SSE response that aborts the engine request when the client disconnects.
 Errors are `APIError`s; each route shapes its own bodies. Splitting a reply into text and (streamed) tool calls is
-`tool_stream.ReplyParser`'s; what tools and tool_choice ask of generation (the forced call opening of
-tool_choice "required" and a named tool) is `tool_choice`'s.
+`tool_stream.ReplyParser`'s; what tools and tool_choice ask of generation (the call grammar of tool_choice
+"required" and a named tool) is `tool_choice`'s.
 
 Chat requests go through `ChatPlanner`: a request that continues a conversation the server stored (conversations.py)
 is planned under the history policy (`preserve` by default: the stored exact ids + the template's text for the new
@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from tsterm.chat.history import POLICIES, PRESERVE, TEMPLATE
 from tsterm.chat.session import Session
-from tsterm.config import SamplingParams
+from tsterm.config import SamplingParams, StructuredOutputs
 from tsterm.engine.admission import check_reply_room
 from tsterm.errors import DistributedError, EngineStepError, EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
@@ -36,7 +36,7 @@ from tsterm.server.conversations import owner_of
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.state import RequestInfo, ServerState
-from tsterm.server.tool_choice import ToolUse, open_call
+from tsterm.server.tool_choice import ToolUse, call_grammar
 from tsterm.server.tool_stream import CallArguments, CallStart, Piece
 
 log = logging.getLogger("tsterm.server")
@@ -249,25 +249,22 @@ def gone() -> Response:
 
 @dataclasses.dataclass
 class Prompt:
-    """The prompt ids sent to the engine: the rendered messages, then `forced` (a required call's opening)."""
+    """The prompt ids sent to the engine (the rendered messages) and the grammar a required call holds the reply to."""
 
     ids: list[int]
-    forced: str = ""  # the reply's start the engine did not generate (its ids end `ids`)
+    grammar: StructuredOutputs | None = None  # tool_choice required / any / named: `call_grammar`
 
 
 def render_messages(state: ServerState, messages: list[dict], tools: ToolUse,
                     template_kwargs: dict[str, Any] | None = None) -> Prompt:
-    """Chat-template messages (tool calls with object arguments) -> the prompt, a required call's opening appended
-    (`open_call`); shared with the Anthropic route. `template_kwargs` are variables for the template."""
+    """Chat-template messages (tool calls with object arguments) -> the prompt ids (the Anthropic route's
+    count_tokens; a required call's grammar adds none). `template_kwargs` are variables for the template."""
     try:
         ids = list(state.tokenizer.apply_chat_template(messages, tools=tools.offered, add_generation_prompt=True,
                                                        tokenize=True, **(template_kwargs or {})))
     except TstermError as e:
         raise APIError(400, str(e), param="messages") from e
-    if not tools.required:
-        return Prompt(ids)
-    forced = open_call(state, tools)
-    return Prompt(ids + forced, state.tokenizer.decode(forced, skip_special_tokens=False))
+    return Prompt(ids)
 
 
 # ---- chat template variables and the history policy -------------------------------------------------------------
@@ -361,9 +358,7 @@ def plan_chat(state: ServerState, messages: list[dict], tools: ToolUse, kwargs: 
     prompt = ChatPrompt(list(plan.token_ids), messages=[dict(m) for m in planned], context=plan.context,
                         policy=applied, fallback_reason=why, kept_tokens=plan.kept_tokens)
     if tools.required:
-        forced = open_call(state, tools)
-        prompt.ids += forced
-        prompt.forced = tokenizer.decode(forced, skip_special_tokens=False)
+        prompt.grammar = call_grammar(state, tools, prompt.ids, kwargs.get("enable_thinking") is True)
     return prompt
 
 

@@ -4,10 +4,14 @@ Tool calls: with `tools` (and `tool_choice` "auto", the default) the tools are r
 reply is split by `tool_stream.ReplyParser` into `content` and `tool_calls` (finish_reason "tool_calls"). A call the
 parser finds malformed (bad JSON, unknown tool, arguments failing the schema) is not a call: its raw text stays in
 `content`. `tool_choice` "none" renders no tools and parses nothing. "required" and a named function constrain
-generation (`generation.open_call`): the prompt ends with the opening of a call (a named one: up to its arguments),
-so the reply is a call; a named function (or `parallel_tool_calls: false`) stops at the first call's end. The forced
-opening counts as prompt tokens in `usage`. A constrained reply that still is not a valid call is a 422
+generation with a grammar (`tool_choice.call_grammar`): the reply is calls of the allowed tools as the template
+writes them, their arguments held to each tool's `parameters`; a named function (or `parallel_tool_calls: false`)
+allows one call. A constrained reply cut short by max_tokens before its first call was whole is a 422
 (`tool_choice_unsatisfied`; in a stream, an error event after what was streamed).
+
+Structured outputs (`structured.py`): `response_format` json_object / json_schema, or vLLM's `structured_outputs`
+field (chat and completions), become the engine's `SamplingParams.structured_outputs`; a schema llguidance cannot
+compile is a 400 naming the client's field. A request cannot both send one and require a tool call (400).
 
 Streaming: a call's first delta (index, id, type, name, `arguments: ""`) comes once its name is read and is an
 offered tool, then `function.arguments` fragments whose concatenation is the arguments JSON the model wrote (the same
@@ -42,6 +46,7 @@ from tsterm.server.generation import (
     count_history, count_usage, generate, gone, plan_chat, remember, request_owner, run_to_end, sse_events,
     template_kwargs,
 )
+from tsterm.server import structured
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.protocol import (
@@ -161,6 +166,11 @@ def _tools(body: ChatCompletionRequest) -> ToolUse:
     return ToolUse(specs, True, choice == "required", single=body.parallel_tool_calls is False)
 
 
+def _choice_name(body: ChatCompletionRequest) -> str:
+    choice = body.tool_choice
+    return f"names {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else f"{choice!r}"
+
+
 def _chat_logprobs(state: ServerState, entries: list[dict]) -> ChoiceLogprobs:
     def top(token_id: int, logprob: float) -> TopLogprob:
         text = state.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -195,6 +205,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _tools(body)
+    spec, param = structured.from_request(body.response_format, body.structured_outputs)
+    if spec is not None and tools.required:
+        raise APIError(400, f"{param.split('.')[0]} and tool_choice {_choice_name(body)} each constrain the reply; "
+                       "send one of them", param="tool_choice")
+    structured.check(spec, param)
     params = stop_at_call_end(_sampling(state, body, body.max_completion_tokens or body.max_tokens,
                                         (body.top_logprobs or 0) if body.logprobs else None), tools)
     kwargs, policy = template_kwargs(body.chat_template_kwargs)
@@ -206,11 +221,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     check_prompt(state, prompt.ids)
     check_max_tokens(state, prompt.ids, body.max_completion_tokens or body.max_tokens,
                      "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    if spec is not None or prompt.grammar is not None:
+        params = dataclasses.replace(params, structured_outputs=spec or prompt.grammar)
     lease = Lease(state, metrics)
     info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages,
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason)
     count_history(metrics, prompt, info.request_id)
-    parsers = [reply_parser(tools, prompt.forced) for _ in range(params.n)]
+    parsers = [reply_parser(tools) for _ in range(params.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _chat_stream(state, metrics, body, tools, parsers, info, params, include_usage, owner, prompt)
@@ -335,6 +352,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     params = _sampling(state, body, body.max_tokens, body.logprobs)
+    spec, param = structured.from_request(None, body.structured_outputs)
+    structured.check(spec, param)
+    if spec is not None:
+        params = dataclasses.replace(params, structured_outputs=spec)
     prompt = await asyncio.to_thread(_completion_prompt, state, body.prompt)
     check_prompt(state, prompt)
     check_max_tokens(state, prompt, body.max_tokens, "max_tokens")

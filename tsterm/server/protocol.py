@@ -48,6 +48,7 @@ class FunctionSpec(_Body):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; a call tool_choice requires is held to `parameters` whether or not
 
 
 class ToolSpec(_Body):
@@ -62,6 +63,20 @@ class NamedFunction(_Body):
 class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
+
+
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is enforced either way (as vLLM does)
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class StreamOptions(_Body):
@@ -85,6 +100,9 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # vLLM's field, as the engine takes it: exactly one of json, json_object, regex, choice, grammar (Lark / GBNF),
+    # plus disable_any_whitespace (tsterm/config.py StructuredOutputs)
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -95,6 +113,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     # variables for the chat template, as vLLM and SGLang take them (enable_thinking, preserve_thinking, ...), and
     # tsterm's `thinking_history` ("preserve" | "template"): checked by generation.template_kwargs
     chat_template_kwargs: dict[str, Any] | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import llguidance
+
 from tsterm.chat.history import PRESERVE, check_policy
 from tsterm.config import SamplingParams
 from tsterm.outputs import RequestOutput
@@ -74,6 +76,16 @@ class ServerState:
     # (`chat_template_kwargs.thinking_history`)
     history_policy: str = PRESERVE
     conversations: ConversationStore | None = None  # made from `limits` when not given
+
+    _lltokenizer: Any = field(default=None, repr=False, compare=False)
+
+    def special_token(self, token_id: int) -> bool:
+        """Whether llguidance reads `token_id` as a special token (a grammar names it as a token, never as text).
+        Its tokenizer is built from the model's tokenizer.json on the first tool-call grammar (a fraction of a
+        second), once per server."""
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.to_json_str())
+        return self._lltokenizer.is_special_token(token_id)
 
     def __post_init__(self) -> None:
         check_policy(self.history_policy)

@@ -1,21 +1,27 @@
-"""What a request's tools and tool_choice ask of generation (`ToolUse`).
+"""What a request's tools and tool_choice ask of generation (`ToolUse`), and the grammar that enforces it.
 
-tool_choice "required" (Anthropic "any") and a named tool constrain generation with a forced prefix: the prompt ends
-with the opening every allowed call shares, as the model's chat template renders an assistant tool call
-(`open_call`; a template that renders none gets a 400), and the reply is that opening + what the model generated,
-so it is a call by construction. A named tool (and `parallel_tool_calls: false`, Anthropic
-`disable_parallel_tool_use`) also stops generation at the first call's close tag: exactly one call, as OpenAI
-documents for a forced function. The forced ids are prompt ids for the engine and count as prompt tokens in `usage`
-(and in the metrics): the engine prefilled them, it did not sample them; completion tokens are the sampled ones. A
-422 (`tool_choice_unsatisfied`) is left only for a constrained reply that still is not a valid call (bad JSON,
-arguments failing the tool's schema, cut short by max_tokens).
+tool_choice "required" (Anthropic "any") and a named tool constrain generation with a grammar (`call_grammar`, a
+Lark grammar the engine's llguidance masks by; the prompt is the template's, as for "auto"): the reply is one or
+more calls, each written as the model's chat template writes an assistant tool call (the Hermes form: the open tag,
+the JSON object `{"name": ..., "arguments": ...}` whose name is an allowed tool's and whose arguments follow that
+tool's `parameters` schema, the close tag), separated as the template separates them. A named tool (and
+`parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`) allows exactly one call: the grammar ends
+after it and the reply finishes with "stop". Reasoning: where the generation prompt leaves a `<think>` block open,
+the reply finishes it before its calls; where the request sets `enable_thinking: true` (chat_template_kwargs, or
+Anthropic `thinking`), a reply may open with a `<think>...</think>` block; otherwise the calls come first (a model
+that reasons on its own, unasked, is not let to under a required call). So a reply is a valid call by construction; what is left for the 422
+(`tool_choice_unsatisfied`) is a reply cut short by max_tokens before its first call was whole. A template that
+renders no tool call tsterm's parser reads gets a 400 (`tool_choice_unsupported`): the choice cannot be enforced.
+With tool_choice "auto" nothing is constrained: a `strict` function's calls are parsed and checked, not enforced, and
+`parallel_tool_calls: false` stops the reply at its first call's close tag.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from tsterm.agent.tool_calls import CLOSE_TAG, OPEN_TAG, TextDelta, ToolCall, ToolCallParser
-from tsterm.config import SamplingParams
+from tsterm.config import SamplingParams, StructuredOutputs
 from tsterm.errors import TstermError
 from tsterm.server.errors import APIError
 from tsterm.server.state import ServerState
@@ -28,50 +34,131 @@ class ToolUse:
 
     offered: list[dict] | None  # rendered by the template; None: no tools in the prompt
     parse: bool  # split the reply into content and tool_calls
-    required: bool  # tool_choice required/any or a named tool: the reply opens with a call (`open_call`)
+    required: bool  # tool_choice required/any or a named tool: the reply is calls (`call_grammar`)
     name: str | None = None  # tool_choice named this tool
-    single: bool = False  # at most one call: generation stops at the first call's close tag
+    single: bool = False  # at most one call (the grammar's, or under "auto" a stop at the first call's close tag)
 
     @property
     def stop_at(self) -> str | None:
-        return CLOSE_TAG if self.single and self.parse else None
+        """Under tool_choice "auto" with one call allowed: the stop string that ends the reply after its first call
+        (a required call's grammar ends there by itself)."""
+        return CLOSE_TAG if self.single and self.parse and not self.required else None
 
 
 _PROBE = [{"role": "user", "content": "?"}]
-_SENTINEL_NAMES = ("a", "b")  # stand-ins for "any tool": they differ in their first character
 
 
-def open_call(state: ServerState, tools: ToolUse) -> list[int]:
-    """The token ids every call the request allows begins with, as this model's chat template renders an assistant
-    tool call: the common prefix of the rendered replies calling each allowed name (the named tool, the only tool,
-    or two stand-in names for several) with no arguments and with one. For the Hermes form that is the opening
-    `<tool_call>` and newline, then `{"name": "` and, for one name, the name and `"arguments":`. A template that
-    does not render tool calls in a form ToolCallParser reads gets a 400: the choice cannot be enforced."""
-    tokenizer, offered = state.tokenizer, tools.offered or []
-    names = [tools.name] if tools.name else [t["function"]["name"] for t in offered]
-    names = names if len(names) == 1 else list(_SENTINEL_NAMES)
+def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int], thinking: bool) -> StructuredOutputs:
+    """The grammar of the replies `tools` allows (tool_choice required / any / a named tool): see the module's
+    docstring. `prompt_ids`: the request's prompt (a generation prompt that leaves a `<think>` block open makes the
+    reply finish it before its calls); `thinking`: the request asked for reasoning (`enable_thinking`), so a reply may
+    open with a reasoning block. A 400 where the template does not render tool calls in a form the grammar follows."""
+    form = call_form(state)
+    names = [tools.name] if tools.name else [t["function"]["name"] for t in tools.offered or []]
+    specs = {t["function"]["name"]: t["function"] for t in tools.offered or []}
+    schemas = []
+    for name in names:
+        parameters = specs[name].get("parameters") or {"type": "object"}
+        properties = {"name": {"const": name}, "arguments": parameters}
+        schemas.append({"type": "object", "properties": {k: properties[k] for k in form.keys},
+                        "required": list(form.keys), "additionalProperties": False})
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    tail = state.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
+    opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)  # the generation prompt opened the reasoning
+    think = _think_rules(state, opened) if opened or thinking else ()
+    calls = "tc" if tools.single else f"tc ({form.separator} tc)*"
+    lines = [f"start: think {calls}" if think else f"start: {calls}",
+             f"tc: {form.open} call {form.close}",
+             "call: %json " + json.dumps(schema), *think]
+    return StructuredOutputs(grammar="\n".join(lines))
+
+
+def _think_rules(state: ServerState, opened: bool) -> tuple[str, ...]:
+    """Lark rules of `think`: a reasoning block before the calls; where the prompt `opened` it, its rest (required),
+    otherwise an optional `<think>...</think>`."""
+    opening = "" if opened else _lark(state, THINK_OPEN) + " "
+    closing = _lark(state, THINK_CLOSE)
+    optional = "" if opened else "?"
+    if closing.startswith("<[") and " " not in closing:  # one special token: no text holds it, any text precedes it
+        return (f"think: ({opening}/(?s:.*)/ {closing} /[ \\t\\n]*/){optional}",)
+    # text: the reasoning ends at the close tag's first occurrence (llguidance's stop, which consumes it)
+    return (f"think: ({opening}think_text /[ \\t\\n]*/){optional}",
+            f"think_text[stop={json.dumps(THINK_CLOSE)}]: /(?s:.*)/")
+
+
+@dataclasses.dataclass(frozen=True)
+class CallForm:
+    """How the chat template writes an assistant's tool calls, as Lark pieces: `open` (the open tag and what precedes
+    the JSON), `close` (what follows it, up to the close tag), `separator` (between two calls), `keys` (the JSON
+    object's keys in the template's order)."""
+
+    open: str
+    close: str
+    separator: str
+    keys: tuple[str, ...]
+
+
+def call_form(state: ServerState) -> CallForm:
+    """Read off the template: the reply of one call and of two, rendered after a probe."""
+    tokenizer = state.tokenizer
+
+    def reply(message: dict) -> str:
+        head = list(tokenizer.apply_chat_template(_PROBE, tools=[], add_generation_prompt=True, tokenize=True))
+        ids = list(tokenizer.apply_chat_template(_PROBE + [{"role": "assistant", "content": "", **message}], tools=[],
+                                                 add_generation_prompt=False, tokenize=True))
+        if ids[:len(head)] != head:
+            raise _cannot_force("the chat template renders an assistant reply that does not continue its "
+                                "generation prompt")
+        return tokenizer.decode(ids[len(head):], skip_special_tokens=False)
+
+    def call(name: str) -> dict:
+        return {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": {"a": "x"}}}
+
     try:
-        head = list(tokenizer.apply_chat_template(_PROBE, tools=offered, add_generation_prompt=True, tokenize=True))
-        replies = []
-        for name in names:
-            for arguments in ({}, {"a": "x"}):  # a string value reads back the same from any form
-                call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": arguments}}
-                ids = list(tokenizer.apply_chat_template(
-                    _PROBE + [{"role": "assistant", "content": "", "tool_calls": [call]}], tools=offered,
-                    add_generation_prompt=False, tokenize=True))
-                if ids[:len(head)] != head or not _renders_call(tokenizer.decode(ids[len(head):]), name, arguments):
-                    raise _cannot_force("the chat template does not render an assistant tool call as a reply that "
-                                        "begins with a <tool_call> tsterm's parser reads")
-                replies.append(ids[len(head):])
+        one, two = reply({"tool_calls": [call("a")]}), reply({"tool_calls": [call("a"), call("b")]})
     except TstermError as e:
         raise _cannot_force(f"the chat template failed to render a tool call ({e})") from e
-    common = replies[0]
-    for reply in replies[1:]:
-        common = common[:next((i for i, (a, b) in enumerate(zip(common, reply)) if a != b), min(len(common),
-                                                                                                 len(reply)))]
-    if OPEN_TAG not in tokenizer.decode(common, skip_special_tokens=False):
-        raise _cannot_force("the rendered tool calls share no opening <tool_call> to begin the reply with")
-    return common
+    if not _renders_call(one, "a", {"a": "x"}):
+        raise _cannot_force("the chat template does not render an assistant tool call as a reply that begins with a "
+                            "<tool_call> tsterm's parser reads")
+    start = one.index(OPEN_TAG)
+    stop = one.index(CLOSE_TAG, start)
+    inner = one[start + len(OPEN_TAG):stop]
+    first, last = inner.find("{"), inner.rfind("}") + 1
+    try:
+        keys = tuple(json.loads(inner[first:last]))
+    except ValueError:
+        keys = ()
+    if first < 0 or set(keys) != {"name", "arguments"}:
+        raise _cannot_force("the chat template does not write a call as the JSON object {\"name\", \"arguments\"}")
+    head, tail = one[start:start + len(OPEN_TAG) + first], inner[last:] + CLOSE_TAG
+    block = one[start:stop + len(CLOSE_TAG)]
+    separator = "\n"
+    if two.count(OPEN_TAG) == 2:
+        after = two.index(block) + len(block)
+        separator = two[after:two.index(OPEN_TAG, after)]
+    return CallForm(_lark(state, head), _lark(state, tail), _lark(state, separator) if separator else '""', keys)
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def _lark(state: ServerState, text: str) -> str:
+    """`text` as a Lark sequence: its special tokens as llguidance's token references (`<[id]>`; a literal would
+    never match them), the rest as string literals."""
+    tokenizer, special = state.tokenizer, state.special_token
+    pieces, run = [], []
+    for token_id in tokenizer.encode(text):
+        if special(token_id):
+            if run:
+                pieces.append(json.dumps(tokenizer.decode(run, skip_special_tokens=False)))
+                run = []
+            pieces.append(f"<[{token_id}]>")
+        else:
+            run.append(token_id)
+    if run:
+        pieces.append(json.dumps(tokenizer.decode(run, skip_special_tokens=False)))
+    return " ".join(pieces) or '""'
 
 
 def _renders_call(reply: str, name: str, arguments: dict) -> bool:
@@ -88,19 +175,19 @@ def _cannot_force(why: str) -> APIError:
                     "tool_choice \"auto\"", param="tool_choice", code="tool_choice_unsupported")
 
 
-def reply_parser(tools: ToolUse, forced: str, prefix: str = "call") -> ReplyParser:
-    """A parser for one choice's reply: the forced opening is read first, a one-call stop is put back."""
-    return ReplyParser(tools.offered, tools.parse, prefix=prefix, forced=forced, stop_at=tools.stop_at)
+def reply_parser(tools: ToolUse, prefix: str = "call") -> ReplyParser:
+    """A parser for one choice's reply (a one-call stop is put back)."""
+    return ReplyParser(tools.offered, tools.parse, prefix=prefix, stop_at=tools.stop_at)
 
 
 def stop_at_call_end(params: SamplingParams, tools: ToolUse) -> SamplingParams:
-    """`params` stopping at the first call's close tag when the request allows one call."""
+    """`params` stopping at the first call's close tag where "auto" allows one call."""
     if tools.stop_at is None:
         return params
     return dataclasses.replace(params, stop=[*(params.stop or []), tools.stop_at])
 
 
 def unsatisfied() -> APIError:
-    return APIError(422, "tool_choice required a tool call; the reply was made to open one, but the model did not "
-                    "write a valid call (bad JSON, arguments failing the tool's schema, or cut short by max_tokens); retry, "
-                    "or use tool_choice \"auto\"", code="tool_choice_unsatisfied", param="tool_choice")
+    return APIError(422, "tool_choice required a tool call and the reply was held to one, but it was cut short by "
+                    "max_tokens before its first call was whole; retry with a larger max_tokens, or use tool_choice "
+                    "\"auto\"", code="tool_choice_unsatisfied", param="tool_choice")

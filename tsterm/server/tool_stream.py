@@ -158,20 +158,17 @@ class _Streaming:
 
 
 class ReplyParser:
-    """One choice's reply as pieces, fed delta by delta. `forced` is the start of the reply that was appended to the
-    prompt (a required call's opening): it is read before the first delta. `stop_at`: a stop string that ended the
-    reply at a call's close tag (a request for one call), put back so that the call is complete."""
+    """One choice's reply as pieces, fed delta by delta. `stop_at`: a stop string that ended the reply at a call's
+    close tag (a request for one call), put back so that the call is complete."""
 
-    def __init__(self, offered: list[dict] | None, parse: bool, *, prefix: str = "call", forced: str = "",
-                 stop_at: str | None = None):
+    def __init__(self, offered: list[dict] | None, parse: bool, *, prefix: str = "call", stop_at: str | None = None):
         self.parser = ToolCallParser(offered, id_prefix=f"{prefix}_{uuid.uuid4().hex[:12]}_") if parse else None
-        self.forced, self.stop_at = forced, stop_at
+        self.stop_at = stop_at
         self.calls: list[ToolCall] = []  # the valid calls so far
         self.started = 0  # calls streamed so far (valid or not)
         self._current: _Streaming | None = None
 
     def feed(self, delta: str, final: bool, stop_reason: Any = None) -> list[Piece]:
-        delta, self.forced = self.forced + delta, ""
         if final and self.stop_at is not None and stop_reason == self.stop_at:
             delta += self.stop_at
         if self.parser is None:
