@@ -413,3 +413,21 @@ def test_anthropic_messages_continue_a_stored_conversation_too(served):
     info, _ = served.state.observer.last()
     assert info.history_policy == PRESERVE and list(info.prompt_ids[:len(loop_ids)]) == loop_ids
     assert reply["usage"]["cache_read_input_tokens"] >= 0.95 * ideal(loop_ids)
+
+
+def test_a_required_call_may_follow_reasoning_where_the_request_enables_thinking(client):
+    """tool_choice "required" holds the reply to calls by a grammar; `enable_thinking: true` lets it open with a
+    reasoning block first (the model's own chain: reasoning, then the call), otherwise the call comes first. One call
+    allowed: the grammar ends after it (the random weights would go on with more)."""
+    tools = [{"type": "function", "function": {"name": TOOL, "parameters": {  # a closed schema: the random weights
+        "type": "object", "properties": {"name": {"enum": ["tides"]}}, "required": ["name"],  # write no more
+        "additionalProperties": False}}}]
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Read the tides document."}], tools=tools,
+                  tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=60)
+    thinking = client.chat.completions.create(**kwargs, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    direct = client.chat.completions.create(**kwargs)
+    for r in (thinking, direct):
+        (call,) = r.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (TOOL, {"name": "tides"})
+        assert r.choices[0].finish_reason == "tool_calls"
+    assert thinking.choices[0].message.content == REPLY_CONTENT and direct.choices[0].message.content is None

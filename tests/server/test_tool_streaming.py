@@ -266,6 +266,7 @@ def test_the_call_grammar_follows_the_template_and_the_allowed_tools(llm):
     assert lines[0] == "start: tc" and lines[1] == f'tc: <[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
     (schema,) = [json.loads(line.split("%json ", 1)[1]) for line in lines if line.startswith("call:")]
     assert schema["properties"] == {"name": {"const": "calculator"}, "arguments": _SPEC["parameters"]}
+    assert (schema["x-guidance"]["item_separator"], schema["x-guidance"]["key_separator"]) == (", ", ": ")  # as written
     several = call_grammar(state, ToolUse([TOOLS[0], other], True, True), prompt, False).grammar
     assert several.startswith('start: tc ("\\n" tc)*')  # the template separates two calls with a newline
     assert [s["properties"]["name"] for s in json.loads(several.split("%json ", 1)[1].splitlines()[0])["anyOf"]] == [

@@ -63,6 +63,9 @@ def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int], thin
         schemas.append({"type": "object", "properties": {k: properties[k] for k in form.keys},
                         "required": list(form.keys), "additionalProperties": False})
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if form.separators is not None:  # the JSON spaced as the template writes it (what the model learned)
+        schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": form.separators[0],
+                                "key_separator": form.separators[1]}
     tail = state.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
     opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)  # the generation prompt opened the reasoning
     think = _think_rules(state, opened) if opened or thinking else ()
@@ -80,9 +83,9 @@ def _think_rules(state: ServerState, opened: bool) -> tuple[str, ...]:
     closing = _lark(state, THINK_CLOSE)
     optional = "" if opened else "?"
     if closing.startswith("<[") and " " not in closing:  # one special token: no text holds it, any text precedes it
-        return (f"think: ({opening}/(?s:.*)/ {closing} /[ \\t\\n]*/){optional}",)
+        return (f"think: ({opening}/(?s:.*)/ {closing} /\\n{{0,2}}/){optional}",)
     # text: the reasoning ends at the close tag's first occurrence (llguidance's stop, which consumes it)
-    return (f"think: ({opening}think_text /[ \\t\\n]*/){optional}",
+    return (f"think: ({opening}think_text /\\n{{0,2}}/){optional}",
             f"think_text[stop={json.dumps(THINK_CLOSE)}]: /(?s:.*)/")
 
 
@@ -90,12 +93,14 @@ def _think_rules(state: ServerState, opened: bool) -> tuple[str, ...]:
 class CallForm:
     """How the chat template writes an assistant's tool calls, as Lark pieces: `open` (the open tag and what precedes
     the JSON), `close` (what follows it, up to the close tag), `separator` (between two calls), `keys` (the JSON
-    object's keys in the template's order)."""
+    object's keys in the template's order), `separators` (the JSON's item and key separators where the template
+    writes them as json.dumps does, spaced or compact; None: any whitespace)."""
 
     open: str
     close: str
     separator: str
     keys: tuple[str, ...]
+    separators: tuple[str, str] | None
 
 
 def call_form(state: ServerState) -> CallForm:
@@ -126,9 +131,12 @@ def call_form(state: ServerState) -> CallForm:
     inner = one[start + len(OPEN_TAG):stop]
     first, last = inner.find("{"), inner.rfind("}") + 1
     try:
-        keys = tuple(json.loads(inner[first:last]))
+        written = json.loads(inner[first:last])
     except ValueError:
-        keys = ()
+        written = {}
+    keys = tuple(written)
+    separators = next((pair for pair in ((", ", ": "), (",", ":"))
+                       if json.dumps(written, separators=pair) == inner[first:last]), None)
     if first < 0 or set(keys) != {"name", "arguments"}:
         raise _cannot_force("the chat template does not write a call as the JSON object {\"name\", \"arguments\"}")
     head, tail = one[start:start + len(OPEN_TAG) + first], inner[last:] + CLOSE_TAG
@@ -137,7 +145,8 @@ def call_form(state: ServerState) -> CallForm:
     if two.count(OPEN_TAG) == 2:
         after = two.index(block) + len(block)
         separator = two[after:two.index(OPEN_TAG, after)]
-    return CallForm(_lark(state, head), _lark(state, tail), _lark(state, separator) if separator else '""', keys)
+    return CallForm(_lark(state, head), _lark(state, tail), _lark(state, separator) if separator else '""', keys,
+                    separators)
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
