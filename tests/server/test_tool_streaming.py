@@ -280,6 +280,26 @@ def test_the_call_grammar_follows_the_template_and_the_allowed_tools(llm):
     assert err.value.code == "tool_choice_unsupported" and err.value.status == 400
 
 
+def test_a_strict_function_under_auto_leaves_text_free_and_holds_calls_to_its_schema(client, llm):
+    from tsterm.server.state import ServerState
+    from tsterm.server.tool_choice import ToolUse, call_grammar
+
+    strict = [{"type": "function", "function": {**_SPEC, "strict": True}}]
+    kwargs = dict(model=MODEL, tools=strict, temperature=0, max_tokens=80)
+    greeting = client.chat.completions.create(**kwargs, messages=GREETING).choices[0]
+    assert greeting.finish_reason == "stop" and greeting.message.content and not greeting.message.tool_calls
+    calls = client.chat.completions.create(**kwargs, messages=TWO_CALLS).choices[0]
+    assert calls.finish_reason == "tool_calls" and [name for name, _ in _calls(calls.message)] == ["calculator"] * 2
+
+    state = ServerState(engine=None, tokenizer=llm.tokenizer, model_name=MODEL, max_model_len=512)
+    other = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string"}}}}}
+    grammar = call_grammar(state, ToolUse([*strict, other], True, False, strict=True), [], False).grammar
+    assert grammar.startswith('start: text (tc ("\\n" tc)*)?') and "text: /(?s:.*)/" in grammar
+    schemas = json.loads(grammar.split("%json ", 1)[1].splitlines()[0])["anyOf"]
+    assert [s["properties"]["arguments"] for s in schemas] == [_SPEC["parameters"], {"type": "object"}]
+
+
 class _Starts:
     """An observer that keeps the RequestInfo of each request."""
 

@@ -357,7 +357,7 @@ def plan_chat(state: ServerState, messages: list[dict], tools: ToolUse, kwargs: 
         raise APIError(400, str(e), param="messages") from e
     prompt = ChatPrompt(list(plan.token_ids), messages=[dict(m) for m in planned], context=plan.context,
                         policy=applied, fallback_reason=why, kept_tokens=plan.kept_tokens)
-    if tools.required:
+    if tools.required or tools.strict:
         prompt.grammar = call_grammar(state, tools, prompt.ids, kwargs.get("enable_thinking") is True)
     return prompt
 

@@ -163,7 +163,8 @@ def _tools(body: ChatCompletionRequest) -> ToolUse:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
                            param="tool_choice")
         return ToolUse(named, True, True, name=choice.function.name, single=True)
-    return ToolUse(specs, True, choice == "required", single=body.parallel_tool_calls is False)
+    return ToolUse(specs, True, choice == "required", single=body.parallel_tool_calls is False,
+                   strict=any(t["function"].get("strict") for t in specs))
 
 
 def _choice_name(body: ChatCompletionRequest) -> str:
@@ -206,9 +207,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     tools = _tools(body)
     spec, param = structured.from_request(body.response_format, body.structured_outputs)
-    if spec is not None and tools.required:
-        raise APIError(400, f"{param.split('.')[0]} and tool_choice {_choice_name(body)} each constrain the reply; "
-                       "send one of them", param="tool_choice")
+    if spec is not None and (tools.required or tools.strict):
+        raise APIError(400, f"{param.split('.')[0]} and tool_choice {_choice_name(body)} (or a strict function) each "
+                       "constrain the reply; send one of them", param="tool_choice")
     structured.check(spec, param)
     params = stop_at_call_end(_sampling(state, body, body.max_completion_tokens or body.max_tokens,
                                         (body.top_logprobs or 0) if body.logprobs else None), tools)

@@ -12,8 +12,11 @@ Anthropic `thinking`), a reply may open with a `<think>...</think>` block; other
 that reasons on its own, unasked, is not let to under a required call). So a reply is a valid call by construction; what is left for the 422
 (`tool_choice_unsatisfied`) is a reply cut short by max_tokens before its first call was whole. A template that
 renders no tool call tsterm's parser reads gets a 400 (`tool_choice_unsupported`): the choice cannot be enforced.
-With tool_choice "auto" nothing is constrained: a `strict` function's calls are parsed and checked, not enforced, and
-`parallel_tool_calls: false` stops the reply at its first call's close tag.
+With tool_choice "auto" and a function marked `strict: true`, the reply is free text then any calls, the strict
+functions' arguments held to their schemas (the others' to any object); this needs a template whose open tag is a
+special token (text cannot hold it, so text and calls are told apart): with a text open tag, "auto" is not
+constrained. Otherwise "auto" constrains nothing, and `parallel_tool_calls: false` stops the reply at its first
+call's close tag.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class ToolUse:
     required: bool  # tool_choice required/any or a named tool: the reply is calls (`call_grammar`)
     name: str | None = None  # tool_choice named this tool
     single: bool = False  # at most one call (the grammar's, or under "auto" a stop at the first call's close tag)
+    strict: bool = False  # "auto" with a `strict: true` function: text, then any calls, those functions' held to schema
 
     @property
     def stop_at(self) -> str | None:
@@ -48,17 +52,28 @@ class ToolUse:
 _PROBE = [{"role": "user", "content": "?"}]
 
 
-def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int], thinking: bool) -> StructuredOutputs:
-    """The grammar of the replies `tools` allows (tool_choice required / any / a named tool): see the module's
+def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int],
+                 thinking: bool) -> StructuredOutputs | None:
+    """The grammar of the replies `tools` allows (tool_choice required / any / a named tool, or "auto" with a strict
+    function: None where the template's open tag is text, which free text could not be told from): see the module's
     docstring. `prompt_ids`: the request's prompt (a generation prompt that leaves a `<think>` block open makes the
     reply finish it before its calls); `thinking`: the request asked for reasoning (`enable_thinking`), so a reply may
     open with a reasoning block. A 400 where the template does not render tool calls in a form the grammar follows."""
-    form = call_form(state)
+    try:
+        form = call_form(state)
+    except APIError:
+        if tools.required:
+            raise
+        return None  # "auto": a template whose calls the grammar cannot follow leaves the reply unconstrained
+    if not tools.required and not form.open.startswith("<["):
+        return None
     names = [tools.name] if tools.name else [t["function"]["name"] for t in tools.offered or []]
     specs = {t["function"]["name"]: t["function"] for t in tools.offered or []}
     schemas = []
     for name in names:
         parameters = specs[name].get("parameters") or {"type": "object"}
+        if not tools.required and not specs[name].get("strict"):
+            parameters = {"type": "object"}  # "auto": only a strict function's arguments are held to its schema
         properties = {"name": {"const": name}, "arguments": parameters}
         schemas.append({"type": "object", "properties": {k: properties[k] for k in form.keys},
                         "required": list(form.keys), "additionalProperties": False})
@@ -70,9 +85,13 @@ def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int], thin
     opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)  # the generation prompt opened the reasoning
     think = _think_rules(state, opened) if opened or thinking else ()
     calls = "tc" if tools.single else f"tc ({form.separator} tc)*"
+    if not tools.required:  # text (which cannot hold the open tag: a special token), then any calls
+        calls = f"text ({calls})?"
     lines = [f"start: think {calls}" if think else f"start: {calls}",
              f"tc: {form.open} call {form.close}",
              "call: %json " + json.dumps(schema), *think]
+    if not tools.required:
+        lines.append("text: /(?s:.*)/")
     return StructuredOutputs(grammar="\n".join(lines))
 
 
