@@ -7,11 +7,12 @@ parser finds malformed (bad JSON, unknown tool, arguments failing the schema) is
 generation with a grammar (`tool_choice.call_grammar`): the reply is calls of the allowed tools as the template
 writes them, their arguments held to each tool's `parameters`; a named function (or `parallel_tool_calls: false`)
 allows one call. A constrained reply cut short by max_tokens before its first call was whole is a 422
-(`tool_choice_unsatisfied`; in a stream, an error event after what was streamed).
+(`tool_choice_unsatisfied`; in a stream, an error event after what was streamed). A `strict: true` function under
+"auto" holds its calls' arguments to its schema, the text before them free (tool_choice.py says where it applies).
 
 Structured outputs (`structured.py`): `response_format` json_object / json_schema, or vLLM's `structured_outputs`
 field (chat and completions), become the engine's `SamplingParams.structured_outputs`; a schema llguidance cannot
-compile is a 400 naming the client's field. A request cannot both send one and require a tool call (400).
+compile is a 400 naming the client's field. A request cannot both send one and constrain its tool calls (400).
 
 Streaming: a call's first delta (index, id, type, name, `arguments: ""`) comes once its name is read and is an
 offered tool, then `function.arguments` fragments whose concatenation is the arguments JSON the model wrote (the same
