@@ -1,22 +1,21 @@
 """What a request's tools and tool_choice ask of generation (`ToolUse`), and the grammar that enforces it.
 
-tool_choice "required" (Anthropic "any") and a named tool constrain generation with a grammar (`call_grammar`, a
-Lark grammar the engine's llguidance masks by; the prompt is the template's, as for "auto"): the reply is one or
-more calls, each written as the model's chat template writes an assistant tool call (the Hermes form: the open tag,
-the JSON object `{"name": ..., "arguments": ...}` whose name is an allowed tool's and whose arguments follow that
-tool's `parameters` schema, the close tag), separated as the template separates them. A named tool (and
-`parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`) allows exactly one call: the grammar ends
-after it and the reply finishes with "stop". Reasoning: where the generation prompt leaves a `<think>` block open,
-the reply finishes it before its calls; where the request sets `enable_thinking: true` (chat_template_kwargs, or
-Anthropic `thinking`), a reply may open with a `<think>...</think>` block; otherwise the calls come first (a model
-that reasons on its own, unasked, is not let to under a required call). So a reply is a valid call by construction; what is left for the 422
+tool_choice "required" (Anthropic "any") and a named tool constrain generation with a grammar (`call_grammar`, a Lark
+grammar the engine's llguidance masks by; the prompt is the template's, as for "auto"): the reply is one or more
+calls, each written as the model's chat template writes an assistant tool call (the Hermes form: the open tag, the
+JSON object `{"name": ..., "arguments": ...}` whose name is an allowed tool's and whose arguments follow that tool's
+`parameters` schema, the close tag), separated as the template separates them. A named tool (and `parallel_tool_calls:
+false`, Anthropic `disable_parallel_tool_use`) allows exactly one call: the grammar ends after it and the reply
+finishes with "stop". Reasoning: where the generation prompt leaves a `<think>` block open, the reply finishes it
+before its calls; where the request sets `enable_thinking: true` (chat_template_kwargs, or Anthropic `thinking`), a
+reply may open with a `<think>...</think>` block; otherwise the calls come first (a model that reasons on its own,
+unasked, is not let to under a required call). So a reply is a valid call by construction; what is left for the 422
 (`tool_choice_unsatisfied`) is a reply cut short by max_tokens before its first call was whole. A template that
-renders no tool call tsterm's parser reads gets a 400 (`tool_choice_unsupported`): the choice cannot be enforced.
-With tool_choice "auto" and a function marked `strict: true`, the reply is free text then any calls, the strict
-functions' arguments held to their schemas (the others' to any object); this needs a template whose open tag is a
-special token (text cannot hold it, so text and calls are told apart): with a text open tag, "auto" is not
-constrained. Otherwise "auto" constrains nothing, and `parallel_tool_calls: false` stops the reply at its first
-call's close tag.
+renders no tool call tsterm's parser reads gets a 400 (`tool_choice_unsupported`): the choice cannot be enforced. With
+tool_choice "auto" and a function marked `strict: true`, the reply is free text then any calls, the strict functions'
+arguments held to their schemas (the others' to any object); this needs a template whose open tag is a special token
+(text cannot hold it, so text and calls are told apart): with a text open tag, "auto" is not constrained. Otherwise
+"auto" constrains nothing, and `parallel_tool_calls: false` stops the reply at its first call's close tag.
 """
 from __future__ import annotations
 
