@@ -109,7 +109,7 @@ class ApiServer:
         state = ServerState(engine=host.async_engine, tokenizer=host.tokenizer,
                             model_name=options.model_name or host.profile_name or host.model_name,
                             max_model_len=host.engine.max_model_len, defaults=host.sampling,
-                            api_key=options.api_key, observer=observer)
+                            api_key=options.api_key, observer=observer, history_policy=host.thinking_history)
         self.model_name = state.model_name
         # log_config None: uvicorn must not configure logging (its handlers would write over the screen)
         self.server = BackgroundServer(create_app(state), options.host, options.port, log_config=None,

@@ -19,6 +19,7 @@ from typing import Any
 
 from textual.message import Message
 
+from tsterm.chat.history import PRESERVE, check_policy, request_stop_ids
 from tsterm.chat.plan import PromptPlan
 from tsterm.chat.session import TurnStats
 from tsterm.config import SamplingParams
@@ -46,12 +47,19 @@ class EngineHost:
     ui: UiOptions = field(default_factory=UiOptions)
     agent: AgentSettings = field(default_factory=AgentSettings)  # the profile's `agent:` section
     server: ServerSettings = field(default_factory=ServerSettings)  # the profile's `server:` section
+    # the profile's thinking_history (tsterm/chat/history.py): how chat and agent sessions plan a turn after the
+    # first, `preserve` (the exact ids of earlier turns, reasoning included) or `template`
+    thinking_history: str = PRESERVE
+    # whether `shutdown` ends the engine too (its executor: a multi-rank engine's worker processes, device memory):
+    # load_host's hosts own the engine they built; an engine handed to EngineHost directly stays its owner's
+    owns_engine: bool = False
     async_engine: AsyncEngine = field(init=False)
     # What agent sessions generate with: the AsyncEngine, unless a test scripts the model's replies (a stand-in
     # with AsyncEngine's generate / abort / pin / unpin and the same tokenizer).
     agent_backend: Any = field(init=False)
 
     def __post_init__(self) -> None:
+        check_policy(self.thinking_history)
         self.async_engine = AsyncEngine(self.engine)
         self.agent_backend = self.async_engine
         self._stop_stats = threading.Event()
@@ -83,6 +91,11 @@ class EngineHost:
         """The conversation as prompt text (the session plan tokenises only what is new in it)."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids that end a chat reply generated with `sampling`: what `preserve` checks the kept ids end with."""
+        return request_stop_ids(self.engine.eos_token_ids, self.sampling)
+
     # ---- turns
     async def stream_turn(self, session_id: str, plan: PromptPlan, request_id: str, post: Post) -> None:
         """Stream one reply; always ends with a TurnFinished (cancellation = abort: the request is freed)."""
@@ -106,17 +119,15 @@ class EngineHost:
         stats = None
         if last is not None or aborted:
             m = last.metrics if last is not None else None
-            stats = TurnStats(prompt_tokens=len(plan.token_ids), cached_tokens=last.num_cached_tokens if last else 0,
-                              kept_tokens=plan.kept_tokens, generated_tokens=len(token_ids), miss=plan.miss,
-                              diverged_at=plan.diverged_at, ttft=m.ttft if m else None,
-                              mean_itl=m.mean_itl if m else None,
-                              finish_reason="abort" if aborted else last.finish_reason)
+            stats = TurnStats.from_plan(plan, last.num_cached_tokens if last else 0, len(token_ids),
+                                        ttft=m.ttft if m else None, mean_itl=m.mean_itl if m else None,
+                                        finish_reason="abort" if aborted else last.finish_reason)
         post(TurnFinished(session_id, request_id, plan, text, list(token_ids), stats, error))
 
     # ---- counters
     def start_stats(self, post: Post, interval: float | None = None) -> None:
-        """Poll `stats()` and the per-expert routing counts on a daemon thread; the engine answers between two steps,
-        so decoding is not slowed."""
+        """Poll the engine's counters, per-expert routing counts and ranks on a daemon thread, in one call
+        (AsyncEngine.dashboard): the engine answers between two steps, so decoding is not slowed."""
         if self._stats_thread is not None:
             return
         interval = self.ui.stats_interval if interval is None else interval
@@ -124,9 +135,7 @@ class EngineHost:
         def poll() -> None:
             while not self._stop_stats.wait(interval):
                 try:
-                    stats = self.async_engine.stats()
-                    experts = self.async_engine.expert_load()
-                    ranks = self.async_engine.rank_stats()
+                    stats, experts, ranks = self.async_engine.dashboard()
                 except Exception:  # noqa: BLE001, S112 - a failed poll is skipped, the next one may work
                     continue
                 if not self._stop_stats.is_set():
@@ -142,8 +151,12 @@ class EngineHost:
             self._stats_thread.join()
 
     def shutdown(self) -> None:
+        """Stop polling and the engine thread; an engine the host owns is shut down too, so a multi-rank engine's
+        workers (and their memory) end now, not when the engine is garbage-collected."""
         self.stop_stats()
         self.async_engine.shutdown()
+        if self.owns_engine:
+            self.engine.shutdown()
 
 
 def memory_info(engine: Engine) -> dict[str, Any]:
@@ -174,7 +187,8 @@ def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, p
     profile = load_profile(profile_name_or_path)
     engine = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status, overrides or {}))
     return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options(),
-                      profile.agent_settings(), profile.server_settings())
+                      profile.agent_settings(), profile.server_settings(), thinking_history=profile.thinking_history,
+                      owns_engine=True)
 
 
 def _on_own_thread(fn: Callable[[], Any]) -> Any:

@@ -171,7 +171,8 @@ class AgentRuns:
         try:
             options = settings.loop_options(auto_approve=auto)
             run.agent = Agent(self.host.agent_backend, self.host.tokenizer, toolset.tools, self.host.sampling,
-                              options=options, approve=self._approver(session, toolset), session=session)
+                              options=options, approve=self._approver(session, toolset), session=session,
+                              history_policy=self.host.thinking_history)
         except TstermError as e:
             await asyncio.to_thread(toolset.close)
             await self.view.report(session, f"the agent could not start: {e}", error=True)

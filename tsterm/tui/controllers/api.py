@@ -7,6 +7,12 @@ go on) is that conversation's next turn; anything else starts a new one. The ses
 saw and produced, so its per-turn line shows what the client's re-rendering kept (`kept`) and where it diverged
 (a template miss), like a local chat's. An API session is read-only here: fork it to continue it yourself.
 
+The server plans each chat request under the thinking-history policy (tsterm/chat/history.py, server/conversations.py)
+and says on its RequestInfo which applied (`history_policy`: None for a request that continues no conversation the
+server stored, rendered as sent) and why `preserve` fell back (`history_fallback`); the turn line shows both. The
+session records its ids as the kept ids of its messages (Session.keep), so a fork of it continues them under the
+profile's policy.
+
 `ApiConversations` owns the requests being generated (request id -> ApiTurn) and applies the server's messages to the
 sessions of the book; the screen shows them.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tsterm.chat.history import render_context
 from tsterm.chat.plan import first_divergence
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.tui.controllers.sessions import SessionBook
@@ -53,10 +60,11 @@ def turn_stats(session: Session, message: ApiTurnFinished) -> TurnStats:
     out = message.output
     first = out.outputs[0] if out is not None and out.outputs else None
     finish = first.finish_reason if first is not None and first.finish_reason else "abort"
+    info = message.info
     return TurnStats(prompt_tokens=len(prompt), cached_tokens=out.num_cached_tokens if out else 0, kept_tokens=kept,
                      generated_tokens=len(message.token_ids), miss=miss, diverged_at=kept if miss else None,
                      ttft=out.metrics.ttft if out else None, mean_itl=out.metrics.mean_itl if out else None,
-                     finish_reason=finish)
+                     finish_reason=finish, policy_applied=info.history_policy, fallback_reason=info.history_fallback)
 
 
 class ApiConversations:
@@ -117,7 +125,11 @@ class ApiConversations:
         if message.output is not None:
             stats = turn_stats(session, message)
             session.messages.append({"role": "assistant", "content": message.text})
-            session.token_ids = list(message.info.prompt_ids) + list(message.token_ids)
+            # the exact ids the engine holds for the messages through the reply. Their context is taken as the host
+            # template's own (RequestInfo does not carry the request's tools: a fork of a conversation whose client
+            # sent tools continues ids that show them)
+            session.keep(list(message.info.prompt_ids) + list(message.token_ids), len(session.messages),
+                         render_context(self.host.render))
             session.turns.append(stats)
         session.touch()
         self.book.save(session, quiet=True)

@@ -44,8 +44,7 @@ class InFlight:
     num_cached_tokens: int = 0
 
     def partial_stats(self) -> TurnStats:
-        return TurnStats(len(self.plan.token_ids), self.num_cached_tokens, self.plan.kept_tokens,
-                         len(self.token_ids), self.plan.miss, self.plan.diverged_at, finish_reason="abort")
+        return TurnStats.from_plan(self.plan, self.num_cached_tokens, len(self.token_ids), finish_reason="abort")
 
 
 @dataclass(frozen=True)
@@ -66,11 +65,13 @@ class ChatTurns:
         self._request_ids = itertools.count()
 
     def prepare(self, session: Session, text: str) -> PromptPlan:
-        """Add `text` as the user's message and plan the prompt. A prompt that cannot be planned (TstermError) or
+        """Add `text` as the user's message and plan the prompt under the profile's thinking-history policy (the
+        plan says which applied, and why `preserve` fell back). A prompt that cannot be planned (TstermError) or
         that leaves no room for a reply (DoesNotFit) raises, with the session as it was."""
         session.add_user(text)
+        host = self.host
         try:
-            plan = session.plan(self.host.render, self.host.tokenizer)
+            plan = session.plan(host.render, host.tokenizer, host.thinking_history, host.stop_ids)
         except TstermError:
             session.drop_last_user()
             raise

@@ -19,7 +19,7 @@ from textual.widgets import Collapsible, Static
 from tsterm.agent.loop import NO_APPROVER, REFUSED, AgentStep, ToolCallRecord
 from tsterm.agent.tool_calls import TextDelta, ToolCallParser
 from tsterm.chat.session import Session, TurnStats
-from tsterm.tui.widgets.chat_log import MessageView
+from tsterm.tui.widgets.chat_log import MessageView, policy_summary
 
 STATUS_MARKS = {"parsed": "·", "waiting": "?", "running": "…", "done": "✓", "error": "✗", "refused": "⊘",
                 "handed": "↩"}
@@ -48,6 +48,9 @@ def step_summary(number: int, stats: TurnStats | AgentStep, lost_tokens: int | N
             f" · gen {stats.generated_tokens}")
     if stats.finish_reason and stats.finish_reason != "stop":
         line += f" · {stats.finish_reason}"
+    policy = policy_summary(stats)
+    if policy:
+        line += f" · {policy}"
     if stats.miss:
         line += (f" · less reuse: the chat template wrote the history differently from token "
                  f"{stats.diverged_at} on, so reuse stopped there")

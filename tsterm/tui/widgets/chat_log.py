@@ -23,6 +23,42 @@ from tsterm.tui.thinking import split_thinking
 ROLE_LABELS = {"user": "you", "assistant": "assistant", "system": "system", "notice": "tsterm", "error": "error"}
 
 
+# The reasons history.py / Session.plan give for planning a `preserve` turn as `template`, in a few words (the first
+# fragment found in the reason names it); any other reason is shown cut to SHORT_REASON characters.
+SHORT_REASONS = (
+    ("did not end with a stop token", "last reply cut short"),
+    ("changed since they were recorded", "history edited"),
+    ("does not know which messages", "ids without their messages"),
+    ("another context", "tools or system block changed"),
+    ("rejected the probe", "template rejected the probe"),
+    ("do not end with an assistant reply", "no reply kept"),
+    ("no new messages", "no new message"),
+    ("does not render the reply's content", "template rewrites replies"),
+    ("does not end the reply with", "template has no reply end"),
+    ("after the first new message", "template has no reply end"),
+    ("renders differently with the new messages", "history depends on the new messages"),
+)
+SHORT_REASON = 40
+
+
+def short_reason(reason: str) -> str:
+    """Why `preserve` fell back, in a few words (the session file and the log keep the whole reason)."""
+    for fragment, short in SHORT_REASONS:
+        if fragment in reason:
+            return short
+    return reason if len(reason) <= SHORT_REASON else reason[:SHORT_REASON - 1].rstrip() + "…"
+
+
+def policy_summary(stats: TurnStats) -> str | None:
+    """Which thinking-history policy planned the turn or agent step (`policy preserve`, `policy template`), and on
+    a fallback why preserve could not apply; None for a turn recorded before policies (or an API request the server
+    rendered as sent)."""
+    if stats.fallback_reason:
+        why = short_reason(stats.fallback_reason)
+        return f"policy {stats.policy_applied or 'template'} (preserve fell back: {why})"
+    return f"policy {stats.policy_applied}" if stats.policy_applied else None
+
+
 def turn_summary(stats: TurnStats) -> str:
     """One line under a reply: what the turn prefilled, reused and generated."""
     parts = [f"prompt {stats.prompt_tokens}", f"cached {stats.cached_tokens}", f"new {stats.new_tokens}",
@@ -33,6 +69,9 @@ def turn_summary(stats: TurnStats) -> str:
         parts.append(f"{1 / stats.mean_itl:.1f} tok/s")
     if stats.finish_reason and stats.finish_reason != "stop":
         parts.append(stats.finish_reason)
+    policy = policy_summary(stats)
+    if policy:
+        parts.append(policy)
     if stats.miss:
         parts.append(f"less reuse: history rewritten from token {stats.diverged_at}")
     return " · ".join(parts)

@@ -9,6 +9,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Label, Sparkline, Static
 
 from tsterm.chat.session import Session, TurnStats
+from tsterm.tui.widgets.chat_log import policy_summary
 from tsterm.tui.widgets.expert_heatmap import ExpertHeatmap
 from tsterm.tui.widgets.kv_bar import KVBar
 
@@ -112,6 +113,9 @@ class Dashboard(VerticalScroll):
         hits = sum(t.cached_tokens for t in session.turns)
         total = sum(t.prompt_tokens for t in session.turns)
         lines.append(f"cached {hits}/{total} prompt tok · {session.num_misses} miss(es)")
+        policy = policy_summary(session.turns[-1])
+        if policy:  # how the last turn was planned (thinking_history), and why preserve fell back
+            lines.append(f"last {policy}")
         self.query_one("#reuse", Static).update("\n".join(lines))
 
     def show_sessions(self, text: str) -> None:
