@@ -98,7 +98,7 @@ class GrammarCompiler:
         kind = spec.kind
         param = f"structured_outputs.{kind}"
         try:
-            source = _grammar_source(spec)
+            source = grammar_source(spec)
         except ValueError as e:
             raise RequestError(f"{param}: {e}", param=param) from None
         matcher = llguidance.LLMatcher(self.lltokenizer, source, log_level=0)
@@ -144,7 +144,7 @@ def apply_bitmask(logits: Tensor, rows: list[int], bitmask: Tensor) -> Tensor:
     return logits.masked_fill(banned, -math.inf)
 
 
-def _grammar_source(spec: StructuredOutputs) -> str:
+def grammar_source(spec: StructuredOutputs) -> str:
     """llguidance's grammar text for `spec` (a ValueError when its JSON does not parse)."""
     options = _COMPACT_JSON if spec.disable_any_whitespace else None
     if spec.json is not None:

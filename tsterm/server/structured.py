@@ -18,7 +18,7 @@ from typing import Any
 import llguidance
 
 from tsterm.config import StructuredOutputs
-from tsterm.engine.structured import _grammar_source
+from tsterm.engine.structured import grammar_source
 from tsterm.errors import ConfigError
 from tsterm.server.errors import APIError
 from tsterm.server.protocol import ResponseFormat
@@ -55,7 +55,7 @@ def check(spec: StructuredOutputs | None, param: str) -> None:
     if spec is None:
         return
     try:
-        error = llguidance.LLMatcher.validate_grammar(_grammar_source(spec), None)
+        error = llguidance.LLMatcher.validate_grammar(grammar_source(spec), None)
     except ValueError as e:  # the schema's JSON text does not parse, or it is not an object
         raise APIError(400, f"{param}: {e}", param=param) from e
     if error:
