@@ -4,6 +4,7 @@ for the model's (one id per character), so token counts are lengths of text."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -49,7 +50,7 @@ def make_host(max_model_len: int = 4096, max_tokens: int = 16, **extra) -> Simpl
     return SimpleNamespace(engine=SimpleNamespace(max_model_len=max_model_len),
                            sampling=SimpleNamespace(max_tokens=max_tokens), tokenizer=CharTokenizer(), render=render,
                            model_key="/models/tiny", system_prompt="be brief", model_name="tiny",
-                           stream_turn=stream_turn, **extra)
+                           stream_turn=stream_turn, thinking_history="preserve", stop_ids=frozenset(), **extra)
 
 
 def make_book(tmp_path, host) -> tuple[SessionBook, list[str]]:
@@ -160,12 +161,23 @@ def test_an_api_request_joins_the_idle_conversation_it_continues_and_never_a_bus
     same, stats = api.finished(first_end)
     assert same is session and not api.busy and session.token_ids == [1, 2, 3, 90, 91]
     assert (stats.prompt_tokens, stats.kept_tokens, stats.miss) == (3, 0, False)
+    # the ids are the kept ids of the messages through the reply (a fork continues them under the policy); the
+    # server said it planned nothing (a first request, rendered as sent)
+    assert session.kept_messages == 2 and session.kept_intact() and stats.policy_applied is None
 
     more_start, _ = api_request("more", [1, 2, 3, 90, 91, 4])  # the client's next turn: the same conversation
     assert api.started(more_start) is session and api.busy == {session.id}
     again_start, _ = api_request("again", [1, 2, 3, 90, 91, 5])  # the same history while that one generates
     other = api.started(again_start)
     assert other is not session and set(book.sessions) == {session.id, other.id}
+
+    more_end = api_request("more", [1, 2, 3, 90, 91, 4], "and more")[1]
+    more_end.info = replace(more_end.info, history_policy="template",
+                            history_fallback="the last reply did not end with a stop")
+    _, more_stats = api.finished(more_end)  # the turn line shows what the server applied, and why
+    assert (more_stats.policy_applied, more_stats.fallback_reason) == ("template", "the last reply did not end with "
+                                                                                   "a stop")
+    assert more_stats.kept_tokens == 5 and not more_stats.miss
 
     cut_start, cut_end = api_request("cut", [7, 8])  # ended before any output: no turn, the history is shown
     cut = api.started(cut_start)
