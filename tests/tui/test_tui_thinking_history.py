@@ -162,13 +162,15 @@ async def test_an_api_conversations_turn_line_shows_the_policy_the_server_applie
 
     import openai
 
-    app = TstermApp(thinking_profile(tmp_path, thinking_model, policy))
+    app = TstermApp(thinking_profile(tmp_path, thinking_model, policy, server=json.dumps({"max_conversations": 3})))
     async with app.run_test(size=SIZE) as pilot:
         screen = await chat_screen(pilot)
         script = ScriptedEngine(app.host.async_engine, [FIRST_REPLY])
         app.host.async_engine = script  # what the server (started now, on the host's engine) generates with
         app.start_api_server(0)
         server = await wait_until(pilot, lambda: app.api_server, what="the API server")
+        # the profile's policy and conversation bounds are the workstation server's
+        assert (server.state.history_policy, server.state.limits.max_conversations) == (policy, 3)
         api = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "hello"}]
         first = await asyncio.to_thread(api.chat.completions.create, model=server.model_name, messages=messages,

@@ -100,8 +100,8 @@ class ApiServer:
 
     def __init__(self, host: Any, options: ServeOptions, observer: ApiObserver):
         from tsterm.server.app import create_app
-        from tsterm.server.serve import BackgroundServer, check_bind
-        from tsterm.server.state import ServerState
+        from tsterm.server.serve import BackgroundServer, check_bind, server_limits
+        from tsterm.server.state import ServerLimits, ServerState
 
         check_bind(options.host, options.api_key)
         free_port(options.host, options.port)
@@ -109,8 +109,9 @@ class ApiServer:
         state = ServerState(engine=host.async_engine, tokenizer=host.tokenizer,
                             model_name=options.model_name or host.profile_name or host.model_name,
                             max_model_len=host.engine.max_model_len, defaults=host.sampling,
-                            api_key=options.api_key, observer=observer, history_policy=host.thinking_history)
-        self.model_name = state.model_name
+                            api_key=options.api_key, observer=observer, history_policy=host.thinking_history,
+                            limits=ServerLimits(**server_limits(host.server)))  # the API conversations' bounds
+        self.state, self.model_name = state, state.model_name
         # log_config None: uvicorn must not configure logging (its handlers would write over the screen)
         self.server = BackgroundServer(create_app(state), options.host, options.port, log_config=None,
                                        timeout_graceful_shutdown=3)
