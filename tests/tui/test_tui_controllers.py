@@ -173,11 +173,14 @@ def test_an_api_request_joins_the_idle_conversation_it_continues_and_never_a_bus
 
     more_end = api_request("more", [1, 2, 3, 90, 91, 4], "and more")[1]
     more_end.info = replace(more_end.info, history_policy="template",
-                            history_fallback="the last reply did not end with a stop")
+                            history_fallback="the last reply did not end with a stop",
+                            history_context="<tools: calculator>")
     _, more_stats = api.finished(more_end)  # the turn line shows what the server applied, and why
     assert (more_stats.policy_applied, more_stats.fallback_reason) == ("template", "the last reply did not end with "
                                                                                    "a stop")
     assert more_stats.kept_tokens == 5 and not more_stats.miss
+    # the ids are kept with the context the server rendered them in (the client's tools), not the host template's own
+    assert session.kept_context == "<tools: calculator>"
 
     cut_start, cut_end = api_request("cut", [7, 8])  # ended before any output: no turn, the history is shown
     cut = api.started(cut_start)

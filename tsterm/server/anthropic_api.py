@@ -277,7 +277,8 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
         params = dataclasses.replace(params, structured_outputs=prompt.grammar)
     lease = Lease(state, metrics)
     info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=messages,
-                       history_policy=prompt.policy, history_fallback=prompt.fallback_reason)
+                       history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
+                       history_context=prompt.context)
     count_history(metrics, prompt, info.request_id)
     parser = reply_parser(tools, prefix="toolu")
     if body.stream:

@@ -227,7 +227,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         params = dataclasses.replace(params, structured_outputs=spec or prompt.grammar)
     lease = Lease(state, metrics)
     info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages,
-                       history_policy=prompt.policy, history_fallback=prompt.fallback_reason)
+                       history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
+                       history_context=prompt.context)
     count_history(metrics, prompt, info.request_id)
     parsers = [reply_parser(tools) for _ in range(params.n)]
     if body.stream:

@@ -43,6 +43,9 @@ class RequestInfo:
     # `history_fallback` says why a `preserve` request was planned as `template`
     history_policy: str | None = None
     history_fallback: str | None = None
+    # what the chat template renders around the messages for this request (its tools, its own system block:
+    # `history.render_context`), which a session keeping this request's ids records with them ("" where not a chat)
+    history_context: str = ""
 
 
 class RequestObserver(Protocol):

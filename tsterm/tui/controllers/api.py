@@ -125,11 +125,10 @@ class ApiConversations:
         if message.output is not None:
             stats = turn_stats(session, message)
             session.messages.append({"role": "assistant", "content": message.text})
-            # the exact ids the engine holds for the messages through the reply. Their context is taken as the host
-            # template's own (RequestInfo does not carry the request's tools: a fork of a conversation whose client
-            # sent tools continues ids that show them)
+            # the exact ids the engine holds for the messages through the reply, with the template context the
+            # server rendered them in (the client's tools included)
             session.keep(list(message.info.prompt_ids) + list(message.token_ids), len(session.messages),
-                         render_context(self.host.render))
+                         message.info.history_context or render_context(self.host.render))
             session.turns.append(stats)
         session.touch()
         self.book.save(session, quiet=True)
