@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import anthropic
+import llguidance
 import openai
 import pytest
 
@@ -274,10 +275,64 @@ def test_the_call_grammar_follows_the_template_and_the_allowed_tools(llm):
     thinking = call_grammar(state, ToolUse(TOOLS, True, True), prompt, True).grammar
     think = llm.tokenizer.token_to_id("<think>"), llm.tokenizer.token_to_id("</think>")
     assert thinking.startswith("start: think tc") and f"think: (<[{think[0]}]> /(?s:.*)/ <[{think[1]}]>" in thinking
-    with pytest.raises(Exception) as err:  # a template whose calls are no JSON object: the choice cannot be enforced
-        call_grammar(ServerState(engine=None, tokenizer=_XmlCallsTemplate(llm.tokenizer), model_name=MODEL,
-                                 max_model_len=512), ToolUse(TOOLS, True, True), prompt, False)
-    assert err.value.code == "tool_choice_unsupported" and err.value.status == 400
+
+
+def _matches(llm, grammar: str, text: str) -> bool:
+    """Whether llguidance, masking by `grammar` over the engine's tokenizer, takes `text`'s tokens and may end there."""
+    matcher = llguidance.LLMatcher(llm.engine.grammars.lltokenizer, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return all(matcher.consume_token(t) for t in llm.tokenizer.encode(text)) and matcher.is_accepting()
+
+
+def test_the_call_grammar_follows_a_template_that_writes_the_xml_form(llm):
+    from tsterm.server.state import ServerState
+    from tsterm.server.tool_choice import ToolUse, call_grammar
+
+    state = ServerState(engine=None, tokenizer=_XmlCallsTemplate(llm.tokenizer), model_name=MODEL, max_model_len=512)
+    other = {"type": "function", "function": {"name": "clock", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}, "offset": {"type": "integer"}}}}}
+    one = call_grammar(state, ToolUse([*TOOLS, other], True, True, "calculator", single=True), [], False).grammar
+    several = call_grammar(state, ToolUse([*TOOLS, other], True, True), [], False).grammar
+
+    def call(name, parameters):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in parameters.items())
+        return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+    calc = call("calculator", {"expression": "(1 + 2) * 3\nx < y"})  # any text, several lines, a '<' included
+    assert _matches(llm, one, calc) and _matches(llm, several, calc)
+    assert _matches(llm, several, calc + "\n" + call("clock", {"offset": 2}) + "\n" + call("clock", {}))
+    assert not _matches(llm, one, calc + "\n" + calc)  # a named tool: one call
+    for bad in (call("clock", {}),  # not the named tool
+                call("calculator", {}),  # its required parameter missing
+                call("calculator", {"expr": "1"}),  # a parameter it does not take
+                call("calculator", {"expression": "1</parameter>2"}),  # a value cannot hold the close tag
+                '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>'):  # JSON
+        assert not _matches(llm, one, bad), bad
+    assert not _matches(llm, several, call("clock", {"offset": "two"}))  # an integer parameter's value is JSON
+    parsed = ReplyParser(TOOLS, True).feed(calc, final=True)  # what the grammar lets through, the parser reads
+    assert [type(p) for p in parsed] == [CallStart, CallArguments, CallEnd]
+    assert json.loads(parsed[1].text) == {"expression": "(1 + 2) * 3\nx < y"}
+
+
+def test_a_required_call_with_an_xml_form_template_is_a_valid_call(llm, aengine):
+    # agent-demo learned the JSON form, never the XML one: a bounded integer is a value it must end (a free text value
+    # it would write until max_tokens); the grammar writes the rest of the call
+    dice = [{"type": "function", "function": {"name": "dice", "description": "Roll a die.", "parameters": {
+        "type": "object", "properties": {"sides": {"type": "integer", "minimum": 2, "maximum": 9}},
+        "required": ["sides"]}}}]
+    state = build_state(llm, aengine, MODEL)
+    state.tokenizer = _XmlCallsTemplate(llm.tokenizer)
+    server = BackgroundServer(create_app(state)).start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for choice, parallel in (("required", False), ({"type": "function", "function": {"name": "dice"}}, True)):
+            r = client.chat.completions.create(model=MODEL, messages=GREETING, tools=dice, tool_choice=choice,
+                                               parallel_tool_calls=parallel, temperature=0, max_tokens=60)
+            assert r.choices[0].finish_reason == "tool_calls"
+            ((name, arguments),) = _calls(r.choices[0].message)
+            assert name == "dice" and 2 <= json.loads(arguments)["sides"] <= 9
+    finally:
+        server.stop()
 
 
 def test_a_strict_function_under_auto_leaves_text_free_and_holds_calls_to_its_schema(client, llm):

@@ -4,7 +4,10 @@ tool_choice "required" (Anthropic "any") and a named tool constrain generation w
 grammar the engine's llguidance masks by; the prompt is the template's, as for "auto"): the reply is one or more
 calls, each written as the model's chat template writes an assistant tool call (the Hermes form: the open tag, the
 JSON object `{"name": ..., "arguments": ...}` whose name is an allowed tool's and whose arguments follow that tool's
-`parameters` schema, the close tag), separated as the template separates them. A named tool (and `parallel_tool_calls:
+`parameters` schema, the close tag; or the Qwen3-Coder XML form: the open tag, `<function=NAME>` of an allowed tool,
+its parameters in its schema's order, the required ones required, each `<parameter=P>` + a value + `</parameter>`,
+a string's value any text without `</parameter>`, another type's JSON of its schema, then `</function>` and the
+close tag), separated as the template separates them. A named tool (and `parallel_tool_calls:
 false`, Anthropic `disable_parallel_tool_use`) allows exactly one call: the grammar ends after it and the reply
 finishes with "stop". Reasoning: where the generation prompt leaves a `<think>` block open, the reply finishes it
 before its calls; where the request sets `enable_thinking: true` (chat_template_kwargs, or Anthropic `thinking`), a
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from typing import Any
 
-from tsterm.agent.tool_calls import CLOSE_TAG, OPEN_TAG, TextDelta, ToolCall, ToolCallParser
+from tsterm.agent.tool_calls import _JSON_TYPES, CLOSE_TAG, OPEN_TAG, TextDelta, ToolCall, ToolCallParser
 from tsterm.config import SamplingParams, StructuredOutputs
 from tsterm.errors import TstermError
 from tsterm.server.errors import APIError
@@ -68,18 +73,12 @@ def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int],
         return None
     names = [tools.name] if tools.name else [t["function"]["name"] for t in tools.offered or []]
     specs = {t["function"]["name"]: t["function"] for t in tools.offered or []}
-    schemas = []
+    parameters = {}
     for name in names:
-        parameters = specs[name].get("parameters") or {"type": "object"}
+        parameters[name] = specs[name].get("parameters") or {"type": "object"}
         if not tools.required and not specs[name].get("strict"):
-            parameters = {"type": "object"}  # "auto": only a strict function's arguments are held to its schema
-        properties = {"name": {"const": name}, "arguments": parameters}
-        schemas.append({"type": "object", "properties": {k: properties[k] for k in form.keys},
-                        "required": list(form.keys), "additionalProperties": False})
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    if form.separators is not None:  # the JSON spaced as the template writes it (what the model learned)
-        schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": form.separators[0],
-                                "key_separator": form.separators[1]}
+            parameters[name] = {"type": "object"}  # "auto": only a strict function's arguments are held to its schema
+    call_rules = _xml_call_rules(form.xml, parameters) if form.xml else _json_call_rules(form, parameters)
     tail = state.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
     opened = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)  # the generation prompt opened the reasoning
     think = _think_rules(state, opened) if opened or thinking else ()
@@ -87,11 +86,68 @@ def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int],
     if not tools.required:  # text (which cannot hold the open tag: a special token), then any calls
         calls = f"text ({calls})?"
     lines = [f"start: think {calls}" if think else f"start: {calls}",
-             f"tc: {form.open} call {form.close}",
-             "call: %json " + json.dumps(schema), *think]
+             f"tc: {form.open} call {form.close}", *call_rules, *think]
     if not tools.required:
         lines.append("text: /(?s:.*)/")
     return StructuredOutputs(grammar="\n".join(lines))
+
+
+def _json_call_rules(form: CallForm, parameters: dict[str, dict]) -> list[str]:
+    """Lark rules of `call` in the JSON form: one object {"name", "arguments"} per allowed tool, its arguments held to
+    the tool's `parameters`."""
+    schemas = []
+    for name, schema in parameters.items():
+        properties = {"name": {"const": name}, "arguments": schema}
+        schemas.append({"type": "object", "properties": {k: properties[k] for k in form.keys},
+                        "required": list(form.keys), "additionalProperties": False})
+    whole = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if form.separators is not None:  # the JSON spaced as the template writes it (what the model learned)
+        whole["x-guidance"] = {"whitespace_flexible": False, "item_separator": form.separators[0],
+                               "key_separator": form.separators[1]}
+    return ["call: %json " + json.dumps(whole)]
+
+
+def _xml_call_rules(xml: XmlForm, parameters: dict[str, dict]) -> list[str]:
+    """Lark rules of `call` in the XML form: per allowed tool, `<function=NAME>` then its parameters in the schema's
+    order (the required ones required), each `<parameter=P>` + its value + `</parameter>`, laid out as the template
+    writes them. A string parameter's value is any text without `</parameter>` (the parser ends it at the first);
+    another type's is JSON of its schema (the parser reads such values as JSON). A tool whose schema declares no
+    properties takes any parameters, each a free value."""
+    free = "/(?s:.*)" + _regex(xml.value_close + "</parameter>") + "/ & ~/(?s:.*)<\\/parameter>(?s:.+)/"
+    rules = ["call: " + " | ".join(f"fn_{i}" for i in range(len(parameters))),
+             f"FREE_VALUE: {free}"]
+    for i, (name, schema) in enumerate(parameters.items()):
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = set(schema.get("required") or [])
+        parts = []
+        for j, (key, sub) in enumerate(properties.items()):
+            head = json.dumps(f"<parameter={key}>" + xml.value_open)
+            after = json.dumps(xml.after_parameter)
+            if _free_text(sub):
+                rules.append(f"p_{i}_{j}: {head} FREE_VALUE {after}")
+            else:
+                rules.append(f"p_{i}_{j}: {head} v_{i}_{j} " + json.dumps(xml.value_close + "</parameter>")
+                             + f" {after}")
+                rules.append(f"v_{i}_{j}: %json " + json.dumps(sub))
+            parts.append(f"p_{i}_{j}" if key in required else f"p_{i}_{j}?")
+        if not properties:
+            parts.append(f'("<parameter=" /[^>\\n]+/ ">" {json.dumps(xml.value_open)} FREE_VALUE '
+                         f"{json.dumps(xml.after_parameter)})*")
+        rules.append(f"fn_{i}: " + json.dumps(f"<function={name}>" + xml.after_name) + " " + " ".join(parts))
+    return rules
+
+
+def _free_text(schema: Any) -> bool:
+    """A parameter whose value the parser takes as text (tsterm/agent/tool_calls.py `_convert`): a string, or no
+    single JSON type."""
+    types = schema.get("type") if isinstance(schema, dict) else None
+    types = [types] if isinstance(types, str) else list(types or [])
+    return not types or "string" in types or not set(types) <= _JSON_TYPES
+
+
+def _regex(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    return "".join("\\n" if c == "\n" else "\\/" if c == "/" else re.escape(c) for c in text)
 
 
 def _think_rules(state: ServerState, opened: bool) -> tuple[str, ...]:
@@ -112,13 +168,31 @@ class CallForm:
     """How the chat template writes an assistant's tool calls, as Lark pieces: `open` (the open tag and what precedes
     the JSON), `close` (what follows it, up to the close tag), `separator` (between two calls), `keys` (the JSON
     object's keys in the template's order), `separators` (the JSON's item and key separators where the template
-    writes them as json.dumps does, spaced or compact; None: any whitespace)."""
+    writes them as json.dumps does, spaced or compact; None: any whitespace); `xml`: where the template writes the
+    Qwen3-Coder XML form instead of JSON, its layout (`open` then ends before `<function=`, `close` starts at
+    `</function>`; `keys` and `separators` are unused)."""
 
     open: str
     close: str
     separator: str
     keys: tuple[str, ...]
     separators: tuple[str, str] | None
+    xml: XmlForm | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class XmlForm:
+    """The whitespace the template writes around the XML form's pieces: after `<function=NAME>`, after
+    `<parameter=P>` (before the value), after the value (before `</parameter>`), after `</parameter>`."""
+
+    after_name: str
+    value_open: str
+    value_close: str
+    after_parameter: str
+
+
+# the probe's call `a(a="x")` in the XML form, each layout gap captured
+_XML_PROBE = re.compile(r"(\s*)<function=a>(\s*)<parameter=a>(\s*)x(\s*)</parameter>(\s*)(</function>\s*)")
 
 
 def call_form(state: ServerState) -> CallForm:
@@ -147,6 +221,16 @@ def call_form(state: ServerState) -> CallForm:
     start = one.index(OPEN_TAG)
     stop = one.index(CLOSE_TAG, start)
     inner = one[start + len(OPEN_TAG):stop]
+    block = one[start:stop + len(CLOSE_TAG)]
+    separator = "\n"
+    if two.count(OPEN_TAG) == 2:
+        after = two.index(block) + len(block)
+        separator = two[after:two.index(OPEN_TAG, after)]
+    separator_lark = _lark(state, separator) if separator else '""'
+    xml = _XML_PROBE.fullmatch(inner)
+    if xml is not None:  # the Qwen3-Coder XML form
+        return CallForm(_lark(state, OPEN_TAG + xml.group(1)), _lark(state, xml.group(6) + CLOSE_TAG), separator_lark,
+                        (), None, XmlForm(*xml.group(2, 3, 4, 5)))
     first, last = inner.find("{"), inner.rfind("}") + 1
     try:
         written = json.loads(inner[first:last])
@@ -156,15 +240,10 @@ def call_form(state: ServerState) -> CallForm:
     separators = next((pair for pair in ((", ", ": "), (",", ":"))
                        if json.dumps(written, separators=pair) == inner[first:last]), None)
     if first < 0 or set(keys) != {"name", "arguments"}:
-        raise _cannot_force("the chat template does not write a call as the JSON object {\"name\", \"arguments\"}")
+        raise _cannot_force("the chat template writes a call neither as the JSON object {\"name\", \"arguments\"} "
+                            "nor in the XML form <function=NAME><parameter=P>")
     head, tail = one[start:start + len(OPEN_TAG) + first], inner[last:] + CLOSE_TAG
-    block = one[start:stop + len(CLOSE_TAG)]
-    separator = "\n"
-    if two.count(OPEN_TAG) == 2:
-        after = two.index(block) + len(block)
-        separator = two[after:two.index(OPEN_TAG, after)]
-    return CallForm(_lark(state, head), _lark(state, tail), _lark(state, separator) if separator else '""', keys,
-                    separators)
+    return CallForm(_lark(state, head), _lark(state, tail), separator_lark, keys, separators)
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
