@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers.graphs import capture_on_cpu
 from tests.helpers.checkpoints import make_checkpoint
 from tests.helpers.sampling import every_sampler_stage
 from tsterm import LLM, SamplingParams
@@ -21,7 +22,6 @@ from tsterm.engine import cuda_graphs
 from tsterm.engine.cuda_graphs import DecodeGraph, DecodeGraphs, batch_buckets
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.sequence import Sequence
-from tsterm.engine.step_inputs import HostStep
 from tsterm.errors import ConfigError
 
 BLOCK = 4
@@ -267,17 +267,7 @@ def test_cuda_graphs_option_is_validated():
 def test_engine_decodes_through_graph_replays(checkpoint, monkeypatch):
     """The runner's graph path end to end (bucketing, tiers, capture on first use, upload, replay, the logits
     view), with a CPU stand-in for the CUDA graph: its replay re-runs the forward that capture would record."""
-    def capture_on_cpu(self, pool, stream, out):
-        self._upload(HostStep(), 0)
-        self.logits = self.forward()
-
-        def replay():
-            with torch.inference_mode():
-                self.logits.copy_(self.forward())
-
-        self.graph = SimpleNamespace(replay=replay)
-
-    monkeypatch.setattr(DecodeGraph, "capture", capture_on_cpu)
+    monkeypatch.setattr(DecodeGraph, "capture", capture_on_cpu())
     monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_CONTEXT", 8)  # tiers of 2, 4, 8 blocks of 4 tokens
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 6, 2, 5)]

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.graphs import capture_on_cpu
 from tests.helpers.checkpoints import make_checkpoint
 from tsterm import LLM, SamplingParams
 from tsterm.config import EngineConfig
@@ -21,7 +22,6 @@ from tsterm.engine.engine import Engine
 from tsterm.engine.executor import MemoryProbe, MemoryProfile, size_cache
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.engine.sampler import Sampler
-from tsterm.engine.step_inputs import HostStep
 from tsterm.errors import ConfigError
 
 BLOCK = 4
@@ -222,19 +222,7 @@ def test_after_the_start_up_capture_a_request_captures_nothing(checkpoint, monke
     """The CPU stand-in for a graph (its replay re-runs the forward the capture would record): every shape is
     captured by `capture_all`, and generation afterwards replays graphs without capturing any."""
     captures: list[tuple[int, int]] = []
-
-    def capture_on_cpu(self, pool, stream, out):
-        captures.append((self.batch_size, self.table_width))
-        self._upload(HostStep(), 0)
-        self.logits = self.forward()
-
-        def replay():
-            with torch.inference_mode():
-                self.logits.copy_(self.forward())
-
-        self.graph = SimpleNamespace(replay=replay)
-
-    monkeypatch.setattr(DecodeGraph, "capture", capture_on_cpu)
+    monkeypatch.setattr(DecodeGraph, "capture", capture_on_cpu(captures))
     monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_CONTEXT", 8)  # tiers of 2, 4, 8 blocks of 4 tokens
     llm = LLM(str(checkpoint), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=48, kernels="triton",
               max_num_seqs=3, max_model_len=32)

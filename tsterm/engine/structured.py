@@ -116,7 +116,6 @@ class GrammarCompiler:
         self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)], bitmask.data_ptr(),
                                               row_bytes, bitmask.shape[0])
 
-
     @staticmethod
     def fill_one(grammar: Grammar, row: Tensor) -> None:
         """`row` (host int32 [words], contiguous) := the tokens `grammar` allows now."""

@@ -343,7 +343,9 @@ def plan_chat(state: ServerState, messages: list[dict], tools: ToolUse, kwargs: 
         if stored is not None:
             applied = policy or state.history_policy
             if applied == PRESERVE:
-                stored.messages = stored.messages[:stored.kept_messages] + list(messages[stored.kept_messages:])
+                # planned on a copy: the stored conversation stays as stored while other requests may match it
+                stored = dataclasses.replace(stored, messages=stored.messages[:stored.kept_messages]
+                                             + list(messages[stored.kept_messages:]))
                 plan = stored.plan(render, tokenizer, PRESERVE)
                 if plan.fallback_reason is not None:
                     applied, why, plan = TEMPLATE, plan.fallback_reason, None
