@@ -283,13 +283,13 @@ async def test_escape_while_the_tools_start_stops_the_task_and_closes_them_once_
 
     from tsterm.tui.controllers import agent as agent_screen
 
-    started, closed = threading.Event(), threading.Event()
+    started, release, closed = threading.Event(), threading.Event(), threading.Event()
     build = agent_screen.build_toolset
 
-    def slow_build(*args, **kwargs):  # MCP servers starting
+    def slow_build(*args, **kwargs):  # MCP servers starting: they are up once the test has seen the task stop
         started.set()
         toolset = build(*args, **kwargs)
-        closed.wait(0.5)
+        release.wait(600)  # (a guard against a hang only: the test sets it)
         toolset.close = closed.set
         return toolset
 
@@ -303,6 +303,7 @@ async def test_escape_while_the_tools_start_stops_the_task_and_closes_them_once_
         await wait_until(pilot, started.is_set, what="the tools starting")
         await pilot.press("escape")
         await wait_until(pilot, lambda: session.id not in screen.running_agents, what="the task stopped")
+        release.set()  # the tools finish starting only now, after the task stopped
         await wait_until(pilot, closed.is_set, what="the tools closed once built")
         assert backend.prompts == [] and screen.agent_runs[session.id].agent is None
 
