@@ -350,5 +350,21 @@ def test_a_missing_profile_names_each_folder_once(monkeypatch, capsys):
 def test_server_conversation_bounds_reach_the_server_limits(tmp_path):
     from tsterm.server.serve import server_limits
 
-    profile = load_profile(write(tmp_path / "s.yaml", "model: m\nserver:\n  max_conversations: 8\n"))
-    assert server_limits(profile.server_settings()) == {"max_conversations": 8, "conversation_ttl_s": 3600.0}
+    profile = load_profile(write(tmp_path / "s.yaml", "model: m\nserver:\n  max_conversations: 8\n"
+                                 "  cors_origins: [http://localhost:3000]\n  cache_isolation: per_key\n"))
+    assert server_limits(profile.server_settings()) == {
+        "max_conversations": 8, "conversation_ttl_s": 3600.0, "max_stored_responses": 64, "response_ttl_s": 3600.0,
+        "cors_origins": ("http://localhost:3000",), "allowed_hosts": (), "cache_isolation": "per_key"}
+    from tsterm.server.state import ServerLimits
+
+    ServerLimits(**server_limits(profile.server_settings()))  # every key is a ServerLimits field
+
+
+@pytest.mark.parametrize("text, error", [("cors_origins: '*'", "cors_origins must be a list"),
+                                         ("allowed_hosts: ['']", "allowed_hosts must be a list"),
+                                         ("cache_isolation: per_user", "cache_isolation must be none or per_key"),
+                                         ("max_stored_responses: -1", "max_stored_responses must be"),
+                                         ("response_ttl_s: .inf", "response_ttl_s must be")])
+def test_server_keys_are_checked(tmp_path, text, error):
+    with pytest.raises(ConfigError, match=error):
+        load_profile(write(tmp_path / "s.yaml", f"model: m\nserver:\n  {text}\n")).server_settings()

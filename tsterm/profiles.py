@@ -145,6 +145,16 @@ class ServerSettings:
     # history across turns"): at most this many, each for this long after its last request (0: none kept)
     max_conversations: int = 64
     conversation_ttl_s: float = 3600.0
+    # Responses API (`POST /v1/responses` with `store`): stored responses kept for `previous_response_id`, at most
+    # this many, each for this long after it was made (0: none kept)
+    max_stored_responses: int = 64
+    response_ttl_s: float = 3600.0
+    # browsers: origins allowed by CORS (empty: none; "*" only with an API key, checked when the server starts)
+    cors_origins: list[str] = field(default_factory=list)
+    # Host header names accepted besides the loopback names and the bound host (DNS rebinding guard)
+    allowed_hosts: list[str] = field(default_factory=list)
+    # "none": every client's prompts share cached blocks; "per_key": prompts of different API keys never do
+    cache_isolation: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -161,6 +171,18 @@ class ServerSettings:
         if isinstance(self.conversation_ttl_s, bool) or not isinstance(self.conversation_ttl_s, (int, float)) \
                 or not 0 <= self.conversation_ttl_s < float("inf"):
             raise ConfigError(f"conversation_ttl_s must be a number of seconds >= 0, got {self.conversation_ttl_s!r}")
+        if isinstance(self.max_stored_responses, bool) or not isinstance(self.max_stored_responses, int) \
+                or self.max_stored_responses < 0:
+            raise ConfigError(f"max_stored_responses must be an integer >= 0, got {self.max_stored_responses!r}")
+        if isinstance(self.response_ttl_s, bool) or not isinstance(self.response_ttl_s, (int, float)) \
+                or not 0 <= self.response_ttl_s < float("inf"):
+            raise ConfigError(f"response_ttl_s must be a number of seconds >= 0, got {self.response_ttl_s!r}")
+        for key in ("cors_origins", "allowed_hosts"):
+            value = getattr(self, key)
+            if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+                raise ConfigError(f"{key} must be a list of non-empty strings, got {value!r}")
+        if self.cache_isolation not in ("none", "per_key"):
+            raise ConfigError(f"cache_isolation must be none or per_key, got {self.cache_isolation!r}")
 
 
 def _textual_themes() -> list[str] | None:

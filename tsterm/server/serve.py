@@ -164,12 +164,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-CONVERSATION_SETTINGS = ("max_conversations", "conversation_ttl_s")  # a profile's server: keys -> ServerLimits
+# a profile's server: keys -> ServerLimits
+LIMIT_SETTINGS = ("max_conversations", "conversation_ttl_s", "max_stored_responses", "response_ttl_s", "cors_origins",
+                  "allowed_hosts", "cache_isolation")
 
 
 def server_limits(settings: Any) -> dict[str, Any]:
-    """The ServerLimits a profile's `server:` section sets (the API conversations' bounds), where it has them."""
-    return {k: v for k in CONVERSATION_SETTINGS if (v := getattr(settings, k, None)) is not None}
+    """The ServerLimits a profile's `server:` section sets (stores' bounds, CORS, Host names, cache isolation)."""
+    limits = {k: v for k in LIMIT_SETTINGS if (v := getattr(settings, k, None)) is not None}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in limits.items()}
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

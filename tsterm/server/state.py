@@ -23,6 +23,12 @@ class ServerLimits:
     # last request (0 keeps none: every request is rendered as sent)
     max_conversations: int = 64
     conversation_ttl_s: float = 3600.0
+    # stored Responses API responses (`store`), for `previous_response_id`: how many, for how long (0 keeps none)
+    max_stored_responses: int = 64
+    response_ttl_s: float = 3600.0
+    cors_origins: tuple[str, ...] = ()  # origins a browser may call from (CORS); "*" only with an API key
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides the loopback names and the bound host
+    cache_isolation: str = "none"  # "per_key": prompts of different API keys never share cached blocks
 
 
 @dataclass(frozen=True)
