@@ -148,11 +148,11 @@ class AsyncEngine:
             return None
 
     def _add(self, stream: _Stream, prompt: str | list[int], params: SamplingParams | None,
-             request_id: str | None) -> None:
+             request_id: str | None, options: dict[str, Any]) -> None:
         if stream.dropped:  # its consumer left before the add had its turn
             return
         try:
-            rid = self.engine.add_request(prompt, params, request_id)
+            rid = self.engine.add_request(prompt, params, request_id, **options)
         except Exception as e:  # noqa: BLE001 - a bad request fails its stream only
             stream.put(e)
             return
@@ -286,14 +286,18 @@ class AsyncEngine:
     # ---- the API ---------------------------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput per step that produced text; the last one has `finished=True`.
+
+        cache_salt: prompts with different salts never share cached blocks (Engine.add_request).
 
         Leaving the iteration early (break, cancellation, an error) aborts the request and frees its blocks.
         `abort(request_id)` from elsewhere ends the iteration without a final output.
         """
         stream = _Stream(asyncio.get_running_loop())
-        self._post(_Command(lambda: self._add(stream, prompt, params, request_id), stream.put))
+        options = {} if cache_salt is None else {"cache_salt": cache_salt}
+        self._post(_Command(lambda: self._add(stream, prompt, params, request_id, options), stream.put))
         finished = False
         try:
             await self._next(stream, self.call_timeout)  # the request id, once the engine thread has added it
