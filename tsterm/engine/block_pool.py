@@ -11,6 +11,9 @@ from dataclasses import dataclass
 _HASH_BYTES = 16  # 128-bit chain hashes: a collision is not a practical concern, and token ids are re-checked
 _HASH_MASK = (1 << (8 * _HASH_BYTES)) - 1
 _ANY = object()  # lookup(): do not check the parent hash
+# blake2b personalisation of a cache salt's root (`BlockPool.salt_root`): a function apart from the blocks' chain
+# hashes, so no salt, however chosen, makes a root equal to a chain hash of other prompts' blocks
+_SALT_PERSON = b"tsterm-salt"
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -75,7 +78,8 @@ class BlockPool:
     after a live sequence's last one free, so that every sequence's blocks form consecutive runs) or, when none is
     free, evicts the least recently released cached block. A referenced or pinned block is never evicted.
     `fingerprint` names the model (and anything else that changes KV for equal token ids): it seeds the root
-    of every hash chain, so two models never share blocks.
+    of every hash chain, so two models never share blocks. A request's cache salt (`salt_root`) replaces that root
+    for its own chain, so prompts of different salts (or with and without one) never share blocks either.
     `max_pinned_blocks` caps the distinct blocks that pins hold (None: no cap beyond the pool).
 
     `num_state_slots` (hybrid models): ids of the model's recurrent-state slots, handed out and reference-counted
@@ -124,8 +128,18 @@ class BlockPool:
 
     # ---- hashing and lookup
 
+    def salt_root(self, salt: str) -> int:
+        """The parent hash of the first block of a prompt cached under `salt` (a request's `cache_salt`), in place of
+        None (the model fingerprint's root): the fingerprint's root and the salt, hashed apart from the chain hashes
+        (`_SALT_PERSON`). Its chain and its partial blocks are then reachable only with the same salt."""
+        h = hashlib.blake2b(digest_size=_HASH_BYTES, person=_SALT_PERSON)
+        h.update(self._root_hash.to_bytes(_HASH_BYTES, "little"))
+        h.update(salt.encode("utf-8", "surrogatepass"))  # (a JSON string may hold a lone surrogate)
+        return int.from_bytes(h.digest(), "little")
+
     def hash_block(self, parent_hash: int | None, token_ids: Sequence[int]) -> int:
-        """Chain hash of a full block: its parent's hash (the model fingerprint for the first) + its token ids."""
+        """Chain hash of a full block: its parent's hash (the model fingerprint for the first, or its salt's root:
+        `salt_root`) + its token ids."""
         h = hashlib.blake2b(digest_size=_HASH_BYTES)
         parent = self._root_hash if parent_hash is None else parent_hash & _HASH_MASK
         h.update(parent.to_bytes(_HASH_BYTES, "little"))

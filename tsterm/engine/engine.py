@@ -123,10 +123,12 @@ class Engine:
     # requests
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, *, strict_max_tokens: bool = False) -> str:
+                    request_id: str | None = None, *, strict_max_tokens: bool = False,
+                    cache_salt: str | None = None) -> str:
         """Queue a request. Every field is checked first (`admission.check_request`: a RequestError naming the bad
         one), and all its samples are made before anything of it is registered. strict_max_tokens: a max_tokens past
-        the context's room is an error rather than a cap."""
+        the context's room is an error rather than a cap. cache_salt: its prompt shares cached blocks only with
+        prompts of the same salt (`Request.create`)."""
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_request(prompt_ids, params, self.limits, strict_max_tokens)
@@ -135,7 +137,8 @@ class Engine:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
-        req = Request.create(request_id, prompt_ids, params, self.tokenizer, self.device, self._seq_ids, grammar)
+        req = Request.create(request_id, prompt_ids, params, self.tokenizer, self.device, self._seq_ids, grammar,
+                             cache_salt)
         self.requests[request_id] = req
         for sample in req.samples:
             self._samples[sample.seq.seq_id] = sample

@@ -11,6 +11,10 @@ class KVCacheManager:
     Per sequence it keeps the chain hashes of its committed full blocks, so `commit` only hashes the blocks
     filled since the last call (one hash per B decoded tokens).
 
+    A sequence with a `cache_salt` (set by `Request.create`; None or absent: none) chains its blocks from its salt's
+    root (`BlockPool.salt_root`) instead of the model's: its full and partial blocks match only prompts with the
+    same salt, and an unsalted sequence's hashes are those it always had.
+
     A model with recurrent layers (the hybrids' linear attention) also keeps one state per sequence, in a slot of its
     state pool (ids from `pool.allocate_state_slot`): a sequence takes its slot with its first blocks and gives it
     back when it is freed (finished, aborted or preempted), so `Sequence.state_slot` is set exactly while it holds
@@ -43,9 +47,9 @@ class KVCacheManager:
         prompt's next tokens, which the sequence takes over and appends to in place. The last token is never taken:
         its logits must be computed. Returns the number of cached tokens."""
         assert not seq.block_table, f"match_prefix on {seq}: it already holds blocks"
-        B, tokens = self.block_size, seq.token_ids
+        B, tokens, root = self.block_size, seq.token_ids, self._root(seq)
         chain: list[int] = []
-        run = self._cached_run(tokens, (len(tokens) - 1) // B)
+        run = self._cached_run(tokens, (len(tokens) - 1) // B, root)
         if self.num_state_slots:  # a hybrid resumes only where a state snapshot was kept: the run is cut there
             while run and self.pool.blocks[run[-1][0]].snapshot is None:
                 run.pop()
@@ -58,7 +62,7 @@ class KVCacheManager:
         self._chain[seq.seq_id] = chain
         num_cached = len(chain) * B
         if self.pool.enable_prefix_caching and not self.num_state_slots:  # (a hybrid's state is kept per block)
-            partial = self.pool.lookup_partial(chain[-1] if chain else None, tokens[num_cached:len(tokens) - 1])
+            partial = self.pool.lookup_partial(chain[-1] if chain else root, tokens[num_cached:len(tokens) - 1])
             if partial is not None:
                 self.pool.take_partial(partial[0])
                 seq.block_table.append(partial[0])
@@ -68,11 +72,12 @@ class KVCacheManager:
 
     # ---- pins: a session waiting on its tools (or its user) keeps its prefix out of eviction
 
-    def pin(self, key: str, token_ids: list[int], expires_at: float) -> tuple[int, int]:
-        """Pin the cached full blocks of the longest cached prefix of `token_ids` under `key` until `expires_at`
-        (`BlockPool.pin`: a pin under an existing key replaces it; the cap may stop it early). Returns (blocks
-        pinned, cached full blocks found)."""
-        cached = self.cached_prefix_blocks(list(token_ids))
+    def pin(self, key: str, token_ids: list[int], expires_at: float,
+            cache_salt: str | None = None) -> tuple[int, int]:
+        """Pin the cached full blocks of the longest cached prefix of `token_ids` (cached under `cache_salt`) under
+        `key` until `expires_at` (`BlockPool.pin`: a pin under an existing key replaces it; the cap may stop it
+        early). Returns (blocks pinned, cached full blocks found)."""
+        cached = self.cached_prefix_blocks(list(token_ids), cache_salt)
         return self.pool.pin(key, cached, expires_at), len(cached)
 
     def unpin(self, key: str) -> bool:
@@ -91,17 +96,24 @@ class KVCacheManager:
             self.pool.unpin(key)
         return len(keys)
 
-    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """The cached or referenced blocks holding the longest run of full blocks that prefixes `token_ids`, first
-        block first (what `match_prefix` would take for a longer prompt). Acquires nothing."""
-        return [block_id for block_id, _ in self._cached_run(token_ids, len(token_ids) // self.block_size)]
+        block first (what `match_prefix` would take for a longer prompt with `cache_salt`). Acquires nothing."""
+        root = None if cache_salt is None else self.pool.salt_root(cache_salt)
+        return [block_id for block_id, _ in self._cached_run(token_ids, len(token_ids) // self.block_size, root)]
 
-    def _cached_run(self, token_ids: list[int], max_blocks: int) -> list[tuple[int, int]]:
-        """(block id, chain hash) of the leading full blocks of `token_ids` found in the cache, at most max_blocks."""
+    def _root(self, seq: Sequence) -> int | None:
+        """The parent hash of `seq`'s first block: None (the model's root) or its cache salt's root."""
+        salt = getattr(seq, "cache_salt", None)  # (set by Request.create; a bare Sequence has none)
+        return None if salt is None else self.pool.salt_root(salt)
+
+    def _cached_run(self, token_ids: list[int], max_blocks: int, root: int | None) -> list[tuple[int, int]]:
+        """(block id, chain hash) of the leading full blocks of `token_ids` found in the cache, at most max_blocks,
+        chained from `root` (`_root`)."""
         B, pool = self.block_size, self.pool
         run: list[tuple[int, int]] = []
         if pool.enable_prefix_caching:
-            parent = None
+            parent = root
             for i in range(max_blocks):
                 block_tokens = token_ids[i * B:(i + 1) * B]
                 block_hash = pool.hash_block(parent, block_tokens)
@@ -209,7 +221,7 @@ class KVCacheManager:
             return
         B, chain = self.block_size, self._chain.setdefault(seq.seq_id, [])
         for i in range(len(chain), seq.num_computed_tokens // B):
-            parent = chain[-1] if chain else None
+            parent = chain[-1] if chain else self._root(seq)
             chain.append(self.pool.register(seq.block_table[i], parent, seq.token_ids[i * B:(i + 1) * B]))
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
@@ -257,7 +269,7 @@ class KVCacheManager:
         if (keep_partial and computed % B and not self.num_state_slots and len(seq.block_table) > computed // B
                 and len(chain) == computed // B):
             # the partly filled last block: cached for a prompt that goes on from its tokens (the next turn's)
-            self.pool.keep_partial(seq.block_table[computed // B], chain[-1] if chain else None,
+            self.pool.keep_partial(seq.block_table[computed // B], chain[-1] if chain else self._root(seq),
                                    seq.token_ids[computed // B * B:computed])
         for block_id in reversed(seq.block_table):  # tail blocks become least recent: evicted first
             self.pool.release(block_id)

@@ -17,6 +17,7 @@ from tsterm.engine.output_processor import SampleOutput
 from tsterm.engine.sampler import PenaltyState, seeded_generator
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.structured import Grammar
+from tsterm.errors import RequestError
 from tsterm.outputs import CompletionOutput, RequestOutput
 from tsterm.tokenizer import Tokenizer
 
@@ -47,12 +48,18 @@ class Request:
 
     @classmethod
     def create(cls, request_id: str, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-               device: torch.device, seq_ids: Iterator[int], grammar: Grammar | None = None) -> Request:
+               device: torch.device, seq_ids: Iterator[int], grammar: Grammar | None = None,
+               cache_salt: str | None = None) -> Request:
         """All n samples; sample i draws from a generator seeded with (seed + i) mod 2**64. grammar: the compiled
-        structured_outputs (admission.compile_structured), sample 0's; the others get copies of it."""
+        structured_outputs (admission.compile_structured), sample 0's; the others get copies of it. cache_salt: every
+        sample's blocks are cached under it (a non-empty string; `KVCacheManager`), so they are shared only with
+        prompts of the same salt; None: with every unsalted prompt, as always."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(f"cache_salt must be a non-empty string, got {cache_salt!r}", param="cache_salt")
         req = cls(request_id, prompt_ids, params, forked=params.n == 1)
         for index in range(params.n):
             seq = Sequence(prompt_ids, params, request_id=request_id, seq_id=next(seq_ids))
+            seq.cache_salt = cache_salt  # read by the KV manager (its blocks' hash chain starts from it)
             generator = None if params.seed is None else seeded_generator((params.seed + index) % (SEED_MAX + 1),
                                                                           device)
             req.samples.append(Sample(index, seq, SampleOutput(tokenizer, prompt_ids, params.stop), generator,
