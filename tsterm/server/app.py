@@ -23,6 +23,7 @@ from tsterm.server.errors import APIError
 from tsterm.server.metrics import EngineCollector, ServerMetrics
 from tsterm.server.openai_api import router as openai_router
 from tsterm.server.protocol import Health
+from tsterm.server.responses_api import router as responses_router
 from tsterm.server.state import ServerState
 
 
@@ -117,6 +118,7 @@ def create_app(state: ServerState) -> FastAPI:
     guarded = [Depends(check_key)]
     app.include_router(openai_router, dependencies=guarded)
     app.include_router(anthropic_router, dependencies=guarded)
+    app.include_router(responses_router, dependencies=guarded)
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:
@@ -154,7 +156,7 @@ def create_app(state: ServerState) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type_=kind).response(is_anthropic(request))
 
-    endpoints = [*openai_router.routes, *anthropic_router.routes,
+    endpoints = [*openai_router.routes, *anthropic_router.routes, *responses_router.routes,
                  *(route for route in app.router.routes if isinstance(route, APIRoute))]
     app.add_middleware(RequestCounter, metrics=metrics, max_body_bytes=state.limits.max_body_bytes, routes=endpoints)
     return app

@@ -10,6 +10,7 @@ from tsterm.chat.history import PRESERVE, check_policy
 from tsterm.config import SamplingParams
 from tsterm.outputs import RequestOutput
 from tsterm.server.conversations import ConversationStore
+from tsterm.server.response_store import ResponseStore
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ServerLimits:
     cors_origins: tuple[str, ...] = ()  # origins a browser may call from (CORS); "*" only with an API key
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted besides the loopback names and the bound host
     cache_isolation: str = "none"  # "per_key": prompts of different API keys never share cached blocks
+    bound_host: str | None = None  # the address the server listens on: a Host header naming it is accepted too
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class ServerState:
     # (`chat_template_kwargs.thinking_history`)
     history_policy: str = PRESERVE
     conversations: ConversationStore | None = None  # made from `limits` when not given
+    responses: ResponseStore | None = None  # stored Responses API responses, made from `limits` when not given
 
     _lltokenizer: Any = field(default=None, repr=False, compare=False)
 
@@ -100,3 +103,5 @@ class ServerState:
         check_policy(self.history_policy)
         if self.conversations is None:
             self.conversations = ConversationStore(self.limits.max_conversations, self.limits.conversation_ttl_s)
+        if self.responses is None:
+            self.responses = ResponseStore(self.limits.max_stored_responses, self.limits.response_ttl_s)
