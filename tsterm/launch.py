@@ -7,6 +7,7 @@ line), `demo:NAME` (a checkpoint generated on first use) or a shipped model name
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
@@ -60,6 +61,28 @@ def load_llm(profile: Profile | None = None, model: str | None = None, progress:
     model_dir, options = engine_options(profile, model, prepare, status, **overrides)
     status(f"loading {model_dir}")
     return LLM(model_dir, progress=progress, **options)
+
+
+def build_engine(model_dir: str, options: dict[str, Any], progress: ProgressFn):
+    """The Engine of an LLM for (model_dir, options): what an engine core process runs first (picklable as
+    `functools.partial(build_engine, model_dir, options)`)."""
+    from tsterm.llm import LLM
+
+    return LLM(model_dir, progress=progress, **options).engine
+
+
+def start_core_process(profile: Profile | None = None, model: str | None = None, progress: ProgressFn | None = None,
+                       prepare: ProgressFn | None = None, status: StatusFn = _silent, log_path: str | None = None,
+                       **overrides: Any):
+    """The engine in a process of its own (tsterm.engine.core_process), loaded; blocking. A shipped or demo model is
+    prepared here first, as `load_llm` does; `progress` reports the weights loading in the core process.
+    `log_path`: where the core's output goes (a TUI's screen is no place for it); None: this process's stderr."""
+    from tsterm.engine.core_process import EngineCoreProcess  # the engine's modules: only for a command that starts one
+
+    model_dir, options = engine_options(profile, model, prepare, status, **overrides)
+    status(f"loading {model_dir} (engine process)")
+    return EngineCoreProcess(functools.partial(build_engine, model_dir, options), progress=progress,
+                             log_path=log_path)
 
 
 def profile_from_args(args: argparse.Namespace) -> Profile | None:

@@ -23,56 +23,21 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from functools import cached_property
 from typing import Any
 
 from tsterm.config import SamplingParams
 from tsterm.engine.engine import Engine, PinResult
+from tsterm.engine.info import CALLS, EngineInfo
 from tsterm.engine.stats import EngineMetrics
-from tsterm.errors import EngineStepError, EngineStoppedError, EngineTimeoutError, TstermError
+from tsterm.engine.streams import ENDED, Stream, deliver, next_item, step_error
+from tsterm.errors import EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
+from tsterm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 SHUT_DOWN = "the engine was shut down (AsyncEngine.shutdown): it takes no new requests and unfinished ones were aborted"
-_ENDED = object()  # what `abort` puts on a stream: the iteration ends without a final output
-
-
-class _TimedOut:
-    """Put on a stream by the timer of one wait for its next item."""
-
-    __slots__ = ()
-
-
-class _Stream:
-    """Where one request's outputs go: an asyncio queue on its consumer's loop, fed from the engine thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.request_id: str | None = None  # set on the engine thread once the request is added
-        self.dropped = False  # the consumer has left (set on either side): add nothing for it, deliver nothing
-
-    def put(self, item: Any) -> bool:
-        """Hand `item` to the consumer's loop (any thread); False if that loop is gone."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except Exception:  # noqa: BLE001 - RuntimeError('Event loop is closed') or anything else on the way
-            log.debug("request %s: its consumer's event loop is gone", self.request_id, exc_info=True)
-            return False
-        return True
-
-
-def _put_each(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    """On a consumer's loop: hand a step's outputs to their queues, in order."""
-    for stream_queue, item in items:
-        stream_queue.put_nowait(item)
-
-
-def _step_error(error: Exception, what_happened: str) -> EngineStepError:
-    """What a stream raises when the engine's step failed on its request: an EngineStepError caused by the error."""
-    failure = EngineStepError(f"the engine's step failed ({type(error).__name__}: {error}); {what_happened}")
-    failure.__cause__ = error
-    return failure
 
 
 class _Command:
@@ -93,7 +58,7 @@ class AsyncEngine:
         self.call_timeout, self.output_timeout = call_timeout, output_timeout
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _streams and _closed
-        self._streams: dict[str, _Stream] = {}  # live requests added by `generate` -> their consumers
+        self._streams: dict[str, Stream] = {}  # live requests added by `generate` -> their consumers
         self._closed: EngineStoppedError | None = None  # set once: why the thread takes no more commands
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tsterm-engine", daemon=True)
@@ -147,7 +112,7 @@ class AsyncEngine:
             log.warning("%s%r failed on the engine thread", getattr(fn, "__name__", fn), args, exc_info=True)
             return None
 
-    def _add(self, stream: _Stream, prompt: str | list[int], params: SamplingParams | None,
+    def _add(self, stream: Stream, prompt: str | list[int], params: SamplingParams | None,
              request_id: str | None, options: dict[str, Any]) -> None:
         if stream.dropped:  # its consumer left before the add had its turn
             return
@@ -168,10 +133,8 @@ class AsyncEngine:
             self._drop(stream)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up per consumer loop and step, not one per output (32
-        streaming clients on the server's loop were 32 `call_soon_threadsafe`s a step, each a system call and a GIL
-        hand-off between the engine thread's steps; benchmarks/engine_contention.py)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | Exception]]] = {}
+        """Hand a step's outputs to their streams (one wake-up per consumer loop and step: streams.deliver)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, RequestOutput | Exception]]] = {}
         for out in outputs:
             with self._lock:
                 stream = self._streams.get(out.request_id)
@@ -181,17 +144,12 @@ class AsyncEngine:
                 continue
             item: RequestOutput | Exception = out
             if out.error is not None:  # the engine failed on this request (and only on it)
-                item = _step_error(out.error, "this request was failed; the engine serves the others")
+                item = step_error(out.error, "this request was failed; the engine serves the others")
             by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_each, [(stream.queue, item) for stream, item in items])
-            except Exception:  # noqa: BLE001 - RuntimeError('Event loop is closed') or anything else on the way
-                log.debug("%d request(s): their consumers' event loop is gone", len(items), exc_info=True)
-                for stream, _ in items:
-                    self._drop(stream)  # nobody is listening any more: free the requests' blocks
+        for stream in deliver(by_loop):
+            self._drop(stream)  # nobody is listening any more: free the request's blocks
 
-    def _drop(self, stream: _Stream) -> None:
+    def _drop(self, stream: Stream) -> None:
         """The consumer has left (early exit, cancellation, its loop closed): abort its request if still running."""
         stream.dropped = True
         rid = stream.request_id
@@ -208,7 +166,7 @@ class AsyncEngine:
         for request_id in list(self.engine.requests):
             self._quietly(self.engine.abort, request_id)
         if not isinstance(error, TstermError):  # consumers (the server's routes) handle tsterm's errors, by kind
-            error = _step_error(error, "the requests in it were aborted")
+            error = step_error(error, "the requests in it were aborted")
         for stream in streams.values():
             stream.put(error)
         if self.engine.has_unfinished():  # aborting did not clear them: stepping again would fail forever
@@ -295,15 +253,15 @@ class AsyncEngine:
         Leaving the iteration early (break, cancellation, an error) aborts the request and frees its blocks.
         `abort(request_id)` from elsewhere ends the iteration without a final output.
         """
-        stream = _Stream(asyncio.get_running_loop())
+        stream = Stream(asyncio.get_running_loop())
         options = {} if cache_salt is None else {"cache_salt": cache_salt}
         self._post(_Command(lambda: self._add(stream, prompt, params, request_id, options), stream.put))
         finished = False
         try:
-            await self._next(stream, self.call_timeout)  # the request id, once the engine thread has added it
+            await next_item(stream, self.call_timeout)  # the request id, once the engine thread has added it
             while not finished:
-                item = await self._next(stream, self.output_timeout)
-                if item is _ENDED:
+                item = await next_item(stream, self.output_timeout)
+                if item is ENDED:
                     return
                 finished = item.finished
                 yield item
@@ -312,27 +270,6 @@ class AsyncEngine:
                 stream.dropped = True  # an add that has not run yet never will
                 self._post_quietly(_Command(lambda: self._drop(stream)))  # runs after the add: commands run in order
 
-    async def _next(self, stream: _Stream, timeout: float | None) -> Any:
-        # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation that lands just as an output arrives,
-        # and a stream that streams every step would then ignore the cancel (an abort in the TUI) for good.
-        # Instead a timer puts this wait's own marker on the queue; a marker of an earlier wait is skipped.
-        marker = timer = None
-        if timeout is not None and stream.queue.empty():
-            marker = _TimedOut()
-            timer = stream.loop.call_later(timeout, stream.queue.put_nowait, marker)
-        try:
-            while isinstance(item := await stream.queue.get(), _TimedOut):
-                if item is marker:
-                    what = f"request {stream.request_id!r}" if stream.request_id else "adding the request"
-                    raise EngineTimeoutError(f"{what}: nothing from the engine within {timeout:g} s (its step is "
-                                             "stuck, or the request waited that long for room in the KV cache)")
-        finally:
-            if timer is not None:
-                timer.cancel()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
     def abort(self, request_id: str) -> None:
         """Abort a request (any thread, never blocks): its blocks are freed and its stream ends."""
         def run() -> None:
@@ -340,37 +277,50 @@ class AsyncEngine:
                 stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.dropped = True
-                stream.put(_ENDED)
+                stream.put(ENDED)
             self.engine.abort(request_id)
         self._post_quietly(_Command(run))
 
+    def _engine_call(self, name: str, *args: Any) -> Any:
+        """One of info.CALLS on the engine thread, waited for (blocking: call it from a worker thread in async
+        code)."""
+        return self._call(lambda: CALLS[name](self.engine, *args))
+
+    @cached_property
+    def info(self) -> EngineInfo:
+        """The engine's identity and limits (fixed once it has started)."""
+        return EngineInfo.of(self.engine)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
     def stats(self) -> dict:
-        return self._call(self.engine.stats)
+        return self._engine_call("stats")
 
     def stats_and_metrics(self) -> tuple[dict, EngineMetrics]:
         """`stats()` and a copy of the engine's EngineMetrics, read together on the engine thread (blocking): a
         consistent snapshot for a scrape, which never sees a histogram half-updated by a step."""
-        return self._call(lambda: (self.engine.stats(), copy.deepcopy(self.engine.metrics)))
+        return self._call(lambda: copy.deepcopy(CALLS["stats_and_metrics"](self.engine)))
 
     def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> PinResult:
         """Engine.pin on the engine thread (blocking: call it from a worker thread in async code)."""
-        ids = list(token_ids)
-        return self._call(lambda: self.engine.pin(ids, ttl_s, key))
+        return self._engine_call("pin", list(token_ids), ttl_s, key)
 
     def unpin(self, pin_id: str) -> bool:
         """Engine.unpin on the engine thread (blocking, like `pin`)."""
-        return self._call(lambda: self.engine.unpin(pin_id))
+        return self._engine_call("unpin", pin_id)
 
     def expert_load(self) -> list[list[int]]:
-        return self._call(self.engine.expert_load)
-
-    def dashboard(self) -> tuple[dict, list[list[int]], list[dict[str, int]] | None]:
-        """`stats()`, `expert_load()` and `rank_stats()` in one call (blocking): a poller that made them one after
-        another waited for a step three times, and a 4 Hz dashboard fell to 1-2 Hz beside a batch of 33."""
-        return self._call(lambda: (self.engine.stats(), self.engine.expert_load(), self.engine.rank_stats()))
+        return self._engine_call("expert_load")
 
     def rank_stats(self) -> list[dict[str, int]] | None:
-        return self._call(self.engine.rank_stats)
+        return self._engine_call("rank_stats")
+
+    def dashboard(self) -> tuple[dict, list[list[int]], list[dict[str, int]] | None, dict[str, Any]]:
+        """`stats()`, `expert_load()`, `rank_stats()` and the engine's memory (info.memory_info) in one call
+        (blocking)."""
+        return self._engine_call("dashboard")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step. Every stream still pending fails with EngineStoppedError,

@@ -1,0 +1,76 @@
+"""What a front-end may know of an engine, as plain data, and the questions it may ask it: the same whether the engine
+runs in this process (AsyncEngine) or in its own (EngineCoreProcess), so no front-end reads the Engine object.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from tsterm.config import EngineConfig
+
+if TYPE_CHECKING:
+    from tsterm.engine.engine import Engine
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The engine's identity and limits, fixed once it has started."""
+
+    config: EngineConfig  # what it was started with (config.model: the model directory)
+    device: str  # "cpu", "cuda:0"
+    dtype: str  # "float32", "bfloat16"
+    max_model_len: int  # prompt + reply tokens of one request
+    vocab_size: int  # the embedding's rows (token ids are below it)
+    eos_token_ids: frozenset[int]  # the tokenizer's and the model config's end-of-sequence ids
+    num_kv_blocks: int
+
+    @property
+    def model(self) -> str:
+        return self.config.model
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineInfo:
+        return cls(engine.config, str(engine.device), str(engine.dtype).removeprefix("torch."), engine.max_model_len,
+                   engine.model_config.vocab_size, frozenset(engine.eos_token_ids), engine.executor.num_blocks)
+
+
+def memory_info(engine: Engine) -> dict[str, Any]:
+    """The engine's device memory in bytes: the CUDA allocator's numbers, or the RSS of the process it runs in."""
+    device = engine.device
+    if device.type == "cuda":
+        import torch
+
+        return {"kind": "cuda", "allocated": torch.cuda.memory_allocated(device),
+                "reserved": torch.cuda.memory_reserved(device),
+                "total": torch.cuda.get_device_properties(device).total_memory}
+    rss = None
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"kind": "cpu", "rss": rss}
+
+
+def _dashboard(engine: Engine) -> tuple[dict, list[list[int]], list[dict[str, int]] | None, dict[str, Any]]:
+    return engine.stats(), engine.expert_load(), engine.rank_stats(), memory_info(engine)
+
+
+# The calls a front-end makes on the engine between two steps, by name: an engine core in another process runs
+# exactly these, and AsyncEngine runs the same functions on its thread.
+CALLS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType({
+    "stats": lambda engine: engine.stats(),
+    # stats and the metrics read together, between two steps: a consistent snapshot for a scrape (the caller gets a
+    # copy: AsyncEngine deep-copies, a core process pickles)
+    "stats_and_metrics": lambda engine: (engine.stats(), engine.metrics),
+    "pin": lambda engine, token_ids, ttl_s, key: engine.pin(token_ids, ttl_s, key),
+    "unpin": lambda engine, pin_id: engine.unpin(pin_id),
+    "expert_load": lambda engine: engine.expert_load(),
+    "rank_stats": lambda engine: engine.rank_stats(),
+    # what the dashboard polls, in one call: made one after another, a 4 Hz dashboard waited for a step three times
+    # and fell to 1-2 Hz beside a batch of 33
+    "dashboard": _dashboard,
+})
