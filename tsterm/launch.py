@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -61,6 +62,23 @@ def load_llm(profile: Profile | None = None, model: str | None = None, progress:
     model_dir, options = engine_options(profile, model, prepare, status, **overrides)
     status(f"loading {model_dir}")
     return LLM(model_dir, progress=progress, **options)
+
+
+ENGINE_PROCESS_ENV = "TSTERM_ENGINE_PROCESS"
+
+
+def use_engine_process(profile: Profile | None) -> bool:
+    """Whether a front-end (the TUI, `tsterm serve`) runs the engine core in its own process: the profile's
+    `engine_process`, else $TSTERM_ENGINE_PROCESS (0 / false: in the front's process, e.g. to profile both with one
+    py-spy), else true."""
+    if profile is not None and profile.engine_process is not None:
+        return profile.engine_process
+    value = os.environ.get(ENGINE_PROCESS_ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"{ENGINE_PROCESS_ENV} must be 1 or 0 (true or false), got {value!r}")
 
 
 def build_engine(model_dir: str, options: dict[str, Any], progress: ProgressFn):

@@ -98,6 +98,7 @@ class AgentSettings:
     tool_timeout_s: float = 120.0
     command_tools: list[dict] = field(default_factory=list)  # {name, description, parameters, argv, timeout_s, cwd}
     mcp_servers: list[dict] = field(default_factory=list)  # {name, command, args, env, cwd, timeout_s, approve}
+    constrain_tool_calls: bool = True  # generate under the tool-call grammar: offered tools only, arguments valid
 
     def __post_init__(self) -> None:
         if not isinstance(self.workspace, str) or not self.workspace:
@@ -114,7 +115,7 @@ class AgentSettings:
                 raise ConfigError("tools: write_file is offered only with allow_write: true")
             if "run_command" in self.tools and not self.allow_commands:
                 raise ConfigError("tools: run_command is offered only with allow_commands: true")
-        for name in ("allow_write", "allow_commands", "auto_approve"):
+        for name in ("allow_write", "allow_commands", "auto_approve", "constrain_tool_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("command_tools", "mcp_servers"):
@@ -200,7 +201,8 @@ ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings, "server": ServerSettings}  # nested mappings, each checked by its dataclass
 SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
-TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description", "plan_config", "thinking_history"}
+TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description", "plan_config", "thinking_history",
+                                         "engine_process"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -220,6 +222,10 @@ class Profile:
     plan_config: str | None = None  # the config.json `tsterm plan --profile` reads when the model is not here
     # the history policy of this profile's sessions (resolved: the default when no file of the chain sets it)
     thinking_history: str = DEFAULT_THINKING_HISTORY
+    # whether the TUI and `tsterm serve` run the engine core in a process of its own (tsterm/engine/core_process.py),
+    # so that their Python never holds the GIL its step loop needs; false: on a thread of theirs; None (no file of
+    # the chain sets it): $TSTERM_ENGINE_PROCESS, else true (launch.use_engine_process)
+    engine_process: bool | None = None
 
     def where(self, key: str) -> str:
         path, line = self.origins.get(key, (self.path, 1))
@@ -355,6 +361,8 @@ class Profile:
         if self.plan_config is not None:
             data["plan_config"] = self.plan_config
         data["thinking_history"] = self.thinking_history
+        if self.engine_process is not None:
+            data["engine_process"] = self.engine_process
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=float("inf"))
 
 
@@ -470,6 +478,9 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     if "thinking_history" in raw and raw["thinking_history"] not in THINKING_HISTORY_POLICIES:
         fail("thinking_history", f"{at('thinking_history')}: thinking_history must be "
                                  f"{' or '.join(THINKING_HISTORY_POLICIES)}, got {raw['thinking_history']!r}")
+    if "engine_process" in raw and not isinstance(raw["engine_process"], bool):
+        fail("engine_process", f"{at('engine_process')}: engine_process must be true or false, got "
+                                 f"{raw['engine_process']!r}")
     base = None
     if "extends" in raw and "extends" not in bad:
         chain = (*seen, path)
@@ -537,8 +548,10 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     description = text("description") if text("description") is not None else (base.description if base else "")
     plan_config = text("plan_config") if text("plan_config") is not None else (base.plan_config if base else None)
     thinking_history = text("thinking_history") or (base.thinking_history if base else DEFAULT_THINKING_HISTORY)
+    engine_process = raw["engine_process"] if "engine_process" in raw and "engine_process" not in bad else \
+        (base.engine_process if base else None)
     return Profile(path.stem, path, engine, sampling, system_prompt, description, origins, ui, agent, server,
-                   plan_config, thinking_history)
+                   plan_config, thinking_history, engine_process)
 
 
 def _did_you_mean(key: str, choices: set[str]) -> str:

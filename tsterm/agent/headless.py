@@ -9,6 +9,11 @@ the session). A follow-up's numbers are those of its first step, the one that st
 
 Tools that need approval are asked about on the terminal (y/N); without a terminal they are refused unless --auto
 (or the profile's agent.auto_approve) allows them.
+
+Tool calls are generated under the tool-call grammar (tsterm.agent.loop: the offered tools only, arguments valid
+against their schemas) unless --no-constrain-tool-calls or the profile's agent.constrain_tool_calls: false says not;
+where the grammar cannot be built, one `tsterm: warning:` line says why and the task runs unconstrained. --json says
+which it was ("constrained_tool_calls").
 """
 from __future__ import annotations
 
@@ -51,6 +56,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--tools", help="comma-separated built-in tools to offer (default: the profile's agent.tools, "
                    "else calculator,read_file,list_dir,grep)")
     p.add_argument("--system", help="system prompt")
+    p.add_argument("--no-constrain-tool-calls", action="store_const", const=False, dest="constrain_tool_calls",
+                   help="generate without the tool-call grammar (default: the profile's agent.constrain_tool_calls, "
+                        "else constrained: calls of the offered tools only, their arguments valid against the tools' "
+                        "schemas)")
     p.add_argument("--json", action="store_true", help="print one JSON object (answer and every step) instead")
     p.add_argument("--trace", metavar="FILE", help="save the session's trace (for `tsterm bench --trace FILE`)")
     p.add_argument("--max-tokens", type=int, dest="max_tokens", help="per step")
@@ -91,8 +100,12 @@ def main(args: argparse.Namespace) -> int:
         engine = AsyncEngine(llm.engine)
         log = None if args.json else sys.stderr
         approve = _ask_on_terminal(toolset.workspace.root, log or sys.stderr) if sys.stdin.isatty() else None
+        constrain = settings.constrain_tool_calls if args.constrain_tool_calls is None else args.constrain_tool_calls
         agent = Agent(engine, llm.tokenizer, toolset.tools, params, options=options, approve=approve,
-                      system_prompt=system, history_policy=policy, stop_ids=llm.engine.eos_token_ids)
+                      system_prompt=system, history_policy=policy, stop_ids=llm.engine.eos_token_ids,
+                      constrain_tool_calls=constrain)
+        if agent.constraint_note:  # the grammar cannot be built: the session runs unconstrained, said once
+            print(f"tsterm: warning: {agent.constraint_note}", file=sys.stderr)
         try:
             tasks = asyncio.run(_run(agent, [args.task, *follow_ups], log))
         finally:
@@ -103,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         first = tasks[0]
         json.dump({**agent.to_json(first.done.answer), "reason": first.done.reason, "thinking_history": policy,
+                   "constrained_tool_calls": agent.constrains_tool_calls,
                    "follow_ups": [task.to_json() for task in tasks[1:]]}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
     else:

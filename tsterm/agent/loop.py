@@ -11,6 +11,16 @@ the history is rendered as the chat template says; where that differs from the i
 the step says why (`fallback_reason`). A reply ends on the engine's stop set: its eos ids (`stop_ids`, read from the
 backend's engine when not given) and the request's `stop_token_ids`.
 
+Tool calls are constrained by default (`constrain_tool_calls`, the profile's `agent.constrain_tool_calls`): each step
+generates under a grammar (tsterm.agent.tool_grammar.agent_grammar, applied by the engine's llguidance through
+`SamplingParams.structured_outputs`) that lets the reply be free text, its reasoning included, and calls of the
+offered tools only, in the form the chat template writes them, each call's arguments valid against its tool's JSON
+schema; the reply may still answer without a call, and ends on the stop set as before. So a small model's calls are
+well-formed (a reply cut by max_tokens inside a call is still an incomplete call). Where the grammar cannot be built
+(the template writes calls in no form the grammar follows, or llguidance cannot compile a tool's schema), the session
+runs unconstrained and says so once (`constraint_note`); it never fails for it. Params that carry their own
+`structured_outputs` are left as they are.
+
 The assistant message is the model's reply as it wrote it: its raw text, the `<think>` block and the tool-call tags
 included. That is what its ids stand for, malformed calls too, and what the reasoning templates read back: they
 parse the reasoning out of a content's `</think>` and render the tags verbatim (so `template` keeps the ids inside
@@ -26,17 +36,21 @@ Textual here, no engine import: the backend is anything with AsyncEngine's `gene
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
+from tsterm.agent.tool_grammar import (CallFormError, ChatTokens, agent_grammar, call_form, prompt_opens_reasoning,
+                                       tool_parameters)
 from tsterm.agent.tools import Tool, ToolResult
 from tsterm.chat.history import PRESERVE, THINK_END, check_policy, request_stop_ids, stop_ids_of
 from tsterm.chat.plan import PromptPlan, TextCodec
 from tsterm.chat.session import Session, TurnStats, new_session_id
-from tsterm.config import SamplingParams
+from tsterm.config import SamplingParams, StructuredOutputs
 from tsterm.errors import ConfigError, RequestError
 from tsterm.profiles import AgentOptions
 
@@ -180,13 +194,15 @@ class Agent:
     `history_policy`: `preserve` (default) or `template` (tsterm.chat.history; a profile's `thinking_history`).
     `stop_ids`: the ids the engine ends a reply on (default: the backend engine's `eos_token_ids`, else the
     tokenizer's); the request's own `stop_token_ids` are added per step.
+    `constrain_tool_calls`: generate under the tool-call grammar (the module's docstring; default on).
     """
 
     def __init__(self, backend: Backend, tokenizer: ChatTokenizer, tools: Sequence[Tool],
                  params: SamplingParams | None = None, *, options: AgentOptions | None = None,
                  approve: Approver | None = None, session: Session | None = None,
                  system_prompt: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                 history_policy: str = PRESERVE, stop_ids: Collection[int] | None = None):
+                 history_policy: str = PRESERVE, stop_ids: Collection[int] | None = None,
+                 constrain_tool_calls: bool = True):
         self.backend, self.tokenizer = backend, tokenizer
         self.tools: dict[str, Tool] = {}
         for tool in tools:
@@ -203,6 +219,12 @@ class Agent:
         self.template_kwargs = dict(template_kwargs or {})
         self.history_policy = check_policy(history_policy)
         self.eos_ids = frozenset(stop_ids) if stop_ids is not None else engine_eos_ids(backend, tokenizer)
+        if not isinstance(constrain_tool_calls, bool):
+            raise ConfigError(f"constrain_tool_calls must be true or false, got {constrain_tool_calls!r}")
+        self.constrain_tool_calls = constrain_tool_calls
+        self._grammars: dict[bool, StructuredOutputs] | None = None  # by "the prompt opened a reasoning block"
+        self._tokens: ChatTokens | None = None
+        self._note: str | None = None
         self.steps: list[AgentStep] = []
         self.pin_key = f"agent:{self.session.id}"
         self._pinned = False
@@ -220,6 +242,72 @@ class Agent:
         """The ids that end this session's replies: the engine's eos ids (unless the params ignore eos) and the
         params' stop_token_ids. A reply whose last id is not one of them was cut (max_tokens, a stop string)."""
         return request_stop_ids(self.eos_ids, self.params)
+
+    # ---- the tool-call grammar
+    @property
+    def constrains_tool_calls(self) -> bool:
+        """Whether this session's steps generate under the tool-call grammar (built on first use)."""
+        return bool(self._tool_grammars())
+
+    @property
+    def constraint_note(self) -> str | None:
+        """One line saying why tool calls are not constrained although they were asked to be (None: they are, or
+        were not asked to be). Builds the grammar on first use."""
+        self._tool_grammars()
+        return self._note
+
+    def _tool_grammars(self) -> dict[bool, StructuredOutputs]:
+        """The grammar of this session's replies, by whether the prompt opened a reasoning block; {} where the steps
+        run unconstrained (not asked, no tools, the params' own structured_outputs, or it cannot be built: `_note`)."""
+        if self._grammars is not None:
+            return self._grammars
+        self._grammars = {}
+        if not self.constrain_tool_calls or not self.specs or self.params.structured_outputs is not None:
+            return self._grammars
+        try:
+            self._grammars = self._build_grammars()
+        except _Unconstrained as why:
+            self._note = f"tool calls are not constrained in this session: {why}"
+        return self._grammars
+
+    def _build_grammars(self) -> dict[bool, StructuredOutputs]:
+        import llguidance
+
+        grammars = getattr(getattr(self.backend, "engine", None), "grammars", None)  # the engine's llguidance view
+        try:
+            self._tokens = ChatTokens(self.tokenizer, getattr(grammars, "lltokenizer", None))
+            form = call_form(self._tokens)
+        except CallFormError as e:
+            raise _Unconstrained(str(e)) from e
+        except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read: unconstrained, said once
+            raise _Unconstrained(f"{type(e).__name__}: {e}") from e
+        parameters = tool_parameters(self.specs)
+        stops = sorted(set(self.params.stop_token_ids) - self.eos_ids)
+
+        def problem(grammar: str) -> str | None:
+            error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokens.lltokenizer)
+            return _readable(messages[0]) if error else None
+
+        for name, schema in parameters.items():  # name the tool whose schema llguidance cannot take
+            error = problem(agent_grammar(self._tokens, form, {name: schema}))
+            if error is not None:
+                raise _Unconstrained(f"llguidance cannot compile the parameters schema of tool {name!r} ({error})")
+        built = {}
+        for opened in (False, True):
+            grammar = agent_grammar(self._tokens, form, parameters, opened=opened, stop_token_ids=stops)
+            error = problem(grammar)
+            if error is not None:
+                raise _Unconstrained(f"llguidance cannot compile the tool-call grammar ({error})")
+            built[opened] = StructuredOutputs(grammar=grammar)
+        return built
+
+    def _step_params(self, prompt_ids: list[int]) -> SamplingParams:
+        """The step's sampling: the session's params, under the tool-call grammar where the session has one."""
+        grammars = self._tool_grammars()
+        if not grammars:
+            return self.params
+        grammar = grammars[prompt_opens_reasoning(self._tokens, prompt_ids)]
+        return dataclasses.replace(self.params, structured_outputs=grammar)
 
     def plan(self) -> PromptPlan:
         """The next model call's prompt under the session's history policy (raises what the template raises)."""
@@ -277,6 +365,9 @@ class Agent:
         lost = before - plan.kept_tokens if plan.miss else 0
         yield StepStarted(index, len(plan.token_ids), plan.kept_tokens, plan.miss, plan.diverged_at, lost,
                           plan.policy_applied, plan.fallback_reason)
+        if self._grammars is None:  # the first step builds the grammar (llguidance's tokenizer: off the event loop)
+            await asyncio.to_thread(self._tool_grammars)
+        params = self._step_params(plan.token_ids)
         parser = ToolCallParser(self.specs, id_prefix=f"call_{index}_")
         calls: list[ToolCallRecord] = []
         text: list[str] = []
@@ -285,7 +376,7 @@ class Agent:
         start = time.monotonic()
         final = None
         try:
-            async for out in self.backend.generate(plan.token_ids, self.params, request_id=self._request_id):
+            async for out in self.backend.generate(plan.token_ids, params, request_id=self._request_id):
                 events = parser.feed(out.outputs[0].delta_text)
                 if out.finished:
                     final = out
@@ -417,6 +508,21 @@ class Agent:
         latencies = [[c.duration_s for c in step.tool_calls] for step in self.steps]
         offset = max(0, len(self.session.turns) - len(latencies))  # turns from before this Agent (a reopened session)
         return self.session.trace(model, [[]] * offset + latencies)
+
+
+def _readable(error: str) -> str:
+    """llguidance's compile error on one line, without the grammar listing it appends or the position in it."""
+    lines = []
+    for line in error.splitlines():
+        if re.match(r"\s*\d+ \|", line):
+            break
+        lines.append(line)
+    text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(" ".join(lines).split()))
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+class _Unconstrained(Exception):
+    """The tool-call grammar cannot be built for this session: why."""
 
 
 def engine_eos_ids(backend: Any, tokenizer: Any) -> frozenset[int]:

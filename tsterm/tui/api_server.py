@@ -108,7 +108,7 @@ class ApiServer:
         self.options, self.observer = options, observer
         state = ServerState(engine=host.async_engine, tokenizer=host.tokenizer,
                             model_name=options.model_name or host.profile_name or host.model_name,
-                            max_model_len=host.engine.max_model_len, defaults=host.sampling,
+                            max_model_len=host.info.max_model_len, defaults=host.sampling,
                             api_key=options.api_key, observer=observer, history_policy=host.thinking_history,
                             limits=ServerLimits(**server_limits(host.server)))  # the API conversations' bounds
         self.state, self.model_name = state, state.model_name

@@ -172,12 +172,15 @@ class AgentRuns:
             options = settings.loop_options(auto_approve=auto)
             run.agent = Agent(self.host.agent_backend, self.host.tokenizer, toolset.tools, self.host.sampling,
                               options=options, approve=self._approver(session, toolset), session=session,
-                              history_policy=self.host.thinking_history)
+                              history_policy=self.host.thinking_history,
+                              constrain_tool_calls=settings.constrain_tool_calls)
         except TstermError as e:
             await asyncio.to_thread(toolset.close)
             await self.view.report(session, f"the agent could not start: {e}", error=True)
             return False
         run.toolset = toolset
+        if note := await asyncio.to_thread(lambda: run.agent.constraint_note):  # said once; the task runs unconstrained
+            await self.view.report(session, note, error=False)
         return True
 
     async def _event(self, session: Session, run: AgentRun, event: Any) -> None:

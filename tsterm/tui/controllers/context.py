@@ -42,7 +42,7 @@ class ContextBudget:
 
     @property
     def limit(self) -> int:
-        return self.host.engine.max_model_len
+        return self.host.info.max_model_len
 
     def reply_room(self) -> int:
         return min(REPLY_ROOM, self.host.sampling.max_tokens, self.limit // 4)
