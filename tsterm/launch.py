@@ -139,6 +139,17 @@ def llm_from_args(args: argparse.Namespace, profile: Profile | None = None):
                     **overrides_from_args(args))
 
 
+def engine_client_from_args(args: argparse.Namespace, profile: Profile | None = None):
+    """A running engine for a long-lived front-end (`tsterm serve`): an EngineCoreProcess when `use_engine_process`
+    says so, else an AsyncEngine over an LLM in this process; either way `.shutdown()` ends it all."""
+    if not use_engine_process(profile):
+        from tsterm.engine.async_engine import AsyncEngine
+
+        return AsyncEngine(llm_from_args(args, profile).engine, owns_engine=True)
+    return start_core_process(profile, getattr(args, "model", None), progress=progress_printer("loading"),
+                              **overrides_from_args(args))
+
+
 def progress_printer(label: str) -> ProgressFn:
     """Load progress on stderr, on a terminal only (stdout carries only the answer)."""
     last = [-math.inf]

@@ -62,7 +62,7 @@ def make_server(llm, aengine):
     servers = []
 
     def make(**options):
-        state = build_state(llm, aengine, MODEL, **options)
+        state = build_state(aengine, MODEL, **options)
         served = Served(create_app(state))
         server = BackgroundServer(served).start()
         server.state, server.served = state, served

@@ -68,7 +68,7 @@ def model_dir(tmp_path_factory):
 def served(model_dir):
     llm = LLM(str(model_dir), device="cpu")
     aengine = AsyncEngine(llm.engine)
-    state = build_state(llm, aengine, MODEL)
+    state = build_state(aengine, MODEL)
     state.observer = Recorder()
     server = BackgroundServer(Served(create_app(state))).start()
     server.state, server.llm = state, llm

@@ -39,7 +39,7 @@ class Recorder:
 @pytest.fixture
 def observed(llm, aengine):
     recorder = Recorder()
-    state = build_state(llm, aengine, MODEL)
+    state = build_state(aengine, MODEL)
     state.observer = recorder
     server = BackgroundServer(create_app(state)).start()
     yield server, recorder

@@ -33,7 +33,7 @@ def default_server():
     profile = load_profile(str(SHIPPED_DIR / "default.yaml"))
     llm = LLM(str(engine_config(profile).model), **profile.engine_options())
     aengine = AsyncEngine(llm.engine)
-    server = BackgroundServer(create_app(build_state(llm, aengine, MODEL))).start()
+    server = BackgroundServer(create_app(build_state(aengine, MODEL))).start()
     yield server
     server.stop()
     aengine.shutdown()

@@ -180,7 +180,7 @@ class _NoToolCallsTemplate:
 
 
 def test_a_template_that_renders_no_tool_calls_refuses_required_with_a_400(llm, aengine):
-    state = build_state(llm, aengine, MODEL)
+    state = build_state(aengine, MODEL)
     state.tokenizer = _NoToolCallsTemplate(llm.tokenizer)
     server = BackgroundServer(create_app(state)).start()
     try:
@@ -320,7 +320,7 @@ def test_a_required_call_with_an_xml_form_template_is_a_valid_call(llm, aengine)
     dice = [{"type": "function", "function": {"name": "dice", "description": "Roll a die.", "parameters": {
         "type": "object", "properties": {"sides": {"type": "integer", "minimum": 2, "maximum": 9}},
         "required": ["sides"]}}}]
-    state = build_state(llm, aengine, MODEL)
+    state = build_state(aengine, MODEL)
     state.tokenizer = _XmlCallsTemplate(llm.tokenizer)
     server = BackgroundServer(create_app(state)).start()
     try:
@@ -372,7 +372,7 @@ class _Starts:
 
 
 def test_the_observer_sees_the_prompt_ids_actually_sent(llm, aengine):
-    state = build_state(llm, aengine, MODEL)
+    state = build_state(aengine, MODEL)
     state.observer = _Starts()
     server = BackgroundServer(create_app(state)).start()
     try:

@@ -22,6 +22,13 @@ def wake_waits_on_messages(monkeypatch):
     monkeypatch.setattr(App, "run_test", run_test_with_hook)
 
 
+@pytest.fixture(autouse=True)
+def engine_in_process(monkeypatch):
+    """The TUI's engine runs on a thread of the test's process (tests look inside it, and a core process per app
+    would cost every test a start-up); tests/tui/test_tui_engine_process.py runs it in its own."""
+    monkeypatch.setenv("TSTERM_ENGINE_PROCESS", "0")
+
+
 @pytest.fixture
 def snapshot(request, tmp_path):
     """`snapshot(app, name, title)`: compare the screen with tests/tui/snapshots/NAME.txt (see snapshots.py)."""

@@ -20,6 +20,7 @@ from tests.tui.helpers import (
 )
 from tsterm import LLM, SamplingParams
 from tsterm.chat.plan import PromptPlan
+from tsterm.engine.async_engine import AsyncEngine
 from tsterm.errors import RequestError
 from tsterm.tui import engine_host
 from tsterm.tui.messages import TurnFinished, TurnProgress
@@ -88,7 +89,8 @@ async def test_streaming_progress_is_throttled_and_the_final_text_still_arrives(
     monkeypatch.setattr(engine_host, "time", SimpleNamespace(monotonic=lambda: uptime + time.monotonic() - start))
     monkeypatch.setattr(engine_host, "PROGRESS_INTERVAL", 3600.0)
     llm = LLM(str(tiny_checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
-    host = engine_host.EngineHost(llm.engine, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    host = engine_host.EngineHost(AsyncEngine(llm.engine),
+                                  SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     posted = []
     try:
         await host.stream_turn("s", PromptPlan([5, 6, 7], kept_tokens=0), "s/0", posted.append)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 from tests.tui.helpers import chat_screen, say, text_of, turns_done, wait_until
+from tsterm.engine.async_engine import AsyncEngine
 from tsterm import LLM
 from tsterm.config import SamplingParams
 from tsterm.tui import TstermApp
@@ -39,7 +40,7 @@ def test_an_engine_handed_to_a_host_is_shut_down_by_its_owner(tiny_checkpoint):
               expert_parallel_size=2)
     workers = list(llm.engine.executor.processes)
     try:
-        host = EngineHost(llm.engine, SamplingParams(max_tokens=2))
+        host = EngineHost(AsyncEngine(llm.engine), SamplingParams(max_tokens=2))
         host.shutdown()  # its AsyncEngine's thread ends; the engine is not the host's
         assert workers and all(w.is_alive() for w in workers)
     finally:
@@ -82,7 +83,7 @@ def test_a_dashboard_poll_is_one_engine_call(tiny_checkpoint):
     """Each engine call waits for the engine thread between two steps: the poll asks for the counters, the expert
     load and the ranks at once (AsyncEngine.dashboard), not one after another."""
     llm = LLM(str(tiny_checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
-    host = EngineHost(llm.engine, SamplingParams(max_tokens=2))
+    host = EngineHost(AsyncEngine(llm.engine), SamplingParams(max_tokens=2))
     real, calls, posted, polls = host.async_engine, [], threading.Event(), []
 
     class Recording:

@@ -50,11 +50,13 @@ class _Command:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, call_timeout: float = 120.0, output_timeout: float | None = 600.0):
+    def __init__(self, engine: Engine, call_timeout: float = 120.0, output_timeout: float | None = 600.0,
+                 owns_engine: bool = False):
         """call_timeout: seconds to wait for the engine thread to take and answer a command (adding a request, stats),
         which may have to wait for the step in progress. output_timeout: seconds a stream waits for its next output
-        (a queued request waits for room in the KV cache); None waits as long as the engine thread runs."""
-        self.engine = engine
+        (a queued request waits for room in the KV cache); None waits as long as the engine thread runs.
+        owns_engine: `shutdown` ends the engine too (its executor: worker processes, device memory)."""
+        self.engine, self.owns_engine = engine, owns_engine
         self.call_timeout, self.output_timeout = call_timeout, output_timeout
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _streams and _closed
@@ -323,8 +325,8 @@ class AsyncEngine:
         return self._engine_call("dashboard")
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step. Every stream still pending fails with EngineStoppedError,
-        and so does every later call; unfinished requests are aborted."""
+        """Stop the engine thread after its current step (and the engine, if this AsyncEngine owns it). Every stream
+        still pending fails with EngineStoppedError, and so does every later call; unfinished requests are aborted."""
         self._stopping = True
         with self._lock:
             if self._closed is None:
@@ -334,3 +336,5 @@ class AsyncEngine:
         self._thread.join(timeout)
         if self._thread.is_alive():  # a step that does not return: fail the waiters now, the thread ends later
             self._close(EngineStoppedError(f"{SHUT_DOWN} (its last step was still running after {timeout:g} s)"))
+        elif self.owns_engine:
+            self.engine.shutdown()

@@ -38,14 +38,15 @@ def check_bind(host: str, api_key: str | None) -> None:
                           f"{API_KEY_ENV}) to bind it, or bind 127.0.0.1")
 
 
-def build_state(llm: Any, aengine: Any, model_name: str, defaults: SamplingParams | None = None,
+def build_state(client: Any, model_name: str, defaults: SamplingParams | None = None,
                 api_key: str | None = None, history_policy: str = "preserve", **limits: Any) -> Any:
-    """`history_policy`: the thinking-history policy of API conversations (a profile's `thinking_history`);
-    `limits`: ServerLimits fields (max_conversations, conversation_ttl_s, ...)."""
+    """The server's state over `client`, the engine's AsyncEngine or EngineCoreProcess (its `info` and `tokenizer`
+    name the model). `history_policy`: the thinking-history policy of API conversations (a profile's
+    `thinking_history`); `limits`: ServerLimits fields (max_conversations, conversation_ttl_s, ...)."""
     from tsterm.server.state import ServerLimits, ServerState
 
-    return ServerState(engine=aengine, tokenizer=llm.tokenizer, model_name=model_name,
-                       max_model_len=llm.engine.max_model_len, defaults=defaults or SamplingParams(),
+    return ServerState(engine=client, tokenizer=client.tokenizer, model_name=model_name,
+                       max_model_len=client.info.max_model_len, defaults=defaults or SamplingParams(),
                        api_key=api_key or None, limits=ServerLimits(**limits), history_policy=history_policy)
 
 
@@ -130,8 +131,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from tsterm.engine.async_engine import AsyncEngine
-    from tsterm.launch import llm_from_args, profile_from_args
+    from tsterm.launch import engine_client_from_args, profile_from_args
     from tsterm.server.app import create_app
 
     from tsterm.profiles import ServerSettings
@@ -148,19 +148,18 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     name = args.model_name or settings.model_name or (profile.name if profile else Path(args.model).name)
     with listening_socket(host, port) as sock:  # a busy port fails here, not after the load
-        llm = llm_from_args(args, profile)
-        aengine = AsyncEngine(llm.engine)
+        client = engine_client_from_args(args, profile)  # the engine core in its own process, unless told not to
         try:
-            state = build_state(llm, aengine, name, profile.sampling_params() if profile else None, api_key,
-                                profile.thinking_history if profile else "preserve", **server_limits(settings))
+            state = build_state(client, name, profile.sampling_params() if profile else None, api_key,
+                                profile.thinking_history if profile else "preserve", **server_limits(settings),
+                                bound_host=host)
             server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level="info",
                                                    lifespan="off"))
             print(f"tsterm serve: {name} on http://{host}:{port}/v1 (OpenAI and Anthropic APIs)"
                   f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
             server.run(sockets=[sock])
         finally:
-            aengine.shutdown()
-            llm.engine.shutdown()
+            client.shutdown()
     return 0
 
 

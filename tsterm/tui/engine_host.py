@@ -1,14 +1,15 @@
 """The engine side of the TUI: load it (profile or injected factory), stream turns, poll its counters.
 
 Nothing here touches a widget: results leave as Messages through a `post` callable (`Screen.post_message`, which
-is thread-safe). The engine steps on AsyncEngine's own thread; a turn is an asyncio consumer of its stream.
+is thread-safe). The engine runs in a process of its own (EngineCoreProcess, the profile's `engine_process: true`,
+the default) or on AsyncEngine's thread in this one (an injected factory, `engine_process: false`); either way the
+host sees the same client: its EngineInfo, its tokenizer, its streams. A turn is an asyncio consumer of its stream.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,11 +22,13 @@ from textual.message import Message
 
 from tsterm.chat.history import PRESERVE, check_policy, request_stop_ids
 from tsterm.chat.plan import PromptPlan
+from tsterm.chat.store import default_data_dir
 from tsterm.chat.session import TurnStats
 from tsterm.config import SamplingParams
 from tsterm.engine.async_engine import AsyncEngine
 from tsterm.engine.engine import Engine
-from tsterm.launch import load_llm
+from tsterm.engine.info import EngineInfo
+from tsterm.launch import load_llm, start_core_process, use_engine_process
 from tsterm.profiles import AgentSettings, ServerSettings, UiOptions
 from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 from tsterm.tui.tool_support import renders_tools
@@ -40,7 +43,9 @@ PROGRESS_INTERVAL = 1 / 15
 
 @dataclass
 class EngineHost:
-    engine: Engine
+    # the engine's client: AsyncEngine (the engine in this process) or EngineCoreProcess (in its own); both have
+    # generate / abort / pin / unpin / dashboard / stats_and_metrics / shutdown, `info` and `tokenizer`
+    async_engine: Any
     sampling: SamplingParams
     system_prompt: str | None = None
     profile_name: str = ""
@@ -50,37 +55,41 @@ class EngineHost:
     # the profile's thinking_history (tsterm/chat/history.py): how chat and agent sessions plan a turn after the
     # first, `preserve` (the exact ids of earlier turns, reasoning included) or `template`
     thinking_history: str = PRESERVE
-    # whether `shutdown` ends the engine too (its executor: a multi-rank engine's worker processes, device memory):
-    # load_host's hosts own the engine they built; an engine handed to EngineHost directly stays its owner's
-    owns_engine: bool = False
-    async_engine: AsyncEngine = field(init=False)
-    # What agent sessions generate with: the AsyncEngine, unless a test scripts the model's replies (a stand-in
-    # with AsyncEngine's generate / abort / pin / unpin and the same tokenizer).
+    # What agent sessions generate with: the engine's client, unless a test scripts the model's replies (a
+    # stand-in with its generate / abort / pin / unpin and the same tokenizer).
     agent_backend: Any = field(init=False)
 
     def __post_init__(self) -> None:
         check_policy(self.thinking_history)
-        self.async_engine = AsyncEngine(self.engine)
         self.agent_backend = self.async_engine
         self._stop_stats = threading.Event()
         self._stats_thread: threading.Thread | None = None
 
     @property
+    def engine(self) -> Engine | None:
+        """The Engine object when it runs in this process (tests look inside it), else None."""
+        return getattr(self.async_engine, "engine", None)
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.async_engine.info
+
+    @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.async_engine.tokenizer
 
     @property
     def model_key(self) -> str:
         """Names the tokenizer that made a session's ids (ids from another model are meaningless)."""
-        return str(Path(self.engine.config.model).resolve())
+        return str(Path(self.info.model).resolve())
 
     @property
     def model_name(self) -> str:
-        return Path(self.engine.config.model).name
+        return Path(self.info.model).name
 
     @property
     def device(self) -> str:
-        return f"{self.engine.device} {str(self.engine.dtype).removeprefix('torch.')}"
+        return f"{self.info.device} {self.info.dtype}"
 
     @cached_property
     def renders_tools(self) -> bool:
@@ -94,7 +103,7 @@ class EngineHost:
     @property
     def stop_ids(self) -> frozenset[int]:
         """The ids that end a chat reply generated with `sampling`: what `preserve` checks the kept ids end with."""
-        return request_stop_ids(self.engine.eos_token_ids, self.sampling)
+        return request_stop_ids(self.info.eos_token_ids, self.sampling)
 
     # ---- turns
     async def stream_turn(self, session_id: str, plan: PromptPlan, request_id: str, post: Post) -> None:
@@ -126,8 +135,8 @@ class EngineHost:
 
     # ---- counters
     def start_stats(self, post: Post, interval: float | None = None) -> None:
-        """Poll the engine's counters, per-expert routing counts and ranks on a daemon thread, in one call
-        (AsyncEngine.dashboard): the engine answers between two steps, so decoding is not slowed."""
+        """Poll the engine's counters, per-expert routing counts, ranks and memory on a daemon thread, in one call
+        (`dashboard`): the engine answers between two steps, so decoding is not slowed."""
         if self._stats_thread is not None:
             return
         interval = self.ui.stats_interval if interval is None else interval
@@ -135,11 +144,11 @@ class EngineHost:
         def poll() -> None:
             while not self._stop_stats.wait(interval):
                 try:
-                    stats, experts, ranks = self.async_engine.dashboard()
+                    stats, experts, ranks, memory = self.async_engine.dashboard()
                 except Exception:  # noqa: BLE001, S112 - a failed poll is skipped, the next one may work
                     continue
                 if not self._stop_stats.is_set():
-                    post(StatsUpdate(stats, memory_info(self.engine), time.monotonic(), experts, ranks))
+                    post(StatsUpdate(stats, memory, time.monotonic(), experts, ranks))
 
         self._stats_thread = threading.Thread(target=poll, name="tsterm-stats", daemon=True)
         self._stats_thread.start()
@@ -151,30 +160,12 @@ class EngineHost:
             self._stats_thread.join()
 
     def shutdown(self) -> None:
-        """Stop polling and the engine thread; an engine the host owns is shut down too, so a multi-rank engine's
-        workers (and their memory) end now, not when the engine is garbage-collected."""
+        """Stop polling and the engine's client: an engine core process ends with it, and so does an in-process
+        engine its AsyncEngine owns (load_host's: a multi-rank engine's workers and their memory end now, not when
+        the engine is garbage-collected); an engine handed to the host in an AsyncEngine of its own stays its
+        owner's."""
         self.stop_stats()
         self.async_engine.shutdown()
-        if self.owns_engine:
-            self.engine.shutdown()
-
-
-def memory_info(engine: Engine) -> dict[str, Any]:
-    """Device memory in bytes: the CUDA allocator's numbers, or the process RSS on the CPU."""
-    device = engine.device
-    if device.type == "cuda":
-        import torch
-
-        return {"kind": "cuda", "allocated": torch.cuda.memory_allocated(device),
-                "reserved": torch.cuda.memory_reserved(device),
-                "total": torch.cuda.get_device_properties(device).total_memory}
-    rss = None
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    return {"kind": "cpu", "rss": rss}
 
 
 def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, progress: ProgressFn,
@@ -185,10 +176,15 @@ def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, p
 
     status(f"reading profile {profile_name_or_path}")
     profile = load_profile(profile_name_or_path)
-    engine = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status, overrides or {}))
-    return EngineHost(engine, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options(),
-                      profile.agent_settings(), profile.server_settings(), thinking_history=profile.thinking_history,
-                      owns_engine=True)
+    if engine_factory is None and use_engine_process(profile):
+        # the core's output (warnings, a traceback) goes to a log file: this process's terminal is the TUI's screen
+        client = start_core_process(profile, progress=progress, prepare=progress, status=status,
+                                    log_path=str(default_data_dir().parent / "engine.log"), **(overrides or {}))
+    else:
+        client = AsyncEngine(_on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status,
+                                                                  overrides or {})), owns_engine=True)
+    return EngineHost(client, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options(),
+                      profile.agent_settings(), profile.server_settings(), thinking_history=profile.thinking_history)
 
 
 def _on_own_thread(fn: Callable[[], Any]) -> Any:
