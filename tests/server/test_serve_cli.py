@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import select
 import socket
 import subprocess
 import sys
@@ -15,6 +17,8 @@ import pytest
 from tests.server.conftest import AGENT_DEMO, http
 from tsterm.cli import main
 
+SAFETY = 300  # seconds: only a broken shutdown waits this long
+
 
 def _free_port() -> int:
     with socket.socket() as sock:
@@ -23,6 +27,7 @@ def _free_port() -> int:
 
 
 def test_tsterm_serve_process(tmp_path):
+    """The real path: the engine core runs in a process of its own, which ends when the server stops."""
     port, key = _free_port(), "env-key-1234567"
     code = "import sys; from tsterm.cli import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "TSTERM_API_KEY": key}
@@ -49,10 +54,15 @@ def test_tsterm_serve_process(tmp_path):
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         assert http("POST", url, request)[0] == 401
         assert http("POST", url, request, headers={"Authorization": f"Bearer {key}"})[0] == 200
+        core = int(re.search(r"engine core: process (\d+)", "".join(lines)).group(1))
+        assert core != proc.pid
+        core_exited = os.pidfd_open(core)  # readable once the core process has exited
     finally:
-        proc.terminate()
+        proc.terminate()  # uvicorn's graceful stop; then the engine core is shut down
         proc.wait()
         reader.join()
+    assert select.select([core_exited], [], [], SAFETY)[0], "the engine core outlived tsterm serve"
+    os.close(core_exited)
     log = "".join(lines)
     assert f"agent_demo on http://127.0.0.1:{port}/v1" in log and "API key required" in log
     assert key not in log

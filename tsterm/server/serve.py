@@ -155,8 +155,11 @@ def main(args: argparse.Namespace) -> int:
                                 bound_host=host)
             server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level="info",
                                                    lifespan="off"))
+            core = getattr(client, "pid", None)  # EngineCoreProcess: the engine's own process
             print(f"tsterm serve: {name} on http://{host}:{port}/v1 (OpenAI and Anthropic APIs)"
-                  f"{', API key required' if api_key else ''}", file=sys.stderr, flush=True)
+                  f"{', API key required' if api_key else ''}"
+                  f"{f'; engine core: process {core}' if core else '; engine core: in this process'}",
+                  file=sys.stderr, flush=True)
             server.run(sockets=[sock])
         finally:
             client.shutdown()
