@@ -225,6 +225,12 @@ def test_an_api_key_server_stores_and_continues(make_server):
     assert status == 401
 
 
+@pytest.fixture(scope="module")
+def refusing(make_server):
+    """A server of its own, sent only requests it refuses: none is in flight once each is answered."""
+    return make_server()
+
+
 @pytest.mark.parametrize("body, param", [
     ({"temperature": 5}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -240,10 +246,26 @@ def test_an_api_key_server_stores_and_continues(make_server):
     ({"background": True}, "background"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs.tools"),
 ])
-def test_a_bad_field_is_a_400_naming_it(client, body, param):
+def test_a_bad_field_is_a_400_naming_it(refusing, body, param):
+    client = openai.OpenAI(base_url=f"{refusing.url}/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(**{"model": MODEL, "input": "Hello", **body})
     assert err.value.body["param"] == param
+    assert refusing.state.in_flight == 0  # a request refused after its admission gave its place back
+
+
+def test_new_instructions_replace_the_previous_ones(make_server):
+    """As OpenAI does: a previous response's instructions are not carried over; the conversation then starts
+    differently, so it is rendered as the template says (the prefix cache serves what it can)."""
+    server = make_server()
+    server.state.observer = recorder = Recorder()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.responses.create(model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=2)
+    client.responses.create(model=MODEL, input="Again", instructions="Be kind.", previous_response_id=first.id,
+                            max_output_tokens=2)
+    info, _, _ = recorder.done[-1]
+    assert [m["role"] for m in info.messages] == ["system", "user", "assistant", "user"]
+    assert info.messages[0]["content"] == "Be kind." and info.history_policy is None
 
 
 def test_a_stream_ends_with_an_error_event(client, aengine):
@@ -331,3 +353,105 @@ def test_input_items_become_chat_messages():
         {"role": "tool", "tool_call_id": "c1", "content": "1"},
         {"role": "tool", "tool_call_id": "c2", "content": "2"},
     ]
+
+
+# ---- a thinking model: reasoning items, and a tool loop continued from its exact ids ----------------------------
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    """A loopback server on the tiny thinking model of the history-policy tests (thinking_model.py: the Qwen3
+    family's template, which drops the reasoning of replies before the last user message; every reply thinks, then
+    calls its tool)."""
+    from tests.server.conftest import Served
+    from tests.server.thinking_model import make_thinking_model
+    from tsterm import LLM
+    from tsterm.engine.async_engine import AsyncEngine
+    from tsterm.server.app import create_app
+    from tsterm.server.serve import BackgroundServer
+    from tsterm.server.state import ServerState
+
+    llm = LLM(str(make_thinking_model(tmp_path_factory.mktemp("thinking"))), device="cpu")
+    aengine = AsyncEngine(llm.engine)
+    state = ServerState(engine=aengine, tokenizer=llm.tokenizer, model_name="thinking",
+                        max_model_len=llm.engine.max_model_len, observer=Recorder())
+    server = BackgroundServer(Served(create_app(state))).start()
+    server.state = state
+    server.llm_decode = lambda ids: llm.tokenizer.decode(list(ids), skip_special_tokens=False)
+    yield server
+    server.stop()
+    aengine.shutdown()
+    llm.engine.shutdown()
+
+
+def _thinking_client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _thinking_tools():
+    from tests.server.thinking_model import TOOLS as CHAT_TOOLS
+
+    # not strict: a strict function under "auto" holds the reply to free text then calls, and that text cannot hold
+    # this model's `<think>` (a special token), so the grammar would end its reply at once (tool_choice.call_grammar)
+    return [{"type": "function", **tool["function"], "strict": False} for tool in CHAT_TOOLS]
+
+
+def test_a_thinking_reply_is_a_reasoning_item_then_its_call(thinking):
+    from tests.server.thinking_model import ARGUMENTS, REASONING, TOOL
+
+    client, tools = _thinking_client(thinking), _thinking_tools()
+    kwargs = dict(model="thinking", input="Read the tides.", tools=tools, temperature=0, max_output_tokens=16)
+    r = client.responses.create(**kwargs)
+    reasoning, call = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].type == "reasoning_text"
+    assert reasoning.content[0].text == REASONING
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", TOOL, ARGUMENTS)
+    assert r.usage.output_tokens_details.reasoning_tokens == 3  # <think>, the reasoning, </think>
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASONING
+    streamed = events[-1].response
+    assert events[-1].type == "response.completed"
+    ignore = {"id", "call_id", "parsed_arguments"}  # fresh ids; the stream helper's parsed form
+    assert [item.model_dump(exclude=ignore) for item in streamed.output] == \
+        [item.model_dump(exclude=ignore) for item in r.output]
+
+
+LONG_RESULT = " ".join(f"Tide table line {i}: high water at {i % 12 + 1}:{i * 7 % 60:02d}, low water six hours later."
+                       for i in range(42))
+
+
+def _loop(client, tools, task: str, **follow_up) -> tuple:
+    """A tool loop through previous_response_id (a ~2,000-token tool result, a second call, its short result and a
+    follow-up question): (the loop's last response, the follow-up response)."""
+    kwargs = dict(model="thinking", tools=tools, temperature=0, max_output_tokens=16, instructions="Be careful.")
+    r = client.responses.create(input=task, **kwargs)
+    for result in (LONG_RESULT,):
+        (call,) = [item for item in r.output if item.type == "function_call"]
+        r = client.responses.create(previous_response_id=r.id, **kwargs, input=[
+            {"type": "function_call_output", "call_id": call.call_id, "output": result}])
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    follow = client.responses.create(previous_response_id=r.id, **kwargs, **follow_up, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Done."},
+        {"role": "user", "content": "Thanks. And 7*8?"}])
+    return r, follow
+
+
+def test_a_tool_loop_continued_by_id_keeps_its_reasoning_and_its_cache(thinking):
+    """The template drops the loop's reasoning once a user message follows; continued from the stored exact ids the
+    follow-up still finds the whole loop in the prefix cache, where the template's rendering would compute it
+    again."""
+    from tests.server.thinking_model import REASONING
+
+    client, tools = _thinking_client(thinking), _thinking_tools()
+    loop, follow = _loop(client, tools, "Read the tides (preserve).")
+    info, _, _ = thinking.state.observer.done[-1]
+    assert info.request_id == follow.id and info.history_policy == "preserve" and info.history_fallback is None
+    assert thinking.llm_decode(info.prompt_ids).count(REASONING) == 2  # both replies' reasoning, as computed
+    _assert_cached_through(follow.usage, loop.usage)
+    # the template's rendering of the same conversation drops the reasoning: most of the loop computed again
+    loop, again = _loop(client, tools, "Read the tides (template).",
+                        extra_body={"chat_template_kwargs": {"thinking_history": "template"}})
+    info, _, _ = thinking.state.observer.done[-1]
+    assert info.history_policy == "template" and thinking.llm_decode(info.prompt_ids).count(REASONING) == 0
+    assert again.usage.input_tokens_details.cached_tokens < (loop.usage.input_tokens + loop.usage.output_tokens) // 2

@@ -57,6 +57,7 @@ from tsterm.server.generation import (
 )
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.protocol import JSONSchemaFormat, ResponseFormat
+from tsterm.server.response_store import StoredResponse
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, Piece, ReplyParser
@@ -485,7 +486,7 @@ class _Call:
     chat_owner: str  # of the API conversation (the key and `user`, as the chat route's)
     tools: ToolUse
     echoed_tools: list[dict]
-    prompt: ChatPrompt
+    prompt: ChatPrompt | None  # once planned
     instructions: str | None
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
@@ -528,21 +529,38 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     state, metrics = _state(request), _metrics(request)
     check_model(state, body.model)
     _refuse_unsupported(body)
-    owner, chat_owner = request_owner(request, state), request_owner(request, state, body.user)
+    owner = request_owner(request, state)
     previous = None
     if body.previous_response_id is not None:
-        previous = state.responses.get(owner, body.previous_response_id)
+        previous = state.responses.get(owner, body.previous_response_id) if state.responses is not None else None
         if previous is None:
             raise _not_found(body.previous_response_id, previous=True)
-    new = input_messages(body.input)
-    if not new:
-        raise _bad("input is empty: send a string or at least one input item", "input")
-    spec, _param = _text_format(body.text)
-    tools, echoed = _tools(body, spec is not None)
-    if spec is not None and tools.required:
+    form = body.text.format if body.text is not None else None
+    tools, echoed = _tools(body, form is not None and form.type != "text")
+    if form is not None and form.type != "text" and tools.required:
         raise _bad("text.format and tool_choice each constrain the reply; send one of them", "tool_choice")
     params = stop_at_call_end(_sampling(state, body), tools)
     kwargs, policy = template_kwargs(body.chat_template_kwargs)
+    # admitted before the costly part (compiling a schema, converting, rendering and tokenising the input), so that
+    # the queue bound bounds those too; given back on every path (the stream's end or run_to_end, else here)
+    lease = Lease(state, metrics)
+    try:
+        call = _Call(body, f"resp_{uuid.uuid4().hex}", time.time(), owner, request_owner(request, state, body.user),
+                     tools, echoed, None, body.instructions)
+        return await _respond(request, state, metrics, lease, call, previous, params, kwargs, policy)
+    except BaseException:
+        lease.release()
+        raise
+
+
+async def _respond(request: Request, state: ServerState, metrics: ServerMetrics, lease: Lease, call: _Call,
+                   previous: StoredResponse | None, params: SamplingParams, kwargs: dict[str, Any],
+                   policy: str | None) -> Any:
+    body, tools = call.body, call.tools
+    spec, _ = _text_format(body.text)
+    new = input_messages(body.input)
+    if not new:
+        raise _bad("input is empty: send a string or at least one input item", "input")
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     stored: Session | None = None
     if previous is not None:
@@ -552,15 +570,18 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
             stored, policy = previous.session, policy or PRESERVE
     else:
         messages = system + new
-        stored = state.conversations.find(chat_owner, messages) if state.conversations is not None else None
-    prompt = await asyncio.to_thread(plan_chat, state, messages, tools, kwargs, policy, stored)
-    check_prompt(state, prompt.ids)
+        stored = state.conversations.find(call.chat_owner, messages) if state.conversations is not None else None
+    call.prompt = prompt = await asyncio.to_thread(plan_chat, state, messages, tools, kwargs, policy, stored)
+    try:
+        check_prompt(state, prompt.ids)
+    except APIError as e:
+        e.param = "input"
+        raise
     check_max_tokens(state, prompt.ids, body.max_output_tokens, "max_output_tokens")
+    if body.max_output_tokens is None:  # OpenAI's default: the reply may run to the end of the context
+        params = dataclasses.replace(params, max_tokens=state.max_model_len - len(prompt.ids))
     if spec is not None or prompt.grammar is not None:
         params = dataclasses.replace(params, structured_outputs=spec or prompt.grammar)
-    call = _Call(body, f"resp_{uuid.uuid4().hex}", time.time(), owner, chat_owner, tools, echoed, prompt,
-                 body.instructions)
-    lease = Lease(state, metrics)
     info = RequestInfo(call.response_id, "responses", prompt.ids, 1, messages=messages,
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
                        history_context=prompt.context)
