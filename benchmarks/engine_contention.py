@@ -5,7 +5,7 @@ engine core should run in a process of its own, as vLLM v1's does.)
     python benchmarks/engine_contention.py [--profile default|moe-demo] [--tokens 64] [--clients 32] [--rounds 5]
                                            [--threads N] [--timeout 300]
 
-Five configurations, each once per round and in turn (so the machine's drift hits them alike), after one warm-up
+Six configurations, each once per round and in turn (so the machine's drift hits them alike), after one warm-up
 round that is not counted; each reports its median round:
 
   bare 1       engine.step() in a tight loop on a thread of its own: the measured request alone.
@@ -21,6 +21,11 @@ round that is not counted; each reports its median round:
                127.0.0.1 port, in this process, on this engine; 32 clients (the official `openai` client, in a child
                process, as real clients are) each stream a chat completion through HTTP (chat template, SSE, JSON),
                and the measured request streams through the app's AsyncEngine.
+  process 33   the same app, server and clients with the engine core in a process of its own (EngineCoreProcess,
+               as the TUI and `tsterm serve` run it by default): the core loads the profile's model, steps behind
+               the same gate and records its steps there (`recorded_core`); the app, its server and the measured
+               request's reader use the core's client. What moving the core out wins back (or costs: a message per
+               step, and the same cores) against `loaded 33`.
 
 Every request is greedy (the profile's sampling with temperature 0), runs `--tokens` tokens (ignore_eos) and has its
 own prompt (nothing shared through the prefix cache between requests). In the AsyncEngine cases a gate holds the
@@ -65,6 +70,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -78,6 +84,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 MEASURED_ID = "bench-measured"
@@ -421,11 +428,37 @@ def client_worker() -> None:
     print(json.dumps([r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"} for r in results]))
 
 
+def recorded_core(model_dir: str, options: dict[str, Any], gate: int, timeout: float, threads: int | None,
+                  records: str, progress: Callable[..., None]) -> Any:
+    """What the engine core process of the `process` configuration builds (pickled there by name: this module is
+    imported as `engine_contention` from the sys.path the front sends): the profile's engine with a StepRecorder
+    gated on the batch, whose records are written to `records` (pickle) when the core shuts the engine down."""
+    import pickle
+
+    from tsterm.launch import build_engine
+
+    engine = build_engine(model_dir, options, progress)
+    recorder = StepRecorder(engine, gate=gate, gate_timeout=timeout, threads=threads).install()
+    shutdown = engine.shutdown
+
+    def write_then_shut_down() -> None:
+        with open(records, "wb") as f:
+            pickle.dump({"steps": [dataclasses.astuple(r) for r in recorder.steps], "measured": recorder.measured,
+                         "short": recorder.short}, f)
+        shutdown()
+    engine.shutdown = write_then_shut_down
+    return engine
+
+
 async def run_loaded(llm: Any, profile: str, measured: Request, clients: int, tokens: int, timeout: float,
-                     threads: int | None) -> tuple[Run, list[Request]]:
+                     threads: int | None, in_process: bool = True) -> tuple[Run, list[Request]]:
     """The app with its server on this engine, the clients in a child process, the measured request through the
     app's AsyncEngine. Returns the run and the requests the server added for the clients (their prompt ids and
-    sampling parameters as the server made them)."""
+    sampling parameters as the server made them). `in_process` False: the app's engine core runs in a process of
+    its own (EngineCoreProcess, loading the profile's model there), recorded there (`recorded_core`); no requests
+    are captured then (the same server renders the same prompts)."""
+    import pickle
+
     from tsterm.tui import TstermApp
     from tsterm.tui.widgets.dashboard import Dashboard
 
@@ -441,12 +474,26 @@ async def run_loaded(llm: Any, profile: str, measured: Request, clients: int, to
     data_dir = Path(tempfile.mkdtemp(prefix="tsterm-contention-"))
     old_data_dir = os.environ.get("TSTERM_DATA_DIR")
     os.environ["TSTERM_DATA_DIR"] = str(data_dir)  # the app's sessions, history, ...: nothing in the user's own
-    recorder = StepRecorder(engine, gate=clients + 1, gate_timeout=timeout, threads=threads).install()
-    engine.add_request = capture
+    records = data_dir / "core-records.pickle"
+    if in_process:
+        recorder = StepRecorder(engine, gate=clients + 1, gate_timeout=timeout, threads=threads).install()
+        engine.add_request = capture
+        factory: Callable[..., Any] = lambda: llm  # noqa: E731
+    else:
+        import engine_contention  # this file by its module name, so that the core unpickles `recorded_core`
+
+        from tsterm.engine.core_process import EngineCoreProcess
+        from tsterm.launch import engine_options
+        from tsterm.profiles import load_profile
+
+        model_dir, options = engine_options(load_profile(profile))
+        build = functools.partial(engine_contention.recorded_core, model_dir, options, clients + 1, timeout, threads,
+                                  str(records))
+        factory = lambda progress: EngineCoreProcess(build, progress, output_timeout=timeout)  # noqa: E731
     deadline = time.monotonic() + timeout
     proc = None
     try:
-        app = TstermApp(profile, engine_factory=lambda: llm, sessions_dir=data_dir / "sessions",
+        app = TstermApp(profile, engine_factory=factory, sessions_dir=data_dir / "sessions",
                         serve={"host": "127.0.0.1", "port": 0})
         async with app.run_test(size=SIZE) as pilot:
             while not (app.api_server is not None and app.screen.query(Dashboard)):
@@ -471,11 +518,18 @@ async def run_loaded(llm: Any, profile: str, measured: Request, clients: int, to
             stdout, stderr = await talk
             dashboard_open = dashboard.display and dashboard.region.width > 0
             interval = app.host.ui.stats_interval
+        # the app has exited: an engine core of its own has shut down and written its records
+        if not in_process:
+            with open(records, "rb") as f:
+                written = pickle.load(f)
+            recorder = SimpleNamespace(steps=[StepRecord(*r) for r in written["steps"]],
+                                       measured=written["measured"], short=written["short"])
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
-        recorder.remove()
+        if in_process:
+            recorder.remove()
         if "add_request" in vars(engine):
             del engine.add_request
         if old_data_dir is None:
@@ -491,7 +545,8 @@ async def run_loaded(llm: Any, profile: str, measured: Request, clients: int, to
         raise RuntimeError(f"loaded: {len(errors)} of {clients} clients failed: {errors[:3]}")
     if recorder.short:
         raise RuntimeError(f"loaded: {recorder.short} of {clients + 1} requests had not arrived after {timeout:g} s")
-    run = Run(f"loaded {clients + 1}", clients + 1, recorder.steps, per_token(recorder.measured), per_token(seen))
+    name = f"{'loaded' if in_process else 'process'} {clients + 1}"
+    run = Run(name, clients + 1, recorder.steps, per_token(recorder.measured), per_token(seen))
     decode = run.decode_steps()
     window = (decode[0].start, decode[-1].end) if decode else (0.0, 0.0)
     in_window = [t for t in polls if window[0] <= t <= window[1]]
@@ -516,7 +571,7 @@ def same_requests(a: list[Request], b: list[Request]) -> bool:
 
 def config_names(clients: int) -> tuple[str, ...]:
     n = clients + 1
-    return ("bare 1", "async 1", f"bare {n}", f"async {n}", f"loaded {n}")
+    return ("bare 1", "async 1", f"bare {n}", f"async {n}", f"loaded {n}", f"process {n}")
 
 
 def measure(args: argparse.Namespace) -> dict[str, list[Run]]:
@@ -537,8 +592,11 @@ def measure(args: argparse.Namespace) -> dict[str, list[Run]]:
         captured: list[Request] | None = None
         runs: dict[str, list[Run]] = {name: [] for name in names}
         for round_ in range(args.rounds + 1):  # round 0: the warm-up, not counted (and the clients' capture)
-            for name in (names[-1], *names[:-1]) if round_ == 0 else names:
-                if name.startswith("loaded"):
+            for name in (names[-2], *names[:-2], names[-1]) if round_ == 0 else names:
+                if name.startswith("process"):
+                    run, _ = asyncio.run(run_loaded(llm, args.profile, measured, args.clients, args.tokens,
+                                                    args.timeout, args.threads, in_process=False))
+                elif name.startswith("loaded"):
                     run, added = asyncio.run(run_loaded(llm, args.profile, measured, args.clients, args.tokens,
                                                         args.timeout, args.threads))
                     if captured is None:
@@ -570,7 +628,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[Run]]:
 
 def report(runs: dict[str, list[Run]], args: argparse.Namespace, cpu: str) -> None:
     names = list(runs)
-    bare1, async1, bare_n, async_n, loaded = names
+    bare1, async1, bare_n, async_n, loaded, process = names
     med: dict[str, dict[str, float]] = {}
     for name, rs in runs.items():
         figures = [r.figures() for r in rs]
@@ -635,6 +693,13 @@ def report(runs: dict[str, list[Run]], args: argparse.Namespace, cpu: str) -> No
           f"cycle({async_n}) - 1 = {(ratio(loaded, async_n, 'cycle') - 1) * 100:+.1f}%")
     print(f"  what the measured stream sees: ITL({loaded}) / ITL({bare_n}) = {ratio(loaded, bare_n, 'itl'):.3f}, "
           f"ITL({async_n}) / ITL({bare_n}) = {ratio(async_n, bare_n, 'itl'):.3f}")
+    process_loss = ratio(process, bare_n, "cycle") - 1
+    print(f"engine core in its own process: cycle({process}) / cycle({bare_n}) - 1 = {process_loss * 100:+.1f}% "
+          f"(in the front's process: {loss * 100:+.1f}%); blocked time over bare per cycle "
+          f"{(blocked(process) - blocked(bare_n)) * 1e3:+.2f} ms = "
+          f"{(blocked(process) - blocked(bare_n)) / med[bare_n]['cycle'] * 100:+.1f}%; what the measured stream "
+          f"sees: ITL({process}) / ITL({bare_n}) = {ratio(process, bare_n, 'itl'):.3f}, ITL({process}) / "
+          f"ITL({loaded}) = {ratio(process, loaded, 'itl'):.3f}")
     print(f"quiet engine (batch 1): ITL({async1}) / ITL({bare1}) = {ratio(async1, bare1, 'itl'):.3f}; the loaded "
           f"stream against the quiet one: ITL({loaded}) / ITL({async1}) = {ratio(loaded, async1, 'itl'):.2f} "
           f"(batch {runs[loaded][0].batch} against 1: not a measure of contention)")

@@ -34,7 +34,7 @@ from tsterm.tui.messages import StatsUpdate, TurnFinished, TurnProgress
 from tsterm.tui.tool_support import renders_tools
 
 ProgressFn = Callable[[int, int, str], None]
-EngineFactory = Callable[..., Any]  # (progress) or () -> LLM | Engine
+EngineFactory = Callable[..., Any]  # (progress) or () -> LLM | Engine | a ready client (AsyncEngine, EngineCoreProcess)
 Post = Callable[[Message], Any]
 # At most this often (seconds) a streaming reply is re-rendered. Per token, the UI thread's Markdown work holds the
 # GIL often enough to halve the decode rate of a small model (measured: 25 -> 55 ms per token on SmolLM2, 2 cores).
@@ -181,8 +181,8 @@ def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, p
         client = start_core_process(profile, progress=progress, prepare=progress, status=status,
                                     log_path=str(default_data_dir().parent / "engine.log"), **(overrides or {}))
     else:
-        client = AsyncEngine(_on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status,
-                                                                  overrides or {})), owns_engine=True)
+        built = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status, overrides or {}))
+        client = built if hasattr(built, "info") else AsyncEngine(built, owns_engine=True)
     return EngineHost(client, profile.sampling_params(), profile.system_prompt, profile.name, profile.ui_options(),
                       profile.agent_settings(), profile.server_settings(), thinking_history=profile.thinking_history)
 
@@ -212,11 +212,14 @@ def _on_own_thread(fn: Callable[[], Any]) -> Any:
 
 
 def _build_engine(profile, engine_factory: EngineFactory | None, progress: ProgressFn,
-                  status: Callable[[str], None], overrides: dict[str, Any]) -> Engine:
+                  status: Callable[[str], None], overrides: dict[str, Any]) -> Any:
+    """The Engine to run in this process, or the engine client an injected factory made (used as it is)."""
     if engine_factory is not None:
         status("building the engine")
         wants_progress = bool(inspect.signature(engine_factory).parameters)
         built = engine_factory(progress) if wants_progress else engine_factory()
+        if hasattr(built, "generate") and hasattr(built, "info"):  # a client: AsyncEngine, EngineCoreProcess
+            return built
         engine = getattr(built, "engine", built)  # an LLM or a bare Engine
     else:
         engine = load_llm(profile, progress=progress, prepare=progress, status=status, **overrides).engine
