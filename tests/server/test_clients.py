@@ -8,6 +8,7 @@ a server that let the reply out of the schema fails these tests in the framework
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import instructor
 import openai
@@ -70,11 +71,12 @@ def test_instructor_json_schema_mode(default_server):  # noqa: F811
 
 
 async def test_openai_agents_sdk_output_type(default_server):  # noqa: F811
-    client = openai.AsyncOpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    agent = Agent(name="cities", output_type=City,  # the SDK sends it as a strict json_schema response_format
-                  model=OpenAIChatCompletionsModel(model=DEFAULT, openai_client=client),
-                  model_settings=ModelSettings(temperature=0, max_tokens=120))
-    result = await Runner.run(agent, PROMPT, run_config=RunConfig(tracing_disabled=True))
+    async with openai.AsyncOpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0,
+                                  timeout=120) as client:
+        agent = Agent(name="cities", output_type=City,  # the SDK sends it as a strict json_schema response_format
+                      model=OpenAIChatCompletionsModel(model=DEFAULT, openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=120))
+        result = await Runner.run(agent, PROMPT, run_config=RunConfig(tracing_disabled=True))
     assert isinstance(result.final_output, City)
     (message,) = result.new_items
     assert City.model_validate_json(message.raw_item.content[0].text) == result.final_output
@@ -93,15 +95,28 @@ def _calculator_tool(calls: list[dict]) -> FunctionTool:
                         params_json_schema=calculator.parameters, on_invoke_tool=invoke, strict_json_schema=True)
 
 
-async def test_openai_agents_sdk_tool_loop_on_chat_completions(server):
+async def _calculator_run(model, stream: bool) -> tuple[list[dict], Any]:
+    """An Agents SDK run of "What is 37 * 12?" with the calculator on `model`: (the calls the SDK ran, its result)."""
     calls: list[dict] = []
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
     # tool_choice "required" makes the first reply a call (the server's grammar); the SDK resets it to "auto" after
     # the call, so the second reply can answer
-    agent = Agent(name="calculator", tools=[_calculator_tool(calls)],
-                  model=OpenAIChatCompletionsModel(model=AGENT_DEMO, openai_client=client),
-                  model_settings=ModelSettings(temperature=0, tool_choice="required", max_tokens=60))
-    result = await Runner.run(agent, "What is 37 * 12?", run_config=RunConfig(tracing_disabled=True))
+    agent = Agent(name="calculator", tools=[_calculator_tool(calls)], model=model,
+                  model_settings=ModelSettings(temperature=0, tool_choice="required", max_tokens=60,
+                                               include_usage=True))  # streamed usage: the SDK asks only OpenAI's host
+    config = RunConfig(tracing_disabled=True)
+    if not stream:
+        return calls, await Runner.run(agent, "What is 37 * 12?", run_config=config)
+    result = Runner.run_streamed(agent, "What is 37 * 12?", run_config=config)
+    async for _ in result.stream_events():
+        pass
+    return calls, result
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_agents_sdk_tool_loop_on_chat_completions(server, stream):
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        calls, result = await _calculator_run(OpenAIChatCompletionsModel(model=AGENT_DEMO, openai_client=client),
+                                              stream)
     assert calls == [{"expression": "37 * 12"}]
     assert "444" in result.final_output  # the tool's result came back to the model, which answered with it
     first, second = result.context_wrapper.usage.request_usage_entries
