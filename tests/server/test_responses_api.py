@@ -15,7 +15,7 @@ from tests.server.conftest import MODEL, http, wait_blocks_free
 from tsterm.agent.tools import Calculator
 from tsterm.agent.tool_calls import ToolCall
 from tsterm.server.response_store import ResponseStore
-from tsterm.server.responses_api import OutputBuilder, ReasoningSplit, input_messages
+from tsterm.server.responses_api import OutputBuilder, ReasoningSplit, ResponsesRequest, thinking_kwargs, input_messages
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart
 
 BLOCK = 16  # the agent-demo profile's block size: the prefix cache serves whole blocks
@@ -244,6 +244,8 @@ def refusing(make_server):
     ({"text": {"format": {"type": "json_schema", "name": "x",  # a look-ahead: llguidance cannot compile it
                           "schema": {"type": "string", "pattern": "^(?=a)[a-z]+$"}}}}, "text.format.schema"),
     ({"background": True}, "background"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs.tools"),
 ])
 def test_a_bad_field_is_a_400_naming_it(refusing, body, param):
@@ -330,6 +332,21 @@ def test_a_held_tag_prefix_that_is_not_a_tag_is_text():
     split = ReasoningSplit(False)
     assert split.feed("<th") == []
     assert split.feed("ree>", final=True) == [("text", "<three>")]
+
+
+@pytest.mark.parametrize("effort, kwargs, thinking", [
+    ("none", {}, False), ("minimal", {}, False), ("low", {}, True), ("high", {}, True),
+    ("high", {"enable_thinking": False}, False),  # chat_template_kwargs decides when it says
+    (None, {}, None),  # not asked: the template's own default
+])
+def test_reasoning_effort_is_the_templates_enable_thinking(effort, kwargs, thinking):
+    body = ResponsesRequest(model=MODEL, input="Hi", reasoning=None if effort is None else {"effort": effort})
+    assert thinking_kwargs(body, kwargs).get("enable_thinking") is thinking
+
+
+def test_reasoning_effort_is_echoed(client):
+    r = client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "low"}, max_output_tokens=2)
+    assert r.reasoning.effort == "low"
 
 
 def test_input_items_become_chat_messages():

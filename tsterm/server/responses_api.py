@@ -86,6 +86,14 @@ class TextConfig(_Body):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(_Body):
+    """OpenAI's reasoning options: `effort` "none" / "minimal" turns a hybrid model's thinking off (the template's
+    `enable_thinking: false`), another effort on; `summary` is accepted (the reasoning is returned whole)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(_Body):
     model: str
     input: str | list[Any]
@@ -103,6 +111,8 @@ class ResponsesRequest(_Body):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # what a local server does not do: a 400 naming the field when set
     background: bool | None = None
     conversation: Any = None
@@ -121,6 +131,17 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
     if body.prompt is not None:
         raise APIError(400, "prompt: stored prompt templates are not supported; send input and instructions",
                        param="prompt")
+    if body.top_logprobs:
+        raise APIError(400, "top_logprobs: this server returns no log probabilities on /v1/responses; use "
+                       "/v1/chat/completions with logprobs", param="top_logprobs")
+
+
+def thinking_kwargs(body: ResponsesRequest, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The template's variables with `reasoning.effort` as `enable_thinking` (unless chat_template_kwargs sets it)."""
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    if effort is None or "enable_thinking" in kwargs:
+        return kwargs
+    return {**kwargs, "enable_thinking": effort not in ("none", "minimal")}
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -500,7 +521,8 @@ class _Call:
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
             "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "store": body.store is not False, "temperature": body.temperature, "text": {"format": text_format},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": self.echoed_tools, "top_p": body.top_p, "truncation": body.truncation or "disabled",
@@ -541,6 +563,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         raise _bad("text.format and tool_choice each constrain the reply; send one of them", "tool_choice")
     params = stop_at_call_end(_sampling(state, body), tools)
     kwargs, policy = template_kwargs(body.chat_template_kwargs)
+    kwargs = thinking_kwargs(body, kwargs)
     # admitted before the costly part (compiling a schema, converting, rendering and tokenising the input), so that
     # the queue bound bounds those too; given back on every path (the stream's end or run_to_end, else here)
     lease = Lease(state, metrics)
