@@ -61,3 +61,33 @@ def test_a_demo_model_is_generated_through_the_given_progress(tmp_path, monkeypa
     assert statuses == ["preparing demo:tiny (generated on first use)"] and prepared and options == {}
     with pytest.raises(ConfigError, match="unknown demo model 'demo:huge'"):
         engine_options(None, "demo:huge", prepare=prepared.append)
+
+
+@pytest.mark.parametrize("profile_text, env, expected", [
+    ("", None, True),  # the default: the engine core in its own process
+    ("", "0", False), ("", "false", False), ("", "1", True),
+    ("engine_process: false\n", "1", False),  # a profile that says wins over the environment
+    ("engine_process: true\n", "0", True),
+    ("extends: {base}\n", "1", False),  # inherited from the profile it extends
+])
+def test_where_the_engine_core_runs(tmp_path, monkeypatch, profile_text, env, expected):
+    from tsterm.launch import use_engine_process
+
+    base = write(tmp_path / "base.yaml", "model: m\nengine_process: false\n")
+    path = write(tmp_path / "p.yaml", "model: m\n" + profile_text.format(base=base) if "extends" not in profile_text
+                 else profile_text.format(base=base))
+    if env is None:
+        monkeypatch.delenv("TSTERM_ENGINE_PROCESS", raising=False)
+    else:
+        monkeypatch.setenv("TSTERM_ENGINE_PROCESS", env)
+    assert use_engine_process(load_profile(str(path))) is expected
+
+
+def test_a_bad_engine_process_setting_is_named(tmp_path, monkeypatch):
+    from tsterm.launch import use_engine_process
+
+    with pytest.raises(ConfigError, match="engine_process must be true or false, got 'yes please'"):
+        load_profile(str(write(tmp_path / "p.yaml", "model: m\nengine_process: yes please\n")))
+    monkeypatch.setenv("TSTERM_ENGINE_PROCESS", "maybe")
+    with pytest.raises(ConfigError, match="TSTERM_ENGINE_PROCESS must be 1 or 0"):
+        use_engine_process(None)
