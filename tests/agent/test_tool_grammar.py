@@ -262,3 +262,79 @@ def test_calculator_and_builtins_compile(tokens):
     grammar = agent_grammar(tokens, call_form(tokens), tool_parameters(specs))
     error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokens.lltokenizer)
     assert not error, messages
+
+
+# ---- the Qwen3-Coder XML call form
+
+
+class XmlTemplate:
+    """The tiny tokenizer with a template that writes assistant tool calls in the XML form (as Qwen3-Coder's)."""
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def apply_chat_template(self, messages, **kwargs):
+        def xml(call):
+            fn = call["function"]
+            parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in fn["arguments"].items())
+            return f"<tool_call>\n<function={fn['name']}>\n{parameters}</function>\n</tool_call>"
+
+        rendered = [{**m, "content": (m.get("content") or "") + "\n".join(xml(c) for c in m["tool_calls"])}
+                    if m.get("tool_calls") else m for m in messages]
+        return self.inner.apply_chat_template(rendered, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+XML_TOOLS = [TOOLS[0], SchemaTool("toggle", {"type": "object", "properties": {"on": {"type": "boolean"},
+                                                                               "times": {"type": "integer",
+                                                                                         "minimum": 1, "maximum": 3}},
+                                             "required": ["on"]})]
+
+
+def test_the_xml_form_holds_each_parameter_to_its_schema(tokens):
+    xml = ChatTokens(XmlTemplate(tokens.tokenizer), tokens.lltokenizer)
+    form = call_form(xml)
+    assert form.xml is not None
+    grammar = agent_grammar(xml, form, tool_parameters([t.spec() for t in XML_TOOLS]))
+
+    def call(name, parameters):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in parameters.items())
+        return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+    assert _accepts(xml, grammar, "ok " + call("dice", {"sides": 4}) + "\n" + call("toggle", {"on": "true", "times": 2}))
+    for bad in (call("dice", {"sides": 12}), call("toggle", {"times": 2}), call("toggle", {"on": "maybe"}),
+                call("roll", {"sides": 3}), _call("dice", {"sides": 3})):  # the JSON form is not this template's
+        assert not _accepts(xml, grammar, bad), bad
+
+
+def test_constrained_turns_with_an_xml_form_template_make_valid_calls(random_llm):
+    """The agent loop end to end on the XML form: the grammar writes what the XML parser reads."""
+    engine = AsyncEngine(random_llm.engine)
+    xml = XmlTemplate(random_llm.tokenizer)
+    agents = [Agent(engine, xml, XML_TOOLS, SamplingParams(temperature=1.0, max_tokens=300, seed=seed),
+                    options=AgentOptions(max_steps=1)) for seed in SEEDS]
+
+    async def turn(agent: Agent):
+        events = [event async for event in agent.run("Roll a die.")]
+        await agent.close()
+        return next(e.step for e in events if isinstance(e, StepFinished))
+
+    async def turns():
+        return await asyncio.gather(*(turn(agent) for agent in agents))
+
+    try:
+        steps = asyncio.run(turns())
+    finally:
+        engine.shutdown()
+    schemas = {tool.name: tool.parameters for tool in XML_TOOLS}
+    valid = 0
+    for step in steps:
+        for n, call in enumerate(step.tool_calls):
+            if step.finish_reason == "length" and n == len(step.tool_calls) - 1 and call.error and CUT in call.error:
+                continue
+            assert call.error is None and "<function=" in call.raw, (call.raw, call.error)
+            jsonschema.validate(call.arguments, schemas[call.name])
+            valid += 1
+    assert all(agent.constrains_tool_calls for agent in agents) and valid >= len(SEEDS) // 2
