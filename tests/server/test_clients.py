@@ -13,13 +13,14 @@ from typing import Any
 import instructor
 import openai
 import pytest
-from agents import Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner
+from agents import (Agent, FunctionTool, ModelSettings, OpenAIChatCompletionsModel, OpenAIProvider,
+                    OpenAIResponsesModel, RunConfig, Runner)
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_ai import Agent as PydanticAgent
 from pydantic_ai import NativeOutput
 from pydantic_ai.models.openai import OpenAIChatModel
-from pydantic_ai.providers.openai import OpenAIProvider
+from pydantic_ai.providers.openai import OpenAIProvider as PydanticOpenAIProvider
 
 from tests.server.conftest import MODEL as AGENT_DEMO
 from tests.server.test_structured_outputs import MODEL as DEFAULT
@@ -40,7 +41,8 @@ class City(BaseModel):
 
 
 def test_pydantic_ai_native_output(default_server):  # noqa: F811
-    model = OpenAIChatModel(DEFAULT, provider=OpenAIProvider(base_url=f"{default_server.url}/v1", api_key="unused"))
+    provider = PydanticOpenAIProvider(base_url=f"{default_server.url}/v1", api_key="unused")
+    model = OpenAIChatModel(DEFAULT, provider=provider)
     agent = PydanticAgent(model, output_type=NativeOutput(City))
     result = agent.run_sync(PROMPT, model_settings={"temperature": 0, "max_tokens": 120})
     assert isinstance(result.output, City)
@@ -121,4 +123,18 @@ async def test_openai_agents_sdk_tool_loop_on_chat_completions(server, stream):
     assert "444" in result.final_output  # the tool's result came back to the model, which answered with it
     first, second = result.context_wrapper.usage.request_usage_entries
     # the SDK's echo of the call and its result re-renders to what the model emitted: the first turn is cached
+    assert second.input_tokens_details.cached_tokens >= (first.input_tokens + first.output_tokens - 1) // 16 * 16
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_agents_sdk_tool_loop_on_its_default_responses_model(server, stream):
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        model = OpenAIProvider(openai_client=client).get_model(AGENT_DEMO)  # what the SDK makes of a model name
+        assert isinstance(model, OpenAIResponsesModel)
+        calls, result = await _calculator_run(model, stream)
+    assert calls == [{"expression": "37 * 12"}]
+    assert "444" in result.final_output
+    assert [r.response_id[:5] for r in result.raw_responses] == ["resp_", "resp_"]  # both turns by /v1/responses
+    first, second = result.context_wrapper.usage.request_usage_entries
+    # the SDK sends the whole conversation again (no previous_response_id): the server matches it to the first turn
     assert second.input_tokens_details.cached_tokens >= (first.input_tokens + first.output_tokens - 1) // 16 * 16
