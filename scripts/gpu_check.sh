@@ -38,8 +38,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 "$PYTHON" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 
 GPU_TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_gated_delta_gpu.py tests/engine/test_decode_graphs_gpu.py
-           tests/engine/test_startup_gpu.py tests/engine/test_hybrid_gpu.py tests/distributed/test_nccl_gpu.py)
-echo; echo "== GPU tests: kernels in bf16 at real sizes, the CUDA decode path, start-up (profile run, graphs captured at start), the hybrid path without host syncs, NCCL groups (${GPU_TESTS[*]}) =="
+           tests/engine/test_startup_gpu.py tests/engine/test_hybrid_gpu.py tests/distributed/test_nccl_gpu.py
+           tests/engine/test_core_process_gpu.py)
+echo; echo "== GPU tests: kernels in bf16 at real sizes, the CUDA decode path, start-up (profile run, graphs captured at start), the hybrid path without host syncs, NCCL groups, the engine core process on the device (${GPU_TESTS[*]}) =="
 test_log=$(mktemp)
 timeout "$(limit 230)" "$PYTHON" -m pytest --noconftest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 | tee "$test_log"
 tests_rc=${PIPESTATUS[0]}
