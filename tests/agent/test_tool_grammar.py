@@ -338,3 +338,72 @@ def test_constrained_turns_with_an_xml_form_template_make_valid_calls(random_llm
             jsonschema.validate(call.arguments, schemas[call.name])
             valid += 1
     assert all(agent.constrains_tool_calls for agent in agents) and valid >= len(SEEDS) // 2
+
+
+# ---- the TUI's agent runs: the setting reaches the loop, the warning reaches the screen once
+
+
+class _View:
+    """An AgentView that keeps the reports and otherwise shows nothing."""
+
+    def __init__(self):
+        self.reports: list[tuple[str, bool]] = []
+
+    async def report(self, session, text, error):
+        self.reports.append((text, error))
+
+    def showing_step(self, session):
+        return False
+
+    def call_changed(self, session, call, status=None):
+        pass
+
+    async def approve(self, session, call, tool, workspace):
+        return True
+
+    def __getattr__(self, name):  # step_started, step_text, call_parsed, step_finished, task_ended
+        async def shown(*args):
+            pass
+        return shown
+
+
+@pytest.mark.parametrize("constrain", [True, False])
+def test_the_tui_agent_run_takes_the_setting_and_reports_an_uncompilable_schema_once(random_llm, tmp_path, constrain):
+    from types import SimpleNamespace
+
+    from tsterm.chat.store import SessionStore
+    from tsterm.tui.controllers.agent import AgentRuns
+    from tsterm.tui.controllers.sessions import SessionBook
+
+    tool = {"name": "after", "description": "find b after a", "argv": ["true"], "parameters": LOOKBEHIND.parameters}
+    engine = AsyncEngine(random_llm.engine)
+    host = SimpleNamespace(agent=AgentSettings(tools=["calculator"], command_tools=[tool],
+                                               constrain_tool_calls=constrain),
+                           agent_backend=engine, tokenizer=random_llm.tokenizer, thinking_history="preserve",
+                           sampling=SamplingParams(temperature=0, max_tokens=8), model_key="/models/random",
+                           system_prompt=None, model_name="random")
+    book = SessionBook(host, SessionStore(tmp_path / "sessions"), lambda error: None)
+    session = book.new_agent()
+    book.add(session)
+    view = _View()
+    agents = AgentRuns(host, book, view, lambda work, name, group: asyncio.ensure_future(work),
+                       workspace=str(tmp_path))
+
+    async def two_tasks():
+        for task in ("first", "second"):
+            await agents.start(session, task).worker
+        run = agents.runs[session.id]
+        await agents.close_all()
+        return run
+
+    try:
+        run = asyncio.run(two_tasks())
+    finally:
+        engine.shutdown()
+    assert run.agent.constrain_tool_calls is constrain and not run.agent.constrains_tool_calls
+    assert len(run.agent.steps) >= 2  # both tasks ran
+    warnings = [(text, error) for text, error in view.reports if "not constrained" in text]
+    if constrain:
+        assert len(warnings) == 1 and "tool 'after'" in warnings[0][0] and warnings[0][1] is False
+    else:
+        assert not warnings  # not asked: nothing to warn about
