@@ -23,6 +23,7 @@ import atexit
 import functools
 import itertools
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -187,6 +188,8 @@ class EngineCoreProcess:
         # A fresh interpreter (`python -m`): no fork of the front's threads, and unlike multiprocessing's spawn it
         # never re-imports the front's __main__. Not a daemon: the core may start worker processes of its own.
         ours, theirs = socket.socketpair()
+        if log_path is not None:
+            os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         output = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115 - the child holds it
         try:
             self._process = subprocess.Popen([sys.executable, "-m", "tsterm.engine.core_process", str(theirs.fileno())],
