@@ -1,7 +1,8 @@
 """Third-party agent frameworks against `tsterm serve`, each as its users call it, on a loopback server: pydantic-ai's
-`NativeOutput`, LangChain's `with_structured_output`, instructor's JSON-schema mode (structured outputs through
-`response_format` json_schema, on the default profile's model) and the OpenAI Agents SDK's tool loop (agent-demo,
-which was trained to call `calculator`).
+`NativeOutput`, LangChain's `with_structured_output`, instructor's JSON-schema mode and the OpenAI Agents SDK's
+`output_type` (structured outputs through `response_format` json_schema, on the default profile's model), and the
+Agents SDK's tool loop on its chat-completions model and on its default, the Responses API (agent-demo, which was
+trained to call `calculator`).
 
 Each framework validates the reply itself (pydantic-ai and instructor raise, LangChain reports a parsing error), so
 a server that let the reply out of the schema fails these tests in the framework, as it would for its users."""
