@@ -47,7 +47,7 @@ def make_host(max_model_len: int = 4096, max_tokens: int = 16, **extra) -> Simpl
     def stream_turn(session_id, plan, request_id, post):  # the work a turn's worker would run
         return ("stream", session_id, request_id)
 
-    return SimpleNamespace(engine=SimpleNamespace(max_model_len=max_model_len),
+    return SimpleNamespace(info=SimpleNamespace(max_model_len=max_model_len),
                            sampling=SimpleNamespace(max_tokens=max_tokens), tokenizer=CharTokenizer(), render=render,
                            model_key="/models/tiny", system_prompt="be brief", model_name="tiny",
                            stream_turn=stream_turn, thinking_history="preserve", stop_ids=frozenset(), **extra)
