@@ -8,7 +8,11 @@ from tsterm.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """What one step computes: `num_new[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`."""
+    """What one step computes: `num_new[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`.
+
+    A decoding sequence may carry draft tokens (`drafts[i]`, speculative decoding): its `num_new[i]` is then its last
+    token plus its drafts, fed after its `token_ids` (a verify step: an extend with logits at each of those
+    positions), and it samples one row per position."""
 
     seqs: list[Sequence]
     num_new: list[int]
@@ -18,6 +22,7 @@ class ScheduledBatch:
     # sequence the position whose state the model keeps in its snapshot slot this step (0: none)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per sequence, the draft ids it verifies ([]: none)
 
     @property
     def num_tokens(self) -> int:
@@ -32,8 +37,28 @@ class ScheduledBatch:
         return ScheduledBatch([self.seqs[i] for i in keep], [self.num_new[i] for i in keep],
                               [self.slot_mappings[i] for i in keep], [p for p in self.cow_copies if p[1] in blocks],
                               [p for p in self.state_copies if p[1] in slots],
-                              [self.snapshots[i] for i in keep] if self.snapshots else [])
+                              [self.snapshots[i] for i in keep] if self.snapshots else [],
+                              [self.drafts[i] for i in keep] if self.drafts else [])
+
+    def draft_ids(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts else []
+
+    def input_ids(self, i: int) -> list[int]:
+        """The token ids `seqs[i]` feeds this step: its uncomputed tokens (those the step reaches), then its drafts."""
+        seq, n, drafts = self.seqs[i], self.num_new[i], self.draft_ids(i)
+        start = seq.num_computed_tokens
+        return seq.token_ids[start:start + n - len(drafts)] + drafts
 
     def sample_mask(self) -> list[bool]:
-        """A sequence samples when this step computes up to its last token (prefill done, or a decode)."""
-        return [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new)]
+        """A sequence samples when this step computes up to its last token (prefill done, or a decode), its drafts
+        after it included."""
+        return [s.num_computed_tokens + n == len(s.token_ids) + len(self.draft_ids(i))
+                for i, (s, n) in enumerate(zip(self.seqs, self.num_new))]
+
+    def sample_rows(self) -> list[int]:
+        """How many logits rows each sequence samples: 1 + its drafts when it samples, else 0."""
+        return [1 + len(self.draft_ids(i)) if sample else 0 for i, sample in enumerate(self.sample_mask())]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.drafts))

@@ -31,9 +31,10 @@ from tsterm.engine.request import Request, Sample
 from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalty
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
+from tsterm.engine.spec_decode import DraftSource, make_draft_source
 from tsterm.engine.structured import GrammarCompiler
 from tsterm.engine.stats import EngineMetrics
-from tsterm.errors import ExecutorError, ModelLoadError, RequestError
+from tsterm.errors import ConfigError, ExecutorError, ModelLoadError, RequestError
 from tsterm.model.arch import ARCHITECTURES
 from tsterm.model.cache import num_state_slots
 from tsterm.model.loader import ProgressFn
@@ -104,7 +105,18 @@ class Engine:
                          max_pinned_blocks=int(config.max_pinned_fraction * num_blocks),
                          num_state_slots=self.num_state_slots)
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
-        self.scheduler = Scheduler(config, self.kv, lambda: self.clock())  # (the engine's clock, even if replaced)
+        # speculative decoding: the draft source (None: off); a step verifies what it drafts (`_accept`)
+        self.drafter: DraftSource | None = None
+        method = getattr(config, "speculative_method", "off")
+        if method != "off":
+            if self.num_state_slots:
+                raise ConfigError(f"speculative_method {method!r}: {cfg.model_type} is a hybrid "
+                                  "model (Gated DeltaNet layers), whose recurrent state would have to end at the last "
+                                  "accepted draft; that rollback is not implemented yet: use speculative_method off")
+            self.drafter = make_draft_source(method, config.num_speculative_tokens)
+        self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.scheduler = Scheduler(config, self.kv, lambda: self.clock(),  # (the engine's clock, even if replaced)
+                                   proposer=self._propose if self.drafter is not None else None)
         self.limits = Limits(cfg.vocab_size, self.max_model_len, config.max_num_seqs)
         # structured outputs: the engine's llguidance tokenizer (built on the first constrained request) and pool
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
@@ -224,8 +236,8 @@ class Engine:
         try:
             if batch.cow_copies:
                 self.executor.copy_blocks(batch.cow_copies)
-            logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples
-            return self._sample(logits, samples, rows)
+            logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples (or per verified position)
+            return self._accept(batch, self._sample(logits, samples, rows))
         except BaseException:
             checkpoint.restore()
             raise
@@ -255,7 +267,8 @@ class Engine:
         """The samples that draw a token this step and the logits row each reads: those whose prompt or decode the
         batch completes, in batch order, then the other samples of a request whose first prompt just completed (they
         fork from it and read its row)."""
-        samples = [self._samples[seq.seq_id] for seq, sample in zip(batch.seqs, batch.sample_mask()) if sample]
+        samples = [self._samples[seq.seq_id] for seq, num_rows in zip(batch.seqs, batch.sample_rows())
+                   for _ in range(num_rows)]  # (a verify step's sequence: one row per position, consecutive)
         rows = list(range(len(samples)))
         for row, sample in enumerate(list(samples)):
             req = self.requests[sample.seq.request_id]
@@ -283,6 +296,46 @@ class Engine:
         result = self.sampler(logits, [SamplingRow(s.seq.params, s.penalty, s.generator, s.grammar) for s in samples])
         return list(zip(samples, result.token_ids, result.logprobs))
 
+    # ---- speculative decoding: drafts in, the verified run out ----------------------------------------------------
+
+    def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """The draft ids `seq` verifies next step (the scheduler's proposer): none unless its request is greedy
+        without penalties or a grammar (their next token depends on the ones before it in ways one verify step does
+        not replay), and never more than its max_tokens and the context leave room for."""
+        sample = self._samples.get(seq.seq_id)
+        params = seq.params
+        if (sample is None or not params.greedy or sample.grammar is not None or has_penalty(params)
+                or params.structured_outputs is not None):
+            return []
+        room = min(max_tokens, params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
+        if room < 1:
+            return []
+        return self.drafter.propose(seq.seq_id, seq.token_ids, room)
+
+    def _accept(self, batch: ScheduledBatch, draws: list[Draw]) -> list[Draw]:
+        """Greedy verification: a sequence that verified drafts d1..dk drew the target's tokens t0..tk at their k + 1
+        positions; it keeps the longest run with t_i == d_(i+1), then the target's token after it (the one at the
+        first mismatch, or the bonus tk after all k): t0..ta, a = the drafts accepted. The draws of the other
+        sequences pass through."""
+        drafts = {seq.seq_id: batch.draft_ids(i) for i, seq in enumerate(batch.seqs) if batch.draft_ids(i)}
+        if not drafts:
+            return draws
+        kept: list[Draw] = []
+        i = 0
+        while i < len(draws):
+            draft = drafts.get(draws[i][0].seq.seq_id)
+            if draft is None:
+                kept.append(draws[i])
+                i += 1
+                continue
+            group = draws[i:i + len(draft) + 1]
+            accepted = 0
+            while accepted < len(draft) and group[accepted][1] == draft[accepted]:
+                accepted += 1
+            kept.extend(group[:accepted + 1])
+            i += len(draft) + 1
+        return kept
+
     # ---- postprocess: bookkeeping, stop checks, outputs ----------------------------------------------------------
 
     def _postprocess(self, batch: ScheduledBatch, draws: list[Draw],
@@ -291,20 +344,27 @@ class Engine:
         or output fails here fails alone (into `failures`); every failed request gets its final error output."""
         now = time.time()
         prefill_tokens = self.scheduler.update_from_output(batch)
+        verified = {seq.seq_id: len(batch.draft_ids(i)) for i, seq in enumerate(batch.seqs) if batch.draft_ids(i)}
+        generated_before = self.num_generated_tokens
         touched: dict[str, Request] = {}
-        for sample, token, logprob in draws:
+        i = 0
+        while i < len(draws):  # each sample's draws are consecutive: one, or a verify step's accepted run + 1
+            sample, end = draws[i][0], i + 1
+            while end < len(draws) and draws[end][0] is sample:
+                end += 1
+            run, i = draws[i:end], end
             req = self.requests[sample.seq.request_id]
             if req.request_id in failures:
                 continue
             try:
                 if not req.forked:
                     self._fork(req)
-                self._append(sample, token, logprob, now)
+                self._append_run(sample, run, verified.get(sample.seq.seq_id), now)
                 touched[req.request_id] = req
             except Exception as e:  # noqa: BLE001 - the request's own failure
                 failures[req.request_id] = e
         self.num_steps += 1
-        self.metrics.on_step(prefill_tokens, len(draws), now)
+        self.metrics.on_step(prefill_tokens, self.num_generated_tokens - generated_before, now)
         outputs = []
         for req in touched.values():
             try:
@@ -317,6 +377,25 @@ class Engine:
             if out.finished:
                 self._forget(self.requests.pop(out.request_id))
         return outputs
+
+    def _append_run(self, sample: Sample, run: list[Draw], num_drafted: int | None, now: float) -> None:
+        """Append a sample's draws of this step in order, each stop-checked: one token, or after a verify of
+        `num_drafted` drafts its accepted ones and the target's next. A stop inside the run ends the sample there
+        (the rest is dropped). The accepted drafts' KV becomes the sequence's (`Scheduler.accept_drafts`) before the
+        last token is appended, unless the sample finished on one of them (its blocks are freed then)."""
+        seq = sample.seq
+        if num_drafted is not None:
+            num_accepted = len(run) - 1
+            self.spec_num_drafts += 1
+            self.spec_draft_tokens += num_drafted
+            self.spec_accepted_tokens += num_accepted
+            self.drafter.observe(seq.seq_id, num_drafted, num_accepted)
+        for index, (_, token, logprob) in enumerate(run):
+            if seq.is_finished:
+                return
+            if num_drafted is not None and index == len(run) - 1:
+                self.scheduler.accept_drafts(seq, len(run) - 1)
+            self._append(sample, token, logprob, now)
 
     def _fork(self, req: Request) -> None:
         """Sample 0 of `req` has computed its prompt: samples 1..n-1 join it (`Scheduler.fork`: every KV block by
@@ -361,6 +440,9 @@ class Engine:
         """Drop `req`'s samples; returns the sequences the scheduler holds."""
         for sample in req.samples:
             self._samples.pop(sample.seq.seq_id, None)
+            if self.drafter is not None:  # (a finished output joins a suffix source's global index)
+                seq = sample.seq
+                self.drafter.release(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
         return [sample.seq for sample in req.live]
 
     def _check_stop(self, seq: Sequence, token: int, stop_string: str | None) -> None:
@@ -398,6 +480,8 @@ class Engine:
             generated_tokens=self.num_generated_tokens, prefill_tokens=self.scheduler.num_prefill_tokens,
             block_size=self.config.block_size, kv_bytes_per_block=self.executor.kv_bytes_per_block,
             state_bytes=self.executor.state_bytes,
+            spec_num_drafts=self.spec_num_drafts, spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
         )
         s.update(self.executor.counters())
         # The other side of the copy ledger: KV taken by reference. A design that deep-copies the prefix each

@@ -224,6 +224,19 @@ class KVCacheManager:
             parent = chain[-1] if chain else self._root(seq)
             chain.append(self.pool.register(seq.block_table[i], parent, seq.token_ids[i * B:(i + 1) * B]))
 
+    def trim(self, seq: Sequence) -> int:
+        """Release the blocks of `seq`'s table past what its computed tokens and its next one need: after a verify
+        step, those that held only rejected drafts' KV (the sequence is shortened, nothing copied). Such blocks were
+        allocated for the drafts and never registered (`commit` registers only computed tokens' blocks), so they
+        go back free. Returns how many were released."""
+        keep = -(-(seq.num_computed_tokens + 1) // self.block_size)
+        extra = seq.block_table[keep:]
+        for block_id in reversed(extra):
+            assert self.pool.blocks[block_id].block_hash is None, f"trim of registered block {block_id} of {seq}"
+            self.pool.release(block_id)
+        del seq.block_table[keep:]
+        return len(extra)
+
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         """Give `child` (already holding parent's token ids) every block of `parent` by reference. A hybrid's child
         takes slots of its own; returns the (parent's state slot, child's state slot) pair the runner must copy now,

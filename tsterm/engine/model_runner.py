@@ -200,9 +200,9 @@ class ModelRunner(Executor):
     def host_step(self, batch: ScheduledBatch) -> HostStep:
         """The batch as host lists."""
         step = HostStep()
-        for seq, n, slot_mapping in zip(batch.seqs, batch.num_new, batch.slot_mappings):
+        for i, (seq, n, slot_mapping) in enumerate(zip(batch.seqs, batch.num_new, batch.slot_mappings)):
             start = seq.num_computed_tokens
-            step.input_ids.extend(seq.token_ids[start:start + n])
+            step.input_ids.extend(batch.input_ids(i))  # (a verify step: its last token, then its drafts)
             step.positions.extend(range(start, start + n))
             step.slot_mapping.extend(slot_mapping)
             step.query_start_loc.append(step.query_start_loc[-1] + n)
@@ -214,7 +214,9 @@ class ModelRunner(Executor):
             step.snapshot_slots = [seq.snapshot_slot for seq in batch.seqs]
             step.snapshot_positions = list(batch.snapshots)
             step.state_copies = list(batch.state_copies)
-        step.sample_rows = [step.query_start_loc[i + 1] - 1 for i, sample in enumerate(batch.sample_mask()) if sample]
+        # one row per sampling sequence, its last; a verify step's sequence: one per position, its drafts' included
+        step.sample_rows = [row for i, rows in enumerate(batch.sample_rows())
+                            for row in range(step.query_start_loc[i + 1] - rows, step.query_start_loc[i + 1])]
         return step
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:

@@ -15,10 +15,17 @@ from tsterm.engine.kv_manager import KVCacheManager
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.sequence import Sequence, SequenceStatus
 
+# speculative decoding: (a decoding sequence, the most draft tokens it may carry) -> its draft ids ([]: none)
+Proposer = Callable[[Sequence, int], list[int]]
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
-        """clock: seconds, for pin expiry (the engine's; tests pass a fake one)."""
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 proposer: Proposer | None = None):
+        """clock: seconds, for pin expiry (the engine's; tests pass a fake one). proposer: the draft tokens of a
+        decoding sequence (speculative decoding; the engine's, which knows which requests may speculate); None:
+        none."""
+        self.proposer = proposer
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.kv = kv
@@ -55,6 +62,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            drafts = self._drafts(seq, budget)
+            n += len(drafts)
             while not self.kv.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -62,7 +71,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break
-            self._add_to_batch(batch, seq, n)
+            self._add_to_batch(batch, seq, n, drafts)
             budget -= n
             i += 1
 
@@ -98,22 +107,35 @@ class Scheduler:
         """Sequences `seq` runs as: a prompt not yet sampled forks into its n samples (`Engine._fork_new_samples`)."""
         return seq.params.n if seq.num_output_tokens == 0 else 1
 
-    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens a decoding `seq` verifies this step (up to `budget` - 1, and only while their KV slots
+        fit the pool without preempting anyone: a speculation never costs another sequence its blocks)."""
+        if self.proposer is None or budget < 2 or seq.num_uncomputed_tokens != 1 or seq.num_output_tokens == 0:
+            return []
+        drafts = self.proposer(seq, budget - 1)
+        if drafts and not self.kv.can_append(seq, 1 + len(drafts)):
+            return []
+        return drafts
+
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
+        """`n` tokens of `seq` (its `drafts` last, whose KV slots it gets like any other token's)."""
         batch.cow_copies.extend(self.kv.allocate_slots(seq, n))
         if seq.state_restore >= 0:  # a hybrid's cached prefix: its state starts as a copy of the snapshot (held
             batch.state_copies.append((seq.state_restore, seq.state_slot))  # until the step ran: kv.state_copied)
         batch.snapshots.append(self.kv.snapshot_at(seq, n))
         batch.seqs.append(seq)
         batch.num_new.append(n)
+        batch.drafts.append(drafts or [])
         batch.slot_mappings.append(self.kv.slot_mapping(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
 
     def update_from_output(self, batch: ScheduledBatch) -> int:
         """After `batch` ran: mark its tokens computed, register the blocks it filled for the prefix cache, keep the
         state snapshots it took, and release the state copies it consumed. Returns the prompt tokens it computed.
-        (The tokens it sampled are appended by the engine, which owns sampling, detokenising and stop checks.)"""
+        (The tokens it sampled are appended by the engine, which owns sampling, detokenising and stop checks.) A
+        verify step's drafts are not computed yet: only the tokens the engine accepts become so (`accept_drafts`)."""
         prefill_tokens = 0
-        for seq, n in zip(batch.seqs, batch.num_new):
-            seq.num_computed_tokens += n
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            seq.num_computed_tokens += n - len(batch.draft_ids(i))
             self.kv.commit(seq)
             self.kv.keep_interval_snapshot(seq)
             self.kv.state_copied(seq)
@@ -121,6 +143,17 @@ class Scheduler:
                 prefill_tokens += n
         self.num_prefill_tokens += prefill_tokens
         return prefill_tokens
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verify step of `seq`, once the engine has appended the first `num_accepted` of its drafts (the
+        target model agreed with them): their KV, written by that step, is the sequence's computed KV; the blocks
+        they fill are registered for the prefix cache, and the blocks that held only rejected drafts are released
+        (`KVCacheManager.trim`: the sequence is shortened, nothing copied). Called before the step's last token, the
+        target's own, is appended."""
+        assert seq.num_computed_tokens + num_accepted == len(seq.token_ids), (seq, num_accepted)
+        seq.num_computed_tokens += num_accepted
+        self.kv.commit(seq)
+        self.kv.trim(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence],
              copy_states: Callable[[list[tuple[int, int]]], None]) -> None:
