@@ -99,6 +99,8 @@ class AgentSettings:
     command_tools: list[dict] = field(default_factory=list)  # {name, description, parameters, argv, timeout_s, cwd}
     mcp_servers: list[dict] = field(default_factory=list)  # {name, command, args, env, cwd, timeout_s, approve}
     constrain_tool_calls: bool = True  # generate under the tool-call grammar: offered tools only, arguments valid
+    sandbox: str = "namespaces"  # how commands are confined: namespaces (else write/command tools refused) | none
+    network: bool = False  # sandboxed commands may use the network
 
     def __post_init__(self) -> None:
         if not isinstance(self.workspace, str) or not self.workspace:
@@ -118,6 +120,10 @@ class AgentSettings:
         for name in ("allow_write", "allow_commands", "auto_approve", "constrain_tool_calls"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.sandbox not in ("namespaces", "none"):
+            raise ConfigError(f"sandbox must be 'namespaces' or 'none', got {self.sandbox!r}")
+        if not isinstance(self.network, bool):
+            raise ConfigError(f"network must be true or false, got {self.network!r}")
         for name in ("command_tools", "mcp_servers"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):

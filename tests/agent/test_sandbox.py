@@ -104,9 +104,17 @@ def test_a_workspace_root_must_be_a_directory(tmp_path):
         Workspace(tmp_path / "missing")
 
 
-# ---- commands
+# ---- commands (each in both modes: the namespace sandbox, and `sandbox: none`'s plain subprocess)
 
-def test_a_command_runs_without_a_shell_in_its_working_directory(ws):
+@pytest.fixture(params=["namespaces", "none"])
+def cmd_ws(request, tmp_path):
+    root = tmp_path / "cmd_ws"
+    (root / "sub").mkdir(parents=True)
+    return Workspace(root, sandbox=request.param)
+
+
+def test_a_command_runs_without_a_shell_in_its_working_directory(cmd_ws):
+    ws = cmd_ws
     result = ws.run(["echo", "$HOME", ";", "ls"], timeout_s=5)
     assert (result.exit_code, result.output, result.error) == (0, "$HOME ; ls\n", None)
     assert ws.run(["pwd"], timeout_s=5, cwd="sub").output == f"{ws.root / 'sub'}\n"
@@ -116,22 +124,22 @@ def test_a_command_runs_without_a_shell_in_its_working_directory(ws):
         ws.run(["no-such-program"], timeout_s=5)
 
 
-def test_the_child_sees_a_clean_environment(ws, monkeypatch):
+def test_the_child_sees_a_clean_environment(cmd_ws, monkeypatch):
     monkeypatch.setenv("TSTERM_TEST_SECRET", "hunter2")
     monkeypatch.setenv("LD_PRELOAD", "/nonexistent.so")
-    result = ws.run(["env"], timeout_s=5)
+    result = cmd_ws.run(["env"], timeout_s=5)
     env = dict(line.split("=", 1) for line in result.output.splitlines())
     assert "hunter2" not in result.output
-    assert env == {"PATH": "/usr/bin:/bin", "HOME": str(ws.root), "LANG": "C.UTF-8"}
+    assert env == {"PATH": "/usr/bin:/bin", "HOME": str(cmd_ws.root), "LANG": "C.UTF-8"}
 
 
-def test_stdin_is_closed(ws):
+def test_stdin_is_closed(cmd_ws):
     # Give this process a stdin that never ends (as a terminal would be): an inheriting `cat` would hang on it.
     read_end, write_end = os.pipe()
     saved_stdin = os.dup(0)
     os.dup2(read_end, 0)
     try:
-        result = ws.run(["cat"], timeout_s=1.0)
+        result = cmd_ws.run(["cat"], timeout_s=1.0)
     finally:
         os.dup2(saved_stdin, 0)
         for fd in (saved_stdin, read_end, write_end):
@@ -139,7 +147,9 @@ def test_stdin_is_closed(ws):
     assert (result.exit_code, result.output, result.timed_out) == (0, "", False)
 
 
-def test_a_hanging_command_is_killed_with_its_whole_process_group(ws):
+def test_a_hanging_plain_command_is_killed_with_its_whole_process_group(tmp_path):
+    # (the namespace sandbox's version, setsid and double forks included: test_sandbox_escapes.py)
+    ws = Workspace(tmp_path, sandbox="none")
     pidfile = ws.root / "pids"
     start = time.monotonic()
     result = ws.run(["sh", "-c", f"sleep 100 & echo $! > {pidfile}; sleep 100"], timeout_s=1.0)
@@ -150,28 +160,32 @@ def test_a_hanging_command_is_killed_with_its_whole_process_group(ws):
     assert _exits(grandchild, within_s=60), "the backgrounded grandchild outlived the timeout"
 
 
-def test_a_background_child_holding_the_pipe_does_not_keep_the_run_alive_after_the_timeout(ws):
-    # The shell exits at once but its child keeps stdout open: the run ends at the timeout, not in 100 s.
-    result = ws.run(["sh", "-c", "sleep 100 &"], timeout_s=1.0)
-    assert result.timed_out and result.duration_s < 3
+def test_a_background_child_holding_the_pipe_does_not_keep_the_run_alive(cmd_ws):
+    # The shell exits at once but its child keeps stdout open. Plain: the run ends at the timeout, not in 100 s.
+    # In the sandbox the command's exit ends its PID namespace, the child with it: the run ends at once.
+    result = cmd_ws.run(["sh", "-c", "sleep 100 &"], timeout_s=1.0)
+    if cmd_ws.sandbox == "none":
+        assert result.timed_out and result.duration_s < 3
+    else:
+        assert (result.exit_code, result.timed_out, result.error) == (0, False, None)
 
 
-def test_a_flood_is_capped_and_killed_without_filling_memory(ws):
+def test_a_flood_is_capped_and_killed_without_filling_memory(cmd_ws):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = ws.run(["yes"], timeout_s=10, max_output_bytes=100_000)
+    result = cmd_ws.run(["yes"], timeout_s=10, max_output_bytes=100_000)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert result.truncated and not result.timed_out and "exceeded 100000 bytes" in result.error
     assert len(result.output) == 100_000 and result.output.startswith("y\ny\n")
     assert result.duration_s < 5 and grown_kib < 50_000  # `yes` writes GB/s: unread, it would be gigabytes
 
 
-def test_output_under_the_cap_is_whole(ws):
-    result = ws.run(["sh", "-c", "echo out; echo err >&2"], timeout_s=5, max_output_bytes=100)
+def test_output_under_the_cap_is_whole(cmd_ws):
+    result = cmd_ws.run(["sh", "-c", "echo out; echo err >&2"], timeout_s=5, max_output_bytes=100)
     assert (result.output, result.truncated) == ("out\nerr\n", False)
 
 
-def test_crashes_and_failures_are_results_not_exceptions(ws):
-    failed = ws.run(["sh", "-c", "echo oops; exit 3"], timeout_s=5)
+def test_crashes_and_failures_are_results_not_exceptions(cmd_ws):
+    failed = cmd_ws.run(["sh", "-c", "echo oops; exit 3"], timeout_s=5)
     assert (failed.exit_code, failed.output, failed.error) == (3, "oops\n", "exited with status 3")
-    crashed = ws.run(["sh", "-c", "kill -SEGV $$"], timeout_s=5)
+    crashed = cmd_ws.run(["sh", "-c", "kill -SEGV $$"], timeout_s=5)
     assert crashed.exit_code == -11 and crashed.error == "killed by SIGSEGV"

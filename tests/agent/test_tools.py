@@ -169,8 +169,13 @@ def test_read_file_reads_a_large_file_in_windows_without_splitting_characters(ws
 
 def test_list_dir_shows_sorted_entries_with_type_and_size(ws):
     result = ListDir(ws).call({})
+    # a link's target is a workspace path or "(outside the workspace)": never an absolute path of the host
     assert result.content.splitlines() == [
-        "file 12 blob.bin", f"link - door -> {ws.root.parent / 'outside'}", "file 14 notes.txt", "dir - src/"]
+        "file 12 blob.bin", "link - door -> (outside the workspace)", "file 14 notes.txt", "dir - src/"]
+    os.symlink("src/pkg/util.py", ws.root / "inner")
+    os.symlink("gone", ws.root / "broken")
+    lines = ListDir(ws).call({}).content.splitlines()
+    assert "link - inner -> src/pkg/util.py" in lines and "link - broken -> (missing)" in lines
     assert ListDir(ws).call({"path": "src/pkg"}).content == "file 39 util.py"
     assert "leaves the workspace" in ListDir(ws).call({"path": "door"}).error
     assert "is not a directory" in ListDir(ws).call({"path": "notes.txt"}).error

@@ -9,11 +9,15 @@ import math
 import operator
 import os
 import re
+import stat
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any, ClassVar
+
+import re2
 
 from tsterm.agent.sandbox import DEFAULT_MAX_OUTPUT_BYTES, SandboxError, Workspace
 from tsterm.agent.schema import ArgumentSchema, field_path
@@ -206,11 +210,9 @@ class ReadFile(_WorkspaceTool):
     def run(self, arguments: dict) -> str:
         path = arguments["path"]
         real = self.workspace.resolve(path, strict=True)
-        if not real.is_file():
-            raise ToolError(f"read_file: {path!r} is not a file")
         offset, limit = arguments.get("offset", 0), min(arguments.get("max_bytes", self.MAX_BYTES), self.MAX_BYTES)
-        size = real.stat().st_size
-        with open(real, "rb") as file:
+        with _open_regular(self.workspace, real, path, "read_file") as file:
+            size = os.fstat(file.fileno()).st_size
             if _looks_binary(file.read(8192)):
                 raise ToolError(f"read_file: {path!r} is a binary file, not UTF-8 text")
             file.seek(offset)
@@ -241,18 +243,50 @@ class ListDir(_WorkspaceTool):
         if not real.is_dir():
             raise ToolError(f"list_dir: {path!r} is not a directory")
         entries = sorted(os.scandir(real), key=lambda entry: entry.name)
-        lines = [_describe_entry(entry) for entry in entries[:self.MAX_ENTRIES]]
+        lines = [_describe_entry(entry, self.workspace) for entry in entries[:self.MAX_ENTRIES]]
         if len(entries) > self.MAX_ENTRIES:
             lines.append(f"[list_dir: {len(entries) - self.MAX_ENTRIES} more entries not shown]")
         return "\n".join(lines) if lines else f"[list_dir: {path!r} is empty]"
 
 
-def _describe_entry(entry: os.DirEntry) -> str:
+def _describe_entry(entry: os.DirEntry, workspace: Workspace) -> str:
     if entry.is_symlink():
-        return f"link - {entry.name} -> {os.readlink(entry.path)}"
+        return f"link - {entry.name} -> {_link_target(entry.path, workspace)}"
     if entry.is_dir():
         return f"dir - {entry.name}/"
     return f"file {entry.stat().st_size} {entry.name}"
+
+
+def _link_target(link: str, workspace: Workspace) -> str:
+    """Where a symlink leads, as the model may see it: a workspace path, '(outside the workspace)', or why not."""
+    try:
+        real = Path(link).resolve(strict=True)
+    except FileNotFoundError:
+        return "(missing)"
+    except (OSError, RuntimeError):
+        return "(a symlink loop)"
+    if real == workspace.root or real.is_relative_to(workspace.root):
+        return workspace.relative(real)
+    return "(outside the workspace)"
+
+
+class _open_regular:
+    """A resolved workspace file opened for reading without following links (Workspace.open_fd): a binary file
+    object; a ToolError names `path` unless it is a regular file."""
+
+    def __init__(self, workspace: Workspace, real: Path, path: str, tool: str):
+        self.workspace, self.real, self.path, self.tool = workspace, real, path, tool
+
+    def __enter__(self):
+        fd = self.workspace.open_fd(self.real, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ToolError(f"{self.tool}: {self.path!r} is not a file")
+        self.file = os.fdopen(fd, "rb")
+        return self.file
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
 
 
 def _looks_binary(head: bytes) -> bool:
@@ -261,13 +295,13 @@ def _looks_binary(head: bytes) -> bool:
 
 class Grep(_WorkspaceTool):
     name = "grep"
-    description = ("Search text files under a workspace path with a Python regular expression; "
-                   "answers 'path:line:text' lines.")
-    parameters = _schema(["pattern"], pattern=("string", "a Python `re` regular expression"),
+    description = ("Search text files under a workspace path with a regular expression (RE2 syntax: Python's "
+                   "without backreferences or lookaround); answers 'path:line:text' lines.")
+    parameters = _schema(["pattern"], pattern=("string", "an RE2 regular expression"),
                          path=("string", "file or directory relative to the workspace root (default '.')"))
     MAX_PATTERN_CHARS = 500
     MAX_MATCHES = 200
-    MAX_FILE_BYTES = 1024 * 1024  # larger files are skipped: re cannot be interrupted, so the input is bounded
+    MAX_FILE_BYTES = 1024 * 1024  # larger files are skipped
     MAX_TOTAL_BYTES = 32 * 1024 * 1024
     MAX_LINE_CHARS = 300
 
@@ -275,18 +309,19 @@ class Grep(_WorkspaceTool):
         pattern, path = arguments["pattern"], arguments.get("path", ".")
         if len(pattern) > self.MAX_PATTERN_CHARS:
             raise ToolError(f"grep: pattern longer than {self.MAX_PATTERN_CHARS} characters")
-        try:
-            regex = re.compile(pattern)
-        except re.error as err:
-            raise ToolError(f"grep: bad pattern {pattern!r}: {err}") from None
+        regex = compile_linear(pattern)
         real = self.workspace.resolve(path, strict=True)
         matches, scanned = [], 0
         for file in self._files(real):
-            size = file.stat().st_size
-            if size > self.MAX_FILE_BYTES or scanned + size > self.MAX_TOTAL_BYTES:
+            try:
+                with _open_regular(self.workspace, file, path, "grep") as handle:
+                    size = os.fstat(handle.fileno()).st_size
+                    if size > self.MAX_FILE_BYTES or scanned + size > self.MAX_TOTAL_BYTES:
+                        continue
+                    scanned += size
+                    data = handle.read(self.MAX_FILE_BYTES + 1)
+            except (SandboxError, ToolError, OSError):  # swapped for a link or a FIFO since the walk saw it
                 continue
-            scanned += size
-            data = file.read_bytes()
             if _looks_binary(data[:8192]):
                 continue
             shown = self.workspace.relative(file)
@@ -300,7 +335,7 @@ class Grep(_WorkspaceTool):
 
     def _files(self, real):
         """Regular files under `real`, sorted, not following symlinks (a link to outside is never read)."""
-        if real.is_file():
+        if not real.is_dir():
             yield real
             return
         for directory, subdirs, names in os.walk(real, followlinks=False):
@@ -309,6 +344,20 @@ class Grep(_WorkspaceTool):
                 candidate = os.path.join(directory, name)
                 if not os.path.islink(candidate) and os.path.isfile(candidate):
                     yield type(real)(candidate)
+
+
+def compile_linear(pattern: str):
+    """`pattern` compiled for RE2, whose matching time is linear in the input: a pattern like '(a+)+$' cannot
+    hold the process (and its GIL) for exponential time. ToolError for what RE2 cannot compile (backreferences,
+    lookaround, a too large program), naming the pattern."""
+    options = re2.Options()
+    options.log_errors = False  # RE2 would print to stderr, under the TUI
+    try:
+        return re2.compile(pattern, options=options)
+    except re2.error as err:
+        reason = err.args[0].decode(errors="replace") if err.args and isinstance(err.args[0], bytes) else str(err)
+        raise ToolError(f"grep: bad pattern {pattern!r}: {reason} (grep uses RE2: no backreferences or "
+                        "lookaround)") from None
 
 
 class WriteFile(_WorkspaceTool):
@@ -323,11 +372,22 @@ class WriteFile(_WorkspaceTool):
         path, data = arguments["path"], arguments["content"].encode()
         if len(data) > self.MAX_BYTES:
             raise ToolError(f"write_file: content of {len(data)} bytes is over the {self.MAX_BYTES}-byte limit")
+        self.workspace.require_confinement("write_file")
         real = self.workspace.resolve(path)
-        if real.is_dir():
+        if real == self.workspace.root or real.is_dir():
             raise ToolError(f"write_file: {path!r} is a directory")
-        real.parent.mkdir(parents=True, exist_ok=True)
-        real.write_bytes(data)
+        # O_CREAT without O_TRUNC: nothing changes before the checks below on what was opened
+        fd = self.workspace.open_fd(real, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644, make_parents=True)
+        with os.fdopen(fd, "wb") as file:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ToolError(f"write_file: {path!r} is not a regular file")
+            if info.st_nlink > 1:
+                raise ToolError(f"write_file: {path!r} has {info.st_nlink} hard links; writing it would change "
+                                "the same file elsewhere, maybe outside the workspace")
+            os.set_blocking(fd, True)
+            file.truncate(0)
+            file.write(data)
         return f"wrote {len(data)} bytes to {self.workspace.relative(real)}"
 
 
@@ -365,11 +425,22 @@ _TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 _COMMAND_KEYS = {"name", "description", "parameters", "argv", "timeout_s", "cwd", "max_output_bytes"}
 
 
+_PATH_NAMES = re.compile(r"(path|file|dir|directory|filename)|.*_(path|file|dir)")
+
+
+def is_path_parameter(key: str, schema: dict) -> bool:
+    """Whether a command tool's parameter names a path: `"format": "path"` in its schema, or a name like path,
+    file, dir, directory, filename, or one ending in _path, _file or _dir (a string parameter)."""
+    return schema.get("type") == "string" and (schema.get("format") == "path" or bool(_PATH_NAMES.fullmatch(key)))
+
+
 class CommandTool(_WorkspaceTool):
     """A program a profile declares as a tool: a fixed argv template whose `{name}` placeholders are filled with
     the call's arguments. A placeholder never splits or joins elements and no shell ever sees the result, so an
     argument like "x; rm -rf ~" is one literal argv element. An argument that starts with '-' is refused for a
-    placeholder, so the model cannot turn a value into an option of the program."""
+    placeholder, so the model cannot turn a value into an option of the program. A parameter that names a path
+    (is_path_parameter) is confined like the file tools' paths: relative to the tool's cwd, never leaving the
+    workspace (an absolute path, '..' out, or a link out is refused)."""
 
     needs_approval = True
 
@@ -445,6 +516,14 @@ class CommandTool(_WorkspaceTool):
             text = str(value)
             if isinstance(value, str) and text.startswith("-"):
                 raise ToolError(f"{self.name}: argument {key!r} may not start with '-' ({text!r})")
+            if is_path_parameter(key, properties[key]):
+                if os.path.isabs(text) or text.startswith("~"):
+                    raise ToolError(f"{self.name}: argument {key!r} is a path and must be relative to the "
+                                    f"workspace, got {text!r}")
+                try:
+                    self.workspace.resolve(os.path.join(self.cwd, text))
+                except SandboxError as err:
+                    raise ToolError(f"{self.name}: argument {key!r}: {err}") from None
             return text
 
         return [_PLACEHOLDER.sub(fill, arg) for arg in self.argv]

@@ -15,10 +15,15 @@ DEFAULT_TOOLS = ("calculator", "read_file", "list_dir", "grep")
 
 
 class ToolSet:
-    """The tools one agent session offers, and the MCP servers behind some of them (`close` stops those)."""
+    """The tools one agent session offers, and the MCP servers behind some of them (`close` stops those).
+
+    `sandbox` is the one line that says how its commands are confined (Workspace.describe): which mechanism is in
+    use, or that write and command tools are refused, or that the profile turned the sandbox off."""
 
     def __init__(self, workspace: Workspace, tools: Sequence[Tool], servers: Sequence = ()):
         self.workspace, self.tools, self.servers = workspace, list(tools), list(servers)
+        self.sandbox = workspace.describe() if any(tool.needs_approval for tool in self.tools) else \
+            "sandbox: not needed (no write or command tools)"
         names = [tool.name for tool in self.tools]
         duplicated = sorted({name for name in names if names.count(name) > 1})
         if duplicated:
@@ -41,9 +46,13 @@ class ToolSet:
         self.close()
 
 
-def open_workspace(path: str | os.PathLike) -> Workspace:
+def open_workspace(path: str | os.PathLike, settings: AgentSettings | None = None) -> Workspace:
+    """The workspace at `path`, confined as `settings` (the profile's agent section) says: by default commands
+    run in the namespace sandbox with the network off."""
+    settings = settings or AgentSettings()
     try:
-        return Workspace(Path(os.path.expanduser(os.fspath(path))))
+        return Workspace(Path(os.path.expanduser(os.fspath(path))), sandbox=settings.sandbox,
+                         network=settings.network)
     except SandboxError as err:
         raise ConfigError(f"agent workspace: {err}") from None
 
@@ -56,7 +65,7 @@ def builtin(name: str, workspace: Workspace) -> Tool:
 
 def _declared(settings: AgentSettings, workspace: str | os.PathLike | None, where: str):
     """The workspace, the built-in and command tools, and the checked MCP server configs (nothing started)."""
-    root = open_workspace(workspace if workspace is not None else settings.workspace)
+    root = open_workspace(workspace if workspace is not None else settings.workspace, settings)
     names = list(settings.tools) if settings.tools is not None else [
         *DEFAULT_TOOLS, *(["write_file"] if settings.allow_write else []),
         *(["run_command"] if settings.allow_commands else [])]
