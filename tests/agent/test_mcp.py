@@ -188,9 +188,10 @@ def _listed(name: str, read_only: bool | None) -> mcp_types.Tool:
     return mcp_types.Tool(name=name, input_schema={"type": "object"}, annotations=annotations)
 
 
-@pytest.mark.parametrize("approve, expected", [("auto", (True, False, True)), ("always", (True, True, True)),
+@pytest.mark.parametrize("approve, expected", [("auto", (True, True, True)), ("always", (True, True, True)),
                                                ("never", (False, False, False))])
-def test_approval_follows_approve_and_the_read_only_annotation(workspace, approve, expected):
+def test_approval_follows_approve_and_never_the_read_only_annotation(workspace, approve, expected):
+    # a server's readOnlyHint is its own claim: only the profile's `approve: never` lets its tools run unasked
     server = McpServer(echo_config(approve=approve), workspace)  # never started: the tools only read its config
     tools = [McpTool(server, _listed(name, hint)) for name, hint in [("plain", None), ("reader", True),
                                                                       ("writer", False)]]
@@ -198,13 +199,14 @@ def test_approval_follows_approve_and_the_read_only_annotation(workspace, approv
 
 
 def test_approval_on_the_running_server(tools):
-    assert {name for name, tool in tools.items() if not tool.needs_approval} == {"echo", "env"}
+    # echo and env say readOnlyHint: true; they ask all the same
+    assert all(tool.needs_approval for tool in tools.values()) and {"echo", "env"} <= set(tools)
 
 
 def test_config_defaults():
     config = McpServerConfig.from_dict({"name": "fs", "command": "mcp-fs"})
     assert (config.args, config.env, config.cwd, config.timeout_s, config.startup_timeout_s, config.approve,
-            config.prefix) == ([], {}, ".", 60.0, 30.0, "auto", "")
+            config.prefix) == ([], {}, ".", 60.0, 30.0, "always", "")
 
 
 @pytest.mark.parametrize("data, message", [

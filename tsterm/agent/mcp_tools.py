@@ -94,7 +94,9 @@ class McpServerConfig:
     cwd: str = "."  # workspace-relative
     timeout_s: float = 60.0  # per tool call
     startup_timeout_s: float = 30.0  # launch, handshake and tool listing
-    approve: str = "auto"  # auto: ask unless the tool says readOnlyHint; always; never
+    # always (and auto, the same): ask before every call - a server's readOnlyHint is its own claim, not a proof;
+    # never: the profile trusts this server, its tools run without asking
+    approve: str = "always"
     prefix: str = ""  # put before every tool name, to keep two servers' (or a built-in's) names apart
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
 
@@ -129,7 +131,7 @@ class McpServerConfig:
             raise ConfigError(f"{where}: 'cwd' must be a path relative to the workspace root, got {cwd!r}")
         timeout_s = _seconds(data, "timeout_s", 60.0, where)
         startup_timeout_s = _seconds(data, "startup_timeout_s", 30.0, where)
-        approve = data.get("approve", "auto")
+        approve = data.get("approve", "always")
         if approve not in APPROVE_MODES:
             raise ConfigError(f"{where}: 'approve' must be one of {list(APPROVE_MODES)}, got {approve!r}")
         prefix = data.get("prefix", "")
@@ -442,9 +444,9 @@ class McpTool(Tool):
         self.description = tool.description or tool.title or ""
         self.parameters = dict(tool.input_schema)
         self.annotations = tool.annotations
-        approve = server.config.approve
-        read_only = tool.annotations is not None and tool.annotations.read_only_hint is True
-        self.needs_approval = approve == "always" or (approve == "auto" and not read_only)
+        # Only the profile can say a server is trusted (approve: never); the tool's own readOnlyHint cannot: a
+        # server the model can reach may be hostile, or tricked, whatever it declares.
+        self.needs_approval = server.config.approve != "never"
         validator_class = jsonschema.validators.validator_for(self.parameters,
                                                               default=jsonschema.Draft202012Validator)
         try:
