@@ -348,8 +348,11 @@ class IncrementalDetokenizer:
     Window over `_ids`: [prefix_offset, read_offset) was already emitted and is decoded again only as left context
     (decoders such as SentencePiece's render a token differently at the start of text); [read_offset, end) is
     pending. Byte-level BPE splits multibyte characters across tokens and an incomplete tail decodes to U+FFFD, so
-    pending tokens are released only once their text no longer ends in U+FFFD (or at `flush()`).
-    For byte-level tokenizers the deltas concatenate to `tokenizer.decode(output_ids)`.
+    pending tokens are released only once their text no longer ends in U+FFFD. At `flush()` (the reply ended) the
+    bytes of a character it was cut inside are dropped, never released as U+FFFD: the text is what the ids decode
+    to up to the last whole character (as vLLM's detokenizer leaves it; a tokenizer cannot tell a genuine trailing
+    U+FFFD from that, so a reply that really ends in one loses it too).
+    For byte-level tokenizers the deltas concatenate to `tokenizer.decode(output_ids)`, but for such a cut.
     """
 
     PROMPT_CONTEXT = 5  # prompt tokens kept as left context for the first delta
@@ -378,7 +381,8 @@ class IncrementalDetokenizer:
         return "".join(deltas)
 
     def flush(self) -> str:
-        """Release whatever is pending, even an incomplete character (end of generation)."""
+        """End of generation: release what is pending but for the bytes of an incomplete last character, which are
+        dropped (the U+FFFD a decoder writes for them: one, or one per byte for byte-fallback decoders)."""
         return self._step(final=True)
 
     def _decode(self, ids: list[int]) -> str:
@@ -390,6 +394,8 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset:])
         if not final and (len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd")):
             return ""  # nothing visible yet (skipped special token) or a character still missing bytes
+        if final:  # a reply cut inside a character: its bytes are not text
+            new_text = new_text[:max(len(self._prefix_text), len(new_text.rstrip("\ufffd")))]
         delta = new_text[len(self._prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
