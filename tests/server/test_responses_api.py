@@ -15,7 +15,9 @@ from tests.server.conftest import MODEL, http, wait_blocks_free
 from tsterm.agent.tools import Calculator
 from tsterm.agent.tool_calls import ToolCall
 from tsterm.server.response_store import ResponseStore
-from tsterm.server.responses_api import OutputBuilder, ReasoningSplit, ResponsesRequest, thinking_kwargs, input_messages
+from tsterm.server.responses_api import (
+    OutputBuilder, ReasoningSplit, ResponsesRequest, input_messages, thinking_kwargs,
+)
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart
 
 BLOCK = 16  # the agent-demo profile's block size: the prefix cache serves whole blocks
