@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tsterm.agent.sandbox import Workspace
+from tsterm.agent.sandbox import SandboxError, Workspace
 from tsterm.agent.tools import Calculator, CommandTool, ConfigError, Grep, ListDir, ReadFile, RunCommand, WriteFile, \
     builtin_tools
 
@@ -281,3 +281,46 @@ def test_a_hanging_command_tool_is_an_error_result_and_the_next_call_works(ws):
     hang = CommandTool.from_dict({"name": "hang", "argv": ["sleep", "30"], "timeout_s": 0.5}, ws)
     assert "timed out" in hang.call({}).error
     assert Calculator().call({"expression": "1 + 1"}).content == "2"
+
+
+def test_command_tool_path_placeholders_are_confined_like_file_tools(ws):
+    # The README's `pytest {path}`: a path argument may not name another tree (its conftest.py would run).
+    tool = CommandTool.from_dict({"name": "show", "argv": ["cat", "{path}"], "cwd": "src",
+                                  "parameters": {"type": "object", "required": ["path"],
+                                                 "properties": {"path": {"type": "string"}}}}, ws)
+    assert tool.call({"path": "main.py"}).content.startswith("import os")  # relative to the tool's cwd
+    for bad, why in [("/etc/passwd", "must be relative"), ("~/.ssh/id_rsa", "must be relative"),
+                     ("../../outside/secret.txt", "leaves the workspace"), ("../door/secret.txt", "leaves")]:
+        result = tool.call({"path": bad})
+        assert result.error is not None and why in result.error and "'path'" in result.error, (bad, result)
+        assert "hunter2" not in result.content
+    # `"format": "path"` marks any parameter; a parameter that is not a path is passed through as before
+    marked = CommandTool.from_dict({"name": "show2", "argv": ["echo", "{target}", "{note}"],
+                                    "parameters": {"type": "object", "required": ["target", "note"],
+                                                   "properties": {"target": {"type": "string", "format": "path"},
+                                                                  "note": {"type": "string"}}}}, ws)
+    assert "leaves the workspace" in marked.call({"target": "door", "note": "x"}).error
+    assert marked.call({"target": "src", "note": "/etc/passwd"}).content == "src /etc/passwd\n"
+
+
+def test_a_link_swapped_in_after_resolve_is_not_followed(ws, outside):
+    # resolve() saw a directory; before the open, someone replaces it with a link to outside. The open walks
+    # the path from the root with O_NOFOLLOW, so it fails instead of writing (or reading) outside.
+    (ws.root / "box").mkdir()
+    real = ws.resolve("box/secret.txt")
+    (ws.root / "box").rmdir()
+    os.symlink(outside, ws.root / "box")
+    with pytest.raises(SandboxError, match="'box' became a symbolic link"):
+        ws.open_fd(real, os.O_WRONLY | os.O_CREAT)
+    with pytest.raises(SandboxError, match="became a symbolic link"):
+        ws.open_fd(real, os.O_RDONLY)
+    assert (outside / "secret.txt").read_text() == "password = hunter2\n"
+
+
+def test_write_file_refuses_a_file_with_other_hard_links(ws, outside):
+    os.link(outside / "secret.txt", ws.root / "hard.txt")
+    result = WriteFile(ws).call({"path": "hard.txt", "content": "pwned"})
+    assert "'hard.txt' has 2 hard links" in result.error
+    assert (outside / "secret.txt").read_text() == "password = hunter2\n"
+    assert WriteFile(ws).call({"path": "notes.txt", "content": "fine"}).ok  # one link: written in place
+    assert (ws.root / "notes.txt").read_text() == "fine"

@@ -102,3 +102,34 @@ async def test_a_profile_mcp_server_offers_its_tools_to_the_agent_loop(tmp_path)
     first_prompt = tokenizer.decode(backend.prompts[0], skip_special_tokens=False)
     assert '"name": "add"' in first_prompt and '"name": "calculator"' in first_prompt  # offered like the built-ins
     assert "<tool_response>\n42\n</tool_response>" in tokenizer.decode(backend.prompts[1], skip_special_tokens=False)
+
+
+def test_the_profile_chooses_the_sandbox_and_the_toolset_says_which_is_in_use(tmp_path, monkeypatch):
+    from tsterm.agent import sandbox
+
+    settings = AgentSettings(allow_commands=True)
+    assert (settings.sandbox, settings.network) == ("namespaces", False)
+    with build_toolset(settings, tmp_path) as toolset:
+        assert (toolset.workspace.sandbox, toolset.workspace.network) == ("namespaces", False)
+        assert toolset.sandbox.startswith("sandbox: Linux namespaces") and "network off" in toolset.sandbox
+    with build_toolset(AgentSettings(allow_commands=True, network=True), tmp_path) as toolset:
+        assert "network on" in toolset.sandbox
+    with build_toolset(AgentSettings(), tmp_path) as toolset:  # read-only tools: nothing to confine
+        assert toolset.sandbox == "sandbox: not needed (no write or command tools)"
+    monkeypatch.setattr(sandbox, "detect_isolation", lambda: sandbox.Isolation(None, "no user namespaces"))
+    with build_toolset(settings, tmp_path) as toolset:
+        assert toolset.sandbox == "sandbox: unavailable (no user namespaces) - write and command tools are refused"
+        run = next(tool for tool in toolset.tools if tool.name == "run_command")
+        assert "refused" in run.call({"argv": ["true"]}).error
+    with build_toolset(AgentSettings(allow_commands=True, sandbox="none"), tmp_path) as toolset:
+        assert toolset.sandbox.startswith("sandbox: none")
+        run = next(tool for tool in toolset.tools if tool.name == "run_command")
+        assert run.call({"argv": ["true"]}).ok
+
+
+@pytest.mark.parametrize("overrides, message", [({"sandbox": "bwrap"}, "sandbox must be 'namespaces' or 'none'"),
+                                                ({"sandbox": None}, "sandbox must be"),
+                                                ({"network": "yes"}, "network must be true or false")])
+def test_bad_sandbox_settings_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        AgentSettings(**overrides)
