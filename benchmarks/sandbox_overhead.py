@@ -1,7 +1,7 @@
 """Per-command overhead of the agent's tool sandbox: one short command run sandboxed (Linux namespaces, a fresh root,
 rlimits; tsterm/agent/sandbox.py) and as a plain subprocess (`agent.sandbox: none`), in the same run.
 
-    python benchmarks/sandbox_overhead.py [--runs 50] [--rounds 3] [--command true]
+    python benchmarks/sandbox_overhead.py [--runs 50] [--rounds 3] [--command "python3 -c pass"]
 
 Each round runs the command --runs times each way, alternating, so the machine's drift hits both alike; every
 configuration reports the median per-command wall time of its median round, and the ratio. Both ways go through
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import statistics
 import tempfile
 import time
@@ -46,8 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=50, help="commands per configuration per round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--command", nargs="+", default=["true"], help="the command to run (default: true)")
+    parser.add_argument("--command", default="true", help="the command to run, split like a shell (default: true)")
     args = parser.parse_args()
+    args.command = shlex.split(args.command)
     isolation = detect_isolation()
     print(f"CPU: {cpu_model()}")
     if isolation.mechanism is None:
