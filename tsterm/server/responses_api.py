@@ -6,11 +6,13 @@ back from earlier responses: `function_call`, `function_call_output`, `reasoning
 message, not carried over from a previous response, as OpenAI does), function `tools` in the Responses flat shape
 (`{"type": "function", "name", "description", "parameters", "strict"}`, strict by default as OpenAI's),
 `tool_choice` ("auto", "none", "required", `{"type": "function", "name"}`, `{"type": "allowed_tools", "mode",
-"tools"}`), `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format` (`json_object` /
-`json_schema`: the chat route's structured outputs, structured.py), `stream`, `store` (default true) and
-`previous_response_id`; plus tsterm's `chat_template_kwargs` as on the chat route. Unknown fields are ignored;
-fields for what a local model cannot do (`background`, `conversation`, `prompt`, images, files, hosted tools) are a
-400 naming them.
+"tools"}`), `parallel_tool_calls`, `max_output_tokens` (left out: to the end of the context, as OpenAI's),
+`temperature`, `top_p`, `text.format` (`json_object` / `json_schema`: the chat route's structured outputs,
+structured.py; strict functions are then not held to their schemas, one grammar at a time), `reasoning.effort` (the
+template's `enable_thinking`: off for "none" / "minimal"), `stream`, `store` (default true), `previous_response_id`,
+`metadata`, `user`; plus tsterm's `chat_template_kwargs` as on the chat route. Unknown fields are ignored; fields for
+what this server cannot do (`background`, `conversation`, `prompt`, `top_logprobs`, item references, images, files,
+hosted tools) are a 400 naming them.
 
 The reply is split as the chat route splits it (tool_choice.reply_parser / tool_stream.ReplyParser: text and calls,
 a malformed call left as text), and its text further into reasoning and answer (`ReasoningSplit`: a `<think>` block
@@ -23,13 +25,16 @@ output_item.added, content_part.added, output_text.delta / reasoning_text.delta 
 their .done, content_part.done, output_item.done, and response.completed; an error after the stream began is an
 `error` event.
 
-Conversation state: a stored response (responses_store.py) is a Session with the exact ids of its prompt and reply;
+Conversation state: a stored response (response_store.py) is a Session with the exact ids of its prompt and reply;
 `previous_response_id` continues it under the `preserve` history policy (the kept ids + the template's text for the
 new input only: no re-rendering, no re-tokenising, the whole earlier conversation from the prefix cache) unless the
 request names `chat_template_kwargs.thinking_history` or its `instructions` differ from the previous response's (the
 conversation then starts differently and is rendered as the template says). A client that sends its whole history
 instead (store false, or the Agents SDK's default) is matched against the server's API conversations like a chat
-request (conversations.py). Every request is told to the observer as `api="responses"`.
+request (conversations.py; `store: false` keeps nothing retrievable, while that cache of recent conversations holds
+its ids as it does for chat). Every request is admitted (the queue bound) before its input is converted and rendered,
+and told to the observer as `api="responses"` with the whole conversation as chat-template messages, so the
+workstation shows it as an API session.
 """
 from __future__ import annotations
 
