@@ -247,6 +247,36 @@ def test_a_huge_file_is_stopped_at_the_file_size_limit(ws, mode):
     assert not (ws.root / "huge").exists() or os.path.getsize(ws.root / "huge") <= LIMITS.file_size_bytes
 
 
+def test_cpu_time_and_open_files_are_limited(ws, mode):
+    ws.limits = Limits(cpu_s=1, open_files=64)
+    spin = _run(ws, [PY, "-c", "while True: pass"])
+    files = _run(ws, [PY, "-c", "import os\nfds = []\ntry:\n    while True:\n        fds.append(os.open('.', 0))\n"
+                                "except OSError as err:\n    print(len(fds), err.strerror)"])
+    if mode == "unavailable":
+        assert _refused(spin, f"running {PY!r}") and _refused(files, f"running {PY!r}")
+        return
+    assert spin.error == f"{PY}: killed by SIGXCPU"
+    count, why = files.content.split(" ", 1)
+    assert int(count) < 64 and why.strip() == "Too many open files"
+
+
+def test_network_true_in_the_profile_shares_the_hosts_network(tmp_path, mode):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    ws = Workspace(tmp_path, network=True)
+    script = f"import socket; socket.create_connection(('127.0.0.1', {listener.getsockname()[1]})).close()"
+    try:
+        result = _run(ws, [PY, "-c", script])
+        if mode == "unavailable":
+            assert _refused(result, f"running {PY!r}")
+        else:
+            assert result.ok and "network on" in ws.describe()
+            listener.accept()[0].close()  # it reached us
+    finally:
+        listener.close()
+
+
 def test_setsid_and_double_forks_die_with_the_namespace_at_the_timeout(ws, mode):
     # Two escapees hold the write end of a FIFO: one setsid(), one double-forked and setsid(). The test keeps the
     # read end; once the run returns, reading it must give their greeting and then end of file - all writers gone,

@@ -155,7 +155,8 @@ def run_command(cfg: dict, status: int) -> None:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)  # Python ignores SIGPIPE and SIGXFSZ; exec keeps what is ignored
         for name, value in cfg["limits"].items():
-            resource.setrlimit(LIMITS[name], (value, value))
+            # CPU: SIGXCPU at the limit, SIGKILL a second later for a program that ignores it
+            resource.setrlimit(LIMITS[name], (value, value + 1 if name == "cpu_s" else value))
         os.chdir(cfg["cwd"])
         argv = cfg["argv"]
         try:
