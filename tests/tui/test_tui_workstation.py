@@ -214,11 +214,23 @@ async def test_profile_switch_reloads_the_engine_and_keeps_the_sessions(make_pro
         await screen.show_session(session.id)
         old = app.host
         old.sampling = dataclasses.replace(old.sampling, max_tokens=1500)
-        await say(pilot, "a long reply")
-        await say(pilot, f"/profile {second}")  # not while a session generates: a warning, nothing reloads
-        assert app.host is old and app.screen is screen and app.loading is None
-        assert any("before switching profiles" in n for n in notifications(app))
-        screen.action_abort()
+        # the long reply's steps wait until it is aborted: it is still running when /profile comes, however fast
+        # the machine, and short enough that the next message still fits in the context
+        held, step = threading.Event(), old.engine.step
+
+        def held_step():
+            assert held.wait(600), "the long reply was never aborted"
+            return step()
+        old.engine.step = held_step
+        try:
+            await say(pilot, "a long reply")
+            await say(pilot, f"/profile {second}")  # not while a session generates: a warning, nothing reloads
+            assert app.host is old and app.screen is screen and app.loading is None
+            assert any("before switching profiles" in n for n in notifications(app))
+            screen.action_abort()
+        finally:
+            old.engine.step = step
+            held.set()
         await turns_done(pilot, session, 2)
         kept = (list(session.messages), list(session.token_ids))
 
