@@ -159,6 +159,7 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     stream: bool = False
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached blocks only with its salt
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached blocks only with its salt
 
 
 # Blocks by type, and the roles whose messages may hold them

@@ -24,6 +24,7 @@ from tsterm.server.metrics import EngineCollector, ServerMetrics
 from tsterm.server.openai_api import router as openai_router
 from tsterm.server.protocol import Health
 from tsterm.server.responses_api import router as responses_router
+from tsterm.server.security import install as install_security
 from tsterm.server.state import ServerState
 
 
@@ -158,5 +159,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     endpoints = [*openai_router.routes, *anthropic_router.routes, *responses_router.routes,
                  *(route for route in app.router.routes if isinstance(route, APIRoute))]
+    install_security(app, state)  # the Host check, CORS, the cache salt's reader: inside the request counter
     app.add_middleware(RequestCounter, metrics=metrics, max_body_bytes=state.limits.max_body_bytes, routes=endpoints)
     return app

@@ -35,6 +35,7 @@ from tsterm.outputs import RequestOutput
 from tsterm.server.conversations import owner_of
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
+from tsterm.server.security import cache_salt_option
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_choice import ToolUse, call_grammar
 from tsterm.server.tool_stream import CallArguments, CallStart, Piece
@@ -145,7 +146,7 @@ async def generate(state: ServerState, info: RequestInfo, params: SamplingParams
     """The engine's outputs for one request (every route generates through here), told to `state.observer`.
     Leaving early aborts the request and frees its blocks, as leaving `AsyncEngine.generate` does."""
     observer = state.observer
-    stream = state.engine.generate(info.prompt_ids, params, request_id=info.request_id)
+    stream = state.engine.generate(info.prompt_ids, params, request_id=info.request_id, **cache_salt_option(state))
     if observer is None:
         async with contextlib.aclosing(stream):
             async for out in stream:

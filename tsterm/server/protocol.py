@@ -103,6 +103,7 @@ class _SamplingFields(_Body):
     # vLLM's field, as the engine takes it: exactly one of json, json_object, regex, choice, grammar (Lark / GBNF),
     # plus disable_any_whitespace (tsterm/config.py StructuredOutputs)
     structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached blocks only with its salt
 
 
 class ChatCompletionRequest(_SamplingFields):

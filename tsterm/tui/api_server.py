@@ -110,7 +110,7 @@ class ApiServer:
                             model_name=options.model_name or host.profile_name or host.model_name,
                             max_model_len=host.info.max_model_len, defaults=host.sampling,
                             api_key=options.api_key, observer=observer, history_policy=host.thinking_history,
-                            limits=ServerLimits(**server_limits(host.server)))  # the API conversations' bounds
+                            limits=ServerLimits(**server_limits(host.server), bound_host=options.host))
         self.state, self.model_name = state, state.model_name
         # log_config None: uvicorn must not configure logging (its handlers would write over the screen)
         self.server = BackgroundServer(create_app(state), options.host, options.port, log_config=None,
