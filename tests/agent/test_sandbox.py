@@ -5,6 +5,7 @@ import os
 import resource
 import select
 import time
+from pathlib import Path
 
 import pytest
 
@@ -189,3 +190,40 @@ def test_crashes_and_failures_are_results_not_exceptions(cmd_ws):
     assert (failed.exit_code, failed.output, failed.error) == (3, "oops\n", "exited with status 3")
     crashed = cmd_ws.run(["sh", "-c", "kill -SEGV $$"], timeout_s=5)
     assert crashed.exit_code == -11 and crashed.error == "killed by SIGSEGV"
+
+
+# ---- where namespaces are forbidden
+
+FORBIDDEN = """
+import json, sys
+from tsterm.agent.sandbox import detect_isolation
+from tsterm.agent.toolset import build_toolset
+from tsterm.profiles import AgentSettings
+with build_toolset(AgentSettings(allow_write=True, allow_commands=True), sys.argv[1]) as toolset:
+    tools = {tool.name: tool for tool in toolset.tools}
+    print(json.dumps({"sandbox": toolset.sandbox, "reason": detect_isolation().reason,
+                      "write": tools["write_file"].call({"path": "a.txt", "content": "x"}).error,
+                      "run": tools["run_command"].call({"argv": ["true"]}).error,
+                      "read": tools["read_file"].call({"path": "notes.txt"}).content}))
+"""
+
+
+def test_a_kernel_that_forbids_user_namespaces_refuses_write_and_command_tools(tmp_path):
+    # A real refusal, not a mock: this test's process runs in a user namespace (util-linux's unshare) whose
+    # user.max_user_namespaces is 0, so the sandbox's own unshare(2) fails there, as in a locked-down container.
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "notes.txt").write_text("still readable\n")
+    script = 'echo 0 > /proc/sys/user/max_user_namespaces && exec "$0" -c "$1" "$2"'
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", script, sys.executable, FORBIDDEN,
+                           str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert "user.max_user_namespaces" in seen["reason"]
+    assert seen["sandbox"] == f"sandbox: unavailable ({seen['reason']}) - write and command tools are refused"
+    for error, what in [(seen["write"], "write_file"), (seen["run"], "running 'true'")]:
+        assert error.startswith(f"{what} refused: the sandbox is unavailable") and "sandbox: none" in error
+    assert seen["read"] == "still readable\n" and not (tmp_path / "a.txt").exists()

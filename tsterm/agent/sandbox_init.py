@@ -17,6 +17,7 @@ The init tells the parent what happened on the status pipe (config "status_fd"),
 could not be started.
 """
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -40,6 +41,14 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 LIMITS = {"cpu_s": resource.RLIMIT_CPU, "address_space_bytes": resource.RLIMIT_AS,
           "processes": resource.RLIMIT_NPROC, "open_files": resource.RLIMIT_NOFILE,
           "file_size_bytes": resource.RLIMIT_FSIZE, "core_bytes": resource.RLIMIT_CORE}
+
+UNSHARE_HINTS = {
+    errno.EPERM: " (unprivileged user namespaces are disabled here: kernel.unprivileged_userns_clone, "
+                 "kernel.apparmor_restrict_unprivileged_userns, or a container's seccomp policy)",
+    errno.ENOSPC: " (no user namespace may be made here: user.max_user_namespaces is reached or 0)",
+    errno.EINVAL: " (this kernel lacks the namespaces the sandbox needs)",
+    errno.EUSERS: " (user namespaces are nested too deeply)",
+}
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -203,7 +212,9 @@ def main() -> None:
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
         if not cfg["network"]:
             flags |= CLONE_NEWNET
-        check(libc.unshare(ctypes.c_int(flags)), "unshare")
+        if libc.unshare(ctypes.c_int(flags)) != 0:
+            err = ctypes.get_errno()
+            raise SetupError(f"unshare: {os.strerror(err)}{UNSHARE_HINTS.get(err, '')}")
         write("/proc/self/setgroups", "deny")
         write("/proc/self/uid_map", f"0 {uid} 1")
         write("/proc/self/gid_map", f"0 {gid} 1")
