@@ -106,6 +106,11 @@ def detect_isolation() -> Isolation:
     cgroup_base, bound = None, "processes bounded by RLIMIT_NPROC"
     if os.geteuid() == 0:  # the kernel exempts the host's root from RLIMIT_NPROC: a pids cgroup bounds them instead
         cgroup_base = _cgroup_base()
+        trial = _make_cgroup(cgroup_base, 1) if cgroup_base else None
+        if trial is None:
+            cgroup_base = None
+        else:
+            _remove_dir(trial)
         bound = ("processes bounded by a pids cgroup" if cgroup_base else
                  "processes NOT bounded (running as root without a writable pids cgroup)")
     mechanism = "Linux namespaces (user, mount, pid, ipc, uts, net) via unshare(2), rlimits"
@@ -124,9 +129,12 @@ def detect_isolation() -> Isolation:
 class Workspace:
     """A directory the agent's tools may read, write and run commands in, and nothing outside it.
 
-    `resolve` is the only way a tool turns a user-given path into a real one. A symlink could be swapped between
-    `resolve` and the open that follows; the sandbox guards against the model's paths, not against a concurrent
-    local attacker with write access to the workspace.
+    `resolve` is the only way a tool turns a user-given path into a real one, and `open_fd` the way it opens one:
+    from the root, a component at a time, never following a link, so a link swapped in after `resolve` makes the
+    open fail rather than lead out. `run` runs a command in the sandbox (see describe()). `sandbox` is the profile's
+    agent.sandbox: "namespaces" (the default: write and command tools are refused where namespaces are
+    unavailable) or "none" (commands run as plain subprocesses); `network` lets sandboxed commands use the host's
+    network; `limits` are their rlimits. `isolation` overrides detection (the probe itself uses it).
     """
 
     def __init__(self, root: str | os.PathLike, *, sandbox: str = "namespaces", network: bool = False,
@@ -162,7 +170,8 @@ class Workspace:
         except (RuntimeError, OSError) as err:  # RuntimeError: a symlink loop (Python < 3.13); ELOOP; ENAMETOOLONG
             raise SandboxError(f"path {text!r} cannot be resolved: {err}") from None
         if real != self.root and not real.is_relative_to(self.root):
-            raise SandboxError(f"path {text!r} leaves the workspace (it resolves to {str(real)!r})")
+            # where it leads is not said: the model learns no path of the host from a refusal
+            raise SandboxError(f"path {text!r} leaves the workspace")
         if not strict and _has_symlink_loop(real):
             raise SandboxError(f"path {text!r} cannot be resolved: a symlink loop")
         return real
