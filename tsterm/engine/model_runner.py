@@ -106,6 +106,9 @@ class ModelRunner(Executor):
                                 num_state_slots=self.num_state_slots)
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
         self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]  # their expert_load
+        # a verify step's positions as one-token rows (see `host_step`) where the decode kernels are a path of their
+        # own, faster than the extend's layer by layer: the CPU's one-call layer stack
+        self.verify_as_decode_rows = self.model.stack is not None
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.memory_profile is not None:
             log.info("KV cache: %d blocks of %d tokens (%s); %s", self.num_blocks, self.block_size,
@@ -198,25 +201,42 @@ class ModelRunner(Executor):
                 "graph_steps": self.graph_steps, "eager_steps": self.eager_steps}
 
     def host_step(self, batch: ScheduledBatch) -> HostStep:
-        """The batch as host lists."""
+        """The batch as host lists. A sequence that verifies drafts (speculative decoding) samples a row at each of
+        its positions: fed as one extend (its last token and its drafts, causal among them), or, with
+        `verify_as_decode_rows`, as that many one-token rows over its block table, row j attending to the context up
+        to its own position (all rows' KV is stored before any row attends, as in every step): the same arithmetic as
+        decoding those tokens one step each, which the decode kernels (the CPU's one-call layer stack, the decode
+        attention) run."""
         step = HostStep()
+        B = self.block_size
+        sample_rows = batch.sample_rows()  # per sequence: 0, 1, or 1 + its drafts
         for i, (seq, n, slot_mapping) in enumerate(zip(batch.seqs, batch.num_new, batch.slot_mappings)):
             start = seq.num_computed_tokens
-            step.input_ids.extend(batch.input_ids(i))  # (a verify step: its last token, then its drafts)
+            input_ids = batch.input_ids(i)  # (a verify step: its last token, then its drafts)
+            if batch.draft_ids(i) and self.verify_as_decode_rows:
+                for j in range(n):
+                    step.input_ids.append(input_ids[j])
+                    step.positions.append(start + j)
+                    step.slot_mapping.append(slot_mapping[j])
+                    step.query_start_loc.append(step.query_start_loc[-1] + 1)
+                    step.seq_lens.append(start + j + 1)
+                    step.block_tables.append(seq.block_table[:-(-(start + j + 1) // B)])
+                    step.state_slots.append(seq.state_slot)
+                    step.sample_rows.append(len(step.input_ids) - 1)
+                continue
+            step.input_ids.extend(input_ids)
             step.positions.extend(range(start, start + n))
             step.slot_mapping.extend(slot_mapping)
             step.query_start_loc.append(step.query_start_loc[-1] + n)
             step.seq_lens.append(start + n)
-            num_blocks = -(-(start + n) // self.block_size)
-            step.block_tables.append(seq.block_table[:num_blocks])
+            step.block_tables.append(seq.block_table[:-(-(start + n) // B)])
             step.state_slots.append(seq.state_slot)
-        if self.num_state_slots:
+            # one row per sampling sequence, its last; a verify step's: one per position, its drafts' included
+            step.sample_rows.extend(range(len(step.input_ids) - sample_rows[i], len(step.input_ids)))
+        if self.num_state_slots:  # (a hybrid model never verifies drafts: one row per sequence)
             step.snapshot_slots = [seq.snapshot_slot for seq in batch.seqs]
             step.snapshot_positions = list(batch.snapshots)
             step.state_copies = list(batch.state_copies)
-        # one row per sampling sequence, its last; a verify step's sequence: one per position, its drafts' included
-        step.sample_rows = [row for i, rows in enumerate(batch.sample_rows())
-                            for row in range(step.query_start_loc[i + 1] - rows, step.query_start_loc[i + 1])]
         return step
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
