@@ -242,16 +242,21 @@ class ListDir(_WorkspaceTool):
         real = self.workspace.resolve(path, strict=True)
         if not real.is_dir():
             raise ToolError(f"list_dir: {path!r} is not a directory")
-        entries = sorted(os.scandir(real), key=lambda entry: entry.name)
-        lines = [_describe_entry(entry, self.workspace) for entry in entries[:self.MAX_ENTRIES]]
+        fd = self.workspace.open_fd(real, os.O_RDONLY | os.O_DIRECTORY)  # the directory resolve saw, not a link
+        try:
+            with os.scandir(fd) as listing:
+                entries = sorted(listing, key=lambda entry: entry.name)
+            lines = [_describe_entry(entry, real, self.workspace) for entry in entries[:self.MAX_ENTRIES]]
+        finally:
+            os.close(fd)
         if len(entries) > self.MAX_ENTRIES:
             lines.append(f"[list_dir: {len(entries) - self.MAX_ENTRIES} more entries not shown]")
         return "\n".join(lines) if lines else f"[list_dir: {path!r} is empty]"
 
 
-def _describe_entry(entry: os.DirEntry, workspace: Workspace) -> str:
+def _describe_entry(entry: os.DirEntry, directory: Path, workspace: Workspace) -> str:
     if entry.is_symlink():
-        return f"link - {entry.name} -> {_link_target(entry.path, workspace)}"
+        return f"link - {entry.name} -> {_link_target(str(directory / entry.name), workspace)}"
     if entry.is_dir():
         return f"dir - {entry.name}/"
     return f"file {entry.stat().st_size} {entry.name}"
