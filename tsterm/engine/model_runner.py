@@ -107,7 +107,8 @@ class ModelRunner(Executor):
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
         self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]  # their expert_load
         # a verify step's positions as one-token rows (see `host_step`) where the decode kernels are a path of their
-        # own, faster than the extend's layer by layer: the CPU's one-call layer stack
+        # own, faster than the extend's layer by layer: the CPU's one-call layer stack (one rank only: a multi-rank
+        # model has none, and the distributed executor's block-table deltas count one table per sequence)
         self.verify_as_decode_rows = self.model.stack is not None
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         if self.memory_profile is not None:
