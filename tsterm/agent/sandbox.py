@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
+import marshal
 import os
 import selectors
 import signal
@@ -311,7 +311,7 @@ class Workspace:
                   "etc": _etc_files(self.network)}
         try:
             try:
-                proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, json.dumps(config)],
+                proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, marshal.dumps(config).hex()],
                                         env=self.environment(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                                         pass_fds=(status_write,))

@@ -1,6 +1,7 @@
-"""The sandbox's launcher, run by sandbox.py as `python -I -S sandbox_init.py CONFIG_JSON` for every command.
+"""The sandbox's launcher, run by sandbox.py as `python -I -S sandbox_init.py CONFIG` for every command (CONFIG: a
+dict in marshal's format, as hex; the same interpreter writes and reads it).
 
-Standard library only (it runs without site-packages). It joins the run's pids cgroup (when given), makes new user,
+Standard library only (it runs without site-packages), and only modules that load fast: it runs once per command. It joins the run's pids cgroup (when given), makes new user,
 mount, PID, IPC, UTS and (network off) network namespaces with unshare(2) and maps our uid to root in them, then
 forks the namespace's init (PID 1). The init builds a fresh root on a tmpfs - the system directories bound read-only,
 a private /tmp, /dev and /proc, the workspace bound read-write, nothing else of the host (the user's home included) -
@@ -18,11 +19,11 @@ could not be started.
 """
 import ctypes
 import errno
-import json
+import fcntl
+import marshal
 import os
 import resource
 import signal
-import socket
 import struct
 import sys
 
@@ -142,20 +143,23 @@ def build_root(cfg: dict) -> None:
     check(libc.umount2(b".", MNT_DETACH), "detach the host's root")
     os.chdir("/")
     mount(None, "/", None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    socket.sethostname("sandbox")
+    check(libc.sethostname(b"sandbox", 7), "sethostname")
     if not cfg["network"]:
         loopback_up()
 
 
 def loopback_up() -> None:
     """The new network namespace's `lo` is down: bring it up, so programs may talk to themselves on 127.0.0.1."""
-    SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-    import fcntl
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    AF_INET, SOCK_DGRAM, SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 2, 2, 0x8913, 0x8914, 0x1
+    sock = libc.socket(AF_INET, SOCK_DGRAM, 0)  # the socket module would cost a few ms per command to import
+    if sock < 0:
+        raise SetupError(f"socket: {os.strerror(ctypes.get_errno())}")
+    try:
         request = struct.pack("16sh", b"lo", 0)
         flags = struct.unpack("16sh", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
         fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
+    finally:
+        os.close(sock)
 
 
 def run_command(cfg: dict, status: int) -> None:
@@ -199,7 +203,7 @@ def init(cfg: dict, status: int) -> None:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     status = cfg["status_fd"]
     os.set_inheritable(status, False)  # the command's exec closes it
     try:
