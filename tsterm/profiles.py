@@ -80,6 +80,8 @@ class AgentOptions:
 
 
 BUILTIN_TOOL_NAMES = ("calculator", "read_file", "list_dir", "grep", "write_file", "run_command")
+# tsterm.agent.sandbox.Limits' fields (a test keeps the two equal; profiles does not import the agent package)
+SANDBOX_LIMIT_NAMES = ("cpu_s", "address_space_bytes", "processes", "open_files", "file_size_bytes", "tmp_bytes")
 
 
 @dataclass(slots=True)
@@ -101,6 +103,7 @@ class AgentSettings:
     constrain_tool_calls: bool = True  # generate under the tool-call grammar: offered tools only, arguments valid
     sandbox: str = "namespaces"  # how commands are confined: namespaces (else write/command tools refused) | none
     network: bool = False  # sandboxed commands may use the network
+    sandbox_limits: dict = field(default_factory=dict)  # rlimits over the defaults (tsterm.agent.sandbox.Limits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.workspace, str) or not self.workspace:
@@ -124,6 +127,13 @@ class AgentSettings:
             raise ConfigError(f"sandbox must be 'namespaces' or 'none', got {self.sandbox!r}")
         if not isinstance(self.network, bool):
             raise ConfigError(f"network must be true or false, got {self.network!r}")
+        if not isinstance(self.sandbox_limits, dict):
+            raise ConfigError(f"sandbox_limits must be a mapping, got {self.sandbox_limits!r}")
+        for key, value in self.sandbox_limits.items():
+            if key not in SANDBOX_LIMIT_NAMES:
+                raise ConfigError(f"sandbox_limits: unknown limit {key!r} (limits: {', '.join(SANDBOX_LIMIT_NAMES)})")
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"sandbox_limits.{key} must be a positive integer, got {value!r}")
         for name in ("command_tools", "mcp_servers"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):

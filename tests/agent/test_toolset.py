@@ -133,3 +133,23 @@ def test_the_profile_chooses_the_sandbox_and_the_toolset_says_which_is_in_use(tm
 def test_bad_sandbox_settings_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         AgentSettings(**overrides)
+
+
+def test_a_profile_sets_the_sandbox_limits(tmp_path):
+    import dataclasses
+
+    from tsterm.agent.sandbox import Limits
+    from tsterm.profiles import SANDBOX_LIMIT_NAMES
+
+    assert SANDBOX_LIMIT_NAMES == tuple(field.name for field in dataclasses.fields(Limits))
+    settings = AgentSettings(allow_commands=True, sandbox_limits={"processes": 8, "file_size_bytes": 4096})
+    with build_toolset(settings, tmp_path) as toolset:
+        assert toolset.workspace.limits == Limits(processes=8, file_size_bytes=4096)
+        run = next(tool for tool in toolset.tools if tool.name == "run_command")
+        result = run.call({"argv": ["sh", "-c", "head -c 100000 /dev/zero > big"]})
+        assert result.error == "sh: exited with status 153" and (tmp_path / "big").stat().st_size == 4096
+    for limits, message in [({"procs": 1}, "sandbox_limits: unknown limit 'procs'"),
+                            ({"cpu_s": 0}, "sandbox_limits.cpu_s must be a positive integer"),
+                            ({"cpu_s": True}, "sandbox_limits.cpu_s must be"), ([], "sandbox_limits must be a mapping")]:
+        with pytest.raises(ConfigError, match=message):
+            AgentSettings(sandbox_limits=limits)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from tsterm.agent.sandbox import SandboxError, Workspace
+from tsterm.agent.sandbox import Limits, SandboxError, Workspace
 from tsterm.agent.tools import (Calculator, CommandTool, Grep, ListDir, ReadFile, RunCommand, Tool, WriteFile)
 from tsterm.errors import ConfigError
 from tsterm.profiles import AgentSettings
@@ -52,7 +52,7 @@ def open_workspace(path: str | os.PathLike, settings: AgentSettings | None = Non
     settings = settings or AgentSettings()
     try:
         return Workspace(Path(os.path.expanduser(os.fspath(path))), sandbox=settings.sandbox,
-                         network=settings.network)
+                         network=settings.network, limits=Limits(**settings.sandbox_limits))
     except SandboxError as err:
         raise ConfigError(f"agent workspace: {err}") from None
 
