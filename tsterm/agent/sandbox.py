@@ -385,6 +385,22 @@ def _read_capped(proc: subprocess.Popen, deadline: float, max_bytes: int) -> tup
 
 def _wait_unreaped(pid: int, deadline: float) -> bool:
     """Wait until `pid` exits or the deadline passes, leaving it a zombie (WNOWAIT). True if it exited."""
+    try:
+        pidfd = os.pidfd_open(pid)  # readable once the process has exited: no polling
+    except (AttributeError, OSError):  # before Linux 5.3, or not Linux
+        pidfd = None
+    if pidfd is not None:
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(pidfd, selectors.EVENT_READ)
+                while True:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    if selector.select(remaining):
+                        return True
+        finally:
+            os.close(pidfd)
     while True:
         if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
             return True
