@@ -299,15 +299,17 @@ class Engine:
     # ---- speculative decoding: drafts in, the verified run out ----------------------------------------------------
 
     def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """The draft ids `seq` verifies next step (the scheduler's proposer): none unless its request is greedy
-        without penalties or a grammar (their next token depends on the ones before it in ways one verify step does
-        not replay), and never more than its max_tokens and the context leave room for."""
+        """The draft ids `seq` verifies next step (the scheduler's proposer), at most `max_tokens`. None unless its
+        request is greedy without penalties or a grammar: a penalty's or a grammar's state at each position depends
+        on the tokens before it, which one verify step does not replay, and a sampled request would need the
+        rejection-sampling rule (not implemented yet: it decodes without drafts). Its run (the drafts and the
+        target's token after them) never passes its max_tokens or the end of the context."""
         sample = self._samples.get(seq.seq_id)
         params = seq.params
         if (sample is None or not params.greedy or sample.grammar is not None or has_penalty(params)
                 or params.structured_outputs is not None):
             return []
-        room = min(max_tokens, params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - len(seq))
+        room = min(max_tokens, min(params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1)
         if room < 1:
             return []
         return self.drafter.propose(seq.seq_id, seq.token_ids, room)
