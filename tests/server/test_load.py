@@ -198,7 +198,9 @@ def _result(text: str, finish: str | None, usage: Any) -> dict[str, Any]:
 
 def _anthropic_result(text: str, stop: str | None, usage: Any) -> dict[str, Any]:
     finish = {"end_turn": "stop", "max_tokens": "length"}[stop]
-    return {"text": text, "finish": finish, "prompt": usage.input_tokens, "cached": usage.cache_read_input_tokens,
+    # Anthropic's input_tokens leave out the cached part: the prompt is the three added up
+    prompt = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    return {"text": text, "finish": finish, "prompt": prompt, "cached": usage.cache_read_input_tokens,
             "generated": usage.output_tokens}
 
 
