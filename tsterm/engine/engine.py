@@ -299,14 +299,13 @@ class Engine:
     # ---- speculative decoding: drafts in, the verified run out ----------------------------------------------------
 
     def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """The draft ids `seq` verifies next step (the scheduler's proposer), at most `max_tokens`. None unless its
-        request is greedy without penalties or a grammar: a penalty's or a grammar's state at each position depends
-        on the tokens before it, which one verify step does not replay, and a sampled request would need the
-        rejection-sampling rule (not implemented yet: it decodes without drafts). Its run (the drafts and the
-        target's token after them) never passes its max_tokens or the end of the context."""
+        """The draft ids `seq` verifies next step (the scheduler's proposer), at most `max_tokens`. None for a request
+        with penalties or a grammar: their state at each position depends on the tokens before it, which one verify
+        step does not replay (they decode without drafts). Its run (the drafts and the target's token after them)
+        never passes its max_tokens or the end of the context."""
         sample = self._samples.get(seq.seq_id)
         params = seq.params
-        if (sample is None or not params.greedy or sample.grammar is not None or has_penalty(params)
+        if (sample is None or sample.grammar is not None or has_penalty(params)
                 or params.structured_outputs is not None):
             return []
         room = min(max_tokens, min(params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1)
@@ -315,10 +314,17 @@ class Engine:
         return self.drafter.propose(seq.seq_id, seq.token_ids, room)
 
     def _accept(self, batch: ScheduledBatch, draws: list[Draw]) -> list[Draw]:
-        """Greedy verification: a sequence that verified drafts d1..dk drew the target's tokens t0..tk at their k + 1
-        positions; it keeps the longest run with t_i == d_(i+1), then the target's token after it (the one at the
-        first mismatch, or the bonus tk after all k): t0..ta, a = the drafts accepted. The draws of the other
-        sequences pass through."""
+        """Verification: a sequence that verified drafts d1..dk drew the target's tokens t0..tk at their k + 1
+        positions (the sampler, each row as a row of its own: its temperature, truncation, bias and generator); it
+        keeps the longest run with t_i == d_(i+1), then the target's token after it (the one at the first mismatch,
+        or the bonus tk after all k): t0..ta, a = the drafts accepted. The draws of the other sequences pass through.
+
+        Greedy, this is "the target's argmax equals the draft". Sampled, it is the speculative-sampling rule exactly,
+        for drafts that are one token per position (the draft sources are deterministic: q(d) = 1): the rule accepts d
+        with probability min(1, p(d) / q(d)) = p(d), which is the chance that t ~ p equals d, and on a rejection draws
+        from the residual max(0, p - q), normalised, which is p without d: the law of t given t != d. So each
+        emitted token has the target's distribution given the tokens before it, and a seeded request reproduces
+        its output for a fixed draft source (its generator draws one row per verified position)."""
         drafts = {seq.seq_id: batch.draft_ids(i) for i, seq in enumerate(batch.seqs) if batch.draft_ids(i)}
         if not drafts:
             return draws
