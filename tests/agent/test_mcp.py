@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -303,3 +304,56 @@ def test_start_mcp_servers_refuses_a_tool_name_two_servers_offer_and_closes_them
     with pytest.raises(McpError, match=r"the tool '\w+' is offered by mcp server 'one' and by mcp server 'two'"):
         start_mcp_servers([echo_config("one"), echo_config("two")], workspace)
     assert sorted(server.name for server in closed) == ["one", "two"] and not any(server.running for server in closed)
+
+
+# ---- a server in the sandbox
+
+def test_a_sandboxed_server_runs_in_its_own_namespaces_and_leaves_nothing_behind(tmp_path):
+    from tsterm.agent.sandbox import detect_isolation
+
+    assert detect_isolation().mechanism is not None, detect_isolation().reason
+    root = tmp_path / "ws"
+    (root / "sub").mkdir(parents=True)
+    (root / "server.py").write_text(Path(ECHO_SERVER).read_text())  # only the workspace is visible in there
+    workspace = Workspace(root)
+    before = {path.name for path in Path(tempfile.gettempdir()).glob("tsterm-sandbox-*")}
+    config = McpServerConfig.from_dict({"name": "boxed", "command": sys.executable, "args": ["../server.py"],
+                                        "cwd": "sub", "sandbox": True, "approve": "never"})
+    with McpServer(config, workspace) as server:
+        tools = {tool.name: tool for tool in server.tools()}
+        assert tools["add"].call({"a": 2, "b": 40}).content == "42"
+        pid, cwd = tools["whoami"].call({}).content.split()
+        # PID 1 is the sandbox's init, 2 the supervisor, 3 the server; the workspace is at the same path in there
+        assert (int(pid), cwd) == (3, str(root / "sub"))
+        assert tools["environ"].call({}).content.split(",") == ["HOME", "LANG", "PATH"]
+        boxed = _host_pids_running(b"../server.py")  # the supervisor and the server, seen from here
+        assert len(boxed) == 2
+    assert all(process_gone(pid) for pid in boxed)
+    assert {path.name for path in Path(tempfile.gettempdir()).glob("tsterm-sandbox-*")} == before
+
+
+def test_a_sandboxed_server_is_refused_without_namespaces(tmp_path, monkeypatch):
+    from tsterm.agent import sandbox
+
+    monkeypatch.setattr(sandbox, "detect_isolation", lambda: sandbox.Isolation(None, "no user namespaces"))
+    config = McpServerConfig.from_dict({"name": "boxed", "command": sys.executable, "args": [ECHO_SERVER],
+                                        "sandbox": True})
+    with pytest.raises(McpError, match=r"mcp server 'boxed' refused: the sandbox is unavailable \(no user namesp"):
+        McpServer(config, Workspace(tmp_path)).start()
+    with pytest.raises(ConfigError, match="'sandbox' must be true or false"):
+        McpServerConfig.from_dict({"name": "boxed", "command": "x", "sandbox": "yes"})
+
+
+def _host_pids_running(argument: bytes) -> list[int]:
+    """Host pids of the processes with `argument` on their command line that run in a PID namespace of their own."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            status = Path(f"/proc/{entry}/status").read_text()
+        except (OSError, ValueError):
+            continue
+        nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+        if argument in cmdline and len(nspids) > 1:
+            found.append(int(entry))
+    return found

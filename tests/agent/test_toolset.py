@@ -150,6 +150,7 @@ def test_a_profile_sets_the_sandbox_limits(tmp_path):
         assert result.error == "sh: exited with status 153" and (tmp_path / "big").stat().st_size == 4096
     for limits, message in [({"procs": 1}, "sandbox_limits: unknown limit 'procs'"),
                             ({"cpu_s": 0}, "sandbox_limits.cpu_s must be a positive integer"),
-                            ({"cpu_s": True}, "sandbox_limits.cpu_s must be"), ([], "sandbox_limits must be a mapping")]:
+                            ({"cpu_s": True}, "sandbox_limits.cpu_s must be"),
+                            ([], "sandbox_limits must be a mapping")]:
         with pytest.raises(ConfigError, match=message):
             AgentSettings(sandbox_limits=limits)

@@ -40,7 +40,7 @@ _SERVER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
 _TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")  # what the chat templates accept as a function name
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SERVER_KEYS = {"name", "command", "args", "env", "cwd", "timeout_s", "startup_timeout_s", "approve", "prefix",
-                "max_output_bytes"}
+                "max_output_bytes", "sandbox"}
 # The server runs under this small supervisor (`python -I -S -c`, argv: the names to keep, then the server's argv).
 # The SDK's stdio client always adds some of our variables (HOME, PATH, SHELL, TERM, USER...) to the child's
 # environment: the supervisor keeps only the names we built, so values travel in the environment, never on a
@@ -99,6 +99,10 @@ class McpServerConfig:
     approve: str = "always"
     prefix: str = ""  # put before every tool name, to keep two servers' (or a built-in's) names apart
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
+    # run the server in the workspace's sandbox (sandbox.py): it sees the system directories, this interpreter's
+    # installation and the workspace, no network unless agent.network. Off by default: most servers run from the
+    # user's home (npx, uvx) and need the network
+    sandbox: bool = False
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "mcp server") -> McpServerConfig:
@@ -140,9 +144,12 @@ class McpServerConfig:
         max_output_bytes = data.get("max_output_bytes", DEFAULT_MAX_OUTPUT_BYTES)
         if isinstance(max_output_bytes, bool) or not isinstance(max_output_bytes, int) or max_output_bytes <= 0:
             raise ConfigError(f"{where}: 'max_output_bytes' must be a positive integer, got {max_output_bytes!r}")
+        sandbox = data.get("sandbox", False)
+        if not isinstance(sandbox, bool):
+            raise ConfigError(f"{where}: 'sandbox' must be true or false, got {sandbox!r}")
         return cls(name=name, command=command, args=list(args), env=dict(env), cwd=cwd, timeout_s=timeout_s,
                    startup_timeout_s=startup_timeout_s, approve=approve, prefix=prefix,
-                   max_output_bytes=max_output_bytes)
+                   max_output_bytes=max_output_bytes, sandbox=sandbox)
 
 
 def _seconds(data: dict, key: str, default: float, where: str) -> float:
@@ -170,6 +177,7 @@ class McpServer:
         self._main_task: asyncio.Task | None = None
         self._last_stderr = ""
         self._lock = threading.Lock()
+        self._cleanup = None  # a sandboxed server's: removes its mount point and cgroup once it has exited
 
     def __repr__(self) -> str:
         return f"McpServer({self.config.name!r})"
@@ -284,9 +292,14 @@ class McpServer:
         if program is None:
             raise McpError(f"mcp server {self.name!r}: cannot run {config.command!r}: not found or not executable "
                            f"(PATH is {env.get('PATH', '')!r})")
-        return StdioServerParameters(command=sys.executable,
-                                     args=["-I", "-S", "-c", _SUPERVISOR, ",".join(env), program, *config.args],
-                                     env=env, cwd=workdir)
+        argv = [sys.executable, "-I", "-S", "-c", _SUPERVISOR, ",".join(env), program, *config.args]
+        if config.sandbox:
+            try:
+                self.workspace.require_confinement(f"mcp server {self.name!r}")
+            except SandboxError as err:
+                raise McpError(str(err)) from None
+            argv, self._cleanup = self.workspace.confined_command(argv, workdir, env)
+        return StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=workdir)
 
     def _thread_main(self, params: StdioServerParameters, ready: concurrent.futures.Future) -> None:
         loop = self._loop
@@ -303,6 +316,8 @@ class McpServer:
                 loop.close()
             self._last_stderr = self._read_stderr_tail()  # the process is gone: keep what it said, drop the file
             self._stderr.close()
+            if self._cleanup is not None:
+                self._cleanup()
 
     async def _serve(self, params: StdioServerParameters, ready: concurrent.futures.Future) -> None:
         self._main_task = asyncio.current_task()

@@ -275,6 +275,32 @@ class Workspace:
             return self._run_plain(argv, workdir, timeout_s, max_output_bytes)
         return self._run_confined(argv, workdir, timeout_s, max_output_bytes)
 
+    def confined_command(self, argv: list[str], workdir: Path, env: dict[str, str]) -> tuple[list[str], object]:
+        """The command line that runs `argv` in the sandbox with the stdio it is given, for a long-running program
+        (an MCP server): no timeout but the CPU limit; killing the launcher's process group, or SIGTERM to the
+        launcher, kills the namespace. Returns it and a cleanup to call once the launcher has exited."""
+        launcher, newroot, cgroup = self._launcher(argv, workdir, env, float(self.limits.cpu_s), None)
+
+        def cleanup() -> None:
+            _remove_dir(newroot)
+            if cgroup is not None:
+                _remove_dir(cgroup)
+
+        return launcher, cleanup
+
+    def _launcher(self, argv: list[str], workdir: Path, env: dict[str, str], timeout_s: float,
+                  status_fd: int | None) -> tuple[list[str], str, str | None]:
+        """sandbox_init.py's command line for one run, the empty directory its new root is mounted on and its pids
+        cgroup (None unless we are root): both are to be removed once the launcher has exited."""
+        newroot = tempfile.mkdtemp(prefix="tsterm-sandbox-")
+        cgroup_base = self.isolation.cgroup_base
+        cgroup = _make_cgroup(cgroup_base, self.limits.processes) if cgroup_base else None
+        config = {"status_fd": status_fd, "parent": os.getpid(), "cgroup": cgroup, "network": self.network,
+                  "newroot": newroot, "workspace": str(self.root), "cwd": str(workdir), "argv": list(argv),
+                  "env": dict(env), "limits": self.limits.rlimits(timeout_s), "tmp_bytes": self.limits.tmp_bytes,
+                  "read_only": _read_only_paths(self.network, self.root), "etc": _etc_files(self.network)}
+        return [sys.executable, "-I", "-S", _LAUNCHER, marshal.dumps(config).hex()], newroot, cgroup
+
     def _run_plain(self, argv: list[str], workdir: Path, timeout_s: float, max_output_bytes: int) -> RunResult:
         start = time.monotonic()
         try:
@@ -301,20 +327,17 @@ class Workspace:
         start = time.monotonic()
         deadline = start + timeout_s
         status_read, status_write = os.pipe()
-        newroot = tempfile.mkdtemp(prefix="tsterm-sandbox-")
-        cgroup_base = self.isolation.cgroup_base
-        cgroup = _make_cgroup(cgroup_base, self.limits.processes) if cgroup_base else None
-        config = {"status_fd": status_write, "parent": os.getpid(), "cgroup": cgroup, "network": self.network,
-                  "newroot": newroot, "workspace": str(self.root), "cwd": str(workdir), "argv": list(argv),
-                  "env": self.environment(), "limits": self.limits.rlimits(timeout_s),
-                  "tmp_bytes": self.limits.tmp_bytes, "read_only": _read_only_paths(self.network, self.root),
-                  "etc": _etc_files(self.network)}
+        try:
+            launcher, newroot, cgroup = self._launcher(argv, workdir, self.environment(), timeout_s, status_write)
+        except BaseException:
+            os.close(status_read)
+            os.close(status_write)
+            raise
         try:
             try:
-                proc = subprocess.Popen([sys.executable, "-I", "-S", _LAUNCHER, marshal.dumps(config).hex()],
-                                        env=self.environment(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                                        pass_fds=(status_write,))
+                proc = subprocess.Popen(launcher, env=self.environment(), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                        close_fds=True, pass_fds=(status_write,))
             finally:
                 os.close(status_write)
             try:
@@ -352,6 +375,7 @@ class Workspace:
             raise SandboxError(f"the sandbox launcher failed (status {proc.returncode}): {output[-500:]}")
         return RunResult(exit_code=exit_code, output=output, truncated=truncated,
                          duration_s=time.monotonic() - start, timed_out=timed_out)
+
 
 def _has_symlink_loop(real: Path) -> bool:
     # resolve(strict=False) gives up silently on a loop in Python >= 3.13 and leaves the link in the result.

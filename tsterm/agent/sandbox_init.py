@@ -1,19 +1,21 @@
 """The sandbox's launcher, run by sandbox.py as `python -I -S sandbox_init.py CONFIG` for every command (CONFIG: a
 dict in marshal's format, as hex; the same interpreter writes and reads it).
 
-Standard library only (it runs without site-packages), and only modules that load fast: it runs once per command. It joins the run's pids cgroup (when given), makes new user,
-mount, PID, IPC, UTS and (network off) network namespaces with unshare(2) and maps our uid to root in them, then
-forks the namespace's init (PID 1). The init builds a fresh root on a tmpfs - the system directories bound read-only,
-a private /tmp, /dev and /proc, the workspace bound read-write, nothing else of the host (the user's home included) -
-pivots into it, and forks the command with rlimits, a clean environment and default signal dispositions. The init
-reaps everything and exits when the command exits; the kernel then kills whatever else is left in the namespace, so
-backgrounded, setsid()-ed and double-forked children die with it.
+Standard library only (it runs without site-packages), and only modules that load fast: it runs once per command.
+It joins the run's pids cgroup (when given), makes new user, mount, PID, IPC, UTS and (network off) network
+namespaces with unshare(2) and maps our uid to root in them, then forks the namespace's init (PID 1). The init
+builds a fresh root on a tmpfs - the system directories bound read-only, a private /tmp, /dev and /proc, the
+workspace bound read-write, nothing else of the host (the user's home included) - pivots into it, and forks the
+command with rlimits, a clean environment and default signal dispositions. The init reaps everything and exits
+when the command exits; the kernel then kills whatever else is left in the namespace, so backgrounded, setsid()-ed
+and double-forked children die with it.
 
 SIGTERM to this launcher means "kill the namespace now": it SIGKILLs the init and exits once the init is reaped,
 which happens only after every process of the namespace is gone. Its parent's death SIGKILLs it (PR_SET_PDEATHSIG),
 and its death SIGKILLs the init the same way.
 
-The init tells the parent what happened on the status pipe (config "status_fd"), one line each:
+The init tells the parent what happened on the status pipe (config "status_fd"; None: errors go to stderr), one
+line each:
 `exit <wait status>` when the command ended, `error <text>` when the sandbox could not be set up or the program
 could not be started.
 """
@@ -78,8 +80,13 @@ def write(path: str, text: str) -> None:
         os.close(fd)
 
 
-def report(fd: int, kind: str, text: str) -> None:
-    os.write(fd, f"{kind} {text}\n".encode())
+def report(fd: int | None, kind: str, text: str) -> None:
+    """A line on the status pipe; without one (a long-running server's launcher: config status_fd None), an error
+    goes to stderr, where whoever started it reads why it did not start."""
+    if fd is not None:
+        os.write(fd, f"{kind} {text}\n".encode())
+    elif kind == "error":
+        os.write(2, f"sandbox: {text}\n".encode())
 
 
 def touch(path: str) -> None:
@@ -162,7 +169,7 @@ def loopback_up() -> None:
         os.close(sock)
 
 
-def run_command(cfg: dict, status: int) -> None:
+def run_command(cfg: dict, status: int | None) -> None:
     """In the command's child: limits, defaults, exec. Never returns."""
     try:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -181,7 +188,7 @@ def run_command(cfg: dict, status: int) -> None:
     os._exit(127)
 
 
-def init(cfg: dict, status: int) -> None:
+def init(cfg: dict, status: int | None) -> None:
     """PID 1 of the new namespace. Never returns."""
     try:
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
@@ -205,7 +212,8 @@ def init(cfg: dict, status: int) -> None:
 def main() -> None:
     cfg = marshal.loads(bytes.fromhex(sys.argv[1]))
     status = cfg["status_fd"]
-    os.set_inheritable(status, False)  # the command's exec closes it
+    if status is not None:
+        os.set_inheritable(status, False)  # the command's exec closes it
     try:
         check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         if os.getppid() != cfg["parent"]:
