@@ -236,7 +236,7 @@ class Engine:
         try:
             if batch.cow_copies:
                 self.executor.copy_blocks(batch.cow_copies)
-            logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples (or per verified position)
+            logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples (a verify: per position)
             return self._accept(batch, self._sample(logits, samples, rows))
         except BaseException:
             checkpoint.restore()
