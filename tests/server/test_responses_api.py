@@ -407,18 +407,19 @@ def _thinking_client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _thinking_tools():
+def _thinking_tools(strict: bool = False):
     from tests.server.thinking_model import TOOLS as CHAT_TOOLS
 
-    # not strict: a strict function under "auto" holds the reply to free text then calls, and that text cannot hold
-    # this model's `<think>` (a special token), so the grammar would end its reply at once (tool_choice.call_grammar)
-    return [{"type": "function", **tool["function"], "strict": False} for tool in CHAT_TOOLS]
+    return [{"type": "function", **tool["function"], "strict": strict} for tool in CHAT_TOOLS]
 
 
-def test_a_thinking_reply_is_a_reasoning_item_then_its_call(thinking):
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_thinking_reply_is_a_reasoning_item_then_its_call(thinking, strict):
+    """Strict (the Responses default) too: under "auto" the grammar lets the reply open with its reasoning (a special
+    `<think>` that free text cannot hold; the reply ended at once before)."""
     from tests.server.thinking_model import ARGUMENTS, REASONING, TOOL
 
-    client, tools = _thinking_client(thinking), _thinking_tools()
+    client, tools = _thinking_client(thinking), _thinking_tools(strict)
     kwargs = dict(model="thinking", input="Read the tides.", tools=tools, temperature=0, max_output_tokens=16)
     r = client.responses.create(**kwargs)
     reasoning, call = r.output

@@ -350,7 +350,9 @@ def test_a_strict_function_under_auto_leaves_text_free_and_holds_calls_to_its_sc
     other = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {
         "zone": {"type": "string"}}}}}
     grammar = call_grammar(state, ToolUse([*strict, other], True, False, strict=True), [], False).grammar
-    assert grammar.startswith('start: text (tc ("\\n" tc)*)?') and "text: /(?s:.*)/" in grammar
+    # an optional reasoning block first (a model that reasons on its own may), then free text, then any calls
+    assert grammar.startswith('start: think text (tc ("\\n" tc)*)?') and "text: /(?s:.*)/" in grammar
+    assert "think: (" in grammar and grammar.split("think: (", 1)[1].split("\n", 1)[0].endswith(")?")
     schemas = json.loads(grammar.split("%json ", 1)[1].splitlines()[0])["anyOf"]
     assert [s["properties"]["arguments"] for s in schemas] == [_SPEC["parameters"], {"type": "object"}]
 

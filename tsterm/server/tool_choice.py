@@ -10,9 +10,9 @@ a string's value any text without `</parameter>`, another type's JSON of its sch
 close tag), separated as the template separates them. A named tool (and `parallel_tool_calls:
 false`, Anthropic `disable_parallel_tool_use`) allows exactly one call: the grammar ends after it and the reply
 finishes with "stop". Reasoning: where the generation prompt leaves a `<think>` block open, the reply finishes it
-before its calls; where the request sets `enable_thinking: true` (chat_template_kwargs, or Anthropic `thinking`), a
-reply may open with a `<think>...</think>` block; otherwise the calls come first (a model that reasons on its own,
-unasked, is not let to under a required call). So a reply is a valid call by construction; what is left for the 422
+before its calls; where the request sets `enable_thinking: true` (chat_template_kwargs, or Anthropic `thinking`), or
+under "auto", a reply may open with a `<think>...</think>` block; otherwise the calls come first (a model that reasons
+on its own, unasked, is not let to under a required call). So a reply is a valid call by construction; what is left for the 422
 (`tool_choice_unsatisfied`) is a reply cut short by max_tokens before its first call was whole. A template that
 renders no tool call tsterm's parser reads gets a 400 (`tool_choice_unsupported`): the choice cannot be enforced. With
 tool_choice "auto" and a function marked `strict: true`, the reply is free text then any calls, the strict functions'
@@ -75,7 +75,10 @@ def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int],
         if not tools.required and not specs[name].get("strict"):
             parameters[name] = {"type": "object"}  # "auto": only a strict function's arguments are held to its schema
     opened = prompt_opens_reasoning(state, prompt_ids)  # the generation prompt opened the reasoning
-    think = think_rules(state, opened) if opened or thinking else ()
+    # "auto" leaves the reply free but for the strict functions' calls: a model that reasons on its own may (text
+    # cannot hold a special `<think>`, which would end such a model's reply at once); a required call may reason
+    # only where asked
+    think = think_rules(state, opened) if opened or thinking or not tools.required else ()
     calls = "tc" if tools.single else f"tc ({form.separator} tc)*"
     if not tools.required:  # text (which cannot hold the open tag: a special token), then any calls
         calls = f"text ({calls})?"
