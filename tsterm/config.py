@@ -20,6 +20,8 @@ def _check(cond: bool, msg: str, param: str | None = None) -> None:
 SEED_MAX = 2**64 - 1  # a torch.Generator's seed is an unsigned 64-bit integer
 MIN_TEMPERATURE = 1e-6  # below it (and above 0), logits / temperature overflow float32 for ordinary logits
 MAX_LOGPROBS = 20
+LOGIT_BIAS_BOUND = 100.0  # logit_bias values lie in [-100, 100], and at most 300 of them (OpenAI's bounds)
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass(slots=True)
@@ -98,6 +100,9 @@ class SamplingParams:
     # constrain the reply to a JSON schema, a regex, a choice or a grammar (a dict of StructuredOutputs' fields is
     # taken too); None: free
     structured_outputs: StructuredOutputs | None = None
+    # token id -> a bias added to its logit before the penalties, temperature and truncation (-100 bans the token,
+    # +100 all but forces it; the grammar's mask still wins); at most MAX_LOGIT_BIAS ids; None or {}: none
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -154,6 +159,24 @@ class SamplingParams:
                "structured_outputs")
         if so is not None:
             so.validate()
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        _check(isinstance(bias, dict), f"logit_bias must be None or a dict of token id -> bias, got {bias!r}",
+               "logit_bias")
+        _check(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are taken",
+               "logit_bias")
+        for token, value in bias.items():
+            _check(_is_int(token) and token >= 0, f"logit_bias keys must be token ids (non-negative integers), got "
+                   f"{token!r}", "logit_bias")
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                   and -LOGIT_BIAS_BOUND <= value <= LOGIT_BIAS_BOUND,
+                   f"logit_bias[{token}] must be a number in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got "
+                   f"{value!r}", "logit_bias")
+        self.logit_bias = {token: float(value) for token, value in bias.items()}
 
     @property
     def greedy(self) -> bool:

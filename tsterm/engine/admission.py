@@ -43,6 +43,9 @@ def check_request(prompt_ids: list[int], params: SamplingParams, limits: Limits,
     bad = [t for t in params.stop_token_ids if t >= vocab]
     if bad:
         raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})", param="stop_token_ids")
+    bad = [t for t in params.logit_bias or () if t >= vocab]
+    if bad:
+        raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})", param="logit_bias")
     if len(prompt_ids) >= limits.max_model_len:
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the context holds {limits.max_model_len} "
                            "(prompt + at least one generated token); shorten it or raise max_model_len / the KV budget",

@@ -4,6 +4,8 @@ Order of the stages (what vLLM / OpenAI users expect):
   0. the grammar mask of constrained rows (structured outputs, `tsterm.engine.structured`): every token the row's
      grammar cannot take next is set to -inf, so the stages below (and the logprobs) see only the allowed tokens;
      free rows in the same batch are untouched;
+  0b. logit_bias (OpenAI's): each biased row's (token id, bias) pairs are added to its logits, as one scatter for the
+     whole batch (the pairs go up as host tensors without waiting); what the grammar masked stays -inf;
   1. penalties on the raw logits: repetition (HF-style, over prompt + output tokens), then presence and
      frequency (OpenAI-style, over output tokens only);
   2. logprobs: log_softmax of the *penalised* logits, before temperature and truncation, so a request's
@@ -137,6 +139,9 @@ class Sampler:
         if constrained:
             stages.append("grammar")
             logits = self._constrain(logits, rows, constrained)
+        if any(p.logit_bias for p in params):
+            stages.append("logit_bias")
+            logits = _add_logit_bias(logits, params)
         if not sample_rows and not logprob_rows and not any(has_penalty(p) for p in params):
             # the common case: all greedy, nothing to penalise -> one argmax, no copies, no extra tensors
             self.last_stages = (*stages, "argmax")
@@ -300,6 +305,23 @@ class Sampler:
             return chosen, None, None
         top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)  # [N, K] sorted
         return chosen, top_values, top_ids
+
+
+def _add_logit_bias(logits: Tensor, params: list[SamplingParams]) -> Tensor:
+    """float32 [B, V]: `logits` with each row's `logit_bias` added (a new tensor; the input is not modified). The
+    (row, id) pairs and their biases reach the device as two small host tensors (pinned, not waited for), and one
+    scatter adds them: host work O(biased ids) a step, no sync."""
+    rows, ids, values = [], [], []
+    for b, p in enumerate(params):
+        if p.logit_bias:
+            rows += [b] * len(p.logit_bias)
+            ids += p.logit_bias.keys()
+            values += p.logit_bias.values()
+    index = _to_device(torch.tensor([rows, ids], dtype=torch.long), logits.device)  # [2, N]
+    bias = _to_device(torch.tensor(values, dtype=torch.float32), logits.device)  # [N]
+    scores = logits.to(torch.float32, copy=True)
+    # the ids of one row are a dict's keys: no (row, id) pair repeats, so the scatter writes each element once
+    return scores.index_put_((index[0], index[1]), scores[index[0], index[1]] + bias)
 
 
 _NUCLEUS_CANDIDATES = 64  # top-p first looks for its nucleus among this many most likely tokens
