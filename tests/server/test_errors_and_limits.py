@@ -16,11 +16,6 @@ from tsterm.errors import ConfigError
 from tsterm.server.serve import check_bind
 
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3, "temperature": 0}
-TOOL_HISTORY = [{"role": "user", "content": "What is 2 + 2?"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "c1", "type": "function",
-                                 "function": {"name": "calculator", "arguments": "{not json"}}]},
-                {"role": "tool", "tool_call_id": "c1", "content": "4"}]
 
 
 @pytest.mark.parametrize("body, status, fragment", [
@@ -36,7 +31,6 @@ TOOL_HISTORY = [{"role": "user", "content": "What is 2 + 2?"},
     ({**GOOD, "model": "gpt-4"}, 404, "does not exist"),
     ({**GOOD, "n": 9}, 400, "at most 8"),
     ({**GOOD, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context"),
-    ({**GOOD, "messages": TOOL_HISTORY, "tools": [Calculator().spec()]}, 400, "not valid JSON"),
     ({**GOOD, "tools": [Calculator().spec()], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      400, "not among the tools"),
     ({**GOOD, "top_logprobs": 2}, 400, "logprobs"),
@@ -176,7 +170,7 @@ def test_disconnect_while_waiting_for_a_whole_completion(make_server, llm, aengi
     server.state.observer = watch = FirstOutput()
     body = json.dumps({**GOOD, "max_tokens": 800, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         watch.seen.wait()  # hang up once it is generating
     assert wait_blocks_free(aengine)["used"] == 0

@@ -21,6 +21,7 @@ from tsterm.server.anthropic_api import is_anthropic
 from tsterm.server.anthropic_api import router as anthropic_router
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import EngineCollector, ServerMetrics
+from tsterm.server.openai_api import anthropic_client
 from tsterm.server.openai_api import router as openai_router
 from tsterm.server.protocol import Health
 from tsterm.server.responses_api import router as responses_router
@@ -31,7 +32,9 @@ from tsterm.server.state import ServerState
 class RequestCounter:
     """ASGI middleware, outermost: counts every HTTP request by its route and status code, and answers a declared
     Content-Length past `max_body_bytes` with a 413 (in Anthropic's shape on /v1/messages, else OpenAI's); a chunked body that grows past it is stopped as
-    it is read (an HTTPException(413), answered by the app's handler)."""
+    it is read (an HTTPException(413), answered by the app's handler). A POST body is read as JSON whatever its
+    Content-Type says (every route takes JSON; `curl -d` sends x-www-form-urlencoded, some clients none): a body
+    that is not JSON is then a 400 saying so."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics, max_body_bytes: int, routes: list[BaseRoute]):
         self.app, self.metrics, self.max_body_bytes, self.routes = app, metrics, max_body_bytes, routes
@@ -56,6 +59,8 @@ class RequestCounter:
                 await _drain(receive, DRAIN_FACTOR * self.max_body_bytes)
             anthropic = scope.get("path", "").startswith(ANTHROPIC_PATH)  # no route is matched yet: ask the path
             return await error.response(anthropic)(scope, receive, send)
+        if scope.get("method") == "POST":
+            scope = _as_json(scope)
         received = 0
 
         async def limited_receive() -> Message:
@@ -82,6 +87,16 @@ class RequestCounter:
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
 
 
+def _as_json(scope: Scope) -> Scope:
+    """`scope` with a JSON Content-Type, unless it has one (application/json, or any application/*+json)."""
+    headers = scope.get("headers") or []
+    kind = dict(headers).get(b"content-type", b"").split(b";")[0].strip().lower()
+    if kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json")):
+        return scope
+    return {**scope, "headers": [(k, v) for k, v in headers if k != b"content-type"]
+            + [(b"content-type", b"application/json")]}
+
+
 DRAIN_FACTOR = 4  # a refused body up to this many times the limit is read (and dropped) before the 413
 
 
@@ -96,6 +111,14 @@ async def _drain(receive: Receive, limit: int) -> None:
         drained += len(message.get("body", b""))
         if not message.get("more_body"):
             return
+
+
+MODELS_PATH = "/v1/models"  # shared by both APIs: an Anthropic client's errors there take its shape
+
+
+def _anthropic_shape(request: Request) -> bool:
+    """Whether an error answers in Anthropic's shape: on its routes, and on the shared ones for its clients."""
+    return is_anthropic(request) or (request.url.path.startswith(MODELS_PATH) and anthropic_client(request))
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -132,7 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response(is_anthropic(request))
+        return exc.response(_anthropic_shape(request))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -140,22 +163,22 @@ def create_app(state: ServerState) -> FastAPI:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return APIError(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-                            code="invalid_json").response(is_anthropic(request))
+                            code="invalid_json").response(_anthropic_shape(request))
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                             for e in errors[:5])
         return APIError(400, message or "invalid request",
-                        param=".".join(where) or None).response(is_anthropic(request))
+                        param=".".join(where) or None).response(_anthropic_shape(request))
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:  # logged by Starlette, with its traceback
         return APIError(500, f"internal server error ({type(exc).__name__}): {exc}", type_="server_error",
-                        code="internal_error").response(is_anthropic(request))
+                        code="internal_error").response(_anthropic_shape(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_=kind).response(is_anthropic(request))
+        return APIError(exc.status_code, str(exc.detail), type_=kind).response(_anthropic_shape(request))
 
     endpoints = [*openai_router.routes, *anthropic_router.routes, *responses_router.routes,
                  *(route for route in app.router.routes if isinstance(route, APIRoute))]

@@ -71,7 +71,9 @@ class SSEResponse(StreamingResponse):
 
 
 class Lease:
-    """One admitted generation request: counted against `limits.max_queued_requests` until released (once)."""
+    """One admitted generation request: counted against `limits.max_queued_requests` until released (once). A route
+    takes it before the request's costly preparation (rendering, tokenising, compiling a grammar), so the bound holds
+    for those too, and releases it on every path (its stream's end, `run_to_end`, or an error before either)."""
 
     def __init__(self, state: ServerState, metrics: ServerMetrics):
         limit = state.limits.max_queued_requests
@@ -106,7 +108,7 @@ def check_prompt(state: ServerState, prompt_ids: list[int]) -> None:
 
 def check_max_tokens(state: ServerState, prompt_ids: list[int], max_tokens: int | None, param: str) -> None:
     """A max_tokens the client set must fit in the context after the prompt (as OpenAI answers it: a 400,
-    context_length_exceeded); left unset, the server's default is a cap and the context's end ends the reply."""
+    context_length_exceeded, naming the room left); left unset, each route says how long a reply may run."""
     if max_tokens is not None:
         try:
             check_reply_room(len(prompt_ids), max_tokens, state.max_model_len, param)

@@ -1,16 +1,25 @@
 """Pydantic models of the OpenAI request and response bodies the server speaks (the fields tsterm serves).
 
-Requests ignore unknown fields (clients send newer ones); a field of the wrong type or out of range is a 400.
+Requests ignore unknown fields (clients send newer ones); a field of the wrong type or out of range is a 400. An
+explicit JSON `null` is the field not given (its default), as OpenAI takes it, in every request object.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """`"n": null` is `n` left out: its default (clients such as LangChain send every optional field)."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 # ---- requests ----------------------------------------------------------------------------------------------
@@ -33,10 +42,12 @@ class ToolCallIn(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "function": the legacy result of a `function_call` (its `name` says which), read as a "tool" message
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
+    function_call: FunctionCall | None = None  # the legacy form of one tool call (an assistant message's)
     tool_call_id: str | None = None
     # an assistant message's reasoning, as clients of reasoning parsers send it back (vLLM, SGLang: reasoning_content;
     # others: reasoning); the chat template decides whether it renders it
@@ -57,6 +68,12 @@ class ToolSpec(_Body):
 
 
 class NamedFunction(_Body):
+    name: str
+
+
+class LegacyFunctionChoice(_Body):
+    """The legacy `function_call: {"name": ...}` (a named tool_choice)."""
+
     name: str
 
 
@@ -95,6 +112,9 @@ class _SamplingFields(_Body):
     seed: int | None = None
     stop: str | list[str] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    # token id (as a string: JSON keys are strings) -> a bias in [-100, 100] added to its logit; checked against the
+    # vocabulary and the bounds by the routes and the engine (SamplingParams.logit_bias)
+    logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -114,6 +134,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # the legacy form of tools / tool_choice (one call per reply; the reply's call comes back as `function_call`)
+    functions: list[FunctionSpec] | None = None
+    function_call: Literal["none", "auto"] | LegacyFunctionChoice | None = None
     response_format: ResponseFormat | None = None
     # variables for the chat template, as vLLM and SGLang take them (enable_thinking, preserve_thinking, ...), and
     # tsterm's `thinking_history` ("preserve" | "template"): checked by generation.template_kwargs
@@ -170,6 +193,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: ToolCallFunction | None = None  # the call, where the request used the legacy `functions`
 
     @model_serializer(mode="wrap")
     def _content_always(self, handler: Any) -> dict[str, Any]:
@@ -207,6 +231,13 @@ class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    function_call: ToolCallFunction | None = None  # the legacy `functions` form of a call delta
+
+
+def _with_nulls(data: dict[str, Any], *names: str) -> dict[str, Any]:
+    for name in names:
+        data.setdefault(name, None)
+    return data
 
 
 class ChunkChoice(BaseModel):
@@ -214,6 +245,11 @@ class ChunkChoice(BaseModel):
     delta: ChoiceDelta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _nulls(self, handler: Any) -> dict[str, Any]:
+        """OpenAI's chunks carry `finish_reason: null` (and `logprobs: null`) until the choice's last one."""
+        return _with_nulls(handler(self), "finish_reason", "logprobs")
 
 
 class ChatCompletionChunk(BaseModel):
@@ -238,6 +274,10 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
 
+    @model_serializer(mode="wrap")
+    def _nulls(self, handler: Any) -> dict[str, Any]:
+        return _with_nulls(handler(self), "finish_reason", "logprobs")
+
 
 class Completion(BaseModel):
     id: str
@@ -249,16 +289,31 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model, with OpenAI's fields (`object`, `created` in Unix seconds, `owned_by`) and Anthropic's (`type`,
+    `display_name`, `created_at` in RFC 3339), so either client reads it."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tsterm"
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str
     max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class AnthropicModelList(BaseModel):
+    """Anthropic's page of models (`GET /v1/models` from an Anthropic client): `has_more`, `first_id`, `last_id`."""
+
+    data: list[ModelCard]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
 
 
 class ErrorDetail(BaseModel):
