@@ -72,10 +72,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     out = llm.generate(prompt, params, on_output=stream)[0]
     if args.json:
-        m = out.metrics
+        m, stats = out.metrics, llm.stats()
         json.dump({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                    "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
-                   "ttft_s": m.ttft, "e2e_s": m.e2e, "mean_itl_s": m.mean_itl}, sys.stdout)
+                   "ttft_s": m.ttft, "e2e_s": m.e2e, "mean_itl_s": m.mean_itl,
+                   **{key: stats[key] for key in ("spec_draft_tokens", "spec_accepted_tokens")}}, sys.stdout)
     sys.stdout.write("\n")
     return 0
 
@@ -124,9 +125,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _parallel_options(args: argparse.Namespace) -> dict[str, int | str | None]:
-    """The engine flags `add_parallel_arguments` adds (parallel sizes, quantization), for the TUI's engine."""
+    """The engine flags `add_parallel_arguments` adds (parallel sizes, quantization, speculation), for the TUI's
+    engine."""
     return {name: getattr(args, name, None) for name in ("tensor_parallel_size", "expert_parallel_size",
-                                                         "quantization")}
+                                                         "quantization", "speculative_method",
+                                                         "num_speculative_tokens")}
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

@@ -226,6 +226,11 @@ class EngineConfig:
     expert_parallel_size: int = 1
     # a worker that does not answer a step (or its start) within this many seconds is reported as failed
     distributed_timeout_s: float = 60.0
+    # speculative decoding (tsterm.engine.spec_decode): greedy requests verify up to num_speculative_tokens drafted
+    # tokens a step and keep what the model agrees with (the same output, fewer steps); off, ngram (prompt lookup) or
+    # suffix (the request's own tokens and recent outputs, adaptive). Not for hybrid (Gated DeltaNet) models yet.
+    speculative_method: str = "off"
+    num_speculative_tokens: int = 4
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -267,6 +272,12 @@ class EngineConfig:
                f"state_snapshot_interval must be tokens >= 0 (0: off), got {self.state_snapshot_interval!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _check(self.speculative_method in ("off", "ngram", "suffix"),
+               f"speculative_method must be off, ngram or suffix, got {self.speculative_method!r}", "speculative_method")
+        _check(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
+               and 1 <= self.num_speculative_tokens <= 64,
+               f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",
+               "num_speculative_tokens")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":

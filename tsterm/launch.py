@@ -110,8 +110,8 @@ def profile_from_args(args: argparse.Namespace) -> Profile | None:
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
-    """The tensor/expert parallel and weight quantization flags of a command that starts an engine (they override
-    the profile's keys)."""
+    """The tensor/expert parallel, weight quantization and speculative decoding flags of a command that starts an
+    engine (they override the profile's keys)."""
     parser.add_argument("--tensor-parallel-size", type=int, dest="tensor_parallel_size", metavar="N",
                         help="split attention, dense MLPs and the vocabulary over N ranks (one process each) "
                              "(default: the profile's, else 1)")
@@ -122,12 +122,20 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store the linear layers' weights quantized at load: int8 or int4 (blocks of 32 inputs), "
                              "fp16 (CPU only) or fp8 (blocks of 128 x 128, GPU only) (default: the profile's, "
                              "else none)")
+    parser.add_argument("--speculative", dest="speculative_method", choices=["off", "ngram", "suffix"],
+                        metavar="METHOD", help="speculative decoding: draft tokens and verify them in one step (greedy "
+                                               "replies are the same, sampled ones have the same distribution): off, "
+                                               "ngram (prompt lookup) or suffix (the request's own tokens and recent "
+                                               "outputs) (default: the profile's speculative_method, else off)")
+    parser.add_argument("--num-speculative-tokens", type=int, dest="num_speculative_tokens", metavar="K",
+                        help="most draft tokens verified per step (default: the profile's, else 4)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options a command line sets over its profile (None: not given)."""
     return {name: getattr(args, name, None)
-            for name in ("dtype", "device", "tensor_parallel_size", "expert_parallel_size", "quantization")}
+            for name in ("dtype", "device", "tensor_parallel_size", "expert_parallel_size", "quantization",
+                         "speculative_method", "num_speculative_tokens")}
 
 
 def llm_from_args(args: argparse.Namespace, profile: Profile | None = None):

@@ -107,7 +107,7 @@ class Engine:
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
         # speculative decoding: the draft source (None: off); a step verifies what it drafts (`_accept`)
         self.drafter: DraftSource | None = None
-        method = getattr(config, "speculative_method", "off")
+        method = config.speculative_method
         if method != "off":
             if self.num_state_slots:
                 raise ConfigError(f"speculative_method {method!r}: {cfg.model_type} is a hybrid "
