@@ -141,7 +141,7 @@ def test_anthropic_any_and_named_make_a_greeting_a_tool_use(claude):
         assert [(b.name, b.input) for b in final.content] == [(b.name, b.input) for b in whole.content]
 
 
-def test_a_streamed_call_cut_short_stays_and_ends_with_length(client):
+def test_a_call_cut_short_stays_and_ends_with_length_streamed_or_not(client):
     kwargs = dict(model=MODEL, messages=TWO_CALLS, tools=TOOLS, temperature=0)
     (name, arguments), _ = _calls(client.chat.completions.create(**kwargs, max_tokens=80).choices[0].message)
     chunks = list(client.chat.completions.create(**kwargs, max_tokens=14, stream=True))
@@ -150,9 +150,9 @@ def test_a_streamed_call_cut_short_stays_and_ends_with_length(client):
     assert deltas[0].function.name == name and len(deltas) > 2  # started, some arguments sent
     assert arguments.startswith(streamed) and streamed != arguments  # what the model wrote before max_tokens
     assert chunks[-1].choices[0].finish_reason == "length"
-    whole = client.chat.completions.create(**kwargs, max_tokens=14).choices[0]  # not streamed: no call, its text
-    assert whole.finish_reason == "length" and not whole.message.tool_calls
-    assert whole.message.content.startswith("<tool_call>")
+    whole = client.chat.completions.create(**kwargs, max_tokens=14).choices[0]  # not streamed: the same cut call
+    assert whole.finish_reason == "length" and not whole.message.content
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [(name, streamed)]
 
 
 def test_a_constrained_reply_that_is_no_valid_call_is_a_422(client):
