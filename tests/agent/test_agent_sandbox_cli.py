@@ -29,8 +29,10 @@ def test_tsterm_agent_auto_runs_a_command_tool_inside_the_sandbox(capsys, tmp_pa
                                    "agent": {"tools": [], "allow_commands": True, "command_tools": [tool]}}))
     code = main(["agent", "--profile", str(profile), "--auto", "--device", "cpu", "--workspace", str(workspace),
                  "--json", "What is 37 * 12?"])
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
     assert code == 0 and out["reason"] == "answer" and "444" in out["answer"]
+    assert f"tsterm: {sandbox.Workspace(workspace).describe()}" in captured.err.splitlines()  # which sandbox
     assert out["steps"][0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "37 * 12"},
                                               "result": "444\n", "error": None}]
     # PID 2 of its own namespace (1 is the sandbox's init), and nothing of our environment but the clean three
@@ -49,7 +51,10 @@ def test_without_namespaces_the_command_tool_is_refused_and_the_model_is_told(ca
                                    "agent": {"tools": [], "allow_commands": True, "command_tools": [tool]}}))
     main(["agent", "--profile", str(profile), "--auto", "--device", "cpu", "--workspace", str(workspace), "--json",
           "What is 37 * 12?"])
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert "tsterm: sandbox: unavailable (no user namespaces here) - write and command tools are refused" in \
+        captured.err.splitlines()
     error = out["steps"][0]["tool_calls"][0]["error"]
     assert "refused" in error and "no user namespaces here" in error and "sandbox: none" in error
     assert not (workspace / "ran.txt").exists()

@@ -105,6 +105,8 @@ async def test_a_write_asks_first_deny_refuses_allow_writes(make_profile, data_d
                          what="the call's block, waiting")  # mounted by a message that may follow the dialog
         await pilot.press("n")
         await task_done(pilot, session, 2)
+        # with a write tool, the session says how its tools are confined (Workspace.describe)
+        assert any(v.role == "notice" and v.text.startswith("sandbox: ") for v in screen.query(MessageView))
         block = screen.query(ToolCallView).last()
         assert block.state.status == "refused" and block.state.error == REFUSED
         assert "refused" in block.title.plain and not (workspace / "out.txt").exists()

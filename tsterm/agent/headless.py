@@ -106,6 +106,8 @@ def main(args: argparse.Namespace) -> int:
                       constrain_tool_calls=constrain)
         if agent.constraint_note:  # the grammar cannot be built: the session runs unconstrained, said once
             print(f"tsterm: warning: {agent.constraint_note}", file=sys.stderr)
+        if any(tool.needs_approval for tool in toolset.tools):  # write or command tools: how they are confined
+            print(f"tsterm: {toolset.sandbox}", file=sys.stderr)
         try:
             tasks = asyncio.run(_run(agent, [args.task, *follow_ups], log))
         finally:

@@ -179,6 +179,8 @@ class AgentRuns:
             await self.view.report(session, f"the agent could not start: {e}", error=True)
             return False
         run.toolset = toolset
+        if any(tool.needs_approval for tool in toolset.tools):  # write or command tools: how they are confined
+            await self.view.report(session, toolset.sandbox, error=False)
         if note := await asyncio.to_thread(lambda: run.agent.constraint_note):  # said once; the task runs unconstrained
             await self.view.report(session, note, error=False)
         return True
