@@ -422,14 +422,19 @@ def test_suffix_global_index_serves_other_requests_and_is_bounded():
     assert source.propose(5, [5001] + outputs[0][:8], 6)
 
 
-def test_profile_keys_and_run_flags(moe, tmp_path, capsys):
+def test_profile_keys_and_run_flags(moe, tmp_path, capsys, monkeypatch):
     """The profile keys (flat: speculative_method, num_speculative_tokens) load and are checked where they are
     written; `tsterm run --speculative METHOD --num-speculative-tokens K --json` decodes the same tokens as without
     and reports the drafted and accepted tokens."""
     import json
 
+    import tsterm.launch
     from tsterm.cli import main
     from tsterm.profiles import load_profile
+
+    loaded = []
+    load_llm = tsterm.launch.load_llm
+    monkeypatch.setattr(tsterm.launch, "load_llm", lambda *a, **kw: loaded.append(load_llm(*a, **kw)) or loaded[-1])
 
     good = tmp_path / "spec.yaml"
     good.write_text(f"model: {moe}\nspeculative_method: suffix\nnum_speculative_tokens: 6\n")
@@ -447,6 +452,8 @@ def test_profile_keys_and_run_flags(moe, tmp_path, capsys):
     assert plain["spec_draft_tokens"] == plain["spec_accepted_tokens"] == 0
     assert main(base + ["--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
     spec = json.loads(capsys.readouterr().out)
+    config = loaded[-1].engine.config
+    assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert spec["spec_draft_tokens"] > 0 and 0 < spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
     with pytest.raises(SystemExit):
