@@ -177,3 +177,24 @@ def test_pins_find_a_salted_prefix_only_under_its_salt():
     assert kv.pin("its salt", tokens, expires_at=1e9, cache_salt="kim") == (3, 3)
     assert kv.pin("an agent session", list(range(100, 108)), expires_at=1e9) == (2, 2)  # unsalted pins as before
     pool.check_invariants()
+
+
+def test_a_hybrid_resumes_only_its_own_salts_state_snapshot(tmp_path):
+    """A hybrid (linear-attention) model resumes a cached prefix from the state snapshot kept with its last block:
+    found through the salted chain only."""
+    from tests.helpers.checkpoints import make_hybrid_checkpoint
+
+    path, _ = make_hybrid_checkpoint(tmp_path / "hybrid", "qwen3_next")
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, block_size=BLOCK)
+    try:
+        prompt = prompt_ids(19, 13)
+        first = run(llm, prompt, salt="mallory", params=greedy(4))  # 16 computed: a snapshot at the 4th block's end
+        turn = prompt + first.outputs[0].token_ids + prompt_ids(20, 3)
+        fresh = run(llm, turn, salt="niaj", params=greedy(4))
+        assert fresh.num_cached_tokens == 0
+        assert run(llm, turn, params=greedy(4)).num_cached_tokens == 0
+        again = run(llm, turn, salt="mallory", params=greedy(4))
+        assert again.num_cached_tokens == 16
+        assert again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    finally:
+        llm.engine.shutdown()
