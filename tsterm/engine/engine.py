@@ -92,6 +92,11 @@ class Engine:
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ModelLoadError(f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but the "
                                  f"embedding (config.json vocab_size) has only {cfg.vocab_size} rows")
+        recurrent = num_state_slots(ARCHITECTURES[cfg.model_type].layer_types(cfg), 1, False) > 0
+        if config.speculative_method != "off" and recurrent:  # (refused before the weights load)
+            raise ConfigError(f"speculative_method {config.speculative_method!r}: {cfg.model_type} is a hybrid model "
+                              "(Gated DeltaNet layers), whose recurrent state would have to end at the last accepted "
+                              "draft; that rollback is not implemented yet: use speculative_method off")
         self.executor = executor(ExecutorSpec(config, cfg, model_dir, self.dtype, self.device, progress))
         self.max_model_len = self.executor.max_model_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
@@ -107,13 +112,8 @@ class Engine:
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
         # speculative decoding: the draft source (None: off); a step verifies what it drafts (`_accept`)
         self.drafter: DraftSource | None = None
-        method = config.speculative_method
-        if method != "off":
-            if self.num_state_slots:
-                raise ConfigError(f"speculative_method {method!r}: {cfg.model_type} is a hybrid "
-                                  "model (Gated DeltaNet layers), whose recurrent state would have to end at the last "
-                                  "accepted draft; that rollback is not implemented yet: use speculative_method off")
-            self.drafter = make_draft_source(method, config.num_speculative_tokens)
+        if config.speculative_method != "off":
+            self.drafter = make_draft_source(config.speculative_method, config.num_speculative_tokens)
         self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.scheduler = Scheduler(config, self.kv, lambda: self.clock(),  # (the engine's clock, even if replaced)
                                    proposer=self._propose if self.drafter is not None else None)
