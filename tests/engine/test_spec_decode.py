@@ -451,10 +451,20 @@ def test_profile_keys_and_run_flags(moe, tmp_path, capsys, monkeypatch):
     plain = json.loads(capsys.readouterr().out)
     assert plain["spec_draft_tokens"] == plain["spec_accepted_tokens"] == 0
     assert main(base + ["--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
-    spec = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    spec = json.loads(captured.out)
+    assert "speculative decoding" not in captured.err  # (no penalty here: no note)
     config = loaded[-1].engine.config
     assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert spec["spec_draft_tokens"] > 0 and 0 < spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
+    # a profile whose sampling has a penalty: that request decodes without drafts, and run says so
+    penalised = tmp_path / "penalised.yaml"
+    penalised.write_text(f"model: {moe}\nspeculative_method: ngram\nsampling:\n  frequency_penalty: 1.0\n")
+    assert main(["run", "--profile", str(penalised), "--prompt", prompt, "--raw", "--max-tokens", "20",
+                 "--temperature", "0", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["spec_draft_tokens"] == 0
+    assert "speculative decoding skips requests with a repetition, presence or frequency penalty" in err
     with pytest.raises(SystemExit):
         main(base + ["--speculative", "eagle"])
