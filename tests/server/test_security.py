@@ -189,6 +189,10 @@ def test_a_requests_own_cache_salt(server):
     usages = [claude.messages.create(model=MODEL, max_tokens=1, messages=messages, extra_body={"cache_salt": s}).usage
               for s in (salt, "x" + salt, salt)]
     assert [(u.cache_read_input_tokens or 0) > 0 for u in usages] == [False, False, True]
+    text = f"{' '.join(uuid.uuid4().hex for _ in range(12))}: repeat after me"
+    responses = [client.responses.create(model=MODEL, input=text, max_output_tokens=1, store=False,
+                                         extra_body={"cache_salt": s}) for s in (salt, "x" + salt, salt)]
+    assert [r.usage.input_tokens_details.cached_tokens > 0 for r in responses] == [False, False, True]
 
 
 @pytest.mark.parametrize("salt", ["", 7])

@@ -49,7 +49,7 @@ from tsterm.chat.history import render_context
 from tsterm.config import SamplingParams
 from tsterm.errors import TstermError
 from tsterm.outputs import CompletionOutput, RequestOutput
-from tsterm.server.errors import APIError
+from tsterm.server.errors import ANTHROPIC_PATH, APIError, is_anthropic  # noqa: F401 - app.py reads them here
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.generation import (
     LAST, ChatPrompt, Lease, ReplyRecord, SSEResponse, check_max_tokens, check_model, check_prompt, check_stop,
@@ -58,15 +58,11 @@ from tsterm.server.generation import (
 )
 from tsterm.server.tool_choice import ToolUse, call_grammar, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
+from tsterm.server.security import request_salt
 from tsterm.server.state import RequestInfo, ServerState
 
 router = APIRouter()
-PATH = "/v1/messages"
-
-
-def is_anthropic(request: Request) -> bool:
-    """Whether `request` is on an Anthropic route (its errors take Anthropic's shape)."""
-    return request.url.path.startswith(PATH)
+PATH = ANTHROPIC_PATH
 
 
 # ---- bodies ------------------------------------------------------------------------------------------------
@@ -158,7 +154,6 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=-1)
     stop_sequences: list[str] | None = None
     stream: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached blocks only with its salt
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached blocks only with its salt
 
 
@@ -470,7 +465,7 @@ async def messages(request: Request, raw: dict[str, Any] = Body()) -> Any:
         params = dataclasses.replace(params, structured_outputs=prompt.grammar)
     info = RequestInfo(f"msg_{uuid.uuid4().hex}", "messages", prompt.ids, messages=chat.messages,
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
-                       history_context=prompt.context)
+                       history_context=prompt.context, cache_salt=request_salt(state, request, body.cache_salt))
     count_history(metrics, prompt, info.request_id)
     parser = reply_parser(chat.tools, prefix="toolu")
     prefill = chat.messages[-1] if chat.prefill else None

@@ -2,9 +2,17 @@
 shape on the Anthropic routes)."""
 from __future__ import annotations
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tsterm.server.protocol import ErrorDetail, ErrorResponse
+
+ANTHROPIC_PATH = "/v1/messages"  # the Anthropic routes: their errors take Anthropic's shape
+
+
+def is_anthropic(request: Request) -> bool:
+    """Whether `request` is on an Anthropic route (its errors take Anthropic's shape)."""
+    return request.url.path.startswith(ANTHROPIC_PATH)
 
 
 class APIError(Exception):

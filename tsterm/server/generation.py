@@ -35,7 +35,6 @@ from tsterm.outputs import RequestOutput
 from tsterm.server.conversations import owner_of
 from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
-from tsterm.server.security import cache_salt_option
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_choice import ToolUse, call_grammar
 from tsterm.server.tool_stream import CallArguments, CallStart, Piece
@@ -148,7 +147,8 @@ async def generate(state: ServerState, info: RequestInfo, params: SamplingParams
     """The engine's outputs for one request (every route generates through here), told to `state.observer`.
     Leaving early aborts the request and frees its blocks, as leaving `AsyncEngine.generate` does."""
     observer = state.observer
-    stream = state.engine.generate(info.prompt_ids, params, request_id=info.request_id, **cache_salt_option(state))
+    salted = {} if info.cache_salt is None else {"cache_salt": info.cache_salt}  # stand-ins may take no salt
+    stream = state.engine.generate(info.prompt_ids, params, request_id=info.request_id, **salted)
     if observer is None:
         async with contextlib.aclosing(stream):
             async for out in stream:

@@ -70,6 +70,7 @@ from tsterm.server.protocol import (
     PromptTokensDetails, TokenLogprob, ToolCallDelta, ToolCallFunction, ToolCallIn, ToolCallOut, ToolSpec, TopLogprob,
     Usage,
 )
+from tsterm.server.security import request_salt
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_stream import CallArguments, CallStart, Piece, ReplyParser
 
@@ -365,7 +366,7 @@ async def _chat(request: Request, state: ServerState, metrics: ServerMetrics, le
         params = dataclasses.replace(params, structured_outputs=spec or prompt.grammar)
     info = RequestInfo(f"chatcmpl-{uuid.uuid4().hex}", "chat.completions", prompt.ids, params.n, messages=messages,
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
-                       history_context=prompt.context)
+                       history_context=prompt.context, cache_salt=request_salt(state, request, body.cache_salt))
     count_history(metrics, prompt, info.request_id)
     parsers = [reply_parser(tools) for _ in range(params.n)]
     if body.stream:
@@ -542,7 +543,8 @@ async def _complete(request: Request, state: ServerState, metrics: ServerMetrics
         params = dataclasses.replace(params, max_tokens=min(COMPLETION_MAX_TOKENS, state.max_model_len - len(prompt)))
     text = body.prompt if isinstance(body.prompt, str) else body.prompt[0] if body.prompt and isinstance(
         body.prompt[0], str) else None
-    info = RequestInfo(f"cmpl-{uuid.uuid4().hex}", "completions", prompt, params.n, prompt=text)
+    info = RequestInfo(f"cmpl-{uuid.uuid4().hex}", "completions", prompt, params.n, prompt=text,
+                       cache_salt=request_salt(state, request, body.cache_salt))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _completion_stream(state, metrics, body, info, params, include_usage)

@@ -63,6 +63,7 @@ from tsterm.server.generation import (
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.protocol import JSONSchemaFormat, ResponseFormat
 from tsterm.server.response_store import StoredResponse
+from tsterm.server.security import request_salt
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, Piece, ReplyParser
@@ -124,6 +125,7 @@ class ResponsesRequest(_Body):
     prompt: Any = None
     # tsterm's, as on the chat route: variables for the chat template, and `thinking_history`
     chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: shares cached blocks only with its salt
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
@@ -612,7 +614,7 @@ async def _respond(request: Request, state: ServerState, metrics: ServerMetrics,
         params = dataclasses.replace(params, structured_outputs=spec or prompt.grammar)
     info = RequestInfo(call.response_id, "responses", prompt.ids, 1, messages=messages,
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
-                       history_context=prompt.context)
+                       history_context=prompt.context, cache_salt=request_salt(state, request, body.cache_salt))
     count_history(metrics, prompt, info.request_id)
     parser = reply_parser(tools)
     builder = OutputBuilder(_opened_reasoning(state, prompt.ids))

@@ -9,21 +9,18 @@
   page may read an answer). A request from any other origin passes by it untouched: no CORS header, and a preflight
   is answered as any OPTIONS is (405). `"*"` is refused without an API key (`check_settings`): with one, a page must
   still hold the key.
-- `RequestClient` + `cache_salt`: the cache salt of the request being served, for `AsyncEngine.generate`. A request's
-  own `cache_salt` field (vLLM's name) keeps its prompt's blocks from every prompt of another salt; with
+- `request_salt`: the cache salt a route puts in its RequestInfo, for `AsyncEngine.generate`. A request's own
+  `cache_salt` field (vLLM's name) keeps its prompt's blocks from every prompt of another salt; with
   `server.cache_isolation: per_key` the server salts every request with a digest of the API key it presented too
   (keyless servers: one digest for all), so `cached_tokens` tells a client nothing about another key's prompts, or
   about the local user's (whose prompts are unsalted).
 
-`install` adds the three to an app, inside the request counter (app.py adds that one last, outermost).
+`install` adds the first two to an app, inside the request counter (app.py adds that one last, outermost).
 """
 from __future__ import annotations
 
 import hashlib
 import ipaddress
-import json
-from contextvars import ContextVar
-from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, HTTPException
@@ -33,7 +30,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tsterm.errors import ConfigError
-from tsterm.server.errors import APIError
+from tsterm.server.errors import APIError, is_anthropic
 from tsterm.server.state import ServerLimits, ServerState
 
 # ---- configuration -----------------------------------------------------------------------------------------------
@@ -76,9 +73,8 @@ def check_settings(state: ServerState) -> None:
 
 def install(app: FastAPI, state: ServerState) -> None:
     """Check the settings (`check_settings`), then add the middlewares; Starlette runs the last added first: the Host
-    check, then CORS (when origins are set), then the cache salt's reader."""
+    check, then CORS (when origins are set)."""
     check_settings(state)
-    app.add_middleware(RequestClient, state=state)
     if state.limits.cors_origins:
         app.add_middleware(BrowserOrigins, origins=state.limits.cors_origins)
     app.add_middleware(HostGuard, limits=state.limits)
@@ -136,8 +132,6 @@ class HostGuard:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":  # (the server has no websocket route: closed as any unknown one would be)
             return await send({"type": "websocket.close", "code": 1008})
-        from tsterm.server.anthropic_api import is_anthropic  # (not at the top: generation.py imports this module)
-
         error = APIError(400, f"Host header {host!r} is not allowed; add {host_name(host)!r} to server.allowed_hosts "
                          f"to serve requests under that name", code="host_not_allowed")
         await _drain(receive, self.max_body_bytes)
@@ -182,65 +176,6 @@ class BrowserOrigins:
 
 # ---- cache isolation ---------------------------------------------------------------------------------------------
 
-SALT_FIELD = b"cache_salt"
-
-
-class _Client:
-    """Who sent the request being served: the API key it presented (where the server has one) and its body's
-    `cache_salt` (the raw JSON value; None when absent), read as the body arrives."""
-
-    __slots__ = ("key", "salt", "_chunks")
-
-    def __init__(self, key: str | None):
-        self.key, self.salt = key, None
-        self._chunks: list[bytes] | None = []  # None once the body is complete
-
-    def reader(self, receive: Receive) -> Receive:
-        async def receive_body() -> Message:
-            message = await receive()
-            if message["type"] == "http.request" and self._chunks is not None:
-                if message.get("body"):
-                    self._chunks.append(message["body"])
-                if not message.get("more_body"):
-                    self._read_salt()
-            return message
-        return receive_body
-
-    def _read_salt(self) -> None:
-        """The body's top-level `cache_salt`. Parsed only when the body may name it (`cache_salt` in its bytes, or a
-        \\u escape, which could spell it): most bodies are scanned once, not parsed twice. A body that is not JSON is
-        the route's to refuse."""
-        chunks, self._chunks = self._chunks, None
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks or ())
-        if SALT_FIELD in body or b"\\u" in body:
-            try:
-                parsed: Any = json.loads(body)
-            except ValueError:
-                return
-            if isinstance(parsed, dict):
-                self.salt = parsed.get("cache_salt")
-
-
-_client: ContextVar[_Client | None] = ContextVar("tsterm_server_client", default=None)
-
-
-class RequestClient:
-    """ASGI middleware: makes the request's `_Client` the one `cache_salt` reads, for the request's whole handling
-    (its streamed answer included: tasks the route starts inherit it)."""
-
-    def __init__(self, app: ASGIApp, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        client = _Client(presented_key(Headers(scope=scope)) if self.state.api_key is not None else None)
-        token = _client.set(client)
-        try:
-            await self.app(scope, client.reader(receive) if scope.get("method") == "POST" else receive, send)
-        finally:
-            _client.reset(token)
-
 
 def presented_key(headers: Headers) -> str:
     """The API key a request presented (`x-api-key`, else a bearer token), as app.create_app's check reads it."""
@@ -249,25 +184,13 @@ def presented_key(headers: Headers) -> str:
     return headers.get("authorization", "").partition(" ")[2].strip()
 
 
-def cache_salt(state: ServerState) -> Any:
-    """The engine's cache salt for the request being served (None: it shares the cache with every unsalted prompt,
-    as before salts). Its own `cache_salt` field, and with `cache_isolation: per_key` a digest of its API key (of
-    none on a keyless server: all its clients share one salt), each in a namespace of its own, so no request's salt
-    can spell another's. An own salt that is not a non-empty string goes to the engine as sent: the engine refuses
-    it (a 400 naming cache_salt)."""
-    client = _client.get()
-    own = None if client is None else client.salt
-    if own is not None and not (isinstance(own, str) and own):
-        return own
+def request_salt(state: ServerState, request: Request, own: str | None) -> str | None:
+    """The engine's cache salt for a request (RequestInfo.cache_salt; None: it shares the cache with every unsalted
+    prompt, as before salts): its own `cache_salt` field, and with `cache_isolation: per_key` a digest of the API key
+    it presented (of none on a keyless server: all its clients share one salt), each in a namespace of its own, so no
+    request's salt can spell another's."""
     if state.limits.cache_isolation != "per_key":
         return None if own is None else f"salt\0{own}"
-    key = "" if client is None or client.key is None else client.key
+    key = presented_key(request.headers) if state.api_key is not None else ""
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     return f"key\0{digest}" if own is None else f"key\0{digest}\0{own}"
-
-
-def cache_salt_option(state: ServerState) -> dict[str, Any]:
-    """`AsyncEngine.generate`'s keyword for the request being served: {"cache_salt": ...}, or {} when it has none (as
-    AsyncEngine forwards it: an engine that takes no salt serves unsalted requests)."""
-    salt = cache_salt(state)
-    return {} if salt is None else {"cache_salt": salt}

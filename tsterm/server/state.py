@@ -54,6 +54,9 @@ class RequestInfo:
     # what the chat template renders around the messages for this request (its tools, its own system block:
     # `history.render_context`), which a session keeping this request's ids records with them ("" where not a chat)
     history_context: str = ""
+    # the engine's cache salt for this request (security.request_salt: its own `cache_salt`, and the API key's digest
+    # under `cache_isolation: per_key`); None shares the cache with every unsalted prompt
+    cache_salt: str | None = None
 
 
 class RequestObserver(Protocol):
