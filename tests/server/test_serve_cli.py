@@ -86,3 +86,12 @@ def test_serve_takes_the_parallel_flags():
                                       "--expert-parallel-size", "2", "--quantization", "int8"])
     assert overrides_from_args(args) | {"dtype": None, "device": None} == {
         "dtype": None, "device": None, "tensor_parallel_size": 2, "expert_parallel_size": 2, "quantization": "int8"}
+
+
+def test_serve_checks_cors_and_host_names_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TSTERM_API_KEY", raising=False)
+    profile = tmp_path / "open.yaml"  # a model that is not there: the settings' error must come first
+    profile.write_text(f"model: {tmp_path / 'missing'}\nserver:\n  cors_origins: ['*']\n")
+    assert main(["serve", "--profile", str(profile), "--port", str(_free_port())]) == 2
+    err = capsys.readouterr().err
+    assert 'server.cors_origins has "*"' in err and "missing" not in err, err

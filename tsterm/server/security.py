@@ -49,10 +49,9 @@ CORS_HEADERS = [
 CORS_MAX_AGE_S = 600  # how long a browser may keep a preflight's answer
 
 
-def check_settings(state: ServerState) -> None:
-    """The CORS origins and Host names of `state.limits`, each well-formed, and `"*"` origins only behind an API key:
-    a ConfigError (one line, naming the profile key) otherwise."""
-    limits = state.limits
+def check_settings(limits: ServerLimits, api_key: str | None) -> None:
+    """The CORS origins and Host names of `limits`, each well-formed, and `"*"` origins only behind an API key: a
+    ConfigError (one line, naming the profile key) otherwise. `tsterm serve` checks before it loads the model."""
     for origin in limits.cors_origins:
         if origin == "*":
             continue
@@ -60,7 +59,7 @@ def check_settings(state: ServerState) -> None:
         if not parts.scheme or not parts.netloc or parts.path or parts.query or parts.fragment:
             raise ConfigError(f"server.cors_origins: {origin!r} is not an origin (scheme://host[:port], with no "
                               f"path or trailing slash, as a browser sends it; or \"*\")")
-    if "*" in limits.cors_origins and not state.api_key:
+    if "*" in limits.cors_origins and not api_key:
         raise ConfigError('server.cors_origins has "*", which lets every web page call this server: set an API key '
                           "(--api-key or TSTERM_API_KEY) or list the origins that may")
     for name in limits.allowed_hosts:
@@ -74,7 +73,7 @@ def check_settings(state: ServerState) -> None:
 def install(app: FastAPI, state: ServerState) -> None:
     """Check the settings (`check_settings`), then add the middlewares; Starlette runs the last added first: the Host
     check, then CORS (when origins are set)."""
-    check_settings(state)
+    check_settings(state.limits, state.api_key)
     if state.limits.cors_origins:
         app.add_middleware(BrowserOrigins, origins=state.limits.cors_origins)
     app.add_middleware(HostGuard, limits=state.limits)

@@ -144,6 +144,10 @@ def main(args: argparse.Namespace) -> int:
     host = args.host or settings.host
     port = settings.port if args.port is None else args.port
     check_bind(host, api_key)  # before the (slow) model load
+    from tsterm.server.security import check_settings
+    from tsterm.server.state import ServerLimits
+
+    check_settings(ServerLimits(**server_limits(settings), bound_host=host), api_key)  # CORS and Host names too
     if not (1 <= port <= 65535):
         raise ConfigError(f"--port must be in 1..65535, got {port}")
     name = args.model_name or settings.model_name or (profile.name if profile else Path(args.model).name)
