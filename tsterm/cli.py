@@ -56,7 +56,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     llm = llm_from_args(args, profile)
     system = args.system if args.system is not None else (profile.system_prompt if profile else None)
     params = _model_sampling(args, profile, llm, system)
-    _note_speculation(llm, params)
     if args.raw:
         prompt: Any = args.prompt
     else:
@@ -80,15 +79,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                    **{key: stats[key] for key in ("spec_draft_tokens", "spec_accepted_tokens")}}, sys.stdout)
     sys.stdout.write("\n")
     return 0
-
-
-def _note_speculation(llm, params) -> None:
-    """Speculative decoding is on but this request's penalties keep it from drafting: say so (one line, stderr)."""
-    from tsterm.engine.sampler import has_penalty
-
-    if llm.config.speculative_method != "off" and has_penalty(params):
-        print("tsterm: note: speculative decoding skips requests with a repetition, presence or frequency penalty "
-              "(the profile's sampling sets one): this reply decodes without drafts", file=sys.stderr)
 
 
 def _prompt_text(prompt: str | None) -> str:

@@ -43,8 +43,8 @@ def greedy(n: int, **kw) -> SamplingParams:
 
 def mixed_batch(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     """8 requests: prompts that repeat (drafts from the prompt are accepted) and ones that do not, greedy ones with
-    and without logprobs, n = 2, a seeded sampled one and a penalised one (which decodes without drafts), prompts
-    longer than the step's token budget (prefill chunks beside verify steps)."""
+    and without logprobs, n = 2, a seeded sampled one, penalised ones, prompts longer than the step's token budget
+    (prefill chunks beside verify steps)."""
     rng = random.Random(seed)
     prompts, params = [], []
     for i in range(8):
@@ -52,7 +52,10 @@ def mixed_batch(seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
         prompts.append(base * 4 if i % 2 == 0 else base)
         params.append(greedy(40 + i))
     params[3] = SamplingParams(temperature=0.9, seed=7, max_tokens=30, ignore_eos=True)  # (drafts too)
+    # penalised ones: each verified position is penalised with the drafts before it counted
     params[5] = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=30, ignore_eos=True)
+    params[2] = SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=0.2, max_tokens=40,
+                               ignore_eos=True)
     params[6] = greedy(35, logprobs=2)
     # (its samples fork after the prompt, then each verifies its own drafts)
     params[4] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
@@ -154,6 +157,28 @@ def test_accepts_exactly_the_agreeing_run_plus_one(moe):
     assert stats["spec_draft_tokens"] == sum(d for d, _ in source.expected)
     # every step appends the accepted drafts plus one: the steps after the prompt are the tokens over (accepted + 1)
     assert stats["generated_tokens"] == 90
+
+
+def test_penalised_requests_count_the_drafts_before_each_position(moe):
+    """A verify step's position j is penalised with the request's history plus its first j drafts (repetition over
+    the prompt and output, presence and frequency over the output), as decoding them one step each would be; the
+    request's history after the step is what it appended. Drafts of the penalised reference, wrong from random
+    positions: the replies equal the reference's."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(8, 380) for _ in range(7)] * 2 for _ in range(3)]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.6, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=0.5, max_tokens=30,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, repetition_penalty=1.2, frequency_penalty=0.8, max_tokens=30,
+                             ignore_eos=True)]
+    ref, _ = run(make_llm(moe), prompts, params)
+    unpenalised, _ = run(make_llm(moe), prompts, [greedy(30)] * 3)
+    assert ref != unpenalised  # (the penalties change these replies)
+    futures = {tuple(p): p + r for p, r in zip(prompts, ref)}
+    llm, source = scripted_llm(moe, futures, k=4, wrong=lambda r: r.choice([None, 1, 2, 3]))
+    out, _ = run(llm, prompts, params)
+    assert out == ref
+    assert source.observed == source.expected and sum(a for _, a in source.observed) > 20
 
 
 def test_stops_inside_an_accepted_run_cut_there(moe):
@@ -451,20 +476,10 @@ def test_profile_keys_and_run_flags(moe, tmp_path, capsys, monkeypatch):
     plain = json.loads(capsys.readouterr().out)
     assert plain["spec_draft_tokens"] == plain["spec_accepted_tokens"] == 0
     assert main(base + ["--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
-    captured = capsys.readouterr()
-    spec = json.loads(captured.out)
-    assert "speculative decoding" not in captured.err  # (no penalty here: no note)
+    spec = json.loads(capsys.readouterr().out)
     config = loaded[-1].engine.config
     assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert spec["spec_draft_tokens"] > 0 and 0 < spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
-    # a profile whose sampling has a penalty: that request decodes without drafts, and run says so
-    penalised = tmp_path / "penalised.yaml"
-    penalised.write_text(f"model: {moe}\nspeculative_method: ngram\nsampling:\n  frequency_penalty: 1.0\n")
-    assert main(["run", "--profile", str(penalised), "--prompt", prompt, "--raw", "--max-tokens", "20",
-                 "--temperature", "0", "--json"]) == 0
-    out, err = capsys.readouterr()
-    assert json.loads(out)["spec_draft_tokens"] == 0
-    assert "speculative decoding skips requests with a repetition, presence or frequency penalty" in err
     with pytest.raises(SystemExit):
         main(base + ["--speculative", "eagle"])

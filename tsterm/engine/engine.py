@@ -237,7 +237,9 @@ class Engine:
             if batch.cow_copies:
                 self.executor.copy_blocks(batch.cow_copies)
             logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples (a verify: per position)
-            return self._accept(batch, self._sample(logits, samples, rows))
+            drafts = {seq.seq_id: batch.draft_ids(i) for i, seq in enumerate(batch.seqs) if batch.draft_ids(i)}
+            states: dict[int, list[PenaltyState]] = {}  # a verify's penalised rows: each position's history
+            return self._accept(drafts, self._sample(logits, samples, rows, drafts, states), states)
         except BaseException:
             checkpoint.restore()
             raise
@@ -283,7 +285,12 @@ class Engine:
         shared = any(sample.generator is None and not sample.seq.params.greedy for sample in samples)
         return own + [self.sampler.shared_generator(self.device)] if shared else own
 
-    def _sample(self, logits: torch.Tensor, samples: list[Sample], rows: list[int]) -> list[Draw]:
+    def _sample(self, logits: torch.Tensor, samples: list[Sample], rows: list[int],
+                drafts: dict[int, list[int]] | None = None,
+                states: dict[int, list[PenaltyState]] | None = None) -> list[Draw]:
+        """Draw each sample's token (a verify's: one per position). A verifying sample with penalties reads, at
+        position j, its history plus its first j drafts: a copy of its state each (`states`, for `_accept`), so the
+        penalties see what decoding those tokens one step each would have seen."""
         if not samples:
             return []
         for sample in samples:  # a sequence's first sampling reads its ids once, into its penalty state
@@ -293,27 +300,34 @@ class Engine:
                                                        logits.shape[1], logits.device)
         if len(rows) > logits.shape[0]:  # a fork's samples read their first sample's row
             logits = logits[torch.tensor(rows, device=logits.device)]  # [S + forked, V]
-        result = self.sampler(logits, [SamplingRow(s.seq.params, s.penalty, s.generator, s.grammar) for s in samples])
+        penalties = [s.penalty for s in samples]
+        for i, s in enumerate(samples):
+            draft = drafts.get(s.seq.seq_id) if drafts else None
+            if draft and s.penalty is not None and (i == 0 or samples[i - 1] is not s):  # the first of its rows
+                states[s.seq.seq_id] = penalties[i:i + len(draft) + 1] = [
+                    _with_tokens(s.penalty, draft[:j], logits.device) for j in range(len(draft) + 1)]
+        result = self.sampler(logits, [SamplingRow(s.seq.params, penalty, s.generator, s.grammar)
+                                       for s, penalty in zip(samples, penalties)])
         return list(zip(samples, result.token_ids, result.logprobs))
 
     # ---- speculative decoding: drafts in, the verified run out ----------------------------------------------------
 
     def _propose(self, seq: Sequence, max_tokens: int) -> list[int]:
         """The draft ids `seq` verifies next step (the scheduler's proposer), at most `max_tokens`. None for a request
-        with penalties or a grammar: their state at each position depends on the tokens before it, which one verify
-        step does not replay (they decode without drafts). Its run (the drafts and the target's token after them)
-        never passes its max_tokens or the end of the context."""
+        with a grammar: its matcher's state at each position depends on the tokens before it, which one verify step
+        does not advance (it decodes without drafts; penalties are replayed: `_sample`). Its run (the drafts and the
+        target's token after them) never passes its max_tokens or the end of the context."""
         sample = self._samples.get(seq.seq_id)
         params = seq.params
-        if (sample is None or sample.grammar is not None or has_penalty(params)
-                or params.structured_outputs is not None):
+        if sample is None or sample.grammar is not None or params.structured_outputs is not None:
             return []
         room = min(max_tokens, min(params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1)
         if room < 1:
             return []
         return self.drafter.propose(seq.seq_id, seq.token_ids, room)
 
-    def _accept(self, batch: ScheduledBatch, draws: list[Draw]) -> list[Draw]:
+    def _accept(self, drafts: dict[int, list[int]], draws: list[Draw],
+                states: dict[int, list[PenaltyState]]) -> list[Draw]:
         """Verification: a sequence that verified drafts d1..dk drew the target's tokens t0..tk at their k + 1
         positions (the sampler, each row as a row of its own: its temperature, truncation, bias and generator); it
         keeps the longest run with t_i == d_(i+1), then the target's token after it (the one at the first mismatch,
@@ -324,8 +338,10 @@ class Engine:
         with probability min(1, p(d) / q(d)) = p(d), which is the chance that t ~ p equals d, and on a rejection draws
         from the residual max(0, p - q), normalised, which is p without d: the law of t given t != d. So each
         emitted token has the target's distribution given the tokens before it, and a seeded request reproduces
-        its output for a fixed draft source (its generator draws one row per verified position)."""
-        drafts = {seq.seq_id: batch.draft_ids(i) for i, seq in enumerate(batch.seqs) if batch.draft_ids(i)}
+        its output for a fixed draft source (its generator draws one row per verified position).
+
+        A penalised sample's state becomes that of the row it stopped at (`_sample`: its history, the drafts it
+        accepted, then, recorded by the sampler, the row's own token): exactly the tokens it appends."""
         if not drafts:
             return draws
         kept: list[Draw] = []
@@ -341,6 +357,8 @@ class Engine:
             while accepted < len(draft) and group[accepted][1] == draft[accepted]:
                 accepted += 1
             kept.extend(group[:accepted + 1])
+            if group[0][0].seq.seq_id in states:
+                group[0][0].penalty = states[group[0][0].seq.seq_id][accepted]
             i += len(draft) + 1
         return kept
 
@@ -509,3 +527,14 @@ class Engine:
         """Release the executor (its workers, device memory); the engine is unusable after."""
         self.executor.shutdown()
 
+
+def _with_tokens(state: PenaltyState, token_ids: list[int], device: torch.device) -> PenaltyState:
+    """A copy of a penalty state with `token_ids` appended to the history it counts."""
+    copy = state.clone()
+    if token_ids:
+        ids = torch.tensor(token_ids, dtype=torch.long).to(device, non_blocking=True)
+        if copy.seen is not None:
+            copy.seen.index_fill_(0, ids, True)
+        if copy.counts is not None:
+            copy.counts.index_add_(0, ids, torch.ones(ids.shape, device=device))
+    return copy
