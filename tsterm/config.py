@@ -226,7 +226,7 @@ class EngineConfig:
     expert_parallel_size: int = 1
     # a worker that does not answer a step (or its start) within this many seconds is reported as failed
     distributed_timeout_s: float = 60.0
-    # speculative decoding (tsterm.engine.spec_decode): a request without penalties or a grammar verifies up to
+    # speculative decoding (tsterm.engine.spec_decode): a request (without a grammar) verifies up to
     # num_speculative_tokens drafted tokens a step and keeps what the model agrees with (greedy: the same tokens,
     # sampled: the same distribution, in fewer steps); off, ngram (prompt lookup) or suffix (the request's own tokens
     # and recent outputs, adaptive). Not for hybrid (Gated DeltaNet) models yet.
