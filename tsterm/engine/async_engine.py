@@ -18,7 +18,6 @@ What a server needs from it:
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -27,9 +26,8 @@ from functools import cached_property
 from typing import Any
 
 from tsterm.config import SamplingParams
-from tsterm.engine.engine import Engine, PinResult
-from tsterm.engine.info import CALLS, EngineInfo
-from tsterm.engine.stats import EngineMetrics
+from tsterm.engine.engine import Engine
+from tsterm.engine.info import CALLS, EngineCalls, EngineInfo
 from tsterm.engine.streams import ENDED, Stream, deliver, next_item, step_error
 from tsterm.errors import EngineStoppedError, EngineTimeoutError, TstermError
 from tsterm.outputs import RequestOutput
@@ -49,7 +47,7 @@ class _Command:
         self.run, self.fail, self.cancelled = run, fail, False
 
 
-class AsyncEngine:
+class AsyncEngine(EngineCalls):
     def __init__(self, engine: Engine, call_timeout: float = 120.0, output_timeout: float | None = 600.0,
                  owns_engine: bool = False):
         """call_timeout: seconds to wait for the engine thread to take and answer a command (adding a request, stats),
@@ -284,8 +282,7 @@ class AsyncEngine:
         self._post_quietly(_Command(run))
 
     def _engine_call(self, name: str, *args: Any) -> Any:
-        """One of info.CALLS on the engine thread, waited for (blocking: call it from a worker thread in async
-        code)."""
+        """One of info.CALLS on the engine thread, waited for (EngineCalls' methods: stats, pin, dashboard, ...)."""
         return self._call(lambda: CALLS[name](self.engine, *args))
 
     @cached_property
@@ -296,33 +293,6 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
-
-    def stats(self) -> dict:
-        return self._engine_call("stats")
-
-    def stats_and_metrics(self) -> tuple[dict, EngineMetrics]:
-        """`stats()` and a copy of the engine's EngineMetrics, read together on the engine thread (blocking): a
-        consistent snapshot for a scrape, which never sees a histogram half-updated by a step."""
-        return self._call(lambda: copy.deepcopy(CALLS["stats_and_metrics"](self.engine)))
-
-    def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> PinResult:
-        """Engine.pin on the engine thread (blocking: call it from a worker thread in async code)."""
-        return self._engine_call("pin", list(token_ids), ttl_s, key)
-
-    def unpin(self, pin_id: str) -> bool:
-        """Engine.unpin on the engine thread (blocking, like `pin`)."""
-        return self._engine_call("unpin", pin_id)
-
-    def expert_load(self) -> list[list[int]]:
-        return self._engine_call("expert_load")
-
-    def rank_stats(self) -> list[dict[str, int]] | None:
-        return self._engine_call("rank_stats")
-
-    def dashboard(self) -> tuple[dict, list[list[int]], list[dict[str, int]] | None, dict[str, Any]]:
-        """`stats()`, `expert_load()`, `rank_stats()` and the engine's memory (info.memory_info) in one call
-        (blocking)."""
-        return self._engine_call("dashboard")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread after its current step (and the engine, if this AsyncEngine owns it). Every stream

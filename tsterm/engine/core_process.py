@@ -35,15 +35,14 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from tsterm.config import SamplingParams
-from tsterm.engine.info import CALLS, EngineInfo
+from tsterm.engine.info import CALLS, EngineCalls, EngineInfo
 from tsterm.engine.streams import ENDED, Stream, deliver, next_item, step_error
 from tsterm.engine.wire import OutputDecoder, OutputEncoder, portable
 from tsterm.errors import EngineStoppedError, EngineTimeoutError, RequestError, TstermError
 from tsterm.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from tsterm.engine.engine import Engine, PinResult
-    from tsterm.engine.stats import EngineMetrics
+    from tsterm.engine.engine import Engine
     from tsterm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -177,7 +176,7 @@ def _stop_at_exit(ref: weakref.ReferenceType) -> None:
         client.shutdown()
 
 
-class EngineCoreProcess:
+class EngineCoreProcess(EngineCalls):
     def __init__(self, build: Build, progress: ProgressFn | None = None, call_timeout: float = 120.0,
                  output_timeout: float | None = 600.0, log_path: str | None = None):
         """Start the core process and wait until its engine is loaded (blocking; `progress` sees the load as the
@@ -372,7 +371,8 @@ class EngineCoreProcess:
         error.__cause__ = self._closed.__cause__
         return error
 
-    def _call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
+    def _engine_call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
+        """One of info.CALLS in the core, between two of its steps (EngineCalls' methods)."""
         call, call_id = _Call(), next(self._call_ids)
         with self._lock:
             if self._closed is not None:
@@ -433,30 +433,6 @@ class EngineCoreProcess:
             stream.dropped = True
             stream.put(ENDED)
         self._send_quietly(("abort", request_id))
-
-    def stats(self) -> dict:
-        return self._call("stats")
-
-    def stats_and_metrics(self) -> tuple[dict, EngineMetrics]:
-        """`stats()` and the engine's EngineMetrics, read together between two steps (a copy: it was pickled)."""
-        return self._call("stats_and_metrics")
-
-    def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> PinResult:
-        """Engine.pin in the core (blocking: call it from a worker thread in async code)."""
-        return self._call("pin", list(token_ids), ttl_s, key)
-
-    def unpin(self, pin_id: str) -> bool:
-        return self._call("unpin", pin_id)
-
-    def expert_load(self) -> list[list[int]]:
-        return self._call("expert_load")
-
-    def rank_stats(self) -> list[dict[str, int]] | None:
-        return self._call("rank_stats")
-
-    def dashboard(self) -> tuple[dict, list[list[int]], list[dict[str, int]] | None, dict[str, Any]]:
-        """Stats, expert load, rank stats and the core process's memory, in one call (blocking)."""
-        return self._call("dashboard")
 
     @property
     def pid(self) -> int | None:

@@ -3,6 +3,7 @@ runs in this process (AsyncEngine) or in its own (EngineCoreProcess), so no fron
 """
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from tsterm.config import EngineConfig
 
 if TYPE_CHECKING:
-    from tsterm.engine.engine import Engine
+    from tsterm.engine.engine import Engine, PinResult
+    from tsterm.engine.stats import EngineMetrics
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,9 @@ def _dashboard(engine: Engine) -> tuple[dict, list[list[int]], list[dict[str, in
 # exactly these, and AsyncEngine runs the same functions on its thread.
 CALLS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType({
     "stats": lambda engine: engine.stats(),
-    # stats and the metrics read together, between two steps: a consistent snapshot for a scrape (the caller gets a
-    # copy: AsyncEngine deep-copies, a core process pickles)
-    "stats_and_metrics": lambda engine: (engine.stats(), engine.metrics),
+    # stats and a copy of the metrics, read together between two steps: a consistent snapshot for a scrape, which
+    # never sees a histogram half-updated by a step
+    "stats_and_metrics": lambda engine: (engine.stats(), copy.deepcopy(engine.metrics)),
     "pin": lambda engine, token_ids, ttl_s, key: engine.pin(token_ids, ttl_s, key),
     "unpin": lambda engine, pin_id: engine.unpin(pin_id),
     "expert_load": lambda engine: engine.expert_load(),
@@ -74,3 +76,35 @@ CALLS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType({
     # and fell to 1-2 Hz beside a batch of 33
     "dashboard": _dashboard,
 })
+
+
+class EngineCalls:
+    """The calls of CALLS as methods, for a front that runs them with `_engine_call(name, *args)` between two steps
+    (AsyncEngine on its thread, EngineCoreProcess in the core). Each blocks until the engine answers: call them
+    from a worker thread in async code."""
+
+    def _engine_call(self, name: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return self._engine_call("stats")
+
+    def stats_and_metrics(self) -> tuple[dict, EngineMetrics]:
+        return self._engine_call("stats_and_metrics")
+
+    def pin(self, token_ids: list[int], ttl_s: float = 300.0, key: str | None = None) -> PinResult:
+        """Engine.pin: keep the cached full blocks of `token_ids` until `unpin(key)` or the TTL."""
+        return self._engine_call("pin", list(token_ids), ttl_s, key)
+
+    def unpin(self, pin_id: str) -> bool:
+        return self._engine_call("unpin", pin_id)
+
+    def expert_load(self) -> list[list[int]]:
+        return self._engine_call("expert_load")
+
+    def rank_stats(self) -> list[dict[str, int]] | None:
+        return self._engine_call("rank_stats")
+
+    def dashboard(self) -> tuple[dict, list[list[int]], list[dict[str, int]] | None, dict[str, Any]]:
+        """`stats()`, `expert_load()`, `rank_stats()` and the engine's memory (`memory_info`) in one call."""
+        return self._engine_call("dashboard")

@@ -25,6 +25,7 @@ from tsterm.server.openai_api import anthropic_client
 from tsterm.server.openai_api import router as openai_router
 from tsterm.server.protocol import Health
 from tsterm.server.responses_api import router as responses_router
+from tsterm.server.security import drain
 from tsterm.server.security import install as install_security
 from tsterm.server.state import ServerState
 
@@ -56,7 +57,7 @@ class RequestCounter:
                              f"{self.max_body_bytes}", code="request_too_large")
             self.metrics.requests.labels(self._endpoint(scope), "413").inc()
             if int(length) <= DRAIN_FACTOR * self.max_body_bytes:
-                await _drain(receive, DRAIN_FACTOR * self.max_body_bytes)
+                await drain(receive, DRAIN_FACTOR * self.max_body_bytes)
             anthropic = scope.get("path", "").startswith(ANTHROPIC_PATH)  # no route is matched yet: ask the path
             return await error.response(anthropic)(scope, receive, send)
         if scope.get("method") == "POST":
@@ -70,7 +71,7 @@ class RequestCounter:
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     if message.get("more_body"):
-                        await _drain(receive, DRAIN_FACTOR * self.max_body_bytes)
+                        await drain(receive, DRAIN_FACTOR * self.max_body_bytes)
                     raise HTTPException(413, f"the request body is larger than this server's limit of "
                                         f"{self.max_body_bytes} bytes")
             return message
@@ -98,19 +99,6 @@ def _as_json(scope: Scope) -> Scope:
 
 
 DRAIN_FACTOR = 4  # a refused body up to this many times the limit is read (and dropped) before the 413
-
-
-async def _drain(receive: Receive, limit: int) -> None:
-    """Read and drop the rest of a refused body, up to `limit` bytes: a server that answers and closes with unread
-    request bytes makes the kernel reset the connection, and the client then often loses the 413 it was sent."""
-    drained = 0
-    while drained <= limit:
-        message = await receive()
-        if message["type"] != "http.request":
-            return
-        drained += len(message.get("body", b""))
-        if not message.get("more_body"):
-            return
 
 
 MODELS_PATH = "/v1/models"  # shared by both APIs: an Anthropic client's errors there take its shape

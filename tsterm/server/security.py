@@ -133,11 +133,11 @@ class HostGuard:
             return await send({"type": "websocket.close", "code": 1008})
         error = APIError(400, f"Host header {host!r} is not allowed; add {host_name(host)!r} to server.allowed_hosts "
                          f"to serve requests under that name", code="host_not_allowed")
-        await _drain(receive, self.max_body_bytes)
+        await drain(receive, self.max_body_bytes)
         await error.response(is_anthropic(Request(scope)))(scope, receive, send)
 
 
-async def _drain(receive: Receive, limit: int) -> None:
+async def drain(receive: Receive, limit: int) -> None:
     """Read and drop the request's body (up to `limit` bytes) before answering: a server that closes with unread
     request bytes makes the kernel reset the connection, and the client may then lose the answer."""
     drained = 0
