@@ -1,23 +1,26 @@
 """Speculative decoding on a copy-heavy agent-like trace: decode tokens/s with suffix / ngram / off, in one run.
 
     python benchmarks/spec_decode.py [--profile default] [--methods off,ngram,suffix] [--k 8] [--max-tokens 256]
+                                     [--rounds 3] [--profile-sampling]
 
-The trace (on the profile's model and chat template, greedy, no penalty: the requests that speculate in this part):
+The trace (on the profile's model and chat template; greedy without penalties, or `--profile-sampling`):
   rewrite   the agent has read a file (a tool result in the prompt) and writes it back whole with a small edit;
   quote     a tool's output quoted back after a short instruction;
-  chat      a chat question whose answer does not repeat the prompt (speculation must not cost much there).
+  chat      a chat question whose answer does not repeat the prompt (though a small model greedy without a penalty
+            loops: it repeats its own answer).
 Each method has its own engine (same process, same model files); the methods run each trace in turn, `--rounds`
 times (a fresh draft source each time: nothing learnt from an earlier round), and the median is shown. A request's
 decode rate is its generated tokens after the first over the time from its first token to its last;
-the table gives each trace's rate per method, its ratio to `off`, the drafted / accepted tokens and the mean
-accepted run per verify step, and whether each method's tokens equal `off`'s (they must: greedy is lossless).
+the table gives each trace's rate per method, its ratio to `off`, the drafted / accepted tokens, the tokens per
+decode step (the speedup a verify step costing a decode step would give: it does not depend on the machine's load),
+the mean accepted run per verify step, and whether each method's tokens equal `off`'s (they must: greedy is
+lossless).
 Prints the CPU model (lscpu) with the table.
 """
 from __future__ import annotations
 
 import argparse
 import subprocess
-from pathlib import Path
 
 FILE = '''def parse_config(path):
     """Read a key = value file into a dict; lines starting with # are comments."""
@@ -101,15 +104,20 @@ def load(profile: str, method: str, k: int):
     return load_llm(load_profile(profile), speculative_method=method, num_speculative_tokens=k)
 
 
-def run_once(llm, method: str, k: int, prompt: list[int], max_tokens: int) -> dict:
-    """One greedy reply to `prompt`, with a fresh draft source (nothing learnt from an earlier round's output)."""
+def run_once(llm, method: str, k: int, prompt: list[int], max_tokens: int, profile_sampling: str | None) -> dict:
+    """One reply to `prompt` (greedy without penalties, or the profile's sampling seeded), with a fresh draft source
+    (nothing learnt from an earlier round's output)."""
     from tsterm import SamplingParams
     from tsterm.engine.spec_decode import make_draft_source
+    from tsterm.profiles import load_profile
 
     if method != "off":
         llm.engine.drafter = make_draft_source(method, k)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, frequency_penalty=0.0, presence_penalty=0.0,
-                            repetition_penalty=1.0)
+    if profile_sampling:
+        params = load_profile(profile_sampling).sampling_params(max_tokens=max_tokens, seed=0)
+    else:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, frequency_penalty=0.0, presence_penalty=0.0,
+                                repetition_penalty=1.0)
     before = llm.stats()
     out = llm.generate(prompt, params)[0]
     after = llm.stats()
@@ -128,35 +136,41 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each trace per method (the median is shown)")
+    parser.add_argument("--profile-sampling", action="store_true",
+                        help="the profile's sampling (seeded) instead of greedy without penalties: the replies differ "
+                             "from method to method then, each with the target's distribution")
     args = parser.parse_args()
     methods = args.methods.split(",")
     llms = {method: load(args.profile, method, args.k) for method in methods}
     results: dict[str, dict[str, dict]] = {method: {} for method in methods}
     warm = llms[methods[0]].tokenizer.apply_chat_template(TRACE[2][1], add_generation_prompt=True, tokenize=True)
     for method in methods:  # (threads, first-call costs)
-        run_once(llms[method], method, args.k, warm, 8)
+        run_once(llms[method], method, args.k, warm, 8, None)
     for name, messages in TRACE:
         prompt = llms[methods[0]].tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         runs: dict[str, list[dict]] = {method: [] for method in methods}
         for _ in range(args.rounds):  # the methods interleaved, so a busy moment of the machine hits them alike
             for method in methods:
-                runs[method].append(run_once(llms[method], method, args.k, prompt, args.max_tokens))
+                runs[method].append(run_once(llms[method], method, args.k, prompt, args.max_tokens,
+                                             args.profile if args.profile_sampling else None))
         for method in methods:
             rates = sorted(run["rate"] for run in runs[method])
             results[method][name] = dict(runs[method][0], rate=rates[len(rates) // 2])  # the median rate
     base = results.get("off")
-    print(f"\nprofile {args.profile}, greedy (no penalty), K = {args.k}, max_tokens {args.max_tokens}, median of "
+    how = "the profile's sampling, seed 0" if args.profile_sampling else "greedy (no penalty)"
+    print(f"\nprofile {args.profile}, {how}, K = {args.k}, max_tokens {args.max_tokens}, median of "
           f"{args.rounds} rounds; CPU: {cpu_name()}\n")
-    print("| trace | method | decode tok/s | vs off | tokens | drafted | accepted | mean accepted / verify | "
-          "same tokens as off |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| trace | method | decode tok/s | vs off | tokens | drafted | accepted | tokens / step | "
+          "mean accepted / verify | same tokens as off |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for name, _ in TRACE:
         for method in methods:
             row = results[method][name]
             ratio = f"{row['rate'] / base[name]['rate']:.2f}x" if base and base[name]["rate"] else "-"
             same = "-" if not base else ("yes" if row["ids"] == base[name]["ids"] else "NO")
+            per_step = row["tokens"] / max(row["tokens"] - row["accepted"], 1)  # (each decode step: 1 + accepted)
             print(f"| {name} | {method} | {row['rate']:.1f} | {ratio} | {row['tokens']} | {row['drafted']} | "
-                  f"{row['accepted']} | {row['mean_run']:.2f} | {same} |")
+                  f"{row['accepted']} | {per_step:.2f} | {row['mean_run']:.2f} | {same} |")
     return 0
 
 
