@@ -167,7 +167,7 @@ def main() -> int:
         for method in methods:
             row = results[method][name]
             ratio = f"{row['rate'] / base[name]['rate']:.2f}x" if base and base[name]["rate"] else "-"
-            same = "-" if not base else ("yes" if row["ids"] == base[name]["ids"] else "NO")
+            same = "-" if not base or args.profile_sampling else ("yes" if row["ids"] == base[name]["ids"] else "NO")
             per_step = row["tokens"] / max(row["tokens"] - row["accepted"], 1)  # (each decode step: 1 + accepted)
             print(f"| {name} | {method} | {row['rate']:.1f} | {ratio} | {row['tokens']} | {row['drafted']} | "
                   f"{row['accepted']} | {per_step:.2f} | {row['mean_run']:.2f} | {same} |")
