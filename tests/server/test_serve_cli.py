@@ -78,14 +78,16 @@ def test_workstation_serve_flags_need_serve_and_a_key_off_loopback(capsys):
     assert exit_.value.code == 2 and "--port must be in 0..65535" in capsys.readouterr().err
 
 
-def test_serve_takes_the_parallel_flags():
+def test_serve_takes_the_parallel_and_speculative_flags():
     from tsterm.cli import build_parser
     from tsterm.launch import overrides_from_args
 
     args = build_parser().parse_args(["serve", "--profile", "agent-demo", "--tensor-parallel-size", "2",
-                                      "--expert-parallel-size", "2", "--quantization", "int8"])
+                                      "--expert-parallel-size", "2", "--quantization", "int8", "--speculative", "suffix",
+                                      "--num-speculative-tokens", "6"])
     assert overrides_from_args(args) | {"dtype": None, "device": None} == {
-        "dtype": None, "device": None, "tensor_parallel_size": 2, "expert_parallel_size": 2, "quantization": "int8"}
+        "dtype": None, "device": None, "tensor_parallel_size": 2, "expert_parallel_size": 2, "quantization": "int8",
+        "speculative_method": "suffix", "num_speculative_tokens": 6}
 
 
 def test_serve_checks_cors_and_host_names_before_the_model_loads(tmp_path, capsys, monkeypatch):
