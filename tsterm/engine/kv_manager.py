@@ -11,7 +11,7 @@ class KVCacheManager:
     Per sequence it keeps the chain hashes of its committed full blocks, so `commit` only hashes the blocks
     filled since the last call (one hash per B decoded tokens).
 
-    A sequence with a `cache_salt` (set by `Request.create`; None or absent: none) chains its blocks from its salt's
+    A sequence with a `cache_salt` (set by `Request.create`; None: none) chains its blocks from its salt's
     root (`BlockPool.salt_root`) instead of the model's: its full and partial blocks match only prompts with the
     same salt, and an unsalted sequence's hashes are those it always had.
 
@@ -104,7 +104,7 @@ class KVCacheManager:
 
     def _root(self, seq: Sequence) -> int | None:
         """The parent hash of `seq`'s first block: None (the model's root) or its cache salt's root."""
-        salt = getattr(seq, "cache_salt", None)  # (set by Request.create; a bare Sequence has none)
+        salt = seq.cache_salt
         return None if salt is None else self.pool.salt_root(salt)
 
     def _cached_run(self, token_ids: list[int], max_blocks: int, root: int | None) -> list[tuple[int, int]]:

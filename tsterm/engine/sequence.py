@@ -43,6 +43,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at (first) admission
         self.finish_reason: str | None = None
         self.logprobs: list[dict] = []  # one per generated token when params.logprobs is set
+        # its blocks' hash chain starts from this salt's root (Request.create sets it; None: the model's root), so it
+        # shares cached blocks only with sequences of the same salt
+        self.cache_salt: str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time(), num_prompt_tokens=len(token_ids))
 
     def __len__(self) -> int:
