@@ -62,8 +62,9 @@ class Executor(ABC):
     @abstractmethod
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Compute the batch: write its new tokens' KV in place and return float32 logits [S, V], one row per
-        sequence that samples this step (`batch.sample_mask()`), in batch order. The result may be a view that
-        the next call overwrites: consume it first."""
+        sequence that samples this step (`batch.sample_mask()`), in batch order; a sequence verifying k drafts
+        (speculative decoding) has k+1 rows, one per position. The result may be a view that the next call
+        overwrites: consume it first."""
 
     @abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
