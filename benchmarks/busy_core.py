@@ -13,24 +13,14 @@ up to torch's thread count; "1" and "2" pin the count with the governor off. Pri
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
 
 
 def main() -> None:
@@ -95,7 +85,7 @@ def main() -> None:
     finally:
         busy.kill()
         busy.wait()
-    print(f"CPU: {cpu_model()}, {len(__import__('os').sched_getaffinity(0))} cores for this process; SmolLM2-135M "
+    print(f"CPU: {cpu_description()}; SmolLM2-135M "
           f"batch-1 decode, context {args.context}, {args.tokens} tokens, median of {args.rounds} rounds (tok/s)")
     print(f"{'engine':<20}" + "".join(f"{label:>16}" for label in results) + "   rounds")
     for name in rates:

@@ -87,6 +87,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
+
 MEASURED_ID = "bench-measured"
 TOPICS = ["Lighthouses", "Volcanoes", "Honeybees", "Glaciers", "Typewriters", "Kites", "Saltwater", "Owls",
           "Bicycles", "Lanterns", "Orchards", "Submarines", "Quartz", "Windmills", "Penguins", "Telescopes",
@@ -99,29 +101,6 @@ SIZE = (160, 50)  # the app's size: from 150 columns its dashboard opens by itse
 def client_prompt(i: int) -> str:
     """Client i's message: a different first word for each, so no two prompts share a KV block."""
     return f"{TOPICS[i % len(TOPICS)]} ({i}), please: tell me about them."
-
-
-# ---- the CPU ---------------------------------------------------------------------------------------------------
-
-
-def cpu_description() -> str:
-    """lscpu's model name (else /proc/cpuinfo's), whether AVX-512 and AMX are there, and this process's cores."""
-    model, flags = None, set()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-        model = next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                      if line.startswith("Model name:")), None)
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model is None:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    avx512 = "yes" if "avx512f" in flags else "no"
-    amx = "yes (" + ", ".join(sorted(f for f in flags if f.startswith("amx"))) + ")" if "amx_tile" in flags else "no"
-    return (f"{model or 'unknown CPU'}; AVX-512: {avx512}; AMX: {amx}; "
-            f"{len(os.sched_getaffinity(0))} cores for this process")
 
 
 # ---- timing the engine's steps from outside -----------------------------------------------------------------------

@@ -12,24 +12,14 @@ namespace's init and, as root, the per-run pids cgroup. Prints the CPU model and
 from __future__ import annotations
 
 import argparse
-import platform
 import shlex
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 from tsterm.agent.sandbox import Workspace, detect_isolation
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
 
 
 def per_command_s(workspace: Workspace, argv: list[str], runs: int) -> float:
@@ -51,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     args.command = shlex.split(args.command)
     isolation = detect_isolation()
-    print(f"CPU: {cpu_model()}")
+    print(f"CPU: {cpu_description()}")
     if isolation.mechanism is None:
         raise SystemExit(f"no sandbox here: {isolation.reason}")
     with tempfile.TemporaryDirectory(prefix="tsterm-sandbox-bench-") as root:

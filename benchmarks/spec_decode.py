@@ -20,7 +20,8 @@ Prints the CPU model (lscpu) with the table.
 from __future__ import annotations
 
 import argparse
-import subprocess
+
+from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
 
 FILE = '''def parse_config(path):
     """Read a key = value file into a dict; lines starting with # are comments."""
@@ -86,17 +87,6 @@ TRACE = [
 ]
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "unknown CPU"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def load(profile: str, method: str, k: int):
     from tsterm.launch import load_llm
     from tsterm.profiles import load_profile
@@ -159,7 +149,7 @@ def main() -> int:
     base = results.get("off")
     how = "the profile's sampling, seed 0" if args.profile_sampling else "greedy (no penalty)"
     print(f"\nprofile {args.profile}, {how}, K = {args.k}, max_tokens {args.max_tokens}, median of "
-          f"{args.rounds} rounds; CPU: {cpu_name()}\n")
+          f"{args.rounds} rounds; CPU: {cpu_description()}\n")
     print("| trace | method | decode tok/s | vs off | tokens | drafted | accepted | tokens / step | "
           "mean accepted / verify | same tokens as off |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
