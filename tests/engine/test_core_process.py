@@ -143,6 +143,27 @@ async def test_calls_between_steps_answer_as_the_engine_does(front):
     assert front.tokenizer.encode("hello")  # the model's tokenizer, in this process
 
 
+async def test_an_id_reused_right_after_its_abort_gets_only_its_own_outputs(tiny_dir, tmp_path):
+    """The old request's outputs of the step in flight reach the front after the new stream under its id is
+    registered: they are not the new request's."""
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    core = EngineCoreProcess(functools.partial(core_builds.gated_step, tiny_dir, str(fifo), 2))
+    try:
+        old = core.generate(PROMPT_A, greedy(400), request_id="same")
+        assert (await asyncio.wait_for(old.__anext__(), SAFETY)).prompt_token_ids == PROMPT_A  # step 1 done
+        core.abort("same")  # the core is in step 2, held at the gate: this waits behind it
+        new = asyncio.ensure_future(collect(core.generate(PROMPT_B, greedy(3), request_id="same")))
+        await asyncio.sleep(0)  # the new stream is registered and its add sent
+        await asyncio.to_thread(fifo.write_bytes, b"x")  # step 2 ends: its output of the old request comes first
+        outs = await asyncio.wait_for(new, SAFETY)
+        assert all(out.prompt_token_ids == PROMPT_B for out in outs) and outs[-1].finished
+        assert len(outs[-1].token_ids) == 3
+        await old.aclose()
+    finally:
+        core.shutdown()
+
+
 async def test_a_failed_step_fails_the_requests_in_flight_and_the_core_serves_on(tiny_dir):
     core = EngineCoreProcess(functools.partial(core_builds.failing_step, tiny_dir, 2))
     try:

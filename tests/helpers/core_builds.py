@@ -32,3 +32,20 @@ def dying_load(code: int, progress):
     """The core process ends while it loads, as one killed by the kernel's OOM killer would."""
     progress(0, 1, "weights")
     os._exit(code)
+
+
+def gated_step(model_dir: str, fifo: str, gate_at: int, progress):
+    """An engine whose step number `gate_at` (1-based) first waits for a byte on the named pipe `fifo`: the test
+    decides when it ends (an event across the process boundary, not a delay)."""
+    engine = tiny(model_dir, progress)
+    step, calls = engine.step, []
+
+    def gated():
+        calls.append(1)
+        if len(calls) == gate_at:
+            with open(fifo, "rb") as gate:
+                gate.read(1)
+        return step()
+
+    engine.step = gated
+    return engine

@@ -278,6 +278,8 @@ class EngineCoreProcess(EngineCalls):
         elif kind == "added":
             with self._lock:
                 stream = self._streams.get(message[1])
+                if stream is not None:
+                    stream.added = True
             if stream is not None and not stream.put(message[1]):
                 self._drop(stream)
         elif kind == "rejected":
@@ -313,6 +315,8 @@ class EngineCoreProcess(EngineCalls):
             out = self._decoder.decode(item)
             with self._lock:
                 stream = self._streams.get(out.request_id)
+                if stream is not None and not stream.added:  # an earlier request of the same id, aborted
+                    stream = None
                 if stream is not None and out.finished:
                     del self._streams[out.request_id]
             if stream is None or stream.dropped:

@@ -28,6 +28,9 @@ class Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_id: str | None = None  # set once the request is added
         self.dropped = False  # the consumer has left (set on either side): add nothing for it, deliver nothing
+        # the engine has added this request: outputs under its id from before that belong to an earlier request of
+        # the same id (EngineCoreProcess registers a stream before the core has taken the add)
+        self.added = False
 
     def put(self, item: Any) -> bool:
         """Hand `item` to the consumer's loop (any thread); False if that loop is gone."""
