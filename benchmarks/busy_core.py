@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
+from tsterm.bench.machine import cpu_description
 
 
 def main() -> None:

@@ -87,7 +87,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
+from tsterm.bench.machine import cpu_description
 
 MEASURED_ID = "bench-measured"
 TOPICS = ["Lighthouses", "Volcanoes", "Honeybees", "Glaciers", "Typewriters", "Kites", "Saltwater", "Owls",

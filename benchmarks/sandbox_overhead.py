@@ -19,7 +19,7 @@ import time
 
 from tsterm.agent.sandbox import Workspace, detect_isolation
 
-from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
+from tsterm.bench.machine import cpu_description
 
 
 def per_command_s(workspace: Workspace, argv: list[str], runs: int) -> float:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 
-from machine import cpu_description  # benchmarks/machine.py (this script's folder is on sys.path)
+from tsterm.bench.machine import cpu_description
 
 FILE = '''def parse_config(path):
     """Read a key = value file into a dict; lines starting with # are comments."""

@@ -508,7 +508,7 @@ def factual_report(results: dict[tuple[str, str], ChatResult], count: int) -> li
 # ---- the CPU and main -------------------------------------------------------------------------------------------
 
 def cpu_line() -> str:
-    from benchmarks.machine import cpu_description
+    from tsterm.bench.machine import cpu_description
 
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return f"CPU: {cpu_description()}; load average at start {load}"

@@ -51,7 +51,7 @@ def test_only_the_decode_steps_of_the_whole_batch_count():
         Run("x", 4, steps, None, None).figures()
     with pytest.raises(RuntimeError, match="never formed"):  # one decode step: no cycle to measure
         Run("x", 3, steps[:3], None, None).figures()
-    assert config_names(32) == ("bare 1", "async 1", "bare 33", "async 33", "loaded 33")
+    assert config_names(32) == ("bare 1", "async 1", "bare 33", "async 33", "loaded 33", "process 33")
 
 
 @pytest.fixture(scope="module")
@@ -104,10 +104,13 @@ def test_a_tiny_run_of_the_script_stops_by_itself_with_its_summary():
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert re.search(r"^CPU: .+; AVX-512: (yes|no); AMX: (yes|no).*; \d+ cores", out, re.M)
-    rows = {m[1]: m for m in re.finditer(r"^(bare 1|async 1|bare 3|async 3|loaded 3) +(\d+) +(\d+) ", out, re.M)}
+    rows = {m[1]: m for m in re.finditer(r"^(bare 1|async 1|bare 3|async 3|loaded 3|process 3) +(\d+) +(\d+) ", out,
+                                         re.M)}
     assert sorted(rows) == sorted(config_names(2))
     assert {row[1]: int(row[2]) for row in rows.values()} == {"bare 1": 1, "async 1": 1, "bare 3": 3, "async 3": 3,
-                                                              "loaded 3": 3}
+                                                              "loaded 3": 3, "process 3": 3}
     assert {int(row[3]) for row in rows.values()} == {3}  # every configuration decoded the same 3 steps
     assert "loaded: dashboard open" in out and re.search(r"^loss = cycle\(loaded 3\) / cycle\(bare 3\) - 1 = ", out,
                                                            re.M)
+    # the engine core in its own process (the TUI's default), recorded inside the core
+    assert re.search(r"^engine core in its own process: cycle\(process 3\) / cycle\(bare 3\) - 1 = ", out, re.M)

@@ -1,5 +1,5 @@
-"""The machine a benchmark ran on, as every benchmark prints it next to its figures (the CPU differs between
-machines of the same kind: name it with every number)."""
+"""The machine a benchmark ran on, as the scripts under benchmarks/ print it next to their figures (the CPU differs
+between machines of the same kind: name it with every number)."""
 from __future__ import annotations
 
 import contextlib
