@@ -50,6 +50,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from tsterm.agent.tool_grammar import THINK_CLOSE, THINK_OPEN, prompt_opens_reasoning
 from tsterm.chat.history import PRESERVE
 from tsterm.chat.session import Session
 from tsterm.config import SamplingParams, StructuredOutputs
@@ -70,7 +71,6 @@ from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, Piece, 
 
 router = APIRouter()
 PATH = "/v1/responses"
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 # ---- request ---------------------------------------------------------------------------------------------------
@@ -487,12 +487,6 @@ class OutputBuilder:
                        "item": json.loads(json.dumps(item))})
 
 
-def _opened_reasoning(state: ServerState, prompt_ids: list[int]) -> bool:
-    """Whether the generation prompt leaves a `<think>` block open (the reply then starts inside it)."""
-    tail = state.tokenizer.decode(prompt_ids[-32:], skip_special_tokens=False)
-    return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
-
-
 def _usage(state: ServerState, out: RequestOutput) -> dict[str, Any]:
     o = out.outputs[0]
     generated, prompt = len(o.token_ids), len(out.prompt_token_ids)
@@ -617,7 +611,7 @@ async def _respond(request: Request, state: ServerState, metrics: ServerMetrics,
                        history_context=prompt.context, cache_salt=request_salt(state, request, body.cache_salt))
     count_history(metrics, prompt, info.request_id)
     parser = reply_parser(tools)
-    builder = OutputBuilder(_opened_reasoning(state, prompt.ids))
+    builder = OutputBuilder(prompt_opens_reasoning(state, prompt.ids))
     if body.stream:
         sequence = _Sequence()
         events = _stream(state, metrics, call, parser, builder, info, params, sequence)
