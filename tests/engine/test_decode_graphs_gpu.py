@@ -127,7 +127,7 @@ def test_decode_steps_never_wait_for_the_device(checkpoints, use_graphs):
     read-back of the sampled ids through pinned memory and an event, which sync debug mode does not flag."""
     llm = cuda_llm(checkpoints["qwen3_moe"], cuda_graphs=use_graphs)
     engine = llm.engine
-    for prompt, params in zip(prompts([8, 13, 5, 21, 10], seed=4), every_sampler_stage(20)):
+    for prompt, params in zip(prompts([8, 13, 5, 21, 10, 7], seed=4), every_sampler_stage(20)):
         engine.add_request(prompt, params)
     while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         engine.step()
@@ -139,7 +139,7 @@ def test_decode_steps_never_wait_for_the_device(checkpoints, use_graphs):
     try:
         for _ in range(4):
             outputs = engine.step()
-            assert len(outputs) == 5
+            assert len(outputs) == 6
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert engine.executor.graph_steps - graph_steps == (4 if use_graphs else 0)
