@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tsterm.config import SamplingParams
@@ -132,6 +132,9 @@ def _sorted_nucleus(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
 
 
 @settings(max_examples=80, deadline=None)
+# found by a CI run: the mass before a rank inside a tie group was within float rounding of top_p, and the candidates'
+# masses (one float path) cut the nucleus one token later than the sort's (another)
+@example(vocab=65, rows=2, scale=5.0, ties=True, top_k=[64, 1, 1], top_p=0.999, seed=1)
 @given(vocab=st.sampled_from([65, 300, 4096]), rows=st.integers(1, 3), scale=st.sampled_from([1.0, 5.0, 20.0]),
        ties=st.booleans(), top_k=st.lists(st.sampled_from([1, 3, 64, 65, 0]), min_size=3, max_size=3),
        top_p=st.sampled_from([1e-6, 0.3, 0.9, 0.999]), seed=st.integers(0, 2**31))

@@ -325,6 +325,7 @@ def _add_logit_bias(logits: Tensor, params: list[SamplingParams]) -> Tensor:
 
 
 _NUCLEUS_CANDIDATES = 64  # top-p first looks for its nucleus among this many most likely tokens
+_NUCLEUS_ROUNDING = 1e-4  # a cumulative mass this close to top_p is left to the sort (float32 sums differ ~1e-6)
 
 
 def _top_k_top_p(scores: Tensor, top_k: Tensor, top_p: Tensor, use_top_p: bool) -> Tensor:
@@ -380,6 +381,12 @@ def _nucleus_among_candidates(scores: Tensor, top_k: Tensor, top_p: Tensor) -> T
     mass_before = probs.cumsum(dim=-1) - probs  # [S, c]
     keep &= mass_before < top_p
     last = keep.sum(dim=-1, keepdim=True) - 1  # [S, 1]: the last kept rank (rank 0 always is)
+    # The sort computes the same masses by another float path (a softmax over the whole row): where the mass before
+    # the last kept rank or the first dropped one is within rounding of top_p, the two may cut differently, and only
+    # the sort's answer is the definition.
+    edges = mass_before.gather(1, torch.cat([last, (last + 1).clamp(max=c - 1)], dim=1))  # [S, 2]
+    if ((edges - top_p).abs() < _NUCLEUS_ROUNDING).numpy().any():
+        return None
     # exact when every row's nucleus ends before the last candidate, and no token outside ties its last kept one
     if keep[:, -1].numpy().any() or (values.gather(1, last) <= values[:, -1:]).numpy().any():
         return None
