@@ -180,7 +180,11 @@ def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, p
         # the core's output (warnings, a traceback) goes to a log file: this process's terminal is the TUI's screen
         client = start_core_process(profile, progress=progress, prepare=progress, status=status,
                                     log_path=str(default_data_dir().parent / "engine.log"), **(overrides or {}))
-        client.tokenizer  # loaded here, on the loading thread, not on the UI thread's first render  # noqa: B018
+        try:
+            client.tokenizer  # loaded here, on the loading thread, not on the UI thread's first render  # noqa: B018
+        except BaseException:
+            client.shutdown()  # no host will own it
+            raise
     else:
         built = _on_own_thread(lambda: _build_engine(profile, engine_factory, progress, status, overrides or {}))
         client = built if hasattr(built, "info") else AsyncEngine(built, owns_engine=True)
