@@ -43,6 +43,12 @@ class ScheduledBatch:
     def draft_ids(self, i: int) -> list[int]:
         return self.drafts[i] if self.drafts else []
 
+    def drafts_by_seq(self) -> dict[int, list[int]]:
+        """seq_id -> the draft ids it verifies, for the sequences that carry drafts ({} in a step without any)."""
+        if not any(self.drafts):
+            return {}
+        return {seq.seq_id: drafts for seq, drafts in zip(self.seqs, self.drafts) if drafts}
+
     def input_ids(self, i: int) -> list[int]:
         """The token ids `seqs[i]` feeds this step: its uncomputed tokens (those the step reaches), then its drafts."""
         seq, n, drafts = self.seqs[i], self.num_new[i], self.draft_ids(i)

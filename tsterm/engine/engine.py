@@ -237,7 +237,7 @@ class Engine:
             if batch.cow_copies:
                 self.executor.copy_blocks(batch.cow_copies)
             logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples (a verify: per position)
-            drafts = {seq.seq_id: batch.draft_ids(i) for i, seq in enumerate(batch.seqs) if batch.draft_ids(i)}
+            drafts = batch.drafts_by_seq()
             states: dict[int, list[PenaltyState]] = {}  # a verify's penalised rows: each position's history
             return self._accept(drafts, self._sample(logits, samples, rows, drafts, states), states)
         except BaseException:
@@ -370,7 +370,7 @@ class Engine:
         or output fails here fails alone (into `failures`); every failed request gets its final error output."""
         now = time.time()
         prefill_tokens = self.scheduler.update_from_output(batch)
-        verified = {seq.seq_id: len(batch.draft_ids(i)) for i, seq in enumerate(batch.seqs) if batch.draft_ids(i)}
+        verified = {seq_id: len(drafts) for seq_id, drafts in batch.drafts_by_seq().items()}
         generated_before = self.num_generated_tokens
         touched: dict[str, Request] = {}
         i = 0

@@ -320,8 +320,8 @@ def _add_logit_bias(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     index = _to_device(torch.tensor([rows, ids], dtype=torch.long), logits.device)  # [2, N]
     bias = _to_device(torch.tensor(values, dtype=torch.float32), logits.device)  # [N]
     scores = logits.to(torch.float32, copy=True)
-    # the ids of one row are a dict's keys: no (row, id) pair repeats, so the scatter writes each element once
-    return scores.index_put_((index[0], index[1]), scores[index[0], index[1]] + bias)
+    # the ids of one row are a dict's keys: no (row, id) pair repeats, so each element gets its one bias added
+    return scores.index_put_((index[0], index[1]), bias, accumulate=True)
 
 
 _NUCLEUS_CANDIDATES = 64  # top-p first looks for its nucleus among this many most likely tokens
