@@ -114,7 +114,6 @@ class Engine:
         self.drafter: DraftSource | None = None
         if config.speculative_method != "off":
             self.drafter = make_draft_source(config.speculative_method, config.num_speculative_tokens)
-        self.spec_num_drafts = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.scheduler = Scheduler(config, self.kv, lambda: self.clock(),  # (the engine's clock, even if replaced)
                                    proposer=self._propose if self.drafter is not None else None)
         self.limits = Limits(cfg.vocab_size, self.max_model_len, config.max_num_seqs)
@@ -128,7 +127,8 @@ class Engine:
         self._seq_ids = itertools.count()  # the engine's own: no sequence numbering is shared between engines
         self.num_steps = 0
         self.num_generated_tokens = 0
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(spec_method=config.speculative_method,
+                                     num_speculative_tokens=config.num_speculative_tokens)
         self.audit: CopyAudit | None = None  # off by default: `enable_copy_audit`
 
     # ---------------------------------------------------------------------------------------------------------
@@ -412,9 +412,7 @@ class Engine:
         seq = sample.seq
         if num_drafted is not None:
             num_accepted = len(run) - 1
-            self.spec_num_drafts += 1
-            self.spec_draft_tokens += num_drafted
-            self.spec_accepted_tokens += num_accepted
+            self.metrics.on_verify(self.drafter.name, num_drafted, num_accepted)  # (per source and position)
             self.drafter.observe(seq.seq_id, num_drafted, num_accepted)
         for index, (_, token, logprob) in enumerate(run):
             if seq.is_finished:
@@ -506,9 +504,8 @@ class Engine:
             generated_tokens=self.num_generated_tokens, prefill_tokens=self.scheduler.num_prefill_tokens,
             block_size=self.config.block_size, kv_bytes_per_block=self.executor.kv_bytes_per_block,
             state_bytes=self.executor.state_bytes,
-            spec_num_drafts=self.spec_num_drafts, spec_draft_tokens=self.spec_draft_tokens,
-            spec_accepted_tokens=self.spec_accepted_tokens,
         )
+        s.update(self.metrics.spec.stats())  # spec_num_drafts, spec_draft_tokens, ..., spec_sources (stats.py)
         s.update(self.executor.counters())
         # The other side of the copy ledger: KV taken by reference. A design that deep-copies the prefix each
         # turn would have moved exactly these bytes.
