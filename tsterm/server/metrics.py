@@ -57,6 +57,8 @@ class EngineCollector(Collector):
                           "resumed, a sample forked).", s["state_copy_bytes"]))
         for name, help_text, value in counters:
             yield CounterMetricFamily(f"tsterm:{name}", help_text, value=value)
+        if s.get("spec_num_tokens"):  # speculative decoding on: vLLM's four families, named and labelled as its
+            yield from _spec_decode(s)  # vllm/v1/spec_decode/metrics.py names them (its `position` label too)
         success = CounterMetricFamily("tsterm:request_success", "Finished requests by finish reason.",
                                       labels=["finished_reason"])
         for reason, count in sorted(dict(m.requests_finished).items()):
@@ -71,6 +73,24 @@ class EngineCollector(Collector):
                 cumulative += count
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             yield HistogramMetricFamily(f"tsterm:{name}", help_text, buckets=buckets, sum_value=hist.total)
+
+
+def _spec_decode(s: dict) -> Iterator[Metric]:
+    """Speculative decoding's counters (the engine's `spec_*` stats, over every draft source), as vLLM exposes them.
+    The acceptance rate is rate(..._num_accepted_tokens_total) / rate(..._num_draft_tokens_total), the mean accepted
+    length (with the verify's own token) 1 + rate(..._num_accepted_tokens_total) / rate(..._num_drafts_total), and
+    position i's acceptance rate ..._num_accepted_tokens_per_pos_total{position="i"} / ..._num_drafts_total. Every
+    position below the configured draft length is shown from the start, at 0 until a verify accepts it."""
+    for name, help_text, key in (("num_drafts", "Number of spec decoding drafts (one sequence's drafts verified in "
+                                  "one step).", "spec_num_drafts"),
+                                 ("num_draft_tokens", "Number of draft tokens.", "spec_draft_tokens"),
+                                 ("num_accepted_tokens", "Number of accepted tokens.", "spec_accepted_tokens")):
+        yield CounterMetricFamily(f"tsterm:spec_decode_{name}", help_text, value=s[key])
+    per_pos = CounterMetricFamily("tsterm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Accepted tokens per draft position.", labels=["position"])
+    for position, count in enumerate(s["spec_accepted_per_pos"]):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
 
 
 class ServerMetrics:
