@@ -15,6 +15,7 @@ from tsterm_kernels import cpu_native
 from tsterm_kernels.cpu_stack import DecodeStack, StackLayer
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import QuantizedWeight, quantized_linear
+from tsterm_kernels.routing import Routing, routing_or_default
 # Gated DeltaNet ops (decode and prefill): their torch implementation lives in its own module
 from tsterm_kernels.torch_gated_delta import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
                                               recurrent_gated_delta_rule)
@@ -345,12 +346,17 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax -> top-k -> optional renormalisation. router_logits: [T, E].
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              routing: Routing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax -> top-k -> optional renormalisation. router_logits: [T, E]. routing: the router's kind
+    (`tsterm_kernels.routing`: sigmoid scores, a selection bias, group-limited choice, a scale); None: softmax.
 
     Returns (weights [T, k] float32, expert_ids [T, k] int64). Stays on the device. Float32 logits on the CPU take
     the C decode stack's routing (csrc/stack.c), so a token routes the same in a prefill and in a decode step.
     """
+    routing = routing_or_default(routing)
+    if routing is not None:
+        return _scored_route(router_logits, top_k, renormalize, routing)
     native = _native_f32(router_logits) if router_logits.dim() == 2 and router_logits.is_contiguous() else None
     if native is not None:
         tokens, num_experts = router_logits.shape
@@ -364,6 +370,31 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
         return torch.softmax(top_logits, dim=-1, dtype=torch.float32), expert_ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
     return torch.topk(probs, top_k, dim=-1)  # [T, k], [T, k]
+
+
+def _scored_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route` of a non-default kind (see `tsterm_kernels.routing`), in float32 torch ops on any device."""
+    tokens, num_experts = router_logits.shape
+    routing.check(num_experts, top_k)
+    logits = router_logits.float()
+    scores = torch.sigmoid(logits) if routing.scoring == "sigmoid" else torch.softmax(logits, dim=-1)  # [T, E]
+    choice = scores if routing.bias is None else scores + routing.bias.to(scores.device)  # [T, E]
+    if routing.num_groups > 1:
+        grouped = choice.view(tokens, routing.num_groups, -1)  # [T, G, E/G]
+        best2 = torch.topk(grouped, 2, dim=-1).values  # [T, G, 2]
+        group_scores = best2[..., 0] + best2[..., 1]  # [T, G]
+        kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :routing.topk_groups]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, num_experts)
+    # stable: equal choices go to the lower expert id, as in the Triton kernel
+    expert_ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
+    weights = scores.gather(1, expert_ids)  # [T, k]: the unbiased scores
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
+    return weights, expert_ids
 
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
