@@ -76,7 +76,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         json.dump({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                    "prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
                    "ttft_s": m.ttft, "e2e_s": m.e2e, "mean_itl_s": m.mean_itl,
-                   **{key: stats[key] for key in ("spec_draft_tokens", "spec_accepted_tokens")}}, sys.stdout)
+                   **{key: stats[key] for key in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens",
+                                                  "spec_accepted_per_pos")}}, sys.stdout)
     sys.stdout.write("\n")
     return 0
 

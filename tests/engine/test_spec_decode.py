@@ -474,12 +474,17 @@ def test_profile_keys_and_run_flags(moe, tmp_path, capsys, monkeypatch):
             "--json"]
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert plain["spec_draft_tokens"] == plain["spec_accepted_tokens"] == 0
+    assert plain["spec_draft_tokens"] == plain["spec_accepted_tokens"] == plain["spec_num_drafts"] == 0
+    assert plain["spec_accepted_per_pos"] == []
     assert main(base + ["--speculative", "ngram", "--num-speculative-tokens", "3"]) == 0
     spec = json.loads(capsys.readouterr().out)
     config = loaded[-1].engine.config
     assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 3)
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert spec["spec_draft_tokens"] > 0 and 0 < spec["spec_accepted_tokens"] <= spec["spec_draft_tokens"]
+    # per position (K = 3 of them): a verify that accepted position i accepted the ones before it
+    per_pos = spec["spec_accepted_per_pos"]
+    assert len(per_pos) == 3 and sum(per_pos) == spec["spec_accepted_tokens"]
+    assert spec["spec_num_drafts"] >= per_pos[0] >= per_pos[1] >= per_pos[2]
     with pytest.raises(SystemExit):
         main(base + ["--speculative", "eagle"])
