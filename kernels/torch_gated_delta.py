@@ -22,6 +22,11 @@ The causal depthwise conv that feeds q/k/v keeps the last K-1 inputs of each cha
 Prompt ops take `bounds [N, 2]` (int): sequence i's rows [bounds[i, 0], bounds[i, 1]) of the step's flattened
 tokens, its state in slot `slots[i]`; they write only those rows of `out`. These ops read slots and bounds on the
 host (free on the CPU, their device).
+
+The decode ops may also write each new state into another slot than the one they read (`out_slots`): a speculative
+verify step runs its positions one decode at a time, each position's state kept in a slot of its own, so that the
+engine keeps the one at the last accepted position by taking its slot (nothing copied). The arithmetic is the
+in-place step's, operation for operation: a position verified this way computes what decoding it would have.
 """
 from __future__ import annotations
 
@@ -72,12 +77,39 @@ def _unsort(out: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
     return out if perm is None else torch.empty_like(out).index_copy_(0, perm, out)
 
 
+def _out_of_place(src: list[int], dst: list[int], rows: list[torch.Tensor], step, pool: torch.Tensor) -> torch.Tensor:
+    """A decode op whose row i reads slot src[i] of `pool` and writes slot dst[i]: `step(inputs, source view, target
+    view)` over each run of rows whose source and target slots both go up one by one (the rows taken in target-slot
+    order; a run with source == target is updated in place: source None). Returns the outputs in row order."""
+    writer = {d: row for row, d in enumerate(dst)}
+    assert len(writer) == len(dst) == len(set(src)) and all(writer.get(s, row) == row for row, s in enumerate(src)), \
+        f"state slots read {src} and written {dst}: a slot read by one row is written by another"
+    order = sorted(range(len(dst)), key=dst.__getitem__)
+    perm = None if order == list(range(len(dst))) else torch.tensor(order, device=rows[0].device)
+    if perm is not None:
+        rows, src, dst = [x.index_select(0, perm) for x in rows], [src[i] for i in order], [dst[i] for i in order]
+    runs: list[tuple[int, int, int, int]] = []  # (first row, first source, first target, length)
+    for row, (s, d) in enumerate(zip(src, dst)):
+        r0, s0, d0, n = runs[-1] if runs else (0, 0, 0, 0)
+        if runs and s == s0 + n and d == d0 + n and (s == d) == (s0 == d0):
+            runs[-1] = (r0, s0, d0, n + 1)
+        else:
+            runs.append((row, s, d, 1))
+    outs = [step([x[r:r + n] for x in rows], None if s == d else pool.narrow(0, s, n), pool.narrow(0, d, n))
+            for r, s, d, n in runs]
+    return _unsort(outs[0] if len(outs) == 1 else torch.cat(outs), perm)
+
+
 def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-          state: torch.Tensor) -> torch.Tensor:
+          state: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
     """Prepared q, k [S, Hv, dk]; v [S, Hv, dv]; g, beta [S, Hv] float32; state [S, Hv, dk, dv] float32 updated in
-    place (a view of consecutive slots of a contiguous pool). Returns o [S, Hv, dv]."""
+    place (a view of consecutive slots of a contiguous pool), or, with `source` (a view of as many other slots),
+    written with the state that follows `source`'s, which is left as it is. Returns o [S, Hv, dv]."""
     num_seqs, num_v_heads, dk, dv = state.shape
-    state.mul_(g.exp()[..., None, None])  # decayed
+    if source is None:
+        state.mul_(g.exp()[..., None, None])  # decayed
+    else:
+        torch.mul(source, g.exp()[..., None, None], out=state)  # decayed, into the other slots (the same product)
     flat = state.view(num_seqs * num_v_heads, dk, dv)  # one [dk, dv] matrix per (sequence, head)
     predicted = torch.bmm(k.reshape(-1, 1, dk), flat).view(num_seqs, num_v_heads, dv)  # what the state recalls for k
     delta = (v.float() - predicted) * beta[..., None]  # [S, Hv, dv]
@@ -94,11 +126,14 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                               states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                               states: torch.Tensor, slots: torch.Tensor,
+                               out_slots: torch.Tensor | None = None) -> torch.Tensor:
     """One token of each of S sequences, sequence i's state in slot `slots[i]` of the pool.
 
     q, k: [S, Hk, dk]; v: [S, Hv, dv]; g, beta: [S, Hv]; states: [num_slots, Hv, dk, dv] float32, the rows `slots`
-    [S] (int, distinct) updated in place. Returns o [S, Hv, dv] float32.
+    [S] (int, distinct) updated in place; or, with `out_slots` [S] (int, distinct), each new state written into slot
+    `out_slots[i]` and slot `slots[i]` left as it is where the two differ (no slot read by one row is written by
+    another). Returns o [S, Hv, dv] float32.
 
     Each run of consecutive slots (the rows taken in slot order) is one view of the pool, updated in one batched
     step (the engine hands slots out from a stack, so a batch is usually one run). Measured at 32 value heads of 128 x 128 (2 MB of
@@ -107,6 +142,9 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     per-run views).
     """
     q, k, scale = _prepare(q, k, v.shape[-2])
+    if out_slots is not None:
+        return _out_of_place(slots.tolist(), out_slots.tolist(), [q, k, v, g.float(), beta.float()],
+                             lambda x, src, dst: _step(*x, scale, dst, src), states)
     ids, (q, k, v, g, beta), perm = _in_slot_order(slots.tolist(), [q, k, v, g.float(), beta.float()])
     runs = _runs(ids)
     if len(runs) == 1:
@@ -199,12 +237,16 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tens
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
-                         slots: torch.Tensor) -> torch.Tensor:
+                         slots: torch.Tensor, out_slots: torch.Tensor | None = None) -> torch.Tensor:
     """One new token of each of S sequences: the decode step of `causal_conv1d`.
 
     x: [S, C]; weight: [C, K]; conv_states: [num_slots, C, K-1], the rows `slots` [S] (int, distinct) read and
-    rewritten in place. Returns [S, C] in x's dtype.
+    rewritten in place; or, with `out_slots` [S], the new window written into slot `out_slots[i]` and slot `slots[i]`
+    left as it is (as `recurrent_gated_delta_rule`). Returns [S, C] in x's dtype.
     """
+    if out_slots is not None:
+        return _out_of_place(slots.tolist(), out_slots.tolist(), [x],
+                             lambda rows, src, dst: _conv_step(rows[0], weight, dst, src), conv_states)
     ids, (x,), perm = _in_slot_order(slots.tolist(), [x])
     runs = _runs(ids)
     if len(runs) == 1:
@@ -213,12 +255,15 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
                    perm)
 
 
-def _conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-    """x [S, C], one token after the K-1 inputs in conv_state [S, C, K-1] (shifted in place): SiLU(conv)."""
+def _conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+               source: torch.Tensor | None = None) -> torch.Tensor:
+    """x [S, C], one token after the K-1 inputs in conv_state [S, C, K-1] (shifted in place): SiLU(conv). With
+    `source` (other slots' [S, C, K-1]): after the inputs there, shifted into conv_state; source left as it is."""
     past = weight.shape[1] - 1
-    result = (conv_state.to(weight.dtype) * weight[:, :past]).sum(-1) + x.to(weight.dtype) * weight[:, past]  # [S, C]
+    source = conv_state if source is None else source
+    result = (source.to(weight.dtype) * weight[:, :past]).sum(-1) + x.to(weight.dtype) * weight[:, past]  # [S, C]
     for j in range(past - 1):  # shift left by one, column by column (an overlapping copy_ is refused)
-        conv_state[:, :, j].copy_(conv_state[:, :, j + 1])
+        conv_state[:, :, j].copy_(source[:, :, j + 1])
     if past:
         conv_state[:, :, past - 1].copy_(x)
     return F.silu(result).to(x.dtype)

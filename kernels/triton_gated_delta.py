@@ -8,6 +8,10 @@ matmuls (`tl.dot`, float32-accurate tf32x3) and the within-chunk unit lower-tria
 substitution, row by row (stable where it is close to singular, e.g. a repeated token; a product of powers of A
 is not).
 
+The decode kernels may write each new state into another slot than the one they read (`out_slots`; a
+speculative verify step keeps each position's state in a slot of its own): a program loads its tile from the source
+slot and stores it into the target slot, the arithmetic unchanged.
+
 Twins: the functions of the same names in `tsterm_kernels.torch_gated_delta` (the math and the shapes are
 documented there).
 """
@@ -25,7 +29,7 @@ DOT_PRECISION = "tf32x3"
 @triton.jit
 def _conv_update_kernel(
     # pointers
-    x_ptr, weight_ptr, states_ptr, slots_ptr, out_ptr,
+    x_ptr, weight_ptr, states_ptr, slots_ptr, out_slots_ptr, out_ptr,
     # sizes and strides (the channel dimension of x, out and weight rows is unit-stride)
     channels, stride_x, stride_out, stride_state_slot, stride_state_channel,
     # meta-parameters
@@ -36,6 +40,9 @@ def _conv_update_kernel(
     mask = cols < channels
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     state = states_ptr + slot * stride_state_slot + cols.to(tl.int64) * stride_state_channel  # [BLOCK_C] pointers
+    # where the shifted window goes: the same slot, or another (its own program's columns only: no race)
+    target = states_ptr + tl.load(out_slots_ptr + seq).to(tl.int64) * stride_state_slot + \
+        cols.to(tl.int64) * stride_state_channel
 
     # ---- the window: K-1 stored inputs, then the new one; the stored ones shift left by one
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -43,18 +50,18 @@ def _conv_update_kernel(
         past = tl.load(state + j, mask=mask, other=0.0).to(tl.float32)
         acc += past * tl.load(weight_ptr + cols * KERNEL + j, mask=mask, other=0.0).to(tl.float32)
         if j > 0:
-            tl.store(state + (j - 1), past, mask=mask)
+            tl.store(target + (j - 1), past, mask=mask)
     x = tl.load(x_ptr + seq * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     acc += x * tl.load(weight_ptr + cols * KERNEL + (KERNEL - 1), mask=mask, other=0.0).to(tl.float32)
     if KERNEL > 1:
-        tl.store(state + (KERNEL - 2), x, mask=mask)
+        tl.store(target + (KERNEL - 2), x, mask=mask)
 
     # ---- SiLU
     tl.store(out_ptr + seq * stride_out + cols, acc / (1.0 + tl.exp(-acc)), mask=mask)
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
-                         slots: torch.Tensor) -> torch.Tensor:
+                         slots: torch.Tensor, out_slots: torch.Tensor | None = None) -> torch.Tensor:
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [S, C] with unit last stride, got {tuple(x.shape)}"
     num_seqs, channels = x.shape
     assert weight.dim() == 2 and weight.shape[0] == channels and weight.is_contiguous(), \
@@ -62,14 +69,14 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     kernel = weight.shape[1]
     assert conv_states.dim() == 3 and conv_states.shape[1:] == (channels, kernel - 1) and conv_states.stride(2) == 1, \
         f"conv_states must be [slots, {channels}, {kernel - 1}], got {tuple(conv_states.shape)}"
-    assert slots.shape == (num_seqs,) and not slots.is_floating_point(), "slots must be [S] integers"
+    out_slots = _check_slots(slots, out_slots, num_seqs)
     assert x.device == weight.device == conv_states.device == slots.device
     out = torch.empty((num_seqs, channels), dtype=x.dtype, device=x.device)
     if num_seqs == 0:
         return out
     block_c = min(256, triton.next_power_of_2(channels))
     _conv_update_kernel[(num_seqs, triton.cdiv(channels, block_c))](
-        x, weight, conv_states, slots, out,
+        x, weight, conv_states, slots, out_slots, out,
         channels, x.stride(0), out.stride(0), conv_states.stride(0), conv_states.stride(1),
         KERNEL=kernel, BLOCK_C=block_c,
     )
@@ -79,7 +86,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
 @triton.jit
 def _recurrent_step_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, out_slots_ptr, out_ptr,
     # sizes and strides (head dims are unit-stride; each slot of the pool is a contiguous [Hv, dk, dv])
     num_v_heads, group, k_dim, v_dim, scale,
     stride_q_seq, stride_q_head, stride_k_seq, stride_k_head, stride_v_seq, stride_v_head, stride_g_seq,
@@ -94,6 +101,7 @@ def _recurrent_step_kernel(
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V] value dims
     row_mask, col_mask = rows < k_dim, cols < v_dim
     slot = tl.load(slots_ptr + seq).to(tl.int64)
+    out_slot = tl.load(out_slots_ptr + seq).to(tl.int64)  # where the new state goes (slot: in place)
 
     # ---- q and k of this head's key head, L2-normalised
     q = tl.load(q_ptr + seq * stride_q_seq + key_head * stride_q_head + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -104,18 +112,19 @@ def _recurrent_step_kernel(
     decay = tl.exp(tl.load(g_ptr + seq * stride_g_seq + head).to(tl.float32))
     beta = tl.load(beta_ptr + seq * stride_beta_seq + head).to(tl.float32)
 
-    # ---- decay, the delta write, the read-out; the state tile is read from its slot and written back there
-    state = states_ptr + slot * stride_state_slot + head * k_dim * v_dim + rows[:, None] * v_dim + cols[None, :]
+    # ---- decay, the delta write, the read-out; the state tile is read from its slot and written to its target
+    tile = head * k_dim * v_dim + rows[:, None] * v_dim + cols[None, :]
     tile_mask = row_mask[:, None] & col_mask[None, :]
-    s = tl.load(state, mask=tile_mask, other=0.0) * decay  # [BLOCK_K, BLOCK_V]
+    s = tl.load(states_ptr + slot * stride_state_slot + tile, mask=tile_mask, other=0.0) * decay  # [BLOCK_K, BLOCK_V]
     delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BLOCK_V]
     s += k[:, None] * delta[None, :]
-    tl.store(state, s, mask=tile_mask)
+    tl.store(states_ptr + out_slot * stride_state_slot + tile, s, mask=tile_mask)
     tl.store(out_ptr + seq_head.to(tl.int64) * v_dim + cols, tl.sum(s * q[:, None], axis=0), mask=col_mask)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                               states: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                               states: torch.Tensor, slots: torch.Tensor,
+                               out_slots: torch.Tensor | None = None) -> torch.Tensor:
     assert q.dim() == 3 and q.shape == k.shape and q.stride(2) == 1 and k.stride(2) == 1, \
         f"q, k must be [S, Hk, dk] with unit last stride, got {tuple(q.shape)}, {tuple(k.shape)}"
     num_seqs, num_k_heads, k_dim = q.shape
@@ -125,7 +134,7 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     assert g.shape == beta.shape == (num_seqs, num_v_heads) and g.stride(1) == 1 and beta.stride(1) == 1, \
         f"g, beta must be [{num_seqs}, {num_v_heads}]"
     _check_states(states, num_v_heads, k_dim, v_dim)
-    assert slots.shape == (num_seqs,) and not slots.is_floating_point(), "slots must be [S] integers"
+    out_slots = _check_slots(slots, out_slots, num_seqs)
     assert q.device == k.device == v.device == g.device == beta.device == states.device == slots.device
     out = torch.empty((num_seqs, num_v_heads, v_dim), dtype=torch.float32, device=q.device)
     if num_seqs == 0:
@@ -133,13 +142,23 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     block_k = triton.next_power_of_2(k_dim)
     block_v = min(triton.next_power_of_2(v_dim), max(16, 8192 // block_k))  # a [dk, BLOCK_V] tile per program
     _recurrent_step_kernel[(num_seqs * num_v_heads, triton.cdiv(v_dim, block_v))](
-        q, k, v, g, beta, states, slots, out,
+        q, k, v, g, beta, states, slots, out_slots, out,
         num_v_heads, num_v_heads // num_k_heads, k_dim, v_dim, k_dim ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         states.stride(0),
         BLOCK_K=block_k, BLOCK_V=block_v,
     )
     return out
+
+
+def _check_slots(slots: torch.Tensor, out_slots: torch.Tensor | None, num_seqs: int) -> torch.Tensor:
+    """The target slots of a decode op (the source slots themselves when None), checked: [S] integers each."""
+    assert slots.shape == (num_seqs,) and not slots.is_floating_point(), "slots must be [S] integers"
+    if out_slots is None:
+        return slots
+    assert out_slots.shape == (num_seqs,) and not out_slots.is_floating_point() and out_slots.device == slots.device, \
+        "out_slots must be [S] integers, on the slots' device"
+    return out_slots
 
 
 def _check_states(states: torch.Tensor, num_v_heads: int, k_dim: int, v_dim: int) -> None:
