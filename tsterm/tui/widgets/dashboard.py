@@ -1,5 +1,5 @@
-"""Live engine counters: throughput sparklines, latency, KV block map, prefix reuse per turn, copies, MoE expert
-load, memory."""
+"""Live engine counters: throughput sparklines, latency, KV block map, prefix reuse per turn, copies, speculative
+decoding's acceptance, MoE expert load, memory."""
 from __future__ import annotations
 
 from collections import deque
@@ -61,6 +61,8 @@ class Dashboard(VerticalScroll):
         yield Static("no turns yet", id="reuse", markup=False)
         yield Label("copies", classes="dash-title")
         yield Static("", id="copies", markup=False)
+        yield Label("speculative decoding", id="spec-title", classes="dash-title")
+        yield Static("", id="spec", markup=False)
         yield Label("MoE expert load per layer", id="experts-label", classes="dash-title")
         yield ExpertHeatmap(id="experts")
         yield Label("engine", classes="dash-title")
@@ -160,6 +162,7 @@ class Dashboard(VerticalScroll):
         self.query_one(ExpertHeatmap).set_load(self.experts)
         pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0)
         self._draw_ranks()
+        self._draw_spec(s)
         self.query_one("#engine", Static).update(
             f"{self.device}\n{mem}  KV pool {human_bytes(pool)}"
             + (f"  state {human_bytes(s['state_bytes'])}" if s.get("state_bytes") else "") + "\n"
@@ -181,6 +184,34 @@ class Dashboard(VerticalScroll):
                          f"file {human_bytes(r.get('file'))}")
         self.query_one("#ranks", Static).update("\n".join(lines))
 
+    def _draw_spec(self, s: dict) -> None:
+        """Speculative decoding since the engine started (`Engine.stats()`'s spec_* keys): per draft source its
+        drafted and accepted tokens, the acceptance rate (accepted / drafted), the mean accepted length (tokens a
+        verify appends: its accepted drafts and the one token of its own, as vLLM reports it) and each draft
+        position's acceptance (of the verifies that drafted a token there, the share that accepted it). The section
+        is hidden while speculation is off."""
+        k = s.get("spec_num_tokens", 0)
+        for widget in (self.query_one("#spec-title"), self.query_one("#spec")):
+            widget.display = bool(k)
+        if not k:
+            return
+        lines = [f"{s.get('spec_method', '?')}, up to {k} draft tokens a step"]
+        sources = s.get("spec_sources") or {}
+        if not sources:
+            lines.append("no drafts yet")
+        for name, c in sources.items():
+            drafted, accepted, verifies = c["draft_tokens"], c["accepted_tokens"], c["num_drafts"]
+            rate = f"{100 * accepted / drafted:.1f}%" if drafted else "-"
+            mean = f"{1 + accepted / verifies:.2f}" if verifies else "-"
+            if len(sources) > 1 or name != s.get("spec_method"):
+                lines.append(f"source {name}")
+            lines.append(f"drafted {drafted}  accepted {accepted}")
+            lines.append(f"acceptance {rate}  mean length {mean}")
+            per_pos = [f"{100 * a / d:.0f}%" if d else "-"
+                       for d, a in zip(c["drafted_per_pos"], c["accepted_per_pos"])]
+            lines.append("by position " + " ".join(per_pos[:8]) + (" …" if len(per_pos) > 8 else ""))
+        self.query_one("#spec", Static).update("\n".join(lines))
+
     def _draw_latency(self) -> None:
         t = self.last_turn
         ttfts = [turn.ttft for turn in self.recent_turns if turn.ttft is not None]
@@ -194,3 +225,4 @@ class Dashboard(VerticalScroll):
     def on_mount(self) -> None:
         self._draw_latency()
         self._draw_ranks()
+        self._draw_spec(self.latest)
