@@ -128,6 +128,11 @@ class BlockPool:
 
     # ---- hashing and lookup
 
+    @property
+    def root_hash(self) -> int:
+        """The parent hash a first block is chained from (None's, in `hash_block`): the model fingerprint's."""
+        return self._root_hash
+
     def salt_root(self, salt: str) -> int:
         """The parent hash of the first block of a prompt cached under `salt` (a request's `cache_salt`), in place of
         None (the model fingerprint's root): the fingerprint's root and the salt, hashed apart from the chain hashes

@@ -1,8 +1,15 @@
 """Sequence-level block tables on top of a BlockPool: prefix matching, slot allocation, copy-on-write, fork."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tsterm.engine.block_pool import BlockPool, NoFreeBlocksError
 from tsterm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+    from tsterm.engine.kv_tier import DiskTier, TierRead
 
 
 class KVCacheManager:
@@ -28,15 +35,25 @@ class KVCacheManager:
     sequence also leaves a snapshot behind, when a free slot can replace it (`keep_interval_snapshot`), so that
     prompts sharing only the start of a prefix with it (one system prompt, different tasks) resume from there. The
     chunks are not cut for it: the layer splits a chunk where a snapshot is taken.
+
+    With a lower tier (`tier`: the disk store, `tsterm.engine.kv_tier`), every block registered for the prefix cache
+    is written through to it, and so is a finished sequence's kept partial block; `match_prefix` goes on past the
+    pool's run with the blocks the tier holds, read back into fresh blocks (registered, so the next prompt takes them
+    by reference) instead of computed. Not for hybrid models (their snapshots are not stored).
     """
 
-    def __init__(self, pool: BlockPool, snapshot_interval: int = 0):
+    def __init__(self, pool: BlockPool, snapshot_interval: int = 0, tier: DiskTier | None = None):
+        assert tier is None or not pool.num_state_slots, "the disk tier stores no recurrent-state snapshots"
         self.pool = pool
+        self.tier = tier
+        self.prefix_tier_hit_tokens = 0  # prompt tokens of admitted requests served from the tier (in prefix_hit)
+        self._tier_tokens: dict[int, int] = {}  # seq_id -> tokens its last match_prefix loaded from the tier
         self.block_size = pool.block_size
         self.num_state_slots = pool.num_state_slots
         self.snapshot_interval = snapshot_interval // pool.block_size * pool.block_size
         self.interval_snapshots = 0  # snapshots left behind by live sequences at interval boundaries
         self._chain: dict[int, list[int]] = {}  # seq_id -> chain hash of each committed full block
+        self._draft_slots: dict[int, list[int]] = {}  # seq_id -> state slots of its drafts in the step in flight
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.cow_copies = 0
@@ -60,6 +77,10 @@ class KVCacheManager:
             seq.block_table.append(block_id)
             chain.append(block_hash)
         self._chain[seq.seq_id] = chain
+        loads: list[tuple[list[int], torch.Tensor]] = []  # (pool block, its data read from the tier)
+        if self.tier is not None and self.pool.enable_prefix_caching:
+            self._extend_from_tier(seq, chain, (len(tokens) - 1) // B, root, loads)
+        tier_tokens = sum(len(ids) for ids, _ in loads) * B
         num_cached = len(chain) * B
         if self.pool.enable_prefix_caching and not self.num_state_slots:  # (a hybrid's state is kept per block)
             partial = self.pool.lookup_partial(chain[-1] if chain else root, tokens[num_cached:len(tokens) - 1])
@@ -67,8 +88,79 @@ class KVCacheManager:
                 self.pool.take_partial(partial[0])
                 seq.block_table.append(partial[0])
                 num_cached += partial[1]
+            elif self.tier is not None:
+                partial_tokens = self._partial_from_tier(seq, chain[-1] if chain else root,
+                                                         tokens[num_cached:len(tokens) - 1], loads)
+                num_cached += partial_tokens
+                tier_tokens += partial_tokens
+        if loads:  # one batched copy into the pool of the blocks this prompt read from the tier (and its partial)
+            self.tier.copy_in(loads)
+        self._tier_tokens[seq.seq_id] = tier_tokens
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return num_cached
+
+    def _extend_from_tier(self, seq: Sequence, chain: list[int], max_blocks: int, root: int | None,
+                          loads: list[tuple[list[int], torch.Tensor]]) -> None:
+        """After the pool's run: the prompt's next full blocks, each from the pool or else the tier, as far as the
+        tier holds them, they check out (`DiskTier.fetch`) and fresh blocks are free for them. Appends to the table
+        and `chain`; the tier's blocks are registered, their data queued in `loads`."""
+        B, pool, tier, tokens = self.block_size, self.pool, self.tier, seq.token_ids
+        plan: list[tuple[int | None, int, int | None, list[int], TierRead | None]] = []
+        parent = chain[-1] if chain else root
+        for i in range(len(chain), max_blocks):
+            block_tokens = tokens[i * B:(i + 1) * B]
+            block_hash = pool.hash_block(parent, block_tokens)
+            block_id = pool.lookup(block_hash, block_tokens, parent)
+            read = None if block_id is not None else tier.full_read(block_hash, parent, block_tokens)
+            if block_id is None and read is None:
+                break
+            plan.append((block_id, block_hash, parent, block_tokens, read))
+            parent = block_hash
+        if not plan:
+            return
+        for block_id, *_ in plan:  # held first: no allocation below evicts them
+            if block_id is not None:
+                pool.acquire(block_id)
+        room, reads, keep = pool.num_free, [], len(plan)
+        for index, (_, _, _, _, read) in enumerate(plan):
+            if read is not None:
+                if len(reads) == room:
+                    keep = index
+                    break
+                reads.append(read)
+        data = tier.fetch(reads)
+        if len(data) < len(reads):  # the first missing or refused block ends the run
+            keep = [index for index, item in enumerate(plan) if item[4] is not None][len(data)]
+        for block_id, *_ in plan[keep:]:
+            if block_id is not None:
+                pool.release(block_id)
+        loaded: list[int] = []
+        for block_id, block_hash, parent, block_tokens, read in plan[:keep]:
+            if block_id is None:
+                table = seq.block_table
+                block_id = pool.allocate(prefer=table[-1] + 1 if table else None)
+                pool.register(block_id, parent, block_tokens)
+                loaded.append(block_id)
+            seq.block_table.append(block_id)
+            chain.append(block_hash)
+        if loaded:
+            loads.append((loaded, data))
+
+    def _partial_from_tier(self, seq: Sequence, parent: int | None, token_ids: list[int],
+                           loads: list[tuple[list[int], torch.Tensor]]) -> int:
+        """The tier's partial block after `parent` holding the most of `token_ids` first tokens, read into a fresh
+        block that `seq` takes over (as `take_partial`); returns the tokens it holds (0: none)."""
+        found = self.tier.partial_read(parent, token_ids) if token_ids else None
+        if found is None or not self.pool.num_free:
+            return 0
+        data = self.tier.fetch([found[0]])
+        if not len(data):
+            return 0
+        table = seq.block_table
+        block_id = self.pool.allocate(prefer=table[-1] + 1 if table else None)
+        table.append(block_id)
+        loads.append(([block_id], data))
+        return found[1]
 
     # ---- pins: a session waiting on its tools (or its user) keeps its prefix out of eviction
 
@@ -128,6 +220,7 @@ class KVCacheManager:
         """Count one admission's prefix lookup (the scheduler calls it once per admitted request, not per retry)."""
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += seq.num_cached_tokens
+        self.prefix_tier_hit_tokens += self._tier_tokens.pop(seq.seq_id, 0)
 
     def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
         """(new blocks to allocate, table indices to copy-on-write) for writing the next num_new_tokens."""
@@ -222,7 +315,10 @@ class KVCacheManager:
         B, chain = self.block_size, self._chain.setdefault(seq.seq_id, [])
         for i in range(len(chain), seq.num_computed_tokens // B):
             parent = chain[-1] if chain else self._root(seq)
-            chain.append(self.pool.register(seq.block_table[i], parent, seq.token_ids[i * B:(i + 1) * B]))
+            block_id, block_tokens = seq.block_table[i], seq.token_ids[i * B:(i + 1) * B]
+            chain.append(self.pool.register(block_id, parent, block_tokens))
+            if self.tier is not None and self.pool.blocks[block_id].block_hash == chain[-1]:  # write-through
+                self.tier.save_block(block_id, chain[-1], parent, block_tokens)
 
     def trim(self, seq: Sequence) -> int:
         """Release the blocks of `seq`'s table past what its computed tokens and its next one need: after a verify
@@ -236,6 +332,57 @@ class KVCacheManager:
             self.pool.release(block_id)
         del seq.block_table[keep:]
         return len(extra)
+
+    def take_draft_state_slots(self, seq: Sequence, num_drafts: int) -> list[int]:
+        """A hybrid's verify step: a state slot for each of `seq`'s next drafts, up to `num_drafts` (fewer only when
+        the pool has none left: `num_state_slots` counts one per draft of every running sequence), where the model
+        keeps the state after that draft (the state after its last token stays in its own slot). Held until
+        `accept_draft_states` (or `free`). [] for a model without recurrent state."""
+        if not self.num_state_slots or not num_drafts:
+            return []
+        assert seq.seq_id not in self._draft_slots and seq.state_slot >= 0, f"draft state slots of {seq}"
+        slots = []
+        try:
+            while len(slots) < num_drafts:
+                slots.append(self.pool.allocate_state_slot())
+        except NoFreeBlocksError:
+            pass
+        if slots:
+            self._draft_slots[seq.seq_id] = slots
+        return slots
+
+    def draft_state_slots(self, seq: Sequence) -> list[int]:
+        """The slots `take_draft_state_slots` gave `seq` for the step in flight ([]: none)."""
+        return self._draft_slots.get(seq.seq_id, [])
+
+    def accept_draft_states(self, seq: Sequence, num_accepted: int) -> list[tuple[int, int]]:
+        """After a hybrid's verify step, once `seq`'s computed tokens include the `num_accepted` drafts it kept: its
+        state becomes the one after the last of them, by taking the slot that holds it (the state after its last
+        token, or after draft j in draft slot j), and the other slots of the step go back to the pool (those of the
+        rejected drafts: nothing of them is left). A block boundary the accepted run reached keeps the state there
+        as the sequence's snapshot the same way (its slot taken, the old snapshot's given back), except at the
+        accepted run's very end, whose state is the live one: returned as the one (state slot, snapshot slot) pair
+        the runner must copy now. Never a state of an unverified position."""
+        drafts = self._draft_slots.pop(seq.seq_id, None)
+        if drafts is None:
+            return []
+        chain = [seq.state_slot] + drafts  # chain[j]: the state after the last token and j drafts
+        end = seq.num_computed_tokens  # the tokens whose states exist now: ... the last token, the kept drafts
+        first = end - num_accepted  # the tokens computed when chain[0] was written
+        copies = []
+        boundary = end // self.block_size * self.block_size
+        if seq.snapshot_slot >= 0 and boundary >= first:
+            j = boundary - first
+            if j < num_accepted:
+                seq.snapshot_slot, chain[j] = chain[j], seq.snapshot_slot
+            else:
+                copies.append((chain[j], seq.snapshot_slot))
+            seq.snapshot_position = boundary
+        seq.state_slot = chain[num_accepted]
+        for j, slot in enumerate(chain):
+            if j != num_accepted:
+                self.pool.release_state_slot(slot)
+        return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
         """Give `child` (already holding parent's token ids) every block of `parent` by reference. A hybrid's child
@@ -278,22 +425,31 @@ class KVCacheManager:
         if seq.state_restore >= 0:  # admitted, then freed before its first step: nothing to restore any more
             self.pool.release_state_slot(seq.state_restore)
             seq.state_restore = -1
+        for slot in self._draft_slots.pop(seq.seq_id, ()):  # a verify step's, never accepted (finished inside it)
+            self.pool.release_state_slot(slot)
         B, computed, chain = self.block_size, seq.num_computed_tokens, self._chain.get(seq.seq_id, [])
         if (keep_partial and computed % B and not self.num_state_slots and len(seq.block_table) > computed // B
                 and len(chain) == computed // B):
             # the partly filled last block: cached for a prompt that goes on from its tokens (the next turn's)
-            self.pool.keep_partial(seq.block_table[computed // B], chain[-1] if chain else self._root(seq),
-                                   seq.token_ids[computed // B * B:computed])
+            block_id, parent = seq.block_table[computed // B], chain[-1] if chain else self._root(seq)
+            partial_tokens = seq.token_ids[computed // B * B:computed]
+            if self.pool.keep_partial(block_id, parent, partial_tokens) and self.tier is not None:
+                self.tier.save_partial(block_id, parent, partial_tokens)  # (the next turn's, after a restart too)
         for block_id in reversed(seq.block_table):  # tail blocks become least recent: evicted first
             self.pool.release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._chain.pop(seq.seq_id, None)
+        self._tier_tokens.pop(seq.seq_id, None)
         if seq.state_slot >= 0:  # its state is stale from here on: the next holder starts from position 0
             self.pool.release_state_slot(seq.state_slot)
             seq.state_slot = -1
 
     def stats(self) -> dict[str, int]:
+        """The pool's counters and the prefix cache's; `prefix_tier_hit_tokens` are the part of `prefix_hit_tokens`
+        read from the lower tier (copies, not references), with the tier's own counters (`kv_disk_*`)."""
+        tier = self.tier.stats() if self.tier is not None else {}
         return {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
-                "prefix_hit_tokens": self.prefix_hit_tokens, "cow_copies": self.cow_copies,
-                "state_slots": self.num_state_slots, "state_interval_snapshots": self.interval_snapshots}
+                "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_tier_hit_tokens": self.prefix_tier_hit_tokens,
+                "cow_copies": self.cow_copies, "state_slots": self.num_state_slots,
+                "state_interval_snapshots": self.interval_snapshots, **tier}
