@@ -232,6 +232,11 @@ class EngineConfig:
     # and recent outputs, adaptive). Not for hybrid (Gated DeltaNet) models yet.
     speculative_method: str = "off"
     num_speculative_tokens: int = 4
+    # the KV cache's disk tier (tsterm.engine.kv_store): {path: DIR, max_bytes: N}; blocks registered for the prefix
+    # cache are written through to DIR (default: <cache dir>/kv), at most max_bytes (default 8 GiB, least recently used
+    # deleted first), and a prompt whose blocks are there reads them back instead of computing them, after a restart
+    # too. None: no disk tier. Not for hybrid models, nor several ranks, yet.
+    kv_disk: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -279,6 +284,8 @@ class EngineConfig:
                and 1 <= self.num_speculative_tokens <= 64,
                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",
                "num_speculative_tokens")
+        if self.kv_disk is not None:
+            self.kv_disk = _kv_disk(self.kv_disk)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":
@@ -290,6 +297,24 @@ class EngineConfig:
             detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in zip(unknown, hints))
             raise ConfigError(f"unknown engine option {detail}")
         return cls(model=model, **options)
+
+
+KV_DISK_DEFAULT_MAX_BYTES = 8 << 30
+
+
+def _kv_disk(value: Any) -> dict[str, Any]:
+    """The `kv_disk` option checked, with its defaults: {"path": str | None (the cache dir's kv/), "max_bytes": int}."""
+    _check(isinstance(value, dict), f"kv_disk must be a mapping {{path: DIR, max_bytes: N}}, got {value!r}", "kv_disk")
+    unknown = sorted(set(value) - {"path", "max_bytes"})
+    _check(not unknown, f"kv_disk: unknown key(s) {', '.join(map(repr, unknown))} (it takes path and max_bytes)",
+           "kv_disk")
+    path = value.get("path")
+    _check(path is None or (isinstance(path, str) and path.strip() != ""),
+           f"kv_disk.path must be a directory path (a string), got {path!r}", "kv_disk.path")
+    max_bytes = value.get("max_bytes", KV_DISK_DEFAULT_MAX_BYTES)
+    _check(_is_int(max_bytes) and max_bytes > 0, f"kv_disk.max_bytes must be a positive integer of bytes, got "
+           f"{max_bytes!r}", "kv_disk.max_bytes")
+    return {"path": path, "max_bytes": max_bytes}
 
 
 # --------------------------------------------------------------------------------------------------
