@@ -26,6 +26,7 @@ from tsterm.engine.copy_audit import CopyAudit
 from tsterm.engine.executor import ExecutorFactory, ExecutorSpec
 from tsterm.engine.isolation import SamplingCheckpoint, isolate
 from tsterm.engine.kv_manager import KVCacheManager
+from tsterm.engine.kv_tier import engine_fingerprint, open_disk_tier
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.engine.request import Request, Sample
 from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalty
@@ -105,11 +106,16 @@ class Engine:
         # (`num_state_slots`); with prefix caching, snapshots of it at block boundaries let a cached prefix resume.
         self.num_state_slots = num_state_slots(ARCHITECTURES[cfg.model_type].layer_types(cfg), config.max_num_seqs,
                                                config.enable_prefix_caching)
-        pool = BlockPool(num_blocks, config.block_size, fingerprint=f"{model_dir.resolve()}:{self.dtype}",
+        fingerprint = engine_fingerprint(config, model_dir, cfg, self.dtype, self.device, self.executor)
+        pool = BlockPool(num_blocks, config.block_size, fingerprint=fingerprint,
                          enable_prefix_caching=config.enable_prefix_caching,
                          max_pinned_blocks=int(config.max_pinned_fraction * num_blocks),
                          num_state_slots=self.num_state_slots)
-        self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval)
+        tier = None if config.kv_disk is None else open_disk_tier(  # the disk tier: `tsterm.engine.kv_tier`
+            config.kv_disk, fingerprint, self.executor, pool.root_hash, block_size=config.block_size,
+            model=str(model_dir), num_state_slots=self.num_state_slots,
+            ledger=lambda kind, nbytes: self.audit.record_copy("kv_tier", kind, nbytes) if self.audit else None)
+        self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval, tier=tier)
         # speculative decoding: the draft source (None: off); a step verifies what it drafts (`_accept`)
         self.drafter: DraftSource | None = None
         if config.speculative_method != "off":
@@ -509,7 +515,9 @@ class Engine:
         s.update(self.executor.counters())
         # The other side of the copy ledger: KV taken by reference. A design that deep-copies the prefix each
         # turn would have moved exactly these bytes.
-        s["kv_reused_bytes"] = s["prefix_hit_tokens"] * s["kv_bytes_per_block"] // self.config.block_size
+        # (The tokens read back from the disk tier were copied, not referenced: `kv_disk_read_bytes`.)
+        s["kv_reused_bytes"] = ((s["prefix_hit_tokens"] - s["prefix_tier_hit_tokens"]) * s["kv_bytes_per_block"]
+                                // self.config.block_size)
         return s
 
     def expert_load(self) -> list[list[int]]:
@@ -521,7 +529,10 @@ class Engine:
         return self.executor.rank_stats()
 
     def shutdown(self) -> None:
-        """Release the executor (its workers, device memory); the engine is unusable after."""
+        """Release the executor (its workers, device memory); the engine is unusable after. The disk tier's queued
+        writes are finished first."""
+        if self.kv.tier is not None:
+            self.kv.tier.close()
         self.executor.shutdown()
 
 
