@@ -365,6 +365,14 @@ class ModelConfig:
     clip_qkv: float | None = None
     layer_types: tuple[str, ...] = ()  # config.json `layer_types` (what each layer's token mixer is); () = all full
     # Gated DeltaNet (the linear-attention layers of the hybrid families); 0 when the model has none
+    # GLM-4.5 / MiniMax-M2 / DeepSeek-V3 routing (`tsterm_kernels.routing`): "softmax" or "sigmoid" scores, the
+    # experts in `n_group` groups of which the best `topk_group` stay candidates, weights times routed_scaling_factor
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 0  # the first layers are dense MLPs (GLM-4.5, DeepSeek-V3)
+    use_qk_norm: bool = True  # GLM-4.5: whether the family's per-head q/k norm is there
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -386,7 +394,7 @@ class ModelConfig:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
-        if self.num_experts == 0 or layer in self.mlp_only_layers:
+        if self.num_experts == 0 or layer in self.mlp_only_layers or layer < self.first_k_dense_replace:
             return False
         return (layer + 1) % self.decoder_sparse_step == 0
 
@@ -446,7 +454,7 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                                  f"num_key_value_heads ({kv_heads})")
         head_dim = get("head_dim") or hidden // heads
-        num_experts = get("num_experts") or get("num_local_experts", 0)
+        num_experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts", 0)
         top_k = get("num_experts_per_tok", 1)
         if num_experts and not 1 <= top_k <= num_experts:
             raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) must be in [1, num_experts={num_experts}]")
@@ -481,7 +489,9 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=get("intermediate_size", 0),
             rms_norm_eps=get("rms_norm_eps", 1e-6, convert=float),
-            rope=_parse_rope(raw, head_dim, source, spec.partial_rotary),
+            rope=_parse_rope(raw if raw.get("rotary_dim") is None else  # MiniMax-M2 names its rotated width
+                             {**raw, "partial_rotary_factor": get("rotary_dim") / head_dim}, head_dim, source,
+                             spec.partial_rotary),
             max_position_embeddings=get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
@@ -491,10 +501,17 @@ class ModelConfig:
             norm_topk_prob=bool(raw.get("norm_topk_prob", ARCHITECTURES[model_type].norm_topk_prob_default)),
             decoder_sparse_step=get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
-            shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0),
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0) or (  # GLM, DeepSeek: n of
+                get("n_shared_experts", 0) * (get("moe_intermediate_size") or get("intermediate_size", 0))),
             clip_qkv=get("clip_qkv", convert=float),
             layer_types=tuple(layer_types or ()),
             linear_num_key_heads=get("linear_num_key_heads", 0),
+            scoring_func=get("scoring_func", spec.scoring_func, convert=str),
+            n_group=get("n_group", 1) or 1,
+            topk_group=get("topk_group", 1) or 1,
+            routed_scaling_factor=get("routed_scaling_factor", 1.0, convert=float),
+            first_k_dense_replace=get("first_k_dense_replace", 0),
+            use_qk_norm=bool(raw.get("use_qk_norm", True)),
             linear_num_value_heads=get("linear_num_value_heads", 0),
             linear_key_head_dim=get("linear_key_head_dim", 0),
             linear_value_head_dim=get("linear_value_head_dim", 0),
@@ -518,6 +535,21 @@ class ModelConfig:
                                      f"multiple of linear_num_key_heads ({config.linear_num_key_heads})")
         if config.rotary_dim < 2 or config.rotary_dim % 2:
             raise ModelLoadError(f"{source}: partial_rotary_factor {config.rope.partial_rotary_factor} leaves "
+        if config.scoring_func not in ("softmax", "sigmoid"):
+            raise ModelLoadError(f"{source}: scoring_func {config.scoring_func!r} is not supported (softmax or sigmoid)")
+        if config.num_experts and (config.n_group < 1 or config.num_experts % config.n_group
+                                   or not 1 <= config.topk_group <= config.n_group
+                                   or (config.n_group > 1 and config.num_experts // config.n_group < 2)):
+            raise ModelLoadError(f"{source}: n_group ({config.n_group}) must split the {config.num_experts} experts "
+                                 f"into groups of at least 2, and topk_group ({config.topk_group}) be in "
+                                 f"[1, n_group]")
+        kept_experts = config.topk_group * (config.num_experts // config.n_group)
+        if config.num_experts and config.num_experts_per_tok > kept_experts:
+            raise ModelLoadError(f"{source}: num_experts_per_tok ({config.num_experts_per_tok}) is more than the "
+                                 f"experts of the topk_group={config.topk_group} groups kept")
+        if not config.routed_scaling_factor > 0:
+            raise ModelLoadError(f"{source}: routed_scaling_factor must be positive, got "
+                                 f"{config.routed_scaling_factor}")
                                  f"{config.rotary_dim} rotated dims of head_dim {head_dim} (needs an even number >= 2)")
         return config
 

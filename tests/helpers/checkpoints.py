@@ -16,6 +16,8 @@ CLASSES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
 }
 
 
@@ -34,12 +36,17 @@ def make_checkpoint(path: Path, model_type: str, overrides: dict | None = None, 
         vocab_size = max(vocab_size, tokenizer_vocab)
     config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[model_type])
     kwargs = dict(BASE, **{"vocab_size": vocab_size, **(overrides or {})})  # overrides may widen the vocab
-    if model_type in ("mixtral", "olmoe"):  # these use intermediate_size for their experts
+    if model_type in ("mixtral", "olmoe", "minimax_m2"):  # these use intermediate_size for their experts
         kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
     config.eos_token_id = None  # the tokenizer's own files say which ids end a turn
     model = model_cls(config).eval().float()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # a selection bias (transformers starts it at zero) that changes which experts win
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.rand(buffer.shape, generator=gen) * 0.5)
     model.save_pretrained(path, **save_kwargs)
     return path, model
 

@@ -32,6 +32,7 @@ from tsterm_kernels import cpu_native
 from tsterm_kernels.cpu_stack import StackLayer
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
+from tsterm_kernels.routing import Routing, routing_or_default
 from tsterm_kernels.torch_ops import expert_mlp, linear, sigmoid
 
 
@@ -58,7 +59,7 @@ class Attention:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
                  cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext):
         """par: the rank this layer is a shard of; it computes that rank's query heads (and KV heads)."""
-        spec = ARCHITECTURES[cfg.model_type]
+        spec = ARCHITECTURES[cfg.model_type].for_config(cfg)
         self.ctx, self.ops, self.par = ctx, ops, par
         self.num_heads, self.num_kv_heads = par.layout.q_heads(cfg)[1], par.layout.kv_heads(cfg)[1]
         self.head_dim = cfg.head_dim
@@ -122,6 +123,9 @@ class SparseMoE:
             self.first_expert = par.layout.experts(self.router.shape[0])[0]
         self.top_k = cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
+        # the router's kind (`tsterm_kernels.routing`); None: softmax. GLM-4.5, MiniMax-M2: sigmoid with a bias
+        self.routing = routing_or_default(Routing(cfg.scoring_func, w.get(prefix + "router_bias"), cfg.n_group,
+                                                  cfg.topk_group, cfg.routed_scaling_factor))
         self.shared_w13, self.shared_w2 = w.get(prefix + "shared_w13"), w.get(prefix + "shared_w2")
         self.shared_gate = w.get(prefix + "shared_gate")  # [1, H]
         self.expert_load = None  # [E] int64: tokens routed to each expert, accumulated on the device (read rarely)
@@ -135,8 +139,9 @@ class SparseMoE:
             self.par.all_reduce_tp(out)
             return out
         out = torch.zeros_like(x)  # [T, H]: every expert's weighted output is accumulated into it in place
-        logits = linear(x, self.router)  # [T, E]
-        weights, expert_ids = self.ops.moe_route(logits, self.top_k, self.renormalize)  # [T, k], [T, k]
+        # [T, E] (a float32 router, GLM's and MiniMax's, routes float32 hidden states)
+        logits = linear(x if x.dtype == self.router.dtype else x.to(self.router.dtype), self.router)
+        weights, expert_ids = self.ops.moe_route(logits, self.top_k, self.renormalize, self.routing)  # [T, k] x 2
         if self.expert_load is not None:
             pairs = expert_ids.reshape(-1)  # [T*k]
             counts = self.ctx.pair_weights
@@ -152,7 +157,8 @@ class SparseMoE:
         if self.shared_w13 is not None:
             # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
             # like the routed ones (no second [T, H] buffer).
-            gate = sigmoid(linear(x, self.shared_gate))  # [T, 1]
+            # (GLM's shared experts have no gate: weight 1)
+            gate = sigmoid(linear(x, self.shared_gate)) if self.shared_gate is not None else x.new_ones(x.shape[0], 1)
             self.ops.fused_moe(x, self.shared_w13, self.shared_w2, gate.float(), torch.zeros_like(expert_ids[:, :1]), out)
         self.par.all_reduce_all(out)  # every rank's experts (and shared-expert columns) summed
         return out
@@ -196,6 +202,7 @@ class DecoderModel:
         shared expert); else None (each step runs layer by layer)."""
         plain = self.par.layout.world_size == 1 and self.rotary.cos.shape[-1] == self.cfg.head_dim and all(
             type(mixer) is Attention and mixer.qk_norm in ("none", "head") and mixer.clip is None
+            and mlp.routing is None and (mlp.shared_w13 is None or mlp.shared_gate is not None)
             for _, mixer, _, mlp in self.layers)
         if not plain:
             return None

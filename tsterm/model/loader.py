@@ -320,7 +320,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     quantization: EngineConfig.quantization, applied to each linear weight as it is loaded (`QuantizeOnLoad`): the
     float model is never whole on the device."""
     model_dir = Path(model_dir)
-    spec = ARCHITECTURES[cfg.model_type]
+    spec = ARCHITECTURES[cfg.model_type].for_config(cfg)
     keep_fp8 = device.type == "cuda" if keep_fp8 is None else keep_fp8
     src = WeightSource(find_weight_files(model_dir), dtype, device, progress, cfg.fp8_block_size, keep_fp8)
     H, D = cfg.hidden_size, cfg.head_dim
@@ -348,6 +348,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         w[o + "qkv"] = cat([src.weight(a + "q_proj.weight", (Hq * D, H), rows=q_rows),
                             src.weight(a + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
                             src.weight(a + "v_proj.weight", (Hkv * D, H), rows=kv_rows)], 0, dtype)  # [(Hq+2Hkv)D, H]
+    if spec.mtp_layers_follow:  # the MTP head's layers (numbered from num_hidden_layers on): accounted for, not run
+        for name in sorted(n for n in src.unused if n.startswith("model.layers.")):
+            if int(name.split(".")[2]) >= cfg.num_hidden_layers:
+                src.skip(name)
         if qkv_bias:
             w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,), rows=q_rows),
                                            src.get(a + "k_proj.bias", (Hkv * D,), rows=kv_rows),
@@ -395,6 +399,10 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
             del gate_up  # (quantized on load: its float form goes before down_proj is read)
             w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count))
         else:
+    if spec.router_float32:  # (the reference routes in float32 whatever the model's dtype)
+        w[o + "router"] = w[o + "router"].float()
+    if spec.router_bias:  # float32: a selection bias of ~1e-3 steps must not round away in bf16
+        w[o + "router_bias"] = src.get(p + spec.router_bias, (E,), convert=False).float().to(src.device)
             w[o + "w13"] = cat([narrow(gate_up, 1, i0, ni), narrow(gate_up, 1, inter + i0, ni)], 1, src.dtype)
             del gate_up
             w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count), cols=(i0, ni))
@@ -420,6 +428,7 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
             w[o + "w2"] = src.stack([f"{e}{x}.{down}.weight" for x in mine], (H, inter),
                                     cols=(i0, ni))  # [E_local, H, I_local]
     if spec.shared_expert and cfg.shared_expert_intermediate_size:
-        _load_dense_mlp(src, cfg.shared_expert_intermediate_size, H, p + "shared_expert.", o + "shared_", w,
-                        (layout.rank, layout.world_size))
-        w[o + "shared_gate"] = src.get(p + "shared_expert_gate.weight", (1, H))
+        _load_dense_mlp(src, cfg.shared_expert_intermediate_size, H, p + spec.shared_expert_name + ".", o + "shared_",
+                        w, (layout.rank, layout.world_size))
+        if spec.shared_expert_gated:
+            w[o + "shared_gate"] = src.get(p + "shared_expert_gate.weight", (1, H))

@@ -72,8 +72,12 @@ class RotaryEmbedding:
 def rotate_(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`rotate`, in place where it can be: on the CPU, one C call (tsterm_kernels.cpu_native) rotates x [T, H, D]
     float32 itself when each token's heads are contiguous, and returns x; otherwise `rotate(x, tables)`, a new
-    tensor (x is left as it was). Use the result."""
+    tensor (x is left as it was). Use the result. Tables narrower than D (partial rotary: `ModelConfig.rotary_dim`)
+    rotate the leading dims of each head, in x itself, and pass the rest through."""
     cos, sin = tables
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary (GLM-4.5, MiniMax-M2): the leading dims of each head, in place
+        x[..., :cos.shape[-1]] = rotate(x[..., :cos.shape[-1]], tables)
+        return x
     native = None
     if cpu_native.rows_contiguous_f32(x) and cos.is_contiguous() and sin.is_contiguous() \
             and cos.shape[-1] == x.shape[-1]:

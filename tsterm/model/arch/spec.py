@@ -2,6 +2,7 @@
 and what each of its layers is."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,21 @@ class ArchSpec:
     text_config: bool = False  # a multimodal release: the language model's config is config.json's `text_config`
     weight_prefix: str = "model."  # where the language model's tensors live in the checkpoint
     skipped_weights: tuple[str, ...] = ()  # checkpoint name prefixes tsterm does not run (vision tower, MTP head)
+    # GLM-4.5, MiniMax-M2 (and DeepSeek-V3):
+    qk_norm_from_config: bool = False  # config.json's `use_qk_norm` says whether the `qk_norm` weights are there
+    scoring_func: str = "softmax"  # the router's scores when config.json has no `scoring_func`
+    router_bias: str | None = None  # the selection bias's name under the sparse block (`e_score_correction_bias`)
+    router_float32: bool = False  # the router's weight and logits in float32 whatever the model's dtype
+    shared_expert_name: str = "shared_expert"  # the shared expert's name under the sparse block
+    shared_expert_gated: bool = True  # False: the shared expert's output is added as it is (no sigmoid gate)
+    mtp_layers_follow: bool = False  # layers numbered from num_hidden_layers on are the MTP head's: not run
+
+    def for_config(self, cfg: ModelConfig) -> ArchSpec:
+        """This spec as one checkpoint of the family has it: without the q/k norm where config.json turns it off
+        (`use_qk_norm`, GLM-4.5-Air)."""
+        if self.qk_norm_from_config and not cfg.use_qk_norm and self.qk_norm != "none":
+            return dataclasses.replace(self, qk_norm="none")
+        return self
 
     def layer_types(self, cfg: ModelConfig) -> tuple[LayerType, ...]:
         """Each layer's type: the mixer from config.json's `layer_types` (all full attention when absent), and

@@ -1,0 +1,110 @@
+"""GLM-4.5 / 4.6 (`glm4_moe`) and MiniMax-M2 (`minimax_m2`) against transformers on tiny random checkpoints with odd
+shapes: odd head counts, partial RoPE, dense first layers, a shared expert without a gate, sigmoid routing with a
+selection-only bias (randomised: transformers starts it at zero), group-limited choice, routed_scaling_factor,
+q/k norms per head (GLM) or over the whole projection (MiniMax). Greedy 32 tokens on three prompts, the first
+step's log-probabilities, and multi-turn reuse of the prefix cache equal to a fresh recompute."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tsterm import LLM, SamplingParams
+from tsterm.config import ModelConfig
+from tsterm.model.arch import ARCHITECTURES
+
+from tests.helpers.checkpoints import make_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-overhead bound
+
+NEW_TOKENS = 32
+
+# (name, model_type, config overrides)
+CASES = [
+    ("glm-groups-dense-first-shared", "glm4_moe",
+     dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+          n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+          num_attention_heads=5, num_key_value_heads=1, partial_rotary_factor=0.5)),
+    ("glm-air-no-qk-norm-two-dense", "glm4_moe",  # GLM-4.5-Air's shape: no q/k norm, one group
+     dict(n_routed_experts=6, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2,
+          num_hidden_layers=4, n_shared_experts=2, routed_scaling_factor=1.0, norm_topk_prob=False,
+          attention_bias=True, use_qk_norm=False, num_attention_heads=3, num_key_value_heads=3,
+          partial_rotary_factor=0.5)),
+    ("minimax-rotary-dim", "minimax_m2",
+     dict(num_local_experts=6, num_experts_per_tok=2, num_attention_heads=3, num_key_value_heads=1, rotary_dim=8)),
+]
+
+
+def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """transformers as the oracle: full-sequence forward every step (no cache), argmax."""
+    ids = list(prompt)
+    first_logits = None
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            first_logits = logits if first_logits is None else first_logits
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], first_logits
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def checkpoint(request, tmp_path_factory):
+    name, model_type, overrides = request.param
+    return make_checkpoint(tmp_path_factory.mktemp("glm_minimax") / name, model_type, overrides)
+
+
+def test_the_checkpoint_has_what_the_case_is_about(checkpoint):
+    """The family's parts are there (so the parity below covers them): a router bias that moves the choice, dense
+    first layers, groups, partial rotary."""
+    model_dir, hf_model = checkpoint
+    cfg = ModelConfig.from_dir(model_dir)
+    assert cfg.scoring_func == "sigmoid" and cfg.rotary_dim == cfg.head_dim // 2
+    assert cfg.num_attention_heads % 2 == 1
+    if cfg.model_type == "glm4_moe":
+        assert [cfg.is_moe_layer(i) for i in range(cfg.first_k_dense_replace + 1)] == \
+            [False] * cfg.first_k_dense_replace + [True]
+        assert cfg.shared_expert_intermediate_size == cfg.moe_intermediate_size * hf_model.config.n_shared_experts
+        assert ARCHITECTURES["glm4_moe"].for_config(cfg).qk_norm == ("head" if cfg.use_qk_norm else "none")
+    biases = [b for n, b in hf_model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and all(b.abs().sum() > 0 for b in biases)
+
+
+def test_greedy_and_logits_match_transformers(checkpoint):
+    model_dir, hf_model = checkpoint
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in (11, 5, 17)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))
+    for prompt, out in zip(prompts, outs):
+        expected, ref_logits = reference_greedy(hf_model, prompt, NEW_TOKENS)
+        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens"
+        ours = torch.tensor(out.outputs[0].logprobs[0]["logprob"])
+        ref = torch.log_softmax(ref_logits, -1)[expected[0]]
+        assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-5)
+
+    prompt = prompts[2]  # the last position's logits of one prefill
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    ours = engine.executor.execute(engine.scheduler.schedule())[0]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0, -1]
+    rel = (ours - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, f"relative error {rel:.2e}"
+
+
+def test_multi_turn_reuse_equals_a_fresh_recompute(checkpoint):
+    model_dir, _ = checkpoint
+    options = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=128)
+    llm, fresh = LLM(str(model_dir), **options), LLM(str(model_dir), enable_prefix_caching=False, **options)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(0)
+    history = [rng.randrange(8, 380) for _ in range(13)]
+    previous_full = None
+    for turn in range(4):
+        out = llm.generate(history, greedy)[0]
+        assert out.token_ids == fresh.generate(history, greedy)[0].token_ids, f"turn {turn}"
+        if previous_full is not None:  # every token the previous turn computed came from the cache
+            assert out.num_cached_tokens == len(previous_full) - 1
+        previous_full = history + out.token_ids
+        history = previous_full + [rng.randrange(8, 380) for _ in range(rng.randrange(2, 7))]
