@@ -363,8 +363,6 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
     clip_qkv: float | None = None
-    layer_types: tuple[str, ...] = ()  # config.json `layer_types` (what each layer's token mixer is); () = all full
-    # Gated DeltaNet (the linear-attention layers of the hybrid families); 0 when the model has none
     # GLM-4.5 / MiniMax-M2 / DeepSeek-V3 routing (`tsterm_kernels.routing`): "softmax" or "sigmoid" scores, the
     # experts in `n_group` groups of which the best `topk_group` stay candidates, weights times routed_scaling_factor
     scoring_func: str = "softmax"
@@ -373,6 +371,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0  # the first layers are dense MLPs (GLM-4.5, DeepSeek-V3)
     use_qk_norm: bool = True  # GLM-4.5: whether the family's per-head q/k norm is there
+    layer_types: tuple[str, ...] = ()  # config.json `layer_types` (what each layer's token mixer is); () = all full
+    # Gated DeltaNet (the linear-attention layers of the hybrid families); 0 when the model has none
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -504,14 +504,14 @@ class ModelConfig:
             shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0) or (  # GLM, DeepSeek: n of
                 get("n_shared_experts", 0) * (get("moe_intermediate_size") or get("intermediate_size", 0))),
             clip_qkv=get("clip_qkv", convert=float),
-            layer_types=tuple(layer_types or ()),
-            linear_num_key_heads=get("linear_num_key_heads", 0),
             scoring_func=get("scoring_func", spec.scoring_func, convert=str),
             n_group=get("n_group", 1) or 1,
             topk_group=get("topk_group", 1) or 1,
             routed_scaling_factor=get("routed_scaling_factor", 1.0, convert=float),
             first_k_dense_replace=get("first_k_dense_replace", 0),
             use_qk_norm=bool(raw.get("use_qk_norm", True)),
+            layer_types=tuple(layer_types or ()),
+            linear_num_key_heads=get("linear_num_key_heads", 0),
             linear_num_value_heads=get("linear_num_value_heads", 0),
             linear_key_head_dim=get("linear_key_head_dim", 0),
             linear_value_head_dim=get("linear_value_head_dim", 0),
@@ -533,8 +533,6 @@ class ModelConfig:
             if config.linear_num_value_heads % config.linear_num_key_heads:
                 raise ModelLoadError(f"{source}: linear_num_value_heads ({config.linear_num_value_heads}) is not a "
                                      f"multiple of linear_num_key_heads ({config.linear_num_key_heads})")
-        if config.rotary_dim < 2 or config.rotary_dim % 2:
-            raise ModelLoadError(f"{source}: partial_rotary_factor {config.rope.partial_rotary_factor} leaves "
         if config.scoring_func not in ("softmax", "sigmoid"):
             raise ModelLoadError(f"{source}: scoring_func {config.scoring_func!r} is not supported (softmax or sigmoid)")
         if config.num_experts and (config.n_group < 1 or config.num_experts % config.n_group
@@ -550,6 +548,8 @@ class ModelConfig:
         if not config.routed_scaling_factor > 0:
             raise ModelLoadError(f"{source}: routed_scaling_factor must be positive, got "
                                  f"{config.routed_scaling_factor}")
+        if config.rotary_dim < 2 or config.rotary_dim % 2:
+            raise ModelLoadError(f"{source}: partial_rotary_factor {config.rope.partial_rotary_factor} leaves "
                                  f"{config.rotary_dim} rotated dims of head_dim {head_dim} (needs an even number >= 2)")
         return config
 

@@ -100,3 +100,4 @@ def make_hybrid_checkpoint(path: Path, model_type: str, overrides: dict | None =
         lm.load_state_dict(state)
         model = lm
     return path, model
+

@@ -348,10 +348,6 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         w[o + "qkv"] = cat([src.weight(a + "q_proj.weight", (Hq * D, H), rows=q_rows),
                             src.weight(a + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
                             src.weight(a + "v_proj.weight", (Hkv * D, H), rows=kv_rows)], 0, dtype)  # [(Hq+2Hkv)D, H]
-    if spec.mtp_layers_follow:  # the MTP head's layers (numbered from num_hidden_layers on): accounted for, not run
-        for name in sorted(n for n in src.unused if n.startswith("model.layers.")):
-            if int(name.split(".")[2]) >= cfg.num_hidden_layers:
-                src.skip(name)
         if qkv_bias:
             w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,), rows=q_rows),
                                            src.get(a + "k_proj.bias", (Hkv * D,), rows=kv_rows),
@@ -369,6 +365,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
             _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout)
         else:
             _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w, (layout.tp_rank, layout.tp_size))
+    if spec.mtp_layers_follow:  # the MTP head's layers (numbered from num_hidden_layers on): accounted for, not run
+        for name in sorted(n for n in src.unused if n.startswith("model.layers.")):
+            if int(name.split(".")[2]) >= cfg.num_hidden_layers:
+                src.skip(name)
     src.check_all_used()
     return w.finish()
 
@@ -391,6 +391,10 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
     first, count = layout.experts(E)  # this rank's experts ...
     i0, ni = layout.tp_rank * (inter // layout.tp_size), inter // layout.tp_size  # ... and their columns
     w[o + "router"] = src.get(p + "gate.weight", (E, H))  # every rank routes every token (replicated, small)
+    if spec.router_float32:  # (the reference routes in float32 whatever the model's dtype)
+        w[o + "router"] = w[o + "router"].float()
+    if spec.router_bias:  # float32: a selection bias of ~1e-3 steps must not round away in bf16
+        w[o + "router_bias"] = src.get(p + spec.router_bias, (E,), convert=False).float().to(src.device)
     if src.has(p + "experts.gate_up_proj") or src.is_quantized(p + "experts.gate_up_proj"):  # transformers-5's
         # fused layout (and tsterm's GGUF import's), already stacked
         gate_up = src.weight(p + "experts.gate_up_proj", (E, 2 * inter, H), rows=(first, count))
@@ -399,10 +403,6 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
             del gate_up  # (quantized on load: its float form goes before down_proj is read)
             w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count))
         else:
-    if spec.router_float32:  # (the reference routes in float32 whatever the model's dtype)
-        w[o + "router"] = w[o + "router"].float()
-    if spec.router_bias:  # float32: a selection bias of ~1e-3 steps must not round away in bf16
-        w[o + "router_bias"] = src.get(p + spec.router_bias, (E,), convert=False).float().to(src.device)
             w[o + "w13"] = cat([narrow(gate_up, 1, i0, ni), narrow(gate_up, 1, inter + i0, ni)], 1, src.dtype)
             del gate_up
             w[o + "w2"] = src.weight(p + "experts.down_proj", (E, H, inter), rows=(first, count), cols=(i0, ni))
