@@ -278,8 +278,10 @@ class EngineConfig:
                f"state_snapshot_interval must be tokens >= 0 (0: off), got {self.state_snapshot_interval!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        _check(self.speculative_method in ("off", "ngram", "suffix"),
-               f"speculative_method must be off, ngram or suffix, got {self.speculative_method!r}", "speculative_method")
+        _check(self.speculative_method in ("off", "ngram", "suffix", "mtp"),
+               f"speculative_method must be off, ngram or suffix (or mtp: a checkpoint's MTP head), got "
+               f"{self.speculative_method!r}",
+               "speculative_method")
         _check(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
                and 1 <= self.num_speculative_tokens <= 64,
                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",

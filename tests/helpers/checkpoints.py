@@ -101,3 +101,44 @@ def make_hybrid_checkpoint(path: Path, model_type: str, overrides: dict | None =
         model = lm
     return path, model
 
+
+def add_mtp_head(path: Path, seed: int = 0, std: float = 0.2) -> dict[str, torch.Tensor]:
+    """Attach a random multi-token-prediction head to a checkpoint made above (as Qwen3-Next / Qwen3.5 ship one):
+    `mtp.safetensors` with `mtp.fc` [H, 2H], the three norms (`pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `norm`)
+    and one decoder layer `mtp.layers.0.*` named and shaped like the model's first full-attention layer (attention
+    and experts, the shared expert included), every tensor drawn afresh; config.json (a multimodal release's
+    `text_config`) gets `mtp_num_hidden_layers: 1`. Returns the tensors written (the tests' reference reads them)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    config_path = path / "config.json"
+    raw = json.loads(config_path.read_text())
+    text = raw.get("text_config") or raw
+    prefix = "model.language_model.layers." if "text_config" in raw else "model.layers."
+    layer_types = text.get("layer_types") or ["full_attention"] * text["num_hidden_layers"]
+    source = f"{prefix}{layer_types.index('full_attention')}."
+    zero_centred = text["model_type"].startswith(("qwen3_next", "qwen3_5"))
+    H = text["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1000)
+
+    def norm(size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen) * 0.3 + (0.0 if zero_centred else 1.0)
+
+    tensors = {"mtp.fc.weight": torch.randn(H, 2 * H, generator=gen) * std,
+               "mtp.pre_fc_norm_embedding.weight": norm(H), "mtp.pre_fc_norm_hidden.weight": norm(H),
+               "mtp.norm.weight": norm(H)}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                if name.startswith(source):
+                    shape = tuple(f.get_slice(name).get_shape())
+                    new = "mtp.layers.0." + name[len(source):]
+                    tensors[new] = norm(shape[0]) if name.endswith("norm.weight") else \
+                        torch.randn(shape, generator=gen) * std
+    save_file(tensors, str(path / "mtp.safetensors"))
+    text["mtp_num_hidden_layers"] = 1
+    config_path.write_text(json.dumps(raw, indent=2))
+    return tensors

@@ -120,6 +120,8 @@ class Engine:
         self.drafter: DraftSource | None = None
         if config.speculative_method != "off":
             self.drafter = make_draft_source(config.speculative_method, config.num_speculative_tokens)
+        # a draft source that reads the target's hidden states (MTP) gets each step the executor ran whole
+        self._hidden_drafter = self.drafter if getattr(self.drafter, "wants_hidden", False) else None
         self.scheduler = Scheduler(config, self.kv, lambda: self.clock(),  # (the engine's clock, even if replaced)
                                    proposer=self._propose if self.drafter is not None else None)
         self.limits = Limits(cfg.vocab_size, self.max_model_len, config.max_num_seqs)
@@ -211,8 +213,15 @@ class Engine:
             return []
         generated_before = self.num_generated_tokens
         with self.audit.step(self.num_steps) if self.audit else contextlib.nullcontext(False) as audited:
+            scheduled = batch
             batch, draws, failures = self._run(batch)
+            whole = batch is scheduled and not failures
             outputs = self._postprocess(batch, draws, failures)
+            if self._hidden_drafter is not None:  # MTP: its KV caught up over this step, the next drafts made
+                if whole:
+                    self._hidden_drafter.after_step(batch, self.executor)
+                else:
+                    self._hidden_drafter.forget_step(scheduled)
         if audited:
             self.audit.audited_tokens += self.num_generated_tokens - generated_before
         return outputs

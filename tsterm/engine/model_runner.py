@@ -38,10 +38,12 @@ from tsterm.engine.step_inputs import (
     step_inputs,
 )
 from tsterm.model.arch import ARCHITECTURES
-from tsterm.model.cache import ModelCache, num_state_slots
+from tsterm.errors import ConfigError
+from tsterm.model.cache import ModelCache, PagedKVPool, num_state_slots
 from tsterm.model.decoder import DecoderModel
 from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
+from tsterm.model.mtp import MtpHead, load_mtp_weights
 from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.quant import allow_prefill_gemms
 
@@ -76,8 +78,22 @@ class ModelRunner(Executor):
                        quantization=config.quantization)
         if not config.deterministic:  # a quantized prefill may take the float GEMM (README "Same answer ...")
             allow_prefill_gemms(weights)
+        # speculative_method mtp: the checkpoint's MTP head (`tsterm.model.mtp`); its attention's KV is one more
+        # layer under the same block ids, plus `mtp_scratch_per_seq` scratch blocks per sequence for drafted
+        # positions past a sequence's blocks. With it, each step keeps its final hidden states for the drafter.
+        self.mtp: MtpHead | None = None
+        self.hidden_states: torch.Tensor | None = None  # [T, H] of the last step (kept only with an MTP head)
+        mtp_weights = None
+        if config.speculative_method == "mtp":
+            if layout.world_size > 1:
+                raise ConfigError("speculative_method mtp runs in one process; use another method with several "
+                                  "ranks", param="speculative_method")
+            mtp_weights = load_mtp_weights(spec.model_dir, cfg, spec.dtype, spec.device)
+        self.mtp_scratch_per_seq = -(-config.num_speculative_tokens // self.block_size) if mtp_weights else 0
+        mtp_block_bytes = PagedKVPool.bytes_per_block(cfg, 1, self.block_size, spec.dtype, layout) if mtp_weights else 0
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
         self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
+        self.kv_bytes_per_block += mtp_block_bytes
         self.state_bytes_per_slot = ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)
         self.state_bytes = self.num_state_slots * self.state_bytes_per_slot
         self.cow_bytes = 0
@@ -92,7 +108,7 @@ class ModelRunner(Executor):
         # layers yet: their step's recurrent plan, `tsterm_kernels.metadata.RecurrentPlan`, changes shape from step to
         # step (decode rows that keep a state, 1-token prompts); a graph needs a fixed-shape plan.)
         use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
-                      and layout.world_size == 1 and not recurrent)
+                      and layout.world_size == 1 and not recurrent and mtp_weights is None)
         memory = memory_probe(spec)
         self.memory_profile = None  # measured before the cache exists: the cache gets what the largest step leaves
         if memory is not None:
@@ -100,11 +116,16 @@ class ModelRunner(Executor):
                 tokens = min(config.max_num_batched_tokens, config.max_model_len or cfg.max_position_embeddings)
                 spec.progress(0, 0, f"measuring memory: a forward of {tokens} tokens")
             self.memory_profile = self.profile_memory(memory, config, layer_types, weights, use_graphs)
+        num_scratch = config.max_num_seqs * self.mtp_scratch_per_seq
         self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min,
-                                                         reserved_bytes=self.state_bytes, profile=self.memory_profile)
+                                                         reserved_bytes=self.state_bytes + num_scratch * mtp_block_bytes,
+                                                         profile=self.memory_profile)
         self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
                                 num_state_slots=self.num_state_slots)
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
+        if mtp_weights is not None:
+            self.mtp = MtpHead(cfg, mtp_weights, self.model, PagedKVPool(
+                cfg, (0,), self.num_blocks + num_scratch, self.block_size, spec.dtype, spec.device, layout))
         self.moe_layers = [mlp for *_, mlp in self.model.layers if mlp.router is not None]  # their expert_load
         # a verify step's positions as one-token rows (see `host_step`) where the decode kernels are a path of their
         # own, faster than the extend's layer by layer: the CPU's one-call layer stack (one rank only: a multi-rank
@@ -186,6 +207,8 @@ class ModelRunner(Executor):
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of forked partial blocks: the only KV data ever copied, and counted."""
         self.cow_bytes += self.cache.copy_blocks(pairs)
+        if self.mtp is not None:
+            self.cow_bytes += self.mtp.kv_pool.copy_blocks(pairs)
 
     def copy_states(self, pairs: list[tuple[int, int]]) -> None:
         self.state_copy_bytes += self.cache.copy_slots(pairs)
@@ -272,8 +295,19 @@ class ModelRunner(Executor):
             self.state_snapshot_bytes += sum(1 for _, position in snapshots if position) * self.state_bytes_per_slot
         with self.model.step_context(inputs.meta, state_slots=inputs.state_slots, snapshots=snapshots):
             hidden = self.model.forward(inputs.input_ids, inputs.positions)  # [T, H]
+        if self.mtp is not None:
+            self.hidden_states = hidden
         if not logits:
             return None
         if inputs.sample_rows.numel() == 0:
             return torch.empty((0, self.cfg.vocab_size), device=self.device)
         return self.model.logits(hidden.index_select(0, inputs.sample_rows))  # [S, V]
+
+    def mtp_forward(self, step: HostStep, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the MTP head (`tsterm.model.mtp`) over the rows `step` describes, `hidden` [T, H] the hidden
+        state before each row: its final hidden states at `step.sample_rows` [S, H] and their logits [S, V]."""
+        inputs = self.prepare_step(step)
+        with self.model.step_context(inputs.meta):
+            out = self.mtp.forward(inputs.input_ids, inputs.positions, hidden)  # [T, H]
+        rows = out.index_select(0, inputs.sample_rows)
+        return rows, self.model.logits(rows)

@@ -44,6 +44,7 @@ ProgressFn = Callable[[int, int, str], None]  # (bytes done, bytes total, what)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # fine-grained FP8 / compressed-tensors checkpoints
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+MTP_PREFIX = "mtp."  # a multi-token-prediction head's tensors (`tsterm.model.mtp`)
 
 Span = tuple[int, int] | None  # (first, count) along one dimension; None: all of it
 CODES, SCALES = ".qcodes", ".qscales"  # a quantized weight's two tensors (tsterm.convert.gguf writes them)
@@ -323,13 +324,12 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     spec = ARCHITECTURES[cfg.model_type].for_config(cfg)
     keep_fp8 = device.type == "cuda" if keep_fp8 is None else keep_fp8
     src = WeightSource(find_weight_files(model_dir), dtype, device, progress, cfg.fp8_block_size, keep_fp8)
-    H, D = cfg.hidden_size, cfg.head_dim
-    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    for name in sorted(src.unused):  # an MTP head (`mtp.*`): loaded by `tsterm.model.mtp` when asked, never here
+        if name.startswith(MTP_PREFIX):
+            src.skip(name)
+    H = cfg.hidden_size
     vocab_first, vocab_count, _ = layout.vocab(cfg.vocab_size)
     vocab_rows = (vocab_first, vocab_count)
-    q0, nq = layout.q_heads(cfg)
-    kv0, nkv = layout.kv_heads(cfg)
-    q_rows, kv_rows = (q0 * D, nq * D), (kv0 * D, nkv * D)
     w = QuantizeOnLoad(quantization, device, dtype)  # each linear weight quantized as it is stored
     w["embed"] = src.get("model.embed_tokens.weight", (cfg.vocab_size, H), rows=vocab_rows)
     w["final_norm"] = src.get("model.norm.weight", (H,))
@@ -339,28 +339,11 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
     else:  # (a tied head stored quantized: the embedding's blocks, which the lookup's floats came from)
         w["lm_head"] = src.weight("lm_head.weight", (cfg.vocab_size, H), rows=vocab_rows)
 
-    qkv_bias = cfg.attention_bias if spec.qkv_bias is None else spec.qkv_bias
     for i in range(cfg.num_hidden_layers):
         p, o = f"model.layers.{i}.", f"layers.{i}."
         w[o + "input_norm"] = src.get(p + "input_layernorm.weight", (H,))
         w[o + "post_attn_norm"] = src.get(p + "post_attention_layernorm.weight", (H,))
-        a = p + "self_attn."
-        w[o + "qkv"] = cat([src.weight(a + "q_proj.weight", (Hq * D, H), rows=q_rows),
-                            src.weight(a + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
-                            src.weight(a + "v_proj.weight", (Hkv * D, H), rows=kv_rows)], 0, dtype)  # [(Hq+2Hkv)D, H]
-        if qkv_bias:
-            w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,), rows=q_rows),
-                                           src.get(a + "k_proj.bias", (Hkv * D,), rows=kv_rows),
-                                           src.get(a + "v_proj.bias", (Hkv * D,), rows=kv_rows)])
-        w[o + "o_proj"] = src.weight(a + "o_proj.weight", (H, Hq * D), cols=q_rows)  # [H, Hq D]: this rank's columns
-        if spec.o_bias_from_config and cfg.attention_bias:
-            w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
-        if spec.qk_norm == "head":
-            w[o + "q_norm"] = src.get(a + "q_norm.weight", (D,))
-            w[o + "k_norm"] = src.get(a + "k_norm.weight", (D,))
-        elif spec.qk_norm == "full":  # whole-projection norms: refused for tensor parallelism (ParallelLayout.check)
-            w[o + "q_norm"] = src.get(a + "q_norm.weight", (Hq * D,))
-            w[o + "k_norm"] = src.get(a + "k_norm.weight", (Hkv * D,))
+        _load_attention(src, cfg, spec, p + "self_attn.", o, w, layout, dtype)
         if cfg.is_moe_layer(i):
             _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout)
         else:
@@ -371,6 +354,31 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
                 src.skip(name)
     src.check_all_used()
     return w.finish()
+
+
+def _load_attention(src: WeightSource, cfg: ModelConfig, spec, a: str, o: str, w: dict[str, torch.Tensor],
+                    layout: ParallelLayout, dtype: torch.dtype) -> None:
+    """One full-attention block (`a`: its checkpoint prefix, `o`: its canonical one): fused q/k/v rows of this rank's
+    heads, o_proj's columns, the optional biases and q/k norms."""
+    H, D, Hq, Hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    (q0, nq), (kv0, nkv) = layout.q_heads(cfg), layout.kv_heads(cfg)
+    q_rows, kv_rows = (q0 * D, nq * D), (kv0 * D, nkv * D)
+    w[o + "qkv"] = cat([src.weight(a + "q_proj.weight", (Hq * D, H), rows=q_rows),
+                        src.weight(a + "k_proj.weight", (Hkv * D, H), rows=kv_rows),
+                        src.weight(a + "v_proj.weight", (Hkv * D, H), rows=kv_rows)], 0, dtype)  # [(Hq+2Hkv)D, H]
+    if (cfg.attention_bias if spec.qkv_bias is None else spec.qkv_bias):
+        w[o + "qkv_bias"] = torch.cat([src.get(a + "q_proj.bias", (Hq * D,), rows=q_rows),
+                                       src.get(a + "k_proj.bias", (Hkv * D,), rows=kv_rows),
+                                       src.get(a + "v_proj.bias", (Hkv * D,), rows=kv_rows)])
+    w[o + "o_proj"] = src.weight(a + "o_proj.weight", (H, Hq * D), cols=q_rows)  # [H, Hq D]: this rank's columns
+    if spec.o_bias_from_config and cfg.attention_bias:
+        w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
+    if spec.qk_norm == "head":
+        w[o + "q_norm"] = src.get(a + "q_norm.weight", (D,))
+        w[o + "k_norm"] = src.get(a + "k_norm.weight", (D,))
+    elif spec.qk_norm == "full":  # whole-projection norms: refused for tensor parallelism (ParallelLayout.check)
+        w[o + "q_norm"] = src.get(a + "q_norm.weight", (Hq * D,))
+        w[o + "k_norm"] = src.get(a + "k_norm.weight", (Hkv * D,))
 
 
 def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: dict[str, torch.Tensor],

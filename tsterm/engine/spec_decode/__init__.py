@@ -13,14 +13,17 @@ O(tokens appended since the last call), never O(context).
   least-recently-used set of automata over recent outputs of all sequences; the longest match wins, and the draft
   length follows the match length and the sequence's running acceptance rate, falling to 0 on text that does not
   repeat.
+- `mtp` (`MtpSource`): the checkpoint's multi-token-prediction head (`tsterm.model.mtp`), run by the executor after
+  each step over the target's hidden states of the positions it computed, chained for K drafts.
 """
 from __future__ import annotations
 
 from tsterm.engine.spec_decode.base import DraftSource
+from tsterm.engine.spec_decode.mtp import MtpSource
 from tsterm.engine.spec_decode.ngram import NgramSource
 from tsterm.engine.spec_decode.suffix import SuffixAutomaton, SuffixSource
 
-METHODS = ("off", "ngram", "suffix")
+METHODS = ("off", "ngram", "suffix", "mtp")
 
 
 def make_draft_source(method: str, num_tokens: int) -> DraftSource | None:
@@ -31,7 +34,9 @@ def make_draft_source(method: str, num_tokens: int) -> DraftSource | None:
         return NgramSource(num_tokens)
     if method == "suffix":
         return SuffixSource(num_tokens)
+    if method == "mtp":  # (the executor loads the head and runs it: `ModelRunner.mtp_forward`)
+        return MtpSource(num_tokens)
     raise ValueError(f"speculative_method must be one of {', '.join(METHODS)}, got {method!r}")
 
 
-__all__ = ["METHODS", "DraftSource", "NgramSource", "SuffixAutomaton", "SuffixSource", "make_draft_source"]
+__all__ = ["METHODS", "DraftSource", "MtpSource", "NgramSource", "SuffixAutomaton", "SuffixSource", "make_draft_source"]
