@@ -83,3 +83,58 @@ class SessionStore:
         except OSError as e:
             where = f"could not move it aside ({e.strerror}); it is ignored"
         return f"session file {path}: {error}; {where}"
+
+
+# ---- the KV a session keeps in the disk tier (`kv_disk`): what `tsterm sessions` shows and drops
+
+def session_kv_names(session: Session, models: list[dict]) -> set[str]:
+    """The names of the blocks a session's turns leave in a KV store holding `models` (`kv_store.store_models`): the
+    full blocks of its kept ids and each recorded turn's partly filled last block, under every model of the store
+    (chain hashes start at the model's fingerprint, so another model's names never collide)."""
+    from tsterm.engine.kv_store import session_block_names  # (no torch: hashing only)
+
+    prefixes = [session.token_ids] + [ids for k in range(1, len(session.reply_stats()) + 1)
+                                      if (ids := session.ids_through_reply(k))]
+    names: set[str] = set()
+    for model in models:
+        for ids in prefixes:
+            names.update(session_block_names(model["fingerprint"], model["block_size"], ids))
+    return names
+
+
+def session_kv_usage(sessions: list[Session], kv_dir: Path | str) -> dict[str, tuple[int, int]]:
+    """session id -> (blocks, bytes) it holds in the KV store at `kv_dir` (blocks shared with another session, such
+    as a common system prompt's, count for each)."""
+    from tsterm.engine.kv_store import store_models
+
+    kv_dir = Path(kv_dir).expanduser()
+    models = store_models(kv_dir)
+    sizes = {entry.name: entry.stat().st_size for entry in os.scandir(kv_dir)} if kv_dir.is_dir() else {}
+    usage = {}
+    for session in sessions:
+        present = [sizes[name] for name in session_kv_names(session, models) if name in sizes]
+        usage[session.id] = (len(present), sum(present))
+    return usage
+
+
+def drop_session_kv(session: Session, others: list[Session], kv_dir: Path | str) -> tuple[int, int]:
+    """Delete the blocks `session` holds in the KV store at `kv_dir` that none of `others` holds too; returns (blocks,
+    bytes) deleted. An engine running over the store computes a dropped block again when a prompt needs it."""
+    from tsterm.engine.kv_store import store_models
+
+    kv_dir = Path(kv_dir).expanduser()
+    models = store_models(kv_dir)
+    shared: set[str] = set()
+    for other in others:
+        if other.id != session.id:
+            shared |= session_kv_names(other, models)
+    blocks = freed = 0
+    for name in sorted(session_kv_names(session, models) - shared):
+        path = kv_dir / name
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        blocks, freed = blocks + 1, freed + size
+    return blocks, freed

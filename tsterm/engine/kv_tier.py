@@ -230,6 +230,9 @@ def open_disk_tier(options: dict[str, Any], fingerprint: str, executor: Any, roo
         raise ConfigError("kv_disk: this model is a hybrid (Gated DeltaNet layers), whose cached prefixes resume from "
                           "recurrent-state snapshots that the disk tier does not store yet; remove kv_disk from the "
                           "profile for this model")
+    if getattr(executor, "mtp", None) is not None:
+        raise ConfigError("kv_disk: the MTP draft head keeps KV of its own that the disk tier does not store yet; "
+                          "use another speculative_method, or remove kv_disk")
     cache = getattr(executor, "cache", None)
     pools = getattr(cache, "pools", None)
     kv_pool = pools.get(FULL_ATTENTION) if isinstance(pools, dict) else None
