@@ -319,6 +319,9 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
         p.add_argument("profile_name", metavar="NAME|PATH")
     profiles.set_defaults(func=cmd_profiles)
 
+    from tsterm.chat.sessions_cli import add_parser as add_sessions  # (the chat layer, loaded already; no torch)
+    add_sessions(sub)
+
     for name, (help_text, add) in ELSEWHERE.items():  # in full where asked for, else by name and help only
         if full is None or name in full:
             add(sub)
