@@ -73,6 +73,29 @@ class EngineCollector(Collector):
                 cumulative += count
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             yield HistogramMetricFamily(f"tsterm:{name}", help_text, buckets=buckets, sum_value=hist.total)
+        if "kv_disk_bytes" in s:  # the KV cache's disk tier (kv_disk): hits by tier, traffic, size, load time
+            hits = CounterMetricFamily("tsterm:prefix_cache_hits_by_tier", "Prompt tokens served from the prefix "
+                                       "cache by tier: device (by reference), disk (read back: a copy).",
+                                       labels=["tier"])
+            hits.add_metric(["device"], s["prefix_hit_tokens"] - s["prefix_tier_hit_tokens"])
+            hits.add_metric(["disk"], s["prefix_tier_hit_tokens"])
+            yield hits
+            yield GaugeMetricFamily("tsterm:kv_disk_bytes", "Bytes of KV blocks in the disk store.",
+                                    value=s["kv_disk_bytes"])
+            yield GaugeMetricFamily("tsterm:kv_disk_max_bytes", "The disk store's bound (kv_disk.max_bytes).",
+                                    value=s["kv_disk_max_bytes"])
+            for name, help_text in (("kv_disk_written_bytes", "KV bytes written to the disk store (write-through)."),
+                                    ("kv_disk_read_bytes", "KV bytes read back from the disk store."),
+                                    ("kv_disk_hit_blocks", "KV blocks read back from the disk store."),
+                                    ("kv_host_hit_blocks", "KV blocks read back from the writer's queue (not yet on "
+                                     "disk)."),
+                                    ("kv_disk_refused_blocks", "Stored KV blocks refused (checksum, model "
+                                     "fingerprint, header) and computed instead."),
+                                    ("kv_disk_evicted_blocks", "KV blocks deleted to keep the store under its bound."),
+                                    ("kv_disk_loads", "Prompts that read blocks back from the disk store."),
+                                    ("kv_disk_load_seconds", "Time prompts waited for blocks from the disk store "
+                                     "(reads, checks, the copy into the pool); per turn: over kv_disk_loads.")):
+                yield CounterMetricFamily(f"tsterm:{name}", help_text, value=s[name])
 
 
 def _spec_decode(s: dict) -> Iterator[Metric]:
