@@ -12,6 +12,7 @@ from tsterm.engine.kv_store import session_block_names
 from tsterm.errors import ConfigError
 
 from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
+from tests.helpers.metrics import scrape
 
 BLOCK = 4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -65,6 +66,12 @@ def test_a_restart_between_turns_serves_the_previous_prompt_and_reply_from_disk(
             assert stats["kv_disk_read_bytes"] == read > 0
             # tier traffic is a copy in the ledger, apart from the reuse by reference (none here: a fresh pool)
             assert audit.copy_bytes[("kv_tier", "disk_read")] == read and stats["kv_reused_bytes"] == 0
+            metrics = scrape(llm.engine)  # what /metrics shows: hits by tier, the bytes read, the store's size
+            assert metrics['tsterm:prefix_cache_hits_by_tier_total{tier="disk"}'] == len(kept) - 1
+            assert metrics['tsterm:prefix_cache_hits_by_tier_total{tier="device"}'] == 0
+            assert metrics["tsterm:kv_disk_read_bytes_total"] == read
+            assert metrics["tsterm:kv_disk_bytes"] == stats["kv_disk_bytes"] > 0
+            assert metrics["tsterm:kv_disk_loads_total"] == 1
         else:
             assert out.num_cached_tokens == 0 and stats["kv_disk_read_blocks"] == 0
         llm.engine.shutdown()  # its queued writes finish first
