@@ -220,7 +220,8 @@ def test_a_penalty_state_holds_only_what_its_penalties_read():
     assert occurrence.seen is None and occurrence.counts[[7, 9, 1, 2]].tolist() == [1, 3, 0, 0]
     assert occurrence.counts.sum() == len(output)
     # a row carries its state, never the sequence's ids: the engine builds one every step
-    assert set(SamplingRow.__slots__) == {"params", "penalty", "generator", "grammar"}  # (grammar: its matcher)
+    assert set(SamplingRow.__slots__) == {"params", "penalty", "generator", "grammar",  # (grammar: its matcher)
+                                          "keep_generator_state"}  # (a flag: a verify's rewind)
 
 
 def test_penalties_do_not_modify_input(logits):

@@ -71,8 +71,8 @@ def run(llm: LLM, prompts, params):
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_with_drafts_equals_greedy_without(checkpoint, method, form):
     """Both forms of a verify step: its positions as one-token rows (the CPU's decode stack runs them) and as one
-    extend (the layer-by-layer path over the paged prefix). The seeded sampled request speculates too: its output is
-    its own (its generator draws a row per verified position) but the same on every run."""
+    extend (the layer-by-layer path over the paged prefix). The seeded sampled request speculates too, and draws
+    exactly what it draws without speculation."""
     prompts, params = mixed_batch()
     ref, ref_outs = run(make_llm(checkpoint), prompts, params)
     llm = make_llm(checkpoint, method)
@@ -82,8 +82,7 @@ def test_greedy_with_drafts_equals_greedy_without(checkpoint, method, form):
     again = make_llm(checkpoint, method)
     again.engine.executor.verify_as_decode_rows = form == "decode_rows"
     assert run(again, prompts[3:4], params[3:4])[0] == out[3:4]  # a seeded request reproduces, in any batch
-    out[3] = ref[3] = None
-    assert out == ref
+    assert out == ref  # the seeded sampled one too: its generator is rewound to its last kept row
     assert [list(c.token_ids) for c in outs[4].outputs] == [list(c.token_ids) for c in ref_outs[4].outputs]
     # logprobs at the verified positions are the decode's
     assert list(outs[6].outputs[0].logprobs) == list(ref_outs[6].outputs[0].logprobs)
@@ -179,6 +178,25 @@ def test_penalised_requests_count_the_drafts_before_each_position(moe):
     out, _ = run(llm, prompts, params)
     assert out == ref
     assert source.observed == source.expected and sum(a for _, a in source.observed) > 20
+
+
+def test_seeded_sampled_requests_draw_what_they_draw_without_speculation(moe):
+    """A seeded request's generator draws one row per verified position and is set back to its state after the last
+    row it keeps: with drafts of its own reply, wrong from random positions (rejections at every offset), each
+    seeded reply (n = 2, penalties, top-p) equals its reply without speculation, token for token."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(8, 380) for _ in range(8)] for _ in range(3)]
+    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=12, frequency_penalty=0.5, max_tokens=30,
+                             ignore_eos=True),
+              SamplingParams(temperature=1.2, seed=13, n=2, max_tokens=30, ignore_eos=True)]
+    _, ref_outs = run(make_llm(moe), prompts, params)
+    ref = [[list(c.token_ids) for c in out.outputs] for out in ref_outs]
+    futures = {tuple(p): p + r[0] for p, r in zip(prompts, ref)}  # (drafts follow each request's first sample)
+    llm, source = scripted_llm(moe, futures, k=4, wrong=lambda r: r.choice([None, 0, 1, 2, 3]))
+    _, outs = run(llm, prompts, params)
+    assert [[list(c.token_ids) for c in out.outputs] for out in outs] == ref
+    assert sum(d - a for d, a in source.observed) > 10 and sum(a for _, a in source.observed) > 10  # both ran
 
 
 def test_stops_inside_an_accepted_run_cut_there(moe):

@@ -35,7 +35,7 @@ from tsterm.engine.sequence import Sequence
 from tsterm.engine.spec_decode import DraftSource, make_draft_source
 from tsterm.engine.structured import GrammarCompiler
 from tsterm.engine.stats import EngineMetrics
-from tsterm.errors import ConfigError, ExecutorError, ModelLoadError, RequestError
+from tsterm.errors import ExecutorError, ModelLoadError, RequestError
 from tsterm.model.arch import ARCHITECTURES
 from tsterm.model.cache import num_state_slots
 from tsterm.model.loader import ProgressFn
@@ -93,19 +93,16 @@ class Engine:
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ModelLoadError(f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but the "
                                  f"embedding (config.json vocab_size) has only {cfg.vocab_size} rows")
-        recurrent = num_state_slots(ARCHITECTURES[cfg.model_type].layer_types(cfg), 1, False) > 0
-        if config.speculative_method != "off" and recurrent:  # (refused before the weights load)
-            raise ConfigError(f"speculative_method {config.speculative_method!r}: {cfg.model_type} is a hybrid model "
-                              "(Gated DeltaNet layers), whose recurrent state would have to end at the last accepted "
-                              "draft; that rollback is not implemented yet: use speculative_method off")
         self.executor = executor(ExecutorSpec(config, cfg, model_dir, self.dtype, self.device, progress))
         self.max_model_len = self.executor.max_model_len
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         num_blocks = self.executor.num_blocks
         # A hybrid model's linear-attention layers keep one state per running sequence, in slots its executor holds
-        # (`num_state_slots`); with prefix caching, snapshots of it at block boundaries let a cached prefix resume.
+        # (`num_state_slots`); with prefix caching, snapshots of it at block boundaries let a cached prefix resume;
+        # with speculative decoding, a verify step keeps the state after each draft in a slot of its own.
+        speculative = config.num_speculative_tokens if config.speculative_method != "off" else 0
         self.num_state_slots = num_state_slots(ARCHITECTURES[cfg.model_type].layer_types(cfg), config.max_num_seqs,
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching, speculative)
         fingerprint = engine_fingerprint(config, model_dir, cfg, self.dtype, self.device, self.executor)
         pool = BlockPool(num_blocks, config.block_size, fingerprint=fingerprint,
                          enable_prefix_caching=config.enable_prefix_caching,
@@ -123,7 +120,8 @@ class Engine:
         # a draft source that reads the target's hidden states (MTP) gets each step the executor ran whole
         self._hidden_drafter = self.drafter if getattr(self.drafter, "wants_hidden", False) else None
         self.scheduler = Scheduler(config, self.kv, lambda: self.clock(),  # (the engine's clock, even if replaced)
-                                   proposer=self._propose if self.drafter is not None else None)
+                                   proposer=self._propose if self.drafter is not None else None,
+                                   copy_states=self.executor.copy_states)
         self.limits = Limits(cfg.vocab_size, self.max_model_len, config.max_num_seqs)
         # structured outputs: the engine's llguidance tokenizer (built on the first constrained request) and pool
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
@@ -254,7 +252,9 @@ class Engine:
             logits = self.executor.execute(batch)  # [S, V]: one row per sequence that samples (a verify: per position)
             drafts = batch.drafts_by_seq()
             states: dict[int, list[PenaltyState]] = {}  # a verify's penalised rows: each position's history
-            return self._accept(drafts, self._sample(logits, samples, rows, drafts, states), states)
+            rewinds: dict[int, list[torch.Tensor]] = {}  # a verify's seeded rows: its generator after each draw
+            return self._accept(drafts, self._sample(logits, samples, rows, drafts, states, rewinds), states,
+                                rewinds)
         except BaseException:
             checkpoint.restore()
             raise
@@ -302,10 +302,13 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, samples: list[Sample], rows: list[int],
                 drafts: dict[int, list[int]] | None = None,
-                states: dict[int, list[PenaltyState]] | None = None) -> list[Draw]:
+                states: dict[int, list[PenaltyState]] | None = None,
+                rewinds: dict[int, list[torch.Tensor]] | None = None) -> list[Draw]:
         """Draw each sample's token (a verify's: one per position). A verifying sample with penalties reads, at
         position j, its history plus its first j drafts: a copy of its state each (`states`, for `_accept`), so the
-        penalties see what decoding those tokens one step each would have seen."""
+        penalties see what decoding those tokens one step each would have seen. A verifying sample with its own
+        generator draws its positions in order, one [V] draw each, as decoding them one step each would; its
+        generator's state after each draw goes to `rewinds` (for `_accept`)."""
         if not samples:
             return []
         for sample in samples:  # a sequence's first sampling reads its ids once, into its penalty state
@@ -321,8 +324,12 @@ class Engine:
             if draft and s.penalty is not None and (i == 0 or samples[i - 1] is not s):  # the first of its rows
                 states[s.seq.seq_id] = penalties[i:i + len(draft) + 1] = [
                     _with_tokens(s.penalty, draft[:j], logits.device) for j in range(len(draft) + 1)]
-        result = self.sampler(logits, [SamplingRow(s.seq.params, penalty, s.generator, s.grammar)
+        rewound = {s.seq.seq_id for s in samples if s.generator is not None and drafts and drafts.get(s.seq.seq_id)}
+        result = self.sampler(logits, [SamplingRow(s.seq.params, penalty, s.generator, s.grammar,
+                                                   keep_generator_state=s.seq.seq_id in rewound)
                                        for s, penalty in zip(samples, penalties)])
+        for row, state in result.generator_states.items() if rewinds is not None else ():
+            rewinds.setdefault(samples[row].seq.seq_id, []).append(state)
         return list(zip(samples, result.token_ids, result.logprobs))
 
     # ---- speculative decoding: drafts in, the verified run out ----------------------------------------------------
@@ -342,7 +349,7 @@ class Engine:
         return self.drafter.propose(seq.seq_id, seq.token_ids, room)
 
     def _accept(self, drafts: dict[int, list[int]], draws: list[Draw],
-                states: dict[int, list[PenaltyState]]) -> list[Draw]:
+                states: dict[int, list[PenaltyState]], rewinds: dict[int, list[torch.Tensor]]) -> list[Draw]:
         """Verification: a sequence that verified drafts d1..dk drew the target's tokens t0..tk at their k + 1
         positions (the sampler, each row as a row of its own: its temperature, truncation, bias and generator); it
         keeps the longest run with t_i == d_(i+1), then the target's token after it (the one at the first mismatch,
@@ -352,8 +359,10 @@ class Engine:
         for drafts that are one token per position (the draft sources are deterministic: q(d) = 1): the rule accepts d
         with probability min(1, p(d) / q(d)) = p(d), which is the chance that t ~ p equals d, and on a rejection draws
         from the residual max(0, p - q), normalised, which is p without d: the law of t given t != d. So each
-        emitted token has the target's distribution given the tokens before it, and a seeded request reproduces
-        its output for a fixed draft source (its generator draws one row per verified position).
+        emitted token has the target's distribution given the tokens before it. A seeded request's generator draws
+        one row per verified position, in order, then is set back to its state after the last row it keeps
+        (`rewinds`): each kept token is drawn with the state decoding it alone would have had, so a seeded request's
+        output is the same with or without speculation, whatever the drafts.
 
         A penalised sample's state becomes that of the row it stopped at (`_sample`: its history, the drafts it
         accepted, then, recorded by the sampler, the row's own token): exactly the tokens it appends."""
@@ -374,6 +383,8 @@ class Engine:
             kept.extend(group[:accepted + 1])
             if group[0][0].seq.seq_id in states:
                 group[0][0].penalty = states[group[0][0].seq.seq_id][accepted]
+            if group[0][0].seq.seq_id in rewinds:  # (as if it had drawn only the rows it keeps)
+                group[0][0].generator.set_state(rewinds[group[0][0].seq.seq_id][accepted])
             i += len(draft) + 1
         return kept
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -87,12 +87,15 @@ class SamplingRow:
     draw per sampled token, so a seeded request draws the same tokens wherever it sits in whichever batch. None: the
     row draws from the Sampler's shared generator. `grammar`: the row's structured-output state (params'
     `structured_outputs`), which the Sampler reads and never advances (the engine does, with the token it appends).
+    `keep_generator_state`: record the generator's state right after this row's draw (`SamplerOutput`), so a
+    speculative verify can rewind a seeded request's generator to just after its last accepted position.
     """
 
     params: SamplingParams
     penalty: PenaltyState | None = None
     generator: torch.Generator | None = None
     grammar: Grammar | None = None
+    keep_generator_state: bool = False
 
 
 @dataclass(slots=True)
@@ -101,6 +104,8 @@ class SamplerOutput:
     # per row: None, or {"token_id": int, "logprob": float, "top": [(token_id, logprob), ...]} with
     # len(top) == params.logprobs (fewer where a grammar allows fewer tokens), sorted by logprob, highest first
     logprobs: list[dict | None]
+    # row -> its generator's state right after its draw, for the rows that asked (`keep_generator_state`)
+    generator_states: dict[int, Tensor] = field(default_factory=dict)
 
 
 def seeded_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -148,9 +153,10 @@ class Sampler:
             return _to_host(logits.argmax(dim=-1), None, [], params)
 
         scores, seen, counts = self._penalise(logits, rows, stages)  # [B, V] float32, the stacked histories
+        generator_states: dict[int, Tensor] = {}
         if sample_rows:
             stages.append("sample")
-            sampled = self._sample(scores, rows, sample_rows)  # [S]
+            sampled = self._sample(scores, rows, sample_rows, generator_states)  # [S]
             if len(sample_rows) == len(rows):
                 token_ids = sampled
             else:
@@ -167,7 +173,9 @@ class Sampler:
             stages.append("logprobs")
             logprobs = self._logprobs(scores, token_ids, logprob_rows, params)
         self.last_stages = tuple(stages)
-        return _to_host(token_ids, logprobs, logprob_rows, params)
+        out = _to_host(token_ids, logprobs, logprob_rows, params)
+        out.generator_states = generator_states
+        return out
 
     # ---- grammar -----------------------------------------------------------------------------------
 
@@ -257,7 +265,8 @@ class Sampler:
 
     # ---- sampling ----------------------------------------------------------------------------------
 
-    def _sample(self, scores: Tensor, rows: list[SamplingRow], sample_rows: list[int]) -> Tensor:
+    def _sample(self, scores: Tensor, rows: list[SamplingRow], sample_rows: list[int],
+                generator_states: dict[int, Tensor]) -> Tensor:
         device, vocab_size = scores.device, scores.shape[1]
         params = [rows[i].params for i in sample_rows]
         if len(sample_rows) < len(rows):
@@ -289,6 +298,8 @@ class Sampler:
             for j, i in enumerate(sample_rows):
                 if rows[i].generator is not None:
                     noise[j].exponential_(generator=rows[i].generator)  # exactly V draws, any batch
+                    if rows[i].keep_generator_state:
+                        generator_states[i] = rows[i].generator.get_state()
         # a zero draw would make 0/0 = nan on an excluded token; tiny keeps excluded tokens at score 0
         return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)  # [S]
 
