@@ -1,16 +1,20 @@
-"""Prefill on the CPU: tsterm's C matmul and causal attention (csrc/gemm.c, csrc/prefill.c) against torch's.
+"""Prefill on the CPU: tsterm's C matmul and causal attention (csrc/gemm.c, csrc/prefill.c), every build of them this
+CPU runs, against torch's.
 
     python benchmarks/prefill_kernels.py [--rounds 3] [--threads N]
 
 The shapes are the bench model's (hidden 1024, 16 experts of 512, top-4; 16 query and 4 KV heads of 64) in the
 agent trace's prefill: a 216-token extend (each expert sees about 54 rows) and a 1536-token first turn. Candidates
-run interleaved, round by round; the best round of each counts. Reported: milliseconds per call, GFLOP/s, and the
-C kernel's speedup over torch in the same run.
-- matmul `x @ W.T`: torch (`torch.mm`, MKL) against `tsterm_f32_gemm`. Each round cycles through 16 distinct
-  weights, as the experts of a layer are, so the weights come from memory, not from the cache.
+run interleaved, round by round; the best round of each counts. Reported: GFLOP/s of each candidate, and the best
+C build's speedup over torch float32 in the same run.
+- matmul `x @ W.T`: torch float32 (`torch.mm`, MKL / oneDNN), `tsterm_f32_gemm` of each build ("C-AVX2": the
+  sources built without AVX-512; "C-AVX-512": -march=native on a CPU with AVX-512F, csrc/gemm.c's 512-bit tile),
+  and torch bfloat16 (oneDNN; AMX tiles where the CPU has them and the OS allows them: another precision, shown for
+  what a bf16 model would get). Each round cycles through 16 distinct weights, as the experts of a layer are, so
+  the weights come from memory, not from the cache.
 - causal attention of the new tokens over a paged pool (in-order blocks of 16): torch's flash kernel, in the pieces
   `tsterm_kernels.torch_ops` ran it (an unmasked prefix and a causal part, merged by log-sum-exp), against
-  `tsterm_prefill_attention`.
+  `tsterm_prefill_attention` of each build.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 
 import torch
 
-from tsterm_kernels import cpu_native, torch_ops
+from tsterm_kernels import cpu_native, cpu_select, torch_ops
 
 HIDDEN, INTER, EXPERTS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 1024, 512, 16, 16, 4, 64, 16
 MATMULS = [  # (label, rows, in_features, out_features)
@@ -45,9 +49,23 @@ def _best(fns: dict, rounds: int, calls: int) -> dict:
 
 
 def _row(label: str, flops: float, best: dict) -> None:
-    torch_s, c_s = best["torch"], best["C"]
-    print(f"{label:<36} {torch_s * 1e3:>9.2f} {flops / torch_s / 1e9:>7.0f} {c_s * 1e3:>9.2f} "
-          f"{flops / c_s / 1e9:>7.0f} {torch_s / c_s:>7.2f}x")
+    cells = " ".join(f"{flops / best[name] / 1e9:>11.0f}" if name in best else f"{'-':>11}" for name in COLUMNS)
+    c_best = min(t for name, t in best.items() if name.startswith("C"))
+    print(f"{label:<36} {cells} {best['torch fp32'] / c_best:>9.2f}x")
+
+
+COLUMNS = ("torch fp32", "C-AVX2", "C-AVX-512", "torch bf16")
+
+
+def _builds() -> dict:
+    """Each C build this CPU runs, by column name."""
+    native = cpu_native.load()
+    if native is None:
+        raise SystemExit("the C kernels are unavailable here (see the warning above)")
+    if not native.isa_bits & cpu_native.ISA_AVX512:
+        return {"C-AVX2": native}
+    avx2 = cpu_native.load_variant("avx2")
+    return {"C-AVX-512": native, **({"C-AVX2": avx2} if avx2 is not None else {})}
 
 
 def main() -> None:
@@ -57,25 +75,34 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    native = cpu_native.load()
-    if native is None:
-        raise SystemExit("the C kernels are unavailable here (see the warning above)")
+    builds = _builds()
+    cpu = cpu_select.CpuInfo.detect()
     gen = torch.Generator().manual_seed(0)
-    print(f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}")
-    print(f"{'':<36} {'torch ms':>9} {'GFLOP/s':>7} {'C ms':>9} {'GFLOP/s':>7} {'C/torch':>8}")
+    print(f"{cpu.describe()}; torch {torch.__version__}")
+    print(f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}; GFLOP/s "
+          f"(torch bf16: {'AMX' if cpu.amx else 'no AMX'})")
+    print(f"{'':<36} {' '.join(f'{name:>11}' for name in COLUMNS)} {'C/torch':>10}")
     for label, rows, in_f, out_f in MATMULS:
         x = torch.randn(rows, in_f, generator=gen)
         weights = [torch.randn(out_f, in_f, generator=gen) for _ in range(EXPERTS)]
-        y = torch.empty(rows, out_f)
+        x16, weights16 = x.bfloat16(), [w.bfloat16() for w in weights]
+        y, y16 = torch.empty(rows, out_f), torch.empty(rows, out_f, dtype=torch.bfloat16)
 
         def run_torch():
             for w in weights:
                 torch.mm(x, w.t(), out=y)
 
-        def run_c():
-            for w in weights:
-                native.f32_gemm(x.data_ptr(), in_f, rows, in_f, w.data_ptr(), out_f, y.data_ptr())
-        _row(label, 2.0 * rows * in_f * out_f * EXPERTS, _best({"torch": run_torch, "C": run_c}, args.rounds, 2))
+        def run_bf16():
+            for w in weights16:
+                torch.mm(x16, w.t(), out=y16)
+
+        def run_c(native):
+            def run():
+                for w in weights:
+                    native.f32_gemm(x.data_ptr(), in_f, rows, in_f, w.data_ptr(), out_f, y.data_ptr())
+            return run
+        fns = {"torch fp32": run_torch, **{name: run_c(b) for name, b in builds.items()}, "torch bf16": run_bf16}
+        _row(label, 2.0 * rows * in_f * out_f * EXPERTS, _best(fns, args.rounds, 2))
     scale = HEAD_DIM ** -0.5
     for label, num_q, seq_len in ATTENTION:
         blocks = -(-seq_len // BLOCK)
@@ -83,17 +110,20 @@ def main() -> None:
         v_cache = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
         table = torch.arange(blocks, dtype=torch.int32)
         q = torch.randn(num_q, HEADS, HEAD_DIM, generator=gen)
-        out_torch, out_c = torch.empty_like(q), torch.empty_like(q)
+        outs = {name: torch.empty_like(q) for name in ("torch fp32", *builds)}
 
         def attend_torch():
-            torch_ops._extend_attention(q, k_cache, v_cache, [(0, blocks)], seq_len, scale, out_torch)
+            torch_ops._extend_attention(q, k_cache, v_cache, [(0, blocks)], seq_len, scale, outs["torch fp32"])
 
-        def attend_c():
-            native.prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                     table.data_ptr(), seq_len, num_q, HEADS, KV_HEADS, HEAD_DIM, BLOCK, scale,
-                                     out_c.data_ptr(), out_c.stride(0))
-        best = _best({"torch": attend_torch, "C": attend_c}, args.rounds, 3)
-        torch.testing.assert_close(out_c, out_torch, rtol=1e-4, atol=1e-4)
+        def attend_c(name, native):
+            out = outs[name]
+            return lambda: native.prefill_attention(
+                q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), seq_len, num_q,
+                HEADS, KV_HEADS, HEAD_DIM, BLOCK, scale, out.data_ptr(), out.stride(0))
+        best = _best({"torch fp32": attend_torch, **{name: attend_c(name, b) for name, b in builds.items()}},
+                     args.rounds, 3)
+        for name in builds:
+            torch.testing.assert_close(outs[name], outs["torch fp32"], rtol=1e-4, atol=1e-4)
         visible = num_q * (seq_len - num_q) + num_q * (num_q + 1) / 2  # (query, key) pairs the causal mask keeps
         _row(label, 4.0 * HEADS * HEAD_DIM * visible, best)
 

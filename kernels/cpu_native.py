@@ -57,7 +57,13 @@ SIGNATURES = {
     "tsterm_decode_stack": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]),
     "tsterm_moe_route": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
     "tsterm_sigmoid": (None, [_P, _I64, _P]),
+    "tsterm_isa": (_INT, []),
 }
+# Builds of the same sources for one CPU: "native" (-march=native: AVX-512 code where the CPU has it), and "avx2"
+# (the same minus AVX-512, the code AVX2-only CPUs run). Both give the same bits (tests/kernels run every variant
+# this CPU can execute); the per-shape choice between them is measured (tsterm_kernels.cpu_select).
+VARIANTS = {"native": (), "avx2": ("-mno-avx512f",)}
+ISA_AVX512, ISA_VNNI = 1, 2  # csrc/gemm.c's tsterm_isa() bits
 
 
 def rows_contiguous_f32(x) -> bool:
@@ -108,9 +114,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile every source into one shared library (or find it built); returns its path. Raises
-    NativeKernelError with the compiler's message when it cannot be built."""
+def build(out_dir: Path | None = None, variant: str = "native") -> Path:
+    """Compile every source into one shared library (or find it built); returns its path. `variant`: a key of
+    VARIANTS. Raises NativeKernelError with the compiler's message when it cannot be built."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown CPU kernel variant {variant!r} (have: {', '.join(VARIANTS)})")
+    flags = FLAGS + VARIANTS[variant]
     if platform.machine() not in ("x86_64", "AMD64"):
         raise NativeKernelError(f"the CPU kernels need x86-64 with AVX2 (this machine is {platform.machine()})")
     if "avx2" not in _cpu_flags() or "f16c" not in _cpu_flags():
@@ -120,7 +129,7 @@ def build(out_dir: Path | None = None) -> Path:
         raise NativeKernelError(f"no C compiler ({compiler!r} not found; install gcc or set $CC)")
     sources = sorted(SOURCES_DIR.glob("*.c"))
     digest = hashlib.sha256()
-    for item in (compiler, *FLAGS, _cpu_flags(), *(s.name + s.read_text() for s in sorted(SOURCES_DIR.glob("*.[ch]")))):
+    for item in (compiler, *flags, _cpu_flags(), *(s.name + s.read_text() for s in sorted(SOURCES_DIR.glob("*.[ch]")))):
         digest.update(item.encode())
     target_dir = (out_dir or cache_dir()) / digest.hexdigest()[:16]
     target = target_dir / LIB_NAME
@@ -130,7 +139,7 @@ def build(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)  # built aside, renamed: concurrent builds are safe
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *flags, "-o", tmp, *map(str, sources)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise NativeKernelError(f"{compiler} failed to build the CPU kernels:\n{proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -143,13 +152,19 @@ def build(out_dir: Path | None = None) -> Path:
 class NativeKernels:
     """The built library's functions, typed (see SIGNATURES)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, variant: str = "native"):
+        self.path, self.variant = path, variant
         lib = ctypes.CDLL(str(path))
         for name, (restype, argtypes) in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
             setattr(self, name.removeprefix("tsterm_"), fn)
+        self.isa_bits = self.isa()
+
+    @property
+    def isa_name(self) -> str:
+        """The widest vector code this build runs: "avx512" or "avx2" (+ "-vnni" where the int8 dots use VNNI)."""
+        return ("avx512" if self.isa_bits & ISA_AVX512 else "avx2") + ("-vnni" if self.isa_bits & ISA_VNNI else "")
 
 
 @functools.cache
@@ -162,4 +177,24 @@ def load() -> NativeKernels | None:
     except (NativeKernelError, OSError) as e:
         warnings.warn(f"tsterm's CPU kernels are unavailable, quantized matmuls take a slow torch path: {e}",
                       RuntimeWarning, stacklevel=2)
+        return None
+
+
+def load_variant(variant: str) -> NativeKernels | None:
+    """One build of VARIANTS: "native" is `load()`'s; "avx2" is `load()`'s too on a CPU without AVX-512 (its native
+    build is AVX2 code), else the build without AVX-512, made once. None where the C kernels are off or unavailable."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown CPU kernel variant {variant!r} (have: {', '.join(VARIANTS)})")
+    native = load()
+    if native is None or variant == "native" or not native.isa_bits & ISA_AVX512:
+        return native
+    return _load_build(variant)
+
+
+@functools.cache
+def _load_build(variant: str) -> NativeKernels | None:
+    try:
+        return NativeKernels(build(variant=variant), variant)
+    except (NativeKernelError, OSError) as e:
+        warnings.warn(f"tsterm's {variant} build of the CPU kernels is unavailable: {e}", RuntimeWarning, stacklevel=3)
         return None

@@ -7,11 +7,17 @@ float64 oracles in tests/kernels/oracles.py, which nothing under tsterm/ or kern
 """
 from __future__ import annotations
 
+import functools
+import os
+import time
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from tsterm_kernels import cpu_native
+from tsterm_kernels import cpu_native, cpu_select
+from tsterm_kernels.cpu_select import Choice, ShapeClass
 from tsterm_kernels.cpu_stack import DecodeStack, StackLayer
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import QuantizedWeight, quantized_linear
@@ -20,8 +26,118 @@ from tsterm_kernels.routing import Routing, routing_or_default
 from tsterm_kernels.torch_gated_delta import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
                                               recurrent_gated_delta_rule)
 
-__all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "decode_stack", "expert_mlp", "fused_moe",
-           "linear", "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm", "sigmoid", "store_kv"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "chunk_gated_delta_rule", "cpu_kernel_plan", "decode_stack",
+           "expert_mlp", "fused_moe", "linear", "moe_route", "paged_attention", "recurrent_gated_delta_rule", "rms_norm",
+           "sigmoid", "store_kv"]
+
+
+# Which kernel runs each float32 shape class on the CPU (tsterm_kernels.cpu_select): measured once per machine,
+# kept beside the built libraries. The lookups below are the ops' only use of it; a class's kernel is the same for
+# every row count.
+_TIME_PER_CANDIDATE_S = 0.02  # each candidate's share of a class's measurement (the minimum of repeated calls)
+
+
+@functools.cache
+def _machine() -> tuple[cpu_select.CpuInfo, tuple[str, ...], Path]:
+    """This process's CPU, the candidates it has and its plan file (the C builds are loaded, the AVX2 one built on
+    a CPU with AVX-512, on the first call)."""
+    cpu = cpu_select.CpuInfo.detect()
+    native = cpu_native.load()
+    avx2 = cpu_native.load_variant("avx2") if native is not None and native.isa_bits & cpu_native.ISA_AVX512 else None
+    builds = {"native": native, "avx2": avx2}
+    candidates = cpu_select.available(cpu, {k: None if b is None else b.isa_bits for k, b in builds.items()})
+    path = cpu_select.plan_path(cpu, {k: None if b is None else str(b.path) for k, b in builds.items()})
+    return cpu, candidates, path
+
+
+def cpu_kernel_plan(shapes, override: str | None = None) -> dict[str, Choice]:
+    """Each shape class's kernel on this machine (`cpu_select.resolve`): read from the plan file, measured now for
+    the classes it lacks (a few tens of milliseconds per candidate) and stored. override: TSTERM_CPU_KERNELS's
+    form; default: the variable's value."""
+    cpu, candidates, path = _machine()
+    if cpu_native.load() is None:  # the C kernels off or unavailable: torch is the only candidate
+        candidates = ("torch",)
+    text = os.environ.get(cpu_select.ENV, "") if override is None else override
+    return cpu_select.resolve(shapes, cpu, candidates, _time_candidates, path, cpu_select.parse_override(text))
+
+
+def cpu_machine() -> cpu_select.CpuInfo:
+    """This machine's CPU, as the choices see it."""
+    return _machine()[0]
+
+
+@functools.cache
+def _planned(kind: str, dims: tuple[int, ...], override: str) -> str:
+    shape = ShapeClass(kind, dims)
+    return cpu_kernel_plan([shape], override)[shape.key].candidate
+
+
+def _chosen(kind: str, dims: tuple[int, ...]) -> "cpu_native.NativeKernels | None":
+    """The C build that runs this shape class, or None where torch's path does (the C kernels unavailable, or the
+    class's choice). Chosen once per class per process, whatever the rows."""
+    if cpu_native.load() is None:
+        return None
+    candidate = _planned(kind, dims, os.environ.get(cpu_select.ENV, ""))
+    return None if candidate == "torch" else cpu_native.load_variant(cpu_select.VARIANT_OF[candidate])
+
+
+def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str, float]:
+    """Seconds of one call of each candidate on `shape` at shape.rows rows, on random inputs of the class's sizes: the
+    minimum over rounds that call every candidate once in turn (a machine whose load changes meanwhile slows them
+    alike), for about _TIME_PER_CANDIDATE_S per candidate. Weights are cut to 4 M values (the per-output work is what
+    differs between the kernels; a vocabulary-sized one would time memory) and stacks of experts to 8."""
+    gen = torch.Generator().manual_seed(0)
+    rows = shape.rows
+    if shape.kind == "gemm":
+        out_f, in_f = shape.dims
+        x = torch.randn(rows, in_f, generator=gen)
+        w = torch.randn(min(out_f, max(32, (1 << 22) // in_f)), in_f, generator=gen)
+
+        def runner(native):
+            return (lambda: F.linear(x, w)) if native is None else (lambda: cpu_native.f32_gemm(native, x, w))
+    elif shape.kind == "experts":
+        experts, two_inter, hidden, top_k = shape.dims
+        experts = min(experts, 8)
+        x = torch.randn(rows, hidden, generator=gen)
+        w13 = torch.randn(experts, two_inter, hidden, generator=gen) * hidden ** -0.5
+        w2 = torch.randn(experts, hidden, two_inter // 2, generator=gen) * (two_inter // 2) ** -0.5
+        ids = torch.rand(rows, experts, generator=gen).argsort(-1)[:, :min(top_k, experts)].contiguous()
+        weights = torch.rand(ids.shape, generator=gen)
+        out = torch.zeros(rows, hidden)
+
+        def runner(native):
+            mlp = expert_mlp if native is not None else _torch_expert_mlp
+            return lambda: _fused_moe_with(native, x, w13, w2, weights, ids, out, mlp)
+    else:
+        heads, kv_heads, head_dim = shape.dims
+        block = 16
+        blocks = -(-rows // block)
+        q = torch.randn(rows, heads, head_dim, generator=gen)
+        k_cache, v_cache = (torch.randn(blocks, block, kv_heads, head_dim, generator=gen) for _ in range(2))
+        table = torch.arange(blocks, dtype=torch.int32)
+        out = torch.empty_like(q)
+        scale = head_dim ** -0.5
+
+        def runner(native):
+            if native is None:
+                return lambda: _extend_attention(q, k_cache, v_cache, [(0, blocks)], rows, scale, out)
+            return lambda: native.prefill_attention(
+                q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), rows, rows, heads,
+                kv_heads, head_dim, block, scale, out.data_ptr(), out.stride(0))
+    runs = {name: runner(None if name == "torch" else cpu_native.load_variant(cpu_select.VARIANT_OF[name]))
+            for name in candidates}
+    best = dict.fromkeys(candidates, float("inf"))
+    for run in runs.values():
+        run()  # warm: first-touch of the outputs, the thread pool
+    start = time.perf_counter()
+    for i in range(64):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        if i >= 2 and time.perf_counter() - start > _TIME_PER_CANDIDATE_S * len(runs):
+            break
+    return best
 
 
 # Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory
@@ -42,7 +158,8 @@ _FEW_PAIRS = 64  # fused_moe groups at most this many (token, expert) pairs on t
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias); x: [M, I], weight: [O, I] -> [M, O]. Float32 on the CPU: tsterm's C GEMV (M <= 4)
-    or GEMM; without the C kernels small M runs as a row-split bmm.
+    or GEMM, of the build chosen for the weight's shape class (`cpu_select`: the same for every M); without the C
+    kernels (or where the class chose torch) small M runs as a row-split bmm.
 
     The model's one matmul seam: a `QuantizedWeight` (weight-only int8 / int4) runs its quantized kernel here."""
     if isinstance(weight, QuantizedWeight):
@@ -50,14 +167,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows, (out_features, in_features) = x.shape[0], weight.shape
     if (rows <= _NATIVE_MAX_ROWS and x.dim() == 2 and x.is_cpu and x.dtype is torch.float32
             and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous() and rows > 0):
-        native = cpu_native.load()
+        native = _chosen("gemm", (out_features, in_features))
         if native is not None:
             x = x if x.is_contiguous() else x.contiguous()
             y = torch.empty((rows, out_features), dtype=torch.float32)
             native.f32_matmul(x.data_ptr(), rows, in_features, weight.data_ptr(), out_features, y.data_ptr())
             return y if bias is None else y + bias
     if rows > _NATIVE_MAX_ROWS and cpu_native.gemm_fits(x, weight):
-        native = cpu_native.load()
+        native = _chosen("gemm", (out_features, in_features))
         if native is not None:
             y = cpu_native.f32_gemm(native, x, weight)
             return y if bias is None else y + bias
@@ -77,7 +194,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def decode_stack(layers: list[StackLayer], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
                  scale: float) -> DecodeStack | None:
     """A model's decoder layers as one C call per decode step (`tsterm_kernels.cpu_stack`), or None where the C
-    kernels cannot run them; the model then runs every step layer by layer through the ops here."""
+    kernels cannot run them, or where a shape class of theirs runs torch's path (`cpu_select`: one kernel per class,
+    in a decode as in a prefill); the model then runs every step layer by layer through the ops here."""
+    if not layers or cpu_native.load() is None:
+        return None
+    classes = [("attention", (num_heads, num_kv_heads, head_dim))]
+    for layer in layers:
+        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.shared_gate_up, layer.shared_down):
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                classes.append(("gemm", tuple(w.shape)))
+        if layer.router is not None and isinstance(layer.gate_up, torch.Tensor):
+            classes.append(("experts", (*layer.gate_up.shape, layer.top_k)))
+        if layer.shared_gate_up is not None and isinstance(layer.shared_gate_up, torch.Tensor):
+            classes.append(("experts", (*layer.shared_gate_up.shape, 1)))
+    if any(_chosen(kind, dims) is None for kind, dims in dict.fromkeys(classes)):
+        return None
     return DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale)
 
 
@@ -163,7 +294,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     device = q.device
     if num_tokens == len(meta.seq_lens) and q.dtype is torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim:
         # decode (one new token per sequence): one C call over every sequence's blocks, however many runs
-        native = _native_f32(k_cache, v_cache)
+        native = _native_f32(k_cache, v_cache) and _chosen("attention", (num_heads, num_kv_heads, head_dim))
         tables = meta.block_tables
         if (native is not None and tables.dtype is torch.int32 and tables.is_cpu and tables.is_contiguous()
                 and head_dim % 16 == 0 and num_heads % num_kv_heads == 0):
@@ -240,9 +371,9 @@ def _native_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tables = meta.block_tables
     if (q.dtype is not torch.float32 or not q.is_cpu or q.stride(2) != 1 or q.stride(1) != head_dim
             or head_dim % 16 or num_heads % k_cache.shape[2] or tables.dtype is not torch.int32 or not tables.is_cpu
-            or not tables.is_contiguous()):
+            or not tables.is_contiguous() or _native_f32(k_cache, v_cache) is None):
         return None
-    return _native_f32(k_cache, v_cache)
+    return _chosen("attention", (num_heads, k_cache.shape[2], head_dim))  # the build its shape class runs, or torch
 
 
 def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor, k_cache: torch.Tensor,
@@ -418,10 +549,28 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     expert_ids: [T, k]; out: [T, H]. Only the experts that received tokens are touched. An id equal to E names an
     expert this rank does not hold (expert parallelism): that pair adds nothing.
     """
-    num_tokens, top_k = expert_ids.shape
-    num_experts = w13.shape[0]
+    num_experts, top_k = w13.shape[0], expert_ids.shape[1]
     floats = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and expert_ids.dtype is torch.int64
     native = _native_f32(x, w13, w2, weights, out) if floats else None
+    mlp = expert_mlp
+    if native is not None:  # the build its shape class runs (cpu_select), or torch's op loop with torch's matmuls
+        native = _chosen("experts", (num_experts, w13.shape[1], w13.shape[2], top_k))
+        mlp = expert_mlp if native is not None else _torch_expert_mlp
+    return _fused_moe_with(native, x, w13, w2, weights, expert_ids, out, mlp)
+
+
+def _torch_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """expert_mlp by torch's ops alone (the experts' shape class chose torch)."""
+    h = F.linear(x, w13)
+    inter = w2.shape[1]
+    return F.linear(F.silu(h[:, :inter]).mul_(h[:, inter:]), w2)
+
+
+def _fused_moe_with(native: "cpu_native.NativeKernels | None", x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    weights: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor, mlp=expert_mlp) -> torch.Tensor:
+    """fused_moe by the C build `native` (one call), else by a loop of torch ops with `mlp` per expert."""
+    num_tokens, top_k = expert_ids.shape
+    num_experts = w13.shape[0]
     if native is not None and expert_ids.is_contiguous() and _get_current_dispatch_mode() is None:
         # one C call (csrc/moe.c), the same bits as the loop below; the copy audit (a dispatch mode) gets the loop
         if native.moe_prefill(x.data_ptr(), num_tokens, x.shape[1], w13.data_ptr(), w2.data_ptr(), num_experts,
@@ -441,10 +590,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
             pairs = by_expert[expert]
             if len(pairs) == 1:
                 token, weight = pairs[0]
-                out[token:token + 1].add_(expert_mlp(x[token:token + 1], w13[expert], w2[expert]).mul_(weight))
+                out[token:token + 1].add_(mlp(x[token:token + 1], w13[expert], w2[expert]).mul_(weight))
                 continue
             tokens = torch.tensor([t for t, _ in pairs], device=x.device)
-            ys = expert_mlp(x.index_select(0, tokens), w13[expert], w2[expert])  # [n, H]
+            ys = mlp(x.index_select(0, tokens), w13[expert], w2[expert])  # [n, H]
             out.index_add_(0, tokens, ys.mul_(torch.tensor([w for _, w in pairs], dtype=ys.dtype)[:, None]))
         return out
     flat_ids = expert_ids.reshape(-1)  # [T*k]
@@ -457,7 +606,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         if count == 0:
             continue
         tokens = token_of_pair[start:start + count]  # [n]
-        y = expert_mlp(x[tokens], w13[expert], w2[expert])  # [n, H]
+        y = mlp(x[tokens], w13[expert], w2[expert])  # [n, H]
         out.index_add_(0, tokens, y.mul_(weight_of_pair[start:start + count, None].to(y.dtype)))
         start += count
     return out

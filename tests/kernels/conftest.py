@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsterm_kernels import cpu_native, dispatch
+from tsterm_kernels import cpu_native, cpu_select, dispatch
 
 POISON_INT = 0x3FFF_FFFF
 
@@ -33,17 +33,37 @@ def poison(monkeypatch):
 
 
 class NativeSpy:
-    """Counts the calls of one C kernel (of the library the ops load now) while passing them through."""
+    """Counts the calls of one C kernel (of every build the ops may load now: the native one and, on a CPU with
+    AVX-512, the AVX2 one) while passing them through."""
 
     def __init__(self, monkeypatch, name: str):
         native = cpu_native.load()
         assert native is not None, "the C kernels must build on the test machine (gcc, AVX2)"
-        self.calls, fn = 0, getattr(native, name)
+        self.calls = 0
+        for build in {id(b): b for b in (native, cpu_native.load_variant("avx2")) if b is not None}.values():
+            self._wrap(monkeypatch, build, name)
+
+    def _wrap(self, monkeypatch, build, name):
+        fn = getattr(build, name)
 
         def call(*args):
             self.calls += 1
             return fn(*args)
-        monkeypatch.setattr(native, name, call)
+        monkeypatch.setattr(build, name, call)
+
+
+def isa_candidates() -> list[str]:
+    """The C builds this CPU runs (cpu_select's candidate names), from what it reports: every kernel test that takes
+    `cpu_isa` runs once per build."""
+    cpu = cpu_select.CpuInfo.detect()
+    return (["c-avx512"] if cpu.avx512 else []) + (["c-avx2"] if cpu.avx2 else [])
+
+
+@pytest.fixture(params=isa_candidates())
+def cpu_isa(request, monkeypatch) -> str:
+    """The ops' float32 shape classes forced onto one C build (TSTERM_CPU_KERNELS), one test run per build."""
+    monkeypatch.setenv(cpu_select.ENV, request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -183,7 +183,7 @@ def test_store_kv_writes_rows_of_strided_views_and_skips_padding(native):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("out_f,in_f", [(37, 64), (200, 24), (16, 40)])
-def test_float32_linear_of_few_rows_is_f_linear(native, rows, out_f, in_f):
+def test_float32_linear_of_few_rows_is_f_linear(native, cpu_isa, rows, out_f, in_f):
     gen = torch.Generator().manual_seed(rows * out_f)
     x, w, b = torch.randn(rows, in_f, generator=gen), torch.randn(out_f, in_f, generator=gen), torch.randn(out_f)
     torch.testing.assert_close(torch_ops.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -215,7 +215,7 @@ def _causal_from_scratch(q, k_cache, v_cache, tables, meta, scale):
     ([70, 2], [70, 2], 6, 2, 80, 8),  # a head size of five 16s; two new tokens
 ])
 def test_prefill_attention_reads_fragmented_blocks_like_a_from_scratch_causal_softmax(
-        native, native_spy, seq_lens, num_qs, heads, kv_heads, head_dim, block_size):
+        native, cpu_isa, native_spy, seq_lens, num_qs, heads, kv_heads, head_dim, block_size):
     q, k_cache, v_cache, tables, meta = _prefill_case(seq_lens, num_qs, heads, kv_heads, head_dim, block_size)
     assert sum(seq_lens) < 8 or any(len(runs) > 1 for runs in meta.block_runs)  # the case really is fragmented
     spy = native_spy("prefill_attention")
@@ -244,7 +244,7 @@ def test_prefill_attention_refuses_more_new_tokens_than_the_context(native):
 
 @pytest.mark.parametrize("rows", [5, 6, 7, 13, 37, 400])
 @pytest.mark.parametrize("out_f,in_f", [(16, 8), (40, 24), (33, 513), (1030, 300)])
-def test_float32_linear_of_many_rows_is_a_float64_matmul(native, native_spy, rows, out_f, in_f):
+def test_float32_linear_of_many_rows_is_a_float64_matmul(native, cpu_isa, native_spy, rows, out_f, in_f):
     """csrc/gemm.c: every tail of its tiles (rows not a multiple of 6 nor of its 384-row blocks, outputs not of 16,
     inputs over its 256-input blocks and not a multiple of 8) and x rows further apart than their length."""
     gen = torch.Generator().manual_seed(rows * out_f + in_f)

@@ -55,7 +55,7 @@ def _attend(pool, pieces):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_query_rows_attention_is_the_same_bits_in_prefill_extend_and_decode(native, pool, threads):
+def test_a_query_rows_attention_is_the_same_bits_in_prefill_extend_and_decode(native, cpu_isa, pool, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # the C kernels' OpenMP threads follow torch's (one libgomp)
     try:
@@ -82,7 +82,7 @@ def test_the_shared_attention_is_a_causal_softmax(pool):
 
 
 @pytest.mark.parametrize("out_f,in_f", [(96, 64), (37, 100), (200, 576), (48, 1000)])
-def test_a_float32_linear_row_is_the_same_bits_alone_or_in_a_gemm(native, out_f, in_f):
+def test_a_float32_linear_row_is_the_same_bits_alone_or_in_a_gemm(native, cpu_isa, out_f, in_f):
     """Few rows take gemm.c's register-transposed path, many the packed GEMM: one summation order (tails of outputs
     and inputs included, more inputs than one 256-input block)."""
     gen = torch.Generator().manual_seed(1)
@@ -95,7 +95,7 @@ def test_a_float32_linear_row_is_the_same_bits_alone_or_in_a_gemm(native, out_f,
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_a_tokens_experts_are_the_same_bits_alone_or_among_many(native, renormalize):
+def test_a_tokens_experts_are_the_same_bits_alone_or_among_many(native, cpu_isa, renormalize):
     """Routing (the C softmax and top-k) and the sum of a token's experts (ascending id, each w * y rounded) do not
     depend on the other tokens: decode's one token, a prefill's forty, and the C call or the host-grouped path."""
     gen = torch.Generator().manual_seed(2)

@@ -58,7 +58,7 @@ def _torch_loop_moe(x, w13, w2, weights, expert_ids, out):
 
 
 @pytest.mark.parametrize("num_tokens,top_k,hidden,inter", [(40, 2, 32, 24), (300, 4, 48, 40), (80, 1, 40, 16)])
-def test_fused_moe_in_c_is_the_torch_loop_bit_for_bit(native_spy, num_tokens, top_k, hidden, inter):
+def test_fused_moe_in_c_is_the_torch_loop_bit_for_bit(native_spy, cpu_isa, num_tokens, top_k, hidden, inter):
     """csrc/moe.c against the loop it replaces: experts with no rows, with 1-4 (the GEMV), with many (the GEMM), and
     pairs naming another rank's expert (id E), which add nothing."""
     gen = torch.Generator().manual_seed(num_tokens)

@@ -1,0 +1,304 @@
+"""Which CPU kernel runs each shape class of a model, chosen by measuring the candidates on this machine once.
+
+tsterm's C kernels (`cpu_native`, csrc/) were tuned on AVX2 cores, where they beat torch's MKL GEMM and flash
+attention; on other CPUs (AVX-512, AMX, ARM) the fastest path differs, so it is measured, not assumed. A *shape
+class* is one kind of op at one set of weight / head sizes, independent of the row count: "gemm" (a float32
+linear, dims (out, in)), "experts" (a float32 stack of SwiGLU experts, dims (experts, 2 * inter, hidden, top_k)),
+"attention" (causal prefill attention, dims (query heads, KV heads, head size)). The *candidates*:
+
+- "c-avx512": the C kernels built with -march=native on a CPU with AVX-512F (csrc/gemm.c's 512-bit tile);
+- "c-avx2": the same sources built without AVX-512 (-mno-avx512f): what an AVX2-only CPU runs;
+- "torch": torch's own path (MKL / oneDNN GEMM, the flash attention kernel, the experts' op loop).
+
+Invariance (README "Same answer whatever the cache or the batch"): the C variants compute every output in the
+same order (the same bits, tests/kernels run each variant), so choosing between them keeps the promise. torch's
+path does not keep it (MKL's blocking depends on the row count), so the engine picks among the C variants wherever
+they exist and reports what torch measured beside them; torch runs where no C kernel is built (aarch64, no
+compiler, `TSTERM_NATIVE_KERNELS=0`) or where `TSTERM_CPU_KERNELS` forces it. A class's choice is made once, for all
+row counts: the op never switches arithmetic with the batch.
+
+The measurement: each candidate runs the class at a representative size (`ShapeClass.rows`) for a few tens of
+milliseconds (the minimum of repeated runs), a few hundred milliseconds for a model. The choices are kept in a JSON
+file next to the built libraries (`cpu_native.cache_dir()`), named by a hash of what they depend on (the CPU's
+model, flags and AMX permission, the libraries' builds, torch's version); a later start reads them back.
+
+`TSTERM_CPU_KERNELS` forces a choice: a candidate name for every class ("torch", "c-avx2"), or per kind
+("gemm=torch,attention=c-avx2"); a name this machine does not have is an error naming the variable.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tsterm_kernels import cpu_native
+
+ENV = "TSTERM_CPU_KERNELS"
+KINDS = ("gemm", "experts", "attention")
+CANDIDATES = ("c-avx512", "c-avx2", "torch")
+INVARIANT = frozenset({"c-avx512", "c-avx2"})  # the candidates that keep the invariance promise (same bits)
+VARIANT_OF = {"c-avx512": "native", "c-avx2": "avx2"}  # candidate -> cpu_native.VARIANTS build
+FORMAT = 1  # of the JSON file
+
+_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
+
+
+def amx_permitted() -> bool:
+    """Whether this process may use AMX tiles: Linux hands out the tile state only on request
+    (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); a refusal (an old kernel, a seccomp policy) means AMX
+    instructions would fault. Asking is harmless where granted (oneDNN asks the same before its AMX kernels)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What the CPU reports (/proc/cpuinfo's model name and flags) and what the OS allows (AMX)."""
+
+    machine: str  # platform.machine(): "x86_64", "aarch64"
+    model: str
+    flags: frozenset[str]
+    amx_allowed: bool = False  # the OS granted the AMX tile state (only asked where the CPU reports AMX)
+
+    @classmethod
+    def detect(cls) -> CpuInfo:
+        model, flags = platform.processor() or platform.machine(), frozenset()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == (platform.processor() or platform.machine()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:  # x86 "flags", ARM "Features"
+                    flags = frozenset(value.split())
+        except OSError:
+            pass
+        amx = "amx_tile" in flags and amx_permitted()
+        return cls(platform.machine(), model, flags, amx)
+
+    @property
+    def x86(self) -> bool:
+        return self.machine in ("x86_64", "AMD64")
+
+    @property
+    def avx2(self) -> bool:
+        return self.x86 and {"avx2", "fma", "f16c"} <= self.flags
+
+    @property
+    def avx512(self) -> bool:
+        return self.avx2 and "avx512f" in self.flags
+
+    @property
+    def amx(self) -> bool:
+        """AMX usable: the CPU has bf16 tiles and the OS allows them."""
+        return "amx_bf16" in self.flags and self.amx_allowed
+
+    def describe(self) -> str:
+        """One line: the model and the vector extensions the kernels care about."""
+        if not self.x86:
+            simd = [f for f in ("asimd", "asimddp", "sve", "sve2", "bf16", "i8mm") if f in self.flags]
+            return f"{self.model} ({self.machine}{': ' + ', '.join(simd) if simd else ''})"
+        parts = ["AVX-512" if self.avx512 else "AVX2" if self.avx2 else "no AVX2"]
+        parts += [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "AVX512-BF16"),
+                                          ("avx512_fp16", "AVX512-FP16")) if flag in self.flags]
+        if "amx_tile" in self.flags:
+            parts.append("AMX" if self.amx_allowed else "AMX refused by the OS")
+        return f"{self.model} ({self.machine}: {', '.join(parts)})"
+
+    def fingerprint(self) -> str:
+        return f"{self.machine}|{self.model}|{' '.join(sorted(self.flags))}|amx={self.amx_allowed}"
+
+
+@dataclass(frozen=True)
+class ShapeClass:
+    """One op at one size, for any number of rows (see the module doc for `kind` and `dims`)."""
+
+    kind: str
+    dims: tuple[int, ...]
+
+    def __post_init__(self):
+        want = {"gemm": 2, "experts": 4, "attention": 3}
+        if self.kind not in want:
+            raise ValueError(f"shape class kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if len(self.dims) != want[self.kind] or not all(isinstance(d, int) and d > 0 for d in self.dims):
+            raise ValueError(f"{self.kind} shape class needs {want[self.kind]} positive sizes, got {self.dims!r}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{'x'.join(map(str, self.dims))}"
+
+    @property
+    def rows(self) -> int:
+        """The row count the candidates are timed at: a prefill chunk's worth, fewer where a call would take long
+        (about 0.2 GFLOP a call for a GEMM: a vocabulary-sized LM head runs 16 rows)."""
+        if self.kind == "gemm":
+            out_f, in_f = self.dims
+            return max(16, min(256, int(1e8 // (out_f * in_f)) // 16 * 16))
+        if self.kind == "experts":
+            return 216  # an extend's chunk of tokens, spread over the experts by top-k
+        return 512  # causal prefill attention: new tokens of one sequence
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A shape class's candidate and why: "measured" (seconds: each candidate's time, the fastest eligible chosen),
+    "forced" (TSTERM_CPU_KERNELS), "only" (a single candidate, not timed)."""
+
+    shape: ShapeClass
+    candidate: str
+    how: str
+    seconds: Mapping[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        text = f"{self.shape.key} {self.candidate}"
+        if self.how != "measured":
+            return f"{text} ({self.how})"
+        mine = self.seconds[self.candidate]
+        others = ", ".join(f"{name} {t / mine:.2f}x" for name, t in self.seconds.items() if name != self.candidate)
+        return f"{text} ({others or 'alone'})"  # each other candidate's time over the chosen one's
+
+    def as_json(self) -> dict:
+        return {"candidate": self.candidate, "how": self.how, "seconds": dict(self.seconds)}
+
+
+def available(cpu: CpuInfo, builds: Mapping[str, int | None]) -> tuple[str, ...]:
+    """The candidates this machine has: `builds` maps a cpu_native variant to its tsterm_isa() bits, or None where
+    that build is absent (not built, not loadable). A C variant counts only where the CPU runs its code."""
+    have = []
+    native = builds.get("native")
+    if cpu.avx512 and native is not None and native & cpu_native.ISA_AVX512:
+        have.append("c-avx512")
+    if cpu.avx2 and native is not None:
+        # the avx2 build, or a native build that is AVX2 code (an AVX2-only CPU builds nothing else)
+        if not native & cpu_native.ISA_AVX512 or builds.get("avx2") is not None:
+            have.append("c-avx2")
+    have.append("torch")
+    return tuple(have)
+
+
+def parse_override(text: str | None) -> dict[str, str]:
+    """TSTERM_CPU_KERNELS -> {kind or "*": candidate}; ValueError naming the variable for anything else."""
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        kind, eq, name = part.strip().rpartition("=")
+        kind = kind.strip() if eq else "*"
+        name = name.strip()
+        if kind != "*" and kind not in KINDS:
+            raise ValueError(f"{ENV}: unknown kind {kind!r} in {text!r} (kinds: {', '.join(KINDS)})")
+        if name not in CANDIDATES:
+            raise ValueError(f"{ENV}: unknown kernel {name!r} in {text!r} (have: {', '.join(CANDIDATES)})")
+        out[kind] = name
+    return out
+
+
+# (class, candidates) -> each candidate's seconds for one call at class.rows rows (timed interleaved)
+Timer = Callable[[ShapeClass, tuple[str, ...]], Mapping[str, float]]
+
+
+def choose(shape: ShapeClass, candidates: Iterable[str], timer: Timer, override: Mapping[str, str] | None = None,
+           invariant: bool = True) -> Choice:
+    """The candidate for one shape class: the forced one (`override`, from parse_override), else the fastest by
+    `timer` among the eligible ones, that is the invariant ones where any exist (`invariant`), else all. Every
+    candidate is timed (what torch measured is reported beside the C kernels' figures)."""
+    candidates = tuple(candidates)
+    forced = (override or {}).get(shape.kind) or (override or {}).get("*")
+    if forced is not None:
+        if forced not in candidates:
+            raise ValueError(f"{ENV} asks for {forced} ({shape.key}), which this machine does not have "
+                             f"(have: {', '.join(candidates)})")
+        return Choice(shape, forced, "forced")
+    if len(candidates) == 1:
+        return Choice(shape, candidates[0], "only")
+    timed = timer(shape, candidates)
+    seconds = {name: float(timed[name]) for name in candidates}
+    eligible = [name for name in candidates if name in INVARIANT] if invariant else []
+    best = min(eligible or candidates, key=lambda name: seconds[name])
+    return Choice(shape, best, "measured", seconds)
+
+
+def plan_path(cpu: CpuInfo, builds: Mapping[str, str | None], root: Path | None = None) -> Path:
+    """Where this machine's choices live: next to the built libraries, named by what they depend on (the CPU, the
+    builds' paths, which hash their sources and flags, and torch's version)."""
+    digest = hashlib.sha256("\n".join((cpu.fingerprint(), *(f"{k}={v}" for k, v in sorted(builds.items())),
+                                       torch.__version__, str(FORMAT))).encode()).hexdigest()[:16]
+    return (root or cpu_native.cache_dir()) / f"choices-{digest}.json"
+
+
+def read_plan(path: Path) -> dict[str, Choice]:
+    """The choices stored at `path` (measured ones only: a forced choice is never stored); {} when absent or
+    unreadable (a later measurement rewrites it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for key, entry in (data.get("classes") or {}).items() if isinstance(data, dict) else ():
+        try:
+            kind, dims = key.split(":")
+            shape = ShapeClass(kind, tuple(int(d) for d in dims.split("x")))
+            if entry["candidate"] in CANDIDATES and entry["how"] in ("measured", "only"):
+                out[key] = Choice(shape, entry["candidate"], entry["how"],
+                                  {str(k): float(v) for k, v in entry.get("seconds", {}).items()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+def write_plan(path: Path, cpu: CpuInfo, choices: Iterable[Choice]) -> None:
+    """Merge `choices` into the file (re-read first: another process may have added classes), atomically."""
+    merged = {key: c.as_json() for key, c in read_plan(path).items()}
+    merged.update({c.shape.key: c.as_json() for c in choices if c.how != "forced"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": FORMAT, "cpu": cpu.describe(), "torch": torch.__version__, "classes": merged}, f,
+                      indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def resolve(shapes: Iterable[ShapeClass], cpu: CpuInfo, candidates: Iterable[str], timer: Timer,
+            path: Path | None, override: Mapping[str, str] | None = None) -> dict[str, Choice]:
+    """Every class's choice: forced ones from `override`, stored ones from `path`, the rest measured now (and
+    stored when `path` is given). A stored choice whose candidate is no longer available is measured again."""
+    candidates = tuple(candidates)
+    stored = read_plan(path) if path is not None else {}
+    out, fresh = {}, []
+    for shape in dict.fromkeys(shapes):
+        choice = stored.get(shape.key)
+        forced = (override or {}).get(shape.kind) or (override or {}).get("*")
+        if forced is not None or choice is None or choice.candidate not in candidates or (
+                choice.how == "measured" and set(choice.seconds) != set(candidates)):
+            choice = choose(shape, candidates, timer, override)
+            if choice.how != "forced":
+                fresh.append(choice)
+        out[shape.key] = choice
+    if fresh and path is not None:
+        try:
+            write_plan(path, cpu, fresh)
+        except OSError:
+            pass  # a read-only cache: measured again next start
+    return out
+
+
+def describe(choices: Mapping[str, Choice]) -> str:
+    """The plan in one line for the engine's start report."""
+    return "; ".join(c.describe() for c in choices.values()) or "no float32 shape class to choose for"
