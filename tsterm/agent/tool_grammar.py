@@ -123,6 +123,9 @@ def call_form(tokens: TemplateTokens) -> CallForm:
     if not _renders_call(one, "a", {"a": "x"}):
         raise CallFormError("the chat template does not render an assistant tool call as a reply that begins with a "
                             "<tool_call> tsterm's parser reads")
+    if OPEN_TAG not in one:  # a call tsterm reads in a block of its own (MiniMax-M2's <minimax:tool_call>)
+        raise CallFormError("the chat template writes tool calls in a form the call grammar does not follow (it "
+                            "follows <tool_call> with JSON or <function=NAME> inside)")
     start = one.index(OPEN_TAG)
     stop = one.index(CLOSE_TAG, start)
     inner = one[start + len(OPEN_TAG):stop]

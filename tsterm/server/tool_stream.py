@@ -3,8 +3,9 @@ streamed in pieces: a `CallStart` (id, name) once the call's name is read and is
 fragments whose concatenation is the arguments JSON text the model wrote, and a `CallEnd` carrying the parsed call.
 
 Arguments stream while they arrive only for the JSON form (`{"name": ..., "arguments": {...}}`, read by
-`CallScanner`); a call in another form (the XML form, arguments given as a JSON string) starts when it is complete
-and carries its arguments in one fragment. The arguments text of a call is the same streamed or not: the object as
+`CallScanner`); a call in another form (the Qwen3-Coder XML form, GLM-4.5's `<arg_key>` form, each `<invoke>` of a
+MiniMax-M2 block, arguments given as a JSON string) starts when it is complete and carries its arguments in one
+fragment. The arguments text of a call is the same streamed or not: the object as
 the model wrote it when the scanner could read it (and it parses to the call's arguments), else `json.dumps` of them.
 
 A call is only started once its name is a tool the request offered; a call that then turns out malformed (bad JSON,
@@ -18,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tsterm.agent.tool_calls import OPEN_TAG, TextDelta, ToolCall, ToolCallParser
+from tsterm.agent.tool_calls import TAGS, TextDelta, ToolCall, ToolCallParser
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # the keys ToolCallParser reads a JSON-form call's arguments from
 
@@ -113,10 +114,16 @@ class CallScanner:
             self._expect = "comma"
 
 
+def _body(raw: str) -> str:
+    """A call's raw text after its block's open tag (a MiniMax block's later calls have none)."""
+    open_tag = next((tag for tag, _ in TAGS if raw.startswith(tag)), "")
+    return raw[len(open_tag):]
+
+
 def arguments_text(call: ToolCall) -> str:
     """A complete call's arguments as the client gets them (see the module docstring)."""
     scanner = CallScanner()
-    scanner.feed(call.raw[len(OPEN_TAG):])
+    scanner.feed(_body(call.raw))
     if scanner.arguments_end is not None:
         text = scanner.arguments_so_far()
         try:
@@ -218,7 +225,7 @@ class ReplyParser:
             pieces += [CallStart(index, call.id, call.name), CallArguments(index, arguments_text(call))]
         else:
             index, scanner = current.index, current.scanner
-            scanner.feed(call.raw[len(OPEN_TAG):][len(scanner.text):])
+            scanner.feed(_body(call.raw)[len(scanner.text):])
             if scanner.arguments_start is None:  # arguments not readable while streaming: sent whole now
                 if call.ok:
                     pieces.append(CallArguments(index, arguments_text(call)))
