@@ -307,7 +307,8 @@ def test_shipped_configs_are_package_data():
     globs = tomllib.loads((Path(tsterm.__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["tsterm"]
     configs = sorted((Path(tsterm.__file__).parent / "models" / "configs").glob("*.json"))
-    assert [p.name for p in configs] == ["qwen3-30b-a3b.json", "qwen3.5-397b-a17b.json"]
+    assert [p.name for p in configs] == ["glm-4.5-air.json", "minimax-m2.json", "qwen3-30b-a3b.json",
+                                         "qwen3.5-397b-a17b.json"]
     assert all(any(p.relative_to(Path(tsterm.__file__).parent).match(g) for g in globs) for p in configs)
 
 
@@ -327,3 +328,88 @@ def test_a_profile_whose_model_is_not_here_and_names_no_plan_config(capsys, tmp_
     assert main(["plan", "--profile", str(path), "--gpus", "8xH200"]) == 2
     err = capsys.readouterr().err
     assert f"{path}" in err and "weights/qwen" in err and "plan_config" in err and err.count("\n") == 1, err
+
+
+# --------------------------------------------------------------------------------------------------
+# GLM-4.5-Air and MiniMax-M2 (tsterm/models/configs: glm-4.5-air.json is zai-org/GLM-4.5-Air's config.json;
+# minimax-m2.json is MiniMaxAI/MiniMax-M2's, its FP8 quantization_config included)
+
+GLM45_AIR = DATA / "glm-4.5-air.json"
+MINIMAX_M2 = DATA / "minimax-m2.json"
+
+
+def test_glm45_air_parameter_counts():
+    # hidden 4096, 46 layers, 96 q / 8 kv heads of 128, vocab 151552, layer 0 dense (10944), 45 MoE layers of 128
+    # experts of 1408 top-8 + one shared expert of 1408 (no gate), q/k/v biases, no q/k norm (use_qk_norm false)
+    # embedding and LM head: 2 x 151552*4096 = 1,241,513,984
+    # attention per layer: q 4096*12288 = 50,331,648; k, v 4096*1024 = 4,194,304 each; o 50,331,648;
+    #   biases 12288 + 2*1024 = 14,336; = 109,066,240; x46 = 5,017,047,040
+    # norms: 2*4096 x46 + final 4096 = 380,928
+    # dense MLP (layer 0): 3*4096*10944 = 134,479,872
+    # per MoE layer: experts 128 * 3*4096*1408 (17,301,504) = 2,214,592,512; shared 17,301,504; router 128*4096 =
+    #   524,288; correction bias 128; = 2,232,418,432; x45 = 100,458,829,440
+    # total = 106,852,251,264 (the model card's 106B); active = total - 120 experts x 45 x 17,301,504
+    #   (= 93,428,121,600) = 13,424,129,664 (12.2B without the embedding and LM head: the card's 12B)
+    total, active = parameter_counts(model(GLM45_AIR))
+    assert total == 106_852_251_264
+    assert active == 13_424_129_664
+    m = model(GLM45_AIR)
+    assert m.moe_layers == (False,) + (True,) * 45 and m.qk_norm == 0 and m.qkv_bias
+    assert any("MTP" in note for note in m.notes)
+
+
+def test_minimax_m2_parameter_counts():
+    # hidden 3072, 62 layers, 48 q / 8 kv heads of 128, vocab 200064, 256 experts of 1536 top-8 in every layer, no
+    # shared expert, q/k norms over the whole projections (6144 + 1024)
+    # embedding and LM head: 2 x 200064*3072 = 1,229,193,216
+    # attention per layer: q 3072*6144 = 18,874,368; k, v 3072*1024 = 3,145,728 each; o 18,874,368; = 44,040,192;
+    #   q/k norms 7,168; x62 = 2,730,936,320 (+ 444,416 of norms)
+    # norms: 2*3072 x62 + final 3072 = 384,000
+    # per layer: experts 256 * 3*3072*1536 (14,155,776) = 3,623,878,656; router 256*3072 = 786,432; bias 256
+    #   = 3,624,665,344; x62 = 224,729,251,328
+    # total = 228,689,764,864 (the card's 230B); active = total - 248 x 62 x 14,155,776 (= 217,659,211,776)
+    #   = 11,030,553,088 (9.8B without the embedding and LM head: the card's 10B)
+    total, active = parameter_counts(model(MINIMAX_M2))
+    assert total == 228_689_764_864
+    assert active == 11_030_553_088
+    assert model(MINIMAX_M2).qk_norm == (48 + 8) * 128
+
+
+@pytest.mark.parametrize("profile, gpus, rows", [
+    ("glm-4.5-air", "2xH100", ["TP1 x EP2      58.30 GB   13.70 GB             72,691         16         11.88 GB     "
+                               "282 tok/s"]),
+    ("minimax-m2", "4xH200", ["TP1 x EP4      61.47 GB   65.43 GB            257,636        124          7.90 GB     "
+                              "608 tok/s"]),
+])
+def test_the_glm_and_minimax_profiles_plan_without_their_weights(capsys, monkeypatch, profile, gpus, rows):
+    import tsterm
+
+    monkeypatch.delenv("GLM_4_5_AIR_DIR", raising=False)
+    monkeypatch.delenv("MINIMAX_M2_DIR", raising=False)
+    assert main(["plan", "--profile", profile, "--gpus", gpus, "--dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert f"({DATA / profile}.json)" in out.splitlines()[0]
+    comment = (Path(tsterm.__file__).parents[1] / "profiles" / f"{profile}.yaml").read_text()
+    assert f"#   tsterm plan --profile {profile} --gpus {gpus} --dtype fp8\n" in comment
+    for row in rows:
+        assert f"#   {row}\n" in comment and f"  {row}\n" in out
+
+
+def test_the_glm_and_minimax_profiles_layouts_are_ones_the_engine_cuts(monkeypatch, tmp_path):
+    """The layout each profile runs passes the engine's own check on the real config; MiniMax-M2's q/k norms over
+    every head keep it off tensor parallelism, which the profile's comment says."""
+    from tsterm.config import ModelConfig
+    from tsterm.model.parallel import ParallelLayout
+    from tsterm.profiles import load_profile
+
+    monkeypatch.setenv("GLM_4_5_AIR_DIR", str(tmp_path))
+    monkeypatch.setenv("MINIMAX_M2_DIR", str(tmp_path))
+    for name, config in (("glm-4.5-air", GLM45_AIR), ("minimax-m2", MINIMAX_M2)):
+        options = load_profile(name).engine_options()
+        tp, ep = options.get("tensor_parallel_size", 1), options.get("expert_parallel_size", 1)
+        assert (tp, ep) == ((1, 2) if name == "glm-4.5-air" else (1, 4))
+        ParallelLayout(tp, ep).check(ModelConfig.from_dict(json.loads(config.read_text()), source=str(config)))
+    cfg = ModelConfig.from_dict(json.loads(MINIMAX_M2.read_text()))
+    assert cfg.rotary_dim == 64 and cfg.fp8_block_size == (128, 128) and cfg.scoring_func == "sigmoid"
+    with pytest.raises(ConfigError, match="normalises q and k over all heads"):
+        ParallelLayout(2, 2).check(cfg)

@@ -60,7 +60,8 @@ DTYPES = ("bf16", "fp8", "int4")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "models" / "configs"  # config.json of real models, by name
 CACHE_BYTES = MappingProxyType({"bf16": 2, "fp8": 1, "fp32": 4})
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
-KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe") + HYBRID_TYPES
+KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe",
+               "minimax_m2") + HYBRID_TYPES
 QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe") + HYBRID_TYPES  # q_norm/k_norm of head_dim each
 
 # TokenSpeed's published figure for Qwen3.5-397B-A17B (PyTorch blog, 2026-05-27): 580 tok/s for one user (batch 1)
@@ -105,6 +106,8 @@ class PlanModel:
     moe_layers: tuple[bool, ...]  # per layer: routed experts (else a dense MLP)
     linear: LinearAttention | None
     notes: tuple[str, ...] = ()
+    shared_gated: bool = True  # the shared expert has a sigmoid gate (Qwen); GLM's is added as it is
+    router_bias: bool = False  # a selection bias per expert (GLM-4.5, MiniMax-M2)
 
     @property
     def num_layers(self) -> int:
@@ -182,11 +185,14 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
         out += [Tensor("experts", i_r, h, 2 * held * n_moe, 2 * active * n_moe),  # gate, up
                 Tensor("experts", h, i_r, held * n_moe, active * n_moe),  # down
                 Tensor("router", m.experts, h, n_moe, n_moe, quantized=False)]
+        if m.router_bias:  # e_score_correction_bias
+            out.append(Tensor("router", 1, m.experts, n_moe, n_moe, quantized=False))
         if m.shared_intermediate:
             s_r = _cdiv(m.shared_intermediate, tp)
             out += [Tensor("shared_expert", s_r, h, 2 * n_moe, 2 * n_moe),
-                    Tensor("shared_expert", h, s_r, n_moe, n_moe),
-                    Tensor("router", 1, h, n_moe, n_moe, quantized=False)]  # shared_expert_gate
+                    Tensor("shared_expert", h, s_r, n_moe, n_moe)]
+            if m.shared_gated:
+                out.append(Tensor("router", 1, h, n_moe, n_moe, quantized=False))  # shared_expert_gate
     out.append(Tensor("norms", 1, h, 2 * m.num_layers + 1, 2 * m.num_layers + 1, quantized=False))
     v_r = _cdiv(m.vocab, tp)
     if m.tied:  # one matrix, read whole as the LM head
@@ -316,11 +322,16 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
         raise ModelLoadError(f"{source}: an MoE config needs moe_intermediate_size (or intermediate_size)")
     sparse_step = _int(cfg, source, "decoder_sparse_step") or 1
     mlp_only = set(cfg.get("mlp_only_layers") or ())
-    moe_layers = tuple(bool(experts) and i not in mlp_only and (i + 1) % sparse_step == 0 for i in range(layers))
+    first_dense = _int(cfg, source, "first_k_dense_replace") or 0  # GLM-4.5, DeepSeek-V3: the first layers dense
+    moe_layers = tuple(bool(experts) and i not in mlp_only and i >= first_dense and (i + 1) % sparse_step == 0
+                       for i in range(layers))
     full_layers, linear = _mixers(cfg, model_type, layers, source, notes)
     head_dim = _int(cfg, source, "head_dim") or hidden // heads
-    qk_norm = 2 * head_dim if model_type in QK_NORM_PER_HEAD else \
-        (heads + kv_heads) * head_dim if model_type == "olmoe" else 0  # OLMoE norms the whole q and k
+    per_head = model_type in QK_NORM_PER_HEAD or (model_type == "glm4_moe" and cfg.get("use_qk_norm", True))
+    qk_norm = 2 * head_dim if per_head else \
+        (heads + kv_heads) * head_dim if model_type in ("olmoe", "minimax_m2") else 0  # these norm the whole q and k
+    if cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_modules"):
+        notes.append("the MTP layers shipped after the last layer are not counted: plain decode does not run them")
     if cfg.get("mtp_num_hidden_layers"):
         notes.append(f"the MTP head ({cfg['mtp_num_hidden_layers']} layer(s)) is not counted: plain decode does not "
                      f"run it")
@@ -332,9 +343,11 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
         qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
         qk_norm=qk_norm,
         experts=experts, top_k=top_k, moe_intermediate=moe_intermediate if experts else 0,
-        shared_intermediate=_int(cfg, source, "shared_expert_intermediate_size") or 0,
+        shared_intermediate=_int(cfg, source, "shared_expert_intermediate_size") or  # GLM: n_shared_experts of them
+        (_int(cfg, source, "n_shared_experts") or 0) * moe_intermediate,
         dense_intermediate=dense_intermediate, full_layers=full_layers, moe_layers=moe_layers, linear=linear,
-        notes=tuple(notes),
+        notes=tuple(notes), shared_gated=model_type != "glm4_moe",
+        router_bias=model_type in ("glm4_moe", "minimax_m2"),
     )
 
 
