@@ -2,14 +2,15 @@
 
 A verify step feeds a decoding sequence's last token and its drafts as one extend; the engine keeps the longest run
 the target's greedy tokens agree with plus one token of the target's own. These tests hold it to greedy without
-drafts, token for token, in mixed batches (plain, sampled and penalised requests, prefill chunks) on a MoE and a dense
-checkpoint; to stops, max_tokens and EOS inside an accepted run; and to the pool: rejected drafts leave no block
-behind, and no unverified token reaches the prefix cache.
+drafts, token for token, in mixed batches (plain, sampled and penalised requests, prefill chunks) on every non-hybrid
+family's checkpoint and on the default profile's quantized model; to stops, max_tokens and EOS inside an accepted
+run; and to the pool: rejected drafts leave no block behind, and no unverified token reaches the prefix cache.
 """
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -23,13 +24,46 @@ from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
 BLOCK = 4
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3"])
+# Every non-hybrid family, as its parity checkpoint in tests/model/test_parity.py has it (shared experts, clip_qkv,
+# one KV head, attention biases), with 2 layers (the hybrids: tests/engine/test_hybrid_engine.py): its config overrides
+# and the forms of a verify step its float32 CPU model runs: its positions as one-token rows on the decode stack, where
+# the family has one (not OLMoE's q/k norm over the whole projection, GLM's and MiniMax's sigmoid routers and partial
+# rotary), and as one extend.
+BOTH = ("decode_rows", "extend")
+FAMILIES = {
+    "qwen3_moe": (dict(num_experts=5, num_experts_per_tok=2), BOTH),
+    "qwen2_moe": (dict(num_experts=3, num_experts_per_tok=2, shared_expert_intermediate_size=24), BOTH),
+    "mixtral": (dict(num_local_experts=3, num_experts_per_tok=2, num_key_value_heads=1), BOTH),
+    "olmoe": (dict(num_experts=5, num_experts_per_tok=2, clip_qkv=4.0, head_dim=8), ("extend",)),
+    "qwen3": (dict(), BOTH),
+    "llama": (dict(attention_bias=True), BOTH),
+    "glm4_moe": (dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
+                      n_shared_experts=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+                      num_attention_heads=5, num_key_value_heads=1, partial_rotary_factor=0.5), ("extend",)),
+    "minimax_m2": (dict(num_local_experts=6, num_experts_per_tok=2, num_attention_heads=3, num_key_value_heads=1,
+                        rotary_dim=8), ("extend",)),
+}
+FORMS = [(family, form) for family, (_, forms) in FAMILIES.items() for form in forms]
+# Families whose CPU forward is not row-invariant yet: OLMoE's q/k norm runs torch_ops.rms_norm on a strided view of
+# the qkv rows, which takes the C kernel for one row and F.rms_norm for several (other bits in the last place); its
+# verify's tokens are the decode's, its logprobs only to float rounding
+ROW_VARIANT = {"olmoe"}
+
+
+@pytest.fixture(scope="module")
 def checkpoint(request, tmp_path_factory):
-    overrides = dict(num_hidden_layers=2)
-    if request.param == "qwen3_moe":
-        overrides.update(num_experts=5, num_experts_per_tok=2)
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("spec") / request.param, request.param, overrides)
+    """The family named by the test's parameter (indirect)."""
+    family = request.param
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("spec") / family, family,
+                              dict(FAMILIES[family][0], num_hidden_layers=2))
     return str(path)
+
+
+def test_every_non_hybrid_family_is_checked():
+    """A family added to the registry without a checkpoint here would not be held to lossless speculation."""
+    from tsterm.model.arch import ARCHITECTURES, LINEAR_ATTENTION
+
+    assert {name for name, spec in ARCHITECTURES.items() if LINEAR_ATTENTION not in spec.mixers} == set(FAMILIES)
 
 
 def make_llm(path: str, method: str = "off", k: int = 4, **options) -> LLM:
@@ -67,7 +101,7 @@ def run(llm: LLM, prompts, params):
     return [list(out.outputs[0].token_ids) for out in outs], outs
 
 
-@pytest.mark.parametrize("form", ["decode_rows", "extend"])
+@pytest.mark.parametrize("checkpoint,form", FORMS, indirect=["checkpoint"], ids=[f"{f}-{form}" for f, form in FORMS])
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_with_drafts_equals_greedy_without(checkpoint, method, form):
     """Both forms of a verify step: its positions as one-token rows (the CPU's decode stack runs them) and as one
@@ -76,7 +110,8 @@ def test_greedy_with_drafts_equals_greedy_without(checkpoint, method, form):
     prompts, params = mixed_batch()
     ref, ref_outs = run(make_llm(checkpoint), prompts, params)
     llm = make_llm(checkpoint, method)
-    assert llm.engine.executor.verify_as_decode_rows  # (the float32 CPU model has the decode stack)
+    # (the float32 CPU model of a family with a decode stack runs both forms)
+    assert llm.engine.executor.verify_as_decode_rows == ("decode_rows" in FAMILIES[Path(checkpoint).name][1])
     llm.engine.executor.verify_as_decode_rows = form == "decode_rows"
     out, outs = run(llm, prompts, params)
     again = make_llm(checkpoint, method)
@@ -85,13 +120,51 @@ def test_greedy_with_drafts_equals_greedy_without(checkpoint, method, form):
     assert out == ref  # the seeded sampled one too: its generator is rewound to its last kept row
     assert [list(c.token_ids) for c in outs[4].outputs] == [list(c.token_ids) for c in ref_outs[4].outputs]
     # logprobs at the verified positions are the decode's
-    assert list(outs[6].outputs[0].logprobs) == list(ref_outs[6].outputs[0].logprobs)
+    got, want = list(outs[6].outputs[0].logprobs), list(ref_outs[6].outputs[0].logprobs)
+    if Path(checkpoint).name in ROW_VARIANT:
+        assert [(g["token_id"], [t for t, _ in g["top"]]) for g in got] == [
+            (w["token_id"], [t for t, _ in w["top"]]) for w in want]
+        assert all(abs(x - y) < 1e-5 for g, w in zip(got, want) for (_, x), (_, y) in zip(g["top"], w["top"]))
+    else:
+        assert got == want
     stats = llm.stats()
     # drafts were verified, some accepted and some rejected: both paths of acceptance ran
     assert stats["spec_num_drafts"] > 0
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     assert stats["used"] == 0
     llm.engine.kv.pool.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def default_model() -> tuple[str, dict]:
+    """The shipped default profile's model (SmolLM2-135M-Instruct, its Q4_1 GGUF imported with its blocks kept) and
+    engine options, read from the shipped file (a user's own `default` must not change the test)."""
+    from tsterm.launch import engine_config
+    from tsterm.profiles import SHIPPED_DIR, load_profile
+
+    profile = load_profile(str(SHIPPED_DIR / "default.yaml"))
+    return engine_config(profile).model, profile.engine_options()
+
+
+def test_the_default_profiles_quantized_model_decodes_the_same_with_drafts(default_model):
+    """The mixed batch of 8 on the model `tsterm` opens with, in a step budget that cuts its prompts into prefill
+    chunks: each method's greedy replies (penalised, n = 2 and logprobs ones included) equal the replies without
+    speculation, token for token."""
+    path, options = default_model
+    options = dict(options, device="cpu", max_num_batched_tokens=48)
+    prompts, params = mixed_batch()
+    plain = LLM(path, **options)
+    assert plain.engine.model_config.quant_method == "gguf_blocks"  # (the quantized weights, as shipped)
+    ref, ref_outs = run(plain, prompts, params)
+    for method in ("ngram", "suffix"):
+        llm = LLM(path, speculative_method=method, num_speculative_tokens=4, **options)
+        out, outs = run(llm, prompts, params)
+        assert out == ref, method  # (the seeded sampled one too)
+        assert [list(c.token_ids) for c in outs[4].outputs] == [list(c.token_ids) for c in ref_outs[4].outputs]
+        assert list(outs[6].outputs[0].logprobs) == list(ref_outs[6].outputs[0].logprobs)
+        stats = llm.stats()
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], method  # accepts and rejects ran
+        assert stats["used"] == 0
 
 
 # ---- a scripted draft source: drafts the reference continuation, wrong from a chosen position on ---------------------
