@@ -88,7 +88,7 @@ class BlockRuns(Sequence):
 PLAN_SLOT_SEGMENTS = ("fresh_slots", "decode_slots", "decode_keep_src", "prefill_slots", "prefill_keep_src",
                       "resume_slots")
 PLAN_SEGMENTS = PLAN_SLOT_SEGMENTS + ("decode_rows", "decode_keep_dst", "prefill_bounds", "prefill_keep_dst",
-                                      "resume_bounds")
+                                      "resume_bounds", "verify_rows", "verify_src", "verify_dst")
 
 
 @dataclass(slots=True)
@@ -98,11 +98,14 @@ class RecurrentPlanShape:
     Sequence i of the step (rows [query_start_loc[i], query_start_loc[i+1])) is *fresh* when its first new token is
     at position 0 (its slot is cleared), *decode* when it has one new row, a *prompt* when it has more. A prompt
     whose rows reach a kept state's position (a snapshot) is cut there: its rows before the cut run first
-    (`prefill_*`), the state is kept, then the rows after the cut (`resume_*`).
+    (`prefill_*`), the state is kept, then the rows after the cut (`resume_*`). A sequence whose rows each keep their
+    state in a slot of their own (a speculative verify step: its last token and its drafts) runs them as decodes, one
+    position of every such sequence at a time (`verify_*`, position-major: `waves[j]` entries for position j).
     """
 
     sizes: dict[str, int]  # segment -> entries (a bounds segment: 2 per sequence)
     every_decode: bool  # every sequence of the step decodes one token: the rows need no index
+    waves: tuple[int, ...] = ()  # verify sequences with a row at position 0, 1, ... of their rows
 
     def offsets(self) -> dict[str, tuple[int, int]]:
         out, offset = {}, 0
@@ -133,6 +136,11 @@ class RecurrentPlan:
     prefill_keep_dst: torch.Tensor  # [PK]
     resume_slots: torch.Tensor  # [R] prompt sequences with rows after the cut
     resume_bounds: torch.Tensor  # [R, 2] those rows
+    # verify sequences, position-major (`shape.waves`): each row, the slot its decode reads the state from (the
+    # sequence's slot, then the previous row's target) and the slot it writes the state after the row into
+    verify_rows: torch.Tensor  # [V]
+    verify_src: torch.Tensor  # [V]
+    verify_dst: torch.Tensor  # [V]
 
     @classmethod
     def from_buffer(cls, shape: RecurrentPlanShape, flat: torch.Tensor) -> RecurrentPlan:
@@ -145,20 +153,34 @@ class RecurrentPlan:
 
 
 def plan_recurrent_step(query_start_loc: Sequence[int], seq_lens: Sequence[int], state_slots: Sequence[int] | None,
-                        snapshots: Sequence[tuple[int, int]] | None) -> tuple[RecurrentPlanShape, list[int]]:
+                        snapshots: Sequence[tuple[int, int]] | None,
+                        verify_slots: Sequence[int] | None = None) -> tuple[RecurrentPlanShape, list[int]]:
     """The plan of a step from its host lists: its shape and its flat values (segments in `PLAN_SEGMENTS` order).
 
     state_slots: each sequence's state slot (host ints); None: the slot segments hold sequence indices instead
     (`RecurrentPlan.build` maps them through the step's device slots). snapshots: per sequence (snapshot slot,
-    position), position 0: none; None: no state is kept this step.
+    position), position 0: none; None: no state is kept this step. verify_slots: per row [T], the slot that keeps the
+    state after that row, for the rows of verify sequences (-1 elsewhere; None or empty: none): a sequence whose
+    first row has one decodes its rows one after the other, row j from the state row j-1 left (row 0 from its slot).
     """
     seg: dict[str, list[int]] = {name: [] for name in PLAN_SEGMENTS}
     slot = (lambda i: i) if state_slots is None else state_slots.__getitem__
     num_seqs = len(seq_lens)
     decode = []
+    waves: list[list[tuple[int, int, int]]] = []  # per position: (row, source slot, target slot)
     for i in range(num_seqs):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         count = end - start
+        if verify_slots and count and verify_slots[start] >= 0:
+            assert state_slots is not None and seq_lens[i] > count and not (snapshots and snapshots[i][1]), \
+                f"verify sequence {i}: it continues a state in its slot and keeps no snapshot in the step"
+            source = slot(i)
+            for j, row in enumerate(range(start, end)):
+                if j == len(waves):
+                    waves.append([])
+                waves[j].append((row, source, verify_slots[row]))
+                source = verify_slots[row]
+            continue
         if seq_lens[i] == count:  # from position 0: a clean state
             seg["fresh_slots"].append(slot(i))
         if count == 1:
@@ -179,10 +201,14 @@ def plan_recurrent_step(query_start_loc: Sequence[int], seq_lens: Sequence[int],
                 if cut < end:
                     seg["resume_slots"].append(slot(i))
                     seg["resume_bounds"] += [cut, end]
+    for wave in waves:
+        for name, values in zip(("verify_rows", "verify_src", "verify_dst"), zip(*wave)):
+            seg[name] += values
     every_decode = len(decode) == num_seqs
     if every_decode:
         seg["decode_rows"] = []  # not needed: the rows are 0..S-1
-    shape = RecurrentPlanShape({name: len(values) for name, values in seg.items()}, every_decode)
+    shape = RecurrentPlanShape({name: len(values) for name, values in seg.items()}, every_decode,
+                               tuple(map(len, waves)))
     return shape, [v for name in PLAN_SEGMENTS for v in seg[name]]
 
 

@@ -23,6 +23,9 @@ class ScheduledBatch:
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # per sequence, the draft ids it verifies ([]: none)
+    # hybrid models: per sequence, the state slots that keep the states after its drafts, one a draft ([]: none);
+    # the state after its last token stays in its own slot (`KVCacheManager.draft_state_slots`)
+    draft_slots: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -38,7 +41,8 @@ class ScheduledBatch:
                               [self.slot_mappings[i] for i in keep], [p for p in self.cow_copies if p[1] in blocks],
                               [p for p in self.state_copies if p[1] in slots],
                               [self.snapshots[i] for i in keep] if self.snapshots else [],
-                              [self.drafts[i] for i in keep] if self.drafts else [])
+                              [self.drafts[i] for i in keep] if self.drafts else [],
+                              [self.draft_slots[i] for i in keep] if self.draft_slots else [])
 
     def draft_ids(self, i: int) -> list[int]:
         return self.drafts[i] if self.drafts else []

@@ -70,7 +70,9 @@ class ModelRunner(Executor):
         layer_types = ARCHITECTURES[cfg.model_type].layer_types(cfg)
         # state slots for the sequences the scheduler may run at once (and their snapshots, with prefix caching),
         # allocated up front and taken off the KV budget
-        self.num_state_slots = num_state_slots(layer_types, config.max_num_seqs, config.enable_prefix_caching)
+        speculative = config.num_speculative_tokens if config.speculative_method != "off" else 0
+        self.num_state_slots = num_state_slots(layer_types, config.max_num_seqs, config.enable_prefix_caching,
+                                               speculative)
         recurrent = self.num_state_slots > 0
         # each linear weight quantized as it loads: the float model is never whole on the device
         load = load_hybrid_weights if recurrent else load_weights
@@ -237,7 +239,7 @@ class ModelRunner(Executor):
         for i, (seq, n, slot_mapping) in enumerate(zip(batch.seqs, batch.num_new, batch.slot_mappings)):
             start = seq.num_computed_tokens
             input_ids = batch.input_ids(i)  # (a verify step: its last token, then its drafts)
-            if batch.draft_ids(i) and self.verify_as_decode_rows:
+            if batch.draft_ids(i) and self.verify_as_decode_rows and not self.num_state_slots:
                 for j in range(n):
                     step.input_ids.append(input_ids[j])
                     step.positions.append(start + j)
@@ -257,11 +259,29 @@ class ModelRunner(Executor):
             step.state_slots.append(seq.state_slot)
             # one row per sampling sequence, its last; a verify step's: one per position, its drafts' included
             step.sample_rows.extend(range(len(step.input_ids) - sample_rows[i], len(step.input_ids)))
-        if self.num_state_slots:  # (a hybrid model never verifies drafts: one row per sequence)
+        if self.num_state_slots:
             step.snapshot_slots = [seq.snapshot_slot for seq in batch.seqs]
             step.snapshot_positions = list(batch.snapshots)
             step.state_copies = list(batch.state_copies)
+            if batch.num_draft_tokens:  # a hybrid's verify: the state after each of its positions kept in a slot
+                step.verify_slots = self._verify_slots(batch)
         return step
+
+    @staticmethod
+    def _verify_slots(batch: ScheduledBatch) -> list[int]:
+        """Per row of the step: for the rows of a hybrid's verify sequence, the slot that keeps the state after that
+        row (its last token's: its own slot, updated in place; each draft's: the draft slot the scheduler took for
+        it, `KVCacheManager.take_draft_state_slots`), so that the engine keeps the state at the last accepted draft
+        by taking its slot, and a rejected one leaves nothing behind (`accept_draft_states`); -1 for other rows."""
+        slots: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            drafts = batch.draft_ids(i)
+            if drafts:
+                assert n == 1 + len(drafts) == 1 + len(batch.draft_slots[i]), (seq, n, batch.draft_slots[i])
+                slots += [seq.state_slot] + batch.draft_slots[i]
+            else:
+                slots += [-1] * n
+        return slots
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's inputs in the eager device buffers, uploaded without waiting for the device."""

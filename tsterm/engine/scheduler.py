@@ -21,11 +21,14 @@ Proposer = Callable[[Sequence, int], list[int]]
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None,
+                 copy_states: Callable[[list[tuple[int, int]]], None] | None = None):
         """clock: seconds, for pin expiry (the engine's; tests pass a fake one). proposer: the draft tokens of a
         decoding sequence (speculative decoding; the engine's, which knows which requests may speculate); None:
-        none."""
+        none. copy_states: the executor's state-slot copy (a hybrid's verify step may end on a block boundary, whose
+        state its snapshot keeps: `accept_drafts`)."""
         self.proposer = proposer
+        self.copy_states = copy_states
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.kv = kv
@@ -115,6 +118,8 @@ class Scheduler:
         drafts = self.proposer(seq, budget - 1)
         if drafts and not self.kv.can_append(seq, 1 + len(drafts)):
             return []
+        if drafts and self.kv.num_state_slots:  # a hybrid keeps the state after each draft in a slot of its own
+            drafts = drafts[:len(self.kv.take_draft_state_slots(seq, len(drafts)))]
         return drafts
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int, drafts: list[int] | None = None) -> None:
@@ -122,10 +127,13 @@ class Scheduler:
         batch.cow_copies.extend(self.kv.allocate_slots(seq, n))
         if seq.state_restore >= 0:  # a hybrid's cached prefix: its state starts as a copy of the snapshot (held
             batch.state_copies.append((seq.state_restore, seq.state_slot))  # until the step ran: kv.state_copied)
-        batch.snapshots.append(self.kv.snapshot_at(seq, n))
+        # (a verify step keeps no snapshot in the forward: its states past the last token are not verified yet; the
+        # one at a block boundary that the accepted run reaches is kept by `accept_drafts`)
+        batch.snapshots.append(0 if drafts else self.kv.snapshot_at(seq, n))
         batch.seqs.append(seq)
         batch.num_new.append(n)
         batch.drafts.append(drafts or [])
+        batch.draft_slots.append(self.kv.draft_state_slots(seq) if drafts else [])
         batch.slot_mappings.append(self.kv.slot_mapping(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
 
     def update_from_output(self, batch: ScheduledBatch) -> int:
@@ -148,12 +156,17 @@ class Scheduler:
         """After a verify step of `seq`, once the engine has appended the first `num_accepted` of its drafts (the
         target model agreed with them): their KV, written by that step, is the sequence's computed KV; the blocks
         they fill are registered for the prefix cache, and the blocks that held only rejected drafts are released
-        (`KVCacheManager.trim`: the sequence is shortened, nothing copied). Called before the step's last token, the
-        target's own, is appended."""
+        (`KVCacheManager.trim`: the sequence is shortened, nothing copied). A hybrid's recurrent state becomes the
+        one after its last accepted draft, in the slot that step kept it in (`KVCacheManager.accept_draft_states`:
+        the rejected drafts' slots go back, nothing copied but, on a block boundary, its snapshot's state). Called
+        before the step's last token, the target's own, is appended."""
         assert seq.num_computed_tokens + num_accepted == len(seq.token_ids), (seq, num_accepted)
         seq.num_computed_tokens += num_accepted
         self.kv.commit(seq)
         self.kv.trim(seq)
+        copies = self.kv.accept_draft_states(seq, num_accepted)
+        if copies:
+            self.copy_states(copies)
 
     def fork(self, parent: Sequence, children: list[Sequence],
              copy_states: Callable[[list[tuple[int, int]]], None]) -> None:

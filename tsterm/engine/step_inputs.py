@@ -54,7 +54,8 @@ class StepLayout:
         self.recurrent, values = None, []
         if any(slot >= 0 for slot in step.state_slots):
             snapshots = list(zip(step.snapshot_slots, step.snapshot_positions)) if any(step.snapshot_positions) else None
-            self.recurrent, values = plan_recurrent_step(step.query_start_loc, step.seq_lens, step.state_slots, snapshots)
+            self.recurrent, values = plan_recurrent_step(step.query_start_loc, step.seq_lens, step.state_slots, snapshots,
+                                                         step.verify_slots)
         self.i64, self.i64_size = _pack({**self._i64_sizes, "recurrent": len(values)})
         return values
 
@@ -76,6 +77,9 @@ class HostStep:
     snapshot_slots: list[int] = field(default_factory=list)
     snapshot_positions: list[int] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # hybrid models verifying drafts: [T] the slot that keeps the state after each row of a verify sequence (-1 for
+    # the other rows; empty: no verify this step), `plan_recurrent_step`
+    verify_slots: list[int] = field(default_factory=list)
 
     @property
     def table_width(self) -> int:

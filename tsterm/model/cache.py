@@ -189,7 +189,8 @@ class ModelCache:
                    for mixer, layers in _layers_by_mixer(layer_types).items())
 
 
-def num_state_slots(layer_types: tuple[LayerType, ...], max_num_seqs: int, prefix_caching: bool) -> int:
+def num_state_slots(layer_types: tuple[LayerType, ...], max_num_seqs: int, prefix_caching: bool,
+                    num_speculative_tokens: int = 0) -> int:
     """State slots a model holds when some layer keeps a per-sequence state (linear attention), else 0. The executor
     sizes its pool and the engine numbers its slots by this; their bytes come off the KV budget (and the profile run's
     fit check counts them).
@@ -199,10 +200,14 @@ def num_state_slots(layer_types: tuple[LayerType, ...], max_num_seqs: int, prefi
     - one live state per running sequence;
     - with prefix caching, one snapshot slot per running sequence (its state at the last block boundary it computed),
       and one kept snapshot per running sequence that a resumed prefix is copied from: `use_snapshot` holds it until
-      the step that copies it has run, and every running sequence may have been admitted in that one step.
+      the step that copies it has run, and every running sequence may have been admitted in that one step;
+    - with speculative decoding (`num_speculative_tokens` drafts a step at most), one slot per draft of every running
+      sequence: a verify step keeps the state after each of its positions (the last token's in the sequence's own
+      slot, each draft's in one of these), and the sequence keeps the one at its last accepted position by taking
+      that slot (`KVCacheManager.accept_draft_states`), so rejected drafts cost no copy.
     Kept snapshots beyond those (finished turns' states for reuse) take the slots no live sequence holds."""
     if not any(layer_type.mixer == LINEAR_ATTENTION for layer_type in layer_types):
         return 0
     live = max_num_seqs
     snapshots = restores = max_num_seqs if prefix_caching else 0
-    return live + snapshots + restores
+    return live + snapshots + restores + max_num_seqs * num_speculative_tokens

@@ -9,7 +9,9 @@ the layer also copies a sequence's state at a block boundary into the sequence's
 chunk there, so that a later prompt with that prefix can resume from it. Prompt chunks run the
 chunked form of the rule, decode tokens the recurrent form, each kind every sequence of the step at once (a prompt
 split at a snapshot: the rows before the cut, then the rows after it), through the model's kernel ops (Triton on
-CUDA), which update each sequence's state in its slot in place. Which rows and slots go where is the step's
+CUDA), which update each sequence's state in its slot in place. The positions of a speculative verify step (a
+sequence's last token and its drafts) run as decodes too, one position after the other, each keeping the state after
+it in a slot of its own (`_verify`). Which rows and slots go where is the step's
 `RecurrentPlan` (`tsterm_kernels.metadata`), index tensors prepared once per step with the other step inputs: a
 layer reads no device value back and copies no host data to the device.
 """
@@ -104,6 +106,8 @@ class GatedDeltaNet:
                 out[rows] = o
             if sizes["decode_keep_src"]:  # a decode token that completes a block: its state is kept
                 self._keep(plan.decode_keep_dst, plan.decode_keep_src)
+        if sizes["verify_rows"]:  # verify steps: each position a decode, from the previous one's slot into its own
+            self._verify(mixed, g, beta, plan, out)
         if sizes["prefill_slots"]:  # prompt chunks: every sequence at once, chunked; split where a snapshot is kept
             qkv = torch.empty_like(mixed)  # [T, C]: the conv's output at the prompt rows
             self._prefill(mixed, qkv, g, beta, plan.prefill_slots, plan.prefill_bounds, out)
@@ -112,6 +116,23 @@ class GatedDeltaNet:
             if sizes["resume_slots"]:
                 self._prefill(mixed, qkv, g, beta, plan.resume_slots, plan.resume_bounds, out)
         return out
+
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, plan, out: torch.Tensor) -> None:
+        """The rows of verify sequences (a decoding sequence's last token and its drafts), position by position: at
+        position j, every verify sequence that has one decodes it from the state its position j-1 left (position 0:
+        its own slot) into the slot that keeps the state after position j, the conv window likewise. The states
+        after every position stay, so the engine keeps the one at the last accepted draft by taking its slot; and
+        each position is computed as decoding it would be (the same ops, the same arithmetic), so a verified token's
+        logits are those of the plain decode."""
+        offset = 0
+        for count in plan.shape.waves:
+            rows = plan.verify_rows[offset:offset + count]
+            src, dst = plan.verify_src[offset:offset + count], plan.verify_dst[offset:offset + count]
+            qkv = self.ops.causal_conv1d_update(mixed[rows], self.conv, self.conv_states, src, dst)  # [n, C]
+            q, k, v = self._split(qkv)
+            out[rows] = self.ops.recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], self.recurrent_states,
+                                                            src, dst)
+            offset += count
 
     def _prefill(self, mixed: torch.Tensor, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  slots: torch.Tensor, bounds: torch.Tensor, out: torch.Tensor) -> None:
