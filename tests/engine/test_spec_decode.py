@@ -205,6 +205,7 @@ def scripted_llm(path: str, futures, k: int = 4, wrong=lambda rng: None, **optio
     llm = make_llm(path, "ngram", k, **options)
     source = Scripted(k, futures, wrong)
     llm.engine.drafter = source  # (the scheduler asks the engine, which asks its drafter)
+    llm.engine.draft_length = None  # (each of its drafts verified whole: no cost-aware cut)
     return llm, source
 
 
@@ -454,6 +455,10 @@ def test_sampled_output_has_the_target_distribution(dense):
     llm = LLM(str(path), dtype="float32", device="cpu", speculative_method="ngram", num_speculative_tokens=1,
               **options)
     llm.engine.drafter = ModeDraft(len(prompt), modes)
+    llm.engine.draft_length = None
+    # unseeded: the shared generator's draws, which no rewind aligns with decoding's (a seeded request's tokens
+    # equal its tokens without speculation: test_seeded_sampled_requests_draw_what_they_draw_without_speculation)
+    params = [SamplingParams(temperature=1.0, top_k=TOP, max_tokens=3, ignore_eos=True) for _ in range(n)]
     assert p_value(llm) > 1e-3
     stats = llm.stats()
     assert stats["spec_num_drafts"] == n and 0.1 * n < stats["spec_accepted_tokens"] < 0.9 * n

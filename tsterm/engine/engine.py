@@ -33,6 +33,7 @@ from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalt
 from tsterm.engine.scheduler import Scheduler
 from tsterm.engine.sequence import Sequence
 from tsterm.engine.spec_decode import DraftSource, make_draft_source
+from tsterm.engine.spec_decode.adaptive import DraftLength
 from tsterm.engine.structured import GrammarCompiler
 from tsterm.engine.stats import EngineMetrics
 from tsterm.errors import ExecutorError, ModelLoadError, RequestError
@@ -117,6 +118,8 @@ class Engine:
         self.drafter: DraftSource | None = None
         if config.speculative_method != "off":
             self.drafter = make_draft_source(config.speculative_method, config.num_speculative_tokens)
+        # how many of its drafts a sequence verifies: the length that pays, from measured step times (`adaptive`)
+        self.draft_length: DraftLength | None = DraftLength() if self.drafter is not None else None
         # a draft source that reads the target's hidden states (MTP) gets each step the executor ran whole
         self._hidden_drafter = self.drafter if getattr(self.drafter, "wants_hidden", False) else None
         self.scheduler = Scheduler(config, self.kv, lambda: self.clock(),  # (the engine's clock, even if replaced)
@@ -206,6 +209,7 @@ class Engine:
     # the step
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -222,6 +226,9 @@ class Engine:
                     self._hidden_drafter.forget_step(scheduled)
         if audited:
             self.audit.audited_tokens += self.num_generated_tokens - generated_before
+        if self.draft_length is not None and whole and all(  # (a decode step: what a verify's cost is measured on)
+                n == 1 + len(batch.draft_ids(i)) for i, n in enumerate(batch.num_new)):
+            self.draft_length.observe_step(batch.num_tokens, time.perf_counter() - started)
         return outputs
 
     def enable_copy_audit(self, every_n_steps: int = 1) -> CopyAudit:
@@ -346,7 +353,10 @@ class Engine:
         room = min(max_tokens, min(params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq)) - 1)
         if room < 1:
             return []
-        return self.drafter.propose(seq.seq_id, seq.token_ids, room)
+        draft = self.drafter.propose(seq.seq_id, seq.token_ids, room)
+        if self.draft_length is None:
+            return draft
+        return self.draft_length.choose(seq.seq_id, seq.token_ids, draft, len(self.scheduler.running))
 
     def _accept(self, drafts: dict[int, list[int]], draws: list[Draw],
                 states: dict[int, list[PenaltyState]], rewinds: dict[int, list[torch.Tensor]]) -> list[Draw]:
@@ -493,6 +503,8 @@ class Engine:
             if self.drafter is not None:  # (a finished output joins a suffix source's global index)
                 seq = sample.seq
                 self.drafter.release(seq.seq_id, seq.token_ids, seq.num_prompt_tokens)
+                if self.draft_length is not None:
+                    self.draft_length.release(seq.seq_id)
         return [sample.seq for sample in req.live]
 
     def _check_stop(self, seq: Sequence, token: int, stop_string: str | None) -> None:
