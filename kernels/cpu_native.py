@@ -56,6 +56,7 @@ SIGNATURES = {
     "tsterm_swiglu": (None, [_P, _I64, _I64, _P]),
     "tsterm_decode_stack": (_INT, [_P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]),
     "tsterm_moe_route": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
+    "tsterm_moe_route_sigmoid": (None, [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _F32, _P, _P]),
     "tsterm_sigmoid": (None, [_P, _I64, _P]),
     "tsterm_isa": (_INT, []),
 }

@@ -508,6 +508,15 @@ def _scored_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     """`moe_route` of a non-default kind (see `tsterm_kernels.routing`), in float32 torch ops on any device."""
     tokens, num_experts = router_logits.shape
     routing.check(num_experts, top_k)
+    native = _native_f32(router_logits) if routing.scoring == "sigmoid" and router_logits.is_contiguous() else None
+    if native is not None:  # float32 on the CPU: one C call (csrc/stack.c), the same choice
+        expert_ids = torch.empty((tokens, top_k), dtype=torch.int64)
+        weights = torch.empty((tokens, top_k), dtype=torch.float32)
+        bias = None if routing.bias is None else routing.bias.contiguous()
+        native.moe_route_sigmoid(router_logits.data_ptr(), tokens, num_experts, top_k, int(renormalize),
+                                 None if bias is None else bias.data_ptr(), routing.num_groups, routing.topk_groups,
+                                 routing.scale, expert_ids.data_ptr(), weights.data_ptr())
+        return weights, expert_ids
     logits = router_logits.float()
     scores = torch.sigmoid(logits) if routing.scoring == "sigmoid" else torch.softmax(logits, dim=-1)  # [T, E]
     choice = scores if routing.bias is None else scores + routing.bias.to(scores.device)  # [T, E]
@@ -518,7 +527,7 @@ def _scored_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         kept = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :routing.topk_groups]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
         choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(tokens, num_experts)
-    # stable: equal choices go to the lower expert id, as in the Triton kernel
+    # stable: equal choices go to the lower expert id, as in the C and Triton kernels
     expert_ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
     weights = scores.gather(1, expert_ids)  # [T, k]: the unbiased scores
     if renormalize:

@@ -142,6 +142,63 @@ void tsterm_moe_route(const float *logits, int64_t tokens, int64_t E, int64_t k,
     }
 }
 
+/* Routing of one token by a sigmoid router (tsterm_kernels.routing, GLM-4.5 / MiniMax-M2 / DeepSeek-V3): scores
+ * s = sigmoid(logits), choices c = s + bias (bias NULL: none); with groups > 1 the E experts are `groups` equal
+ * groups in id order, a group's score the sum of its two best choices, and only the experts of the `topk_groups`
+ * best groups stay candidates; ids = the top k candidates by choice, weights = their s (divided by their sum + 1e-20
+ * when renormalised), times scale. Ties go to the lower id (and the lower group). scratch: [E + groups]. */
+static void route_scored(const float *logits, int64_t E, int64_t k, int64_t renormalize, const float *bias,
+                         int64_t groups, int64_t topk_groups, float scale, float *scratch, int64_t *ids,
+                         float *weights) {
+    float *choice = scratch, *group_score = scratch + E;
+    for (int64_t e = 0; e < E; e++) choice[e] = 1.0f / (1.0f + expf(-logits[e])) + (bias ? bias[e] : 0.0f);
+    if (groups > 1) {
+        int64_t size = E / groups;
+        for (int64_t g = 0; g < groups; g++) {
+            const float *c = choice + g * size;
+            int64_t first = 0;
+            for (int64_t e = 1; e < size; e++) if (c[e] > c[first]) first = e;
+            int64_t second = first == 0 ? 1 : 0;
+            for (int64_t e = 0; e < size; e++) if (e != first && c[e] > c[second]) second = e;
+            group_score[g] = c[first] + c[second];
+        }
+        for (int64_t kept = 0; kept < topk_groups; kept++) {  /* the best groups' scores marked +inf, in turn */
+            int64_t best = -1;
+            for (int64_t g = 0; g < groups; g++)
+                if (group_score[g] != INFINITY && (best < 0 || group_score[g] > group_score[best])) best = g;
+            group_score[best] = INFINITY;
+        }
+        for (int64_t e = 0; e < E; e++) if (group_score[e / size] != INFINITY) choice[e] = -INFINITY;
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= ids[i] == e;
+            if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
+        }
+        ids[j] = best;
+        sum += weights[j] = 1.0f / (1.0f + expf(-logits[best]));
+    }
+    for (int64_t j = 0; j < k; j++) {
+        if (renormalize) weights[j] /= sum + 1e-20f;
+        weights[j] *= scale;
+    }
+}
+
+/* Routing of T tokens by a sigmoid router (route_scored), the layer-by-layer path's: ids [T, k], weights [T, k] */
+void tsterm_moe_route_sigmoid(const float *logits, int64_t tokens, int64_t E, int64_t k, int64_t renormalize,
+                              const float *bias, int64_t groups, int64_t topk_groups, float scale, int64_t *ids,
+                              float *weights) {
+#pragma omp parallel for schedule(static) if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        float scratch[E + groups];
+        route_scored(logits + t * E, E, k, renormalize, bias, groups, topk_groups, scale, scratch, ids + t * k,
+                     weights + t * k);
+    }
+}
+
 /* out[i] = 1 / (1 + e^-x[i]): a shared expert's gate, in both paths */
 void tsterm_sigmoid(const float *x, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + expf(-x[i]));

@@ -79,18 +79,34 @@ def test_groups_limit_the_choice():
     assert ids.tolist() == [[3]]
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 70])  # 70: past any small-batch path
+@pytest.mark.parametrize("num_tokens", [1, 5, 70])  # 70: the C path's threaded loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32 on the CPU: the C path (csrc/stack.c)
 @pytest.mark.parametrize("kind", KINDS, ids=[f"E{k[0]}-k{k[1]}-g{k[2]}of{k[3]}" for k in KINDS])
-def test_torch_route_matches_the_oracle(num_tokens, kind):
+def test_torch_route_matches_the_oracle(native_spy, poison, num_tokens, dtype, kind):
     experts, top_k, groups, topk_groups, bias, scale, renormalize = kind
     gen = torch.Generator().manual_seed(num_tokens * 31 + experts)
-    logits = distinct_logits(num_tokens, experts, gen)
+    logits = distinct_logits(num_tokens, experts, gen).to(dtype)
     routing = make_kind(experts, groups, topk_groups, bias, scale, gen)
+    spy = native_spy("moe_route_sigmoid")
     weights, ids = torch_ops.moe_route(logits, top_k, renormalize, routing)
+    assert spy.calls == (dtype is torch.float32)
     want_weights, want_ids = oracle_route(logits, top_k, renormalize, routing)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert ids.tolist() == want_ids.tolist()
     torch.testing.assert_close(weights, want_weights.float(), atol=1e-6, rtol=1e-5)
+
+
+def test_the_c_path_and_its_torch_twin_choose_alike_on_random_rows():
+    """Random logits and biases (near-ties included, as a model's are): the C routing and the torch ops' own (the
+    twin the other devices run) choose the same experts and weigh them within float rounding."""
+    gen = torch.Generator().manual_seed(5)
+    for experts, top_k, groups, topk_groups in ((16, 4, 4, 2), (8, 2, 1, 1), (24, 6, 8, 3)):
+        logits = torch.randn(300, experts, generator=gen)
+        routing = Routing("sigmoid", torch.rand(experts, generator=gen) * 0.2, groups, topk_groups, 2.5)
+        weights, ids = torch_ops.moe_route(logits, top_k, True, routing)  # C
+        twin_weights, twin_ids = torch_ops._scored_route(logits.double(), top_k, True, routing)  # torch (float32)
+        assert torch.equal(ids, twin_ids)
+        torch.testing.assert_close(weights, twin_weights, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
