@@ -3,8 +3,8 @@ scraped over HTTP from a server whose engine core runs in its own process, again
 
 The oracle is the same requests run on an engine in this process whose draft source is wrapped by a recorder: each
 verify's (drafted, accepted) as the source itself was told them, counted here. Greedy decoding and the draft sources
-are deterministic, so the core process drafts and accepts exactly the same; its counters cross the process boundary
-with the rest of its stats.
+are deterministic, and both engines verify every draft whole (no draft length cut by measured step times), so the
+core process drafts and accepts exactly the same; its counters cross the process boundary with the rest of its stats.
 """
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ K = 4
 OPTIONS = {"dtype": "float32", "device": "cpu", "block_size": 4, "num_kv_blocks": 256,
            "speculative_method": "suffix", "num_speculative_tokens": K}
 MAX_TOKENS = 30
+
+
+def whole_drafts(engine):
+    """`engine`, verifying each proposed draft whole: what it drafts is then a function of the tokens alone."""
+    engine.draft_length = None  # (the cost-aware cut, where the engine has one)
+    return engine
+
+
+def build(model_dir: str, progress):
+    """The core process's engine (this module's function: the child unpickles it by the front's sys.path)."""
+    return whole_drafts(build_engine(model_dir, OPTIONS, progress))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +88,7 @@ def expected_samples(verifies: list[tuple[int, int]]) -> dict[str, float]:
 def test_a_scrape_of_a_speculating_core_process_counts_what_the_draft_source_saw(model_dir):
     # the oracle: the same requests, one after another, in this process
     llm = LLM(model_dir, **OPTIONS)
-    recorder = llm.engine.drafter = Recorder(llm.engine.drafter)
+    recorder = whole_drafts(llm.engine).drafter = Recorder(llm.engine.drafter)
     replies = [list(llm.generate(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].token_ids)
                for p in prompts()]
     verifies = recorder.verifies
@@ -85,7 +96,7 @@ def test_a_scrape_of_a_speculating_core_process_counts_what_the_draft_source_saw
     assert any(a == d for d, a in verifies) and any(a == 0 for _, a in verifies)
     expected = expected_samples(verifies)
 
-    core = EngineCoreProcess(functools.partial(build_engine, model_dir, OPTIONS))
+    core = EngineCoreProcess(functools.partial(build, model_dir))
     server = None
     try:
         server = BackgroundServer(create_app(build_state(core, "tiny"))).start()
