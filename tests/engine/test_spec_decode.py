@@ -475,10 +475,23 @@ def test_config_names_a_bad_method_or_length():
         EngineConfig("m", speculative_method="ngram", num_speculative_tokens=True)
 
 
-def test_hybrid_model_refuses_speculation(tmp_path):
-    path, _ = make_hybrid_checkpoint(tmp_path / "hybrid", "qwen3_next")
-    with pytest.raises(ConfigError, match="hybrid.*Gated DeltaNet"):
-        LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=64, speculative_method="suffix")
+def test_hybrid_model_speculates(tmp_path):
+    """A hybrid (Gated DeltaNet layers, a recurrent state per sequence) drafts and verifies too, its state ending at
+    the last accepted draft: the same reply as without drafts, drafts verified, nothing held after
+    (tests/engine/test_spec_decode_hybrid.py holds it to much more)."""
+    path, _ = make_hybrid_checkpoint(tmp_path / "hybrid", "qwen3_next",
+                                     dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
+    prompt = random.Random(10).sample(range(8, 380), 8) * 3  # (a repeat: suffix drafts from the first step on)
+    plain = make_llm(str(path)).generate([prompt], [greedy(16)])[0].outputs[0].token_ids
+    llm = make_llm(str(path), "suffix")
+    llm.engine.draft_length = None  # (every draft verified, whatever the steps' times)
+    assert list(llm.generate([prompt], [greedy(16)])[0].outputs[0].token_ids) == list(plain)
+    stats = llm.stats()
+    assert stats["spec_num_drafts"] > 0 and stats["used"] == 0
+    pool = llm.engine.kv.pool
+    pool.check_invariants()
+    assert {s for s in range(pool.num_state_slots) if pool.state_slot_refs(s)} == \
+        {b.snapshot for b in pool.blocks if b.snapshot is not None}
 
 
 # ---- the draft sources -----------------------------------------------------------------------------------------------
