@@ -108,3 +108,23 @@ def test_multi_turn_reuse_equals_a_fresh_recompute(checkpoint):
             assert out.num_cached_tokens == len(previous_full) - 1
         previous_full = history + out.token_ids
         history = previous_full + [rng.randrange(8, 380) for _ in range(rng.randrange(2, 7))]
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(n_group=3), "n_group"),  # 8 experts do not split in 3
+    (dict(n_group=8), "n_group"),  # groups of one expert
+    (dict(topk_group=5), "topk_group"),
+    (dict(n_group=4, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok"),  # one group of two gives two
+    (dict(scoring_func="tanh"), "scoring_func"),
+    (dict(routed_scaling_factor=0), "routed_scaling_factor"),
+    (dict(rotary_dim=7, partial_rotary_factor=None), "partial_rotary_factor"),  # odd rotated width
+])
+def test_a_bad_routing_or_rotary_field_is_named(change, field):
+    from tsterm.errors import ModelLoadError
+
+    raw = dict(model_type="glm4_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+               moe_intermediate_size=8, intermediate_size=16, partial_rotary_factor=0.5)
+    ModelConfig.from_dict(raw)  # the base is fine
+    with pytest.raises(ModelLoadError, match=field):
+        ModelConfig.from_dict({k: v for k, v in {**raw, **change}.items() if v is not None})
