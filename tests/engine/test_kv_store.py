@@ -171,3 +171,22 @@ def test_a_write_failure_is_counted_and_the_store_goes_on(tmp_path):
     store.flush()
     assert read(store, block_name(1), 64) == payload(1, 64)
     store.close()
+
+
+def test_a_profiles_kv_disk_is_checked_field_by_field_with_its_line(tmp_path):
+    import re
+
+    import pytest
+
+    from tsterm.errors import ConfigError
+    from tsterm.profiles import load_profile
+
+    for body, message in (("kv_disk:\n  path: /tmp/kv\n  max_bytes: -5\n", "kv_disk.max_bytes must be a positive"),
+                          ("kv_disk: {path: /tmp/kv, size: 5}\n", "kv_disk: unknown key(s) 'size'"),
+                          ("kv_disk: /tmp/kv\n", "kv_disk must be a mapping")):
+        profile = tmp_path / "p.yaml"
+        profile.write_text("model: demo:tiny\n" + body)
+        with pytest.raises(ConfigError, match=re.escape(f"p.yaml:2: {message}")):
+            load_profile(str(profile))
+    profile.write_text("model: demo:tiny\nkv_disk: {path: ~/kv}\n")
+    assert load_profile(str(profile)).engine["kv_disk"] == {"path": "~/kv"}
