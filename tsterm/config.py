@@ -288,6 +288,8 @@ class EngineConfig:
                "num_speculative_tokens")
         if self.kv_disk is not None:
             self.kv_disk = _kv_disk(self.kv_disk)
+            _check(self.enable_prefix_caching, "kv_disk needs enable_prefix_caching: the disk tier keeps the prefix "
+                   "cache's blocks", "kv_disk")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":
