@@ -207,6 +207,7 @@ def test_greedy_with_mtp_drafts_equals_greedy_without(moe_with_head, form):
     prompts, params = mixed_batch()
     ref, ref_outs = run(make_llm(moe_with_head), prompts, params)
     llm = make_llm(moe_with_head, "mtp")
+    llm.engine.draft_length = None  # (the cost-aware cut, where the engine has one: every draft verified)
     llm.engine.executor.verify_as_decode_rows = form == "decode_rows"
     out, outs = run(llm, prompts, params)
     assert out == ref
@@ -218,15 +219,20 @@ def test_greedy_with_mtp_drafts_equals_greedy_without(moe_with_head, form):
 
 
 def test_demo_model_head_drafts_what_the_model_says():
-    """The shipped demo MoE's trained head (scripts/train_mtp.py): greedy output unchanged, and its drafts are
-    accepted on held-out text."""
+    """The shipped demo MoE's trained head (scripts/train_mtp.py): greedy output unchanged, and its first drafts are
+    accepted on held-out text about as often as the training report says."""
     path = str(DEMO)
     text = (Path(path) / "heldout.txt").read_text(encoding="utf-8")
     prompts = [text[i:i + 300] for i in (0, 1500, 3000)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", device="cpu").generate(prompts, params)]
     llm = LLM(path, dtype="float32", device="cpu", speculative_method="mtp", num_speculative_tokens=2)
+    llm.engine.draft_length = None  # (the cost-aware cut, where the engine has one: every draft verified)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert out == ref
     stats = llm.stats()
-    assert stats["spec_accepted_tokens"] > 0
+    first = stats["spec_accepted_per_pos"][0] / stats["spec_drafted_per_pos"][0]
+    print(f"first-draft acceptance {first:.2f}, all {stats['spec_accepted_tokens']} / {stats['spec_draft_tokens']}")
+    # (scripts/train_mtp.py's report: 0.61 of the target's greedy tokens on held-out text, teacher-forced; an
+    # untrained head, or one fed the wrong hidden states, is near 0)
+    assert first > 0.35

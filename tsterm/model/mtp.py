@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tsterm_kernels.torch_ops import linear
@@ -128,6 +129,13 @@ class MtpHead:
         self.attention = mixer(cfg, weights, LAYER, kv_pool.layer(kv_pool.layers[0]), model.ctx, model.ops,
                                model.par)
         self.mlp = SparseMoE(cfg, weights, LAYER, model.ctx, model.ops, model.par)
+        # the kernels' one-call form of the layer, built as the target's is (`DecoderModel._decode_stack`, over this
+        # one layer), where the target has one: rows of one token each (the executor's drafter feeds it so) run in it
+        self.stack = None
+        if model.stack is not None:
+            self.stack = DecoderModel._decode_stack(SimpleNamespace(
+                par=model.par, rotary=model.rotary, cfg=model.cfg, ops=model.ops, eps=model.eps,
+                layers=[(self.input_norm, self.attention, self.post_attn_norm, self.mlp)]))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,9 +147,14 @@ class MtpHead:
         embedded, _ = ops.rms_norm(model.embed_tokens(input_ids), self.norm_embedding, eps)
         previous, _ = ops.rms_norm(hidden.to(embedded.dtype), self.norm_hidden, eps)
         x = linear(torch.cat((embedded, previous), dim=-1), self.fc)  # [T, H]
+        rope = model.rotary.tables(positions)
+        stacked = self.stack(x, rope, model.ctx.meta) if self.stack is not None else None
+        if stacked is not None:  # one-token rows: the layer in one kernel call
+            h, residual = stacked
+            return ops.rms_norm(h, self.final_norm, eps, residual)[0]
         residual = x
         h, _ = ops.rms_norm(x, self.input_norm, eps)
-        h = self.attention(model.rotary.tables(positions), h)
+        h = self.attention(rope, h)
         h, residual = ops.rms_norm(h, self.post_attn_norm, eps, residual)
         h = self.mlp(h)
         out, _ = ops.rms_norm(h, self.final_norm, eps, residual)

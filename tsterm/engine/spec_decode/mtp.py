@@ -91,13 +91,11 @@ class MtpSource(DraftSource):
             need = (c + K - 1) // B + 1  # blocks up to position c + K - 1, the chain's last
             table = seq.block_table[:need]
             if len(table) < need:  # drafted positions past its blocks: its scratch blocks
-                base = scratch + len(step.seq_lens) * per_seq
+                base = scratch + len(keep) * per_seq
                 table = table + list(range(base, base + need - len(table)))
             carry = self._carry.get(seq.seq_id)
-            for p in range(s, c + 1):
-                step.input_ids.append(seq.token_ids[p])
-                step.positions.append(p)
-                step.slot_mapping.append(table[p // B] * B + p % B)
+            for p in range(s, c + 1):  # one-token rows, each over the context up to it (see `_row`)
+                _row(step, seq.token_ids[p], p, table, B)
                 if p > s:
                     prev.append((0, first_row + p - 1 - s))
                 elif carry is not None and carry[0] == p - 1:
@@ -105,17 +103,13 @@ class MtpSource(DraftSource):
                     carried.append(carry[1])
                 else:
                     prev.append((2, 0))
-            step.query_start_loc.append(len(step.input_ids))
-            step.seq_lens.append(c + 1)
-            step.block_tables.append(table)
-            step.state_slots.append(-1)
             keep_rows.append(first_row + c - 1 - s)
             keep.append((seq.seq_id, c - 1))
             decoding = seq.num_output_tokens > 0 and c == len(seq.token_ids) - 1
             if decoding and seq.params.max_tokens - seq.num_output_tokens > 1:
                 step.sample_rows.append(len(step.input_ids) - 1)
                 drafting.append((seq, table, c))
-        if not step.seq_lens:
+        if not keep:
             return
         if keep_rows:  # each sequence's newest target hidden state, for its next step's first row
             rows = hidden.index_select(0, torch.tensor(keep_rows, device=hidden.device))
@@ -132,18 +126,25 @@ class MtpSource(DraftSource):
         drafts = [[t] for t in tokens.tolist()]
         for j in range(1, K):  # chained: the head's own hidden state and draft, one position further
             step = HostStep()
-            for seq, table, c in drafting:
-                p = c + j
-                step.input_ids.append(drafts[len(step.seq_lens)][-1])
-                step.positions.append(p)
-                step.slot_mapping.append(table[p // B] * B + p % B)
-                step.query_start_loc.append(len(step.input_ids))
-                step.seq_lens.append(p + 1)
-                step.block_tables.append(table)
-                step.state_slots.append(-1)
+            for (seq, table, c), draft in zip(drafting, drafts):
+                _row(step, draft[-1], c + j, table, B)
                 step.sample_rows.append(len(step.input_ids) - 1)
             out, logits = executor.mtp_forward(step, out)
             for draft, token in zip(drafts, logits.argmax(dim=-1).tolist()):
                 draft.append(token)
         for (seq, _, _), draft in zip(drafting, drafts):
             self._drafts[seq.seq_id] = (len(seq.token_ids), draft)
+
+
+def _row(step: HostStep, token: int, position: int, table: list[int], block_size: int) -> None:
+    """One row of the head's step: `token` at `position`, attending to the context up to it over `table`. Every row is
+    a one-token "sequence" of its own (the rows of one sequence share its table; all rows' KV is stored before any row
+    attends, as in every step), which is a decode step's shape: the layer's one-call kernel form runs it where there
+    is one (`MtpHead.stack`), for catch-up and chain alike."""
+    step.input_ids.append(token)
+    step.positions.append(position)
+    step.slot_mapping.append(table[position // block_size] * block_size + position % block_size)
+    step.query_start_loc.append(len(step.input_ids))
+    step.seq_lens.append(position + 1)
+    step.block_tables.append(table[:position // block_size + 1])
+    step.state_slots.append(-1)

@@ -2,7 +2,8 @@
 per sequence; `tsterm.model.linear_attention`), the fourth is gated full attention (a sigmoid output gate from q_proj,
 RoPE on the leading quarter of each head, per-head q/k norm). Every layer's feed-forward block is routed experts plus
 a sigmoid-gated shared expert. RMSNorm weights are zero-centred (stored as scale - 1). The multi-token-prediction
-head (`mtp.*`) is not run. The linear-attention input projections are fused per key head (`in_proj_qkvz`,
+head (`mtp.*`) is skipped by the model's loader; it loads as a draft source (`tsterm.model.mtp`) when
+speculative_method is mtp. The linear-attention input projections are fused per key head (`in_proj_qkvz`,
 `in_proj_ba`): the loader regroups them once into Qwen3.5's flat order."""
 from tsterm.model.arch.spec import FULL_ATTENTION, LINEAR_ATTENTION, ArchSpec
 
