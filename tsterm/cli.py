@@ -233,14 +233,31 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, full: bool = True) 
                                                  "(default: none, a fresh draw each run)")
 
 
+SPECULATIVE_FLAGS = ("speculative_method", "num_speculative_tokens")
+
+
+def _add_speculative_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--speculative METHOD and --num-speculative-tokens K, exactly as `add_parallel_arguments` defines them for
+    run, chat and serve (for the commands that take no parallel or quantization flags); llm_from_args passes them on
+    over the profile's keys."""
+    from tsterm.launch import add_parallel_arguments
+
+    defined = argparse.ArgumentParser(add_help=False)
+    add_parallel_arguments(defined)
+    for action in defined._actions:
+        if action.dest in SPECULATIVE_FLAGS:
+            parser._add_action(action)
+    return parser
+
+
 def _add_agent(sub: Any) -> argparse.ArgumentParser:
     from tsterm.agent.headless import add_parser
-    return add_parser(sub)
+    return _add_speculative_arguments(add_parser(sub))
 
 
 def _add_bench(sub: Any) -> argparse.ArgumentParser:
     from tsterm.bench import add_parser  # torch, transformers' baselines: only for `tsterm bench`
-    return add_parser(sub)
+    return _add_speculative_arguments(add_parser(sub))
 
 
 def _add_serve(sub: Any) -> argparse.ArgumentParser:

@@ -1,5 +1,6 @@
 """`tsterm bench`: an agent-trace replay against the engines users pick instead (transformers from scratch or with
-its cache kept, llama.cpp), plus the zero-copy and roofline measurements.
+its cache kept, llama.cpp, and each with prompt-lookup drafts), plus the zero-copy and roofline measurements. With
+speculative decoding on (`--speculative METHOD`), tsterm replays the trace with and without its drafts.
 
 Every figure is a ratio against a baseline measured in the same run on the same machine.
 """
@@ -25,15 +26,26 @@ from tsterm.bench.measure import (
     read_bandwidth,
     stored_decode_bytes,
 )
-from tsterm.bench.replay import ReplayResult, load_transformers, replay_transformers, replay_tsterm, warm_up
+from tsterm.bench.replay import (
+    ReplayResult,
+    drafting,
+    first_divergence,
+    load_transformers,
+    replay_transformers,
+    replay_transformers_lookup,
+    replay_tsterm,
+    warm_up,
+)
 from tsterm.bench.report import format_table, write_plot
 from tsterm.bench.trace import TraceSpec, agent_trace, load_agent_trace, make_trace, tool_seconds
+from tsterm.bench import copy_trace
 from tsterm.errors import ConfigError, TstermError
 from tsterm.launch import llm_from_args
 
 
 RATE_SAMPLES = 3  # rounds of bandwidth / batch-1 / batch-P measurements
-BASELINES = ("transformers", "transformers-cache", "llama.cpp")
+BASELINES = ("transformers", "transformers-cache", "llama.cpp", "llama.cpp-lookup", "transformers-lookup")
+NO_SPEC = "tsterm-no-spec"  # the replay with the engine's drafts switched off, when it speculates
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -44,8 +56,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="weights and activations (default: the profile's)")
     p.add_argument("--device", help="auto, cpu or cuda[:N] (default: the profile's)")
     p.add_argument("--sessions", type=int, default=1, help="parallel agent sessions (P)")
-    p.add_argument("--trace", metavar="FILE", help="replay a recorded agent session (`tsterm agent --trace FILE`) "
-                   "instead of the synthetic trace; --sessions copies of it run at once "
+    p.add_argument("--trace", metavar="FILE|copy-heavy", help="replay a recorded agent session (`tsterm agent "
+                   "--trace FILE`) instead of the synthetic trace, or copy-heavy: an agent that reads a file, writes "
+                   "it back whole with small edits and quotes tool output back, in the model's own tokens and chat "
+                   "template (a recorded file of that name: ./copy-heavy); --sessions copies of it run at once "
                    "(default: the synthetic trace)")
     p.add_argument("--turns", type=int, default=8, help="turns per session of the synthetic trace")
     p.add_argument("--system-tokens", type=int, default=TraceSpec.system_tokens,
@@ -56,10 +70,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--baseline", action="append", choices=[*BASELINES, "none"],
                    help="also replay the trace with: transformers (generate re-encodes the conversation each turn), "
                    "transformers-cache (generate keeps its cache across turns), llama.cpp (llama-cpp-python on the "
-                   "model's GGUF file, its KV kept across turns; needs the bench extra); repeat the flag for several, "
-                   "each reported as a ratio from the same run (default: none)")
-    p.add_argument("--gguf", metavar="FILE", help="the GGUF file --baseline llama.cpp runs (default: the file the "
-                   "model was imported from)")
+                   "model's GGUF file, its KV kept across turns; needs the bench extra), llama.cpp-lookup (the same "
+                   "with llama-cpp-python's prompt-lookup draft), transformers-lookup (prompt lookup, "
+                   "prompt_lookup_num_tokens, its cache kept across turns); the lookups draft up to "
+                   "--num-speculative-tokens; repeat the flag for several, each reported as a ratio from the same "
+                   "run (default: none)")
+    p.add_argument("--gguf", metavar="FILE", help="the GGUF file --baseline llama.cpp[-lookup] runs (default: the "
+                   "file the model was imported from)")
+    p.add_argument("--rounds", type=int, default=1, help="replays of the trace by every engine, interleaved round by "
+                   "round (a busy moment of a shared machine hits them alike); each ratio is the median of its "
+                   "rounds'")
     p.add_argument("--no-prefix-cache", action="store_true", help="also replay with the prefix cache off (ablation)")
     p.add_argument("--micro-context", type=int, help="short context of the copy and decode measurements; the copy "
                    "audit's long one is 8x (default: 256, or what the model's context and KV pool hold)")
@@ -91,13 +111,17 @@ def run_cli(args: argparse.Namespace) -> int:
                      args.output_tokens)
     if args.parallel < 1 or (args.micro_context is not None and args.micro_context < 2):
         raise ConfigError("--parallel must be >= 1 and --micro-context >= 2")
-    recorded = load_agent_trace(args.trace) if args.trace else None  # a bad file fails before the model loads
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
+    copy_heavy = args.trace == copy_trace.NAME
+    # a bad file fails before the model loads
+    recorded = load_agent_trace(args.trace) if args.trace and not copy_heavy else None
     llm = llm_from_args(args)
     baselines = [b for b in dict.fromkeys(args.baseline or []) if b != "none"]
     try:
         results = run_bench(llm, spec, baseline=baselines, ablation=args.no_prefix_cache,
                             micro_context=args.micro_context, parallel=args.parallel, progress=_progress,
-                            recorded=recorded, gguf=args.gguf)
+                            recorded=recorded, gguf=args.gguf, copy_heavy=copy_heavy, rounds=args.rounds)
     except BenchIncomplete as e:  # what was measured is printed and written before the error
         sys.stderr.write("\n")
         print(format_table(e.results))
@@ -115,11 +139,14 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation: bool = False,
               micro_context: int | None = None, parallel: int = 8, progress=None, recorded: dict | None = None,
-              gguf: str | None = None) -> dict:
+              gguf: str | None = None, copy_heavy: bool = False, rounds: int = 1) -> dict:
     """`baseline`: one of BASELINES or a list of them, each replayed after tsterm. `recorded`: a loaded agent trace
-    (tsterm.bench.trace.load_agent_trace) replayed instead of `spec`'s synthetic one, `spec.sessions` copies at once.
+    (tsterm.bench.trace.load_agent_trace) replayed instead of `spec`'s synthetic one, `spec.sessions` copies at once;
+    `copy_heavy`: the copy-heavy agent trace (tsterm.bench.copy_trace) instead, `spec.sessions` sessions.
     `gguf`: llama.cpp's file (default: the one the model was imported from). `micro_context`: the short context of
-    the copy and decode measurements (default: 256, or what the model's context and KV pool hold).
+    the copy and decode measurements (default: 256, or what the model's context and KV pool hold). `rounds`: replays
+    of every engine, interleaved; each replay reported is its median round (by wall time), each ratio the median of
+    the rounds' ratios. An engine built with speculative decoding also replays with its drafts off (NO_SPEC).
     A run that cannot fit is refused (ConfigError) before anything is measured; a failure after that raises
     BenchIncomplete with the figures measured so far."""
     baselines = [b for b in ([baseline] if isinstance(baseline, str) else baseline) if b != "none"]
@@ -128,7 +155,12 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
             raise ConfigError(f"unknown baseline {name!r} (choose from: {', '.join(BASELINES)})")
     engine = llm.engine
     cfg = engine.model_config
-    if recorded is None:
+    if copy_heavy:
+        trace, _ = copy_trace.copy_heavy_trace(llm.tokenizer, spec.sessions)
+        described = {"name": copy_trace.NAME, "sessions": spec.sessions,
+                     "new_tokens_by_turn": [len(t.new_ids) for t in trace[0]],
+                     "output_tokens_by_turn": [t.output_tokens for t in trace[0]]}
+    elif recorded is None:
         trace, described = make_trace(spec, cfg.vocab_size), dict(spec.__dict__)
     else:
         trace = agent_trace(recorded, cfg.vocab_size, sessions=spec.sessions, seed=spec.seed)
@@ -142,18 +174,24 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
                               "copy and decode measurements: lower --parallel, or raise the profile's max_model_len "
                               "and kv_cache_memory")
     check_fit(engine, trace, micro_context, parallel, recorded is not None)
-    llama = None
-    if "llama.cpp" in baselines:  # a missing package or file fails before anything is measured
-        from tsterm.bench.llama_cpp import context_needed, gguf_source, open_llama
+    if rounds < 1:
+        raise ConfigError(f"--rounds must be >= 1, got {rounds}")
+    llamas: dict[str, Any] = {}
+    for name in ("llama.cpp", "llama.cpp-lookup"):
+        if name in baselines:  # a missing package or file fails before anything is measured
+            from tsterm.bench.llama_cpp import context_needed, gguf_source, open_llama
 
-        llama = open_llama(gguf or gguf_source(engine.config.model), context_needed(trace) + 16,
-                           torch.get_num_threads())
+            lookup = engine.config.num_speculative_tokens if name == "llama.cpp-lookup" else None
+            llamas[name] = open_llama(gguf or gguf_source(engine.config.model), context_needed(trace) + 16,
+                                      torch.get_num_threads(), lookup_tokens=lookup)
     warm_up(engine)
     results: dict[str, Any] = {"model": engine.config.model, "dtype": str(engine.dtype).replace("torch.", ""),
-                               "device": str(engine.device), "trace": described, "measured": [], "replays": {}}
+                               "device": str(engine.device), "trace": described, "rounds": rounds, "measured": [],
+                               "replays": {}}
     replays: dict[str, ReplayResult] = {}
     try:
-        _measure(llm, trace, baselines, ablation, micro_context, parallel, progress, llama, replays, results)
+        _measure(llm, trace, baselines, ablation, micro_context, parallel, progress, llamas, replays, results,
+                 rounds)
     except (Exception, KeyboardInterrupt) as e:
         results["replays"] = {name: _replay_figures(r) for name, r in replays.items()}
         results["incomplete"] = str(e) or type(e).__name__
@@ -163,6 +201,7 @@ def run_bench(llm, spec: TraceSpec, baseline: str | list[str] = "none", ablation
 
 def _replay_figures(r: ReplayResult) -> dict:
     return {"wall_s": r.wall_s, "ttft_by_turn_s": r.ttft_by_turn(), "decode_tokens_per_s": r.generated_tokens() / r.wall_s,
+            "decode_only_tokens_per_s": r.decode_tokens_per_s(),
             "hit_rate_vs_theoretical": r.hit_rate_vs_theoretical(),
             "cached_tokens": sum(t.cached_tokens for t in r.turns),
             "state_copy_bytes": sum(t.state_copy_bytes for t in r.turns),
@@ -170,43 +209,143 @@ def _replay_figures(r: ReplayResult) -> dict:
             "turns": [t.__dict__ for t in r.turns]}
 
 
-def _measure(llm, trace, baselines: list[str], ablation: bool, micro_context: int, parallel: int, progress, llama,
-             replays: dict[str, ReplayResult], results: dict) -> None:
-    """The replays, then the copy audit, bandwidth and decode rates, each recorded in `results` (and its name in
-    results["measured"]) as soon as it is done."""
+def _stat_delta(before: Any, after: Any) -> Any:
+    """An engine counter's growth: a number, or a list / dict of them (per-position counters) element by element."""
+    if isinstance(after, dict):
+        return {key: value - (before or {}).get(key, 0) for key, value in after.items()}
+    if isinstance(after, (list, tuple)):
+        before = list(before or [])
+        return [value - (before[i] if i < len(before) else 0) for i, value in enumerate(after)]
+    return after - (before or 0)
+
+
+def _replay_tsterm_speculating(engine, trace, name: str, progress, on: bool, spec: dict) -> ReplayResult:
+    """One replay with the engine's drafts on (a fresh draft source; its verifies counted into `spec`) or off."""
+    before = engine.stats()
+    with drafting(engine, on) as recorded:
+        result = replay_tsterm(engine, trace, name, progress, cache_salt=name)
+    if on:
+        after = engine.stats()
+        for key in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position"):
+            if key in after:
+                spec[key] = _sum(spec.get(key), _stat_delta(before.get(key), after[key]))
+        spec["drafted_by_position"] = _sum(spec.get("drafted_by_position"), recorded.drafted)
+        spec["accepted_by_position"] = _sum(spec.get("accepted_by_position"), recorded.accepted)
+    return result
+
+
+def _sum(a: Any, b: Any) -> Any:
+    """Counters added up over rounds (numbers, or lists / dicts of them)."""
+    if a is None:
+        return b
+    if isinstance(b, dict):
+        return {key: a.get(key, 0) + b.get(key, 0) for key in {*a, *b}}
+    if isinstance(b, list):
+        return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))]
+    return a + b
+
+
+def _speculation_figures(spec: dict, runs: dict[str, list[ReplayResult]], engine) -> dict:
+    """Drafted / accepted counts, mean accepted length (accepted drafts per verify), acceptance at each draft
+    position (of the verifies that drafted a k-th token, the share that accepted it), and the decode and end-to-end
+    ratios of the replay with drafts over the one without."""
+    config = engine.config
+    verifies = spec.get("spec_num_drafts", 0)
+    drafted, accepted = spec["drafted_by_position"], spec["accepted_by_position"]
+    figures = {
+        "method": config.speculative_method, "num_speculative_tokens": config.num_speculative_tokens,
+        "num_drafts": verifies, "draft_tokens": spec.get("spec_draft_tokens", 0),
+        "accepted_tokens": spec.get("spec_accepted_tokens", 0),
+        "mean_accepted_length": spec.get("spec_accepted_tokens", 0) / verifies if verifies else 0.0,
+        "acceptance_rate": spec.get("spec_accepted_tokens", 0) / spec["spec_draft_tokens"]
+        if spec.get("spec_draft_tokens") else 0.0,
+        "drafted_by_position": drafted, "accepted_by_position": accepted,
+        "acceptance_by_position": [a / d if d else None for a, d in zip(accepted, drafted)],
+        "decode_speedup_vs_off": statistics.median([on.decode_tokens_per_s() / off.decode_tokens_per_s()
+                                          for on, off in zip(runs["tsterm"], runs[NO_SPEC])]),
+        "e2e_speedup_vs_off": statistics.median([off.wall_s / on.wall_s for on, off in zip(runs["tsterm"], runs[NO_SPEC])]),
+    }
+    if "spec_accepted_per_position" in spec:  # the engine's own per-position counters, when it keeps them
+        figures["engine_accepted_per_position"] = spec["spec_accepted_per_position"]
+    return figures
+
+
+def _measure(llm, trace, baselines: list[str], ablation: bool, micro_context: int, parallel: int, progress,
+             llamas: dict[str, Any], replays: dict[str, ReplayResult], results: dict, rounds: int = 1) -> None:
+    """The replays (`rounds` of them, every engine in turn in each), then the copy audit, bandwidth and decode rates,
+    each recorded in `results` (and its name in results["measured"]) as soon as it is done."""
     engine = llm.engine
     cfg = engine.model_config
-    replays["tsterm"] = replay_tsterm(engine, trace, "tsterm", progress)
-    results["measured"].append("the tsterm replay")
-    if ablation:
-        engine.kv.pool.enable_prefix_caching = False
-        try:
-            replays["no_prefix_cache"] = replay_tsterm(engine, trace, "nocache", progress)
-        finally:
-            engine.kv.pool.enable_prefix_caching = True
-        results["measured"].append("the replay without prefix cache")
-    hf_model = None
-    for name in baselines:
-        if name == "llama.cpp":
-            from tsterm.bench.llama_cpp import replay_llama_cpp
+    speculating = engine.drafter is not None
+    runs: dict[str, list[ReplayResult]] = {}
+    spec: dict[str, Any] = {}
 
-            replays[name] = replay_llama_cpp(llama, trace, progress)
+    def keep(name: str, result: ReplayResult, what: str) -> None:
+        runs.setdefault(name, []).append(result)
+        replays[name] = result
+        results["measured"].append(what + (f" (round {len(runs[name])})" if rounds > 1 else ""))
+
+    hf_model = None
+    for round_ in range(rounds):
+        tag = f"@{round_}" if rounds > 1 else ""
+        if speculating:
+            keep("tsterm", _replay_tsterm_speculating(engine, trace, f"tsterm{tag}", progress, True, spec),
+                 "the tsterm replay")
+            keep(NO_SPEC, _replay_tsterm_speculating(engine, trace, f"{NO_SPEC}{tag}", progress, False, spec),
+                 "the tsterm replay without speculation")
         else:
-            hf_model = hf_model or load_transformers(engine.config.model, engine.dtype)
-            replays[name] = replay_transformers(hf_model, trace, progress, keep_cache=name == "transformers-cache")
-        results["measured"].append(f"the {name} replay")
-    del hf_model, llama
-    results["replays"] = {name: _replay_figures(r) for name, r in replays.items()}
+            keep("tsterm", replay_tsterm(engine, trace, f"tsterm{tag}", progress, cache_salt=f"tsterm{tag}"),
+                 "the tsterm replay")
+        if ablation and round_ == 0:
+            engine.kv.pool.enable_prefix_caching = False
+            try:
+                keep("no_prefix_cache", replay_tsterm(engine, trace, "nocache", progress),
+                     "the replay without prefix cache")
+            finally:
+                engine.kv.pool.enable_prefix_caching = True
+        for name in baselines:
+            if name in llamas:
+                from tsterm.bench.llama_cpp import replay_llama_cpp
+
+                llamas[name].reset()  # nothing held from an earlier round's conversation
+                result = replay_llama_cpp(llamas[name], trace, progress, name=name)
+            else:
+                hf_model = hf_model or load_transformers(engine.config.model, engine.dtype)
+                if name == "transformers-lookup":
+                    result = replay_transformers_lookup(hf_model, trace, engine.config.num_speculative_tokens,
+                                                        progress)
+                else:
+                    result = replay_transformers(hf_model, trace, progress, keep_cache=name == "transformers-cache")
+            keep(name, result, f"the {name} replay")
+    del hf_model
+    llamas.clear()
+    for name, results_ in runs.items():  # each replay reported: its median round by wall time
+        replays[name] = sorted(results_, key=lambda r: r.wall_s)[(len(results_) - 1) // 2]
+    results["replays"] = {name: dict(_replay_figures(r), rounds_wall_s=[x.wall_s for x in runs[name]],
+                                     rounds_decode_only_tokens_per_s=[x.decode_tokens_per_s() for x in runs[name]])
+                          for name, r in replays.items()}
     ours = replays["tsterm"]
     ttft = ours.ttft_by_turn()
-    speedup_vs = {name: replays[name].wall_s / ours.wall_s for name in baselines}
+    compared = [*baselines, *([NO_SPEC] if speculating else [])]
+    speedup_vs = {name: statistics.median([theirs.wall_s / mine.wall_s for mine, theirs in zip(runs["tsterm"], runs[name])])
+                  for name in baselines}
     results.update({
         # against the strongest baseline of the run (the smallest ratio); each one's is in speedup_vs
         "speedup_vs_baseline": min(speedup_vs.values()) if speedup_vs else None,
         "speedup_vs": speedup_vs,
+        # decode only (each turn's tokens after its first over their time), tsterm's over each other replay's
+        "decode_speedup_vs": {name: statistics.median([mine.decode_tokens_per_s() / theirs.decode_tokens_per_s()
+                                             for mine, theirs in zip(runs["tsterm"], runs[name])
+                                             if theirs.decode_tokens_per_s()] or [0.0])
+                              for name in compared},
+        # greedy tokens of each other replay against tsterm's (first round): None, or where they first differ
+        "divergence_from_tsterm": {name: first_divergence(runs["tsterm"][0], runs[name][0])
+                                   for name in [*compared, *(["no_prefix_cache"] if ablation else [])]},
         "ttft_last_over_turn2": ttft[-1] / ttft[1] if len(ttft) > 1 and ttft[1] else None,
         "hit_rate_vs_theoretical": ours.hit_rate_vs_theoretical(),
     })
+    if speculating:
+        results["speculation"] = _speculation_figures(spec, runs, engine)
 
     if progress:
         progress("measuring bandwidth, copies and decode rates")

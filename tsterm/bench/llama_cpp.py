@@ -43,17 +43,21 @@ def gguf_source(model_dir: str | Path) -> Path:
     return path
 
 
-def open_llama(gguf_path: str | Path, n_ctx: int, threads: int) -> Any:
-    """A llama-cpp-python `Llama` on `gguf_path` with room for `n_ctx` tokens, on `threads` threads (CPU only)."""
+def open_llama(gguf_path: str | Path, n_ctx: int, threads: int, lookup_tokens: int | None = None) -> Any:
+    """A llama-cpp-python `Llama` on `gguf_path` with room for `n_ctx` tokens, on `threads` threads (CPU only).
+    `lookup_tokens`: speculate with llama-cpp-python's prompt-lookup draft (`LlamaPromptLookupDecoding`: the last 2
+    or 1 tokens matched in the context, up to this many tokens after the match drafted and verified in one batch)."""
     try:
         from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
         raise ConfigError(f"--baseline llama.cpp needs llama-cpp-python, which is not installed: {INSTALL_HINT}") \
             from None
     if not Path(gguf_path).is_file():
         raise ConfigError(f"--baseline llama.cpp: GGUF file {str(gguf_path)!r} does not exist")
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
     return Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                 n_gpu_layers=0, verbose=False)
+                 n_gpu_layers=0, verbose=False, draft_model=draft)
 
 
 def context_needed(trace: Trace) -> int:
@@ -76,9 +80,11 @@ def common_prefix(held: list[int], prompt: list[int]) -> int:
     return n
 
 
-def replay_llama_cpp(llama: Any, trace: Trace, progress: Progress | None = None) -> ReplayResult:
-    """Sessions one after another on one `Llama` (as transformers runs them), greedy, fixed reply lengths."""
-    result = ReplayResult("llama.cpp", 0.0)
+def replay_llama_cpp(llama: Any, trace: Trace, progress: Progress | None = None,
+                     name: str = "llama.cpp") -> ReplayResult:
+    """Sessions one after another on one `Llama` (as transformers runs them), greedy, fixed reply lengths. A `Llama`
+    opened with a draft model (`open_llama(lookup_tokens=K)`) speculates inside `generate`: the same loop."""
+    result = ReplayResult(name, 0.0)
     start = time.perf_counter()
     for session, turns in enumerate(trace):
         history: list[int] = []
@@ -99,7 +105,7 @@ def replay_llama_cpp(llama: Any, trace: Trace, progress: Progress | None = None)
             result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, first - t0, e2e, len(generated),
                                            generated))
             if progress:
-                progress(f"llama.cpp: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
+                progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
                          f"({len(ids)} prompt tokens, {cached} cached)")
     result.wall_s = time.perf_counter() - start
     return result

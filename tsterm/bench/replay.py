@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from tsterm.bench.trace import Trace, theoretical_cached
 from tsterm.config import SamplingParams
 from tsterm.engine.engine import Engine
+from tsterm.engine.spec_decode import DraftSource, make_draft_source
 
 Progress = Callable[[str], None]
 
@@ -55,6 +57,72 @@ class ReplayResult:
         """(session, turn) -> the ids that turn generated: what two replays of one trace must agree on."""
         return {(r.session, r.turn): r.output_token_ids for r in self.turns}
 
+    def decode_tokens_per_s(self) -> float:
+        """Tokens decoded after each turn's first over the time from its first token to its last, summed over the
+        turns (the prefill of each turn left out: what a draft source speeds up)."""
+        seconds = sum(r.e2e - r.ttft for r in self.turns)
+        return sum(max(r.generated_tokens - 1, 0) for r in self.turns) / seconds if seconds > 0 else 0.0
+
+
+def first_divergence(ours: ReplayResult, other: ReplayResult) -> dict | None:
+    """Where `other`'s greedy tokens first differ from `ours`' (session, turn, index into that reply), or None when
+    every turn generated the same ids. After a divergence each side's conversation holds its own reply, so later
+    turns are not compared."""
+    theirs = other.outputs()
+    for (session, turn), ids in sorted(ours.outputs().items()):
+        other_ids = theirs.get((session, turn))
+        if other_ids is None:
+            return {"session": session, "turn": turn, "index": 0, "missing": True}
+        if other_ids != ids:
+            index = next((i for i, (a, b) in enumerate(zip(ids, other_ids)) if a != b), min(len(ids), len(other_ids)))
+            return {"session": session, "turn": turn, "index": index}
+    return None
+
+
+class RecordedDrafts(DraftSource):
+    """A draft source that passes every call to `inner` and counts its verifies by position: `drafted[i]` verifies
+    drafted an i+1-th token, `accepted[i]` of those accepted it (the engine reports each verify's drafted and
+    accepted counts through `observe`; acceptance keeps a prefix, so position i is accepted iff more than i were)."""
+
+    def __init__(self, inner: DraftSource):
+        super().__init__(inner.num_tokens)
+        self.inner, self.name = inner, inner.name
+        self.drafted = [0] * inner.num_tokens
+        self.accepted = [0] * inner.num_tokens
+
+    def propose(self, seq_id: int, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        return self.inner.propose(seq_id, token_ids, max_tokens)
+
+    def observe(self, seq_id: int, num_drafted: int, num_accepted: int) -> None:
+        for i in range(num_drafted):
+            self.drafted[i] += 1
+            self.accepted[i] += i < num_accepted
+        self.inner.observe(seq_id, num_drafted, num_accepted)
+
+    def release(self, seq_id: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self.inner.release(seq_id, token_ids, num_prompt_tokens)
+
+
+@contextmanager
+def drafting(engine: Engine, on: bool) -> Iterator[RecordedDrafts | None]:
+    """For one replay on an engine built with speculative decoding: `on`, a fresh draft source of the engine's
+    method and K (nothing learnt from an earlier replay's outputs), recorded per position; off, the scheduler asks
+    for no drafts (the engine decodes one token a step, as without speculation). Restored afterwards."""
+    config = engine.config
+    if engine.drafter is None:
+        raise ValueError("drafting() needs an engine built with a speculative_method")
+    drafter, proposer = engine.drafter, engine.scheduler.proposer
+    recorded = RecordedDrafts(make_draft_source(config.speculative_method, config.num_speculative_tokens)) if on \
+        else None
+    try:
+        if on:
+            engine.drafter = recorded
+        else:
+            engine.scheduler.proposer = None
+        yield recorded
+    finally:
+        engine.drafter, engine.scheduler.proposer = drafter, proposer
+
 
 def warm_up(engine: Engine) -> None:
     """One short request first, so that neither side's first turn pays for page faults and allocator growth."""
@@ -70,8 +138,11 @@ def _prompt(history: list[int], turn) -> list[int]:
     return (history if turn.keep is None else history[:turn.keep]) + turn.new_ids
 
 
-def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | None = None) -> ReplayResult:
-    """All sessions run at once; each submits its next turn as soon as its previous reply is complete."""
+def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | None = None,
+                  cache_salt: str | None = None) -> ReplayResult:
+    """All sessions run at once; each submits its next turn as soon as its previous reply is complete. `cache_salt`:
+    the replay's prompts share cached blocks only with prompts of the same salt (another replay of the same trace
+    on this engine starts cold under another salt)."""
     # a hybrid resumes at its kept state snapshots, block boundaries; attention-only models at any token
     unit = engine.config.block_size if engine.kv.num_state_slots else 1
     histories: list[list[int]] = [[] for _ in trace]
@@ -83,7 +154,7 @@ def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | 
     def submit(session: int, turn: int) -> None:
         prompt = _prompt(histories[session], trace[session][turn])
         params = SamplingParams(temperature=0, max_tokens=trace[session][turn].output_tokens, ignore_eos=True)
-        rid = engine.add_request(prompt, params, request_id=f"{name}-s{session}-t{turn}")
+        rid = engine.add_request(prompt, params, request_id=f"{name}-s{session}-t{turn}", cache_salt=cache_salt)
         pending[rid] = (session, turn, prompt, time.perf_counter())
 
     start = time.perf_counter()
@@ -137,9 +208,21 @@ def load_transformers(model_dir: str, dtype: torch.dtype):
     except ImportError as e:  # transformers is a test/bench extra, not a runtime dependency
         raise RuntimeError("--baseline transformers needs transformers: pip install -e '.[test]'") from e
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    # Fixed reply lengths as tsterm's ignore_eos gives them: an end-of-turn token is generated like any other and
+    # the reply goes on. With the model's EOS ids set, `min_new_tokens` would instead forbid them (another greedy
+    # token where the model wants to end its turn, as on the copy-heavy trace's replies).
+    model.generation_config.eos_token_id = None
     with torch.inference_mode():
         model.generate(torch.arange(16, 80)[None], max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
     return model
+
+
+def _crop_to(cache, length: int) -> None:
+    """Cut a transformers cache to its first `length` tokens. A negative count removes that many from the end in
+    every transformers version since 4.38 (5.24 refuses the older positive "length to keep")."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
 
 
 def _has_recurrent_layers(model) -> bool:
@@ -166,7 +249,7 @@ def replay_transformers(model, trace: Trace, progress: Progress | None = None,
                 if _has_recurrent_layers(model):
                     cache = None
                 else:
-                    cache.crop(step.keep)
+                    _crop_to(cache, step.keep)
             cached = min(cache.get_seq_length(), len(ids) - 1) if cache is not None else 0
             timer = _FirstTokenTimer()
             t0 = time.perf_counter()
@@ -174,7 +257,10 @@ def replay_transformers(model, trace: Trace, progress: Progress | None = None,
                 # `past_key_values` is the name from transformers 4.x through the GPU machine's 5.17; 5.24 also
                 # takes it (as `cache`) and warns
                 warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
-                out = model.generate(torch.tensor([ids]), max_new_tokens=step.output_tokens,
+                # the mask given: inferred from pad_token_id it would hide the prompt's tokens of that id (a
+                # chat template's <|im_start|> where it is id 0)
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                     max_new_tokens=step.output_tokens,
                                      min_new_tokens=step.output_tokens, do_sample=False, streamer=timer,
                                      pad_token_id=0, past_key_values=cache if keep_cache else None,
                                      return_dict_in_generate=True)
@@ -185,6 +271,68 @@ def replay_transformers(model, trace: Trace, progress: Progress | None = None,
             history = ids + generated
             result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, (timer.first_token_time or t0) - t0,
                                            e2e, len(generated), generated))
+            if progress:
+                progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
+                         f"({len(ids)} prompt tokens, {cached} cached)")
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def replay_transformers_lookup(model, trace: Trace, num_tokens: int, progress: Progress | None = None) -> ReplayResult:
+    """transformers' prompt-lookup decoding (`generate(prompt_lookup_num_tokens=K)`: its PromptLookupCandidateGenerator
+    drafts up to K tokens from the conversation's own ids, one forward pass verifies them, the longest greedy run is
+    kept plus the model's next token, the cache is cropped to it) with the cache kept across turns as the
+    transformers-cache baseline keeps it. The verify loop is written here over the model's forward and its
+    DynamicCache because `generate`'s assisted path does not take a filled cache: given one (transformers 5.24) its
+    first step encodes the whole prompt again on top of it. Greedy; every reply has its turn's fixed length."""
+    try:
+        from transformers import DynamicCache
+        from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+    except ImportError as e:  # transformers is a test/bench extra, not a runtime dependency
+        raise RuntimeError("--baseline transformers-lookup needs transformers: pip install -e '.[test]'") from e
+    if _has_recurrent_layers(model):
+        raise RuntimeError("--baseline transformers-lookup: a hybrid model's recurrent state cannot be cropped after "
+                           "a rejected draft (transformers refuses assisted decoding there too)")
+    name = "transformers-lookup"
+    result = ReplayResult(name, 0.0)
+    start = time.perf_counter()
+    for session, turns in enumerate(trace):
+        history: list[int] = []
+        cache = DynamicCache(config=model.config)
+        for turn, step in enumerate(turns):
+            ids = _prompt(history, step)
+            if step.keep is not None:
+                _crop_to(cache, step.keep)
+            cached = min(cache.get_seq_length(), len(ids) - 1)
+            _crop_to(cache, cached)
+            lookup = PromptLookupCandidateGenerator(num_output_tokens=num_tokens,
+                                                    max_length=len(ids) + step.output_tokens)
+            t0 = time.perf_counter()
+            first = None
+            sequence = torch.tensor([ids])
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
+                while sequence.shape[1] - len(ids) < step.output_tokens:
+                    room = step.output_tokens - (sequence.shape[1] - len(ids)) - 1  # drafts; the model adds one
+                    drafts = lookup.get_candidates(sequence)[0][0, sequence.shape[1]:][:room] if room > 0 else \
+                        sequence[0, :0]
+                    fed = torch.cat([sequence[0, cache.get_seq_length():], drafts])[None]
+                    logits = model(input_ids=fed, past_key_values=cache, use_cache=True,
+                                   logits_to_keep=len(drafts) + 1).logits[0]
+                    greedy = logits.argmax(dim=-1)
+                    accepted = 0
+                    while accepted < len(drafts) and int(drafts[accepted]) == int(greedy[accepted]):
+                        accepted += 1
+                    new = torch.cat([drafts[:accepted], greedy[accepted:accepted + 1]])
+                    sequence = torch.cat([sequence, new[None]], dim=1)
+                    _crop_to(cache, sequence.shape[1] - 1)  # the rejected drafts' KV goes; the last token is never fed
+                    if first is None:
+                        first = time.perf_counter()
+            e2e = time.perf_counter() - t0
+            generated = sequence[0, len(ids):].tolist()
+            history = ids + generated
+            result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, (first or t0) - t0, e2e,
+                                           len(generated), generated))
             if progress:
                 progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
                          f"({len(ids)} prompt tokens, {cached} cached)")

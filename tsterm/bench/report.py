@@ -20,7 +20,11 @@ BASELINE_TARGETS = {  # wall time of the baseline's replay over tsterm's, by bas
     "transformers": 5.0,  # generate re-encodes the whole conversation each turn
     "transformers-cache": 2.0,  # generate keeps its cache across turns (issue 18)
     "llama.cpp": 1.0,
+    # prompt-lookup drafts, against tsterm speculating (issue 33): end to end on the copy-heavy trace
+    "llama.cpp-lookup": 1.5,
+    "transformers-lookup": 1.5,
 }
+SPEC_DECODE_TARGET = 2.5  # decode tok/s with drafts over without, on the copy-heavy trace (issue 33)
 
 
 def _row(key: str, value: float | None, op: str, target: float) -> tuple[str, str, str, str]:
@@ -51,6 +55,32 @@ def _turn_lines(replays: dict) -> list[str]:
         ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, width)).rstrip() for row in cells]
 
 
+def _comparison_lines(r: dict) -> list[str]:
+    """tsterm's decode and end-to-end ratios over each other replay, whether their greedy tokens agree, and what
+    its drafts did."""
+    lines = []
+    decode, e2e = r.get("decode_speedup_vs") or {}, r.get("speedup_vs") or {}
+    spec = r.get("speculation")
+    rounds = f" (median of {r['rounds']} interleaved rounds)" if r.get("rounds", 1) > 1 else ""
+    if decode:
+        lines.append(f"tsterm over each replay{rounds}: " + "; ".join(
+            f"{name} decode {value:.2f}x" + (f", end to end {e2e[name]:.2f}x" if name in e2e else
+                                             f", end to end {spec['e2e_speedup_vs_off']:.2f}x"
+                                             if spec and name == "tsterm-no-spec" else "")
+            for name, value in decode.items()))
+    for name, where in (r.get("divergence_from_tsterm") or {}).items():
+        lines.append(f"greedy tokens of {name}: " + ("the same as tsterm's" if where is None else
+                     f"differ from tsterm's at session {where['session'] + 1} turn {where['turn'] + 1} token "
+                     f"{where['index'] + 1} (later turns not compared: each conversation holds its own reply)"))
+    if spec:
+        by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in spec["acceptance_by_position"])
+        lines.append(f"speculation {spec['method']} K={spec['num_speculative_tokens']}: {spec['num_drafts']} verifies, "
+                     f"{spec['draft_tokens']} drafted, {spec['accepted_tokens']} accepted "
+                     f"({spec['acceptance_rate']:.2f}); mean accepted length {spec['mean_accepted_length']:.2f} per "
+                     f"verify; acceptance by draft position: {by_position}")
+    return lines
+
+
 def format_table(r: dict) -> str:
     """The bench's report: what each replay took, turn by turn; copies, bandwidth and decode rates; the figures
     against their targets. A run that stopped early (r["incomplete"]) shows what it measured."""
@@ -58,11 +88,14 @@ def format_table(r: dict) -> str:
     replays = r.get("replays") or {}
     for name, rep in replays.items():
         ttft = rep["ttft_by_turn_s"]
-        lines.append(f"{name:>18}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms"
+        lines.append(f"{name:>19}: {rep['wall_s']:8.2f} s total, TTFT turn1 {ttft[0] * 1e3:.0f} ms"
                      + (f", turn2 {ttft[1] * 1e3:.0f} ms" if len(ttft) > 1 else "")
-                     + f", last {ttft[-1] * 1e3:.0f} ms, {rep['cached_tokens']} prompt tokens not recomputed")
+                     + f", last {ttft[-1] * 1e3:.0f} ms, {rep['cached_tokens']} prompt tokens not recomputed"
+                     + (f", decode {rep['decode_only_tokens_per_s']:.1f} tok/s" if "decode_only_tokens_per_s" in rep
+                        else ""))
     if replays:
         lines += _turn_lines(replays)
+    lines += _comparison_lines(r)
     audit = r.get("copy_audit")
     if audit:
         lines.append(f"copy bytes per decoded token: {audit['short']['copy_bytes_per_token']:,.0f} at "
@@ -101,6 +134,12 @@ def format_table(r: dict) -> str:
         rows.append(("speedup_vs_baseline", "n/a", "(--baseline NAME)", "-"))
     for name, value in speedups.items():
         rows.append(_row(f"speedup_vs_{name}", value, ">=", BASELINE_TARGETS[name]))
+    spec = r.get("speculation")
+    if spec:
+        copy_heavy = (r.get("trace") or {}).get("name") == "copy-heavy"
+        rows.append(_row("spec_decode_speedup_vs_off", spec["decode_speedup_vs_off"], ">=", SPEC_DECODE_TARGET)
+                    if copy_heavy else ("spec_decode_speedup_vs_off", f"{spec['decode_speedup_vs_off']:.3f}",
+                                        "(--trace copy-heavy)", "-"))
     for key, (op, target) in TARGETS.items():
         if key not in r:
             continue
