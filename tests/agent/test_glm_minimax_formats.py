@@ -170,22 +170,63 @@ def test_a_minimax_history_keeps_each_turns_reasoning_interleaved():
         < rendered.index("second thought") < rendered.index("Done.")
 
 
-def test_required_tool_choice_on_a_template_the_grammar_cannot_follow_is_a_clear_refusal(tmp_path):
-    """The call grammar (tool_choice required / named) follows `<tool_call>` with JSON or the XML form: a template
-    that writes GLM's or MiniMax's form is refused by name (the server answers 400 tool_choice_unsupported), never a
-    crash."""
+def _template_tokens(tmp_path, name: str, template: str):
     from tests.helpers.tokenizers import make_tokenizer_dir
-    from tsterm.agent.tool_grammar import CallFormError, ChatTokens, call_form
+    from tsterm.agent.tool_grammar import ChatTokens
     from tsterm.tokenizer import Tokenizer
 
-    # GLM's reply opens with its empty <think></think>; MiniMax's generation prompt opens a <think> its replies do not
-    # continue, and without it (the prompt ending at the role), the block is read as calls the grammar cannot follow
+    directory = make_tokenizer_dir(tmp_path / name)
+    (directory / "chat_template.jinja").write_text(template)
+    return ChatTokens(Tokenizer.from_dir(directory))
+
+
+def _accepts(tokens, grammar: str, text: str) -> bool:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokens.lltokenizer, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return all(matcher.consume_token(t) for t in tokens.tokenizer.encode(text)) and matcher.is_accepting()
+
+
+def test_the_call_grammar_follows_glms_form(tmp_path):
+    """tool_choice required / named and agent sessions constrain a GLM-4.5 template's calls: the grammar is read off
+    the template (its empty <think></think> before a past turn's calls skipped), spells GLM's pieces, holds each
+    value to its schema, and what it lets through the parser reads as the call."""
+    from tsterm.agent.tool_grammar import agent_grammar, call_form, call_rules, tool_parameters
+
+    tokens = _template_tokens(tmp_path, "glm", GLM45)
+    form = call_form(tokens)
+    assert form.xml is not None and form.xml.parameter_close == "</arg_value>"
+    parameters = tool_parameters(TOOLS)
+    one = "\n".join(["start: tc", f"tc: {form.open} call {form.close}",
+                     *call_rules(form, {"read_file": parameters["read_file"]})])
+    calls = [assistant_reply(GLM45, message([c], content="", reasoning="")).removeprefix("\n<think></think>\n")
+             for c in CALLS]
+    assert calls[0].startswith("<tool_call>read_file\n<arg_key>path</arg_key>")
+    assert _accepts(tokens, one, calls[0])
+    (read,) = calls_of(parse(calls[0]))
+    assert read.ok and (read.name, read.arguments) == CALLS[0]
+    for bad in (calls[1],  # not the named tool
+                calls[0].replace("<arg_value>5</arg_value>", "<arg_value>five</arg_value>"),  # an integer's JSON
+                calls[0].replace("<arg_key>path</arg_key>", "<arg_key>file</arg_key>"),  # a parameter it lacks
+                calls[0].replace("notes/a b.txt", "a</arg_value>b")):  # a value cannot hold the close tag
+        assert not _accepts(tokens, one, bad), bad
+    session = agent_grammar(tokens, form, parameters)
+    assert _accepts(tokens, session, "Reading both.\n" + calls[0] + "\n" + calls[1])
+    assert _accepts(tokens, session, "<think>plan</think>\n" + calls[1])
+    assert not _accepts(tokens, session, calls[0].replace("read_file", "nope"))
+
+
+def test_required_tool_choice_on_a_template_the_grammar_cannot_follow_is_a_clear_refusal(tmp_path):
+    """The call grammar follows `<tool_call>` with JSON, the Qwen3-Coder XML form or GLM's: a template that writes
+    MiniMax-M2's block is refused by name (the server answers 400 tool_choice_unsupported), never a crash."""
+    from tsterm.agent.tool_grammar import CallFormError, call_form
+
+    # MiniMax's generation prompt opens a <think> its replies do not continue; without it (the prompt ending at the
+    # role), its block is read as calls the grammar cannot follow
     no_think = MINIMAX_M2.replace("]~b]ai\n<think>\n{% endif %}", "]~b]ai\n{% endif %}")
     assert no_think != MINIMAX_M2
-    for name, template, wanted in (("glm", GLM45, "does not render"),
-                                   ("minimax", MINIMAX_M2, "does not continue its generation prompt"),
+    for name, template, wanted in (("minimax", MINIMAX_M2, "does not continue its generation prompt"),
                                    ("minimax-no-think", no_think, "form the call grammar does not follow")):
-        directory = make_tokenizer_dir(tmp_path / name)
-        (directory / "chat_template.jinja").write_text(template)
         with pytest.raises(CallFormError, match=wanted):
-            call_form(ChatTokens(Tokenizer.from_dir(directory)))
+            call_form(_template_tokens(tmp_path, name, template))

@@ -87,16 +87,34 @@ class CallForm:
 @dataclasses.dataclass(frozen=True)
 class XmlForm:
     """The whitespace the template writes around the XML form's pieces: after `<function=NAME>`, after
-    `<parameter=P>` (before the value), after the value (before `</parameter>`), after `</parameter>`."""
+    `<parameter=P>` (before the value), after the value (before `</parameter>`), after `</parameter>`; and how the
+    form spells its pieces: the Qwen3-Coder form by default, GLM-4.5's (`NAME<arg_key>P</arg_key><arg_value>value
+    </arg_value>`, `glm_form`) where its template writes that. `parameter_head` holds `{key}`, `function_head`
+    `{name}`; `any_parameter` is the Lark of a parameter head of any name (a tool whose schema names none)."""
 
     after_name: str
     value_open: str
     value_close: str
     after_parameter: str
+    function_head: str = "<function={name}>"
+    parameter_head: str = "<parameter={key}>"
+    parameter_close: str = "</parameter>"
+    any_parameter: str = '"<parameter=" /[^>\\n]+/ ">"'
+
+
+def glm_form(after_name: str, between: str, value_open: str, value_close: str, after_parameter: str) -> XmlForm:
+    """GLM-4.5's spelling of the XML form; `between`: what its template writes between `</arg_key>` and
+    `<arg_value>`."""
+    return XmlForm(after_name, value_open, value_close, after_parameter, "{name}",
+                   "<arg_key>{key}</arg_key>" + between + "<arg_value>", "</arg_value>",
+                   '"<arg_key>" /[^<\\n]+/ ' + json.dumps("</arg_key>" + between + "<arg_value>"))
 
 
 # the probe's call `a(a="x")` in the XML form, each layout gap captured
 _XML_PROBE = re.compile(r"(\s*)<function=a>(\s*)<parameter=a>(\s*)x(\s*)</parameter>(\s*)(</function>\s*)")
+# ... and in GLM-4.5's form
+_GLM_PROBE = re.compile(r"(\s*)a(\s*)<arg_key>a</arg_key>(\s*)<arg_value>(\s*)x(\s*)</arg_value>(\s*)")
+_EMPTY_THINK = re.compile(r"\A\s*<think>\s*</think>")  # GLM renders a past turn's empty reasoning before its calls
 
 
 def call_form(tokens: TemplateTokens) -> CallForm:
@@ -120,6 +138,7 @@ def call_form(tokens: TemplateTokens) -> CallForm:
         one, two = reply({"tool_calls": [call("a")]}), reply({"tool_calls": [call("a"), call("b")]})
     except TstermError as e:
         raise CallFormError(f"the chat template failed to render a tool call ({e})") from e
+    one, two = _EMPTY_THINK.sub("", one), _EMPTY_THINK.sub("", two)  # (a reply's own reasoning: `think_rules`)
     if not _renders_call(one, "a", {"a": "x"}):
         raise CallFormError("the chat template does not render an assistant tool call as a reply that begins with a "
                             "<tool_call> tsterm's parser reads")
@@ -135,6 +154,10 @@ def call_form(tokens: TemplateTokens) -> CallForm:
         after = two.index(block) + len(block)
         separator = two[after:two.index(OPEN_TAG, after)]
     separator_lark = lark(tokens, separator) if separator else '""'
+    glm = _GLM_PROBE.fullmatch(inner)
+    if glm is not None:  # GLM-4.5's form: the name, then <arg_key>/<arg_value> pairs, no closing tag of its own
+        return CallForm(lark(tokens, OPEN_TAG + glm.group(1)), lark(tokens, CLOSE_TAG), separator_lark, (), None,
+                        glm_form(*glm.group(2, 3, 4, 5, 6)), glm.group(1))
     xml = _XML_PROBE.fullmatch(inner)
     if xml is not None:  # the Qwen3-Coder XML form
         return CallForm(lark(tokens, OPEN_TAG + xml.group(1)), lark(tokens, xml.group(6) + CLOSE_TAG), separator_lark,
@@ -182,7 +205,8 @@ def _xml_call_rules(xml: XmlForm, parameters: Mapping[str, dict]) -> list[str]:
     writes them. A string parameter's value is any text without `</parameter>` (the parser ends it at the first);
     another type's is JSON of its schema (the parser reads such values as JSON). A tool whose schema declares no
     properties takes any parameters, each a free value."""
-    free = "/(?s:.*)" + _regex(xml.value_close + "</parameter>") + "/ & ~/(?s:.*)<\\/parameter>(?s:.+)/"
+    close = xml.parameter_close
+    free = "/(?s:.*)" + _regex(xml.value_close + close) + "/ & ~/(?s:.*)" + _regex(close) + "(?s:.+)/"
     rules = ["call: " + " | ".join(f"fn_{i}" for i in range(len(parameters))),
              f"FREE_VALUE: {free}"]
     for i, (name, schema) in enumerate(parameters.items()):
@@ -190,19 +214,20 @@ def _xml_call_rules(xml: XmlForm, parameters: Mapping[str, dict]) -> list[str]:
         required = set(schema.get("required") or [])
         parts = []
         for j, (key, sub) in enumerate(properties.items()):
-            head = json.dumps(f"<parameter={key}>" + xml.value_open)
+            head = json.dumps(xml.parameter_head.format(key=key) + xml.value_open)
             after = json.dumps(xml.after_parameter)
             if _free_text(sub):
                 rules.append(f"p_{i}_{j}: {head} FREE_VALUE {after}")
             else:
-                rules.append(f"p_{i}_{j}: {head} v_{i}_{j} " + json.dumps(xml.value_close + "</parameter>")
+                rules.append(f"p_{i}_{j}: {head} v_{i}_{j} " + json.dumps(xml.value_close + close)
                              + f" {after}")
                 rules.append(f"v_{i}_{j}: %json " + json.dumps(sub))
             parts.append(f"p_{i}_{j}" if key in required else f"p_{i}_{j}?")
         if not properties:
-            parts.append(f'("<parameter=" /[^>\\n]+/ ">" {json.dumps(xml.value_open)} FREE_VALUE '
+            parts.append(f"({xml.any_parameter} {json.dumps(xml.value_open)} FREE_VALUE "
                          f"{json.dumps(xml.after_parameter)})*")
-        rules.append(f"fn_{i}: " + json.dumps(f"<function={name}>" + xml.after_name) + " " + " ".join(parts))
+        rules.append(f"fn_{i}: " + json.dumps(xml.function_head.format(name=name) + xml.after_name) + " "
+                     + " ".join(parts))
     return rules
 
 
