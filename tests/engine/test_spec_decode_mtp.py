@@ -236,3 +236,29 @@ def test_demo_model_head_drafts_what_the_model_says():
     # (scripts/train_mtp.py's report: 0.61 of the target's greedy tokens on held-out text, teacher-forced; an
     # untrained head, or one fed the wrong hidden states, is near 0)
     assert first > 0.35
+
+
+# ---- the hybrids: the head drafts, the verify step keeps the Gated DeltaNet state at the last accepted token ---------
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def hybrid_with_head(request, tmp_path_factory) -> str:
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("mtp_hybrid") / request.param, request.param)
+    add_mtp_head(path)
+    return str(path)
+
+
+def test_hybrid_greedy_with_mtp_drafts_equals_greedy_without(hybrid_with_head, one_torch_thread):
+    """Qwen3-Next and Qwen3.5 with the head they ship: the mixed batch decodes the same tokens with MTP drafts (every
+    draft verified) as without; the pool and the state slots are left as test_spec_decode_hybrid requires."""
+    from tests.engine.test_spec_decode_hybrid import check_state_slots
+    from tests.engine.test_spec_decode_hybrid import make_llm as make_hybrid_llm
+
+    prompts, params = mixed_batch()
+    ref, ref_outs = run(make_hybrid_llm(hybrid_with_head), prompts, params)
+    llm = make_hybrid_llm(hybrid_with_head, "mtp", 3)
+    out, outs = run(llm, prompts, params)
+    assert out == ref
+    assert [list(c.token_ids) for c in outs[4].outputs] == [list(c.token_ids) for c in ref_outs[4].outputs]
+    stats = llm.stats()
+    assert stats["spec_num_drafts"] > 0 and stats["used"] == 0
+    check_state_slots(llm)
