@@ -26,14 +26,16 @@ promise; the int8 rounding of x costs +0.6% held-out perplexity on the default m
 rounding, BENCHMARKS.md). A weight marked `prefill_gemm` (an engine's `deterministic: false`) sends more than
 NATIVE_MAX_ROWS rows to csrc/gemm.c's float32 GEMM instead, which dequantizes each 16-row panel of the weight as it
 packs it: the bits of that GEMM on the dequantized weight, which is never written out. fp16 runs fbgemm's AVX2 GEMM. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
-tsterm.model.quant refuses `quantization: fp8` on the CPU). Without the C kernels (no compiler) the same holds for
-int8 / int4. On a CUDA device int8, int4 and fp8 run the Triton kernel `tsterm_kernels.triton_quant_linear`, which
+tsterm.model.quant refuses `quantization: fp8` on the CPU). Without the C kernels (no compiler, not x86), int8 /
+int4 run torch's GEMM on the float32 weight, dequantized at its first matmul and kept (`dequantized_float`: a float
+model's memory beside the blocks, `float_nbytes`; dequantizing the whole matrix at every call made each decoded token
+cost a float model's dequantization). On a CUDA device int8, int4 and fp8 run the Triton kernel `tsterm_kernels.triton_quant_linear`, which
 dequantizes the weight in registers; fp16 (fbgemm's packing) exists on the CPU only.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,14 @@ class QuantizedWeight:
     # int8 / int4 on the CPU: a prefill of more than NATIVE_MAX_ROWS rows may run the float32 GEMM (an engine's
     # `deterministic: false`, `allow_prefill_gemm`); else every row is rounded to int8, however many come together
     prefill_gemm: bool = False
+    # int8 / int4 without the C kernels (no compiler, not x86): the float32 weight torch multiplies by, dequantized
+    # on its first matmul and kept (one slot per matrix: a stack's experts, indexed, share their stack's slots)
+    float_slots: list | None = field(default=None, compare=False, repr=False)
+    slot: int = field(default=0, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.float_slots is None and self.kind in NATIVE_KINDS:
+            object.__setattr__(self, "float_slots", [None] * (self.dims[0] if len(self.dims) == 3 else 1))
 
     @classmethod
     def blocks(cls, kind: str, data: torch.Tensor, scale: torch.Tensor) -> "QuantizedWeight":
@@ -123,13 +133,28 @@ class QuantizedWeight:
         if self.kind == "fp16":
             return QuantizedWeight("fp16", self.data, self.scale, self.dims[1:], (self.packed[index],))
         return QuantizedWeight(self.kind, self.data[index], self.scale[index], self.dims[1:],
-                               prefill_gemm=self.prefill_gemm)
+                               prefill_gemm=self.prefill_gemm, float_slots=self.float_slots, slot=index)
 
     def clone(self) -> "QuantizedWeight":
         if self.kind == "fp16":
             return quantize_fp16(self.dequantize())
         return QuantizedWeight(self.kind, self.data.clone(), self.scale.clone(), self.dims,
                                prefill_gemm=self.prefill_gemm)
+
+    @property
+    def float_nbytes(self) -> int:
+        """Bytes of the float32 copies the torch fallback keeps (`dequantized_float`), of this matrix or stack."""
+        return sum(t.nbytes for t in self.float_slots or () if t is not None)
+
+    def dequantized_float(self) -> torch.Tensor:
+        """dequantize(), made once per matrix and kept: what the torch fallback of an int8 / int4 matmul (no C
+        kernels) multiplies by, instead of dequantizing the whole weight at every call."""
+        if self.float_slots is None or len(self.dims) != 2:
+            return self.dequantize()
+        cached = self.float_slots[self.slot]
+        if cached is None or cached.device != self.device:
+            cached = self.float_slots[self.slot] = self.dequantize()
+        return cached
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight these bytes stand for (tests, references, a prefill's GEMM)."""
@@ -268,6 +293,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         y = torch.empty((rows, out_f), dtype=torch.float32)
         native.q_gemm(xf.data_ptr(), xf.stride(0), rows, in_f, Q_GEMM_KINDS[weight.kind], weight.data.data_ptr(),
                       weight.scale.data_ptr(), out_f, y.data_ptr())
+    elif x.is_cpu and weight.kind in NATIVE_KINDS and native is None:
+        # no C kernels (no compiler, not x86): torch's GEMM on the float32 weight, dequantized once and kept
+        y = F.linear(x.float(), weight.dequantized_float())
     else:
         y = F.linear(x.float(), dequantize(weight, cpu_native.load() if x.is_cpu else None))
     if y.dtype is not x.dtype:

@@ -16,6 +16,7 @@ from tsterm_kernels.quant import (NATIVE_MAX_ROWS, QuantizedWeight, quantize_fp1
                                   quantized_linear)
 from tsterm_kernels.torch_ops import expert_mlp, linear
 
+from tests.kernels import oracles
 from tests.kernels.oracles import int8_rows_matmul
 
 
@@ -101,6 +102,30 @@ def test_without_the_c_kernels_every_path_is_the_dequantized_matmul(monkeypatch)
     q = quantize_int4(_weight(48, 64))
     x = torch.randn(2, 64)
     torch.testing.assert_close(quantized_linear(x, q), F.linear(x, q.dequantize()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4], ids=["int8", "int4"])
+def test_without_the_c_kernels_a_weight_is_dequantized_once_and_kept(monkeypatch, quantize):
+    """The torch fallback (no compiler, ARM) keeps each matrix's float32 weight after its first matmul: later calls,
+    of any row count, dequantize nothing; a stack's experts, indexed anew at every call, share their stack's
+    copies; the kept bytes are counted (float_nbytes)."""
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    stack = quantize(torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(5)))
+    single = quantize(_weight(40, 64))
+    calls = []
+    real = QuantizedWeight.dequantize
+    monkeypatch.setattr(QuantizedWeight, "dequantize", lambda self: calls.append(self.dims) or real(self))
+    x = torch.randn(9, 64)
+    for rows in (1, 9, 2):
+        torch.testing.assert_close(quantized_linear(x[:rows], single).double(),
+                                   oracles.linear(x[:rows], oracles.dequantize(single).float()), rtol=1e-5, atol=1e-5)
+        for e in (2, 0):
+            torch.testing.assert_close(quantized_linear(x[:rows], stack[e]).double(),
+                                       oracles.linear(x[:rows], oracles.dequantize(stack)[e].float()),
+                                       rtol=1e-5, atol=1e-5)
+    assert calls == [(40, 64), (48, 64), (48, 64)]  # once per matrix: the single weight, experts 2 and 0
+    assert single.float_nbytes == 40 * 64 * 4 and stack.float_nbytes == 2 * 48 * 64 * 4  # expert 1 never ran
+    assert stack[1].float_nbytes == stack.float_nbytes  # one set of copies for the stack and its views
 
 
 def test_int8_rounds_each_weight_to_its_block_grid():
