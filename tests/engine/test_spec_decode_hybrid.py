@@ -211,13 +211,17 @@ def test_verify_steps_through_the_triton_kernels(tmp_path):
                                          dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
     rng = random.Random(4)
     prompts = [[rng.randrange(8, 380) for _ in range(n)] for n in (9, 5)]
-    ref, _ = run(make_llm(str(path), num_kv_blocks=32), prompts, [greedy(10)] * 2)
+    params = [greedy(10, logprobs=1)] * 2
+    ref, ref_outs = run(make_llm(str(path), num_kv_blocks=32), prompts, params)
     futures = {tuple(p): p + r for p, r in zip(prompts, ref)}
     llm, source = scripted(str(path), futures, 3, lambda r: r.choice([None, 0, 1, 2]), num_kv_blocks=32,
                            kernels="triton")
     assert llm.engine.executor.kernels == "triton"
-    out, _ = run(llm, prompts, [greedy(10)] * 2)
+    out, outs = run(llm, prompts, params)
     assert out == ref and source.observed == source.expected
+    for got, want in zip(outs, ref_outs):  # (the two kernel sets agree to float32 rounding)
+        assert torch.allclose(torch.tensor([lp["logprob"] for lp in got.outputs[0].logprobs]),
+                              torch.tensor([lp["logprob"] for lp in want.outputs[0].logprobs]), atol=1e-4, rtol=0)
     assert sum(a for _, a in source.observed) > 0
     check_state_slots(llm)
 
