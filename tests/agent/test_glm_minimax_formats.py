@@ -217,16 +217,44 @@ def test_the_call_grammar_follows_glms_form(tmp_path):
     assert not _accepts(tokens, session, calls[0].replace("read_file", "nope"))
 
 
+def test_the_call_grammar_follows_minimaxs_block(tmp_path):
+    """MiniMax-M2's template: its generation prompt opens the reasoning (the probe's reply reasons first), its calls
+    are <invoke>s in a <minimax:tool_call> block. The grammar writes one invoke per block (the parser reads a block of
+    several as well), text never spells the block's open tag, and what it lets through the parser reads."""
+    from tsterm.agent.tool_calls import MINIMAX_OPEN
+    from tsterm.agent.tool_grammar import agent_grammar, call_form, call_rules, tool_parameters
+
+    tokens = _template_tokens(tmp_path, "minimax", MINIMAX_M2)
+    form = call_form(tokens)
+    assert form.open_tag == MINIMAX_OPEN and form.xml.function_head == '<invoke name="{name}">'
+    parameters = tool_parameters(TOOLS)
+    one = "\n".join(["start: tc", f"tc: {form.open} call {form.close}",
+                     *call_rules(form, {"read_file": parameters["read_file"]})])
+    calls = [assistant_reply(MINIMAX_M2, message([c], content="", reasoning="")).lstrip() for c in CALLS]
+    assert calls[0].startswith(MINIMAX_OPEN + '\n<invoke name="read_file">')
+    assert _accepts(tokens, one, calls[0])
+    (read,) = calls_of(parse(calls[0]))
+    assert read.ok and (read.name, read.arguments) == CALLS[0]
+    for bad in (calls[1],  # not the named tool
+                calls[0].replace('"limit">5<', '"limit">five<'),  # an integer's JSON
+                calls[0].replace('name="path"', 'name="file"'),  # a parameter it lacks
+                calls[0].replace("notes/a b.txt", "a</parameter>b")):  # a value cannot hold the close tag
+        assert not _accepts(tokens, one, bad), bad
+    session = agent_grammar(tokens, form, parameters, opened=True)  # the prompt opened the reasoning
+    assert _accepts(tokens, session, "plan</think>\n\nReading both.\n" + calls[0] + "\n" + calls[1])
+    assert not _accepts(tokens, session, "plan</think>\nI write " + MINIMAX_OPEN + " in text")
+    bad = calls[0].replace('"limit">5<', '"limit">five<')
+    assert not _accepts(tokens, session, "plan</think>\nReading.\n" + bad)  # a block after text is a valid call
+    events = parse("plan</think>\n\nReading both.\n" + calls[0] + "\n" + calls[1])
+    assert [(c.name, c.arguments) for c in calls_of(events)] == CALLS
+
+
 def test_required_tool_choice_on_a_template_the_grammar_cannot_follow_is_a_clear_refusal(tmp_path):
-    """The call grammar follows `<tool_call>` with JSON, the Qwen3-Coder XML form or GLM's: a template that writes
-    MiniMax-M2's block is refused by name (the server answers 400 tool_choice_unsupported), never a crash."""
+    """A template whose calls tsterm's parser cannot read is refused by name (the server answers 400
+    tool_choice_unsupported), never a crash: here MiniMax's block with its invoke misspelt."""
     from tsterm.agent.tool_grammar import CallFormError, call_form
 
-    # MiniMax's generation prompt opens a <think> its replies do not continue; without it (the prompt ending at the
-    # role), its block is read as calls the grammar cannot follow
-    no_think = MINIMAX_M2.replace("]~b]ai\n<think>\n{% endif %}", "]~b]ai\n{% endif %}")
-    assert no_think != MINIMAX_M2
-    for name, template, wanted in (("minimax", MINIMAX_M2, "does not continue its generation prompt"),
-                                   ("minimax-no-think", no_think, "form the call grammar does not follow")):
-        with pytest.raises(CallFormError, match=wanted):
-            call_form(_template_tokens(tmp_path, name, template))
+    broken = MINIMAX_M2.replace("'<invoke name=\"'", "'<invoke tool=\"'")
+    assert broken != MINIMAX_M2
+    with pytest.raises(CallFormError, match="does not render an assistant tool call"):
+        call_form(_template_tokens(tmp_path, "broken", broken))

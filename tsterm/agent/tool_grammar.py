@@ -4,8 +4,10 @@ required / named, strict functions under "auto") and agent sessions (`agent_gram
 
 The call form is read off the template (`call_form`): the reply of one call and of two, rendered after a probe, gives
 the open tag and what precedes the call's body, what follows it up to the close tag, the separator between two calls,
-and the body: the JSON object `{"name", "arguments"}` (keys in the template's order, spaced as it spaces them) or the
-Qwen3-Coder XML form `<function=NAME><parameter=P>value</parameter></function>` (its layout). `call_rules` writes a
+and the body: the JSON object `{"name", "arguments"}` (keys in the template's order, spaced as it spaces them), the
+Qwen3-Coder XML form `<function=NAME><parameter=P>value</parameter></function>` (its layout), GLM-4.5's
+`NAME<arg_key>P</arg_key><arg_value>value</arg_value>`, or MiniMax-M2's `<minimax:tool_call>` block of
+`<invoke name="NAME"><parameter name="P">value</parameter></invoke>` (one invoke per block as the grammar writes it). `call_rules` writes a
 `call` rule that allows, per tool, its name and arguments held to its JSON schema (llguidance's JSON schema support:
 required keys, types, enums, bounds). Special tokens are named as llguidance's token references (`<[id]>`): a string
 literal would never match one.
@@ -26,7 +28,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from tsterm.agent.tool_calls import _JSON_TYPES, CLOSE_TAG, OPEN_TAG, TextDelta, ToolCall, ToolCallParser
+from tsterm.agent.tool_calls import (_JSON_TYPES, CLOSE_TAG, MINIMAX_OPEN, OPEN_TAG, TAGS, TextDelta, ToolCall,
+                                     ToolCallParser)
 from tsterm.errors import TstermError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -82,6 +85,7 @@ class CallForm:
     separators: tuple[str, str] | None
     xml: XmlForm | None = None
     after_tag: str = ""
+    open_tag: str = OPEN_TAG  # the text of the call block's open tag (MiniMax-M2's: <minimax:tool_call>)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +116,11 @@ def glm_form(after_name: str, between: str, value_open: str, value_close: str, a
 
 # the probe's call `a(a="x")` in the XML form, each layout gap captured
 _XML_PROBE = re.compile(r"(\s*)<function=a>(\s*)<parameter=a>(\s*)x(\s*)</parameter>(\s*)(</function>\s*)")
+# ... in MiniMax-M2's block (one <invoke> per block as the grammar writes it; the parser reads several)
+_MINIMAX_PROBE = re.compile(r'(\s*)<invoke name="a">(\s*)<parameter name="a">(\s*)x(\s*)</parameter>(\s*)'
+                            r'(</invoke>\s*)')
+MINIMAX_SPELLING = dict(function_head='<invoke name="{name}">', parameter_head='<parameter name="{key}">',
+                        any_parameter='"<parameter name=\\"" /[^"\\n]+/ "\\">"')
 # ... and in GLM-4.5's form
 _GLM_PROBE = re.compile(r"(\s*)a(\s*)<arg_key>a</arg_key>(\s*)<arg_value>(\s*)x(\s*)</arg_value>(\s*)")
 _EMPTY_THINK = re.compile(r"\A\s*<think>\s*</think>")  # GLM renders a past turn's empty reasoning before its calls
@@ -124,12 +133,17 @@ def call_form(tokens: TemplateTokens) -> CallForm:
 
     def reply(message: dict) -> str:
         head = list(tokenizer.apply_chat_template(_PROBE, tools=[], add_generation_prompt=True, tokenize=True))
-        ids = list(tokenizer.apply_chat_template(_PROBE + [{"role": "assistant", "content": "", **message}], tools=[],
-                                                 add_generation_prompt=False, tokenize=True))
+        # a generation prompt that opens the reasoning (MiniMax-M2's) is continued by a reply with reasoning
+        opened = prompt_opens_reasoning(tokens, head)
+        reasoning = {"reasoning_content": "r"} if opened else {}
+        ids = list(tokenizer.apply_chat_template(_PROBE + [{"role": "assistant", "content": "", **reasoning,
+                                                            **message}], tools=[], add_generation_prompt=False,
+                                                 tokenize=True))
         if ids[:len(head)] != head:
             raise CallFormError("the chat template renders an assistant reply that does not continue its generation "
                                 "prompt")
-        return tokenizer.decode(ids[len(head):], skip_special_tokens=False)
+        text = tokenizer.decode(ids[len(head):], skip_special_tokens=False)
+        return text.split(THINK_CLOSE, 1)[1].lstrip() if opened and THINK_CLOSE in text else text
 
     def call(name: str) -> dict:
         return {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": {"a": "x"}}}
@@ -142,18 +156,24 @@ def call_form(tokens: TemplateTokens) -> CallForm:
     if not _renders_call(one, "a", {"a": "x"}):
         raise CallFormError("the chat template does not render an assistant tool call as a reply that begins with a "
                             "<tool_call> tsterm's parser reads")
-    if OPEN_TAG not in one:  # a call tsterm reads in a block of its own (MiniMax-M2's <minimax:tool_call>)
-        raise CallFormError("the chat template writes tool calls in a form the call grammar does not follow (it "
-                            "follows <tool_call> with JSON or <function=NAME> inside)")
-    start = one.index(OPEN_TAG)
-    stop = one.index(CLOSE_TAG, start)
-    inner = one[start + len(OPEN_TAG):stop]
-    block = one[start:stop + len(CLOSE_TAG)]
+    open_tag, close_tag = next((tags for tags in TAGS if tags[0] in one), (OPEN_TAG, CLOSE_TAG))
+    start = one.index(open_tag)
+    stop = one.index(close_tag, start)
+    inner = one[start + len(open_tag):stop]
+    block = one[start:stop + len(close_tag)]
     separator = "\n"
-    if two.count(OPEN_TAG) == 2:
+    if two.count(open_tag) == 2:
         after = two.index(block) + len(block)
-        separator = two[after:two.index(OPEN_TAG, after)]
+        separator = two[after:two.index(open_tag, after)]
     separator_lark = lark(tokens, separator) if separator else '""'
+    if open_tag == MINIMAX_OPEN:  # MiniMax-M2's block: the XML form with its own spelling, one <invoke> per block
+        minimax = _MINIMAX_PROBE.fullmatch(inner)
+        if minimax is None:
+            raise CallFormError(f"the chat template writes a {MINIMAX_OPEN} block the call grammar does not follow "
+                                '(it follows <invoke name="NAME"><parameter name="P">value</parameter></invoke>)')
+        return CallForm(lark(tokens, open_tag + minimax.group(1)), lark(tokens, minimax.group(6) + close_tag),
+                        separator_lark, (), None, XmlForm(*minimax.group(2, 3, 4, 5), **MINIMAX_SPELLING),
+                        minimax.group(1), open_tag)
     glm = _GLM_PROBE.fullmatch(inner)
     if glm is not None:  # GLM-4.5's form: the name, then <arg_key>/<arg_value> pairs, no closing tag of its own
         return CallForm(lark(tokens, OPEN_TAG + glm.group(1)), lark(tokens, CLOSE_TAG), separator_lark, (), None,
@@ -310,9 +330,9 @@ def agent_grammar(tokens: TemplateTokens, form: CallForm, parameters: Mapping[st
     `opened`: the generation prompt left a reasoning block open (the reply finishes it first; otherwise it may open
     with one); `stop_token_ids`: the request's own stop tokens, allowed wherever the reply may end (the engine's eos
     tokens are, by the engine)."""
-    no_tag = _regex(OPEN_TAG)
+    no_tag = _regex(form.open_tag)
     text = f"/(?s:.*)/ & ~/(?s:.*){no_tag}(?s:.*)/"  # any text that does not spell the open tag
-    open_tag = lark(tokens, OPEN_TAG)
+    open_tag = lark(tokens, form.open_tag)
     special_tag = open_tag.startswith("<[") and " " not in open_tag
     lines = [f"TEXT: {text}", f"tc: {form.open} call {form.close}", *call_rules(form, parameters)]
     calls = f"tc ({form.separator} tc)*"
@@ -321,7 +341,7 @@ def agent_grammar(tokens: TemplateTokens, form: CallForm, parameters: Mapping[st
     else:  # a text tag: the text before the first call ends where the tag is written (llguidance's stop consumes it)
         after = lark(tokens, form.after_tag) if form.after_tag else ""
         body = f"TEXT | text_to_tag {after} call {form.close} ({form.separator} tc)*".replace("  ", " ")
-        lines.append(f"text_to_tag[stop={json.dumps(OPEN_TAG)}]: /(?s:.*)/")
+        lines.append(f"text_to_tag[stop={json.dumps(form.open_tag)}]: /(?s:.*)/")
     opening = "" if opened else lark(tokens, THINK_OPEN) + " "
     closing = lark(tokens, THINK_CLOSE)
     if closing.startswith("<[") and " " not in closing:  # one special token: the reasoning is any text before it
