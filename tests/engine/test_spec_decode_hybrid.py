@@ -240,3 +240,24 @@ def test_a_reply_that_stops_inside_an_accepted_run_leaves_no_slot(next_model):
     held = {slot for slot in range(llm.engine.kv.pool.num_state_slots) if llm.engine.kv.pool.state_slot_refs(slot)}
     assert held == {block.snapshot for block in llm.engine.kv.pool.blocks if block.snapshot is not None}
 
+
+
+def test_several_ranks_refuse_speculation_on_a_hybrid(next_model):
+    """A multi-rank executor's step does not carry the verify's per-position state slots to the other ranks yet:
+    refused, naming the option, before any weight loads (a plain hybrid on several ranks is not refused here)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from tsterm.config import EngineConfig, ModelConfig
+    from tsterm.engine.executor import ExecutorSpec
+    from tsterm.engine.model_runner import ModelRunner
+    from tsterm.errors import ConfigError
+    from tsterm.model.parallel import ParallelLayout
+
+    par = SimpleNamespace(layout=ParallelLayout(tp_size=2))
+    config = EngineConfig(next_model, speculative_method="suffix", num_speculative_tokens=3, device="cpu")
+    spec = ExecutorSpec(config, ModelConfig.from_dir(Path(next_model)), Path(next_model), torch.float32,
+                        torch.device("cpu"))
+    with pytest.raises(ConfigError, match="hybrid model runs in one process") as error:
+        ModelRunner(spec, par)
+    assert error.value.param == "speculative_method"

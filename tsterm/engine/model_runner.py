@@ -74,6 +74,10 @@ class ModelRunner(Executor):
         self.num_state_slots = num_state_slots(layer_types, config.max_num_seqs, config.enable_prefix_caching,
                                                speculative)
         recurrent = self.num_state_slots > 0
+        if recurrent and speculative and layout.world_size > 1:  # (before the long weight load)
+            raise ConfigError("speculative decoding on a hybrid model runs in one process: a verify step's per-"
+                              "position state slots (HostStep.verify_slots) do not travel to the other ranks yet; "
+                              "use speculative_method off with several ranks", param="speculative_method")
         # each linear weight quantized as it loads: the float model is never whole on the device
         load = load_hybrid_weights if recurrent else load_weights
         weights = load(spec.model_dir, cfg, spec.dtype, spec.device, spec.progress, layout,
