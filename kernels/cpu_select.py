@@ -166,9 +166,9 @@ class Choice:
         text = f"{self.shape.key} {self.candidate}"
         if self.how != "measured":
             return f"{text} ({self.how})"
-        mine = self.seconds[self.candidate]
-        others = ", ".join(f"{name} {t / mine:.2f}x" for name, t in self.seconds.items() if name != self.candidate)
-        return f"{text} ({others or 'alone'})"  # each other candidate's time over the chosen one's
+        mine = self.seconds[self.candidate]  # each other candidate's time as a multiple of the chosen one's
+        others = ", ".join(f"{name} {t / mine:.3g}x" for name, t in self.seconds.items() if name != self.candidate)
+        return f"{text} ({others or 'alone'} its time)"
 
     def as_json(self) -> dict:
         return {"candidate": self.candidate, "how": self.how, "seconds": dict(self.seconds)}

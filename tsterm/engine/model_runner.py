@@ -40,6 +40,7 @@ from tsterm.engine.step_inputs import (
 from tsterm.model.arch import ARCHITECTURES
 from tsterm.errors import ConfigError
 from tsterm.model.cache import ModelCache, PagedKVPool, num_state_slots
+from tsterm.model.cpu_kernels import choose as choose_cpu_kernels
 from tsterm.model.decoder import DecoderModel
 from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
@@ -129,6 +130,9 @@ class ModelRunner(Executor):
         self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
                                 num_state_slots=self.num_state_slots)
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
+        # each float32 shape class's CPU kernel: measured on this machine once (kept in the kernel cache), logged
+        self.cpu_kernels = (choose_cpu_kernels(self.model)
+                            if self.device.type == "cpu" and self.kernels == "torch" else None)
         if mtp_weights is not None:
             self.mtp = MtpHead(cfg, mtp_weights, self.model, PagedKVPool(
                 cfg, (0,), self.num_blocks + num_scratch, self.block_size, spec.dtype, spec.device, layout))
