@@ -123,6 +123,7 @@ def test_bench_replays_with_and_without_drafts_and_the_lookup_baseline(checkpoin
     assert r["divergence_from_tsterm"] == {NO_SPEC: None, "transformers-lookup": None, "transformers-cache": None}
     s = r["speculation"]
     assert s["method"] == "suffix" and s["num_speculative_tokens"] == 4
+    assert s["no_spec_draft_tokens"] == 0  # the replay without drafts verified none
     # the bench's own per-position count and the engine's counters agree (two rounds of the replay with drafts)
     assert s["num_drafts"] == s["drafted_by_position"][0] > 0
     assert sum(s["drafted_by_position"]) == s["draft_tokens"] and sum(s["accepted_by_position"]) == s["accepted_tokens"]
@@ -172,8 +173,9 @@ def test_llama_cpp_lookup_opens_llama_with_the_prompt_lookup_draft(monkeypatch, 
     monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    open_llama(gguf, 64, 1, lookup_tokens=6)
-    assert opened["draft_model"].num_pred_tokens == 6 and opened["n_ctx"] == 64
+    open_llama(gguf, 300, 1, lookup_tokens=6)
+    # the context as llama.cpp pads it: the logits kept for drafts cover every position it may draft into
+    assert opened["draft_model"].num_pred_tokens == 6 and opened["n_ctx"] == 512
     open_llama(gguf, 64, 1)
     assert opened["draft_model"] is None
 

@@ -231,6 +231,9 @@ def _replay_tsterm_speculating(engine, trace, name: str, progress, on: bool, spe
                 spec[key] = _sum(spec.get(key), _stat_delta(before.get(key), after[key]))
         spec["drafted_by_position"] = _sum(spec.get("drafted_by_position"), recorded.drafted)
         spec["accepted_by_position"] = _sum(spec.get("accepted_by_position"), recorded.accepted)
+    else:  # (none: the check that the replay without drafts ran without them)
+        spec["no_spec_draft_tokens"] = _sum(spec.get("no_spec_draft_tokens"), engine.stats()["spec_draft_tokens"]
+                                            - before["spec_draft_tokens"])
     return result
 
 
@@ -261,6 +264,7 @@ def _speculation_figures(spec: dict, runs: dict[str, list[ReplayResult]], engine
         if spec.get("spec_draft_tokens") else 0.0,
         "drafted_by_position": drafted, "accepted_by_position": accepted,
         "acceptance_by_position": [a / d if d else None for a, d in zip(accepted, drafted)],
+        "no_spec_draft_tokens": spec.get("no_spec_draft_tokens", 0),
         "decode_speedup_vs_off": statistics.median([on.decode_tokens_per_s() / off.decode_tokens_per_s()
                                           for on, off in zip(runs["tsterm"], runs[NO_SPEC])]),
         "e2e_speedup_vs_off": statistics.median([off.wall_s / on.wall_s for on, off in zip(runs["tsterm"], runs[NO_SPEC])]),

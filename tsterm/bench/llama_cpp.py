@@ -16,6 +16,7 @@ from tsterm.bench.replay import Progress, ReplayResult, TurnRecord, _prompt
 from tsterm.bench.trace import Trace
 from tsterm.errors import ConfigError
 
+LLAMA_CTX_PAD = 256
 INSTALL_HINT = "pip install -e '.[bench]' (or: pip install llama-cpp-python)"
 
 
@@ -56,6 +57,9 @@ def open_llama(gguf_path: str | Path, n_ctx: int, threads: int, lookup_tokens: i
     if not Path(gguf_path).is_file():
         raise ConfigError(f"--baseline llama.cpp: GGUF file {str(gguf_path)!r} does not exist")
     draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
+    # llama.cpp pads the context to a multiple of 256 tokens; asked for that, the Python side's per-token logits
+    # (a draft model keeps all of them) have a row for every position it may draft into
+    n_ctx = -(-n_ctx // LLAMA_CTX_PAD) * LLAMA_CTX_PAD
     return Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
                  n_gpu_layers=0, verbose=False, draft_model=draft)
 
