@@ -262,3 +262,16 @@ def test_hybrid_greedy_with_mtp_drafts_equals_greedy_without(hybrid_with_head, o
     stats = llm.stats()
     assert stats["spec_num_drafts"] > 0 and stats["used"] == 0
     check_state_slots(llm)
+
+
+def test_drafts_near_the_end_of_the_context(moe_with_head):
+    """A chain of K drafts reaches K - 1 positions past the newest token: near the end of the context the head drafts
+    nothing rather than run past the model's positions, and the replies (to the last position) are greedy's."""
+    prompts = [[5 + i for i in range(20)], [7, 8, 9] * 6]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref, _ = run(make_llm(moe_with_head, max_model_len=32), prompts, [params] * 2)
+    llm = make_llm(moe_with_head, "mtp", 4, max_model_len=32)
+    llm.engine.draft_length = None  # (the cost-aware cut, where the engine has one: every draft verified)
+    out, outs = run(llm, prompts, [params] * 2)
+    assert out == ref and [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    assert llm.stats()["spec_num_drafts"] > 0

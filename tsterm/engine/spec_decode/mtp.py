@@ -106,7 +106,8 @@ class MtpSource(DraftSource):
             keep_rows.append(first_row + c - 1 - s)
             keep.append((seq.seq_id, c - 1))
             decoding = seq.num_output_tokens > 0 and c == len(seq.token_ids) - 1
-            if decoding and seq.params.max_tokens - seq.num_output_tokens > 1:
+            # (a chain reaches position c + K - 1: within the context, where there is room for a draft at all)
+            if decoding and seq.params.max_tokens - seq.num_output_tokens > 1 and c + K <= executor.max_model_len:
                 step.sample_rows.append(len(step.input_ids) - 1)
                 drafting.append((seq, table, c))
         if not keep:
