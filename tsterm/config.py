@@ -282,6 +282,9 @@ class EngineConfig:
                f"speculative_method must be off, ngram or suffix (or mtp: a checkpoint's MTP head), got "
                f"{self.speculative_method!r}",
                "speculative_method")
+        _check(self.speculative_method != "mtp" or self.tensor_parallel_size == self.expert_parallel_size == 1,
+               "speculative_method mtp runs the MTP head in one process: it needs tensor_parallel_size and "
+               "expert_parallel_size 1", "speculative_method")
         _check(isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
                and 1 <= self.num_speculative_tokens <= 64,
                f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",

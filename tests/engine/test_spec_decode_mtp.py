@@ -189,6 +189,12 @@ def test_checkpoint_without_a_head_is_refused(tmp_path):
         runner_for(str(path))
 
 
+def test_mtp_runs_on_one_rank():
+    with pytest.raises(ConfigError, match="speculative_method mtp runs the MTP head in one process") as error:
+        EngineConfig(model="m", speculative_method="mtp", tensor_parallel_size=2)
+    assert error.value.param == "speculative_method"
+
+
 # ---- the engine: greedy with MTP drafts is greedy without them ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
