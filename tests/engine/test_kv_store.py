@@ -190,3 +190,18 @@ def test_a_profiles_kv_disk_is_checked_field_by_field_with_its_line(tmp_path):
             load_profile(str(profile))
     profile.write_text("model: demo:tiny\nkv_disk: {path: ~/kv}\n")
     assert load_profile(str(profile)).engine["kv_disk"] == {"path": "~/kv"}
+
+
+def test_writes_queued_when_the_interpreter_exits_are_finished_first(tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from tsterm.engine.kv_store import KVDiskStore, block_name
+        store = KVDiskStore(sys.argv[1], 1 << 30, "m")  # never closed: a script, `tsterm run`
+        for i in range(50):
+            store.put(block_name(i), {"kind": "full"}, bytes([i]) * 100_000)
+    """)
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True,
+                   cwd=Path(__file__).resolve().parents[2])
+    store = KVDiskStore(tmp_path, 1 << 30, "m")
+    assert len(store.names()) == 50 and read(store, block_name(49), 100_000) == bytes([49]) * 100_000
+    store.close()

@@ -33,6 +33,7 @@ import os
 import queue
 import struct
 import threading
+import weakref
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -120,6 +121,8 @@ class KVDiskStore:
         self._closed = False
         self._writer = threading.Thread(target=self._run, name="tsterm-kv-writer", daemon=True)
         self._writer.start()
+        # at the interpreter's exit too (an engine never shut down: `tsterm run`, a script), the queued writes finish
+        self._stop = weakref.finalize(self, _stop_writer, self._queue, self._writer)
 
     # ---- the directory
 
@@ -255,8 +258,7 @@ class KVDiskStore:
             if self._closed:
                 return
             self._closed = True
-        self._queue.put(None)
-        self._writer.join()
+        self._stop()
 
     def _run(self) -> None:
         while True:
@@ -405,6 +407,11 @@ class KVDiskStore:
                     "kv_disk_refused_mismatch": self.refused["mismatch"],
                     "kv_disk_evicted_blocks": self.evicted_blocks, "kv_disk_write_errors": self.write_errors,
                     "kv_disk_dropped_writes": self.dropped_writes}
+
+
+def _stop_writer(writes: queue.Queue, writer: threading.Thread) -> None:
+    writes.put(None)
+    writer.join()
 
 
 def _header_matches(header: dict[str, Any], expect: dict[str, Any]) -> bool:
