@@ -261,3 +261,20 @@ def test_several_ranks_refuse_speculation_on_a_hybrid(next_model):
     with pytest.raises(ConfigError, match="hybrid model runs in one process") as error:
         ModelRunner(spec, par)
     assert error.value.param == "speculative_method"
+
+
+def test_a_verify_steps_plan_chains_each_position_from_the_previous_ones_slot():
+    """The recurrent plan of a step with two verify sequences (3 and 2 positions) beside a decode and a prompt chunk:
+    the verify rows go position by position (`waves`), each reading the slot the position before wrote (the first
+    its sequence's own) and writing the slot its state is kept in; the decode and the prompt are planned as ever."""
+    from tsterm_kernels.metadata import plan_recurrent_step
+
+    # seq 0: decode at 9 (slot 4); seq 1: verify of 3 rows at 12.. (slot 1, drafts' slots 7, 8); seq 2: a 3-token
+    # prompt chunk at 5.. (slot 2); seq 3: verify of 2 rows at 6.. (slot 3, draft slot 9)
+    shape, values = plan_recurrent_step([0, 1, 4, 7, 9], [10, 15, 8, 8], [4, 1, 2, 3], None,
+                                        [-1, 1, 7, 8, -1, -1, -1, 3, 9])
+    assert shape.waves == (2, 2, 1) and not shape.every_decode
+    offsets = shape.offsets()
+    got = {name: values[start:start + size] for name, (start, size) in offsets.items() if size}
+    assert got == dict(decode_slots=[4], decode_rows=[0], prefill_slots=[2], prefill_bounds=[4, 7],
+                       verify_rows=[1, 7, 2, 8, 3], verify_src=[1, 3, 1, 3, 7], verify_dst=[1, 3, 7, 9, 8])

@@ -100,7 +100,8 @@ def test_the_step_plan_travels_with_the_step_inputs():
     got = {name: getattr(plan, name).tolist() for name in plan.__slots__ if name != "shape"}
     assert got == dict(fresh_slots=[2], decode_slots=[0, 5], decode_rows=[6, 7], decode_keep_src=[0],
                        decode_keep_dst=[6], prefill_slots=[2, 1], prefill_bounds=[[0, 4], [8, 10]],
-                       prefill_keep_src=[2], prefill_keep_dst=[7], resume_slots=[2], resume_bounds=[[4, 6]])
+                       prefill_keep_src=[2], prefill_keep_dst=[7], resume_slots=[2], resume_bounds=[[4, 6]],
+                       verify_rows=[], verify_src=[], verify_dst=[])  # (verify steps: test_spec_decode_hybrid.py)
     assert not plan.shape.every_decode
 
     plain = HostStep(input_ids=[1], positions=[3], slot_mapping=[3], query_start_loc=[0, 1], seq_lens=[4],
