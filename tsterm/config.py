@@ -24,6 +24,9 @@ LOGIT_BIAS_BOUND = 100.0  # logit_bias values lie in [-100, 100], and at most 30
 MAX_LOGIT_BIAS = 300
 
 
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "mtp")  # (tsterm.engine.spec_decode builds each)
+
+
 @dataclass(slots=True)
 class StructuredOutputs:
     """Constrain a reply to a grammar (vLLM's `structured_outputs` / `guided_decoding`): exactly one of
@@ -278,7 +281,7 @@ class EngineConfig:
                f"state_snapshot_interval must be tokens >= 0 (0: off), got {self.state_snapshot_interval!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        _check(self.speculative_method in ("off", "ngram", "suffix", "mtp"),
+        _check(self.speculative_method in SPECULATIVE_METHODS,
                f"speculative_method must be off, ngram or suffix (or mtp: a checkpoint's MTP head), got "
                f"{self.speculative_method!r}",
                "speculative_method")

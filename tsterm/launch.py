@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tsterm.config import EngineConfig
+from tsterm.config import SPECULATIVE_METHODS, EngineConfig
 from tsterm.errors import ConfigError
 from tsterm.paths import DEMO_MODEL_NAMES
 from tsterm.profiles import Profile, load_profile
@@ -122,11 +122,12 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                         help="store the linear layers' weights quantized at load: int8 or int4 (blocks of 32 inputs), "
                              "fp16 (CPU only) or fp8 (blocks of 128 x 128, GPU only) (default: the profile's, "
                              "else none)")
-    parser.add_argument("--speculative", dest="speculative_method", choices=["off", "ngram", "suffix"],
+    parser.add_argument("--speculative", dest="speculative_method", choices=list(SPECULATIVE_METHODS),
                         metavar="METHOD", help="speculative decoding: draft tokens and verify them in one step (greedy "
                                                "replies are the same, sampled ones have the same distribution): off, "
-                                               "ngram (prompt lookup) or suffix (the request's own tokens and recent "
-                                               "outputs) (default: the profile's speculative_method, else off)")
+                                               "ngram (prompt lookup), suffix (the request's own tokens and recent "
+                                               "outputs) or mtp (the checkpoint's multi-token-prediction head) "
+                                               "(default: the profile's speculative_method, else off)")
     parser.add_argument("--num-speculative-tokens", type=int, dest="num_speculative_tokens", metavar="K",
                         help="most draft tokens verified per step (default: the profile's, else 4)")
 

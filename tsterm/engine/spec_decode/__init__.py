@@ -18,12 +18,13 @@ O(tokens appended since the last call), never O(context).
 """
 from __future__ import annotations
 
+from tsterm.config import SPECULATIVE_METHODS
 from tsterm.engine.spec_decode.base import DraftSource
 from tsterm.engine.spec_decode.mtp import MtpSource
 from tsterm.engine.spec_decode.ngram import NgramSource
 from tsterm.engine.spec_decode.suffix import SuffixAutomaton, SuffixSource
 
-METHODS = ("off", "ngram", "suffix", "mtp")
+METHODS = SPECULATIVE_METHODS
 
 
 def make_draft_source(method: str, num_tokens: int) -> DraftSource | None:
