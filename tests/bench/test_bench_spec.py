@@ -175,9 +175,9 @@ def test_llama_cpp_lookup_opens_llama_with_the_prompt_lookup_draft(monkeypatch, 
     gguf.write_bytes(b"GGUF")
     open_llama(gguf, 300, 1, lookup_tokens=6)
     # the context as llama.cpp pads it: the logits kept for drafts cover every position it may draft into
-    assert opened["draft_model"].num_pred_tokens == 6 and opened["n_ctx"] == 512
+    assert opened["draft_model"].num_pred_tokens == 6 and opened["n_ctx"] == 512 and opened["logits_all"]
     open_llama(gguf, 64, 1)
-    assert opened["draft_model"] is None
+    assert opened["draft_model"] is None and not opened["logits_all"]
 
 
 @pytest.mark.parametrize("command", [["bench"], ["agent", "say hi"]])

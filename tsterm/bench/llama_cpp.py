@@ -57,11 +57,13 @@ def open_llama(gguf_path: str | Path, n_ctx: int, threads: int, lookup_tokens: i
     if not Path(gguf_path).is_file():
         raise ConfigError(f"--baseline llama.cpp: GGUF file {str(gguf_path)!r} does not exist")
     draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
-    # llama.cpp pads the context to a multiple of 256 tokens; asked for that, the Python side's per-token logits
-    # (a draft model keeps all of them) have a row for every position it may draft into
+    # A draft model verifies from every position's logits, which the Python side keeps (`scores`) in n_ctx rows only
+    # when logits_all is asked for (else n_batch rows, overrun past position 512: llama-cpp-python 0.3.36 turns
+    # logits_all on for a draft model but sizes `scores` by the argument). llama.cpp pads the context to a multiple
+    # of 256 tokens and drafts up to that; asked for that size, `scores` has a row for every position.
     n_ctx = -(-n_ctx // LLAMA_CTX_PAD) * LLAMA_CTX_PAD
     return Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                 n_gpu_layers=0, verbose=False, draft_model=draft)
+                 n_gpu_layers=0, verbose=False, draft_model=draft, logits_all=draft is not None)
 
 
 def context_needed(trace: Trace) -> int:

@@ -76,8 +76,9 @@ def _comparison_lines(r: dict) -> list[str]:
         by_position = ", ".join("-" if a is None else f"{a:.2f}" for a in spec["acceptance_by_position"])
         lines.append(f"speculation {spec['method']} K={spec['num_speculative_tokens']}: {spec['num_drafts']} verifies, "
                      f"{spec['draft_tokens']} drafted, {spec['accepted_tokens']} accepted "
-                     f"({spec['acceptance_rate']:.2f}); mean accepted length {spec['mean_accepted_length']:.2f} per "
-                     f"verify; acceptance by draft position: {by_position}")
+                     f"({spec['acceptance_rate']:.2f}); mean accepted length {spec['mean_accepted_length']:.2f} drafts per "
+                     f"verify ({spec['mean_accepted_length'] + 1:.2f} tokens a verify step); acceptance by draft "
+                     f"position: {by_position}")
     return lines
 
 
