@@ -18,6 +18,7 @@ CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
