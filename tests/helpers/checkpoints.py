@@ -39,6 +39,8 @@ def make_checkpoint(path: Path, model_type: str, overrides: dict | None = None, 
     kwargs = dict(BASE, **{"vocab_size": vocab_size, **(overrides or {})})  # overrides may widen the vocab
     if model_type in ("mixtral", "olmoe", "minimax_m2"):  # these use intermediate_size for their experts
         kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
+    if model_type == "deepseek_v3":  # MLA: transformers sizes its rotation tables by head_dim, the RoPE part
+        kwargs["head_dim"] = kwargs.get("qk_rope_head_dim", 64)
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
     config.eos_token_id = None  # the tokenizer's own files say which ids end a turn
