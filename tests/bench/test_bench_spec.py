@@ -124,7 +124,11 @@ def test_bench_replays_with_and_without_drafts_and_the_lookup_baseline(checkpoin
     s = r["speculation"]
     assert s["method"] == "suffix" and s["num_speculative_tokens"] == 4
     assert s["no_spec_draft_tokens"] == 0  # the replay without drafts verified none
-    # the bench's own per-position count and the engine's counters agree (two rounds of the replay with drafts)
+    # the engine's per-position counters, the bench's own count of them and the engine's totals agree (two rounds
+    # of the replay with drafts)
+    assert s["by_position_from"] == "engine"
+    assert s["drafted_by_position"] == s["recorded_drafted_by_position"]
+    assert s["accepted_by_position"] == s["recorded_accepted_by_position"]
     assert s["num_drafts"] == s["drafted_by_position"][0] > 0
     assert sum(s["drafted_by_position"]) == s["draft_tokens"] and sum(s["accepted_by_position"]) == s["accepted_tokens"]
     assert all(a <= d for a, d in zip(s["accepted_by_position"], s["drafted_by_position"]))

@@ -226,11 +226,12 @@ def _replay_tsterm_speculating(engine, trace, name: str, progress, on: bool, spe
         result = replay_tsterm(engine, trace, name, progress, cache_salt=name)
     if on:
         after = engine.stats()
-        for key in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position"):
+        for key in ("spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_drafted_per_pos",
+                    "spec_accepted_per_pos"):
             if key in after:
                 spec[key] = _sum(spec.get(key), _stat_delta(before.get(key), after[key]))
-        spec["drafted_by_position"] = _sum(spec.get("drafted_by_position"), recorded.drafted)
-        spec["accepted_by_position"] = _sum(spec.get("accepted_by_position"), recorded.accepted)
+        spec["recorded_drafted_by_position"] = _sum(spec.get("recorded_drafted_by_position"), recorded.drafted)
+        spec["recorded_accepted_by_position"] = _sum(spec.get("recorded_accepted_by_position"), recorded.accepted)
     else:  # (none: the check that the replay without drafts ran without them)
         spec["no_spec_draft_tokens"] = _sum(spec.get("no_spec_draft_tokens"), engine.stats()["spec_draft_tokens"]
                                             - before["spec_draft_tokens"])
@@ -254,7 +255,11 @@ def _speculation_figures(spec: dict, runs: dict[str, list[ReplayResult]], engine
     ratios of the replay with drafts over the one without."""
     config = engine.config
     verifies = spec.get("spec_num_drafts", 0)
-    drafted, accepted = spec["drafted_by_position"], spec["accepted_by_position"]
+    # by position: the engine's own counters (Engine.stats' spec_*_per_pos), else what the bench's wrapper of the
+    # draft source counted (recorded_*, kept next to them: the two must agree)
+    from_engine = "spec_drafted_per_pos" in spec
+    drafted = spec["spec_drafted_per_pos" if from_engine else "recorded_drafted_by_position"]
+    accepted = spec["spec_accepted_per_pos" if from_engine else "recorded_accepted_by_position"]
     figures = {
         "method": config.speculative_method, "num_speculative_tokens": config.num_speculative_tokens,
         "num_drafts": verifies, "draft_tokens": spec.get("spec_draft_tokens", 0),
@@ -263,14 +268,15 @@ def _speculation_figures(spec: dict, runs: dict[str, list[ReplayResult]], engine
         "acceptance_rate": spec.get("spec_accepted_tokens", 0) / spec["spec_draft_tokens"]
         if spec.get("spec_draft_tokens") else 0.0,
         "drafted_by_position": drafted, "accepted_by_position": accepted,
+        "by_position_from": "engine" if from_engine else "bench",
+        "recorded_drafted_by_position": spec["recorded_drafted_by_position"],
+        "recorded_accepted_by_position": spec["recorded_accepted_by_position"],
         "acceptance_by_position": [a / d if d else None for a, d in zip(accepted, drafted)],
         "no_spec_draft_tokens": spec.get("no_spec_draft_tokens", 0),
         "decode_speedup_vs_off": statistics.median([on.decode_tokens_per_s() / off.decode_tokens_per_s()
                                           for on, off in zip(runs["tsterm"], runs[NO_SPEC])]),
         "e2e_speedup_vs_off": statistics.median([off.wall_s / on.wall_s for on, off in zip(runs["tsterm"], runs[NO_SPEC])]),
     }
-    if "spec_accepted_per_position" in spec:  # the engine's own per-position counters, when it keeps them
-        figures["engine_accepted_per_position"] = spec["spec_accepted_per_position"]
     return figures
 
 
