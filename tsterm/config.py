@@ -345,6 +345,8 @@ class RopeConfig:
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn
+    mscale: float | None = None  # DeepSeek's yarn: cos/sin scaled by mscale(factor, mscale) / mscale(factor, all_dim)
+    mscale_all_dim: float | None = None  # ... and MLA's softmax scale by mscale(factor, mscale_all_dim) squared
     partial_rotary_factor: float = 1.0
 
 
@@ -388,6 +390,14 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # Multi-head Latent Attention (DeepSeek-V3, `tsterm.model.mla`); 0 when the model has none. head_dim is then
+    # qk_rope_head_dim (the width RoPE rotates); q_lora_rank 0: q_proj straight from the hidden state
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # MLA's RoPE dims stored as interleaved pairs (DeepSeek's layout)
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     # a fine-grained FP8 checkpoint (quantization_config.quant_method "fp8"): the [rows, cols] blocks each
@@ -464,6 +474,8 @@ class ModelConfig:
             raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
                                  f"num_key_value_heads ({kv_heads})")
         head_dim = get("head_dim") or hidden // heads
+        if spec.mla:  # MLA: the rotated width is the RoPE part of each head
+            head_dim = get("qk_rope_head_dim", required=True)
         num_experts = get("num_experts") or get("num_local_experts") or get("n_routed_experts", 0)
         top_k = get("num_experts_per_tok", 1)
         if num_experts and not 1 <= top_k <= num_experts:
@@ -526,6 +538,10 @@ class ModelConfig:
             linear_key_head_dim=get("linear_key_head_dim", 0),
             linear_value_head_dim=get("linear_value_head_dim", 0),
             linear_conv_kernel_dim=get("linear_conv_kernel_dim", 0),
+            **({} if not spec.mla else dict(
+                q_lora_rank=get("q_lora_rank", 0), kv_lora_rank=get("kv_lora_rank", required=True),
+                qk_nope_head_dim=get("qk_nope_head_dim", required=True), qk_rope_head_dim=head_dim,
+                v_head_dim=get("v_head_dim", required=True), rope_interleave=bool(raw.get("rope_interleave", True)))),
             eos_token_ids=eos_ids,
             fp8_block_size=fp8_block_size,
             quant_method=quant_method,
@@ -543,6 +559,12 @@ class ModelConfig:
             if config.linear_num_value_heads % config.linear_num_key_heads:
                 raise ModelLoadError(f"{source}: linear_num_value_heads ({config.linear_num_value_heads}) is not a "
                                      f"multiple of linear_num_key_heads ({config.linear_num_key_heads})")
+        if spec.mla:
+            for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                if getattr(config, key) < 1:
+                    raise ModelLoadError(f"{source}: MLA needs a positive {key}, got {getattr(config, key)}")
+            if config.q_lora_rank < 0:
+                raise ModelLoadError(f"{source}: q_lora_rank must be positive or null, got {config.q_lora_rank}")
         if config.scoring_func not in ("softmax", "sigmoid"):
             raise ModelLoadError(f"{source}: scoring_func {config.scoring_func!r} is not supported (softmax or sigmoid)")
         if config.num_experts and (config.n_group < 1 or config.num_experts % config.n_group
@@ -641,6 +663,8 @@ def _parse_rope(raw: dict[str, Any], head_dim: int, source: str, allow_partial: 
         beta_fast=num("beta_fast", 32.0),
         beta_slow=num("beta_slow", 1.0),
         attention_factor=num("attention_factor", None),
+        mscale=num("mscale", None),
+        mscale_all_dim=num("mscale_all_dim", None),
         partial_rotary_factor=partial,
     )
     if rope_type == "llama3" and rope.high_freq_factor == rope.low_freq_factor:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tsterm.config import ModelConfig
-from tsterm.model.arch import FULL_ATTENTION, LINEAR_ATTENTION, LayerType
+from tsterm.model.arch import FULL_ATTENTION, LINEAR_ATTENTION, MLA, LayerType
 from tsterm.model.parallel import ParallelLayout
 
 
@@ -138,8 +138,37 @@ class RecurrentStatePool(CachePool):
         return num_layers * (conv + recurrent)
 
 
+class MLALatentPool(CachePool):
+    """Multi-head Latent Attention layers (`tsterm.model.mla`): per token only the normalised latent and the rotated
+    RoPE key, `[L_mla, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]`, zeroed once. Paged under the
+    same block ids as a KV pool (prefix reuse, forks, eviction are the KV manager's, unchanged); the latent is every
+    rank's (the heads are expanded from it), so a rank holds all of it."""
+
+    def __init__(self, cfg: ModelConfig, layers: tuple[int, ...], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, layout: ParallelLayout, num_slots: int = 0):
+        self.layers = layers
+        self._index = {layer: i for i, layer in enumerate(layers)}
+        self.latent = torch.zeros((len(layers), num_blocks, block_size, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                                  dtype=dtype, device=device)
+
+    def layer(self, index: int) -> torch.Tensor:
+        """Model layer `index`'s [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] view of the pool."""
+        return self.latent[self._index[index]]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> int:
+        for src, dst in pairs:
+            self.latent[:, dst].copy_(self.latent[:, src])
+        return len(pairs) * self.latent[:, 0].numel() * self.latent.element_size()
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, num_layers: int, block_size: int, dtype: torch.dtype,
+                        layout: ParallelLayout) -> int:
+        return num_layers * block_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype.itemsize
+
+
 # mixer name -> the pool that holds its layers' cache
-POOLS: dict[str, type[CachePool]] = {FULL_ATTENTION: PagedKVPool, LINEAR_ATTENTION: RecurrentStatePool}
+POOLS: dict[str, type[CachePool]] = {FULL_ATTENTION: PagedKVPool, LINEAR_ATTENTION: RecurrentStatePool,
+                                     MLA: MLALatentPool}
 
 
 def _layers_by_mixer(layer_types: tuple[LayerType, ...]) -> dict[str, tuple[int, ...]]:

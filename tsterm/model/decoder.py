@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from tsterm.config import ModelConfig
-from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION
+from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION, MLA
 from tsterm.model.cache import ModelCache
 from tsterm.model.gated_attention import GatedAttention
 from tsterm.model.linear_attention import GatedDeltaNet
+from tsterm.model.mla import MLAttention
 from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.rope import RotaryEmbedding, rotate_
 from tsterm_kernels import cpu_native
@@ -165,7 +166,7 @@ class SparseMoE:
 
 
 # mixer name (a `LayerType.mixer`) -> its layer class: (cfg, weights, prefix, cache views, ctx, ops, par) -> callable
-MIXERS = {FULL_ATTENTION: Attention, LINEAR_ATTENTION: GatedDeltaNet}
+MIXERS = {FULL_ATTENTION: Attention, LINEAR_ATTENTION: GatedDeltaNet, MLA: MLAttention}
 # the hybrid families' layers (`ArchSpec.attention_output_gate`): their full attention is gated
 GATED_MIXERS = {**MIXERS, FULL_ATTENTION: GatedAttention}
 

@@ -35,6 +35,7 @@ from tsterm_kernels.quant import BLOCK, FP8_BLOCK, QuantizedWeight
 from tsterm.config import ModelConfig
 from tsterm.errors import ModelLoadError
 from tsterm.model.arch import ARCHITECTURES
+from tsterm.model.mla import load_mla
 from tsterm.model.parallel import ParallelLayout
 from tsterm.model.quant import QuantizeOnLoad
 from tsterm.model.safetensors_mmap import WEIGHT_DTYPES, SafetensorsFile
@@ -343,7 +344,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         p, o = f"model.layers.{i}.", f"layers.{i}."
         w[o + "input_norm"] = src.get(p + "input_layernorm.weight", (H,))
         w[o + "post_attn_norm"] = src.get(p + "post_attention_layernorm.weight", (H,))
-        _load_attention(src, cfg, spec, p + "self_attn.", o, w, layout, dtype)
+        (load_mla if spec.mla else _load_attention)(src, cfg, spec, p + "self_attn.", o, w, layout, dtype)
         if cfg.is_moe_layer(i):
             _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout)
         else:

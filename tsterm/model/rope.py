@@ -34,8 +34,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings
 def _yarn(rope: RopeConfig, dim: int, original_max: int) -> tuple[torch.Tensor, float]:
     factor = rope.factor
     attention_factor = rope.attention_factor
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    if attention_factor is None:  # DeepSeek's mscale / mscale_all_dim ratio, else the paper's default
+        attention_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim) \
+            if rope.mscale and rope.mscale_all_dim else yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
@@ -49,6 +50,11 @@ def _yarn(rope: RopeConfig, dim: int, original_max: int) -> tuple[torch.Tensor, 
     extrapolation = 1 - ramp  # share of each frequency kept as trained
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv, float(attention_factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor` (1 when it is not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 class RotaryEmbedding:

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet: a recurrent state per sequence instead of a KV cache
+MLA = "mla"  # DeepSeek's Multi-head Latent Attention: one compressed latent + the RoPE key per token (`model.mla`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class ArchSpec:
     shared_expert_name: str = "shared_expert"  # the shared expert's name under the sparse block
     shared_expert_gated: bool = True  # False: the shared expert's output is added as it is (no sigmoid gate)
     mtp_layers_follow: bool = False  # layers numbered from num_hidden_layers on are the MTP head's: not run
+    mla: bool = False  # DeepSeek-V3: attention is MLA (kv_lora_rank, qk_rope_head_dim ... in config.json)
 
     def for_config(self, cfg: ModelConfig) -> ArchSpec:
         """This spec as one checkpoint of the family has it: without the q/k norm where config.json turns it off
@@ -60,5 +62,5 @@ class ArchSpec:
     def layer_types(self, cfg: ModelConfig) -> tuple[LayerType, ...]:
         """Each layer's type: the mixer from config.json's `layer_types` (all full attention when absent), and
         MoE or dense from the family's sparse-layer rule (`ModelConfig.is_moe_layer`)."""
-        mixers = cfg.layer_types or (FULL_ATTENTION,) * cfg.num_hidden_layers
+        mixers = cfg.layer_types or (self.mixers[0],) * cfg.num_hidden_layers
         return tuple(LayerType(mixer, "moe" if cfg.is_moe_layer(i) else "dense") for i, mixer in enumerate(mixers))

@@ -1,0 +1,198 @@
+"""Multi-head Latent Attention (DeepSeek-V2 / V3, Kimi-K2): the token mixer whose cache holds, per token, one
+compressed latent instead of per-head K and V.
+
+Per token the layer projects the hidden state to `kv_a` = [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)], RMS-
+normalises the latent (`kv_a_layernorm`) and rotates k_rope: that row of kv_lora_rank + qk_rope_head_dim values is all
+the cache keeps (`MLALatentPool`, paged under the same block tables as the KV pool, so prefix reuse, forks and
+eviction work on it unchanged). Each head's key is [k_nope | k_rope] with k_nope = W_UK[h] latent, its value
+W_UV[h] latent (W_UK, W_UV: the two row groups of `kv_b_proj`); its query [q_nope | q_rope] comes from q_a_proj ->
+q_a_layernorm -> q_b_proj (or q_proj when q_lora_rank is null).
+
+Two equal ways to attend:
+- expanded (prompt chunks, verify steps: several new tokens a sequence): the context's latents are expanded through
+  kv_b_proj to per-head K and V and attended as ordinary multi-head attention;
+- absorbed (decode rows: one new token a sequence): W_UK is folded into the query (q_lat[h] = W_UK[h]^T q_nope[h]),
+  so the scores are q_lat . latent + q_rope . k_rope, one key head of kv_lora_rank + qk_rope_head_dim shared by all
+  query heads, read straight from the latent pool by the ordinary paged attention (the latent row as both key and
+  value); the output's latent part goes out through W_UV. Nothing per head is ever materialised for the context.
+
+The softmax scale is (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 under
+DeepSeek's YaRN (the rotation tables carry the mscale / mscale_all_dim ratio). DeepSeek's checkpoints lay the RoPE
+dims out as interleaved pairs (`rope_interleave`, the default): the loader reorders q_b_proj's and kv_a_proj's RoPE
+rows into the rotate-half layout once, so rotation is the decoder's ordinary `rotate`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from tsterm_kernels.metadata import AttentionMetadata
+from tsterm_kernels.quant import QuantizedWeight
+from tsterm_kernels.torch_ops import linear
+
+from tsterm.config import ModelConfig
+from tsterm.model.parallel import ParallelContext, ParallelLayout
+from tsterm.model.rope import rotate, yarn_mscale
+
+if TYPE_CHECKING:
+    from tsterm.model.decoder import StepContext
+    from tsterm_kernels.dispatch import KernelOps
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """MLA's softmax scale: 1/sqrt(qk head dim), times DeepSeek YaRN's mscale(factor, mscale_all_dim) squared."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.rope.rope_type != "default" and cfg.rope.mscale_all_dim:
+        scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
+    return scale
+
+
+def latent_width(cfg: ModelConfig) -> int:
+    """Values one token keeps per MLA layer: the normalised latent and the rotated RoPE key."""
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def expanded_kv_width(cfg: ModelConfig) -> int:
+    """Values one token would keep per layer as full per-head K and V (what MLA's latent replaces)."""
+    return cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+
+
+class MLAttention:
+    """Weights (`load_mla`): `q_a` [q_lora, H] + `q_a_norm` [q_lora] + `q_b` [Hq (dn + dr), q_lora], or `q_proj`
+    [Hq (dn + dr), H]; `kv_a` [r + dr, H], `kv_a_norm` [r]; `kv_b` [Hq (dn + dv), r]; `o_proj` [H, Hq dv] (Hq: this
+    rank's heads; optional `q_a_bias`, `kv_a_bias`, `o_bias`). cache: the layer's [num_blocks, block_size, 1, r + dr]
+    view of the latent pool."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cache: torch.Tensor,
+                 ctx: StepContext, ops: KernelOps, par: ParallelContext):
+        self.ctx, self.ops, self.par = ctx, ops, par
+        self.num_heads = par.layout.q_heads(cfg)[1]
+        self.rank, self.nope, self.rope_dim, self.v_dim = (cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                                                           cfg.qk_rope_head_dim, cfg.v_head_dim)
+        self.eps, self.scale = cfg.rms_norm_eps, softmax_scale(cfg)
+        self.q_a, self.q_a_norm, self.q_b = w.get(prefix + "q_a"), w.get(prefix + "q_a_norm"), w.get(prefix + "q_b")
+        self.q_proj, self.q_a_bias = w.get(prefix + "q_proj"), w.get(prefix + "q_a_bias")
+        self.kv_a, self.kv_a_bias, self.kv_a_norm = w[prefix + "kv_a"], w.get(prefix + "kv_a_bias"), w[prefix + "kv_a_norm"]
+        self.kv_b = w[prefix + "kv_b"]
+        self.o_proj = w[prefix + "o_proj"]
+        self.o_bias = w.get(prefix + "o_bias") if par.layout.tp_rank == 0 else None
+        kv_b = self.kv_b.dequantize() if isinstance(self.kv_b, QuantizedWeight) else self.kv_b
+        kv_b = kv_b.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        # the absorbed form's per-head matrices, once: q_nope [dn] -> q_lat [r], and the output's latent [r] -> [dv]
+        self.w_uk = kv_b[:, :self.nope].float().contiguous()  # [Hq, dn, r]
+        self.w_uv_t = kv_b[:, self.nope:].float().transpose(1, 2).contiguous()  # [Hq, r, dv]
+        self.cache = cache
+        # the attention's shape as the kernels see it (`cpu_kernels.shape_classes`): one latent key head
+        self.k_cache, self.num_kv_heads, self.head_dim = cache, 1, self.rank + self.rope_dim
+
+    def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """rope: the step's rotation tables (qk_rope_head_dim wide); x: [T, H] normed hidden states."""
+        T, Hq, r, dn, dr = x.shape[0], self.num_heads, self.rank, self.nope, self.rope_dim
+        if self.q_a is not None:
+            q = linear(self.ops.rms_norm(linear(x, self.q_a, self.q_a_bias), self.q_a_norm, self.eps)[0], self.q_b)
+        else:
+            q = linear(x, self.q_proj)
+        q = q.float().view(T, Hq, dn + dr)
+        q_nope, q_rope = q[..., :dn], rotate(q[..., dn:], rope)  # [T, Hq, dn] view, [T, Hq, dr]
+        kv = linear(x, self.kv_a, self.kv_a_bias)  # [T, r + dr]
+        latent = self.ops.rms_norm(kv[:, :r].contiguous(), self.kv_a_norm, self.eps)[0]  # [T, r]
+        k_rope = rotate(kv[:, None, r:].float(), rope)[:, 0]  # [T, dr]
+        entry = torch.cat((latent, k_rope.to(latent.dtype)), dim=-1)[:, None]  # [T, 1, r + dr]: what is cached
+        meta = self.ctx.meta
+        # the only cache write (the same row through both of store_kv's pools: the latent is key and value)
+        self.ops.store_kv(entry, entry, self.cache, self.cache, meta.slot_mapping)
+        o = self._attend(q_nope, q_rope, meta, x.dtype)  # [T, Hq, dv]
+        out = linear(o.reshape(T, Hq * self.v_dim).to(x.dtype), self.o_proj, self.o_bias)  # [T, H]: this rank's part
+        self.par.all_reduce_tp(out)
+        return out
+
+    def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
+                dtype: torch.dtype) -> torch.Tensor:
+        """[T, Hq, dv] float32: decode rows absorbed, the sequences with several new tokens expanded."""
+        starts = meta.query_start_loc
+        counts = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
+        if all(n == 1 for n in counts):
+            return self.absorbed(q_nope, q_rope, meta, dtype)
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+        decodes = [i for i, n in enumerate(counts) if n == 1]
+        if decodes:
+            rows = torch.tensor([starts[i] for i in decodes], device=q_nope.device)
+            out[rows] = self.absorbed(q_nope[rows], q_rope[rows], _subset(meta, decodes), dtype)
+        for i, n in enumerate(counts):
+            if n > 1:
+                s = slice(starts[i], starts[i + 1])
+                out[s] = self.expanded(q_nope[s], q_rope[s], meta.block_runs[i], meta.seq_lens[i])
+        return out
+
+    def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """Attention over the latent pool itself: [T, Hq, dn], [T, Hq, dr] float32 -> [T, Hq, dv] float32."""
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)  # [T, Hq, r]
+        q = torch.cat((q_lat, q_rope), dim=-1).to(dtype)  # [T, Hq, r + dr]
+        o = self.ops.paged_attention(q, self.cache, self.cache, meta, self.scale)  # [T, Hq, r + dr]
+        return torch.einsum("thr,hrv->thv", o[..., :self.rank].float(), self.w_uv_t)  # [T, Hq, dv]
+
+    def expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, runs: list[tuple[int, int]],
+                 seq_len: int) -> torch.Tensor:
+        """One sequence's m new tokens (the last m of its `seq_len`) over its context's latents expanded to per-head
+        K and V: [m, Hq, dn], [m, Hq, dr] float32 -> [m, Hq, dv] float32."""
+        m, Hq, r = q_nope.shape[0], self.num_heads, self.rank
+        rows = torch.cat([self.cache[b:b + n].flatten(0, 2) for b, n in runs])[:seq_len].float()  # [n, r + dr]
+        kv = linear(rows[:, :r].to(self.cache.dtype), self.kv_b).float().view(seq_len, Hq, self.nope + self.v_dim)
+        k = torch.cat((kv[..., :self.nope], rows[:, None, r:].expand(seq_len, Hq, self.rope_dim)), dim=-1)
+        v = kv[..., self.nope:]  # [n, Hq, dv]
+        q = torch.cat((q_nope, q_rope), dim=-1)  # [m, Hq, dn + dr]
+        # query j sits at position seq_len - m + j and sees keys 0 .. that position
+        mask = torch.arange(seq_len, device=q.device)[None] <= torch.arange(seq_len - m, seq_len, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                           scale=self.scale)  # [Hq, m, dv]
+        return o.transpose(0, 1)
+
+
+def _subset(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
+    """The step's metadata restricted to some one-token sequences (the decode rows of a mixed step)."""
+    index = torch.tensor(seqs, device=meta.block_tables.device)
+    return AttentionMetadata(query_start_loc=list(range(len(seqs) + 1)), seq_lens=[meta.seq_lens[i] for i in seqs],
+                             block_runs=[meta.block_runs[i] for i in seqs],
+                             slot_mapping=meta.slot_mapping[torch.tensor([meta.query_start_loc[i] for i in seqs],
+                                                                         device=meta.slot_mapping.device)],
+                             block_tables=meta.block_tables[index].contiguous(), block_size=meta.block_size)
+
+
+def load_mla(src, cfg: ModelConfig, spec, a: str, o: str, w: dict[str, torch.Tensor], layout: ParallelLayout,
+             dtype: torch.dtype) -> None:
+    """One MLA block from the checkpoint (`a`: its prefix, `o`: the canonical one; `src`: the loader's
+    `WeightSource`): this rank's heads of q_b / q_proj, kv_b and o_proj's columns; q_a, kv_a and the norms whole (the
+    latent is every rank's). Interleaved RoPE rows (`rope_interleave`) are reordered to rotate-half here."""
+    H, Hq, r, dn, dr, dv = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+                            cfg.qk_rope_head_dim, cfg.v_head_dim)
+    h0, nh = layout.q_heads(cfg)
+    # rotate-half order of an interleaved RoPE part: the even dims, then the odd ones
+    order = torch.cat((torch.arange(0, dr, 2), torch.arange(1, dr, 2))) if cfg.rope_interleave else torch.arange(dr)
+    q_order = torch.cat([h * (dn + dr) + torch.cat((torch.arange(dn), dn + order)) for h in range(nh)])
+    q_rows = (h0 * (dn + dr), nh * (dn + dr))
+    if cfg.q_lora_rank:
+        w[o + "q_a"] = src.weight(a + "q_a_proj.weight", (cfg.q_lora_rank, H))
+        w[o + "q_a_norm"] = src.get(a + "q_a_layernorm.weight", (cfg.q_lora_rank,))
+        if cfg.attention_bias:
+            w[o + "q_a_bias"] = src.get(a + "q_a_proj.bias", (cfg.q_lora_rank,))
+        w[o + "q_b"] = _rows(src.get(a + "q_b_proj.weight", (Hq * (dn + dr), cfg.q_lora_rank), rows=q_rows), q_order)
+    else:
+        w[o + "q_proj"] = _rows(src.get(a + "q_proj.weight", (Hq * (dn + dr), H), rows=q_rows), q_order)
+    w[o + "kv_a"] = _rows(src.get(a + "kv_a_proj_with_mqa.weight", (r + dr, H)), torch.cat((torch.arange(r), r + order)))
+    if cfg.attention_bias:
+        w[o + "kv_a_bias"] = _rows(src.get(a + "kv_a_proj_with_mqa.bias", (r + dr,)),
+                                   torch.cat((torch.arange(r), r + order)))
+    w[o + "kv_a_norm"] = src.get(a + "kv_a_layernorm.weight", (r,))
+    w[o + "kv_b"] = src.get(a + "kv_b_proj.weight", (Hq * (dn + dv), r), rows=(h0 * (dn + dv), nh * (dn + dv)))
+    w[o + "o_proj"] = src.weight(a + "o_proj.weight", (H, Hq * dv), cols=(h0 * dv, nh * dv))
+    if cfg.attention_bias:
+        w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
+
+
+def _rows(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """t's rows in `order` (a copy only when the order is not the identity)."""
+    if torch.equal(order, torch.arange(t.shape[0])):
+        return t
+    return t.index_select(0, order.to(t.device))
