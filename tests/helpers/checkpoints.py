@@ -18,6 +18,7 @@ CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
@@ -37,19 +38,24 @@ def make_checkpoint(path: Path, model_type: str, overrides: dict | None = None, 
         vocab_size = max(vocab_size, tokenizer_vocab)
     config_cls, model_cls = (getattr(transformers, name) for name in CLASSES[model_type])
     kwargs = dict(BASE, **{"vocab_size": vocab_size, **(overrides or {})})  # overrides may widen the vocab
-    if model_type in ("mixtral", "olmoe", "minimax_m2"):  # these use intermediate_size for their experts
+    if model_type in ("mixtral", "olmoe", "minimax_m2", "gpt_oss"):  # these use intermediate_size for their experts
         kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
     if model_type == "deepseek_v3":  # MLA: transformers sizes its rotation tables by head_dim, the RoPE part
         kwargs["head_dim"] = kwargs.get("qk_rope_head_dim", 64)
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
     config.eos_token_id = None  # the tokenizer's own files say which ids end a turn
+    if model_type == "gpt_oss":
+        config._attn_implementation = "eager"  # the reference's own sink softmax
     model = model_cls(config).eval().float()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # a selection bias (transformers starts it at zero) that changes which experts win
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.rand(buffer.shape, generator=gen) * 0.5)
+        for name, param in model.named_parameters():  # gpt-oss: sinks and biases that matter (zero at init)
+            if model_type == "gpt_oss" and name.endswith(("sinks", "_proj_bias", "_proj.bias", "router.bias")):
+                param.copy_(torch.randn(param.shape, generator=gen) * (1.5 if name.endswith("sinks") else 0.3))
     model.save_pretrained(path, **save_kwargs)
     return path, model
 
