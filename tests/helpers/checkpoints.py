@@ -20,6 +20,7 @@ CLASSES = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),  # DeepSeek-V3's architecture; config.json says kimi_k2
 }
 
 
@@ -40,7 +41,7 @@ def make_checkpoint(path: Path, model_type: str, overrides: dict | None = None, 
     kwargs = dict(BASE, **{"vocab_size": vocab_size, **(overrides or {})})  # overrides may widen the vocab
     if model_type in ("mixtral", "olmoe", "minimax_m2", "gpt_oss"):  # these use intermediate_size for their experts
         kwargs["intermediate_size"] = kwargs.pop("moe_intermediate_size")
-    if model_type == "deepseek_v3":  # MLA: transformers sizes its rotation tables by head_dim, the RoPE part
+    if model_type in ("deepseek_v3", "kimi_k2"):  # MLA: transformers sizes its rotation tables by head_dim, the RoPE part
         kwargs["head_dim"] = kwargs.get("qk_rope_head_dim", 64)
     torch.manual_seed(seed)
     config = config_cls(**kwargs)
@@ -57,6 +58,9 @@ def make_checkpoint(path: Path, model_type: str, overrides: dict | None = None, 
             if model_type == "gpt_oss" and name.endswith(("sinks", "_proj_bias", "_proj.bias", "router.bias")):
                 param.copy_(torch.randn(param.shape, generator=gen) * (1.5 if name.endswith("sinks") else 0.3))
     model.save_pretrained(path, **save_kwargs)
+    if model_type == "kimi_k2":  # as Moonshot ships it: DeepseekV3ForCausalLM under its own model_type
+        config_file = path / "config.json"
+        config_file.write_text(config_file.read_text().replace('"model_type": "deepseek_v3"', '"model_type": "kimi_k2"'))
     return path, model
 
 

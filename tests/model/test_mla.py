@@ -79,11 +79,12 @@ def queries(mla: MLAttention, m: int, seed: int):
 
 # kv_lora_rank + qk_rope_head_dim = 32 takes the C decode kernel; 28, the torch paths
 @pytest.mark.parametrize("kv_lora_rank", [24, 20])
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 70])
 def test_absorbed_and_expanded_equal_the_definition(kv_lora_rank, m):
     cfg = config(kv_lora_rank)
-    mla = layer(cfg, num_blocks=16)
-    table, seq_len = [7, 8, 3, 11], 14  # out of order, the last block partial
+    mla = layer(cfg, num_blocks=32)
+    table, seq_len = [7, 8, 3, 11] + list(range(12, 12 + 16)) + [4, 5], 14 + m  # out of order, the last block partial
+    table = table[:-(-seq_len // BLOCK)]
     q_nope, q_rope = queries(mla, m, seed=m)
     want = oracle(mla, q_nope, q_rope, table, seq_len)
     expanded = mla.expanded(q_nope, q_rope, contiguous_runs(table, len(table)), seq_len)
@@ -94,10 +95,14 @@ def test_absorbed_and_expanded_equal_the_definition(kv_lora_rank, m):
 
 
 def test_a_mixed_step_gives_each_sequence_its_own_rows():
-    """Decode rows (absorbed, through the step's metadata cut to them) beside a prompt chunk (expanded)."""
-    mla = layer(config(24), num_blocks=16)
-    seqs = [([1, 2], 6, 1), ([9, 4, 5], 11, 4), ([12], 3, 1)]
-    q_nope, q_rope = queries(mla, 6, seed=7)
+    """Rows absorbed (a decode, a short chunk: through the step's metadata cut to them) beside a long prompt chunk
+    (expanded)."""
+    mla = layer(config(24), num_blocks=48)
+    long = mla.absorb_max_rows + 3
+    assert long > 65  # a verify step's rows (64 drafts + 1) are never expanded
+    seqs = [([40, 41], 6, 1), (list(range(1, 1 + -(-(long + 5) // BLOCK))), long + 5, long), ([42, 30, 31], 11, 4),
+            ([44], 3, 1)]
+    q_nope, q_rope = queries(mla, sum(m for _, _, m in seqs), seed=7)
     got = mla._attend(q_nope, q_rope, meta_for(seqs), torch.float32)
     row = 0
     for table, seq_len, m in seqs:

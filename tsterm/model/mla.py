@@ -9,12 +9,18 @@ W_UV[h] latent (W_UK, W_UV: the two row groups of `kv_b_proj`); its query [q_nop
 q_a_layernorm -> q_b_proj (or q_proj when q_lora_rank is null).
 
 Two equal ways to attend:
-- expanded (prompt chunks, verify steps: several new tokens a sequence): the context's latents are expanded through
-  kv_b_proj to per-head K and V and attended as ordinary multi-head attention;
-- absorbed (decode rows: one new token a sequence): W_UK is folded into the query (q_lat[h] = W_UK[h]^T q_nope[h]),
+- absorbed (decode rows, verify steps, short chunks): W_UK is folded into the query (q_lat[h] = W_UK[h]^T q_nope[h]),
   so the scores are q_lat . latent + q_rope . k_rope, one key head of kv_lora_rank + qk_rope_head_dim shared by all
   query heads, read straight from the latent pool by the ordinary paged attention (the latent row as both key and
   value); the output's latent part goes out through W_UV. Nothing per head is ever materialised for the context.
+- expanded (prompt chunks of more than `absorb_max_rows` tokens): the context's latents are expanded through
+  kv_b_proj to per-head K and V once and attended as ordinary multi-head attention, cheaper once a chunk's queries
+  outnumber the break-even (expanding costs r (dn + dv) per context token and head, the absorbed form 2 (r + dr)
+  against the expanded (dn + dr + dv) per query: ~158 rows at DeepSeek-V3's sizes). A chunk of at most
+  `VERIFY_ROWS` (a verify step's most: 64 drafts + the last token) is never expanded, so a verify's rows are computed
+  as the decode's are, bit for bit (each op row-invariant: `linear`, the paged attention, whose float32 C kernels
+  take a latent row of a multiple of 16 values: 576 at DeepSeek-V3's and Kimi-K2's sizes), and speculation stays
+  lossless.
 
 The softmax scale is (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 under
 DeepSeek's YaRN (the rotation tables carry the mscale / mscale_all_dim ratio). DeepSeek's checkpoints lay the RoPE
@@ -38,6 +44,9 @@ from tsterm.model.rope import rotate, yarn_mscale
 if TYPE_CHECKING:
     from tsterm.model.decoder import StepContext
     from tsterm_kernels.dispatch import KernelOps
+
+
+VERIFY_ROWS = 65  # the most rows one sequence has in a verify step (num_speculative_tokens <= 64, tsterm.config)
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -79,9 +88,13 @@ class MLAttention:
         self.o_bias = w.get(prefix + "o_bias") if par.layout.tp_rank == 0 else None
         kv_b = self.kv_b.dequantize() if isinstance(self.kv_b, QuantizedWeight) else self.kv_b
         kv_b = kv_b.view(self.num_heads, self.nope + self.v_dim, self.rank)
-        # the absorbed form's per-head matrices, once: q_nope [dn] -> q_lat [r], and the output's latent [r] -> [dv]
-        self.w_uk = kv_b[:, :self.nope].float().contiguous()  # [Hq, dn, r]
-        self.w_uv_t = kv_b[:, self.nope:].float().transpose(1, 2).contiguous()  # [Hq, r, dv]
+        # the absorbed form's per-head matrices as `linear` weights [out, in], once: q_nope [dn] -> q_lat [r], and
+        # the output's latent [r] -> [dv] (`linear`: a row's bits do not depend on the step's row count)
+        self.w_uk_t = kv_b[:, :self.nope].float().transpose(1, 2).contiguous()  # [Hq, r, dn]
+        self.w_uv = kv_b[:, self.nope:].float().contiguous()  # [Hq, dv, r]
+        r, dn, dr, dv = self.rank, self.nope, self.rope_dim, self.v_dim
+        break_even = -(-r * (dn + dv) // max(2 * (r + dr) - (dn + dr + dv), 1))
+        self.absorb_max_rows = max(VERIFY_ROWS, break_even)  # a longer chunk of one sequence is expanded
         self.cache = cache
         # the attention's shape as the kernels see it (`cpu_kernels.shape_classes`): one latent key head
         self.k_cache, self.num_kv_heads, self.head_dim = cache, 1, self.rank + self.rope_dim
@@ -109,18 +122,19 @@ class MLAttention:
 
     def _attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                 dtype: torch.dtype) -> torch.Tensor:
-        """[T, Hq, dv] float32: decode rows absorbed, the sequences with several new tokens expanded."""
+        """[T, Hq, dv] float32: the sequences with more than `absorb_max_rows` new tokens expanded, the rest
+        absorbed (in one call, through the step's metadata cut to them)."""
         starts = meta.query_start_loc
         counts = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
-        if all(n == 1 for n in counts):
+        if all(n <= self.absorb_max_rows for n in counts):
             return self.absorbed(q_nope, q_rope, meta, dtype)
         out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
-        decodes = [i for i, n in enumerate(counts) if n == 1]
-        if decodes:
-            rows = torch.tensor([starts[i] for i in decodes], device=q_nope.device)
-            out[rows] = self.absorbed(q_nope[rows], q_rope[rows], _subset(meta, decodes), dtype)
+        absorbed = [i for i, n in enumerate(counts) if n <= self.absorb_max_rows]
+        if absorbed:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in absorbed]).to(q_nope.device)
+            out[rows] = self.absorbed(q_nope[rows], q_rope[rows], _subset(meta, absorbed), dtype)
         for i, n in enumerate(counts):
-            if n > 1:
+            if n > self.absorb_max_rows:
                 s = slice(starts[i], starts[i + 1])
                 out[s] = self.expanded(q_nope[s], q_rope[s], meta.block_runs[i], meta.seq_lens[i])
         return out
@@ -128,10 +142,14 @@ class MLAttention:
     def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                  dtype: torch.dtype) -> torch.Tensor:
         """Attention over the latent pool itself: [T, Hq, dn], [T, Hq, dr] float32 -> [T, Hq, dv] float32."""
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, self.w_uk)  # [T, Hq, r]
-        q = torch.cat((q_lat, q_rope), dim=-1).to(dtype)  # [T, Hq, r + dr]
-        o = self.ops.paged_attention(q, self.cache, self.cache, meta, self.scale)  # [T, Hq, r + dr]
-        return torch.einsum("thr,hrv->thv", o[..., :self.rank].float(), self.w_uv_t)  # [T, Hq, dv]
+        T, Hq, r = q_nope.shape[0], self.num_heads, self.rank
+        q = q_nope.new_empty(T, Hq, r + self.rope_dim)  # [T, Hq, r + dr]: [q_lat | q_rope]
+        for h in range(Hq):
+            q[:, h, :r] = linear(q_nope[:, h].contiguous(), self.w_uk_t[h])
+        q[..., r:] = q_rope
+        o = self.ops.paged_attention(q.to(dtype), self.cache, self.cache, meta, self.scale)  # [T, Hq, r + dr]
+        o_lat = o[..., :r].float()
+        return torch.stack([linear(o_lat[:, h].contiguous(), self.w_uv[h]) for h in range(Hq)], 1)  # [T, Hq, dv]
 
     def expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, runs: list[tuple[int, int]],
                  seq_len: int) -> torch.Tensor:
@@ -151,12 +169,16 @@ class MLAttention:
 
 
 def _subset(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
-    """The step's metadata restricted to some one-token sequences (the decode rows of a mixed step)."""
+    """The step's metadata restricted to some of its sequences (their rows, in order: the absorbed ones of a step
+    that also expands)."""
+    starts = meta.query_start_loc
     index = torch.tensor(seqs, device=meta.block_tables.device)
-    return AttentionMetadata(query_start_loc=list(range(len(seqs) + 1)), seq_lens=[meta.seq_lens[i] for i in seqs],
-                             block_runs=[meta.block_runs[i] for i in seqs],
-                             slot_mapping=meta.slot_mapping[torch.tensor([meta.query_start_loc[i] for i in seqs],
-                                                                         device=meta.slot_mapping.device)],
+    sub_starts = [0]
+    for i in seqs:
+        sub_starts.append(sub_starts[-1] + starts[i + 1] - starts[i])
+    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(meta.slot_mapping.device)
+    return AttentionMetadata(query_start_loc=sub_starts, seq_lens=[meta.seq_lens[i] for i in seqs],
+                             block_runs=[meta.block_runs[i] for i in seqs], slot_mapping=meta.slot_mapping[rows],
                              block_tables=meta.block_tables[index].contiguous(), block_size=meta.block_size)
 
 
