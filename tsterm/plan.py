@@ -60,8 +60,9 @@ DTYPES = ("bf16", "fp8", "int4")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "models" / "configs"  # config.json of real models, by name
 CACHE_BYTES = MappingProxyType({"bf16": 2, "fp8": 1, "fp32": 4})
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+MLA_TYPES = ("deepseek_v3", "kimi_k2")  # Multi-head Latent Attention (tsterm.model.mla)
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe",
-               "minimax_m2") + HYBRID_TYPES
+               "minimax_m2") + HYBRID_TYPES + MLA_TYPES
 QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe") + HYBRID_TYPES  # q_norm/k_norm of head_dim each
 
 # TokenSpeed's published figure for Qwen3.5-397B-A17B (PyTorch blog, 2026-05-27): 580 tok/s for one user (batch 1)
@@ -81,6 +82,17 @@ class LinearAttention:
     value_heads: int
     value_head_dim: int
     conv_kernel: int
+
+
+@dataclass(frozen=True, slots=True)
+class LatentAttention:
+    """Multi-head Latent Attention geometry (DeepSeek-V3, Kimi-K2): q_lora_rank 0 when q comes straight from H."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class PlanModel:
     notes: tuple[str, ...] = ()
     shared_gated: bool = True  # the shared expert has a sigmoid gate (Qwen); GLM's is added as it is
     router_bias: bool = False  # a selection bias per expert (GLM-4.5, MiniMax-M2)
+    mla: LatentAttention | None = None  # the attention layers are MLA (their cache: one latent per token)
 
     @property
     def num_layers(self) -> int:
@@ -151,7 +164,17 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
     n_dense = m.num_layers - n_moe
     q_r = _cdiv(m.heads, tp) * m.head_dim  # q width per rank
     kv_r = _cdiv(m.kv_heads, tp) * m.head_dim  # KV heads below TP are replicated
-    if n_full:
+    if n_full and m.mla:  # q_a, kv_a and their norms on every rank (the latent is every head's); heads split TP ways
+        a, heads_r = m.mla, _cdiv(m.heads, tp)
+        q_head, qa = a.qk_nope_head_dim + a.qk_rope_head_dim, a.q_lora_rank
+        out += [Tensor("attention", heads_r * q_head, qa or h, n_full, n_full),  # q_b (or q_proj)
+                Tensor("attention", a.kv_lora_rank + a.qk_rope_head_dim, h, n_full, n_full),  # kv_a_proj_with_mqa
+                Tensor("attention", heads_r * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank, n_full, n_full),
+                Tensor("attention", h, heads_r * a.v_head_dim, n_full, n_full),  # o
+                Tensor("norms", 1, a.kv_lora_rank + qa, n_full, n_full, quantized=False)]  # kv_a, q_a layernorms
+        if qa:
+            out.append(Tensor("attention", qa, h, n_full, n_full))  # q_a
+    elif n_full:
         out += [Tensor("attention", q_r * (2 if m.q_gated else 1), h, n_full, n_full),
                 Tensor("attention", kv_r, h, 2 * n_full, 2 * n_full),  # k, v
                 Tensor("attention", h, q_r, n_full, n_full)]  # o
@@ -212,8 +235,19 @@ def parameter_counts(m: PlanModel) -> tuple[int, int]:
 
 
 def kv_bytes_per_token(m: PlanModel, tp: int, kv_dtype: str) -> int:
-    """K and V of every full-attention layer for one token, on one rank."""
+    """K and V of every full-attention layer for one token, on one rank. MLA: the latent and the RoPE key, whole
+    on every rank (every head is expanded from them)."""
+    if m.mla:
+        return m.num_full * (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim) * CACHE_BYTES[kv_dtype]
     return m.num_full * 2 * _cdiv(m.kv_heads, tp) * m.head_dim * CACHE_BYTES[kv_dtype]
+
+
+def expanded_kv_bytes_per_token(m: PlanModel, kv_dtype: str) -> int:
+    """What an MLA model's cache would take per token as full per-head K ([nope | rope]) and V (0 without MLA)."""
+    if not m.mla:
+        return 0
+    a = m.mla
+    return m.num_full * m.heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * CACHE_BYTES[kv_dtype]
 
 
 def state_bytes_per_sequence(m: PlanModel, tp: int, state_dtype: str) -> int:
@@ -288,8 +322,6 @@ def load_config(path: str | Path) -> tuple[dict[str, Any], str]:
 
 def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
     """The planner's view of an HF config: multimodal configs (Qwen3.5) are read from their `text_config`."""
-    if "kv_lora_rank" in raw or "kv_lora_rank" in (raw.get("text_config") or {}):
-        raise ModelLoadError(f"{source}: multi-head latent attention (kv_lora_rank) is not modelled by the planner")
     notes = []
     text = raw.get("text_config")
     if isinstance(text, dict):
@@ -330,6 +362,13 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
     per_head = model_type in QK_NORM_PER_HEAD or (model_type == "glm4_moe" and cfg.get("use_qk_norm", True))
     qk_norm = 2 * head_dim if per_head else \
         (heads + kv_heads) * head_dim if model_type in ("olmoe", "minimax_m2") else 0  # these norm the whole q and k
+    mla = None
+    if cfg.get("kv_lora_rank") is not None:
+        keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        missing = [k for k in keys if not cfg.get(k)]
+        if missing:
+            raise ModelLoadError(f"{source}: multi-head latent attention (kv_lora_rank) needs {', '.join(missing)}")
+        mla = LatentAttention(_int(cfg, source, "q_lora_rank") or 0, *(_int(cfg, source, k) for k in keys))
     if cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_modules"):
         notes.append("the MTP layers shipped after the last layer are not counted: plain decode does not run them")
     if cfg.get("mtp_num_hidden_layers"):
@@ -346,8 +385,8 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
         shared_intermediate=_int(cfg, source, "shared_expert_intermediate_size") or  # GLM: n_shared_experts of them
         (_int(cfg, source, "n_shared_experts") or 0) * moe_intermediate,
         dense_intermediate=dense_intermediate, full_layers=full_layers, moe_layers=moe_layers, linear=linear,
-        notes=tuple(notes), shared_gated=model_type != "glm4_moe",
-        router_bias=model_type in ("glm4_moe", "minimax_m2"),
+        notes=tuple(notes), shared_gated=model_type not in ("glm4_moe",) + MLA_TYPES,
+        router_bias=model_type in ("glm4_moe", "minimax_m2") + MLA_TYPES, mla=mla,
     )
 
 
@@ -444,6 +483,7 @@ def build_report(m: PlanModel, source: str, gpus: int, gpu: GpuSpec, dtype: str,
         "options": {"dtype": dtype, "kv_dtype": kv_dtype, "state_dtype": state_dtype, "context": context,
                     "headroom": headroom},
         "kv_bytes_per_token": kv_bytes_per_token(m, 1, kv_dtype),
+        "kv_expanded_bytes_per_token": expanded_kv_bytes_per_token(m, kv_dtype),
         "state_bytes_per_sequence": state_bytes_per_sequence(m, 1, state_dtype),
         "layouts": [{**asdict(layout), "fits": layout.fits} for layout in layouts],
         "reference": TOKENSPEED_REFERENCE if is_qwen35_397b(m) else None,
@@ -463,7 +503,11 @@ def format_report(r: dict[str, Any]) -> str:
              f"  {mixers}{moe}",
              f"  {m['parameters'] / 1e9:.2f} B parameters, {m['active_parameters'] / 1e9:.2f} B active per token",
              f"  KV cache: {r['kv_bytes_per_token']:,} bytes per token ({o['kv_dtype']}, {m['full_attention_layers']} "
-             f"full-attention layers; a TP group splits it by KV head)"]
+             f"full-attention layers; a TP group splits it by KV head)" if not r["kv_expanded_bytes_per_token"] else
+             f"  KV cache: {r['kv_bytes_per_token']:,} bytes per token ({o['kv_dtype']}, {m['full_attention_layers']} "
+             f"MLA layers: one latent + RoPE key per token, whole on every rank)\n"
+             f"  (full per-head K and V would take {r['kv_expanded_bytes_per_token']:,} bytes per token: "
+             f"{r['kv_expanded_bytes_per_token'] / r['kv_bytes_per_token']:.1f}x)"]
     if r["state_bytes_per_sequence"]:
         lines.append(f"  recurrent state: {r['state_bytes_per_sequence']:,} bytes per sequence ({o['state_dtype']}, "
                      f"{m['linear_attention_layers']} Gated DeltaNet layers: conv + recurrent)")
