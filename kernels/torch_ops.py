@@ -277,8 +277,13 @@ def _run_view(cache: torch.Tensor, first_block: int, num_blocks: int, n: int) ->
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context, read in place from the pool.
+
+    sinks [Hq] float32 (gpt-oss): a learned logit per head that joins each softmax's denominator (a key whose value
+    is zero); window: each query sees only the last `window` positions, itself included (gpt-oss's sliding layers).
+    Either takes `_sink_window_attention` (the C kernels and the Triton kernel do not take them yet).
 
     q: [T, Hq, D] (new tokens, flattened over sequences); k_cache, v_cache: [num_blocks, B, Hkv, D], already
     holding the new tokens' K/V. Returns [T, Hq, D].
@@ -288,6 +293,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     each run of consecutive blocks is a view of the pool, attended separately, and the partial results are merged
     by their log-sum-exp.
     """
+    if sinks is not None or window is not None:
+        return _sink_window_attention(q, k_cache, v_cache, meta, scale, sinks, window)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -360,6 +367,65 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if len(meta.seq_lens) == 1:  # like the one-run decode: no copy into `out` (a view when num_q == 1)
             return o.to(q.dtype)
         out[q_start:q_end] = o.to(q.dtype)
+    return out
+
+
+_SINK_QUERY_ROWS = 64  # rows per gathered key block in `_sink_window_attention` (bounds its [rows, keys] buffers)
+
+
+def _sink_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """`paged_attention` with attention sinks and / or a sliding window, in float32 on any device.
+
+    Each new token attends over exactly the keys it sees (positions [0, p], or [p - window + 1, p] with a window),
+    gathered from the pool through the block table, with each head's sink logit in the denominator:
+    p = exp(s - m) / (sum exp(s - m) + exp(sink - m)), m the row's maximum over its keys and the sink. Rows with as
+    many keys (a window's rows once the context is longer than the window) are gathered into one block of rows and
+    computed together as one-row matmuls, so a row's bits depend on its keys only, not on how many rows the step has
+    (a verify step's rows are the decode's). Without a window each row is its own block: a long prompt's full layers
+    run row by row here (the C kernels do not take sinks yet).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    device = q.device
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    sink = None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1, 1)
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(meta.seq_lens):
+        q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        first_pos = seq_len - (q_end - q_start)  # the position of the sequence's first new token
+        table = meta.block_tables[i]
+        row = q_start
+        while row < q_end:
+            pos = first_pos + row - q_start
+            num_keys = pos + 1 if window is None else min(pos + 1, window)
+            rows = 1  # the following rows with as many keys (a full window) join this block
+            if window is not None and num_keys == window:
+                rows = min(q_end - row, _SINK_QUERY_ROWS)
+            k_pos = (torch.arange(pos + 1 - num_keys, pos + 1, device=device)[None]
+                     + torch.arange(rows, device=device)[:, None])  # [r, n]: each row's keys
+            slots = table[k_pos // block_size].long() * block_size + k_pos % block_size
+            k = k_flat[slots].float().permute(2, 0, 3, 1)[:, None]  # [Hkv, 1, r, D, n]
+            v = v_flat[slots].float().permute(2, 0, 1, 3)[:, None]  # [Hkv, 1, r, n, D]
+            qh = q[row:row + rows].float().view(rows, num_kv_heads, group, 1, head_dim).permute(1, 2, 0, 3, 4)
+            # [Hkv, G, r, 1, n] scores (+ the sink's column) in a buffer two columns wider: its rows do not coalesce,
+            # so exp runs row by row, its vector body and scalar tail splitting every row alike whatever r is
+            buf = torch.empty((num_kv_heads, group, rows, 1, num_keys + 2), dtype=torch.float32, device=device)
+            scores = buf[..., :num_keys]
+            scores.copy_(torch.matmul(qh, k)).mul_(scale)  # one-row matmuls
+            top = scores.amax(-1, keepdim=True)
+            if sink is not None:
+                top = torch.maximum(top, sink)
+                buf[..., num_keys:num_keys + 1] = sink - top
+            scores.sub_(top)
+            buf[..., :num_keys + (sink is not None)].exp_()
+            denom = scores.sum(-1, keepdim=True)
+            if sink is not None:
+                denom = denom + buf[..., num_keys:num_keys + 1]
+            o = torch.matmul(scores.div_(denom), v)  # [Hkv, G, r, 1, D]
+            out[row:row + rows] = o[:, :, :, 0].permute(2, 0, 1, 3).reshape(rows, num_heads, head_dim).to(q.dtype)
+            row += rows
     return out
 
 

@@ -345,6 +345,7 @@ class RopeConfig:
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn
+    truncate: bool = True  # yarn: the correction range's ends rounded to whole dims (gpt-oss: false)
     mscale: float | None = None  # DeepSeek's yarn: cos/sin scaled by mscale(factor, mscale) / mscale(factor, all_dim)
     mscale_all_dim: float | None = None  # ... and MLA's softmax scale by mscale(factor, mscale_all_dim) squared
     partial_rotary_factor: float = 1.0
@@ -383,6 +384,10 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0  # the first layers are dense MLPs (GLM-4.5, DeepSeek-V3)
     use_qk_norm: bool = True  # GLM-4.5: whether the family's per-head q/k norm is there
+    # gpt-oss: the window of its "sliding_attention" layers (0: none) and its experts' clamped SwiGLU
+    sliding_window: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     layer_types: tuple[str, ...] = ()  # config.json `layer_types` (what each layer's token mixer is); () = all full
     # Gated DeltaNet (the linear-attention layers of the hybrid families); 0 when the model has none
     linear_num_key_heads: int = 0
@@ -532,6 +537,9 @@ class ModelConfig:
             routed_scaling_factor=get("routed_scaling_factor", 1.0, convert=float),
             first_k_dense_replace=get("first_k_dense_replace", 0),
             use_qk_norm=bool(raw.get("use_qk_norm", True)),
+            sliding_window=get("sliding_window", 0) or 0,
+            swiglu_alpha=get("swiglu_alpha", 1.702, convert=float),
+            swiglu_limit=get("swiglu_limit", 7.0, convert=float),
             layer_types=tuple(layer_types or ()),
             linear_num_key_heads=get("linear_num_key_heads", 0),
             linear_num_value_heads=get("linear_num_value_heads", 0),
@@ -580,6 +588,12 @@ class ModelConfig:
         if not config.routed_scaling_factor > 0:
             raise ModelLoadError(f"{source}: routed_scaling_factor must be positive, got "
                                  f"{config.routed_scaling_factor}")
+        if "sliding_attention" in config.layer_types and config.sliding_window < 1:
+            raise ModelLoadError(f"{source}: sliding_attention layers need a positive sliding_window, got "
+                                 f"{config.sliding_window}")
+        if not (config.swiglu_limit > 0 and config.swiglu_alpha > 0):
+            raise ModelLoadError(f"{source}: swiglu_limit and swiglu_alpha must be positive, got "
+                                 f"{config.swiglu_limit}, {config.swiglu_alpha}")
         if config.rotary_dim < 2 or config.rotary_dim % 2:
             raise ModelLoadError(f"{source}: partial_rotary_factor {config.rope.partial_rotary_factor} leaves "
                                  f"{config.rotary_dim} rotated dims of head_dim {head_dim} (needs an even number >= 2)")
@@ -663,6 +677,7 @@ def _parse_rope(raw: dict[str, Any], head_dim: int, source: str, allow_partial: 
         beta_fast=num("beta_fast", 32.0),
         beta_slow=num("beta_slow", 1.0),
         attention_factor=num("attention_factor", None),
+        truncate=bool(params.get("truncate", True)),
         mscale=num("mscale", None),
         mscale_all_dim=num("mscale_all_dim", None),
         partial_rotary_factor=partial,

@@ -42,6 +42,8 @@ FAMILIES = {
                       num_attention_heads=5, num_key_value_heads=1, partial_rotary_factor=0.5), ("extend",)),
     "minimax_m2": (dict(num_local_experts=6, num_experts_per_tok=2, num_attention_heads=3, num_key_value_heads=1,
                         rotary_dim=8), ("extend",)),
+    "gpt_oss": (dict(num_local_experts=5, num_experts_per_tok=2, num_attention_heads=5, num_key_value_heads=1,
+                     sliding_window=3), ("extend",)),
     "deepseek_v3": (dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1,
                          n_shared_experts=1, num_attention_heads=5, num_key_value_heads=5, q_lora_rank=20,
                          kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10), ("extend",)),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tsterm.config import ModelConfig
 from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION, MLA
 from tsterm.model.cache import ModelCache
+from tsterm.model.arch.gpt_oss import clamped_swiglu_experts
 from tsterm.model.gated_attention import GatedAttention
 from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.mla import MLAttention
@@ -35,6 +36,7 @@ from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.routing import Routing, routing_or_default
 from tsterm_kernels.torch_ops import expert_mlp, linear, sigmoid
+from tsterm_kernels.torch_ops import paged_attention as sink_window_attention
 
 
 @dataclass(slots=True)
@@ -58,8 +60,10 @@ class Attention:
     """Full causal attention over the paged KV pool; the new tokens' K/V are written into it in place."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
-                 cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext):
-        """par: the rank this layer is a shard of; it computes that rank's query heads (and KV heads)."""
+                 cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext,
+                 window: int | None = None):
+        """par: the rank this layer is a shard of; it computes that rank's query heads (and KV heads). window: each
+        query sees only the last `window` positions (the layer's `LayerType.window`: gpt-oss's sliding layers)."""
         spec = ARCHITECTURES[cfg.model_type].for_config(cfg)
         self.ctx, self.ops, self.par = ctx, ops, par
         self.num_heads, self.num_kv_heads = par.layout.q_heads(cfg)[1], par.layout.kv_heads(cfg)[1]
@@ -78,6 +82,9 @@ class Attention:
             self.qk_head_weight = torch.cat((self.q_norm.float().expand(self.num_heads, -1),
                                              self.k_norm.float().expand(self.num_kv_heads, -1)))
         self.k_cache, self.v_cache = cache  # [num_blocks, block_size, Hkv, D] views of the pool
+        # gpt-oss: each head's sink logit [Hq_local] float32 (None: none) and the layer's window. The C and Triton
+        # attention kernels take neither yet: such a layer runs the torch twin's sink / window path on any device
+        self.sinks, self.window = w.get(prefix + "sinks"), window
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """rope: the step's rotation tables (`RotaryEmbedding.tables`); x: [T, H] normed hidden states."""
@@ -103,7 +110,10 @@ class Attention:
         q, k = qk[:, :Hq], qk[:, Hq:]  # views
         meta = self.ctx.meta
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
-        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
+        if self.sinks is None and self.window is None:
+            o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
+        else:
+            o = sink_window_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sinks, self.window)
         out = linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]: this rank's heads' part
         self.par.all_reduce_tp(out)
         return out
@@ -133,6 +143,12 @@ class SparseMoE:
         if self.router is not None:
             self.expert_load = torch.zeros(self.router.shape[0], dtype=torch.int64, device=self.router.device)
         self.dense = (self.w13[0], self.w2[0]) if self.router is None else None  # the one expert's weights (views)
+        # gpt-oss: a bias on the router's logits, the experts' biases (b2 added by one tensor-parallel rank: the
+        # all-reduce sums it once) and their clamped SwiGLU (None: silu(gate) * up, no biases, `ops.fused_moe`)
+        self.router_logit_bias = w.get(prefix + "router_logit_bias")
+        self.w13_bias = w.get(prefix + "w13_bias")
+        self.w2_bias = w.get(prefix + "w2_bias") if par.layout.tp_rank == 0 else None
+        self.clamped_swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if self.w13_bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.router is None:  # dense: the one expert's output is the result (no zeroed buffer, no routing)
@@ -141,7 +157,8 @@ class SparseMoE:
             return out
         out = torch.zeros_like(x)  # [T, H]: every expert's weighted output is accumulated into it in place
         # [T, E] (a float32 router, GLM's and MiniMax's, routes float32 hidden states)
-        logits = linear(x if x.dtype == self.router.dtype else x.to(self.router.dtype), self.router)
+        logits = linear(x if x.dtype == self.router.dtype else x.to(self.router.dtype), self.router,
+                        self.router_logit_bias)
         weights, expert_ids = self.ops.moe_route(logits, self.top_k, self.renormalize, self.routing)  # [T, k] x 2
         if self.expert_load is not None:
             pairs = expert_ids.reshape(-1)  # [T*k]
@@ -154,7 +171,11 @@ class SparseMoE:
             num_local = self.w13.shape[0]
             local_ids = expert_ids - self.first_expert  # [T, k]
             local_ids = local_ids.masked_fill((local_ids < 0) | (local_ids >= num_local), num_local)
-        self.ops.fused_moe(x, self.w13, self.w2, weights, local_ids, out)
+        if self.clamped_swiglu is not None:
+            clamped_swiglu_experts(x, self.w13, self.w13_bias, self.w2, self.w2_bias, weights, local_ids,
+                                   *self.clamped_swiglu, out)
+        else:
+            self.ops.fused_moe(x, self.w13, self.w2, weights, local_ids, out)
         if self.shared_w13 is not None:
             # The shared expert is one more always-on expert, weighted by its sigmoid gate, accumulated into `out`
             # like the routed ones (no second [T, H] buffer).
@@ -192,7 +213,8 @@ class DecoderModel:
         self.layers = []
         for i, layer_type in enumerate(self.layer_types):
             p = f"layers.{i}."
-            mixer = mixers[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par)
+            window = {"window": layer_type.window} if layer_type.window else {}  # (gpt-oss's sliding layers)
+            mixer = mixers[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par, **window)
             self.layers.append((weights[p + "input_norm"], mixer, weights[p + "post_attn_norm"],
                                 SparseMoE(cfg, weights, p, self.ctx, ops, par)))
         self.stack = self._decode_stack()
@@ -204,6 +226,8 @@ class DecoderModel:
         plain = self.par.layout.world_size == 1 and self.rotary.cos.shape[-1] == self.cfg.head_dim and all(
             type(mixer) is Attention and mixer.qk_norm in ("none", "head") and mixer.clip is None
             and mlp.routing is None and (mlp.shared_w13 is None or mlp.shared_gate is not None)
+            and mixer.sinks is None and mixer.window is None and mlp.clamped_swiglu is None
+            and mlp.router_logit_bias is None
             for _, mixer, _, mlp in self.layers)
         if not plain:
             return None

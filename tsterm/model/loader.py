@@ -374,6 +374,8 @@ def _load_attention(src: WeightSource, cfg: ModelConfig, spec, a: str, o: str, w
     w[o + "o_proj"] = src.weight(a + "o_proj.weight", (H, Hq * D), cols=q_rows)  # [H, Hq D]: this rank's columns
     if spec.o_bias_from_config and cfg.attention_bias:
         w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
+    if spec.attention_sinks:  # gpt-oss: this rank's heads' sink logits, float32 as the softmax reads them
+        w[o + "sinks"] = src.get(a + "sinks", (Hq,), convert=False, rows=(q0, nq)).float().to(src.device)
     if spec.qk_norm == "head":
         w[o + "q_norm"] = src.get(a + "q_norm.weight", (D,))
         w[o + "k_norm"] = src.get(a + "k_norm.weight", (D,))
@@ -393,18 +395,83 @@ def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: di
     w[o + "w2"] = unsqueeze(src.weight(p + "down_proj.weight", (H, inter), cols=span))  # [1, H, I]
 
 
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
+
+
+def _mxfp4(src: WeightSource, name: str, shape: tuple[int, int, int], rows: Span) -> torch.Tensor:
+    """An MXFP4 expert stack (`name`_blocks [E, O, I/32, 16] uint8: two e2m1 values a byte, the low nibble first;
+    `name`_scales [E, O, I/32] uint8: a power of two, biased by 127, per 32 inputs) as [E_rows, O, I] floats of the
+    model's dtype: the experts in `rows`. (Kept quantized: later work; dequantized here, at load.)"""
+    E, out_f, in_f = shape
+    blocks_name, scales_name = name + "_blocks", name + "_scales"
+    for n, want in ((blocks_name, (E, out_f, in_f // 32, 16)), (scales_name, (E, out_f, in_f // 32))):
+        if not src.has(n):
+            raise ModelLoadError(f"missing tensor {n!r} (an MXFP4 expert stack has _blocks and _scales)")
+        t = src.where[n].tensor(n)
+        if tuple(t.shape) != want or t.dtype != torch.uint8:
+            raise ModelLoadError(f"{src.where[n].path.name}: {n!r} has {t.dtype} {list(t.shape)}; MXFP4 experts of "
+                                 f"shape {[E, out_f, in_f]} need uint8 {list(want)}")
+    first, count = rows if rows is not None else (0, E)
+    blocks = src.where[blocks_name].tensor(blocks_name)[first:first + count]
+    scales = src.where[scales_name].tensor(scales_name)[first:first + count]
+    src._mark_used(blocks_name)
+    src._mark_used(scales_name)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    out = torch.empty((count, out_f, in_f), dtype=src.dtype, device=src.device)
+    for e in range(count):  # one expert at a time: the float32 scratch stays one expert's size
+        b = blocks[e].long()  # [O, I/32, 16]
+        values = torch.stack((lut[b & 0xF], lut[b >> 4]), dim=-1).view(out_f, in_f // 32, 32)
+        values = torch.ldexp(values, scales[e].long().sub(127)[..., None].float())
+        out[e].copy_(values.view(out_f, in_f))
+    return out
+
+
+def _load_interleaved_experts(src: WeightSource, E: int, H: int, inter: int, e: str, o: str,
+                              w: dict[str, torch.Tensor], experts: tuple[int, int], cols: tuple[int, int],
+                              down_bias: bool) -> None:
+    """gpt-oss's experts: `gate_up_proj` [E, H, 2I] with gate and up in alternating columns and `down_proj`
+    [E, I, H] (the transpose of tsterm's layout; or MXFP4 `_blocks` / `_scales` [E, 2I | H, ...] in tsterm's
+    layout, dequantized at load), with `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H]. Stored as w13
+    [E_local, 2I_local, H] (gate rows, then up rows), w13_bias, w2 [E_local, H, I_local], w2_bias (down_bias: this
+    rank adds it)."""
+    (first, count), (i0, ni) = experts, cols
+    if src.has(e + "gate_up_proj"):
+        gate_up = src.get(e + "gate_up_proj", (E, H, 2 * inter), convert=False, rows=(first, count)).transpose(1, 2)
+        down = src.get(e + "down_proj", (E, inter, H), convert=False, rows=(first, count)).transpose(1, 2)
+    else:
+        gate_up = _mxfp4(src, e + "gate_up_proj", (E, 2 * inter, H), (first, count))  # [E_local, 2I, H]
+        down = _mxfp4(src, e + "down_proj", (E, H, inter), (first, count))  # [E_local, H, I]
+    w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
+    w13[:, :ni].copy_(gate_up[:, 0::2][:, i0:i0 + ni])
+    w13[:, ni:].copy_(gate_up[:, 1::2][:, i0:i0 + ni])
+    del gate_up
+    w[o + "w13"] = w13
+    del w13
+    w[o + "w2"] = down[:, :, i0:i0 + ni].to(dtype=src.dtype, device=src.device).contiguous()
+    b13 = src.get(e + "gate_up_proj_bias", (E, 2 * inter), rows=(first, count))
+    w[o + "w13_bias"] = torch.cat((b13[:, 0::2][:, i0:i0 + ni], b13[:, 1::2][:, i0:i0 + ni]), 1).contiguous()
+    b2 = src.get(e + "down_proj_bias", (E, H), rows=(first, count))
+    if down_bias:
+        w[o + "w2_bias"] = b2
+
+
 def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor],
               layout: ParallelLayout) -> None:
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     gate, up, down = spec.expert_names
     first, count = layout.experts(E)  # this rank's experts ...
     i0, ni = layout.tp_rank * (inter // layout.tp_size), inter // layout.tp_size  # ... and their columns
-    w[o + "router"] = src.get(p + "gate.weight", (E, H))  # every rank routes every token (replicated, small)
+    w[o + "router"] = src.get(p + spec.router_name + ".weight", (E, H))  # every rank routes every token
+    if spec.router_logit_bias:  # gpt-oss: added to the logits (chooses and weighs)
+        w[o + "router_logit_bias"] = src.get(p + spec.router_name + ".bias", (E,))
     if spec.router_float32:  # (the reference routes in float32 whatever the model's dtype)
         w[o + "router"] = w[o + "router"].float()
     if spec.router_bias:  # float32: a selection bias of ~1e-3 steps must not round away in bf16
         w[o + "router_bias"] = src.get(p + spec.router_bias, (E,), convert=False).float().to(src.device)
-    if src.has(p + "experts.gate_up_proj") or src.is_quantized(p + "experts.gate_up_proj"):  # transformers-5's
+    if spec.experts_interleaved:
+        _load_interleaved_experts(src, E, H, inter, p + "experts.", o, w, (first, count), (i0, ni),
+                                  layout.tp_rank == 0)
+    elif src.has(p + "experts.gate_up_proj") or src.is_quantized(p + "experts.gate_up_proj"):  # transformers-5's
         # fused layout (and tsterm's GGUF import's), already stacked
         gate_up = src.weight(p + "experts.gate_up_proj", (E, 2 * inter, H), rows=(first, count))
         if ni == inter:  # whole experts: views of the mapping

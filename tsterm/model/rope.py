@@ -41,8 +41,10 @@ def _yarn(rope: RopeConfig, dim: int, original_max: int) -> tuple[torch.Tensor, 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:  # (gpt-oss ships truncate: false: the ramp between the exact ends)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)

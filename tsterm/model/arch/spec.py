@@ -11,6 +11,9 @@ if TYPE_CHECKING:
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"  # Gated DeltaNet: a recurrent state per sequence instead of a KV cache
+# config.json's name for full attention over the last `sliding_window` positions only (gpt-oss): a full-attention
+# layer (same KV pool) whose LayerType carries the window
+SLIDING_ATTENTION = "sliding_attention"
 MLA = "mla"  # DeepSeek's Multi-head Latent Attention: one compressed latent + the RoPE key per token (`model.mla`)
 
 
@@ -21,6 +24,7 @@ class LayerType:
 
     mixer: str
     mlp: str
+    window: int | None = None  # full attention over the last `window` positions only (None: the whole context)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,14 @@ class ArchSpec:
     shared_expert_name: str = "shared_expert"  # the shared expert's name under the sparse block
     shared_expert_gated: bool = True  # False: the shared expert's output is added as it is (no sigmoid gate)
     mtp_layers_follow: bool = False  # layers numbered from num_hidden_layers on are the MTP head's: not run
+    # gpt-oss:
+    attention_sinks: bool = False  # `self_attn.sinks` [Hq]: a learned logit per head in each softmax's denominator
+    router_name: str = "gate"  # the router's name under the sparse block
+    router_logit_bias: bool = False  # the router's linear has a bias, added to the logits (it chooses and weighs)
+    # "swiglu": silu(gate) * up; "clamped_swiglu" (gpt-oss): gate clamped above at `swiglu_limit`, up to
+    # [-limit, limit], (up + 1) * gate * sigmoid(swiglu_alpha * gate); the experts have biases (b13, b2)
+    expert_activation: str = "swiglu"
+    experts_interleaved: bool = False  # gpt-oss: `experts.gate_up_proj` [E, H, 2I], gate and up columns alternating
     mla: bool = False  # DeepSeek-V3: attention is MLA (kv_lora_rank, qk_rope_head_dim ... in config.json)
 
     def for_config(self, cfg: ModelConfig) -> ArchSpec:
@@ -63,4 +75,6 @@ class ArchSpec:
         """Each layer's type: the mixer from config.json's `layer_types` (all full attention when absent), and
         MoE or dense from the family's sparse-layer rule (`ModelConfig.is_moe_layer`)."""
         mixers = cfg.layer_types or (self.mixers[0],) * cfg.num_hidden_layers
-        return tuple(LayerType(mixer, "moe" if cfg.is_moe_layer(i) else "dense") for i, mixer in enumerate(mixers))
+        return tuple(LayerType(FULL_ATTENTION, "moe" if cfg.is_moe_layer(i) else "dense", cfg.sliding_window)
+                     if mixer == SLIDING_ATTENTION else LayerType(mixer, "moe" if cfg.is_moe_layer(i) else "dense")
+                     for i, mixer in enumerate(mixers))
