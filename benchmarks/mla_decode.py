@@ -1,0 +1,204 @@
+"""MLA's cache and decode speed at a long context: DeepSeek-V3's attention shape (kv_lora_rank 512, RoPE 64, nope
+128, v 128) with its latent cache and the absorbed decode, against the same model keeping full per-head K and V
+(the latent expanded through kv_b_proj as each token is written, plain multi-head paged attention over it), in one
+run, on the CPU, random weights.
+
+    python benchmarks/mla_decode.py [--context 8192] [--decode 32] [--heads 16] [--layers 2] [--rounds 3]
+
+The model: DeepSeek-V3's per-head dims and latent, `--heads` heads (128 in the real model), `--layers` layers (the
+first dense), a tiny MoE; float32. Both variants load the same weights; the expanded one swaps the decoder's MLA
+mixer and cache pool for an expanded-K/V pair (defined here, in this process only). Per round and variant: a new
+engine prefills a `--context`-token prompt (chunks of 512), then decodes `--decode` tokens greedily; decode tok/s is
+the decoded tokens over the time from the first token to the last. Rounds alternate the variants. Printed: cache
+bytes per token (all layers), the cache bytes one decode step reads at the context, decode tok/s per round, and the
+median ratio. Both variants' tokens are checked equal (the same model, two ways of attending).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def config(heads: int, layers: int) -> dict:
+    return {
+        "model_type": "deepseek_v3", "vocab_size": 512, "hidden_size": 1024, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "intermediate_size": 2048,
+        "moe_intermediate_size": 256, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+        "norm_topk_prob": True, "q_lora_rank": 384, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 16384, "tie_word_embeddings": False,
+    }
+
+
+def write_checkpoint(path: Path, cfg: dict) -> Path:
+    """config.json, a three-word tokenizer and random float32 weights in DeepSeek-V3's names."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    gen = torch.Generator().manual_seed(0)
+    H, V, Hq = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    qa, r, dn, dr, dv = (cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim"))
+    E, I, D = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * shape[-1] ** -0.5
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n)
+
+    w = {"model.embed_tokens.weight": rand(V, H), "model.norm.weight": ones(H), "lm_head.weight": rand(V, H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        w |= {p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
+              a + "q_a_proj.weight": rand(qa, H), a + "q_a_layernorm.weight": ones(qa),
+              a + "q_b_proj.weight": rand(Hq * (dn + dr), qa), a + "kv_a_proj_with_mqa.weight": rand(r + dr, H),
+              a + "kv_a_layernorm.weight": ones(r), a + "kv_b_proj.weight": rand(Hq * (dn + dv), r),
+              a + "o_proj.weight": rand(H, Hq * dv)}
+        m = p + "mlp."
+        if i < cfg["first_k_dense_replace"]:
+            w |= {m + "gate_proj.weight": rand(D, H), m + "up_proj.weight": rand(D, H), m + "down_proj.weight": rand(H, D)}
+            continue
+        w |= {m + "gate.weight": rand(E, H), m + "gate.e_score_correction_bias": torch.rand(E, generator=gen) * 0.1,
+              m + "shared_experts.gate_proj.weight": rand(I, H), m + "shared_experts.up_proj.weight": rand(I, H),
+              m + "shared_experts.down_proj.weight": rand(H, I)}
+        for x in range(E):
+            e = f"{m}experts.{x}."
+            w |= {e + "gate_proj.weight": rand(I, H), e + "up_proj.weight": rand(I, H), e + "down_proj.weight": rand(H, I)}
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def expanded_variant():
+    """(mixer, pool) keeping per-head K = [k_nope | k_rope] and V (zero-padded to K's width, as the paged attention
+    reads one width) for every token: the cache MLA replaces, attended as plain multi-head attention."""
+    from tsterm.model.cache import CachePool
+    from tsterm.model.mla import MLAttention
+    from tsterm_kernels.torch_ops import linear
+
+    class ExpandedKVPool(CachePool):
+        def __init__(self, cfg, layers, num_blocks, block_size, dtype, device, layout, num_slots=0):
+            self.layers, self._index = layers, {layer: i for i, layer in enumerate(layers)}
+            width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            self.kv = torch.zeros((len(layers), 2, num_blocks, block_size, layout.q_heads(cfg)[1], width), dtype=dtype,
+                                  device=device)
+
+        def layer(self, index):
+            return self.kv[self._index[index]]
+
+        def copy_blocks(self, pairs):
+            for src, dst in pairs:
+                self.kv[:, :, dst].copy_(self.kv[:, :, src])
+            return len(pairs) * self.kv[:, :, 0].numel() * self.kv.element_size()
+
+        @staticmethod
+        def bytes_per_block(cfg, num_layers, block_size, dtype, layout):
+            width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            return 2 * num_layers * block_size * layout.q_heads(cfg)[1] * width * dtype.itemsize
+
+    class ExpandedMLA(MLAttention):
+        def __init__(self, cfg, w, prefix, cache, ctx, ops, par):
+            kv = cache  # [2, num_blocks, block_size, Hq, dn + dr]
+            latent = torch.empty(1, 1, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # (MLAttention's cache: unused)
+            super().__init__(cfg, w, prefix, latent, ctx, ops, par)
+            self.k_cache, self.v_cache, self.num_kv_heads = kv[0], kv[1], self.num_heads
+            self.head_dim = self.nope + self.rope_dim
+
+        def __call__(self, rope, x):
+            from tsterm.model.rope import rotate
+            T, Hq, r, dn, dr, dv = x.shape[0], self.num_heads, self.rank, self.nope, self.rope_dim, self.v_dim
+            q = linear(self.ops.rms_norm(linear(x, self.q_a), self.q_a_norm, self.eps)[0], self.q_b)
+            q = q.float().view(T, Hq, dn + dr)
+            q = torch.cat((q[..., :dn], rotate(q[..., dn:], rope)), dim=-1)  # [T, Hq, dn + dr]
+            kv = linear(x, self.kv_a)
+            latent = self.ops.rms_norm(kv[:, :r].contiguous(), self.kv_a_norm, self.eps)[0]
+            k_rope = rotate(kv[:, None, r:].float(), rope)  # [T, 1, dr]
+            per_head = linear(latent, self.kv_b).view(T, Hq, dn + dv)  # the new tokens' K and V, expanded once
+            k = torch.cat((per_head[..., :dn], k_rope.expand(T, Hq, dr)), dim=-1).contiguous()
+            v = torch.zeros_like(k)
+            v[..., :dv] = per_head[..., dn:]
+            self.ops.store_kv(k, v, self.k_cache, self.v_cache, self.ctx.meta.slot_mapping)
+            o = self.ops.paged_attention(q, self.k_cache, self.v_cache, self.ctx.meta, self.scale)[..., :dv]
+            out = linear(o.reshape(T, Hq * dv).contiguous(), self.o_proj)
+            self.par.all_reduce_tp(out)
+            return out
+
+    return ExpandedMLA, ExpandedKVPool
+
+
+def run(path: Path, prompt: list[int], decode: int, expanded: bool):
+    """(tokens, decode tok/s, cache bytes per token over all layers) of one fresh engine."""
+    from tsterm import LLM, SamplingParams
+    from tsterm.model import cache, decoder
+    from tsterm.model.arch import ARCHITECTURES, MLA
+    from tsterm.model.cache import ModelCache
+    from tsterm.model.parallel import ParallelLayout
+
+    saved = decoder.MIXERS[MLA], cache.POOLS[MLA]
+    if expanded:
+        decoder.MIXERS[MLA], cache.POOLS[MLA] = expanded_variant()
+    try:
+        blocks = -(-(len(prompt) + decode + 16) // 16) + 4
+        llm = LLM(str(path), dtype="float32", device="cpu", block_size=16, num_kv_blocks=blocks,
+                  max_model_len=len(prompt) + decode + 16, max_num_batched_tokens=512, enable_prefix_caching=False)
+        engine = llm.engine
+        cfg = engine.model_config
+        per_token = ModelCache.bytes_per_block(cfg, ARCHITECTURES[cfg.model_type].layer_types(cfg), 16,
+                                               torch.float32, ParallelLayout()) // 16
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True))
+        tokens, first = [], None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.token_ids and first is None:
+                    first = time.perf_counter()
+                if out.finished:
+                    tokens = list(out.token_ids)
+        elapsed = time.perf_counter() - first
+        engine.shutdown()
+        return tokens, (decode - 1) / elapsed, per_token
+    finally:
+        decoder.MIXERS[MLA], cache.POOLS[MLA] = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=8192, help="prompt tokens before decoding")
+    parser.add_argument("--decode", type=int, default=32, help="tokens decoded per measurement")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads (DeepSeek-V3: 128)")
+    parser.add_argument("--layers", type=int, default=2, help="layers (the first dense)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating measurements of each variant")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    prompt = torch.randint(3, 512, (args.context,)).tolist()
+    results: dict[str, list[float]] = {"latent (absorbed)": [], "expanded K/V": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / "mla", config(args.heads, args.layers))
+        reference = None
+        for rnd in range(args.rounds):
+            for name in results:
+                tokens, tok_s, per_token = run(path, prompt, args.decode, name == "expanded K/V")
+                reference = reference or tokens
+                if tokens != reference:
+                    sys.exit(f"{name}: greedy tokens differ from the other variant's: {tokens} vs {reference}")
+                results[name].append(tok_s)
+                print(f"round {rnd}  {name:18s} cache {per_token:>9,} B/token  reads {per_token * args.context / 1e6:8.1f}"
+                      f" MB/step at {args.context}  decode {tok_s:6.2f} tok/s", flush=True)
+    latent, expanded = (statistics.median(v) for v in results.values())
+    print(f"median decode: latent {latent:.2f} tok/s, expanded {expanded:.2f} tok/s: {latent / expanded:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
