@@ -11,8 +11,10 @@ per matmul, achieved GB/s of weight bytes, and speed-up over float32 `F.linear` 
 
 Candidates (int8 / int4 in blocks of 32 inputs, fp16 scales: GGUF Q8_0 / Q4_1's bytes):
 - f32 F.linear, f32 tsterm linear (the baseline)
-- i8 tsterm, i4 tsterm: `tsterm_kernels.quant.quantized_linear`: tsterm's C kernels up to 16 rows (x rounded to
-  int8 per block, integer dot products), dequantize + torch's GEMM beyond
+- i8 tsterm, i4 tsterm: `tsterm_kernels.quant.quantized_linear`: tsterm's C kernels (x rounded to int8 per block,
+  integer dot products: VNNI's vpdpbusd where the build has it), for any number of rows
+- on a CPU with AVX-512, i8 / i4 tsterm AVX2: the same kernels from the build without AVX-512 and VNNI (what an
+  AVX2-only CPU runs; the same bits)
 - f16 fbgemm: fbgemm_linear_fp16_weight on fbgemm's packed fp16 weights - tsterm's `fp16`
 - with --torch-kernels, torch's own weight-only kernels for comparison: i8 int8pack (`_weight_int8pack_mm`, per-row
   int8) and i4 tinygemm (`_weight_int4pack_mm_for_cpu`, groups of 32) - what tsterm ran before its C kernels
@@ -26,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tsterm_kernels import cpu_native
 from tsterm_kernels.quant import quantize_fp16, quantize_int4, quantize_int8, quantized_linear
 from tsterm_kernels.torch_ops import linear
 
@@ -55,6 +58,14 @@ def _torch_int4pack(w: torch.Tensor) -> torch.Tensor:
     return packed, torch.stack((scale.t(), (low + 8 * scale).t()), -1).contiguous()
 
 
+def _c_rows(build: cpu_native.NativeKernels, x: torch.Tensor, q) -> torch.Tensor:
+    """quantized_linear's C call by one build of the kernels."""
+    y = torch.empty(x.shape[0], q.dims[0])
+    fn = build.q8_matmul if q.kind == "int8" else build.q4_matmul
+    fn(x.data_ptr(), x.shape[0], x.shape[1], q.data.data_ptr(), q.scale.data_ptr(), q.dims[0], y.data_ptr())
+    return y
+
+
 def _timeit(fn, copies: list, reps: int) -> float:
     """Seconds per call, one pass over every copy (each copy's weights leave the cache before it comes back)."""
     fn(*copies[0])
@@ -74,6 +85,10 @@ def main() -> None:
     parser.add_argument("--torch-kernels", action="store_true", help="also time torch's int8 / int4 CPU kernels")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load: {os.getloadavg()}")
+    native = cpu_native.load()
+    avx2 = cpu_native.load_variant("avx2") if native is not None and native.isa_bits & cpu_native.ISA_AVX512 else None
+    if native is not None:
+        print(f"tsterm's C kernels: {native.isa_name}" + (" (and an avx2 build beside it)" if avx2 else ""))
     for model in args.models.split(","):
         for name, out_f, in_f in SHAPES[model]:
             w = torch.randn(out_f, in_f) * 0.02
@@ -96,6 +111,9 @@ def main() -> None:
                     "i8 tsterm": ("i8", lambda q_: quantized_linear(x, q_)),
                     "i4 tsterm": ("i4", lambda q_: quantized_linear(x, q_)),
                 }
+                if avx2 is not None:
+                    cands["i8 tsterm AVX2"] = ("i8", lambda q_: _c_rows(avx2, x, q_))
+                    cands["i4 tsterm AVX2"] = ("i4", lambda q_: _c_rows(avx2, x, q_))
                 if args.torch_kernels:
                     cands["i8 int8pack"] = ("t8", lambda t_: torch._weight_int8pack_mm(x, t_[0], t_[1]))
                     cands["i4 tinygemm"] = ("t4", lambda t_: torch.ops.aten._weight_int4pack_mm_for_cpu(

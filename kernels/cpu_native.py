@@ -7,10 +7,12 @@ few microseconds (csrc/decode.c); and prefill's float32 matmuls and causal atten
 flash kernel run at 50-70% of these cores' FMA peak on the shapes an MoE's prefill gives them (csrc/gemm.c,
 csrc/prefill.c: 1.3-1.6x); and a prefill's routed experts, whose torch loop (a gather, two GEMMs, SwiGLU, a scale
 and an index_add per expert, each op its own thread fork) cost 10% of a 216-token extend (csrc/moe.c). The
-sources are plain C with AVX2 / FMA / F16C intrinsics and OpenMP; they are built with the system C compiler
-(`$CC`, else `cc`) and `-march=native`, like llama.cpp builds on the machine that runs it, into
+sources are plain C with AVX2 / FMA / F16C intrinsics (plus a 512-bit GEMM tile where the compiler targets AVX-512F,
+and VNNI's int8 dot product where it targets AVX-VNNI or AVX-512 VNNI) and OpenMP; they are built with the system C
+compiler (`$CC`, else `cc`) and `-march=native`, like llama.cpp builds on the machine that runs it, into
 `$TSTERM_CACHE_DIR/kernels/<hash of sources, flags and CPU>/` (default ~/.cache/tsterm), once: later processes load
-the built library. Building takes about a second. They are called through ctypes with tensor data pointers, which
+the built library. Building takes about a second. On a CPU with AVX-512 a second build without AVX-512 and VNNI
+(VARIANTS["avx2"]) sits beside it: the same bits, and tsterm_kernels.cpu_select measures which is faster per shape. They are called through ctypes with tensor data pointers, which
 costs about a microsecond per call.
 
 `load()` returns None, with one warning naming the cause, where the kernels cannot be built (no compiler, a CPU
@@ -60,10 +62,11 @@ SIGNATURES = {
     "tsterm_sigmoid": (None, [_P, _I64, _P]),
     "tsterm_isa": (_INT, []),
 }
-# Builds of the same sources for one CPU: "native" (-march=native: AVX-512 code where the CPU has it), and "avx2"
-# (the same minus AVX-512, the code AVX2-only CPUs run). Both give the same bits (tests/kernels run every variant
-# this CPU can execute); the per-shape choice between them is measured (tsterm_kernels.cpu_select).
-VARIANTS = {"native": (), "avx2": ("-mno-avx512f",)}
+# Builds of the same sources for one CPU: "native" (-march=native: AVX-512 and VNNI code where the CPU has them),
+# and "avx2" (the same minus AVX-512 and VNNI: the code an AVX2-only CPU runs). Both give the same bits
+# (tests/kernels run every variant this CPU can execute); the per-shape choice between them is measured
+# (tsterm_kernels.cpu_select).
+VARIANTS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
 ISA_AVX512, ISA_VNNI = 1, 2  # csrc/gemm.c's tsterm_isa() bits
 
 

@@ -53,10 +53,20 @@ void tsterm_quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx_out
     }
 }
 
-/* sum over 32 lanes of u8 a * s8 b, as 8 int32 partial sums converted to float */
+/* sum over 32 lanes of u8 a * s8 b, as 8 int32 partial sums (each of 4 neighbouring products) converted to float.
+ * With VNNI (AVX-VNNI, or AVX-512 VNNI on 256-bit registers) one vpdpbusd; else maddubs (pairs into int16) and
+ * madd (pairs of those into int32). The same integers either way: no pair of products here reaches the int16
+ * bound maddubs saturates at (|a| <= 127 against |b| <= 127 for q8, a <= 15 for q4), so the builds agree bit for
+ * bit (tests/kernels run each). */
 static inline __m256 dot_u8s8(__m256i a, __m256i b) {
+#if defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b));
+#else
     const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
     return _mm256_cvtepi32_ps(p);
+#endif
 }
 
 static inline __m256i q4_codes(const uint8_t *c) {

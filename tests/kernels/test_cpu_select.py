@@ -197,10 +197,12 @@ def build(request) -> cpu_native.NativeKernels:
     return kernels
 
 
-@pytest.mark.parametrize("rows,out_f,in_f", [(5, 40, 24), (9, 33, 513), (300, 1030, 300), (17, 64, 256)])
+@pytest.mark.parametrize("rows,out_f,in_f", [(5, 40, 24), (9, 33, 513), (300, 1030, 300), (17, 64, 256),
+                                              (400, 70, 800)])
 def test_every_build_runs_the_gemm_like_a_float64_matmul(build, rows, out_f, in_f):
     """The GEMM of each build (the AVX-512 tile: pairs of 16-output panels, 8 rows; tails of outputs, rows and the
-    256-input blocks), float32 and on int8 / int4 panels, against float64."""
+    256-input blocks; a pass of rows over 1 MB of x, which goes block by block over the outputs, and one under,
+    which takes each pair's blocks in turn), float32 and on int8 / int4 panels, against float64."""
     gen = torch.Generator().manual_seed(rows + out_f)
     x = torch.randn(rows, in_f + 3, generator=gen)[:, :in_f]
     w = torch.randn(out_f, in_f, generator=gen)
@@ -219,15 +221,49 @@ def test_every_build_runs_the_gemm_like_a_float64_matmul(build, rows, out_f, in_
                                        atol=1e-5 * in_f ** 0.5)
 
 
+def _int8_rows(build, x, q) -> torch.Tensor:
+    """quantized_linear's C call (csrc/gemv.c: x's rows rounded to int8 blocks, the integer dot products) by `build`."""
+    y = torch.empty(x.shape[0], q.dims[0])
+    fn = build.q8_matmul if q.kind == "int8" else build.q4_matmul
+    assert fn(x.data_ptr(), x.shape[0], x.shape[1], q.data.data_ptr(), q.scale.data_ptr(), q.dims[0], y.data_ptr()) == 0
+    return y
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4], ids=["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_every_build_runs_the_int8_row_matmuls_like_the_oracle(build, quantize, rows):
+    """The integer dot products of each build (VNNI's vpdpbusd where the build has it, else maddubs + madd), with
+    the largest codes either side (127 against 127: the int16 bound maddubs must not reach)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(72, 256, generator=gen)
+    w[:, ::32] = 50.0  # each block's largest weight: a code of 127
+    q = quantize(w)
+    x = torch.randn(rows, 256, generator=gen) * 3
+    x[:, 1::32] = -20.0  # each block's largest input, negative: a code of -127
+    got = _int8_rows(build, x, q)
+    want = oracles.int8_rows_matmul(x, q)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
+
+
 def test_the_builds_give_the_same_bits():
-    """The AVX-512 and AVX2 builds sum every output in one order: a shape class may take either without changing a
-    single bit (on a CPU without AVX-512 there is one build: nothing to compare)."""
+    """The AVX-512 and AVX2 builds sum every output in one order (the float32 GEMM, the int8 rows' integer dot
+    products): a shape class may take either without changing a single bit (on a CPU without AVX-512 there is one
+    build: nothing to compare)."""
     builds = [cpu_native.load_variant(cpu_select.VARIANT_OF[name]) for name in isa_candidates()]
     gen = torch.Generator().manual_seed(7)
-    x, w = torch.randn(203, 600, generator=gen), torch.randn(330, 600, generator=gen)
+    x, w = torch.randn(203, 608, generator=gen), torch.randn(330, 608, generator=gen)
     outs = [cpu_native.f32_gemm(b, x, w) for b in builds]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+    x2, w2 = torch.randn(400, 800, generator=gen), torch.randn(70, 800, generator=gen)  # both loop orders
+    outs = [cpu_native.f32_gemm(b, x2, w2) for b in builds]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for q in (quantize_int8(w), quantize_int4(w)):
+        outs = [_int8_rows(b, x[:9], q) for b in builds]
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert len(builds) == 2 or not CpuInfo.detect().avx512
+    if len(builds) == 2:  # what each build runs: the native one AVX-512 (and VNNI where the CPU has it), the other not
+        assert builds[0].isa_bits & cpu_native.ISA_AVX512 and builds[1].isa_bits == 0
+        assert bool(builds[0].isa_bits & cpu_native.ISA_VNNI) == ("avx512_vnni" in CpuInfo.detect().flags)
 
 
 def test_choice_describes_a_forced_and_an_only_choice():
