@@ -611,6 +611,8 @@ def _parse_quantization(qc: Any, source: str) -> tuple[str | None, tuple[int, in
             raise ModelLoadError(f"{source}: quantization_config.block_size must be 32 for gguf_blocks, got "
                                  f"{qc.get('block_size')!r}")
         return method, None
+    if method == "mxfp4":  # gpt-oss: its experts as MXFP4 `_blocks` / `_scales`, dequantized at load (loader)
+        return method, None
     if method != "fp8":
         raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported (tsterm loads "
                              "fine-grained FP8 checkpoints, quant_method \"fp8\", GGUF imports, \"gguf_blocks\", "

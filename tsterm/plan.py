@@ -62,7 +62,7 @@ CACHE_BYTES = MappingProxyType({"bf16": 2, "fp8": 1, "fp32": 4})
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # Multi-head Latent Attention (tsterm.model.mla)
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe",
-               "minimax_m2") + HYBRID_TYPES + MLA_TYPES
+               "minimax_m2", "gpt_oss") + HYBRID_TYPES + MLA_TYPES
 QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe") + HYBRID_TYPES  # q_norm/k_norm of head_dim each
 
 # TokenSpeed's published figure for Qwen3.5-397B-A17B (PyTorch blog, 2026-05-27): 580 tok/s for one user (batch 1)
@@ -121,6 +121,9 @@ class PlanModel:
     shared_gated: bool = True  # the shared expert has a sigmoid gate (Qwen); GLM's is added as it is
     router_bias: bool = False  # a selection bias per expert (GLM-4.5, MiniMax-M2)
     mla: LatentAttention | None = None  # the attention layers are MLA (their cache: one latent per token)
+    # gpt-oss: o_proj's bias and a sink logit per head in each attention layer; biases on every expert
+    attention_extras: bool = False
+    expert_bias: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -182,6 +185,8 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
             out.append(Tensor("attention", 1, q_r + 2 * kv_r, n_full, n_full, quantized=False))
         if m.qk_norm:
             out.append(Tensor("norms", 1, m.qk_norm, n_full, n_full, quantized=False))
+        if m.attention_extras:  # o_proj's bias, the sinks
+            out.append(Tensor("attention", 1, h + _cdiv(m.heads, tp), n_full, n_full, quantized=False))
     if n_linear and m.linear:
         la = m.linear
         kd, vd, nv = _cdiv(la.key_heads, tp) * la.key_head_dim, _cdiv(la.value_heads, tp) * la.value_head_dim, \
@@ -208,8 +213,10 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
         out += [Tensor("experts", i_r, h, 2 * held * n_moe, 2 * active * n_moe),  # gate, up
                 Tensor("experts", h, i_r, held * n_moe, active * n_moe),  # down
                 Tensor("router", m.experts, h, n_moe, n_moe, quantized=False)]
-        if m.router_bias:  # e_score_correction_bias
+        if m.router_bias:  # e_score_correction_bias (gpt-oss: the router's own bias)
             out.append(Tensor("router", 1, m.experts, n_moe, n_moe, quantized=False))
+        if m.expert_bias:  # gate_up_proj_bias, down_proj_bias
+            out.append(Tensor("experts", held, 2 * i_r + h, n_moe, n_moe, quantized=False))
         if m.shared_intermediate:
             s_r = _cdiv(m.shared_intermediate, tp)
             out += [Tensor("shared_expert", s_r, h, 2 * n_moe, 2 * n_moe),
@@ -386,7 +393,8 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
         (_int(cfg, source, "n_shared_experts") or 0) * moe_intermediate,
         dense_intermediate=dense_intermediate, full_layers=full_layers, moe_layers=moe_layers, linear=linear,
         notes=tuple(notes), shared_gated=model_type not in ("glm4_moe",) + MLA_TYPES,
-        router_bias=model_type in ("glm4_moe", "minimax_m2") + MLA_TYPES, mla=mla,
+        router_bias=model_type in ("glm4_moe", "minimax_m2", "gpt_oss") + MLA_TYPES, mla=mla,
+        attention_extras=model_type == "gpt_oss", expert_bias=model_type == "gpt_oss",
     )
 
 
@@ -410,11 +418,14 @@ def _mixers(cfg: dict[str, Any], model_type: Any, layers: int, source: str,
     if kinds is not None:
         if not (isinstance(kinds, list) and len(kinds) == layers):
             raise ModelLoadError(f"{source}: field 'layer_types' must list {layers} layer types, got {kinds!r}")
-        unknown = sorted({k for k in kinds if k not in ("full_attention", "linear_attention")})
+        unknown = sorted({k for k in kinds if k not in ("full_attention", "linear_attention", "sliding_attention")})
         if unknown:
             raise ModelLoadError(f"{source}: layer type(s) {', '.join(map(repr, unknown))} are not modelled by the "
-                                 f"planner (only full_attention and linear_attention)")
-        full = tuple(k == "full_attention" for k in kinds)
+                                 f"planner (only full_attention, sliding_attention and linear_attention)")
+        if "sliding_attention" in kinds:  # gpt-oss
+            notes.append("sliding_attention layers are counted as full attention: the KV pool keeps every "
+                         "position of them (blocks outside the window are not returned to the pool yet)")
+        full = tuple(k in ("full_attention", "sliding_attention") for k in kinds)
     elif cfg.get("full_attention_interval") is not None or model_type in HYBRID_TYPES:
         interval = _int(cfg, source, "full_attention_interval") or 4  # the HF default of these families
         if "full_attention_interval" not in cfg:

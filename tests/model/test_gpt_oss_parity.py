@@ -152,6 +152,9 @@ def test_an_mxfp4_checkpoint_loads_dequantized(tmp_path):
     save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     raw = json.loads((model_dir / "config.json").read_text())
     assert raw["num_local_experts"] == E
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [  # as gpt-oss-20b's
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (model_dir / "config.json").write_text(json.dumps(raw))
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
     prompt = torch.randint(0, hf_model.config.vocab_size, (9,), generator=gen).tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
