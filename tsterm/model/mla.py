@@ -156,7 +156,7 @@ class MLAttention:
         """One sequence's m new tokens (the last m of its `seq_len`) over its context's latents expanded to per-head
         K and V: [m, Hq, dn], [m, Hq, dr] float32 -> [m, Hq, dv] float32."""
         m, Hq, r = q_nope.shape[0], self.num_heads, self.rank
-        rows = torch.cat([self.cache[b:b + n].flatten(0, 2) for b, n in runs])[:seq_len].float()  # [n, r + dr]
+        rows = context_rows(self.cache, runs, seq_len).float()  # [n, r + dr]
         kv = linear(rows[:, :r].to(self.cache.dtype), self.kv_b).float().view(seq_len, Hq, self.nope + self.v_dim)
         k = torch.cat((kv[..., :self.nope], rows[:, None, r:].expand(seq_len, Hq, self.rope_dim)), dim=-1)
         v = kv[..., self.nope:]  # [n, Hq, dv]
@@ -166,6 +166,12 @@ class MLAttention:
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                            scale=self.scale)  # [Hq, m, dv]
         return o.transpose(0, 1)
+
+
+def context_rows(cache: torch.Tensor, runs: list[tuple[int, int]], seq_len: int) -> torch.Tensor:
+    """A sequence's cached rows, in position order: [seq_len, r + dr] from the [num_blocks, block_size, 1, r + dr]
+    pool through its block table's runs of consecutive blocks."""
+    return torch.cat([cache[b:b + n].flatten(0, 2) for b, n in runs])[:seq_len]
 
 
 def _subset(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
