@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tsterm.config import ModelConfig
 from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION, MLA
 from tsterm.model.cache import ModelCache
-from tsterm.model.arch.gpt_oss import clamped_swiglu_experts
+from tsterm.model.clamped_swiglu import clamped_swiglu_experts
 from tsterm.model.gated_attention import GatedAttention
 from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.mla import MLAttention
