@@ -196,20 +196,19 @@ def decode_stack(layers: list[StackLayer], num_heads: int, num_kv_heads: int, he
     """A model's decoder layers as one C call per decode step (`tsterm_kernels.cpu_stack`), or None where the C
     kernels cannot run them, or where a shape class of theirs runs torch's path (`cpu_select`: one kernel per class,
     in a decode as in a prefill); the model then runs every step layer by layer through the ops here."""
-    if not layers or cpu_native.load() is None:
+    stack = DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale)
+    if stack is None:
         return None
     classes = [("attention", (num_heads, num_kv_heads, head_dim))]
     for layer in layers:
-        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.shared_gate_up, layer.shared_down):
+        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.router, layer.shared_gate):
             if isinstance(w, torch.Tensor) and w.dim() == 2:
                 classes.append(("gemm", tuple(w.shape)))
         if layer.router is not None and isinstance(layer.gate_up, torch.Tensor):
             classes.append(("experts", (*layer.gate_up.shape, layer.top_k)))
         if layer.shared_gate_up is not None and isinstance(layer.shared_gate_up, torch.Tensor):
             classes.append(("experts", (*layer.shared_gate_up.shape, 1)))
-    if any(_chosen(kind, dims) is None for kind, dims in dict.fromkeys(classes)):
-        return None
-    return DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale)
+    return None if any(_chosen(kind, dims) is None for kind, dims in dict.fromkeys(classes)) else stack
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
