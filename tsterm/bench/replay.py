@@ -2,16 +2,19 @@
 scratch each turn, or keeping its cache across turns), or through llama.cpp (`tsterm.bench.llama_cpp`)."""
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from tsterm.bench.trace import Trace, theoretical_cached
 from tsterm.config import SamplingParams
+from tsterm.errors import ConfigError
 from tsterm.engine.engine import Engine
 from tsterm.engine.spec_decode import DraftSource, make_draft_source
 
@@ -201,13 +204,37 @@ class _FirstTokenTimer:
         pass
 
 
+def transformers_model_dir(model_dir: str) -> str:
+    """The directory transformers loads for `model_dir`: itself, or for the default model's import (its Q4_1 blocks
+    kept as tsterm's own quantized tensors, which transformers cannot read) the float32 import of the same GGUF file
+    (the weights those blocks hold, dequantized)."""
+    from tsterm.convert.gguf import INFO_FILE
+    from tsterm.convert.shipped import SMOLLM2_FILE, ensure_default_model
+
+    try:
+        info = json.loads((Path(model_dir) / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return model_dir
+    if info.get("dequantize") is False and info.get("source") == SMOLLM2_FILE:
+        return str(ensure_default_model(dequantize=True))
+    return model_dir
+
+
 def load_transformers(model_dir: str, dtype: torch.dtype):
     """The transformers model of `model_dir`, warmed up as tsterm's engine is."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as e:  # transformers is a test/bench extra, not a runtime dependency
         raise RuntimeError("--baseline transformers needs transformers: pip install -e '.[test]'") from e
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model_dir = transformers_model_dir(model_dir)
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True)
+    model.eval()
+    if info.get("missing_keys"):  # transformers would run them as freshly initialised random weights
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(f"transformers cannot load every weight of {model_dir} ({len(missing)} missing, e.g. "
+                          f"{missing[0]}): a baseline on it would run random weights; give the bench an HF-format "
+                          "model of float weights (--model), e.g. a GGUF imported with `tsterm import-gguf "
+                          "--dequantize`")
     # Fixed reply lengths as tsterm's ignore_eos gives them: an end-of-turn token is generated like any other and
     # the reply goes on. With the model's EOS ids set, `min_new_tokens` would instead forbid them (another greedy
     # token where the model wants to end its turn, as on the copy-heavy trace's replies).

@@ -24,7 +24,9 @@ BASELINE_TARGETS = {  # wall time of the baseline's replay over tsterm's, by bas
     "llama.cpp-lookup": 1.5,
     "transformers-lookup": 1.5,
 }
-SPEC_DECODE_TARGET = 2.5  # decode tok/s with drafts over without, on the copy-heavy trace (issue 33)
+# decode tok/s with drafts over without (issue 33): on the copy-heavy trace, and "never a loss" on the others (random
+# ids: nothing repeats)
+SPEC_DECODE_TARGET = {"copy-heavy": 2.5, "other": 0.95}
 
 
 def _row(key: str, value: float | None, op: str, target: float) -> tuple[str, str, str, str]:
@@ -138,9 +140,8 @@ def format_table(r: dict) -> str:
     spec = r.get("speculation")
     if spec:
         copy_heavy = (r.get("trace") or {}).get("name") == "copy-heavy"
-        rows.append(_row("spec_decode_speedup_vs_off", spec["decode_speedup_vs_off"], ">=", SPEC_DECODE_TARGET)
-                    if copy_heavy else ("spec_decode_speedup_vs_off", f"{spec['decode_speedup_vs_off']:.3f}",
-                                        "(--trace copy-heavy)", "-"))
+        rows.append(_row("spec_decode_speedup_vs_off", spec["decode_speedup_vs_off"], ">=",
+                         SPEC_DECODE_TARGET["copy-heavy" if copy_heavy else "other"]))
     for key, (op, target) in TARGETS.items():
         if key not in r:
             continue
