@@ -60,7 +60,7 @@ def test_a_restart_between_turns_serves_the_previous_prompt_and_reply_from_disk(
             # the previous turn's prompt and reply, all but its last token (never fed to the model): its full blocks
             # and its partly filled last one, read from disk; nothing of it computed again
             assert out.num_cached_tokens == reference.num_cached_tokens == len(kept) - 1
-            assert stats["prefix_tier_hit_tokens"] == len(kept) - 1
+            assert stats["kv_tier_hit_tokens"] == len(kept) - 1
             assert stats["prefill_tokens"] == len(history) - (len(kept) - 1)
             read = stats["kv_disk_read_blocks"] * stats["kv_bytes_per_block"]
             assert stats["kv_disk_read_bytes"] == read > 0

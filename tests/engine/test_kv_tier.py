@@ -74,7 +74,7 @@ def test_a_new_pool_reads_the_prefix_back_with_its_exact_bytes(stored):
     assert engine.manager.match_prefix(seq) == 21  # 5 full blocks and the partial one's 1 token
     engine.manager.record_prefix_query(seq)
     check_kv(engine, seq, 21)
-    assert engine.manager.stats()["prefix_tier_hit_tokens"] == 21
+    assert engine.manager.stats()["kv_tier_hit_tokens"] == 21
     assert engine.tier.hit_blocks == 6 and engine.tier.loads == 1
     engine.pool.check_invariants()
     engine.close()

@@ -46,7 +46,7 @@ class KVCacheManager:
         assert tier is None or not pool.num_state_slots, "the disk tier stores no recurrent-state snapshots"
         self.pool = pool
         self.tier = tier
-        self.prefix_tier_hit_tokens = 0  # prompt tokens of admitted requests served from the tier (in prefix_hit)
+        self.tier_hit_tokens = 0  # prompt tokens of admitted requests served from the tier (in prefix_hit)
         self._tier_tokens: dict[int, int] = {}  # seq_id -> tokens its last match_prefix loaded from the tier
         self.block_size = pool.block_size
         self.num_state_slots = pool.num_state_slots
@@ -220,7 +220,7 @@ class KVCacheManager:
         """Count one admission's prefix lookup (the scheduler calls it once per admitted request, not per retry)."""
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += seq.num_cached_tokens
-        self.prefix_tier_hit_tokens += self._tier_tokens.pop(seq.seq_id, 0)
+        self.tier_hit_tokens += self._tier_tokens.pop(seq.seq_id, 0)
 
     def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
         """(new blocks to allocate, table indices to copy-on-write) for writing the next num_new_tokens."""
@@ -446,10 +446,10 @@ class KVCacheManager:
             seq.state_slot = -1
 
     def stats(self) -> dict[str, int]:
-        """The pool's counters and the prefix cache's; `prefix_tier_hit_tokens` are the part of `prefix_hit_tokens`
+        """The pool's counters and the prefix cache's; `kv_tier_hit_tokens` are the part of `prefix_hit_tokens`
         read from the lower tier (copies, not references), with the tier's own counters (`kv_disk_*`)."""
         tier = self.tier.stats() if self.tier is not None else {}
         return {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
-                "prefix_hit_tokens": self.prefix_hit_tokens, "prefix_tier_hit_tokens": self.prefix_tier_hit_tokens,
+                "prefix_hit_tokens": self.prefix_hit_tokens, "kv_tier_hit_tokens": self.tier_hit_tokens,
                 "cow_copies": self.cow_copies, "state_slots": self.num_state_slots,
                 "state_interval_snapshots": self.interval_snapshots, **tier}
