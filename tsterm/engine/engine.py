@@ -548,7 +548,7 @@ class Engine:
         # The other side of the copy ledger: KV taken by reference. A design that deep-copies the prefix each
         # turn would have moved exactly these bytes.
         # (The tokens read back from the disk tier were copied, not referenced: `kv_disk_read_bytes`.)
-        s["kv_reused_bytes"] = ((s["prefix_hit_tokens"] - s["prefix_tier_hit_tokens"]) * s["kv_bytes_per_block"]
+        s["kv_reused_bytes"] = ((s["prefix_hit_tokens"] - s["kv_tier_hit_tokens"]) * s["kv_bytes_per_block"]
                                 // self.config.block_size)
         return s
 

@@ -77,8 +77,8 @@ class EngineCollector(Collector):
             hits = CounterMetricFamily("tsterm:prefix_cache_hits_by_tier", "Prompt tokens served from the prefix "
                                        "cache by tier: device (by reference), disk (read back: a copy).",
                                        labels=["tier"])
-            hits.add_metric(["device"], s["prefix_hit_tokens"] - s["prefix_tier_hit_tokens"])
-            hits.add_metric(["disk"], s["prefix_tier_hit_tokens"])
+            hits.add_metric(["device"], s["prefix_hit_tokens"] - s["kv_tier_hit_tokens"])
+            hits.add_metric(["disk"], s["kv_tier_hit_tokens"])
             yield hits
             yield GaugeMetricFamily("tsterm:kv_disk_bytes", "Bytes of KV blocks in the disk store.",
                                     value=s["kv_disk_bytes"])
