@@ -1,7 +1,8 @@
 """MLA's cache and decode speed at a long context: DeepSeek-V3's attention shape (kv_lora_rank 512, RoPE 64, nope
 128, v 128) with its latent cache and the absorbed decode, against the same model keeping full per-head K and V
-(the latent expanded through kv_b_proj as each token is written, plain multi-head paged attention over it), in one
-run, on the CPU, random weights.
+(the latent expanded through kv_b_proj as each token is written, plain multi-head paged attention over it; V
+zero-padded to K's 192 values, as the paged attention reads one width: 20% more than unpadded K/V), in one run, on
+the CPU, random weights.
 
     python benchmarks/mla_decode.py [--context 8192] [--decode 32] [--heads 16] [--layers 2] [--rounds 3]
 
