@@ -122,6 +122,8 @@ class Engine:
         self.draft_length: DraftLength | None = DraftLength() if self.drafter is not None else None
         # a draft source that reads the target's hidden states (MTP) gets each step the executor ran whole
         self._hidden_drafter = self.drafter if getattr(self.drafter, "wants_hidden", False) else None
+        if self._hidden_drafter is not None:  # (its chain goes as far as the measured draft length makes worth it)
+            self._hidden_drafter.chain_length = self._chain_length
         self.scheduler = Scheduler(config, self.kv, lambda: self.clock(),  # (the engine's clock, even if replaced)
                                    proposer=self._propose if self.drafter is not None else None,
                                    copy_states=self.executor.copy_states)
@@ -357,6 +359,13 @@ class Engine:
         if self.draft_length is None:
             return draft
         return self.draft_length.choose(seq.seq_id, seq.token_ids, draft, len(self.scheduler.running))
+
+    def _chain_length(self, seq_id: int) -> int:
+        """How many drafts a model draft source (MTP) should make for `seq_id` for its next step."""
+        k = self.config.num_speculative_tokens
+        if self.draft_length is None:
+            return k
+        return self.draft_length.best_length(seq_id, k, len(self.scheduler.running))
 
     def _accept(self, drafts: dict[int, list[int]], draws: list[Draw],
                 states: dict[int, list[PenaltyState]], rewinds: dict[int, list[torch.Tensor]]) -> list[Draw]:

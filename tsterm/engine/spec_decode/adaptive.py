@@ -138,23 +138,26 @@ class DraftLength:
         self._score(state, token_ids)
         if draft:  # (scored from the next call on, whether it is verified or not)
             state.draft, state.start = list(draft), len(token_ids)
-        if not draft:
-            return []
+        return draft[:self.best_length(seq_id, len(draft), decoding)]
+
+    def best_length(self, seq_id: int, max_length: int, decoding: int) -> int:
+        """How many drafts of up to `max_length` are worth verifying for `seq_id` now, `decoding` sequences decoding
+        (0: none; also 0 before any step was measured)."""
         base_rows = max(decoding, 1)
         t_base = self.cost.time(base_rows)
-        if t_base is None:  # (nothing measured yet: the first steps decode plainly)
-            return []
+        if t_base is None or max_length <= 0:
+            return 0
         p = self.rate(seq_id)
         best_k, best_rate = 0, base_rows / t_base * (1 + self.margin)
         expected, term = 1.0, 1.0  # E(k) = 1 + p + ... + p^k
-        for k in range(1, len(draft) + 1):
+        for k in range(1, max_length + 1):
             term *= p
             expected += term
             t = max(self.cost.time(base_rows + k), t_base)  # (more rows never cost less: noise aside)
             rate = (base_rows - 1 + expected) / t
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return draft[:best_k]
+        return best_k
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step (no prefill chunk) of `rows` rows took `seconds`, model to accepted tokens."""

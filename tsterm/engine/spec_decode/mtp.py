@@ -22,6 +22,7 @@ verify step keeps what the target agrees with, so the output never depends on th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,8 @@ class MtpSource(DraftSource):
 
     def __init__(self, num_tokens: int):
         super().__init__(num_tokens)
+        # seq_id -> how many drafts are worth chaining for it (the engine sets it from its measured draft length)
+        self.chain_length: Callable[[int], int] | None = None
         self._carry: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (position p, the target's hidden at p)
         self._drafts: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (tokens they follow, draft ids)
         self._accepted: dict[int, int] = {}  # seq_id -> drafts accepted by this step's verify (`observe`)
@@ -125,14 +128,26 @@ class MtpSource(DraftSource):
             return
         tokens = logits.argmax(dim=-1)  # [S]
         drafts = [[t] for t in tokens.tolist()]
+        # how far each chain is worth going (`chain_length`: the engine's measured draft length; the first draft,
+        # which the catch-up made anyway, is always kept: its acceptance is scored even when it is not verified)
+        lengths = [K if self.chain_length is None else max(1, min(K, self.chain_length(seq.seq_id)))
+                   for seq, _, _ in drafting]
+        active = list(range(len(drafting)))
         for j in range(1, K):  # chained: the head's own hidden state and draft, one position further
+            still = [n for n, i in enumerate(active) if lengths[i] > j]
+            if not still:
+                break
+            if len(still) < len(active):
+                out = out.index_select(0, torch.tensor(still, device=out.device))
+                active = [active[n] for n in still]
             step = HostStep()
-            for (seq, table, c), draft in zip(drafting, drafts):
-                _row(step, draft[-1], c + j, table, B)
+            for i in active:
+                seq, table, c = drafting[i]
+                _row(step, drafts[i][-1], c + j, table, B)
                 step.sample_rows.append(len(step.input_ids) - 1)
             out, logits = executor.mtp_forward(step, out)
-            for draft, token in zip(drafts, logits.argmax(dim=-1).tolist()):
-                draft.append(token)
+            for i, token in zip(active, logits.argmax(dim=-1).tolist()):
+                drafts[i].append(token)
         for (seq, _, _), draft in zip(drafting, drafts):
             self._drafts[seq.seq_id] = (len(seq.token_ids), draft)
 
