@@ -369,62 +369,62 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-_SINK_QUERY_ROWS = 64  # rows per gathered key block in `_sink_window_attention` (bounds its [rows, keys] buffers)
+_SINK_ROWS_ALONE = 16  # a sequence with at most this many new tokens (a decode, a verify) runs each row alone
+_SINK_QUERY_ROWS = 128  # a longer one (a prompt chunk): new tokens per masked score matrix
 
 
 def _sink_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                            scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
     """`paged_attention` with attention sinks and / or a sliding window, in float32 on any device.
 
-    Each new token attends over exactly the keys it sees (positions [0, p], or [p - window + 1, p] with a window),
-    gathered from the pool through the block table, with each head's sink logit in the denominator:
-    p = exp(s - m) / (sum exp(s - m) + exp(sink - m)), m the row's maximum over its keys and the sink. Rows with as
-    many keys (a window's rows once the context is longer than the window) are gathered into one block of rows and
-    computed together as one-row matmuls, so a row's bits depend on its keys only, not on how many rows the step has
-    (a verify step's rows are the decode's). Without a window each row is its own block: a long prompt's full layers
-    run row by row here (the C kernels do not take sinks yet).
+    Each new token attends over the keys it sees (positions [0, p], or [p - window + 1, p] with a window), gathered
+    from the pool through the block table, with each head's sink logit in the denominator:
+    p = exp(s - m) / (sum exp(s - m) + exp(sink - m)), m the row's maximum over its keys and the sink.
+
+    A sequence with few new tokens (`_SINK_ROWS_ALONE`: a decode, a verify) runs each row alone over exactly its
+    keys, so a row's bits do not depend on the rows beside it (a verify's rows are the decode's). A prompt chunk runs
+    `_SINK_QUERY_ROWS` rows at a time over the keys the rows see together, masked (causal, and query - key < window):
+    the same values to rounding, at GEMM speed.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     device = q.device
     k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    sink = None if sinks is None else sinks.float().view(num_kv_heads, group, 1, 1, 1)
+    sink = None if sinks is None else sinks.float().view(num_kv_heads, group, 1)
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         first_pos = seq_len - (q_end - q_start)  # the position of the sequence's first new token
         table = meta.block_tables[i]
-        row = q_start
-        while row < q_end:
-            pos = first_pos + row - q_start
-            num_keys = pos + 1 if window is None else min(pos + 1, window)
-            rows = 1  # the following rows with as many keys (a full window) join this block
-            if window is not None and num_keys == window:
-                rows = min(q_end - row, _SINK_QUERY_ROWS)
-            k_pos = (torch.arange(pos + 1 - num_keys, pos + 1, device=device)[None]
-                     + torch.arange(rows, device=device)[:, None])  # [r, n]: each row's keys
+        alone = q_end - q_start <= _SINK_ROWS_ALONE
+        for a in range(q_start, q_end, 1 if alone else _SINK_QUERY_ROWS):
+            b = a + 1 if alone else min(a + _SINK_QUERY_ROWS, q_end)
+            pos_a, pos_b = first_pos + a - q_start, first_pos + b - q_start  # the rows' positions [pos_a, pos_b)
+            k_pos = torch.arange(0 if window is None else max(0, pos_a - window + 1), pos_b, device=device)  # [n]
             slots = table[k_pos // block_size].long() * block_size + k_pos % block_size
-            k = k_flat[slots].float().permute(2, 0, 3, 1)[:, None]  # [Hkv, 1, r, D, n]
-            v = v_flat[slots].float().permute(2, 0, 1, 3)[:, None]  # [Hkv, 1, r, n, D]
-            qh = q[row:row + rows].float().view(rows, num_kv_heads, group, 1, head_dim).permute(1, 2, 0, 3, 4)
-            # [Hkv, G, r, 1, n] scores (+ the sink's column) in a buffer two columns wider: its rows do not coalesce,
-            # so exp runs row by row, its vector body and scalar tail splitting every row alike whatever r is
-            buf = torch.empty((num_kv_heads, group, rows, 1, num_keys + 2), dtype=torch.float32, device=device)
-            scores = buf[..., :num_keys]
-            scores.copy_(torch.matmul(qh, k)).mul_(scale)  # one-row matmuls
-            top = scores.amax(-1, keepdim=True)
+            k = k_flat[slots].float().permute(1, 2, 0)  # [Hkv, D, n]
+            v = v_flat[slots].float().permute(1, 0, 2)  # [Hkv, n, D]
+            # [Hkv, G * nq, D]: each KV head's query rows (a copy: its own buffer, whatever the row's place in q)
+            qh = q[a:b].to(torch.float32, copy=True).view(b - a, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+            scores = torch.bmm(qh.reshape(num_kv_heads, group * (b - a), head_dim), k).mul_(scale)
+            scores = scores.view(num_kv_heads, group, b - a, -1)  # [Hkv, G, nq, n]
+            if not alone:  # keys after a row, or before its window, are not its own
+                q_pos = torch.arange(pos_a, pos_b, device=device)[:, None]  # [nq, 1]
+                visible = k_pos[None, :] <= q_pos
+                if window is not None:
+                    visible &= k_pos[None, :] > q_pos - window
+                scores.masked_fill_(~visible, float("-inf"))
+            top = scores.amax(-1, keepdim=True)  # [Hkv, G, nq, 1]: finite, every row sees itself
             if sink is not None:
-                top = torch.maximum(top, sink)
-                buf[..., num_keys:num_keys + 1] = sink - top
-            scores.sub_(top)
-            buf[..., :num_keys + (sink is not None)].exp_()
-            denom = scores.sum(-1, keepdim=True)
+                top = torch.maximum(top, sink[..., None])
+            p = torch.exp(scores - top)
+            denom = p.sum(-1, keepdim=True)
             if sink is not None:
-                denom = denom + buf[..., num_keys:num_keys + 1]
-            o = torch.matmul(scores.div_(denom), v)  # [Hkv, G, r, 1, D]
-            out[row:row + rows] = o[:, :, :, 0].permute(2, 0, 1, 3).reshape(rows, num_heads, head_dim).to(q.dtype)
-            row += rows
+                denom = denom + torch.exp(sink[..., None] - top)
+            o = torch.bmm((p / denom).view(num_kv_heads, group * (b - a), -1), v)  # [Hkv, G * nq, D]
+            out[a:b] = o.view(num_kv_heads, group, b - a, head_dim).permute(2, 0, 1, 3).reshape(
+                b - a, num_heads, head_dim).to(q.dtype)
     return out
 
 

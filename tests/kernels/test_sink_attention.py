@@ -1,7 +1,7 @@
 """The torch twin's attention with sinks and a sliding window (`torch_ops.paged_attention(sinks=, window=)`, gpt-oss)
 against a float64 oracle written from the definition, over scattered block tables, several sequences mixing prompt
-chunks and decode rows, and blocks of rows split (`_SINK_QUERY_ROWS` made small); and a row's bits are the same
-whether it runs alone (decode) or among others (verify, prefill)."""
+chunks (the masked path, its blocks of rows split: `_SINK_QUERY_ROWS` made small) and decode rows (the row-alone
+path); and a verify's rows have the bits of the same positions decoded one at a time."""
 from __future__ import annotations
 
 import pytest
@@ -55,7 +55,8 @@ def build(seq_specs, Hq, Hkv, D, num_blocks=64, seed=0):
 @pytest.mark.parametrize("window", [None, 3, 5])
 @pytest.mark.parametrize("with_sinks", [True, False])
 def test_sink_window_attention_matches_the_oracle(window, with_sinks, monkeypatch):
-    monkeypatch.setattr(torch_ops, "_SINK_QUERY_ROWS", 2)  # blocks of rows split mid-sequence
+    monkeypatch.setattr(torch_ops, "_SINK_ROWS_ALONE", 3)  # the 13- and 6-token chunks run masked, in blocks ...
+    monkeypatch.setattr(torch_ops, "_SINK_QUERY_ROWS", 4)  # ... split mid-sequence; the others row by row
     Hq, Hkv, D = 6, 2, 8
     specs = [(13, 13), (9, 1), (17, 6), (2, 2)]  # a prompt, a decode row, a chunk after cached tokens, a short one
     k_cache, v_cache, q, meta, contexts = build(specs, Hq, Hkv, D)
@@ -70,7 +71,8 @@ def test_sink_window_attention_matches_the_oracle(window, with_sinks, monkeypatc
 
 
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
-    """Each row of a 9-token extend equals the same position run as a one-row decode, bit for bit."""
+    """Each row of a 9-token extend (a verify of 8 drafts) equals the same position run as a one-row decode, bit for
+    bit."""
     Hq, Hkv, D = 5, 1, 16
     sinks = torch.randn(Hq, generator=torch.Generator().manual_seed(4))
     k_cache, v_cache, q, meta, _ = build([(20, 9)], Hq, Hkv, D)
