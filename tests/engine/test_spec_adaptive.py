@@ -122,3 +122,31 @@ def test_wrong_drafts_stop_being_verified_and_right_ones_come_back(moe):
     assert len(wrong_phase) <= 2 * 3  # (the first steps, on the prior, per request)
     assert sum(right_phase) > 60  # (verified again, and accepted, once right)
     assert llm.stats()["used"] == 0
+
+
+def test_mtp_chains_only_as_far_as_the_measured_length_pays():
+    """The MTP head's catch-up forward makes a first draft anyway; its chain of further drafts runs only as far as
+    the draft length is worth verifying: none when a row costs a whole step, all K when rows are free."""
+    from pathlib import Path
+
+    from tsterm import LLM, SamplingParams
+
+    demo = Path(__file__).resolve().parents[2] / "tsterm" / "models" / "moe_demo"
+    prompts = [[5, 17, 33, 9, 250, 71, 12, 8]]
+
+    def head_forwards(slope: float) -> tuple[int, int, list[int]]:
+        llm = LLM(str(demo), dtype="float32", device="cpu", speculative_method="mtp", num_speculative_tokens=3)
+        llm.engine.draft_length.cost = FixedCost(slope)
+        runner, calls = llm.engine.executor, []
+        forward = runner.mtp_forward
+        runner.mtp_forward = lambda step, hidden: calls.append(len(step.sample_rows)) or forward(step, hidden)
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        chained = len(calls) - llm.engine.num_steps  # (each step's first head forward is its catch-up; the last
+        # step's sequence finished: it has none)
+        return chained, llm.stats()["spec_num_drafts"], list(out[0].outputs[0].token_ids)
+
+    costly_chained, costly_verifies, costly = head_forwards(1.0)
+    cheap_chained, cheap_verifies, cheap = head_forwards(0.0)
+    assert costly == cheap  # (what is verified never changes the tokens)
+    assert costly_verifies == 0 and costly_chained <= 0  # at most one head forward a step: the catch-up
+    assert cheap_verifies > 0 and cheap_chained > cheap_verifies  # the chains ran (K - 1 = 2 forwards a step)
