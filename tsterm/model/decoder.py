@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tsterm.config import ModelConfig
+from tsterm.errors import ConfigError
 from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION, MLA
 from tsterm.model.cache import ModelCache
 from tsterm.model.clamped_swiglu import clamped_swiglu_experts
@@ -113,6 +114,9 @@ class Attention:
         if self.sinks is None and self.window is None:
             o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
         else:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise ConfigError("gpt-oss's sink / sliding-window attention reads each step's host lists, which a "
+                                  "CUDA graph cannot replay: set cuda_graphs: false")
             o = sink_window_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sinks, self.window)
         out = linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]: this rank's heads' part
         self.par.all_reduce_tp(out)
