@@ -15,7 +15,7 @@ from tsterm.agent.tool_calls import ToolCall, ToolCallParser
 from tsterm.agent.tools import Calculator
 from tsterm.convert.shipped import SHIPPED_MODELS
 
-from tests.model.test_parity import reference_greedy
+from tests.helpers.parity import reference_greedy
 
 MODEL_DIR = Path(tsterm.__file__).parent / "models" / "agent_demo"
 TOOLS = [Calculator().spec()]

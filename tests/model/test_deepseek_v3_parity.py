@@ -11,12 +11,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from tsterm import LLM, SamplingParams
 from tsterm.config import ModelConfig
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.parity import assert_greedy_matches, assert_last_logits_close, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-overhead bound
 
@@ -36,18 +36,6 @@ CASES = [
           rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                                mscale=1.0, mscale_all_dim=0.8, beta_fast=32.0, beta_slow=1.0))),
 ]
-
-
-def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers as the oracle: full-sequence forward every step (no cache), argmax."""
-    ids = list(prompt)
-    first_logits = None
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            first_logits = logits if first_logits is None else first_logits
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], first_logits
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
@@ -78,24 +66,9 @@ def test_the_checkpoint_has_what_the_case_is_about(checkpoint):
 def test_greedy_and_logits_match_transformers(checkpoint):
     model_dir, hf_model = checkpoint
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=128)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in (11, 5, 70)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))
-    for prompt, out in zip(prompts, outs):
-        expected, ref_logits = reference_greedy(hf_model, prompt, NEW_TOKENS)
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens"
-        ours = torch.tensor(out.outputs[0].logprobs[0]["logprob"])
-        ref = torch.log_softmax(ref_logits, -1)[expected[0]]
-        assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-5)
-
-    prompt = prompts[2]  # the last position's logits of one (expanded) prefill
-    engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    ours = engine.executor.execute(engine.scheduler.schedule())[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-    rel = (ours - ref).abs().max() / ref.abs().max()
-    assert rel < 1e-4, f"relative error {rel:.2e}"
+    prompts = random_prompts(hf_model.config.vocab_size, (11, 5, 70))
+    assert_greedy_matches(llm, hf_model, prompts, NEW_TOKENS)
+    assert_last_logits_close(llm, hf_model, prompts[2])  # the last position's logits of one (expanded) prefill
 
 
 def test_multi_turn_reuse_equals_a_fresh_recompute(checkpoint):

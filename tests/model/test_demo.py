@@ -12,7 +12,7 @@ from tsterm.convert import demo
 from tsterm.convert.demo import SPECS, bytes_read_per_token, checkpoint_bytes, ensure_demo_model, make_random_moe
 from tsterm.tokenizer import Tokenizer
 
-from tests.model.test_parity import reference_greedy
+from tests.helpers.parity import reference_greedy
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

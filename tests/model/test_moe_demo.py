@@ -15,6 +15,8 @@ from tokenizers import Tokenizer
 import tsterm
 from tsterm import LLM, SamplingParams
 
+from tests.helpers.parity import assert_last_logits_close
+
 MODEL_DIR = Path(tsterm.__file__).parent / "models" / "moe_demo"
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_moe_demo.py"
 
@@ -52,14 +54,7 @@ def test_checkpoint_is_small_and_bfloat16():
 def test_tsterm_matches_transformers_and_writes_text(hf_model, heldout_windows):
     llm = LLM(str(MODEL_DIR), dtype="float32", device="cpu")
     prompt = heldout_windows[0, :40].tolist()
-    engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    ours = engine.executor.execute(engine.scheduler.schedule())[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-    rel = (ours - ref).abs().max() / ref.abs().max()
-    assert rel < 1e-4, f"relative error {rel:.2e}"
-    engine.step()  # finishes the one-token request
+    assert_last_logits_close(llm, hf_model, prompt)
 
     out = llm.generate("KING HENRY.\nWhat", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     letters = sum(c.isalpha() or c.isspace() for c in out.text)

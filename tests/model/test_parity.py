@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tsterm import LLM, SamplingParams
+from tsterm import LLM
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.parity import assert_greedy_matches, assert_last_logits_close, random_prompts
 
 # (name, model_type, config overrides, save kwargs)
 CASES = [
@@ -37,35 +38,13 @@ CASES = [
 NEW_TOKENS = 32
 
 
-def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers as the oracle: full-sequence forward every step (no cache), argmax."""
-    ids = list(prompt)
-    first_logits = None
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            if first_logits is None:
-                first_logits = logits
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], first_logits
-
-
 @pytest.mark.parametrize("name,model_type,overrides,save_kwargs", CASES, ids=[c[0] for c in CASES])
 def test_greedy_and_logits_match_transformers(tmp_path, name, model_type, overrides, save_kwargs):
     model_dir, hf_model = make_checkpoint(tmp_path / name, model_type, overrides, **save_kwargs)
     if save_kwargs.get("max_shard_size"):
         assert (model_dir / "model.safetensors.index.json").is_file()
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in (11, 5, 17)]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs):
-        expected, ref_logits = reference_greedy(hf_model, prompt, NEW_TOKENS)
-        assert out.token_ids == expected
-        ours = torch.tensor(out.outputs[0].logprobs[0]["logprob"])
-        ref = torch.log_softmax(ref_logits, -1)[expected[0]]
-        assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-5)
+    assert_greedy_matches(llm, hf_model, random_prompts(hf_model.config.vocab_size), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", dict(num_experts=5, num_experts_per_tok=2)),
@@ -74,11 +53,4 @@ def test_last_position_logits_relative_error(tmp_path, model_type, overrides):
     model_dir, hf_model = make_checkpoint(tmp_path / model_type, model_type, overrides)
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=32)
     prompt = torch.randint(0, hf_model.config.vocab_size, (13,), generator=torch.Generator().manual_seed(2)).tolist()
-    engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    batch = engine.scheduler.schedule()
-    ours = engine.executor.execute(batch)[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-    rel = (ours - ref).abs().max() / ref.abs().max()
-    assert rel < 1e-4, f"relative error {rel:.2e}"
+    assert_last_logits_close(llm, hf_model, prompt)
