@@ -85,3 +85,28 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it():
             alone = torch_ops.paged_attention(q[r:r + 1], k_cache, v_cache, one, D ** -0.5, sinks=sinks,
                                               window=window)
             assert torch.equal(alone[0], together[r]), (window, r)
+
+
+def test_a_rows_bits_do_not_depend_on_where_its_blocks_are():
+    """The same context in one run of blocks and scattered over the pool (another engine, another allocation): a
+    decode row and a verify's rows come out bit for bit the same."""
+    Hq, Hkv, D, seq_len = 6, 2, 16, 23
+    gen = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(seq_len, Hkv, D, generator=gen), torch.randn(seq_len, Hkv, D, generator=gen)
+    q, sinks = torch.randn(4, Hq, D, generator=gen), torch.randn(Hq, generator=gen)
+    outs = []
+    for blocks in (list(range(2, 8)), [9, 3, 14, 6, 11, 1]):  # 6 blocks of 4: one run, or six
+        k_cache, v_cache = torch.zeros(16, BLOCK, Hkv, D), torch.zeros(16, BLOCK, Hkv, D)
+        for p in range(seq_len):
+            k_cache[blocks[p // BLOCK], p % BLOCK], v_cache[blocks[p // BLOCK], p % BLOCK] = keys[p], values[p]
+        table = torch.tensor([blocks], dtype=torch.int32)
+        step = []
+        for rows in (1, 4):  # a decode of the last position; a verify of the last four
+            meta = AttentionMetadata(query_start_loc=[0, rows], seq_lens=[seq_len], block_runs=BlockRuns([blocks]),
+                                     slot_mapping=torch.zeros(rows, dtype=torch.int64), block_tables=table,
+                                     block_size=BLOCK)
+            step += [torch_ops.paged_attention(q[4 - rows:], k_cache, v_cache, meta, D ** -0.5, sinks=sinks,
+                                               window=window) for window in (None, 5)]
+        outs.append(step)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
