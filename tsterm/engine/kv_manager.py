@@ -48,6 +48,9 @@ class KVCacheManager:
         self.tier = tier
         self.tier_hit_tokens = 0  # prompt tokens of admitted requests served from the tier (in prefix_hit)
         self._tier_tokens: dict[int, int] = {}  # seq_id -> tokens its last match_prefix loaded from the tier
+        self._pinned_tokens: dict[str, tuple[list[int], str | None]] = {}  # pin key -> its tokens, salt (a tier's)
+        self.offloaded_pins = 0  # pins released to the tier under pressure (`offload_pins`)
+        self.offloaded_pin_blocks = 0  # their blocks the store had lost and that were written again
         self.block_size = pool.block_size
         self.num_state_slots = pool.num_state_slots
         self.snapshot_interval = snapshot_interval // pool.block_size * pool.block_size
@@ -168,25 +171,81 @@ class KVCacheManager:
             cache_salt: str | None = None) -> tuple[int, int]:
         """Pin the cached full blocks of the longest cached prefix of `token_ids` (cached under `cache_salt`) under
         `key` until `expires_at` (`BlockPool.pin`: a pin under an existing key replaces it; the cap may stop it
-        early). Returns (blocks pinned, cached full blocks found)."""
+        early). Returns (blocks pinned, cached full blocks found). With a tier, the pin's tokens are kept too: the
+        partly filled block after its full ones is what `offload_pins` saves with them."""
         cached = self.cached_prefix_blocks(list(token_ids), cache_salt)
-        return self.pool.pin(key, cached, expires_at), len(cached)
+        num_pinned = self.pool.pin(key, cached, expires_at)
+        self._pinned_tokens.pop(key, None)
+        if num_pinned and self.tier is not None:
+            self._pinned_tokens[key] = (list(token_ids), cache_salt)
+        return num_pinned, len(cached)
 
     def unpin(self, key: str) -> bool:
+        self._pinned_tokens.pop(key, None)
         return self.pool.unpin(key)
 
     def expire_pins(self, now: float) -> int:
-        return self.pool.expire_pins(now)
+        expired = self.pool.expire_pins(now)
+        if expired and self._pinned_tokens:
+            live = self.pool.pins()
+            for key in [key for key in self._pinned_tokens if key not in live]:
+                del self._pinned_tokens[key]
+        return expired
 
     def pins(self) -> list[str]:
         return list(self.pool.pins())
 
     def drop_pins(self) -> int:
-        """Release every pin (they yield to traffic that cannot run otherwise); returns how many."""
+        """Release every pin (they yield to traffic that cannot run otherwise); returns how many. With a tier, each
+        pinned session is offloaded first (`offload_pins`): its next turn reads its prefix back instead of computing
+        it."""
         keys = self.pins()
+        if self.tier is not None:
+            self.offload_pins(keys)
         for key in keys:
-            self.pool.unpin(key)
+            self.unpin(key)
         return len(keys)
+
+    def yield_pins_to_tier(self) -> int:
+        """Under pressure (a request cannot get blocks): with a tier, release every pin after offloading it, so a
+        session waiting on a tool makes room instead of costing a running request its blocks (a preemption) or a
+        waiting one its admission. Returns the pins released; 0 without a tier (pins then yield only when nothing
+        could run otherwise: the scheduler's `drop_pins`) or without pins."""
+        if self.tier is None or not self.pool.pins():
+            return 0
+        return self.drop_pins()
+
+    def offload_pins(self, keys: list[str]) -> int:
+        """Make sure the disk tier holds each pinned session of `keys`: its pinned full blocks and, when the pool
+        still caches it, the partly filled block after them (the finished turn's last). Write-through queued most
+        of them when they were registered; those the store evicted since (its LRU bound, other sessions' traffic)
+        are queued again, the others made the most recently used, so what the session needs next is the last the
+        store evicts. Returns the blocks queued again."""
+        assert self.tier is not None
+        B, pool, tier, written = self.block_size, self.pool, self.tier, 0
+        saved_before = tier.saved_blocks
+        live = pool.pins()
+        for key in keys:
+            pin = live.get(key)
+            if pin is None:
+                continue
+            parent = None
+            for block_id in pin.block_ids:  # a prefix chain, first block first
+                block = pool.blocks[block_id]
+                tier.save_block(block_id, block.block_hash, block.parent_hash, block.token_ids)
+                parent = block.block_hash
+            pinned = self._pinned_tokens.get(key)
+            if pinned is not None:
+                token_ids, salt = pinned
+                root = None if salt is None else pool.salt_root(salt)
+                rest = token_ids[len(pin.block_ids) * B:]
+                partial = pool.lookup_partial(root if parent is None else parent, rest) if rest else None
+                if partial is not None:
+                    tier.save_partial(partial[0], root if parent is None else parent, rest[:partial[1]])
+            self.offloaded_pins += 1
+        written = tier.saved_blocks - saved_before
+        self.offloaded_pin_blocks += written
+        return written
 
     def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """The cached or referenced blocks holding the longest run of full blocks that prefixes `token_ids`, first
@@ -449,7 +508,11 @@ class KVCacheManager:
         """The pool's counters and the prefix cache's; `kv_tier_hit_tokens` are the part of `prefix_hit_tokens`
         read from the lower tier (copies, not references), with the tier's own counters (`kv_disk_*`)."""
         tier = self.tier.stats() if self.tier is not None else {}
-        return {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
+        out = {**self.pool.stats(), "prefix_query_tokens": self.prefix_query_tokens,
                 "prefix_hit_tokens": self.prefix_hit_tokens, "kv_tier_hit_tokens": self.tier_hit_tokens,
                 "cow_copies": self.cow_copies, "state_slots": self.num_state_slots,
                 "state_interval_snapshots": self.interval_snapshots, **tier}
+        if self.tier is not None:
+            out["kv_disk_offloaded_pins"] = self.offloaded_pins
+            out["kv_disk_offloaded_pin_blocks"] = self.offloaded_pin_blocks
+        return out

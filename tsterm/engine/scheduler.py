@@ -68,6 +68,10 @@ class Scheduler:
             drafts = self._drafts(seq, budget)
             n += len(drafts)
             while not self.kv.can_append(seq, n):
+                dropped = self.kv.yield_pins_to_tier()  # (with a disk tier, waiting sessions go there, not a victim)
+                if dropped:
+                    self.num_pins_dropped += dropped
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -91,6 +95,8 @@ class Scheduler:
             if not first_admission:  # a preempted request keeps its first admission's cache report
                 seq.num_cached_tokens = cached_before
             n = min(seq.num_uncomputed_tokens, budget)
+            if not preempted and not self.kv.can_append(seq, n):
+                self.num_pins_dropped += self.kv.yield_pins_to_tier()  # (a disk tier's: see above)
             if preempted or not self.kv.can_append(seq, n):
                 self.kv.free(seq)
                 break
