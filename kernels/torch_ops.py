@@ -307,6 +307,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return _native_decode_attention(native, q, k_cache, v_cache, meta, scale)
     flash = device.type == "cpu" and _FLASH_CPU is not None
     prefill = _native_prefill(q, k_cache, v_cache, meta)
+    if prefill is None and head_dim % 16 and q.dtype is torch.float32 and _native_f32(k_cache, v_cache) is not None:
+        return _rows_alone_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     for i, seq_len in enumerate(meta.seq_lens):
         q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
@@ -425,6 +427,30 @@ def _sink_window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             o = torch.bmm((p / denom).view(num_kv_heads, group * (b - a), -1), v)  # [Hkv, G * nq, D]
             out[a:b] = o.view(num_kv_heads, group, b - a, head_dim).permute(2, 0, 1, 3).reshape(
                 b - a, num_heads, head_dim).to(q.dtype)
+    return out
+
+
+def _rows_alone_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                          scale: float) -> torch.Tensor:
+    """`paged_attention` for a head size the C kernels do not take (not whole 16s), beside them on the CPU: each new
+    token alone over its keys [0, p], gathered through the block table, so its bits do not depend on the rows of its
+    step (torch's flash kernel, the other path, blocks its work by the row count: a verify's or a batch's rows would
+    not be the decode's). A row's cost is its context's; such heads are the tiny test models'."""
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_flat, v_flat = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(meta.seq_lens):
+        q_start, q_end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        table = meta.block_tables[i].long()
+        for row in range(q_start, q_end):
+            k_pos = torch.arange(seq_len - (q_end - row) + 1)  # the row's keys: positions [0, p]
+            slots = table[k_pos // block_size] * block_size + k_pos % block_size
+            qh = q[row].to(torch.float32, copy=True).view(num_kv_heads, group, head_dim)
+            scores = torch.bmm(qh, k_flat[slots].permute(1, 2, 0)).mul_(scale)  # [Hkv, G, n]
+            p = torch.softmax(scores, dim=-1)
+            out[row] = torch.bmm(p, v_flat[slots].permute(1, 0, 2)).view(num_heads, head_dim)
     return out
 
 

@@ -96,8 +96,10 @@ class Attention:
         qk = qkv[:, :self.q_size + self.kv_size]  # [T, (Hq + Hkv) D] view: q and k are normed and rotated together
         v = qkv[:, self.q_size + self.kv_size:].view(T, Hkv, D)  # [T, Hkv, D] view
         if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
-            qk = torch.cat((self.ops.rms_norm(qk[:, :self.q_size], self.q_norm, self.eps)[0],
-                            self.ops.rms_norm(qk[:, self.q_size:], self.k_norm, self.eps)[0]), dim=-1)
+            # (contiguous copies: a strided slice of several rows would miss the C kernel, whose arithmetic is the
+            # same for any row count, and take F.rms_norm, whose bits differ from it)
+            qk = torch.cat((self.ops.rms_norm(qk[:, :self.q_size].contiguous(), self.q_norm, self.eps)[0],
+                            self.ops.rms_norm(qk[:, self.q_size:].contiguous(), self.k_norm, self.eps)[0]), dim=-1)
         qk = qk.float().view(T, Hq + Hkv, D)  # float32 arithmetic (a no-op for a float32 model)
         if self.qk_norm == "head":  # Qwen3: per head, over head_dim; in place in C where it can (`csrc/decode.c`)
             native = cpu_native.load() if cpu_native.rows_contiguous_f32(qk) else None
