@@ -3,7 +3,13 @@ write: Qwen/Hermes `<tool_call>{json}</tool_call>`; the Qwen3-Coder XML form
 `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`; GLM-4.5's
 `<tool_call>NAME<arg_key>P</arg_key><arg_value>value</arg_value></tool_call>` (newlines between the pieces); and
 MiniMax-M2's block `<minimax:tool_call><invoke name="NAME"><parameter name="P">value</parameter></invoke>...
-</minimax:tool_call>`, which holds one call per `<invoke>`. The form is read off each call as it comes (no per-model
+</minimax:tool_call>`, which holds one call per `<invoke>`; and the sections of special-token calls: DeepSeek-V3's
+`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>...
+<｜tool▁calls▁end｜>`, DeepSeek-V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` in the same
+section, and Kimi-K2's `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+{...}<|tool_call_end|>...<|tool_calls_section_end|>`. A section's calls come one by one, each once the marker after
+its end (the next call's begin, or the section's end) has arrived; the section's markers and the layout between its
+calls are shared out among their raw as in a MiniMax block. The form is read off each call as it comes (no per-model
 setting): the open tag says which block it is, the body's start which form. In the XML-like forms a value is text
 for a string parameter (or one whose schema gives no JSON type), else JSON of its schema's type; one newline just
 inside each of a value's tags is layout, not value (a model may put the value on its own lines), so a string value
@@ -35,6 +41,16 @@ OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"  # MiniMax-M2's block of <invoke> calls
 TAGS = ((OPEN_TAG, CLOSE_TAG), (MINIMAX_OPEN, MINIMAX_CLOSE))  # (open, close) of each kind of call block
+# sections of special-token calls: section open -> (section close, call open, call close)
+DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+DEEPSEEK_SEP = "<｜tool▁sep｜>"
+KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+KIMI_CALL = ("<|tool_call_begin|>", "<|tool_call_end|>")
+KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
+SECTIONS = {DEEPSEEK_SECTION[0]: (DEEPSEEK_SECTION[1], *DEEPSEEK_CALL), KIMI_SECTION[0]: (KIMI_SECTION[1], *KIMI_CALL)}
+_DEEPSEEK_V3 = re.compile(r"\s*([^\s`]+)\s*\n```(?:json)?[ \t]*\n(.*)\n[ \t]*```\s*\Z", re.S)  # NAME, fenced JSON
+_KIMI_ID = re.compile(r"\s*(?:functions\.)?([^\s:]+):(\d+)\s*\Z")  # functions.NAME:IDX
 _GLM_NAME = re.compile(r"\s*([^\s<>{}\[\]\"]+)\s*(?=<arg_key>|\Z)")  # GLM: the name, then its <arg_key>s
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 _INVOKE = re.compile(r"<invoke name=\"([^\"]*)\">(.*?)</invoke>", re.S)  # MiniMax: one call
@@ -92,6 +108,9 @@ class ToolCallParser:
         self._scanned = 0  # in a call: buffer positions already searched for a tag
         self._calls = 0
         self._finished = False
+        self._section: str | None = None  # in a section of special-token calls: its open tag
+        self._prefix = ""  # in a section: its text not yet in a call's raw (the section's open tag, layout)
+        self._held: tuple[_Read, str, str | None] | None = None  # a section's read call until the next marker
 
     def feed(self, delta: str) -> list[Event]:
         if self._finished:
@@ -99,16 +118,26 @@ class ToolCallParser:
         self._buffer += delta
         events: list[Event] = []
         while True:
+            if not self._in_call and self._section is not None:
+                if not self._section_step(events):
+                    return events
+                continue
             if not self._in_call:
                 found = [(self._buffer.find(tags[0]), tags) for tags in TAGS]
+                found += [(self._buffer.find(tag), (tag, "")) for tag in SECTIONS]
                 found = [(start, tags) for start, tags in found if start >= 0]
                 if not found:
                     held = _partial_tag_length(self._buffer)
                     self._emit_text(events, self._buffer[:len(self._buffer) - held])
                     self._buffer = self._buffer[len(self._buffer) - held:]
                     return events
-                start, self._tag = min(found, key=lambda f: f[0])
+                start, tags = min(found, key=lambda f: f[0])
                 self._emit_text(events, self._buffer[:start])
+                if tags[0] in SECTIONS:
+                    self._section, self._prefix = tags[0], tags[0]
+                    self._buffer = self._buffer[start + len(tags[0]):]
+                    continue
+                self._tag = tags
                 self._buffer, self._in_call, self._scanned = self._buffer[start:], True, len(self._tag[0])
                 continue
             # a call: it ends at the first close tag; a second open tag first means the model restarted
@@ -127,6 +156,34 @@ class ToolCallParser:
             end = close + len(close_tag)
             events += self._calls_of(self._buffer[:end])
             self._buffer, self._in_call = self._buffer[end:], False
+
+    def _section_step(self, events: list[Event]) -> bool:
+        """In a section, between calls: the next call's begin, or the section's end, settles the held call (its raw
+        runs to there). False: the buffer holds neither yet."""
+        section_close, call_open, call_close = SECTIONS[self._section]
+        begin, end = self._buffer.find(call_open), self._buffer.find(section_close)
+        if begin < 0 and end < 0:
+            return False
+        stop = begin if begin >= 0 and (end < 0 or begin < end) else end + len(section_close)
+        gap, self._buffer = self._buffer[:stop], self._buffer[stop:]
+        stray = gap[:-len(section_close)] if stop != begin else gap
+        if self._held is not None:
+            read, raw, error = self._held
+            self._held = None
+            if stray.strip():
+                error = error or f"text between the calls of a {self._section} section: {stray.strip()[:40]!r}"
+            events.append(self._new_call(read, raw + gap, error))
+        else:
+            self._prefix += gap
+            if stop != begin:  # the section ends with no call in it
+                events.append(self._new_call(_Read(), self._prefix, f"no {call_open} in the {self._section} section; "
+                                             f"write {call_open}...{call_close} calls inside it"))
+                self._prefix = ""
+        if stop != begin:
+            self._section = None
+        else:
+            self._tag, self._in_call, self._scanned = (call_open, call_close), True, len(call_open)
+        return True
 
     @property
     def pending(self) -> tuple[str, str] | None:
@@ -147,8 +204,19 @@ class ToolCallParser:
             if self._in_call:
                 events += self._calls_of(self._buffer, f"the output ended before {self._tag[1]}: the call is "
                                          "incomplete")
+            elif self._held is not None:  # a section not closed after a whole call: the call stands
+                read, raw, error = self._held
+                whitespace = not self._buffer.strip()
+                events.append(self._new_call(read, raw + (self._buffer if whitespace else ""), error))
+                if not whitespace:
+                    self._emit_text(events, self._buffer)
+            elif self._section is not None:
+                events.append(self._new_call(_Read(), self._prefix + self._buffer, "the output ended before "
+                                             f"{SECTIONS[self._section][0]}: the {self._section} section is "
+                                             "incomplete"))
             else:
                 self._emit_text(events, self._buffer)
+            self._held, self._section = None, None
             self._buffer = ""
         return events
 
@@ -165,6 +233,16 @@ class ToolCallParser:
             body = body[:-len(close_tag)]
         if open_tag == MINIMAX_OPEN:
             return self._invokes(raw, body, error)
+        if self._section is not None:  # a section's call: held until the marker after it arrives
+            read = self._check(_read_deepseek(body) if open_tag == DEEPSEEK_CALL[0] else _read_kimi(body))
+            gap = self._prefix.removeprefix(self._section)
+            if gap.strip():
+                read.error = read.error or f"text in a {self._section} section before its call: {gap.strip()[:40]!r}"
+            raw, self._prefix = self._prefix + raw, ""
+            if error is not None:  # cut short, or a new call began inside it: no marker will settle it
+                return [self._new_call(read, raw, error)]
+            self._held = (read, raw, None)
+            return []
         return [self._new_call(self._read(body), raw, error)]
 
     def _new_call(self, read: _Read, raw: str, error: str | None = None) -> ToolCall:
@@ -223,9 +301,10 @@ class ToolCallParser:
 
 def _partial_tag_length(text: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of an open tag (0 if none)."""
-    longest = max(len(open_tag) for open_tag, _ in TAGS)
+    opens = [open_tag for open_tag, _ in TAGS] + list(SECTIONS)
+    longest = max(len(open_tag) for open_tag in opens)
     for length in range(min(len(text), longest - 1), 0, -1):
-        if any(open_tag.startswith(text[-length:]) and length < len(open_tag) for open_tag, _ in TAGS):
+        if any(open_tag.startswith(text[-length:]) and length < len(open_tag) for open_tag in opens):
             return length
     return 0
 
@@ -341,6 +420,47 @@ def _read_glm(body: str, schemas: Mapping[str, Mapping[str, Any]] | None) -> _Re
     problems = _outside(inner, matches, "<arg_key>/<arg_value>")
     arguments = _read_pairs(((m.group(1), m.group(2)) for m in matches), properties, problems)
     return _Read(name, arguments, "; ".join(problems) + f"; {expected}" if problems else None)
+
+
+def _json_arguments(text: str, name: str, expected: str) -> _Read:
+    """A special-token call's arguments: one JSON object."""
+    if not text.strip():
+        return _Read(name, {})
+    try:
+        arguments = json.loads(text)
+    except json.JSONDecodeError as error:
+        return _Read(name, {}, f"the arguments are not valid JSON ({error}); {expected}")
+    if not isinstance(arguments, dict):
+        return _Read(name, {}, f"the arguments must be a JSON object, got {json_type(arguments)}; {expected}")
+    return _Read(name, arguments)
+
+
+def _read_deepseek(body: str) -> _Read:
+    """DeepSeek-V3's `function<｜tool▁sep｜>NAME` + fenced JSON, or V3.1's `NAME<｜tool▁sep｜>{...}`."""
+    expected = (f"expected function{DEEPSEEK_SEP}NAME\\n```json\\n{{...}}\\n``` (V3) or NAME{DEEPSEEK_SEP}{{...}} "
+                "(V3.1)")
+    left, sep, right = body.partition(DEEPSEEK_SEP)
+    if not sep:
+        return _Read(error=f"no {DEEPSEEK_SEP} in the call; {expected}")
+    fenced = _DEEPSEEK_V3.match(right)
+    if fenced is not None and left.strip() == "function":
+        return _json_arguments(fenced.group(2), fenced.group(1), expected)
+    name = left.strip()
+    if not name or any(c.isspace() for c in name):
+        return _Read(error=f"no tool name before {DEEPSEEK_SEP} (got {name[:40]!r}); {expected}")
+    return _json_arguments(right, name, expected)
+
+
+def _read_kimi(body: str) -> _Read:
+    """Kimi-K2's `functions.NAME:IDX<|tool_call_argument_begin|>{...}`."""
+    expected = f"expected functions.NAME:IDX{KIMI_ARGUMENTS}{{...}}"
+    head, sep, arguments = body.partition(KIMI_ARGUMENTS)
+    if not sep:
+        return _Read(error=f"no {KIMI_ARGUMENTS} in the call; {expected}")
+    call_id = _KIMI_ID.match(head)
+    if call_id is None:
+        return _Read(error=f"the call's id {head.strip()[:40]!r} is not functions.NAME:IDX; {expected}")
+    return _json_arguments(arguments, call_id.group(1), expected)
 
 
 def _read_invoke(invoke: re.Match, schemas: Mapping[str, Mapping[str, Any]] | None) -> _Read:

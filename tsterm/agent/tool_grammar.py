@@ -7,8 +7,11 @@ the open tag and what precedes the call's body, what follows it up to the close 
 and the body: the JSON object `{"name", "arguments"}` (keys in the template's order, spaced as it spaces them), the
 Qwen3-Coder XML form `<function=NAME><parameter=P>value</parameter></function>` (its layout), GLM-4.5's
 `NAME<arg_key>P</arg_key><arg_value>value</arg_value>`, or MiniMax-M2's `<minimax:tool_call>` block of
-`<invoke name="NAME"><parameter name="P">value</parameter></invoke>` (one invoke per block as the grammar writes it). `call_rules` writes a
-`call` rule that allows, per tool, its name and arguments held to its JSON schema (llguidance's JSON schema support:
+`<invoke name="NAME"><parameter name="P">value</parameter></invoke>` (one invoke per block as the grammar writes it),
+or a section of special-token calls whose name is written apart from its JSON arguments object (DeepSeek-V3's
+`function<｜tool▁sep｜>NAME` + fenced JSON, V3.1's `NAME<｜tool▁sep｜>{...}`, Kimi-K2's
+`functions.NAME:IDX<|tool_call_argument_begin|>{...}`; one call per section as the grammar writes it, the index any
+digits). `call_rules` writes a `call` rule that allows, per tool, its name and arguments held to its JSON schema (llguidance's JSON schema support:
 required keys, types, enums, bounds). Special tokens are named as llguidance's token references (`<[id]>`): a string
 literal would never match one.
 
@@ -28,8 +31,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from tsterm.agent.tool_calls import (_JSON_TYPES, CLOSE_TAG, MINIMAX_OPEN, OPEN_TAG, TAGS, TextDelta, ToolCall,
-                                     ToolCallParser)
+from tsterm.agent.tool_calls import (_JSON_TYPES, CLOSE_TAG, DEEPSEEK_SEP, KIMI_ARGUMENTS, MINIMAX_OPEN, OPEN_TAG,
+                                     SECTIONS, TAGS, TextDelta, ToolCall, ToolCallParser)
 from tsterm.errors import TstermError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -86,6 +89,17 @@ class CallForm:
     xml: XmlForm | None = None
     after_tag: str = ""
     open_tag: str = OPEN_TAG  # the text of the call block's open tag (MiniMax-M2's: <minimax:tool_call>)
+    named: NamedForm | None = None  # a section of special-token calls: the name apart from the arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedForm:
+    """A call whose name is written apart from its arguments object (DeepSeek's and Kimi's sections): Lark of what
+    follows the name up to the object (`between`, Kimi's call index as any digits), and of what follows the object
+    (`after`, before the call's end marker)."""
+
+    between: str
+    after: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +137,12 @@ MINIMAX_SPELLING = dict(function_head='<invoke name="{name}">', parameter_head='
                         any_parameter='"<parameter name=\\"" /[^"\\n]+/ "\\">"')
 # ... and in GLM-4.5's form
 _GLM_PROBE = re.compile(r"(\s*)a(\s*)<arg_key>a</arg_key>(\s*)<arg_value>(\s*)x(\s*)</arg_value>(\s*)")
+# ... and in the sections of special-token calls: (what precedes the name, the name, what follows up to the JSON, the
+# JSON, what follows it)
+_SECTION_PROBES = (
+    re.compile(r"(function" + re.escape(DEEPSEEK_SEP) + r")a(\s*```json\s*)(\{.*\})(\s*```\s*)", re.S),  # V3
+    re.compile(r"(\s*)a(\s*" + re.escape(DEEPSEEK_SEP) + r"\s*)(\{.*\})(\s*)", re.S),  # V3.1
+    re.compile(r"(\s*functions\.)a(:0" + re.escape(KIMI_ARGUMENTS) + r"\s*)(\{.*\})(\s*)", re.S))  # Kimi-K2
 _EMPTY_THINK = re.compile(r"\A\s*<think>\s*</think>")  # GLM renders a past turn's empty reasoning before its calls
 
 
@@ -132,6 +152,16 @@ def call_form(tokens: TemplateTokens) -> CallForm:
     tokenizer = tokens.tokenizer
 
     def reply(message: dict) -> str:
+        try:
+            return render(message)
+        except TypeError:  # DeepSeek's templates concatenate the arguments as a JSON string
+            for i, tool_call in enumerate(message["tool_calls"]):
+                function = tool_call["function"]
+                message["tool_calls"][i] = {**tool_call, "function": {**function,
+                                                                      "arguments": json.dumps(function["arguments"])}}
+            return render(message)
+
+    def render(message: dict) -> str:
         head = list(tokenizer.apply_chat_template(_PROBE, tools=[], add_generation_prompt=True, tokenize=True))
         # a generation prompt that opens the reasoning (MiniMax-M2's) is continued by a reply with reasoning
         opened = prompt_opens_reasoning(tokens, head)
@@ -145,17 +175,21 @@ def call_form(tokens: TemplateTokens) -> CallForm:
         text = tokenizer.decode(ids[len(head):], skip_special_tokens=False)
         return text.split(THINK_CLOSE, 1)[1].lstrip() if opened and THINK_CLOSE in text else text
 
-    def call(name: str) -> dict:
-        return {"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": {"a": "x"}}}
+    def call(name: str, index: int) -> dict:  # Kimi-K2's template writes the id, its form functions.NAME:IDX
+        return {"id": f"functions.{name}:{index}", "type": "function",
+                "function": {"name": name, "arguments": {"a": "x"}}}
 
     try:
-        one, two = reply({"tool_calls": [call("a")]}), reply({"tool_calls": [call("a"), call("b")]})
+        one, two = reply({"tool_calls": [call("a", 0)]}), reply({"tool_calls": [call("a", 0), call("b", 1)]})
     except TstermError as e:
         raise CallFormError(f"the chat template failed to render a tool call ({e})") from e
     one, two = _EMPTY_THINK.sub("", one), _EMPTY_THINK.sub("", two)  # (a reply's own reasoning: `think_rules`)
     if not _renders_call(one, "a", {"a": "x"}):
         raise CallFormError("the chat template does not render an assistant tool call as a reply that begins with a "
                             "<tool_call> tsterm's parser reads")
+    section = next((tag for tag in SECTIONS if tag in one), None)
+    if section is not None:
+        return _section_form(tokens, one, section)
     open_tag, close_tag = next((tags for tags in TAGS if tags[0] in one), (OPEN_TAG, CLOSE_TAG))
     start = one.index(open_tag)
     stop = one.index(close_tag, start)
@@ -198,10 +232,59 @@ def call_form(tokens: TemplateTokens) -> CallForm:
                     after_tag=head[len(OPEN_TAG):])
 
 
+def _section_form(tokens: TemplateTokens, one: str, section: str) -> CallForm:
+    """The form of a section of special-token calls (DeepSeek-V3 / V3.1, Kimi-K2), read off the reply of one call;
+    the grammar writes one call per section, sections one after another as the parser reads them."""
+    section_close, call_open, call_close = SECTIONS[section]
+    start = one.index(section)
+    head = one[start:].split(call_close, 1)[0]
+    if not head.startswith(section) or call_open not in head or section_close not in one[start:]:
+        raise CallFormError(f"the chat template writes a {section} section the call grammar does not follow (it "
+                            f"follows {section}{call_open}...{call_close}{section_close})")
+    gap, body = head[len(section):].split(call_open, 1)
+    probe = next((m for m in (p.fullmatch(body) for p in _SECTION_PROBES) if m is not None), None)
+    if probe is None or gap.strip():
+        raise CallFormError(f"the chat template writes a {section} call the call grammar does not follow (it follows "
+                            f"DeepSeek's function{DEEPSEEK_SEP}NAME + fenced JSON or NAME{DEEPSEEK_SEP}{{...}}, and "
+                            f"Kimi-K2's functions.NAME:IDX{KIMI_ARGUMENTS}{{...}})")
+    before, between, written, after = probe.group(1, 2, 3, 4)
+    tail = one[start:].split(call_close, 1)[1]
+    closing = tail[:tail.index(section_close) + len(section_close)] if section_close in tail else ""
+    if closing.strip() != section_close:
+        raise CallFormError(f"the chat template writes text between a call's {call_close} and {section_close}")
+    if between.startswith(":0"):  # Kimi's index: any digits
+        between_lark = '":" /[0-9]+/ ' + lark(tokens, between[2:])
+    else:
+        between_lark = lark(tokens, between) if between else ""
+    separators = next((pair for pair in ((", ", ": "), (",", ":"))
+                       if json.dumps(json.loads(written), separators=pair) == written), None)
+    separator = "\n"  # sections one after another, as the parser reads them
+    opening = section + gap + call_open + before
+    return CallForm(lark(tokens, opening), lark(tokens, after + call_close + closing), lark(tokens, separator),
+                    ("arguments",), separators, None, opening[len(section):], section,
+                    NamedForm(between_lark, ""))
+
+
 def call_rules(form: CallForm, parameters: Mapping[str, dict]) -> list[str]:
     """Lark rules of `call` (the body between `form.open` and `form.close`): per tool named in `parameters`, its name
     and its arguments held to the schema given for it."""
+    if form.named is not None:
+        return _named_call_rules(form, parameters)
     return _xml_call_rules(form.xml, parameters) if form.xml else _json_call_rules(form, parameters)
+
+
+def _named_call_rules(form: CallForm, parameters: Mapping[str, dict]) -> list[str]:
+    """Lark rules of `call` where the name is written apart from the arguments: per allowed tool, its name, what the
+    template writes between, and the arguments object held to the tool's schema."""
+    rules = ["call: " + " | ".join(f"fn_{i}" for i in range(len(parameters)))]
+    for i, (name, schema) in enumerate(parameters.items()):
+        schema = dict(schema)
+        if form.separators is not None:
+            schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": form.separators[0],
+                                    "key_separator": form.separators[1]}
+        rules.append(f"fn_{i}: {json.dumps(name)} {form.named.between} args_{i}".replace("  ", " "))
+        rules.append(f"args_{i}: %json " + json.dumps(schema))
+    return rules
 
 
 def _json_call_rules(form: CallForm, parameters: Mapping[str, dict]) -> list[str]:

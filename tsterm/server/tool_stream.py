@@ -4,8 +4,8 @@ fragments whose concatenation is the arguments JSON text the model wrote, and a 
 
 Arguments stream while they arrive only for the JSON form (`{"name": ..., "arguments": {...}}`, read by
 `CallScanner`); a call in another form (the Qwen3-Coder XML form, GLM-4.5's `<arg_key>` form, each `<invoke>` of a
-MiniMax-M2 block, arguments given as a JSON string) starts when it is complete and carries its arguments in one
-fragment. The arguments text of a call is the same streamed or not: the object as
+MiniMax-M2 block, each call of a DeepSeek-V3 / V3.1 or Kimi-K2 section, which the parser gives once the marker after
+it arrives, arguments given as a JSON string) starts when it is complete and carries its arguments in one fragment. The arguments text of a call is the same streamed or not: the object as
 the model wrote it when the scanner could read it (and it parses to the call's arguments), else `json.dumps` of them.
 
 A call is only started once its name is a tool the request offered; a call that then turns out malformed (bad JSON,
