@@ -113,9 +113,11 @@ class ModelRunner(Executor):
         # Decode steps replay CUDA graphs on CUDA with the Triton ops (the torch twins read host lists per step).
         # (Not with several ranks yet: a graph would have to capture the collectives too. Nor for linear-attention
         # layers yet: their step's recurrent plan, `tsterm_kernels.metadata.RecurrentPlan`, changes shape from step to
-        # step (decode rows that keep a state, 1-token prompts); a graph needs a fixed-shape plan.)
+        # step (decode rows that keep a state, 1-token prompts); a graph needs a fixed-shape plan. Nor for attention
+        # sinks and sliding windows (gpt-oss): those layers run torch's attention, which reads host lists per step.)
+        torch_attention = ARCHITECTURES[cfg.model_type].attention_sinks or any(t.window for t in layer_types)
         use_graphs = (config.cuda_graphs and self.device.type == "cuda" and self.kernels == "triton"
-                      and layout.world_size == 1 and not recurrent and mtp_weights is None)
+                      and layout.world_size == 1 and not recurrent and mtp_weights is None and not torch_attention)
         memory = memory_probe(spec)
         self.memory_profile = None  # measured before the cache exists: the cache gets what the largest step leaves
         if memory is not None:
