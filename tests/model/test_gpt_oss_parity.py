@@ -19,6 +19,7 @@ from tsterm.config import ModelConfig
 from tsterm.model.arch import ARCHITECTURES
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.parity import assert_greedy_matches, assert_last_logits_close, random_prompts, reference_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: op-overhead bound
 
@@ -36,18 +37,6 @@ CASES = [
                                      layer_types=["full_attention", "sliding_attention", "sliding_attention",
                                                   "full_attention"], rope_parameters=YARN, swiglu_limit=1.5)),
 ]
-
-
-def reference_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers as the oracle: full-sequence forward every step (no cache), argmax."""
-    ids = list(prompt)
-    first_logits = None
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            first_logits = logits if first_logits is None else first_logits
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):], first_logits
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
@@ -76,24 +65,9 @@ def test_greedy_and_logits_match_transformers(checkpoint):
     model_dir, hf_model = checkpoint
     llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
     assert llm.engine.executor.model.stack is None  # sinks / windows: layer by layer, not the C stack
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))
-    for prompt, out in zip(prompts, outs):
-        expected, ref_logits = reference_greedy(hf_model, prompt, NEW_TOKENS)
-        assert out.token_ids == expected, f"prompt of {len(prompt)} tokens"
-        ours = torch.tensor(out.outputs[0].logprobs[0]["logprob"])
-        ref = torch.log_softmax(ref_logits, -1)[expected[0]]
-        assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-5)
-
-    prompt = prompts[2]  # the last position's logits of one prefill
-    engine = llm.engine
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    ours = engine.executor.execute(engine.scheduler.schedule())[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-    rel = (ours - ref).abs().max() / ref.abs().max()
-    assert rel < 1e-4, f"relative error {rel:.2e}"
+    prompts = random_prompts(hf_model.config.vocab_size, PROMPT_LENGTHS)
+    assert_greedy_matches(llm, hf_model, prompts, NEW_TOKENS)
+    assert_last_logits_close(llm, hf_model, prompts[2])  # the last position's logits of one prefill
 
 
 def test_multi_turn_reuse_equals_a_fresh_recompute(checkpoint):
@@ -159,13 +133,7 @@ def test_an_mxfp4_checkpoint_loads_dequantized(tmp_path):
     prompt = torch.randint(0, hf_model.config.vocab_size, (9,), generator=gen).tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert out.token_ids == reference_greedy(hf_model, prompt, 12)[0]
-    engine = llm.engine  # and the last logits of a prefill, close
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-    ours = engine.executor.execute(engine.scheduler.schedule())[0]
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([prompt])).logits[0, -1]
-    rel = (ours - ref).abs().max() / ref.abs().max()
-    assert rel < 1e-4, f"relative error {rel:.2e}"
+    assert_last_logits_close(llm, hf_model, prompt)  # and the last logits of a prefill, close
 
 
 @pytest.mark.parametrize("change, field", [
