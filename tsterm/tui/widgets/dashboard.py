@@ -1,5 +1,5 @@
-"""Live engine counters: throughput sparklines, latency, KV block map, prefix reuse per turn, copies, speculative
-decoding's acceptance, MoE expert load, memory."""
+"""Live engine counters: throughput sparklines, latency, KV block map, prefix reuse per turn, copies, the KV tiers,
+speculative decoding's acceptance, MoE expert load, memory."""
 from __future__ import annotations
 
 from collections import deque
@@ -61,6 +61,8 @@ class Dashboard(VerticalScroll):
         yield Static("no turns yet", id="reuse", markup=False)
         yield Label("copies", classes="dash-title")
         yield Static("", id="copies", markup=False)
+        yield Label("KV tiers", id="tiers-title", classes="dash-title")
+        yield Static("", id="tiers", markup=False)
         yield Label("speculative decoding", id="spec-title", classes="dash-title")
         yield Static("", id="spec", markup=False)
         yield Label("MoE expert load per layer", id="experts-label", classes="dash-title")
@@ -163,6 +165,7 @@ class Dashboard(VerticalScroll):
         pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0)
         self._draw_ranks()
         self._draw_spec(s)
+        self._draw_tiers(s)
         self.query_one("#engine", Static).update(
             f"{self.device}\n{mem}  KV pool {human_bytes(pool)}"
             + (f"  state {human_bytes(s['state_bytes'])}" if s.get("state_bytes") else "") + "\n"
@@ -212,6 +215,31 @@ class Dashboard(VerticalScroll):
             lines.append("by position " + " ".join(per_pos[:8]) + (" …" if len(per_pos) > 8 else ""))
         self.query_one("#spec", Static).update("\n".join(lines))
 
+    def _draw_tiers(self, s: dict) -> None:
+        """The KV cache's tiers (`Engine.stats()`'s kv_disk_* keys, with `kv_disk` on): prompt tokens served by each
+        tier (the device pool by reference, the disk store by a copy back), the bytes written to and read from disk,
+        the store's size against its bound, the time prompts waited for their blocks, what it refused or evicted, and
+        the waiting agent sessions offloaded to it under pressure. Hidden without a disk tier."""
+        on = "kv_disk_bytes" in s
+        for widget in (self.query_one("#tiers-title"), self.query_one("#tiers")):
+            widget.display = on
+        if not on:
+            return
+        disk_tok = s.get("kv_tier_hit_tokens", 0)
+        loads = s.get("kv_disk_loads", 0)
+        per_load = ms(s.get("kv_disk_load_seconds", 0.0) / loads) if loads else "-"
+        lines = [
+            f"hits    device {s.get('prefix_hit_tokens', 0) - disk_tok} tok  disk {disk_tok} tok",
+            f"written {human_bytes(s.get('kv_disk_written_bytes', 0))} ({s.get('kv_disk_written_blocks', 0)} blocks)",
+            f"read    {human_bytes(s.get('kv_disk_read_bytes', 0))} ({s.get('kv_disk_read_blocks', 0)} blocks)"
+            f"  queued {s.get('kv_host_hit_blocks', 0)}",
+            f"store   {human_bytes(s['kv_disk_bytes'])} / {human_bytes(s.get('kv_disk_max_bytes'))}"
+            f" ({s.get('kv_disk_blocks', 0)} blocks)",
+            f"loads   {loads}  {per_load} each",
+            f"refused {s.get('kv_disk_refused_blocks', 0)}  evicted {s.get('kv_disk_evicted_blocks', 0)}"
+            f"  offloaded {s.get('kv_disk_offloaded_pins', 0)} pin(s)"]
+        self.query_one("#tiers", Static).update("\n".join(lines))
+
     def _draw_latency(self) -> None:
         t = self.last_turn
         ttfts = [turn.ttft for turn in self.recent_turns if turn.ttft is not None]
@@ -226,3 +254,4 @@ class Dashboard(VerticalScroll):
         self._draw_latency()
         self._draw_ranks()
         self._draw_spec(self.latest)
+        self._draw_tiers(self.latest)

@@ -1,0 +1,77 @@
+"""The dashboard's KV tiers section: with `kv_disk` on, a workstation's turn writes its blocks through to the disk
+store, and a second workstation over the same store (a restart) serves the same prompt's prefix from disk; the
+section shows each tier's hits, the bytes written and read, the store's size, loads, as the engine counted them.
+Without a disk tier the section is hidden. Waits are on the app's messages (stats polls, turn ends)."""
+from __future__ import annotations
+
+from textual.app import App, ComposeResult
+
+from tests.tui.helpers import chat_screen, engine_stats, say, text_of, turns_done, wait_until
+from tsterm.tui import TstermApp
+from tsterm.tui.widgets.dashboard import Dashboard, human_bytes
+
+MESSAGE = "tell me about the tiers of a cache, from the device down to the disk"
+
+
+async def _turn(app: TstermApp) -> tuple[dict, str]:
+    """One turn of a new session; returns the engine's counters after it and the tiers section once it shows them."""
+    async with app.run_test(size=(200, 60)) as pilot:
+        screen = await chat_screen(pilot)
+        tiers = screen.dashboard.query_one("#tiers")
+        await wait_until(pilot, lambda: text_of(tiers), what="a first stats poll")
+        await say(pilot, MESSAGE)
+        await turns_done(pilot, screen.session, 1)
+        app.host.async_engine.engine.kv.tier.flush()  # the turn's write-through is on disk: the counters hold still
+        stats = await engine_stats(app)
+        written = f"written {human_bytes(stats['kv_disk_written_bytes'])} ({stats['kv_disk_written_blocks']} blocks)"
+        text = await wait_until(pilot, lambda: written in text_of(tiers) and text_of(tiers),
+                                what="a poll after the turn")
+        assert screen.dashboard.query_one("#tiers-title").display and tiers.display
+    return stats, text
+
+
+async def test_a_restart_shows_the_disk_tiers_hits_and_traffic(make_profile, data_dir, tmp_path):
+    store = tmp_path / "kv"
+    profile = make_profile(kv_disk=f"{{path: {store}, max_bytes: 16777216}}")
+    first, text = await _turn(TstermApp(profile))
+    assert first["kv_disk_written_blocks"] > 0 and first["kv_tier_hit_tokens"] == 0
+    assert text.splitlines()[0] == f"hits    device {first['prefix_hit_tokens']} tok  disk 0 tok"
+    second, text = await _turn(TstermApp(profile))  # a new engine over the same store: the same prompt's blocks
+    disk = second["kv_tier_hit_tokens"]
+    assert disk > 0 and second["kv_disk_read_blocks"] > 0 and second["kv_disk_loads"] == 1
+    lines = text.splitlines()
+    assert lines[0] == f"hits    device {second['prefix_hit_tokens'] - disk} tok  disk {disk} tok"
+    assert lines[2].startswith(f"read    {human_bytes(second['kv_disk_read_bytes'])} "
+                               f"({second['kv_disk_read_blocks']} blocks)")
+    assert lines[3] == (f"store   {human_bytes(second['kv_disk_bytes'])} / {human_bytes(16777216)}"
+                        f" ({second['kv_disk_blocks']} blocks)")
+    assert lines[4].startswith("loads   1  ") and lines[4].endswith(" ms each")
+
+
+class Harness(App):
+    def __init__(self, dashboard: Dashboard):
+        super().__init__()
+        self.dashboard = dashboard
+
+    def compose(self) -> ComposeResult:
+        yield self.dashboard
+
+
+async def test_the_section_is_hidden_without_a_disk_tier_and_counts_offloaded_pins():
+    dashboard = Dashboard("cpu float32")
+    async with Harness(dashboard).run_test(size=(60, 80)) as pilot:
+        base = {"generated_tokens": 0, "prefill_tokens": 0, "num_blocks": 10, "prefix_hit_tokens": 40}
+        dashboard.update_stats(dict(base), {"kind": "cpu"}, 1.0)
+        await pilot.pause()
+        assert not dashboard.query_one("#tiers").display and not dashboard.query_one("#tiers-title").display
+        disk = dict(base, kv_tier_hit_tokens=12, kv_disk_bytes=3 << 20, kv_disk_max_bytes=1 << 30, kv_disk_blocks=7,
+                    kv_disk_written_bytes=2048, kv_disk_written_blocks=2, kv_disk_read_bytes=3 << 10,
+                    kv_disk_read_blocks=3, kv_host_hit_blocks=1, kv_disk_loads=2, kv_disk_load_seconds=0.005,
+                    kv_disk_refused_blocks=1, kv_disk_evicted_blocks=4, kv_disk_offloaded_pins=2)
+        dashboard.update_stats(disk, {"kind": "cpu"}, 2.0)
+        await pilot.pause()
+        assert dashboard.query_one("#tiers").display
+        assert text_of(dashboard.query_one("#tiers")).splitlines() == [
+            "hits    device 28 tok  disk 12 tok", "written 2.0 KiB (2 blocks)", "read    3.0 KiB (3 blocks)  queued 1",
+            "store   3.0 MiB / 1.0 GiB (7 blocks)", "loads   2  2.5 ms each",
+            "refused 1  evicted 4  offloaded 2 pin(s)"]
