@@ -115,8 +115,11 @@ def drafting(engine: Engine, on: bool) -> Iterator[RecordedDrafts | None]:
     if engine.drafter is None:
         raise ValueError("drafting() needs an engine built with a speculative_method")
     drafter, proposer = engine.drafter, engine.scheduler.proposer
-    recorded = RecordedDrafts(make_draft_source(config.speculative_method, config.num_speculative_tokens)) if on \
-        else None
+    # An MTP head's source (wants_hidden) is fed the executor's hidden states by the engine after each step and keeps
+    # nothing of earlier outputs: the engine's own is wrapped. A model-free one starts afresh.
+    fresh = drafter if getattr(drafter, "wants_hidden", False) else \
+        make_draft_source(config.speculative_method, config.num_speculative_tokens)
+    recorded = RecordedDrafts(fresh) if on else None
     try:
         if on:
             engine.drafter = recorded
