@@ -10,7 +10,7 @@ import dataclasses
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +156,22 @@ class Tokenizer:
             raise ModelLoadError(f"{self.model_dir}: chat template line {e.lineno}: {e.message}") from e
         documents = extra.pop("documents", None)
         variables = _plain({**self.special_tokens, **extra})  # caller kwargs override special tokens
+        chat = _chat_messages(messages)
+        render = partial(template.render, tools=_plain(tools), documents=_plain(documents),
+                                   add_generation_prompt=add_generation_prompt, **variables)
         try:
-            text = template.render(messages=_chat_messages(messages), tools=_plain(tools),
-                                   documents=_plain(documents), add_generation_prompt=add_generation_prompt,
-                                   **variables)
+            try:
+                text = render(messages=chat)
+            except TypeError:
+                # some templates (DeepSeek-V3 / V3.1) join a past call's arguments as text: give them JSON text
+                stringified = _arguments_as_text(chat)
+                if stringified is None:
+                    raise
+                text = render(messages=stringified)
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, or a bad template
             raise ConfigError(f"chat template of {self.model_dir} rejected the conversation: {e.message or e}") from e
+        except TypeError as e:  # the template did arithmetic on a value of the wrong type
+            raise ConfigError(f"chat template of {self.model_dir} cannot render the conversation: {e}") from e
         return self.encode(text) if tokenize else text
 
     def default_system_prompt(self) -> str | None:
@@ -290,6 +300,25 @@ def _plain(value: Any) -> Any:
     if callable(getattr(value, "model_dump", None)):  # pydantic messages (OpenAI SDK)
         return _plain(value.model_dump())
     return f"<{type(value).__name__}>"
+
+
+def _arguments_as_text(chat: list[dict]) -> list[dict] | None:
+    """`chat` with each tool call's `arguments` object as JSON text (what the OpenAI API carries and some templates
+    concatenate), or None when no call has an object to turn into text."""
+    changed, out = False, []
+    for message in chat:
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                           and not isinstance(c["function"].get("arguments"), str) for c in calls):
+            changed = True
+            message = {**message, "tool_calls": [
+                {**c, "function": {**c["function"],
+                                   "arguments": json.dumps(c["function"].get("arguments"), ensure_ascii=False)}}
+                if isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and not isinstance(c["function"].get("arguments"), str) else c
+                for c in calls]}
+        out.append(message)
+    return out if changed else None
 
 
 def _chat_messages(messages: Sequence[Any]) -> list[dict]:

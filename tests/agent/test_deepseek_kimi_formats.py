@@ -257,3 +257,19 @@ def test_a_section_template_the_grammar_cannot_follow_is_a_clear_refusal(tmp_pat
     assert odd != KIMI_K2
     with pytest.raises(CallFormError, match="does not render an assistant tool call"):
         call_form(_template_tokens(tmp_path, "odd", odd))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v31"])
+def test_history_with_call_objects_renders_through_a_template_that_joins_arguments_as_text(tmp_path, family):
+    """tsterm's own history carries a past call's arguments as an object (the agent loop, the Anthropic route);
+    DeepSeek's templates concatenate them as text: the tokenizer renders them as their JSON text instead of failing
+    with a TypeError, the same prompt as a client sending JSON text."""
+    tokenizer = _template_tokens(tmp_path, family, TEMPLATES[family]).tokenizer
+    as_text = message()
+    as_objects = {**as_text, "tool_calls": [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in as_text["tool_calls"]]}
+    conversation = [{"role": "user", "content": "Fix x.py."}]
+    want = tokenizer.apply_chat_template([*conversation, {"role": "assistant", **as_text}], tools=TOOLS)
+    got = tokenizer.apply_chat_template([*conversation, {"role": "assistant", **as_objects}], tools=TOOLS)
+    assert got == want and '"path": "x.py"' in got
