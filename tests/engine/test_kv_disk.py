@@ -8,8 +8,7 @@ import random
 import pytest
 
 from tsterm import LLM, SamplingParams
-from tsterm.engine.kv_store import session_block_names
-from tsterm.errors import ConfigError
+from tsterm.engine.kv_store import SNAPSHOT_SUFFIX, session_block_names
 
 from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
 from tests.helpers.metrics import scrape
@@ -132,7 +131,51 @@ def test_a_foreign_models_block_is_refused_never_served(checkpoint, one_process,
     llm.engine.shutdown()
 
 
-def test_a_hybrid_model_is_refused_with_the_reason(tmp_path):
+def test_a_hybrid_session_resumes_after_a_restart_from_its_blocks_and_state_snapshot(tmp_path):
+    """A hybrid (Gated DeltaNet layers) resumes where a state snapshot was kept: at the last block boundary its turn
+    computed. Its blocks and that snapshot go to disk, and a new engine reads both back: the same tokens as one
+    process, with the same cached tokens, none of them computed again."""
     path, _ = make_hybrid_checkpoint(tmp_path / "hybrid", "qwen3_next")
-    with pytest.raises(ConfigError, match="kv_disk: this model is a hybrid"):
-        engine(path, tmp_path / "kv", num_kv_blocks=32)
+    reference_llm = LLM(str(path), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64)
+    rng = random.Random(5)
+    history = ids(rng, 21)
+    kept = None
+    for turn in range(3):
+        reference = reference_llm.generate(history, greedy(6))[0]
+        llm = engine(path, tmp_path / "kv", num_kv_blocks=64)
+        out = llm.generate(history, greedy(6))[0]
+        assert out.token_ids == reference.token_ids, f"turn {turn}"
+        stats = llm.stats()
+        if kept is not None:
+            resumed = (len(kept) - 1) // BLOCK * BLOCK  # the last block boundary of the previous turn's computed ids
+            assert out.num_cached_tokens == reference.num_cached_tokens == resumed > 0
+            assert stats["kv_tier_hit_tokens"] == resumed and stats["kv_disk_hit_snapshots"] == 1
+            assert stats["prefill_tokens"] == len(history) - resumed
+        else:
+            assert out.num_cached_tokens == 0 and stats["kv_disk_hit_snapshots"] == 0
+        llm.engine.shutdown()
+        assert stats["kv_disk_saved_snapshots"] >= 1
+        kept = history + out.token_ids
+        history = kept + ids(rng, rng.randrange(3, 7))
+
+
+def test_a_hybrids_corrupted_state_snapshot_is_refused_and_the_prefix_computed(tmp_path):
+    path, _ = make_hybrid_checkpoint(tmp_path / "hybrid", "qwen3_next")
+    reference_llm = LLM(str(path), dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=64)
+    prompt = ids(random.Random(6), 21)
+    llm = engine(path, tmp_path / "kv", num_kv_blocks=64)
+    kept = prompt + llm.generate(prompt, greedy(5))[0].token_ids
+    llm.engine.shutdown()
+    snapshots = sorted((tmp_path / "kv").glob(f"*{SNAPSHOT_SUFFIX}"))
+    assert len(snapshots) == 1  # the state at the last block boundary the turn computed
+    data = bytearray(snapshots[0].read_bytes())
+    data[len(data) // 2] ^= 0x40
+    snapshots[0].write_bytes(bytes(data))
+    nxt = kept + ids(random.Random(7), 4)
+    llm = engine(path, tmp_path / "kv", num_kv_blocks=64)
+    out = llm.generate(nxt, greedy(5))[0]
+    assert out.token_ids == reference_llm.generate(nxt, greedy(5))[0].token_ids
+    stats = llm.stats()
+    assert stats["kv_disk_refused_checksum"] == 1 and stats["kv_disk_hit_snapshots"] == 0
+    assert out.num_cached_tokens == 0  # without a state to resume from, none of the blocks is any use
+    llm.engine.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tsterm.engine.block_pool import BlockPool, NoFreeBlocksError
+from tsterm.engine.kv_store import block_name
 from tsterm.engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -39,11 +40,12 @@ class KVCacheManager:
     With a lower tier (`tier`: the disk store, `tsterm.engine.kv_tier`), every block registered for the prefix cache
     is written through to it, and so is a finished sequence's kept partial block; `match_prefix` goes on past the
     pool's run with the blocks the tier holds, read back into fresh blocks (registered, so the next prompt takes them
-    by reference) instead of computed. Not for hybrid models (their snapshots are not stored).
+    by reference) instead of computed. A hybrid's snapshots go to the tier when they are kept with their block
+    (`free`, `keep_interval_snapshot`), and its prompt resumes at the furthest block boundary whose blocks and state
+    the pool or the tier holds (`_match_hybrid_from_tier`).
     """
 
     def __init__(self, pool: BlockPool, snapshot_interval: int = 0, tier: DiskTier | None = None):
-        assert tier is None or not pool.num_state_slots, "the disk tier stores no recurrent-state snapshots"
         self.pool = pool
         self.tier = tier
         self.tier_hit_tokens = 0  # prompt tokens of admitted requests served from the tier (in prefix_hit)
@@ -67,6 +69,8 @@ class KVCacheManager:
         prompt's next tokens, which the sequence takes over and appends to in place. The last token is never taken:
         its logits must be computed. Returns the number of cached tokens."""
         assert not seq.block_table, f"match_prefix on {seq}: it already holds blocks"
+        if self.num_state_slots and self.tier is not None and self.pool.enable_prefix_caching:
+            return self._match_hybrid_from_tier(seq)
         B, tokens, root = self.block_size, seq.token_ids, self._root(seq)
         chain: list[int] = []
         run = self._cached_run(tokens, (len(tokens) - 1) // B, root)
@@ -148,6 +152,77 @@ class KVCacheManager:
             chain.append(block_hash)
         if loaded:
             loads.append((loaded, data))
+
+    def _match_hybrid_from_tier(self, seq: Sequence) -> int:
+        """`match_prefix` of a hybrid model with a tier: the prompt's full blocks as far as the pool or the tier holds
+        them, cut at the furthest block after which a state snapshot is held (in the pool, or else on disk when a
+        free state slot can take it); the tier's blocks and snapshot are read into fresh blocks and that slot, the
+        snapshot attached to its block and held for the sequence's copy (`state_restore`). A candidate whose reads
+        fail (missing, refused) or whose blocks do not fit gives way to the next nearer one."""
+        B, pool, tier, tokens, root = self.block_size, self.pool, self.tier, seq.token_ids, self._root(seq)
+        entries: list[tuple[int | None, int, int | None, list[int]]] = []  # (pool block or None, hash, parent, ids)
+        parent = root
+        for i in range((len(tokens) - 1) // B):
+            block_tokens = tokens[i * B:(i + 1) * B]
+            block_hash = pool.hash_block(parent, block_tokens)
+            block_id = pool.lookup(block_hash, block_tokens, parent)
+            if block_id is None and not tier.store.contains(block_name(block_hash)):
+                break
+            entries.append((block_id, block_hash, parent, block_tokens))
+            parent = block_hash
+        cut, snapshot, data = 0, None, None
+        for end in range(len(entries), 0, -1):
+            block_id, block_hash = entries[end - 1][:2]
+            if block_id is not None and pool.blocks[block_id].snapshot is not None:
+                snapshot = None
+            elif tier.has_snapshot(block_hash) and pool.num_free_state_slots:
+                snapshot = "disk"
+            else:
+                continue
+            wanted = [e for e in entries[:end] if e[0] is None]
+            # (the pool's blocks of the run are held before any allocation: those evictable now do not count)
+            held = sum(1 for e in entries[:end] if e[0] is not None and pool.blocks[e[0]].ref_cnt == 0
+                       and pool.blocks[e[0]].pin_cnt == 0)
+            if len(wanted) > pool.num_free - held:
+                continue
+            reads = [tier.full_read(h, p, ids) for _, h, p, ids in wanted]
+            if any(read is None for read in reads):
+                continue
+            data = tier.fetch(reads) if reads else None
+            if data is not None and len(data) < len(reads):
+                continue
+            if snapshot == "disk":
+                snapshot = tier.fetch_snapshot(block_hash)
+                if snapshot is None:
+                    continue
+            cut = end
+            break
+        chain: list[int] = []
+        loaded: list[int] = []
+        for block_id, *_ in entries[:cut]:
+            if block_id is not None:
+                pool.acquire(block_id)
+        for block_id, block_hash, parent, block_tokens in entries[:cut]:
+            if block_id is None:
+                table = seq.block_table
+                block_id = pool.allocate(prefer=table[-1] + 1 if table else None)
+                pool.register(block_id, parent, block_tokens)
+                loaded.append(block_id)
+            seq.block_table.append(block_id)
+            chain.append(block_hash)
+        if loaded:
+            tier.copy_in([(loaded, data)])
+        if cut:
+            last = seq.block_table[-1]
+            if snapshot is not None:  # read from disk into a free slot, kept with its block like any snapshot
+                slot = pool.take_free_state_slot()
+                tier.load_snapshot(slot, snapshot)
+                pool.attach_snapshot(last, slot)
+            seq.state_restore = pool.use_snapshot(last)  # held until the copy has run
+        self._chain[seq.seq_id] = chain
+        self._tier_tokens[seq.seq_id] = len(loaded) * B
+        seq.num_computed_tokens = seq.num_cached_tokens = cut * B
+        return cut * B
 
     def _partial_from_tier(self, seq: Sequence, parent: int | None, token_ids: list[int],
                            loads: list[tuple[list[int], torch.Tensor]]) -> int:
@@ -358,7 +433,8 @@ class KVCacheManager:
         slot = self.pool.take_free_state_slot()
         if slot is None:
             return
-        self.pool.attach_snapshot(block_id, seq.snapshot_slot)
+        if self.pool.attach_snapshot(block_id, seq.snapshot_slot) and self.tier is not None:
+            self.tier.save_snapshot(seq.snapshot_slot, self.pool.blocks[block_id].block_hash)
         seq.snapshot_slot, seq.snapshot_position = slot, 0
         self.interval_snapshots += 1
 
@@ -477,7 +553,9 @@ class KVCacheManager:
         if seq.snapshot_slot >= 0:  # kept with the block the snapshot ends at (if that block is hashed)
             position = seq.snapshot_position
             if position and position <= seq.num_computed_tokens:
-                self.pool.attach_snapshot(seq.block_table[position // self.block_size - 1], seq.snapshot_slot)
+                block_id, slot = seq.block_table[position // self.block_size - 1], seq.snapshot_slot
+                if self.pool.attach_snapshot(block_id, slot) and self.tier is not None:  # (with its block, on disk)
+                    self.tier.save_snapshot(slot, self.pool.blocks[block_id].block_hash)
             else:
                 self.pool.release_state_slot(seq.snapshot_slot)
             seq.snapshot_slot, seq.snapshot_position = -1, 0

@@ -43,7 +43,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAGIC = b"TSKVBLK1"
-FULL_SUFFIX, PARTIAL_SUFFIX = ".kvb", ".kvp"
+FULL_SUFFIX, PARTIAL_SUFFIX, SNAPSHOT_SUFFIX = ".kvb", ".kvp", ".kvs"  # (a hybrid's state at a full block's end)
 _PREFIX = struct.Struct("<8sI")  # magic, header length
 _CRC = struct.Struct("<I")
 _MAX_HEADER = 1 << 20
@@ -58,6 +58,11 @@ def fingerprint_digest(fingerprint: str) -> str:
 
 def block_name(block_hash: int) -> str:
     return f"{block_hash:032x}{FULL_SUFFIX}"
+
+
+def snapshot_name(block_hash: int) -> str:
+    """A hybrid model's recurrent state after the full block hashed `block_hash` (kept with it to resume from)."""
+    return f"{block_hash:032x}{SNAPSHOT_SUFFIX}"
 
 
 def partial_key(parent_hash: int, token_ids: Sequence[int]) -> int:
@@ -135,7 +140,7 @@ class KVDiskStore:
                 if not _writer_alive(name):
                     Path(entry.path).unlink(missing_ok=True)
                 continue
-            if not (name.endswith(FULL_SUFFIX) or name.endswith(PARTIAL_SUFFIX)) or not entry.is_file():
+            if not name.endswith((FULL_SUFFIX, PARTIAL_SUFFIX, SNAPSHOT_SUFFIX)) or not entry.is_file():
                 continue
             st = entry.stat()
             entries.append((st.st_mtime_ns, name, st.st_size))
@@ -454,7 +459,8 @@ def store_models(path: str | Path) -> list[dict[str, Any]]:
 
 def session_block_names(fingerprint: str, block_size: int, token_ids: Sequence[int]) -> list[str]:
     """The names of the blocks a finished turn with `token_ids` (prompt + reply) leaves in the store under the model
-    `fingerprint`: its full blocks' and the partly filled last one's (the last token's KV is never computed)."""
+    `fingerprint`: its full blocks' and the partly filled last one's (the last token's KV is never computed). A hybrid
+    model's state snapshots are named by `snapshot_name` of a full block's hash."""
     from tsterm.engine.block_pool import BlockPool  # (no torch either)
 
     pool = BlockPool(1, block_size, fingerprint=fingerprint)

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from tsterm.engine.kv_store import KVDiskStore, block_name, partial_name
+from tsterm.engine.kv_store import KVDiskStore, block_name, partial_name, snapshot_name
 from tsterm.errors import ConfigError
-from tsterm.model.arch import FULL_ATTENTION
+from tsterm.model.arch import FULL_ATTENTION, LINEAR_ATTENTION
 from tsterm.paths import default_cache_dir
 
 # (kind, bytes): tier traffic, for the copy audit ("disk_write", "disk_read", "host_read")
@@ -93,8 +93,17 @@ class DiskTier:
     (served from disk), `host_hit_blocks` (from the writer's queue), `load_seconds` / `loads` (the time prompts
     waited for their blocks: reads, checks and the copy into the pool), `saved_blocks`."""
 
-    def __init__(self, store: KVDiskStore, kv: torch.Tensor, root_hash: int, ledger: Ledger | None = None):
+    def __init__(self, store: KVDiskStore, kv: torch.Tensor, root_hash: int, ledger: Ledger | None = None,
+                 states: Any = None):
+        """states: a hybrid model's recurrent-state pool (`RecurrentStatePool`: `conv` and `recurrent`, one slot per
+        index of their dim 1), whose snapshots at block boundaries are stored with their blocks; None otherwise."""
         self.store = store
+        self.states = states
+        self._state_parts = [] if states is None else [states.conv, states.recurrent]
+        self.snapshot_nbytes = sum(t[:, 0].numel() * t.element_size() for t in self._state_parts)
+        self._snapshot_meta = {"state": [[str(t.dtype).removeprefix("torch."), [t.shape[0], *t.shape[2:]]]
+                                         for t in self._state_parts]}
+        self.saved_snapshots = self.hit_snapshots = 0
         self.kv = kv
         self.root_hash = root_hash
         self.ledger = ledger
@@ -170,6 +179,66 @@ class DiskTier:
             if self.ledger is not None:
                 self.ledger("disk_write", self.block_nbytes)
 
+    # ---- a hybrid's state snapshots (the recurrent state after a full block: where a cached prefix resumes)
+
+    def save_snapshot(self, slot: int, block_hash: int) -> None:
+        """Queue the state in `slot` (kept with the block hashed `block_hash`) for the store, unless it is there."""
+        name = snapshot_name(block_hash)
+        if self.store.touch(name):
+            return
+        host = torch.empty(self.snapshot_nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        ready = None
+        if self.cuda:  # (as `_save`: on the copy stream, after the step that wrote the slot; the next one waits)
+            current = torch.cuda.current_stream(self.kv.device)
+            self._copy_stream.wait_stream(current)
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_state(host, slot, out=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            current.wait_event(event)
+            ready = event.synchronize
+        else:
+            self._copy_state(host, slot, out=True)
+        header = {"kind": "snapshot", "hash": f"{block_hash:032x}", **self._snapshot_meta}
+        if self.store.put(name, header, _bytes_of(host), ready=ready):
+            self.saved_snapshots += 1
+            if self.ledger is not None:
+                self.ledger("disk_write", self.snapshot_nbytes)
+
+    def has_snapshot(self, block_hash: int) -> bool:
+        return self.states is not None and self.store.contains(snapshot_name(block_hash))
+
+    def fetch_snapshot(self, block_hash: int) -> torch.Tensor | None:
+        """The stored state after the block hashed `block_hash`, read and checked into a host buffer; None when
+        missing or refused."""
+        start = time.perf_counter()
+        staging = torch.empty(self.snapshot_nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        expect = {"kind": "snapshot", "hash": f"{block_hash:032x}", **self._snapshot_meta}
+        source = self.store.read(snapshot_name(block_hash), expect, _bytes_of(staging))
+        self.load_seconds += time.perf_counter() - start
+        if source is None:
+            return None
+        self.hit_snapshots += 1
+        if self.ledger is not None:
+            self.ledger("host_read" if source == "pending" else "disk_read", self.snapshot_nbytes)
+        return staging
+
+    def load_snapshot(self, slot: int, data: torch.Tensor) -> None:
+        """Copy a fetched snapshot into the state slot `slot` (on a GPU, ahead of the step on its stream)."""
+        self._copy_state(data, slot, out=False)
+
+    def _copy_state(self, flat: torch.Tensor, slot: int, out: bool) -> None:
+        """Between the flat bytes `flat` and state slot `slot` of each state tensor, in order (out: slot -> flat)."""
+        offset = 0
+        for part in self._state_parts:
+            nbytes = part[:, 0].numel() * part.element_size()
+            view = flat[offset:offset + nbytes].view(part.dtype).view(part.shape[0], *part.shape[2:])
+            if out:
+                view.copy_(part[:, slot], non_blocking=True)
+            else:
+                part[:, slot].copy_(view.to(part.device, non_blocking=True))
+            offset += nbytes
+
     # ---- loads
 
     def fetch(self, reads: list[TierRead]) -> torch.Tensor:
@@ -205,8 +274,12 @@ class DiskTier:
     # ---- the rest
 
     def stats(self) -> dict[str, int | float]:
-        return {**self.store.stats(), "kv_disk_hit_blocks": self.hit_blocks, "kv_disk_loads": self.loads,
-                "kv_disk_load_seconds": self.load_seconds, "kv_disk_saved_blocks": self.saved_blocks}
+        out = {**self.store.stats(), "kv_disk_hit_blocks": self.hit_blocks, "kv_disk_loads": self.loads,
+               "kv_disk_load_seconds": self.load_seconds, "kv_disk_saved_blocks": self.saved_blocks}
+        if self.states is not None:
+            out["kv_disk_saved_snapshots"] = self.saved_snapshots
+            out["kv_disk_hit_snapshots"] = self.hit_snapshots
+        return out
 
     def flush(self) -> None:
         """Wait until every queued block is on disk."""
@@ -223,13 +296,9 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 def open_disk_tier(options: dict[str, Any], fingerprint: str, executor: Any, root_hash: int, *, block_size: int,
                    model: str, num_state_slots: int, ledger: Ledger | None = None) -> DiskTier:
-    """The disk tier an engine's `kv_disk` option asks for, over `executor`'s paged KV pool. Refused (ConfigError,
-    naming `kv_disk`) for a hybrid model (its recurrent-state snapshots are not stored: a prefix could not resume from
-    disk) and for an executor whose pool is not in this process (several ranks)."""
-    if num_state_slots:
-        raise ConfigError("kv_disk: this model is a hybrid (Gated DeltaNet layers), whose cached prefixes resume from "
-                          "recurrent-state snapshots that the disk tier does not store yet; remove kv_disk from the "
-                          "profile for this model")
+    """The disk tier an engine's `kv_disk` option asks for, over `executor`'s paged KV pool (and a hybrid model's
+    recurrent-state pool: its snapshots at block boundaries are stored with their blocks). Refused (ConfigError,
+    naming `kv_disk`) for an executor whose pools are not in this process (several ranks) and with the MTP head."""
     if getattr(executor, "mtp", None) is not None:
         raise ConfigError("kv_disk: the MTP draft head keeps KV of its own that the disk tier does not store yet; "
                           "use another speculative_method, or remove kv_disk")
@@ -241,9 +310,13 @@ def open_disk_tier(options: dict[str, Any], fingerprint: str, executor: Any, roo
         raise ConfigError("kv_disk: the disk tier needs the one-process executor's KV pool; with tensor or expert "
                           "parallel ranks each rank would have to store its own share (not done yet): remove kv_disk "
                           "or run on one rank")
+    states = pools.get(LINEAR_ATTENTION) if num_state_slots else None
+    if num_state_slots and not isinstance(getattr(states, "recurrent", None), torch.Tensor):
+        raise ConfigError("kv_disk: the disk tier needs the one-process executor's recurrent-state pool for this "
+                          "hybrid model; remove kv_disk or run on one rank")
     path = Path(options["path"]).expanduser() if options.get("path") else default_cache_dir() / "kv"
     try:
         store = KVDiskStore(path, options["max_bytes"], fingerprint, model=model, block_size=block_size)
     except OSError as e:
         raise ConfigError(f"kv_disk.path: cannot use {str(path)!r} as the KV store: {e.strerror or e}") from None
-    return DiskTier(store, kv, root_hash, ledger)
+    return DiskTier(store, kv, root_hash, ledger, states=states)
