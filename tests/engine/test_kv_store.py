@@ -22,7 +22,15 @@ def payload(seed: int, size: int) -> bytes:
 
 
 def files_on_disk(path: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+    """The store's files and sizes now (the writer thread may delete one between the listing and its stat)."""
+    sizes = {}
+    for p in path.iterdir():
+        try:
+            if p.is_file():
+                sizes[p.name] = p.stat().st_size
+        except FileNotFoundError:
+            continue
+    return sizes
 
 
 def read(store: KVDiskStore, name: str, size: int, expect=None) -> bytes | None:
