@@ -36,6 +36,18 @@ import torch.nn.functional as F
 CHUNK_SIZE = 64
 
 
+def elementwise(op, x: torch.Tensor) -> torch.Tensor:
+    """op(x) for an element-wise torch op (softplus, silu), with bits that do not depend on how many elements
+    x has: torch's CPU loops run their vector routine on whole vectors and the scalar one on the tail, which round
+    differently, so a row's result would depend on the rows beside it. On the CPU x is first copied into a strided
+    view (stride 2), which takes the scalar routine for every element."""
+    if not x.is_cpu:
+        return op(x)
+    spaced = torch.empty((x.numel(), 2), dtype=x.dtype)[:, 0]
+    spaced.copy_(x.reshape(-1))
+    return op(spaced).reshape(x.shape)
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (the eps inside the root, as the checkpoints were trained)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
@@ -266,4 +278,4 @@ def _conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
         conv_state[:, :, j].copy_(source[:, :, j + 1])
     if past:
         conv_state[:, :, past - 1].copy_(x)
-    return F.silu(result).to(x.dtype)
+    return elementwise(F.silu, result).to(x.dtype)  # [S, C] contiguous: the same bits in any batch (C % 32 or not)

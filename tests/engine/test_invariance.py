@@ -2,8 +2,9 @@
 prefix cache or was computed, alone or batched with 2, 7 or 31 others, whatever the prefill chunk size and the
 thread count, after a fork (n > 1) and after a preemption (README "Same answer whatever the cache or the batch").
 
-The matrix runs on the default profile (SmolLM2, int4 / int8 GGUF blocks, the native CPU kernels) and on a float32
-MoE (Qwen2-MoE: routed experts and a gated shared expert). Each case is compared with the same request run alone on a
+The matrix runs on the default profile (SmolLM2, int4 / int8 GGUF blocks, the native CPU kernels), on a float32
+MoE (Qwen2-MoE: routed experts and a gated shared expert) and on OLMoE (q/k norms over the whole projection, clip_qkv,
+a head size the C attention kernels do not take). Each case is compared with the same request run alone on a
 fresh engine (its oracle: nothing cached, nothing beside it); both greedy and seeded sampling, with logprobs.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
 from tsterm.config import SamplingParams
 from tsterm.launch import engine_config
 from tsterm.llm import LLM
@@ -40,11 +41,26 @@ def _float_moe(root: Path):
     return str(path), dict(dtype="float32", device="cpu", block_size=16, num_kv_blocks=512)
 
 
-@pytest.fixture(scope="module", params=["default-profile", "float32-moe"])
+def _olmoe(root: Path):
+    """OLMoE: q/k norms over the whole projection (before the head split), clip_qkv, and a head size of 8, which the C
+    attention kernels do not take (torch_ops runs such heads row by row)."""
+    sizes = dict(num_hidden_layers=2, num_experts=5, num_experts_per_tok=2, clip_qkv=4.0, head_dim=8,
+                 max_position_embeddings=2048)
+    path, _ = make_checkpoint(root / "olmoe", "olmoe", sizes)
+    return str(path), dict(dtype="float32", device="cpu", block_size=16, num_kv_blocks=512)
+
+
+FLOAT_MODELS = {"float32-moe": _float_moe, "olmoe": _olmoe}
+
+
+@pytest.fixture(scope="module", params=["default-profile", "float32-moe", "olmoe"])
 def model(request, tmp_path_factory):
     """(model dir, engine options, prompts): the first prompt is the one checked; the rest are its neighbours. One
     prompt is long enough to cross several of attention's 128-position splits."""
-    path, options = _default_model() if request.param == "default-profile" else _float_moe(tmp_path_factory.mktemp("inv"))
+    if request.param == "default-profile":
+        path, options = _default_model()
+    else:
+        path, options = FLOAT_MODELS[request.param](tmp_path_factory.mktemp("inv"))
     rng = random.Random(3)
     vocab = 4000 if request.param == "default-profile" else 380
     lengths = [37, 700] + [rng.randrange(5, 120) for _ in range(30)]
@@ -136,3 +152,37 @@ def test_deterministic_false_lets_a_quantized_prefill_take_the_float_gemm():
     prompt = [random.Random(5).randrange(10, 4000) for _ in range(300)]
     fast, exact = (_outputs(LLM(path, **dict(options, deterministic=flag)), [prompt], GREEDY)[0] for flag in (False, True))
     assert fast[1] != exact[1]
+
+
+# ---- the hybrids (Gated DeltaNet + gated attention) ------------------------------------------------------------------
+# A prompt's recurrent state is computed by the chunked rule over each piece of it the scheduler cuts (a prefill chunk,
+# or the rest after a prefix-cache hit), and a decode step's by the per-token rule: the two round differently, so a
+# hybrid's bits depend on where its prompt is cut. What holds is the rest: the same cuts give the same bits whatever
+# the batch (the neighbours' prompts and decodes, 1 to 8 of them: 8 sequences of 4 value heads fill torch's vector
+# loops, fewer run their scalar tails) and the thread count.
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def hybrid(request, tmp_path_factory):
+    path, _ = make_hybrid_checkpoint(tmp_path_factory.mktemp("inv_hybrid") / request.param, request.param)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(10, 380) for _ in range(rng.randrange(20, 40))] for _ in range(9)]
+    return str(path), dict(dtype="float32", device="cpu", block_size=16, num_kv_blocks=256), prompts
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_hybrids_request_has_its_solo_bits_in_any_batch(hybrid, params):
+    """Every prompt fits the step's budget (one piece each, the same cuts alone and batched): the checked request's
+    tokens and logprobs alone on a fresh engine equal those beside 2 and 8 others, on one thread and on two."""
+    path, options, prompts = hybrid
+    solo = _outputs(LLM(path, **options), prompts[:1], params)[0]
+    llm = LLM(path, **options)
+    for batch in (3, 9):
+        assert _outputs(llm, prompts[:batch], params)[0] == solo, f"batch of {batch}"
+    before = torch.get_num_threads()
+    try:
+        llm.engine.executor.cpu_threads = None
+        torch.set_num_threads(1)
+        assert _outputs(llm, prompts[:9], params)[0] == solo, "one thread"
+    finally:
+        torch.set_num_threads(before)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from tsterm_kernels.metadata import build_recurrent_plan
+from tsterm_kernels.torch_gated_delta import elementwise
 from tsterm_kernels.torch_ops import linear
 
 from tsterm.config import ModelConfig
@@ -63,7 +64,10 @@ class GatedDeltaNet:
         z = proj[:, C:C + self.value_size].view(T, Hv, self.v_dim)  # [T, Hv, dv] view: the output gate
         b, a = proj[:, C + self.value_size:C + self.value_size + Hv], proj[:, C + self.value_size + Hv:]  # [T, Hv]
         beta = torch.sigmoid(b.float())  # [T, Hv]: how much of each token is written
-        g = self.neg_A * F.softplus(a.float() + self.dt_bias)  # [T, Hv]: log decay, <= 0
+        # softplus by one arithmetic whatever the step's rows: torch's CPU loops run the vector routine on whole
+        # vectors and the scalar one on the rest, so on this contiguous [T, Hv] an element's bits would depend on T
+        # (on a strided view of proj's rows, as b above and z below, each row is a loop of its own: no dependence)
+        g = self.neg_A * elementwise(F.softplus, a.float() + self.dt_bias)  # [T, Hv]: log decay, <= 0
         core = self._mix(mixed, g, beta)  # [T, Hv, dv] float32
         core = F.rms_norm(core, (self.v_dim,), eps=self.eps).to(x.dtype) * self.gated_norm  # [T, Hv, dv]
         core = (core.float() * F.silu(z.float())).to(x.dtype)  # gated by silu(z)
