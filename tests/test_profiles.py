@@ -372,3 +372,23 @@ def test_server_conversation_bounds_reach_the_server_limits(tmp_path):
 def test_server_keys_are_checked(tmp_path, text, error):
     with pytest.raises(ConfigError, match=error):
         load_profile(write(tmp_path / "s.yaml", f"model: m\nserver:\n  {text}\n")).server_settings()
+
+
+def test_speculative_nested_form_sets_the_two_engine_keys_with_errors_at_their_lines(tmp_path):
+    good = tmp_path / "spec.yaml"
+    good.write_text("model: demo:moe\nspeculative:\n  method: suffix\n  num_tokens: 6\n")
+    options = load_profile(str(good)).engine_options()
+    assert (options["speculative_method"], options["num_speculative_tokens"]) == ("suffix", 6)
+    cases = {
+        "speculative:\n  method: eagle\n": r"bad.yaml:3: .*speculative_method must be",
+        "speculative:\n  num_tokens: 0\n": r"bad.yaml:3: .*num_speculative_tokens",
+        "speculative:\n  method: suffix\n  tokens: 4\n": r"bad.yaml:4: unknown speculative key 'tokens'",
+        "speculative_method: ngram\nspeculative:\n  method: suffix\n": r"bad.yaml:4: speculative.method and "
+                                                                         r"speculative_method both set",
+        "speculative: suffix\n": r"bad.yaml:2: `speculative` must be a mapping",
+    }
+    for body, message in cases.items():
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("model: demo:moe\n" + body)
+        with pytest.raises(ConfigError, match=message):
+            load_profile(str(bad))

@@ -218,7 +218,9 @@ _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 SECTIONS = {"sampling": SamplingParams, "ui": UiOptions, "agent": AgentSettings, "server": ServerSettings}  # nested mappings, each checked by its dataclass
 SECTION_KEYS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
 TOP_KEYS = ENGINE_KEYS | set(SECTIONS) | {"extends", "system_prompt", "description", "plan_config", "thinking_history",
-                                         "engine_process"}
+                                         "engine_process", "speculative"}
+# `speculative: {method: suffix, num_tokens: 8}`: the nested spelling of speculative_method / num_speculative_tokens
+SPECULATIVE_KEYS = {"method": "speculative_method", "num_tokens": "num_speculative_tokens"}
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -488,6 +490,22 @@ def _load(path: Path, seen: tuple[Path, ...], problems: list[tuple[int, str]] | 
     for key in raw:
         if key not in TOP_KEYS:
             fail(key, f"{at(key)}: unknown key {key!r}{_did_you_mean(key, TOP_KEYS)}")
+    if "speculative" in raw:  # the nested form becomes the two engine keys (checked below, at its lines)
+        nested = raw.pop("speculative")
+        if not isinstance(nested, dict):
+            fail("speculative", f"{at('speculative')}: `speculative` must be a mapping like "
+                                "{method: suffix, num_tokens: 8}")
+            nested = {}
+        for key, value in nested.items():
+            where = f"speculative.{key}"
+            if key not in SPECULATIVE_KEYS:
+                fail(where, f"{at(where)}: unknown speculative key {key!r} (method, num_tokens)"
+                            f"{_did_you_mean(str(key), set(SPECULATIVE_KEYS))}")
+            elif SPECULATIVE_KEYS[key] in raw:
+                fail(where, f"{at(where)}: speculative.{key} and {SPECULATIVE_KEYS[key]} both set: keep one")
+            else:
+                raw[SPECULATIVE_KEYS[key]] = value
+                lines[SPECULATIVE_KEYS[key]] = lines.get(where, lines.get("speculative", 1))
     for key in ("extends", "description", "system_prompt", "plan_config"):
         if key in raw and not isinstance(raw[key], str) and not (key == "system_prompt" and raw[key] is None):
             fail(key, f"{at(key)}: {key} must be a string, got {raw[key]!r}")
@@ -638,7 +656,7 @@ def _read_yaml(path: Path, strict_env: bool = True) -> tuple[dict[str, Any], dic
     lines: dict[str, int] = {}
     for key, value in node.value:
         lines[str(key.value)] = key.start_mark.line + 1
-        if key.value in SECTIONS and isinstance(value, yaml.MappingNode):
+        if (key.value in SECTIONS or key.value == "speculative") and isinstance(value, yaml.MappingNode):
             lines.update({f"{key.value}.{k.value}": k.start_mark.line + 1 for k, _ in value.value})
     return raw, lines
 
