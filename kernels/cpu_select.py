@@ -262,7 +262,9 @@ def read_plan(path: Path) -> dict[str, Choice]:
 def write_plan(path: Path, cpu: CpuInfo, choices: Iterable[Choice]) -> None:
     """Merge `choices` into the file (re-read first: another process may have added classes), atomically."""
     merged = {key: c.as_json() for key, c in read_plan(path).items()}
-    merged.update({c.shape.key: c.as_json() for c in choices if c.how != "forced"})
+    # (neither a forced choice nor a lone candidate is a measurement: a run without the C kernels, where torch is the
+    # only candidate, must not decide for a later one that has them)
+    merged.update({c.shape.key: c.as_json() for c in choices if c.how == "measured"})
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
     try:
@@ -286,7 +288,8 @@ def resolve(shapes: Iterable[ShapeClass], cpu: CpuInfo, candidates: Iterable[str
         choice = stored.get(shape.key)
         forced = (override or {}).get(shape.kind) or (override or {}).get("*")
         if forced is not None or choice is None or choice.candidate not in candidates or (
-                choice.how == "measured" and set(choice.seconds) != set(candidates)):
+                choice.how == "measured" and set(choice.seconds) != set(candidates)) or (
+                choice.how == "only" and candidates != (choice.candidate,)):
             choice = choose(shape, candidates, timer, override)
             if choice.how != "forced":
                 fresh.append(choice)

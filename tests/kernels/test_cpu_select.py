@@ -130,6 +130,13 @@ def test_the_plan_is_measured_once_stored_and_read_back(tmp_path):
     # a forced choice is used but never stored
     forced = cpu_select.resolve([ATTENTION], ZEN4, candidates, _never, path, {"attention": "torch"})
     assert forced[ATTENTION.key].how == "forced" and cpu_select.read_plan(path)[ATTENTION.key].candidate == "c-avx512"
+    # a run without the C kernels (torch the only candidate) decides nothing for a later run that has them
+    lone = cpu_select.resolve([ShapeClass("gemm", (64, 64))], ZEN4, ("torch",), _never, path)
+    assert lone["gemm:64x64"].how == "only" and "gemm:64x64" not in cpu_select.read_plan(path)
+    path_only = tmp_path / "only.json"  # (and a file from before that stored one is measured again)
+    path_only.write_text(json.dumps({"classes": {"gemm:64x64": {"candidate": "torch", "how": "only"}}}))
+    assert cpu_select.resolve([ShapeClass("gemm", (64, 64))], ZEN4, candidates, timer,
+                              path_only)["gemm:64x64"].candidate == "c-avx512"
     path.write_text("{not json")
     assert cpu_select.read_plan(path) == {}
     assert cpu_select.resolve([GEMM], ZEN4, candidates, timer, path)[GEMM.key].how == "measured"
