@@ -154,13 +154,13 @@ def test_the_default_profiles_quantized_model_decodes_the_same_with_drafts(defau
     chunks: each method's greedy replies (penalised, n = 2 and logprobs ones included) equal the replies without
     speculation, token for token."""
     path, options = default_model
-    options = dict(options, device="cpu", max_num_batched_tokens=48)
+    options = dict(options, device="cpu", max_num_batched_tokens=48, speculative_method="off")  # (the profile's: suffix)
     prompts, params = mixed_batch()
     plain = LLM(path, **options)
     assert plain.engine.model_config.quant_method == "gguf_blocks"  # (the quantized weights, as shipped)
     ref, ref_outs = run(plain, prompts, params)
     for method in ("ngram", "suffix"):
-        llm = LLM(path, speculative_method=method, num_speculative_tokens=4, **options)
+        llm = LLM(path, **dict(options, speculative_method=method, num_speculative_tokens=4))
         llm.engine.draft_length = None  # (drafts verified whole, whatever the step times)
         out, outs = run(llm, prompts, params)
         assert out == ref, method  # (the seeded sampled one too)
