@@ -21,37 +21,10 @@ from __future__ import annotations
 
 import argparse
 
+from tsterm.bench.copy_trace import SOURCE_FILE
 from tsterm.bench.machine import cpu_description
 
-FILE = '''def parse_config(path):
-    """Read a key = value file into a dict; lines starting with # are comments."""
-    config = {}
-    with open(path) as handle:
-        for number, line in enumerate(handle, start=1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            if "=" not in line:
-                raise ValueError(f"{path}:{number}: expected key = value, got {line!r}")
-            key, value = line.split("=", 1)
-            config[key.strip()] = value.strip()
-    return config
-
-
-def merge_configs(base, override):
-    """A new dict: base's keys, then override's on top."""
-    merged = dict(base)
-    for key, value in override.items():
-        merged[key] = value
-    return merged
-
-
-def write_config(path, config):
-    """Write a dict as key = value lines, sorted by key."""
-    with open(path, "w") as handle:
-        for key in sorted(config):
-            handle.write(f"{key} = {config[key]}\\n")
-'''
+FILE = SOURCE_FILE.split("\n\n\n", 1)[1]  # the copy-heavy bench trace's file, without its module header
 
 TOOL_OUTPUT = """$ pytest -q tests/test_config.py
 ..F.
