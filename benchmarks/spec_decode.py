@@ -100,8 +100,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each trace per method (the median is shown)")
     parser.add_argument("--profile-sampling", action="store_true",
-                        help="the profile's sampling (seeded) instead of greedy without penalties: the replies differ "
-                             "from method to method then, each with the target's distribution")
+                        help="the profile's sampling (seeded) instead of greedy without penalties: a seeded reply is "
+                             "the same with or without drafts")
     args = parser.parse_args()
     methods = args.methods.split(",")
     llms = {method: load(args.profile, method, args.k) for method in methods}
@@ -130,7 +130,8 @@ def main() -> int:
         for method in methods:
             row = results[method][name]
             ratio = f"{row['rate'] / base[name]['rate']:.2f}x" if base and base[name]["rate"] else "-"
-            same = "-" if not base or args.profile_sampling else ("yes" if row["ids"] == base[name]["ids"] else "NO")
+            # (seeded: the same tokens with or without drafts, sampled or greedy)
+            same = "-" if not base else ("yes" if row["ids"] == base[name]["ids"] else "NO")
             per_step = row["tokens"] / max(row["tokens"] - row["accepted"], 1)  # (each decode step: 1 + accepted)
             print(f"| {name} | {method} | {row['rate']:.1f} | {ratio} | {row['tokens']} | {row['drafted']} | "
                   f"{row['accepted']} | {per_step:.2f} | {row['mean_run']:.2f} | {same} |")
