@@ -359,22 +359,13 @@ def _read_xml(body: str, schemas: Mapping[str, Mapping[str, Any]] | None) -> _Re
     if not name:
         return _Read(error=f"<function=> has no name; {expected}")
     properties = (schemas or {}).get(name, {}).get("properties", {})
-    arguments: dict[str, Any] = {}
-    position, problems = 0, []
+    position, problems, pairs = 0, [], []
     for parameter in _PARAMETER.finditer(inner):
         if inner[position:parameter.start()].strip():
             problems.append(f"text outside <parameter=...>: {inner[position:parameter.start()].strip()[:40]!r}")
         position = parameter.end()
-        key, value = parameter.group(1).strip(), parameter.group(2)
-        value = value[1:] if value.startswith("\n") else value  # the form puts each value on its own lines
-        value = value[:-1] if value.endswith("\n") else value
-        if key in arguments:
-            problems.append(f"parameter {key!r} is given twice")
-        try:
-            arguments[key] = _convert(value, properties.get(key))
-        except ValueError as error:
-            problems.append(f"parameter {key!r}: {error}")
-            arguments[key] = value
+        pairs.append((parameter.group(1), parameter.group(2)))  # (the form puts each value on its own lines)
+    arguments = _read_pairs(pairs, properties, problems)
     if inner[position:].strip():
         problems.append(f"text outside <parameter=...>: {inner[position:].strip()[:40]!r} (is </parameter> missing?)")
     return _Read(name, arguments, "; ".join(problems) + f"; {expected}" if problems else None)
