@@ -141,8 +141,17 @@ class KVCacheManager:
         for block_id, *_ in plan[keep:]:
             if block_id is not None:
                 pool.release(block_id)
-        loaded: list[int] = []
-        for block_id, block_hash, parent, block_tokens, read in plan[:keep]:
+        loaded = self._append_blocks(seq, chain, [item[:4] for item in plan[:keep]])
+        if loaded:
+            loads.append((loaded, data))
+
+    def _append_blocks(self, seq: Sequence, chain: list[int],
+                       entries: list[tuple[int | None, int, int | None, list[int]]]) -> list[int]:
+        """Append a prefix's blocks to `seq`'s table and their hashes to `chain`: each (pool block, or None for one
+        read from the tier; its hash, parent hash and token ids). A tier block gets a fresh pool block, registered;
+        those are returned in order, for the copy of their data. The pool's blocks are already held."""
+        pool, loaded = self.pool, []
+        for block_id, block_hash, parent, block_tokens in entries:
             if block_id is None:
                 table = seq.block_table
                 block_id = pool.allocate(prefer=table[-1] + 1 if table else None)
@@ -150,8 +159,7 @@ class KVCacheManager:
                 loaded.append(block_id)
             seq.block_table.append(block_id)
             chain.append(block_hash)
-        if loaded:
-            loads.append((loaded, data))
+        return loaded
 
     def _match_hybrid_from_tier(self, seq: Sequence) -> int:
         """`match_prefix` of a hybrid model with a tier: the prompt's full blocks as far as the pool or the tier holds
@@ -198,18 +206,10 @@ class KVCacheManager:
             cut = end
             break
         chain: list[int] = []
-        loaded: list[int] = []
         for block_id, *_ in entries[:cut]:
             if block_id is not None:
                 pool.acquire(block_id)
-        for block_id, block_hash, parent, block_tokens in entries[:cut]:
-            if block_id is None:
-                table = seq.block_table
-                block_id = pool.allocate(prefer=table[-1] + 1 if table else None)
-                pool.register(block_id, parent, block_tokens)
-                loaded.append(block_id)
-            seq.block_table.append(block_id)
-            chain.append(block_hash)
+        loaded = self._append_blocks(seq, chain, entries[:cut])
         if loaded:
             tier.copy_in([(loaded, data)])
         if cut:
