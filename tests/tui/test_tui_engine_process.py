@@ -23,9 +23,9 @@ async def reply_ids(app: TstermApp, text: str) -> tuple[list[int], EngineCorePro
         core = client if isinstance(client, EngineCoreProcess) else None
         if core is not None:
             assert app.host.engine is None and core.pid != os.getpid()
-            latest = await wait_until(pilot, lambda: screen.dashboard.latest.get("generated_tokens"),
-                                      what="a dashboard poll answered by the core")
-            assert latest >= 12
+            # (a poll answered while the turn was still generating shows fewer: wait for one after its last token)
+            await wait_until(pilot, lambda: (screen.dashboard.latest.get("generated_tokens") or 0) >= 12,
+                             what="a dashboard poll answered by the core, after the turn's 12 tokens")
             memory = screen.dashboard.memory
             assert memory["kind"] == "cpu" and memory["rss"] > 0  # the core process's own RSS
         return list(screen.session.token_ids), core
