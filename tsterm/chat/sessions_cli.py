@@ -4,6 +4,7 @@ fingerprints the store records (`tsterm.engine.kv_store`)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     store = SessionStore(args.sessions_dir)
     sessions, errors = store.load_all()
     for error in errors:
-        print(f"tsterm: warning: {error}")
+        print(f"tsterm: warning: {error}", file=sys.stderr)  # (stdout: the listing, for scripts)
     kv_dir = kv_dir_of(args.profile)
     if args.action == "drop":
         if not args.session_id:
