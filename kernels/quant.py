@@ -17,6 +17,13 @@ Formats (I a multiple of 32; fp16 scales, as GGUF stores them):
 - fp8: `data` float8_e4m3fn [..., O, I], `scale` float32 [..., ceil(O/128), ceil(I/128)]: W = value * the scale of
   its 128 x 128 block (a partial block at the right and bottom edges), the `weight_scale_inv` of Qwen's and
   DeepSeek's block-scaled FP8 checkpoints. Any O and I.
+- mxfp4 (OCP Microscaling MXFP4, gpt-oss's experts): `data` uint8 [..., O, I/2] (a checkpoint's `_blocks`
+  [..., O, I/32, 16], viewed), `scale` uint8 [..., O, I/32] (`_scales`, E8M0): W = e2m1(code) * 2^(scale - 127), the
+  e2m1 codes 0..7 meaning 0, 0.5, 1, 1.5, 2, 3, 4, 6 and 8..15 their negatives; byte j of a block's 16 holds input 2j
+  in its low nibble and input 2j + 1 in its high one (scale 255 is NaN, as the spec has it). 4.25 bits a weight.
+  `QuantizedWeight.mxfp4(blocks, scales)` builds one from those two tensors as they are (views: a mapped
+  checkpoint's bytes are read in place); `mxfp4_interleave` converts GGUF's MXFP4 nibble order (byte j: inputs j and
+  j + 16) to this one.
 
 Kernels (benchmarks/quant_gemv.py, BENCHMARKS.md "Quantized weights"): int8 and int4 run tsterm's C kernels
 (`tsterm_kernels.cpu_native`, csrc/gemv.c) for any number of rows of x: each row is quantized to int8 per block of 32
@@ -25,11 +32,14 @@ is that arithmetic in float64), so a row's result is the same bits in a decode, 
 promise; the int8 rounding of x costs +0.6% held-out perplexity on the default model, a tenth of int4's weight
 rounding, BENCHMARKS.md). A weight marked `prefill_gemm` (an engine's `deterministic: false`) sends more than
 NATIVE_MAX_ROWS rows to csrc/gemm.c's float32 GEMM instead, which dequantizes each 16-row panel of the weight as it
-packs it: the bits of that GEMM on the dequantized weight, which is never written out. fp16 runs fbgemm's AVX2 GEMM. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
+packs it: the bits of that GEMM on the dequantized weight, which is never written out. fp16 runs fbgemm's AVX2 GEMM. mxfp4 runs csrc/mxfp4.c for any number of rows: x stays float32 and each weight is decoded exactly
+(a 16-entry table times the block's power of two), the products summed in one fixed order per (row, output) (16
+lanes along the inputs, then a fixed tree), so a row's result is the same bits alone, in a batch or in a prefill,
+in the AVX-512 and the AVX2 build alike. fp8 has no CPU kernel: its weight is dequantized per call (correct, not fast;
 tsterm.model.quant refuses `quantization: fp8` on the CPU). Without the C kernels (no compiler, not x86), int8 /
-int4 run torch's GEMM on the float32 weight, dequantized at its first matmul and kept (`dequantized_float`: a float
+int4 / mxfp4 run torch's GEMM on the float32 weight, dequantized at its first matmul and kept (`dequantized_float`: a float
 model's memory beside the blocks, `float_nbytes`; dequantizing the whole matrix at every call made each decoded token
-cost a float model's dequantization). On a CUDA device int8, int4 and fp8 run the Triton kernel `tsterm_kernels.triton_quant_linear`, which
+cost a float model's dequantization). On a CUDA device int8, int4, fp8 and mxfp4 run the Triton kernel `tsterm_kernels.triton_quant_linear`, which
 dequantizes the weight in registers; fp16 (fbgemm's packing) exists on the CPU only.
 """
 from __future__ import annotations
@@ -46,33 +56,37 @@ BLOCK = 32  # inputs per int8 / int4 block
 FP8_BLOCK = 128  # outputs and inputs per fp8 block (one scale each)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 NATIVE_MAX_ROWS = 16  # more rows than this may take the float GEMM (a weight marked `prefill_gemm`)
-NATIVE_KINDS = ("int8", "int4")  # the kinds the C kernels read
+NATIVE_KINDS = ("int8", "int4")  # the kinds the C int8-row kernels read (csrc/gemv.c, gemm.c)
 Q_GEMM_KINDS = {"int8": 1, "int4": 2}  # csrc/tsterm.h's TSTERM_Q8, TSTERM_Q4
-TRITON_KINDS = ("int8", "int4", "fp8")  # the kinds the Triton kernel reads
+TRITON_KINDS = ("int8", "int4", "fp8", "mxfp4")  # the kinds the Triton kernel reads
+FALLBACK_KINDS = ("int8", "int4", "mxfp4")  # without the C kernels: a float32 copy made once per matrix and kept
+MX_BLOCK = 32  # inputs per mxfp4 block (one E8M0 scale each)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A quantized [..., O, I] weight. `kind` is "int8", "int4", "fp8" or "fp16"; see the module docstring for layouts.
+    """A quantized [..., O, I] weight. `kind` is "int8", "int4", "fp8", "mxfp4" or "fp16"; see the module docstring
+    for layouts.
 
     Indexing the leading (expert) axis returns that expert's weight as views, so stacked experts quantize once and
     are read in place like their float stacks."""
 
     kind: str
-    data: torch.Tensor  # int8 / int4 codes, fp8 values; fp16: empty (the bytes are in `packed`)
-    scale: torch.Tensor  # int8 / int4 / fp8 only
+    data: torch.Tensor  # int8 / int4 / mxfp4 codes, fp8 values; fp16: empty (the bytes are in `packed`)
+    scale: torch.Tensor  # int8 / int4 / fp8 / mxfp4 only
     dims: tuple[int, ...] = ()  # the float weight's shape [..., O, I]
     packed: tuple[torch.Tensor, ...] = ()  # fp16: fbgemm's handle of each [O, I] matrix
     # int8 / int4 on the CPU: a prefill of more than NATIVE_MAX_ROWS rows may run the float32 GEMM (an engine's
     # `deterministic: false`, `allow_prefill_gemm`); else every row is rounded to int8, however many come together
     prefill_gemm: bool = False
-    # int8 / int4 without the C kernels (no compiler, not x86): the float32 weight torch multiplies by, dequantized
+    # int8 / int4 / mxfp4 without the C kernels (no compiler, not x86): the float32 weight torch multiplies by, dequantized
     # on its first matmul and kept (one slot per matrix: a stack's experts, indexed, share their stack's slots)
     float_slots: list | None = field(default=None, compare=False, repr=False)
     slot: int = field(default=0, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.float_slots is None and self.kind in NATIVE_KINDS:
+        if self.float_slots is None and self.kind in FALLBACK_KINDS:
             object.__setattr__(self, "float_slots", [None] * (self.dims[0] if len(self.dims) == 3 else 1))
 
     @classmethod
@@ -106,6 +120,33 @@ class QuantizedWeight:
         if scale.device != data.device:
             raise ValueError(f"fp8 values on {data.device} and scales on {scale.device}: put both on one device")
         return cls("fp8", data.contiguous(), scale.contiguous(), tuple(data.shape))
+
+    @classmethod
+    def mxfp4(cls, blocks: torch.Tensor, scales: torch.Tensor) -> "QuantizedWeight":
+        """An mxfp4 weight [..., O, I] from a checkpoint's two tensors as they are: `blocks` uint8 [..., O, I/32, 16]
+        (or already viewed as [..., O, I/2]) and `scales` uint8 (or float8_e8m0fnu) [..., O, I/32], one E8M0 scale
+        per block of 32 inputs (layout: the module docstring). Contiguous tensors are kept as they are, views of a
+        mapped file included (nothing is copied); others are made contiguous once."""
+        if blocks.dtype != torch.uint8 or blocks.dim() < 2:
+            raise ValueError(f"mxfp4 blocks must be uint8 [..., O, I/32, 16] or [..., O, I/2]; got {blocks.dtype} "
+                             f"{tuple(blocks.shape)}")
+        if scales.dtype == getattr(torch, "float8_e8m0fnu", None):
+            scales = scales.view(torch.uint8)
+        if scales.dtype != torch.uint8:
+            raise ValueError(f"mxfp4 scales must be uint8 (E8M0) [..., O, I/32]; got {scales.dtype}")
+        if blocks.dim() == scales.dim() + 1:  # [..., O, I/32, 16]
+            if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+                raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} need 16 bytes per block and scales of shape "
+                                 f"{tuple(blocks.shape[:-1])}; got scales {tuple(scales.shape)}")
+            blocks = blocks.contiguous().view(*blocks.shape[:-2], blocks.shape[-2] * 16)
+        elif blocks.dim() != scales.dim() or blocks.shape[:-1] != scales.shape[:-1] \
+                or blocks.shape[-1] != 16 * scales.shape[-1]:
+            raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match: "
+                             f"blocks [..., O, I/2] need scales [..., O, I/32]")
+        if blocks.device != scales.device:
+            raise ValueError(f"mxfp4 blocks on {blocks.device} and scales on {scales.device}: put both on one device")
+        *lead, out_f, half = blocks.shape
+        return cls("mxfp4", blocks.contiguous(), scales.contiguous(), (*lead, out_f, 2 * half))
 
     @property
     def shape(self) -> torch.Size:
@@ -170,6 +211,8 @@ class QuantizedWeight:
         if self.kind == "int8":
             codes = self.data.view(*lead, out_f, in_f // BLOCK, BLOCK).float()
             return (codes * self.scale.float()[..., None]).view(self.dims)
+        if self.kind == "mxfp4":
+            return mxfp4_dequantize(self.data, self.scale)
         d, m = self.scale.float().unbind(-1)  # [..., O, I/32] each
         return (int4_codes(self.data).float() * d[..., None] + m[..., None]).view(self.dims)
 
@@ -178,6 +221,49 @@ def int4_codes(data: torch.Tensor) -> torch.Tensor:
     """int4 bytes [..., O, I/2] -> codes [..., O, I/32, 32] (uint8, 0..15) in input order."""
     blocks = data.view(*data.shape[:-1], data.shape[-1] // 16, 16)
     return torch.cat((blocks & 15, blocks >> 4), dim=-1)
+
+
+def e8m0_values(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales (uint8) -> float32: 2^(s - 127) (2^-127 for 0, a subnormal; 255 is NaN)."""
+    bits = scales.to(torch.int32) << 23  # the biased exponent in place: 2^(s - 127) for s >= 1
+    values = torch.where(scales == 0, torch.tensor(2.0 ** -127, device=scales.device), bits.view(torch.float32))
+    return torch.where(scales == 255, torch.tensor(float("nan"), device=scales.device), values)
+
+
+def mxfp4_dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """mxfp4 bytes [..., O, I/2] and E8M0 scales [..., O, I/32] -> the float32 weight [..., O, I]."""
+    *lead, out_f, half = data.shape
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=data.device)
+    pairs = torch.stack((table[(data & 15).long()], table[(data >> 4).long()]), dim=-1)  # [..., O, I/2, 2]
+    values = pairs.view(*lead, out_f, half // 16, MX_BLOCK) * e8m0_values(scale)[..., None]
+    return values.view(*lead, out_f, 2 * half)
+
+
+def mxfp4_interleave(split: torch.Tensor) -> torch.Tensor:
+    """Blocks of 16 bytes [..., 16] in GGUF's MXFP4 nibble order (byte j: input j low, input j + 16 high) -> this
+    module's (byte j: input 2j low, input 2j + 1 high), as a new tensor. (The E8M0 scale bytes need no change.)"""
+    codes = torch.cat((split & 15, split >> 4), dim=-1)  # [..., 32]: inputs in order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> QuantizedWeight:
+    """A float weight [..., O, I] (I a multiple of 32) as mxfp4, as the OCP MX spec quantizes: each block's scale is
+    2^(floor(log2(max |w|)) - 2) (e2m1's largest exponent is 2; a zero block gets 2^-127), its values w / scale
+    rounded to the nearest e2m1 value (ties to the even code), saturating at +-6."""
+    w = _blocks_of(weight)  # [..., O, I/32, 32]
+    amax = w.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=2.0 ** -126))) - 2, torch.full_like(amax, -127))
+    exp = exp.clamp(-127, 127)
+    scaled = (w / torch.exp2(exp)[..., None]).clamp(-6.0, 6.0)
+    grid = torch.tensor(E2M1_VALUES[:8])
+    distance = (scaled.abs()[..., None] - grid).abs()  # [..., 32, 8]
+    nearest = distance.amin(-1, keepdim=True)
+    ties = distance == nearest
+    even = ties & (torch.arange(8) % 2 == 0)  # between two values: the even code (e2m1's RNE)
+    magnitude = torch.where(even.any(-1), even.int().argmax(-1), ties.int().argmax(-1))
+    codes = (magnitude | ((scaled < 0) & (magnitude > 0)).long() * 8).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., O, I/32, 16]
+    return QuantizedWeight.mxfp4(blocks, (exp + 127).to(torch.uint8))
 
 
 def quantize_supported(shape: torch.Size | tuple[int, ...]) -> bool:
@@ -273,6 +359,15 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         from tsterm_kernels.triton_quant_linear import quant_linear  # imports triton: lazily
         return quant_linear(x if x.stride(-1) == 1 else x.contiguous(), weight, bias)
     rows = x.shape[0]
+    if weight.kind == "mxfp4" and x.is_cpu:
+        native = cpu_native.load()
+        if native is None:  # no C kernels: torch's GEMM on the float32 weight, dequantized once and kept
+            y = F.linear(x.float(), weight.dequantized_float())
+        else:  # csrc/mxfp4.c for any number of rows: a row's bits do not depend on the rows beside it
+            y = mxfp4_matmul(native, x, weight)
+        if y.dtype is not x.dtype:
+            y = y.to(x.dtype)
+        return y if bias is None else y + bias
     native = cpu_native.load() if weight.kind in NATIVE_KINDS and x.is_cpu else None
     if native is not None and (rows <= NATIVE_MAX_ROWS or not weight.prefill_gemm):
         # Every matmul of a decode, and of a prefill unless told otherwise: x's rows quantized to int8, so a row's
@@ -301,6 +396,19 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if y.dtype is not x.dtype:
         y = y.to(x.dtype)
     return y if bias is None else y + bias
+
+
+def mxfp4_matmul(native: "cpu_native.NativeKernels", x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [M, I] @ W.T -> a new float32 [M, O] by csrc/mxfp4.c, for an mxfp4 W [O, I] on the CPU."""
+    if len(weight.dims) != 2:
+        raise ValueError(f"an mxfp4 matmul takes one [O, I] weight (index a stack of experts first), got {weight.dims}")
+    xf = x if x.dtype is torch.float32 and x.is_contiguous() else x.float().contiguous()
+    out_f, in_f = weight.dims
+    y = torch.empty((xf.shape[0], out_f), dtype=torch.float32)
+    if native.mxfp4_matmul(xf.data_ptr(), xf.shape[0], in_f, weight.data.data_ptr(), weight.scale.data_ptr(), out_f,
+                           y.data_ptr()):
+        raise MemoryError("out of memory for the mxfp4 matmul's scratch")
+    return y
 
 
 def dequantize(weight: QuantizedWeight, native: "cpu_native.NativeKernels | None" = None) -> torch.Tensor:
