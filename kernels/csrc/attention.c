@@ -10,6 +10,11 @@
  * (tsterm_exp_sum, the output rescaled when the maximum grows), P V as the tile's chain over the chunk's positions
  * added to the rescaled output; the splits' partials are then merged in order (tsterm_att_merge). A row's work
  * depends only on its position, its q and the keys at or before it.
+ *
+ * A sliding window (gpt-oss) keeps the same positions for splits and chunks: a row starts at the split and the
+ * chunk that hold the first key of its window, the keys before it in that chunk left out of its max and its sum
+ * (the sum's lanes start at that key, in every path alike), and the splits and chunks before it are never read.
+ * An attention sink (a learned per-head logit) joins only the final normalisation (tsterm_att_norm).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -19,13 +24,17 @@
 #include "tsterm.h"
 
 /* off[j] <- where position p + j's row of K (or V) for KV head h starts in its pool, for the positions of the chunk
- * from p (up to ATT_CHUNK, before `end`); returns how many (one division, then the table walked) */
-static inline int64_t slots(const tsterm_kv *kv, int64_t h, int64_t p, int64_t end, int64_t *off) {
+ * from p (up to ATT_CHUNK, before `end`); returns how many (one division, then the table walked). Positions before
+ * `from` (before every row's sliding window: 0 without one) take the row of `from` instead, which their P = 0 leaves
+ * out of every sum: their table entries are never read (a block out of every window may have left the table). */
+static inline int64_t slots(const tsterm_kv *kv, int64_t h, int64_t p, int64_t end, int64_t from, int64_t *off) {
     const int64_t n = end - p < ATT_CHUNK ? end - p : ATT_CHUNK, B = kv->block_size, row = kv->num_kv_heads * kv->head_dim;
-    for (int64_t j = 0, blk = p / B, in = p % B; j < n; j++) {
+    const int64_t skip = from > p ? (from - p < n ? from - p : n) : 0, q = p + skip;
+    for (int64_t j = skip, blk = q / B, in = q % B; j < n; j++) {
         off[j] = ((int64_t)kv->table[blk] * B + in) * row + h * kv->head_dim;
         if (++in == B) in = 0, blk++;
     }
+    for (int64_t j = 0; j < skip && skip < n; j++) off[j] = off[skip];
     return n > 0 ? n : 0;
 }
 
@@ -111,7 +120,7 @@ static void pv_rows(const float *p, const float *const *rows, int64_t n, int64_t
 
 void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G, int64_t first_pos,
                          int64_t k0, int64_t k1, int64_t ahead_end, float *scratch, float *m, float *l, float *o) {
-    const int64_t D = kv->head_dim;
+    const int64_t D = kv->head_dim, W = kv->window;
     float *vp = scratch, *s = vp + ATT_CHUNK * D; /* V panels, scores */
     const int64_t rs = k0 > first_pos ? (k0 - first_pos) * G : 0;           /* rows before the split see none of it */
     for (int64_t r = rs; r < R; r++) {
@@ -119,13 +128,17 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
         l[r] = 0.0f;
         memset(o + r * D, 0, sizeof(float) * (size_t)D);
     }
+    /* a sliding window: the chunks (at their fixed positions) before the first row's window are not read at all; a
+     * row's chunks before its own window leave its m, l, o as they are, so its result is the one it gets alone */
+    const int64_t ws = tsterm_att_window_start(W, first_pos + rs / G);
+    const int64_t c_first = ws > k0 ? k0 + (ws - k0) / ATT_CHUNK * ATT_CHUNK : k0;
     /* each position's offset of its K (and V) row for head h, one chunk at a time, the next one's ahead */
     int64_t at[2][ATT_CHUNK];
-    slots(kv, h, k0, k1, at[0]);
-    for (int64_t c0 = k0, c = 0; c0 < k1; c0 += ATT_CHUNK, c ^= 1) {
+    slots(kv, h, c_first, k1, ws, at[0]);
+    for (int64_t c0 = c_first, c = 0; c0 < k1; c0 += ATT_CHUNK, c ^= 1) {
         const int64_t n = k1 - c0 < ATT_CHUNK ? k1 - c0 : ATT_CHUNK, panels = (n + NR - 1) / NR, width = panels * NR;
         const int64_t *off = at[c], *next = at[c ^ 1];
-        const int64_t ahead = slots(kv, h, c0 + ATT_CHUNK, c0 + ATT_CHUNK < k1 ? k1 : ahead_end, at[c ^ 1]);
+        const int64_t ahead = slots(kv, h, c0 + ATT_CHUNK, c0 + ATT_CHUNK < k1 ? k1 : ahead_end, ws, at[c ^ 1]);
         const int direct = R - r_first(c0, first_pos, G) <= MR; /* few rows (decode): P V reads V in place */
         for (int64_t j = 0; j < n; j++) /* this chunk's V rows, on their way while the scores are computed */
             prefetch_row(kv->v_cache + off[j], D, _MM_HINT_T0);
@@ -152,14 +165,22 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
         for (int64_t r = r0; r < R; r++) { /* online softmax: S -> P in place */
             float *sr = s + r * ATT_CHUNK;
             const int64_t visible = first_pos + r / G - c0 + 1 < n ? first_pos + r / G - c0 + 1 : n;
+            /* positions [c0 + lo, c0 + visible) are the row's: lo > 0 where its window starts inside the chunk */
+            const int64_t lo = tsterm_att_window_start(W, first_pos + r / G) > c0
+                                   ? tsterm_att_window_start(W, first_pos + r / G) - c0 : 0;
+            if (lo >= visible) { /* wholly before the row's window (another row's keys): P = 0 adds nothing */
+                memset(sr, 0, sizeof(float) * (size_t)width);
+                continue;
+            }
             __m256 mx = _mm256_set1_ps(-INFINITY);
-            int64_t j = 0;
+            int64_t j = lo;
             for (; j + 8 <= visible; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
             float mc = hmax256(mx);
             for (; j < visible; j++) mc = sr[j] > mc ? sr[j] : mc;
             const float m_new = mc > m[r] ? mc : m[r];
-            const float alpha = expf(m[r] - m_new); /* 0 on the split's first chunk (m = -inf) */
-            const float lc = tsterm_exp_sum(sr, visible, m_new);
+            const float alpha = expf(m[r] - m_new); /* 0 on the row's first chunk (m = -inf) */
+            const float lc = tsterm_exp_sum(sr + lo, visible - lo, m_new);
+            for (j = 0; j < lo; j++) sr[j] = 0.0f;
             for (j = visible; j < width; j++) sr[j] = 0.0f;
             l[r] = l[r] * alpha + lc;
             m[r] = m_new;

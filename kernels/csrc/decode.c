@@ -4,7 +4,8 @@
  *   KV pool through the block table (any number of runs of blocks: a prefix cache hit leaves several), in
  *   attention.c's order, the one prefill.c follows: tasks are (sequence, split of ATT_SPLIT positions, KV head),
  *   handed to the threads; each split's partial is merged in order per query row. A decode row is thus the same bits as the same
- *   row computed in a prefill or an extend, whatever the batch and the thread count.
+ *   row computed in a prefill or an extend, whatever the batch and the thread count. With a sliding window the
+ *   splits before a row's window are neither run nor merged; a sink joins only the final normalisation.
  * - tsterm_add_rms_norm: residual += x (when given), then out = residual * rsqrt(mean(residual^2) + eps) * w.
  * - tsterm_rope: rotate-half RoPE of q and k in place; tsterm_store_kv: the new tokens' K/V rows into their slots.
  * - tsterm_swiglu: silu(gate) * up of a dense MLP's gate_up projection.
@@ -32,7 +33,8 @@ int64_t tsterm_attention_splits(const int32_t *seq_lens, int64_t num_seqs) {
 static void split_task(const tsterm_attention *a, int64_t s, int64_t split, int64_t h, float *w) {
     const int64_t Hq = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim, G = Hq / Hkv, len = a->seq_lens[s];
     const int64_t k0 = split * ATT_SPLIT, k1 = len - k0 < ATT_SPLIT ? len : k0 + ATT_SPLIT;
-    const tsterm_kv kv = {a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks, a->block_size, Hkv, D};
+    const tsterm_kv kv = {a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks, a->block_size, Hkv, D,
+                          a->window};
     float *sc = w, *qs = sc + tsterm_att_scratch_floats(G, D), *o = qs + G * D, *m = o + G * D, *l = m + G;
     const __m256 scale = _mm256_set1_ps(a->scale);
     for (int64_t g = 0; g < G; g++) {
@@ -57,8 +59,10 @@ void tsterm_attention_tasks(const tsterm_attention *a) {
     const int64_t Hkv = a->num_kv_heads;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < a->num_seqs * Hkv * a->max_splits; t++) {
-        const int64_t s = t / (Hkv * a->max_splits), split = t % a->max_splits;
-        if (split * ATT_SPLIT < a->seq_lens[s]) split_task(a, s, split, t / a->max_splits % Hkv, w);
+        const int64_t s = t / (Hkv * a->max_splits), split = t % a->max_splits, len = a->seq_lens[s];
+        /* (splits wholly before the row's sliding window are not read) */
+        if (split * ATT_SPLIT < len && (split + 1) * ATT_SPLIT > tsterm_att_window_start(a->window, len - 1))
+            split_task(a, s, split, t / a->max_splits % Hkv, w);
     }
 }
 
@@ -72,25 +76,29 @@ void tsterm_attention_merge(const tsterm_attention *a, int64_t row, float *out) 
         return;
     }
     float M = 0.0f, L = 0.0f;
-    for (int64_t c = 0; c < splits; c++) {
+    const int64_t c0 = tsterm_att_window_start(a->window, a->seq_lens[s] - 1) / ATT_SPLIT; /* the window's first */
+    for (int64_t c = c0; c < splits; c++) {
         const float *pt = a->part + ((s * a->max_splits + c) * Hq + hq) * (D + 2);
-        tsterm_att_merge(&M, &L, out, pt[D], pt[D + 1], pt, D, c == 0);
+        tsterm_att_merge(&M, &L, out, pt[D], pt[D + 1], pt, D, c == c0);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / L);
+    const __m256 inv = _mm256_set1_ps(tsterm_att_norm(M, L, a->sinks ? a->sinks + hq : NULL));
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(inv, _mm256_loadu_ps(out + d)));
 }
 
 /* q: [S, Hq, D] rows q_stride apart (elements between sequences' rows); caches: [num_blocks, B, Hkv, D];
- * block_tables: [S, max_blocks]; seq_lens: [S]; out: [S, Hq, D] contiguous. Returns -1 when scratch memory ran out,
- * -2 for more than MAX_HEADS query heads, a head size not a multiple of 16 or query heads not a multiple of KV
- * heads, else 0. */
-int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                            const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                            float *out) {
-    if (num_heads > MAX_HEADS || head_dim % 16 || num_kv_heads <= 0 || num_heads % num_kv_heads) return -2;
+ * block_tables: [S, max_blocks]; seq_lens: [S]; out: [S, Hq, D] contiguous; sinks: [Hq] each head's sink logit, or
+ * NULL; window: each row sees its last `window` positions only (0: all). Returns -1 when scratch memory ran out,
+ * -2 for more than MAX_HEADS query heads, a head size not a multiple of 16, query heads not a multiple of KV
+ * heads or a negative window, else 0. */
+int tsterm_decode_attention_sw(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale, float *out, const float *sinks, int64_t window) {
+    if (num_heads > MAX_HEADS || head_dim % 16 || num_kv_heads <= 0 || num_heads % num_kv_heads || window < 0)
+        return -2;
     tsterm_attention a = {q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
-                          num_kv_heads, head_dim, block_size, scale, tsterm_attention_splits(seq_lens, num_seqs), NULL};
+                          num_kv_heads, head_dim, block_size, scale, tsterm_attention_splits(seq_lens, num_seqs), NULL,
+                          sinks, window};
     a.part = malloc(tsterm_attention_part_bytes(&a));
     if (!a.part) return -1;
 #pragma omp parallel  /* one parallel region for both phases: the threads are woken once */
@@ -101,6 +109,15 @@ int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cac
     }
     free(a.part);
     return 0;
+}
+
+/* tsterm_decode_attention_sw without sinks or a window */
+int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                            const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                            float *out) {
+    return tsterm_decode_attention_sw(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs,
+                                      num_heads, num_kv_heads, head_dim, block_size, scale, out, NULL, 0);
 }
 
 void tsterm_rms_norm_row(const float *src, const float *weight, int64_t hidden, float eps, float *out) {

@@ -10,7 +10,8 @@
  * - keys go split by split (ATT_SPLIT positions), each split chunk by chunk (tsterm_attend_split), and each row's
  *   split partials are merged into its running result in order;
  * - the causal mask is positional: a row at position p keeps keys <= p, so chunks after a block's last position
- *   are never read and only the diagonal chunk masks anything.
+ *   are never read and only the diagonal chunk masks anything; a sliding window (keys > p - window) likewise
+ *   leaves the splits and chunks before a block's first window unread.
  *
  * Tasks are handed to the OpenMP threads dynamically, longest (latest positions) first.
  */
@@ -32,6 +33,7 @@ typedef struct {
     int64_t seq_len, num_q, num_heads, positions; /* positions per task */
     float scale;
     float *out;
+    const float *sinks; /* [Hq] sink logits, or NULL */
 } prefill;
 
 typedef struct { /* one thread's scratch, 32-byte aligned pieces */
@@ -47,34 +49,41 @@ static void run_task(const prefill *a, const scratch *w, int64_t h, int64_t firs
         const float *src = a->q + (first + r / G) * a->q_stride + (h * G + r % G) * D;
         for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(w->qs + r * D + d, _mm256_mul_ps(scale, _mm256_loadu_ps(src + d)));
     }
-    const int64_t end = first_pos + positions; /* keys [0, end) are visible to some row */
-    for (int64_t k0 = 0; k0 < end; k0 += ATT_SPLIT) {
+    const int64_t end = first_pos + positions, W = a->kv.window; /* keys [0, end) are visible to some row */
+    /* the splits before the first row's window are read by no row; a row merges the splits from the one holding its
+     * window's first key on */
+    for (int64_t k0 = tsterm_att_window_start(W, first_pos) / ATT_SPLIT * ATT_SPLIT; k0 < end; k0 += ATT_SPLIT) {
         tsterm_attend_split(&a->kv, h, w->qs, R, G, first_pos, k0, end - k0 < ATT_SPLIT ? end : k0 + ATT_SPLIT, end,
                             w->split, w->m, w->l, w->o);
-        for (int64_t r = k0 > first_pos ? (k0 - first_pos) * G : 0; r < R; r++)
-            tsterm_att_merge(w->M + r, w->L + r, w->O + r * D, w->m[r], w->l[r], w->o + r * D, D, k0 == 0);
+        for (int64_t r = k0 > first_pos ? (k0 - first_pos) * G : 0; r < R; r++) {
+            const int64_t ws = tsterm_att_window_start(W, first_pos + r / G);
+            if (ws >= k0 + ATT_SPLIT) continue; /* the split lies before the row's window */
+            tsterm_att_merge(w->M + r, w->L + r, w->O + r * D, w->m[r], w->l[r], w->o + r * D, D, k0 <= ws);
+        }
     }
     for (int64_t r = 0; r < R; r++) {
         float *dst = a->out + (first + r / G) * a->out_stride + (h * G + r % G) * D;
-        const __m256 inv = _mm256_set1_ps(1.0f / w->L[r]);
+        const __m256 inv = _mm256_set1_ps(tsterm_att_norm(w->M[r], w->L[r], a->sinks ? a->sinks + h * G + r % G : NULL));
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_load_ps(w->O + r * D + d)));
     }
 }
 
 /* 0 on success; -1 when the scratch cannot be allocated; -2 for a shape the kernel does not take (head_dim not a
- * multiple of 16, query heads not a multiple of KV heads, more queries than the context). */
-int tsterm_prefill_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                             const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
-                             int64_t out_stride) {
+ * multiple of 16, query heads not a multiple of KV heads, more queries than the context, a negative window).
+ * sinks: [Hq] each head's sink logit, or NULL; window: each row sees its last `window` positions only (0: all). */
+int tsterm_prefill_attention_sw(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                                const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+                                int64_t out_stride, const float *sinks, int64_t window) {
     if (head_dim % NR || head_dim <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || num_q > seq_len ||
-        num_q <= 0 || block_size <= 0)
+        num_q <= 0 || block_size <= 0 || window < 0)
         return -2;
     const int64_t G = num_heads / num_kv_heads;
     const int64_t positions = TASK_ROWS / G > 0 ? TASK_ROWS / G : 1;
     const int64_t blocks = (num_q + positions - 1) / positions, tasks = blocks * num_kv_heads;
-    const prefill a = {q, q_stride, out_stride, {k_cache, v_cache, block_table, block_size, num_kv_heads, head_dim},
-                       seq_len, num_q, num_heads, positions, scale, out};
+    const prefill a = {q, q_stride, out_stride,
+                       {k_cache, v_cache, block_table, block_size, num_kv_heads, head_dim, window},
+                       seq_len, num_q, num_heads, positions, scale, out, sinks};
     const int64_t R = positions * G, RD = (R * head_dim + 7) / 8 * 8, R8 = (R + 7) / 8 * 8;
     const size_t floats = (size_t)(3 * RD + 4 * R8) + tsterm_att_scratch_floats(R, head_dim) + 64;
     int failed = 0;
@@ -99,4 +108,13 @@ int tsterm_prefill_attention(const float *q, int64_t q_stride, const float *k_ca
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* tsterm_prefill_attention_sw without sinks or a window */
+int tsterm_prefill_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                             const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+                             int64_t out_stride) {
+    return tsterm_prefill_attention_sw(q, q_stride, k_cache, v_cache, block_table, seq_len, num_q, num_heads,
+                                       num_kv_heads, head_dim, block_size, scale, out, out_stride, NULL, 0);
 }
