@@ -45,6 +45,8 @@ SIGNATURES = {
     "tsterm_q8_matmul": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P]),
     "tsterm_q4_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_q8_dequantize": (None, [_P, _P, _I64, _I64, _P]),
+    "tsterm_mxfp4_matmul": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P]),  # csrc/mxfp4.c
+    "tsterm_mxfp4_dequantize": (None, [_P, _P, _I64, _I64, _P]),
     "tsterm_f32_matmul": (None, [_P, _I64, _I64, _P, _I64, _P]),
     "tsterm_f32_gemm": (None, [_P, _I64, _I64, _I64, _P, _I64, _P]),
     "tsterm_q_gemm": (None, [_P, _I64, _I64, _I64, _INT, _P, _P, _I64, _P]),

@@ -1,7 +1,7 @@
 """Fused MoE: grouped GEMMs over expert-aligned token tiles, SwiGLU fused into the first, the routing weight
 and the combine fused into the second, which atomically adds straight into `out` (no [T, k, H] temporary).
 
-Twin: `tsterm_kernels.torch_ops.fused_moe`. The expert stacks are float, or int8 / int4 / fp8 `QuantizedWeight`s
+Twin: `tsterm_kernels.torch_ops.fused_moe`. The expert stacks are float, or int8 / int4 / fp8 / mxfp4 `QuantizedWeight`s
 read as stored and dequantized in registers by the quantized linear layer's K loop (`triton_quant_linear.quant_dot`;
 its twin is the reference with the dequantized stacks). Tile sizes come from `moe_tiles.json` (device name x M bucket).
 The only temporary is the SwiGLU activation, [T*k, I] in the activation dtype. Rounding follows the twin: the
@@ -71,7 +71,7 @@ def _gate_up_kernel(
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-    else:  # int8 / int4 / fp8 weights, dequantized in registers (the quantized linear layer's K loop)
+    else:  # int8 / int4 / fp8 / mxfp4 weights, dequantized in registers (the quantized linear layer's K loop)
         x_rows = x_ptr + tokens[:, None] * stride_x_token  # [BLOCK_M, 1]
         gate_cols = w13_ptr + expert.to(tl.int64) * stride_w13_expert + cols[None, :].to(tl.int64) * stride_w13_row
         up_cols = gate_cols + inter_size * stride_w13_row
@@ -136,7 +136,7 @@ def _down_kernel(
             acc = tl.dot(act.to(dot_dtype), w.to(dot_dtype), acc, input_precision="ieee")
             act_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    else:  # int8 / int4 / fp8 weights, dequantized in registers
+    else:  # int8 / int4 / fp8 / mxfp4 weights, dequantized in registers
         act_rows = act_ptr + safe_pairs[:, None] * stride_act_pair  # [BLOCK_M, 1]
         w_cols = w2_ptr + expert.to(tl.int64) * stride_w2_expert + cols[None, :].to(tl.int64) * stride_w2_row
         scales = scale2_ptr + expert.to(tl.int64) * stride_s2_expert
@@ -182,7 +182,7 @@ def tile_config(device: torch.device, num_tokens: int) -> dict[str, int]:
 def _weight_args(w: "torch.Tensor | QuantizedWeight", name: str) -> tuple:
     """(data, scale, data strides [expert, row], scale strides [expert, row, block], kind id) of an expert stack."""
     if isinstance(w, QuantizedWeight):
-        assert w.kind in KIND_IDS, f"{name}: the Triton fused MoE reads int8, int4 and fp8 stacks, not {w.kind}"
+        assert w.kind in KIND_IDS, f"{name}: the Triton fused MoE reads int8, int4, fp8 and mxfp4 stacks, not {w.kind}"
         data, scale = w.data, w.scale
         assert data.stride(-1) == 1 and scale.device == data.device, f"{name}: unit-stride rows on one device"
         assert w.kind == "int8" or scale.stride(-1) == 1, f"{name}: int4 (d, m) pairs must be adjacent"
@@ -194,8 +194,8 @@ def _weight_args(w: "torch.Tensor | QuantizedWeight", name: str) -> tuple:
 
 def fused_moe(x: torch.Tensor, w13: "torch.Tensor | QuantizedWeight", w2: "torch.Tensor | QuantizedWeight",
               weights: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """w13, w2: float stacks in x's dtype, or QuantizedWeight stacks (int8 / int4 / fp8, each on its own; int8 /
-    int4 need whole blocks of 32 inputs, as their format does); the dot then runs in x's dtype."""
+    """w13, w2: float stacks in x's dtype, or QuantizedWeight stacks (int8 / int4 / fp8 / mxfp4, each on its own;
+    int8 / int4 / mxfp4 need whole blocks of 32 inputs, as their format does); the dot then runs in x's dtype."""
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, H] with unit last stride, got {x.stride()}"
     num_tokens, hidden_size = x.shape
     assert w13.dim() == 3 and w13.shape[2] == hidden_size and w13.shape[1] % 2 == 0, \

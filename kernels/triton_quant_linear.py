@@ -1,11 +1,14 @@
-"""Weight-only quantized linear layer: y[M, O] = x[M, I] @ W^T (+ bias) for W an int8, int4 or fp8 `QuantizedWeight`.
+"""Weight-only quantized linear layer: y[M, O] = x[M, I] @ W^T (+ bias) for W an int8, int4, fp8 or mxfp4
+`QuantizedWeight`.
 
 Twin: `tsterm_kernels.quant.dequantized_linear` (F.linear of float32 x and the dequantized weight). The weight is
 read as stored and dequantized in registers, never written out. One K step covers one scale block along the inputs
-(32 for int8 / int4, up to 128 for fp8), so its scale factors out of the step's dot: the dot multiplies x by the
-raw codes (int8 codes, int4 nibbles and fp8 values are exact in bf16 / fp16, so a half-precision dot loses nothing
-to the weight), accumulates in float32, and the block's scale multiplies that partial sum per output column
-(int4's offset m adds m * sum(x) over the block). The result is rounded once, to x's dtype, after the bias.
+(32 for int8 / int4 / mxfp4, up to 128 for fp8), so its scale factors out of the step's dot: the dot multiplies x
+by the raw codes (int8 codes, int4 nibbles, fp8 values and e2m1 values are exact in bf16 / fp16, so a half-precision
+dot loses nothing to the weight), accumulates in float32, and the block's scale multiplies that partial sum per
+output column (int4's offset m adds m * sum(x) over the block; mxfp4's E8M0 scale is a power of two, made from its
+bits). mxfp4's low nibbles are a block's even inputs and its high nibbles the odd ones: two dots, against x's even
+and odd columns. The result is rounded once, to x's dtype, after the bias.
 
 Tile sizes come from `TILES` (x's dtype and rows -> tiles): narrow N tiles for decode (M <= 16) so that a matrix
 spreads over many programs, wider M x N tiles for prefill.
@@ -22,9 +25,9 @@ if TYPE_CHECKING:  # `tsterm_kernels.quant` imports this module (lazily): no imp
     from tsterm_kernels.quant import QuantizedWeight
 
 BLOCK, FP8_BLOCK = 32, 128  # quant.BLOCK, quant.FP8_BLOCK: the kernel's 32 and 128 are these formats'
-KIND_IDS = {"int8": 0, "int4": 1, "fp8": 2}
+KIND_IDS = {"int8": 0, "int4": 1, "fp8": 2, "mxfp4": 3}
 # x's dtype class -> ((most rows of x, tiles), ...): the first entry with room for M rows. BLOCK_K is fp8's K step
-# (a divisor of 128); int8 / int4 always step one block of 32 inputs. float32 dots run on FMA units ("ieee"), whose
+# (a divisor of 128); int8 / int4 / mxfp4 always step one block of 32 inputs. float32 dots run on FMA units ("ieee"), whose
 # operands live in registers: smaller tiles (checked for sm_90 register spills by compiling every entry).
 TILES = {
     "half": (  # bfloat16 / float16: tensor cores
@@ -37,6 +40,17 @@ TILES = {
         (None, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=3)),
     ),
 }
+
+
+@triton.jit
+def _e2m1(code):
+    """e2m1 codes (0..15) -> their float32 values: sign bit 3; exponent bits 2-1, mantissa bit 0: 0, 0.5 (exponent 0),
+    else (1 + m / 2) * 2^(e - 1): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    magnitude = tl.where(e == 0, 0.5 * m, (2.0 + m) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0)))
+    return tl.where((c & 8) != 0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -73,6 +87,19 @@ def quant_dot(acc, x_rows, row_valid, w_cols, col_valid, s_cols, stride_scale_co
             d = tl.load(s_cols + (k0 // 32) * stride_scale_col, mask=col_valid, other=0.0).to(tl.float32)
             m = tl.load(s_cols + (k0 // 32) * stride_scale_col + 1, mask=col_valid, other=0.0).to(tl.float32)
             acc += part * d[None, :] + x_sum[:, None] * m[None, :]
+    elif KIND == 3:
+        # ---- mxfp4: W = e2m1(code) * 2^(scale - 127); a block's byte j holds input 2j (low nibble), 2j + 1 (high)
+        js = tl.arange(0, 16)
+        for k0 in range(0, in_features, 32):
+            x_even = tl.load(x_rows + k0 + 2 * js[None, :], mask=row_valid[:, None], other=0.0)  # [BLOCK_M, 16]
+            x_odd = tl.load(x_rows + k0 + 2 * js[None, :] + 1, mask=row_valid[:, None], other=0.0)
+            packed = tl.load(w_cols + k0 // 2 + js[:, None], mask=col_valid[None, :], other=0)  # [16, BLOCK_N]
+            part = tl.dot(x_even.to(dot_dtype), _e2m1(packed & 15).to(dot_dtype), input_precision="ieee")
+            part = tl.dot(x_odd.to(dot_dtype), _e2m1(packed >> 4).to(dot_dtype), part, input_precision="ieee")
+            s = tl.load(s_cols + (k0 // 32) * stride_scale_col, mask=col_valid, other=127).to(tl.int32)  # E8M0
+            scale = (s << 23).to(tl.float32, bitcast=True)  # 2^(s - 127) for 1 <= s <= 254
+            scale = tl.where(s == 0, 5.877471754111438e-39, tl.where(s == 255, float("nan"), scale))  # 2^-127
+            acc += part * scale[None, :]
     else:
         # ---- fp8: W = value * the scale of its 128 x 128 block; BLOCK_K divides 128, so a K step is in one block
         ks = tl.arange(0, BLOCK_K)
@@ -126,7 +153,7 @@ def tile_config(num_rows: int, dtype: torch.dtype) -> dict[str, int]:
 def quant_linear(x: torch.Tensor, weight: "QuantizedWeight", bias: torch.Tensor | None = None,
                        tiles: dict[str, int] | None = None) -> torch.Tensor:
     """x [M, I] @ W^T (+ bias) -> [M, O] in x's dtype. `tiles`: override `tile_config` (tests)."""
-    assert weight.kind in KIND_IDS, f"the Triton kernel reads int8, int4 and fp8 weights, not {weight.kind}"
+    assert weight.kind in KIND_IDS, f"the Triton kernel reads int8, int4, fp8 and mxfp4 weights, not {weight.kind}"
     assert len(weight.dims) == 2, f"one [O, I] weight (index a stack of experts first), got {weight.dims}"
     out_features, in_features = weight.dims
     assert x.dim() == 2 and x.shape[1] == in_features and x.stride(1) == 1, \
@@ -137,6 +164,8 @@ def quant_linear(x: torch.Tensor, weight: "QuantizedWeight", bias: torch.Tensor 
         f"weight rows must be unit-stride and on x's device ({x.device}), got {data.stride()} on {data.device}"
     if weight.kind == "fp8":
         assert scale.dtype == torch.float32 and scale.shape == (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+    elif weight.kind == "mxfp4":
+        assert in_features % BLOCK == 0 and scale.dtype == torch.uint8 and scale.shape == (out_features, in_features // BLOCK)
     else:
         assert in_features % BLOCK == 0 and scale.dtype == torch.float16 and scale.shape[:2] == (out_features, in_features // BLOCK)
         assert weight.kind == "int8" or scale.stride(2) == 1, f"int4 (d, m) pairs must be adjacent, got {scale.stride()}"
