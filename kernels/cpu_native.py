@@ -68,6 +68,8 @@ SIGNATURES = {
     "tsterm_moe_route_sigmoid": (None, [_P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _F32, _P, _P]),
     "tsterm_sigmoid": (None, [_P, _I64, _P]),
     "tsterm_isa": (_INT, []),
+    "tsterm_bf16_isa": (_INT, []),
+    "tsterm_bf16_gemm": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _I64, _I64]),
 }
 # Builds of the same sources for one CPU: "native" (-march=native: AVX-512 and VNNI code where the CPU has them),
 # and "avx2" (the same minus AVX-512 and VNNI: the code an AVX2-only CPU runs). Both give the same bits

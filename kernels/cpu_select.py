@@ -4,11 +4,15 @@ tsterm's C kernels (`cpu_native`, csrc/) were tuned on AVX2 cores, where they be
 attention; on other CPUs (AVX-512, AMX, ARM) the fastest path differs, so it is measured, not assumed. A *shape
 class* is one kind of op at one set of weight / head sizes, independent of the row count: "gemm" (a float32
 linear, dims (out, in)), "experts" (a float32 stack of SwiGLU experts, dims (experts, 2 * inter, hidden, top_k)),
-"attention" (causal prefill attention, dims (query heads, KV heads, head size)). The *candidates*:
+"attention" (causal prefill attention, dims (query heads, KV heads, head size)), "bf16" (a bfloat16 linear: a model run
+with dtype bfloat16 on the CPU, dims (out, in); its routed experts' matrices are such linears too). The *candidates*:
 
 - "c-avx512": the C kernels built with -march=native on a CPU with AVX-512F (csrc/gemm.c's 512-bit tile);
 - "c-avx2": the same sources built without AVX-512 (-mno-avx512f): what an AVX2-only CPU runs;
-- "torch": torch's own path (MKL / oneDNN GEMM, the flash attention kernel, the experts' op loop).
+- "torch": torch's own path (MKL / oneDNN GEMM, the flash attention kernel, the experts' op loop);
+- for "bf16" only: "c-amx", csrc/bf16.c on AMX tiles (where the CPU has AMX-BF16 and the OS grants the tile state),
+  and "c-bf16", the same file's AVX512-BF16 code (vdpbf16ps) where the build has it, else its plain float32 code.
+  The two round differently (each keeps its own bits for every row count); a class runs one of them.
 
 Invariance (README "Same answer whatever the cache or the batch"): the C variants compute every output in the
 same order (the same bits, tests/kernels run each variant), so choosing between them keeps the promise. torch's
@@ -42,9 +46,12 @@ import torch
 from tsterm_kernels import cpu_native
 
 ENV = "TSTERM_CPU_KERNELS"
-KINDS = ("gemm", "experts", "attention")
-CANDIDATES = ("c-avx512", "c-avx2", "torch")
-INVARIANT = frozenset({"c-avx512", "c-avx2"})  # the candidates that keep the invariance promise (same bits)
+KINDS = ("gemm", "experts", "attention", "bf16")
+CANDIDATES = ("c-avx512", "c-avx2", "torch", "c-amx", "c-bf16")
+# the candidates that keep the invariance promise (a row's bits whatever the rows beside it)
+INVARIANT = frozenset({"c-avx512", "c-avx2", "c-amx", "c-bf16"})
+BF16_CANDIDATES = ("c-amx", "c-bf16", "torch")  # a "bf16" class's; the float32 kinds' are the others
+BF16_ISA = {"c-amx": 2}  # candidate -> csrc/bf16.c's isa argument ("c-bf16": the build's best of 1 and 0)
 VARIANT_OF = {"c-avx512": "native", "c-avx2": "avx2"}  # candidate -> cpu_native.VARIANTS build
 FORMAT = 1  # of the JSON file
 
@@ -130,7 +137,7 @@ class ShapeClass:
     dims: tuple[int, ...]
 
     def __post_init__(self):
-        want = {"gemm": 2, "experts": 4, "attention": 3}
+        want = {"gemm": 2, "experts": 4, "attention": 3, "bf16": 2}
         if self.kind not in want:
             raise ValueError(f"shape class kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if len(self.dims) != want[self.kind] or not all(isinstance(d, int) and d > 0 for d in self.dims):
@@ -144,7 +151,7 @@ class ShapeClass:
     def rows(self) -> int:
         """The row count the candidates are timed at: a prefill chunk's worth, fewer where a call would take long
         (about 0.2 GFLOP a call for a GEMM: a vocabulary-sized LM head runs 16 rows)."""
-        if self.kind == "gemm":
+        if self.kind in ("gemm", "bf16"):
             out_f, in_f = self.dims
             return max(16, min(256, int(1e8 // (out_f * in_f)) // 16 * 16))
         if self.kind == "experts":
@@ -202,8 +209,36 @@ def parse_override(text: str | None) -> dict[str, str]:
             raise ValueError(f"{ENV}: unknown kind {kind!r} in {text!r} (kinds: {', '.join(KINDS)})")
         if name not in CANDIDATES:
             raise ValueError(f"{ENV}: unknown kernel {name!r} in {text!r} (have: {', '.join(CANDIDATES)})")
+        if kind != "*" and name not in kind_candidates(kind):
+            raise ValueError(f"{ENV}: {name} is no {kind} kernel in {text!r} (have: {', '.join(kind_candidates(kind))})")
         out[kind] = name
     return out
+
+
+def kind_candidates(kind: str) -> tuple[str, ...]:
+    """The candidates that exist for a kind at all (BF16_CANDIDATES for "bf16", the float32 ones for the others)."""
+    return BF16_CANDIDATES if kind == "bf16" else tuple(c for c in CANDIDATES if c not in BF16_CANDIDATES[:-1])
+
+
+def bf16_available(cpu: CpuInfo, bits: int | None) -> tuple[str, ...]:
+    """A "bf16" class's candidates on this machine: `bits` is the native build's tsterm_bf16_isa() (2: AMX code built
+    and the tile state granted), None where the C kernels are absent."""
+    have = []
+    if bits is not None and cpu.amx and bits & 2:
+        have.append("c-amx")
+    if bits is not None and cpu.x86:
+        have.append("c-bf16")
+    return (*have, "torch")
+
+
+def _forced(kind: str, override: Mapping[str, str] | None) -> str | None:
+    """The candidate `override` forces on a kind: its own entry, else the "*" one where it names a kernel of the kind
+    (TSTERM_CPU_KERNELS=c-avx2 forces the float32 classes and leaves the bfloat16 ones to their measurement)."""
+    override = override or {}
+    if kind in override:
+        return override[kind]
+    forced = override.get("*")
+    return forced if forced in kind_candidates(kind) else None
 
 
 # (class, candidates) -> each candidate's seconds for one call at class.rows rows (timed interleaved)
@@ -216,7 +251,7 @@ def choose(shape: ShapeClass, candidates: Iterable[str], timer: Timer, override:
     `timer` among the eligible ones, that is the invariant ones where any exist (`invariant`), else all. Every
     candidate is timed (what torch measured is reported beside the C kernels' figures)."""
     candidates = tuple(candidates)
-    forced = (override or {}).get(shape.kind) or (override or {}).get("*")
+    forced = _forced(shape.kind, override)
     if forced is not None:
         if forced not in candidates:
             raise ValueError(f"{ENV} asks for {forced} ({shape.key}), which this machine does not have "
@@ -286,7 +321,7 @@ def resolve(shapes: Iterable[ShapeClass], cpu: CpuInfo, candidates: Iterable[str
     out, fresh = {}, []
     for shape in dict.fromkeys(shapes):
         choice = stored.get(shape.key)
-        forced = (override or {}).get(shape.kind) or (override or {}).get("*")
+        forced = _forced(shape.kind, override)
         if forced is not None or choice is None or choice.candidate not in candidates or (
                 choice.how == "measured" and set(choice.seconds) != set(candidates)) or (
                 choice.how == "only" and candidates != (choice.candidate,)):

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from tsterm_kernels import cpu_native, cpu_select
 from tsterm_kernels.cpu_select import Choice, ShapeClass
 from tsterm_kernels.cpu_stack import DecodeStack, StackLayer
-from tsterm_kernels.metadata import AttentionMetadata
+from tsterm_kernels.metadata import AttentionMetadata, BlockRuns
 from tsterm_kernels.quant import QuantizedWeight, quantized_linear
 from tsterm_kernels.routing import Routing, routing_or_default
 # Gated DeltaNet ops (decode and prefill): their torch implementation lives in its own module
@@ -58,7 +58,13 @@ def cpu_kernel_plan(shapes, override: str | None = None) -> dict[str, Choice]:
     if cpu_native.load() is None:  # the C kernels off or unavailable: torch is the only candidate
         candidates = ("torch",)
     text = os.environ.get(cpu_select.ENV, "") if override is None else override
-    return cpu_select.resolve(shapes, cpu, candidates, _time_candidates, path, cpu_select.parse_override(text))
+    forced, shapes = cpu_select.parse_override(text), list(shapes)
+    plan = cpu_select.resolve([s for s in shapes if s.kind != "bf16"], cpu, candidates, _time_candidates, path, forced)
+    bf16 = [s for s in shapes if s.kind == "bf16"]  # bfloat16 linears: csrc/bf16.c's arithmetics or torch's
+    if bf16:
+        plan.update(cpu_select.resolve(bf16, cpu, cpu_select.bf16_available(cpu, _bf16_bits()), _time_candidates,
+                                       path, forced))
+    return {s.key: plan[s.key] for s in shapes}
 
 
 def cpu_machine() -> cpu_select.CpuInfo:
@@ -88,7 +94,13 @@ def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str
     differs between the kernels; a vocabulary-sized one would time memory) and stacks of experts to 8."""
     gen = torch.Generator().manual_seed(0)
     rows = shape.rows
-    if shape.kind == "gemm":
+    if shape.kind == "bf16":
+        out_f, in_f = shape.dims
+        x = torch.randn(rows, in_f, generator=gen)
+        w = torch.randn(min(out_f, max(32, (1 << 22) // in_f)), in_f, generator=gen).to(torch.bfloat16)
+        runs = {name: (lambda: F.linear(x.to(torch.bfloat16), w)) if name == "torch" else
+                functools.partial(_bf16_gemm, cpu_native.load(), _bf16_isa(name), x, w) for name in candidates}
+    elif shape.kind == "gemm":
         out_f, in_f = shape.dims
         x = torch.randn(rows, in_f, generator=gen)
         w = torch.randn(min(out_f, max(32, (1 << 22) // in_f)), in_f, generator=gen)
@@ -124,8 +136,9 @@ def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str
             return lambda: native.prefill_attention(
                 q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), rows, rows, heads,
                 kv_heads, head_dim, block, scale, out.data_ptr(), out.stride(0))
-    runs = {name: runner(None if name == "torch" else cpu_native.load_variant(cpu_select.VARIANT_OF[name]))
-            for name in candidates}
+    if shape.kind != "bf16":
+        runs = {name: runner(None if name == "torch" else cpu_native.load_variant(cpu_select.VARIANT_OF[name]))
+                for name in candidates}
     best = dict.fromkeys(candidates, float("inf"))
     for run in runs.values():
         run()  # warm: first-touch of the outputs, the thread pool
@@ -164,6 +177,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     The model's one matmul seam: a `QuantizedWeight` (weight-only int8 / int4) runs its quantized kernel here."""
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight, bias)
+    if weight.dtype is torch.bfloat16 and weight.is_cpu and x.is_cpu and x.dim() == 2:
+        return _bf16_linear(x, weight, bias).to(x.dtype)
     rows, (out_features, in_features) = x.shape[0], weight.shape
     if (rows <= _NATIVE_MAX_ROWS and x.dim() == 2 and x.is_cpu and x.dtype is torch.float32
             and weight.dtype is torch.float32 and weight.is_cpu and weight.is_contiguous() and rows > 0):
@@ -217,7 +232,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     x, residual: [T, H]; weight: [H]. The residual sum is what the next layer adds onto. On the CPU in float32 it is
     one C call (`csrc/decode.c`), which adds x into `residual` in place and returns it as the new residual.
+    bfloat16 on the CPU: the sum rounded to bfloat16, normed in float32 by the same C call, rounded once.
     """
+    if x.dtype is torch.bfloat16 and x.is_cpu and x.dim() == 2 and cpu_native.load() is not None:
+        return _bf16_rms_norm(x, weight, eps, residual)
     native = _native_f32(x, weight) if residual is None or _is_f32_cpu(residual) else None
     if native is not None and x.dim() == 2:
         out = torch.empty_like(x)
@@ -293,6 +311,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     each run of consecutive blocks is a view of the pool, attended separately, and the partial results are merged
     by their log-sum-exp.
     """
+    if q.dtype is torch.bfloat16 and k_cache.dtype is torch.bfloat16 and q.is_cpu and cpu_native.load() is not None:
+        return _bf16_attention(q, k_cache, v_cache, meta, scale, sinks, window)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -576,7 +596,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """torch.sigmoid(x); float32 on the CPU by the C kernels' 1 / (1 + e^-x), the decode stack's shared-expert gate."""
+    """torch.sigmoid(x); float32 on the CPU by the C kernels' 1 / (1 + e^-x), the decode stack's shared-expert gate
+    (bfloat16 on the CPU: the same in float32, rounded)."""
+    if x.dtype is torch.bfloat16 and x.is_cpu and cpu_native.load() is not None:
+        return sigmoid(x.float()).to(x.dtype)
     native = _native_f32(x) if x.is_contiguous() else None
     if native is None:
         return torch.sigmoid(x)
@@ -594,6 +617,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     the C decode stack's routing (csrc/stack.c), so a token routes the same in a prefill and in a decode step.
     """
     routing = routing_or_default(routing)
+    if router_logits.dtype is torch.bfloat16 and router_logits.is_cpu:  # routed in float32, as a float32 model is
+        router_logits = router_logits.float()
     if routing is not None:
         return _scored_route(router_logits, top_k, renormalize, routing)
     native = _native_f32(router_logits) if router_logits.dim() == 2 and router_logits.is_contiguous() else None
@@ -647,6 +672,8 @@ def _scored_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 def expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert: x [n, H], w13 [2I, H] (gate rows then up rows), w2 [H, I] -> [n, H]."""
+    if _bf16_cpu(w13, w2) and x.is_cpu:
+        return _bf16_expert_mlp(x, w13, w2).to(x.dtype)
     h = linear(x, w13)  # [n, 2I]
     inter = w2.shape[1]
     native = _native_f32(h)
@@ -666,6 +693,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     expert_ids: [T, k]; out: [T, H]. Only the experts that received tokens are touched. An id equal to E names an
     expert this rank does not hold (expert parallelism): that pair adds nothing.
     """
+    if _bf16_cpu(w13, w2) and x.is_cpu:
+        return _bf16_fused_moe(x, w13, w2, weights, expert_ids, out)
     num_experts, top_k = w13.shape[0], expert_ids.shape[1]
     floats = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor) and expert_ids.dtype is torch.int64
     native = _native_f32(x, w13, w2, weights, out) if floats else None
@@ -727,3 +756,127 @@ def _fused_moe_with(native: "cpu_native.NativeKernels | None", x: torch.Tensor, 
         out.index_add_(0, tokens, y.mul_(weight_of_pair[start:start + count, None].to(y.dtype)))
         start += count
     return out
+
+
+# bfloat16 on the CPU (a model run with dtype bfloat16): its linears take csrc/bf16.c (AMX tiles, AVX512-BF16, or
+# plain C: the arithmetic its "bf16" shape class chose, the same for every row count), with float32 sums; the ops
+# between them run in float32 by the float32 path's C kernels on the exact float32 values of their bfloat16 inputs
+# (norms, routing, SwiGLU, attention over the blocks a step reads), rounded to bfloat16 where the model's dtype
+# wants it. So a row's bits do not depend on the rows beside it, as in float32 (README "Same answer whatever the
+# cache or the batch").
+
+
+@functools.cache
+def _bf16_bits() -> int | None:
+    """The native build's csrc/bf16.c instruction sets (tsterm_bf16_isa(): 1 AVX512-BF16, 2 AMX granted), or None
+    without the C kernels."""
+    native = cpu_native.load()
+    return None if native is None else native.bf16_isa()
+
+
+def _bf16_isa(candidate: str) -> int:
+    """csrc/bf16.c's isa argument for a "bf16" candidate: c-amx's, or c-bf16's (AVX512-BF16 where built, else plain)."""
+    return cpu_select.BF16_ISA.get(candidate, 1 if (_bf16_bits() or 0) & 1 else 0)
+
+
+def _bf16_cpu(*tensors) -> bool:
+    return all(isinstance(t, torch.Tensor) and t.dtype is torch.bfloat16 and t.is_cpu for t in tensors)
+
+
+def _bf16_gemm(native: "cpu_native.NativeKernels", isa: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, I] (float32, rounded to bfloat16 by the kernel, or bfloat16) @ weight [O, I] bfloat16 .T -> a new float32
+    [M, O], by csrc/bf16.c with instruction set `isa`."""
+    if x.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.to(torch.float32).contiguous()
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    y = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+    rc = native.bf16_gemm(x.data_ptr(), int(x.dtype is torch.bfloat16), x.stride(0), x.shape[0], x.shape[1],
+                          weight.data_ptr(), weight.shape[0], y.data_ptr(), y.stride(0), isa)
+    if rc == -1:
+        raise MemoryError("bfloat16 linear: out of memory for its rounded inputs")
+    if rc != 0:
+        raise RuntimeError(f"bfloat16 linear: this build has no code for instruction set {isa}")
+    return y
+
+
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` of a bfloat16 weight on the CPU, as float32 [M, O] (the sums, + bias, not yet rounded): the kernel
+    its shape class chose (`cpu_select`: csrc/bf16.c's AMX or AVX512-BF16 / plain code), or torch's bfloat16 matmul
+    where the class runs torch (forced) or the C kernels are unavailable."""
+    native = cpu_native.load()
+    candidate = "torch" if native is None else _planned("bf16", tuple(weight.shape), os.environ.get(cpu_select.ENV, ""))
+    if candidate == "torch" or x.shape[0] == 0:
+        y = F.linear(x.to(torch.bfloat16), weight).float()
+    else:
+        y = _bf16_gemm(native, _bf16_isa(candidate), x, weight)
+    return y if bias is None else y.add_(bias.float())
+
+
+def _bf16_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`rms_norm` of bfloat16 rows on the CPU: x + residual rounded (the new residual), normed by the float32 C call
+    on its exact float32 values, times the weight, rounded once."""
+    if residual is not None:
+        x = residual = x + residual  # [T, H] bfloat16: each sum rounded once, whatever the rows
+    xf = x.float().contiguous()
+    w = weight.float().contiguous()
+    out = torch.empty_like(xf)
+    cpu_native.load().add_rms_norm(xf.data_ptr(), 0, w.data_ptr(), xf.shape[0], xf.shape[1], eps, out.data_ptr())
+    return out.to(x.dtype), residual
+
+
+def _bf16_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """`paged_attention` over a bfloat16 pool on the CPU: the blocks the step's sequences read, converted to float32
+    (exact) into a small pool of their own, and the float32 path (the C kernels) over it, rounded to bfloat16. The
+    copy is the step's context once per layer; a row's result is the float32 path's on the same values."""
+    block_size = k_cache.shape[1]
+    counts = [-(-n // block_size) for n in meta.seq_lens]  # blocks each sequence's context uses
+    tables = meta.block_tables
+    ids = torch.cat([tables[i, :c] for i, c in enumerate(counts)]).long() if any(counts) else \
+        torch.zeros(0, dtype=torch.long)
+    blocks, local = torch.unique(ids, return_inverse=True)  # each block once; local: its index in the small pool
+    local_tables = torch.full((len(counts), max(max(counts, default=0), 1)), -1, dtype=torch.int32)
+    host, start = [], 0
+    for i, c in enumerate(counts):
+        local_tables[i, :c] = local[start:start + c].to(torch.int32)
+        host.append(local[start:start + c].tolist())
+        start += c
+    meta32 = AttentionMetadata(meta.query_start_loc, meta.seq_lens, BlockRuns(host), meta.slot_mapping, local_tables,
+                               meta.block_size, seq_lens_device=meta.seq_lens_device)
+    k32, v32 = k_cache.index_select(0, blocks).float(), v_cache.index_select(0, blocks).float()
+    out = paged_attention(q.float(), k32, v32, meta32, scale, sinks, window)
+    return out.to(q.dtype)
+
+
+def _bf16_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert of bfloat16 weights on the CPU, as float32 [n, H]: gate and up as float32 sums, SwiGLU by the
+    C call in float32, its result rounded to bfloat16 by the down projection's kernel."""
+    h = _bf16_linear(x, w13)  # [n, 2I] float32
+    inter = w2.shape[1]
+    gate = torch.empty((h.shape[0], inter), dtype=torch.float32)
+    cpu_native.load().swiglu(h.data_ptr(), h.shape[0], inter, gate.data_ptr())
+    return _bf16_linear(gate, w2)
+
+
+def _bf16_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    expert_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`fused_moe` of bfloat16 experts on the CPU: each expert with tokens runs its rows at once (`_bf16_expert_mlp`),
+    and a token's weighted outputs are summed in float32 in ascending expert id, then added to `out` (one rounding):
+    the same sequence of operations for a token whatever the other tokens of the step."""
+    num_experts, top_k = w13.shape[0], expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert; ids == E (another rank's) last
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
+    token_of_pair = order // top_k
+    weight_of_pair = weights.reshape(-1).float()[order]
+    acc = torch.zeros(out.shape, dtype=torch.float32)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of_pair[start:start + count]  # [n], distinct tokens (top-k picks distinct experts)
+        y = _bf16_expert_mlp(x.index_select(0, tokens), w13[expert], w2[expert])  # [n, H] float32
+        acc.index_add_(0, tokens, y.mul_(weight_of_pair[start:start + count, None]))
+        start += count
+    return out.add_(acc)

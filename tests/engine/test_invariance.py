@@ -3,8 +3,9 @@ prefix cache or was computed, alone or batched with 2, 7 or 31 others, whatever 
 thread count, after a fork (n > 1) and after a preemption (README "Same answer whatever the cache or the batch").
 
 The matrix runs on the default profile (SmolLM2, int4 / int8 GGUF blocks, the native CPU kernels), on a float32
-MoE (Qwen2-MoE: routed experts and a gated shared expert) and on OLMoE (q/k norms over the whole projection, clip_qkv,
-a head size the C attention kernels do not take). Each case is compared with the same request run alone on a
+MoE (Qwen2-MoE: routed experts and a gated shared expert), on the same MoE run with dtype bfloat16 (its linears through
+csrc/bf16.c: AMX tiles where the OS grants them) and on OLMoE (q/k norms over the whole projection, clip_qkv, a head
+size the C attention kernels do not take). Each case is compared with the same request run alone on a
 fresh engine (its oracle: nothing cached, nothing beside it); both greedy and seeded sampling, with logprobs.
 """
 from __future__ import annotations
@@ -50,10 +51,17 @@ def _olmoe(root: Path):
     return str(path), dict(dtype="float32", device="cpu", block_size=16, num_kv_blocks=512)
 
 
-FLOAT_MODELS = {"float32-moe": _float_moe, "olmoe": _olmoe}
+def _bfloat16_moe(root: Path):
+    """The float32 MoE's checkpoint run in bfloat16 on the CPU: every linear (attention, router, routed and shared
+    experts, LM head) in csrc/bf16.c's arithmetic, the ops between them in float32 by the C kernels."""
+    path, options = _float_moe(root)
+    return path, dict(options, dtype="bfloat16")
 
 
-@pytest.fixture(scope="module", params=["default-profile", "float32-moe", "olmoe"])
+FLOAT_MODELS = {"float32-moe": _float_moe, "bfloat16-moe": _bfloat16_moe, "olmoe": _olmoe}
+
+
+@pytest.fixture(scope="module", params=["default-profile", "float32-moe", "bfloat16-moe", "olmoe"])
 def model(request, tmp_path_factory):
     """(model dir, engine options, prompts): the first prompt is the one checked; the rest are its neighbours. One
     prompt is long enough to cross several of attention's 128-position splits."""

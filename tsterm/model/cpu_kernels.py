@@ -4,7 +4,9 @@ engine starts: measured on this machine the first time a class is seen, read bac
 The classes are what the model multiplies: each float32 linear weight [O, I] (q/k/v, o_proj, the hybrids'
 projections, a dense MLP's two matrices, the router, the shared expert's gate, the LM head), each float32 stack of
 routed or shared experts, and each full-attention layer's heads. Quantized weights (int8 / int4 blocks) are not
-chosen for: their kernels are the int8-row ones, whatever the CPU.
+chosen for: their kernels are the int8-row ones, whatever the CPU. A model run in bfloat16 has "bf16" classes instead:
+each bfloat16 linear weight [O, I], an expert stack's two matrices among them (csrc/bf16.c's AMX or AVX512-BF16 code,
+or torch's bfloat16 matmul).
 """
 from __future__ import annotations
 
@@ -23,9 +25,23 @@ def _float32(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_cpu and t.dtype is torch.float32
 
 
+def _bf16_classes(w) -> list[ShapeClass]:
+    """A bfloat16 CPU weight's linears: a matrix [O, I], or a stack's [E, O, I] (each expert's matrix)."""
+    if not (isinstance(w, torch.Tensor) and w.is_cpu and w.dtype is torch.bfloat16 and w.dim() in (2, 3)):
+        return []
+    return [ShapeClass("bf16", tuple(w.shape[-2:]))]
+
+
 def shape_classes(model) -> list[ShapeClass]:
-    """Every float32 shape class of a `DecoderModel`'s CPU ops, in model order, each once."""
+    """Every float32 (and bfloat16) shape class of a `DecoderModel`'s CPU ops, in model order, each once."""
     classes = []
+    for _, mixer, _, mlp in model.layers:
+        for part in (mixer, mlp):
+            for name in _LINEARS:
+                classes += _bf16_classes(getattr(part, name, None))
+        for name in ("w13", "w2", "shared_w13", "shared_w2"):
+            classes += _bf16_classes(getattr(mlp, name, None))
+    classes += _bf16_classes(model.lm_head)
     for _, mixer, _, mlp in model.layers:
         for part in (mixer, mlp):
             for name in _LINEARS:

@@ -1,0 +1,314 @@
+/* bfloat16 linears on the CPU: y[M, N] = x[M, K] @ w[N, K]^T, x rounded to bfloat16, w bfloat16, float32 sums.
+ *
+ * Three arithmetics, one per instruction set; a process uses one of them for a shape class, for every row count:
+ *
+ * - isa 2, AMX (tdpbf16ps): the weight is the tiles' A operand as it lies in memory (16 rows of w, 32 inputs: a
+ *   row-major bfloat16 [N, K] tensor is already in that layout, so nothing is packed at load), x is the B operand,
+ *   rounded to bfloat16 into the pair-interleaved layout B tiles want (rows of input pairs, one column per row of x,
+ *   zero-padded to whole 16-row tiles). A tile of the result is 16 outputs by 16 rows of x, transposed into y.
+ * - isa 1, AVX512-BF16 (vdpbf16ps): 16 lanes of pair sums per output over 32 inputs at a time, then one fixed
+ *   reduction of the lanes.
+ * - isa 0, plain C: 16 lanes of float32 products and sums (no FMA: -ffp-contract=off), then a fixed pairwise
+ *   reduction; any CPU (the compiler vectorises the lanes).
+ *
+ * Why a row's result is the same bits whatever rows are beside it: each output y[m][n] is accumulated from zero over
+ * the inputs in one fixed order (32 at a time, ascending; the tail zero-padded), from row m of x and row n of w
+ * alone, by the same instructions; which tile, block or thread holds it, how many rows of x there are and how the
+ * work is split over threads change nothing in that sequence (a zero row of padding adds nothing to another row's
+ * sums: every output is its own). So one row alone, with 1,000 others, in a prefill chunk cut anywhere, gives the
+ * same y. Different instruction sets round differently (AMX flushes denormals, the lanes sum in another order): a
+ * shape class runs one of them (tsterm_kernels.cpu_select), and another machine may give other bits.
+ *
+ * AMX needs the OS's permission for the tile state (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
+ * tsterm_bf16_isa() asks for it and reports AMX only where it is granted. */
+#include "tsterm.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define BF16_AMX 2
+#define BF16_AVX512 1
+#define BF16_PLAIN 0
+
+/* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN): torch's .to(torch.bfloat16) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* row m of x as bfloat16 bits: x is float32 (rounded here) or already bfloat16 */
+static inline uint16_t x_at(const void *x, int64_t x_bf16, int64_t ldx, int64_t m, int64_t k) {
+    return x_bf16 ? ((const uint16_t *)x)[m * ldx + k] : bf16_round(((const float *)x)[m * ldx + k]);
+}
+
+static int64_t round_up(int64_t n, int64_t unit) { return (n + unit - 1) / unit * unit; }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define HAVE_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_granted(void) {
+    /* asking again where it is granted is harmless; a refusal (old kernel, seccomp) means tile ops would fault */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* A 16 x 32 bfloat16 block of w (rows n0.., inputs k0..): in place where whole, else copied into `pad` with zeros
+ * outside w. Sets *stride to the bytes between its rows. */
+static inline const uint16_t *amx_a_block(const uint16_t *w, int64_t n_f, int64_t k_f, int64_t n0, int64_t k0,
+                                          uint16_t *pad, int64_t *stride) {
+    if (n0 + 16 <= n_f && k0 + 32 <= k_f) {
+        *stride = k_f * 2;
+        return w + n0 * k_f + k0;
+    }
+    memset(pad, 0, 16 * 32 * 2);
+    for (int64_t i = 0; i < 16 && n0 + i < n_f; i++)
+        for (int64_t k = 0; k < 32 && k0 + k < k_f; k++)
+            pad[i * 32 + k] = w[(n0 + i) * k_f + k0 + k];
+    *stride = 64;
+    return pad;
+}
+
+/* y[m0 .. m0 + 16) x [n0 .. n0 + 16) from a C tile (rows: outputs, columns: rows of x), bounded by m_f, n_f */
+static inline void amx_store(const float *c, float *y, int64_t ldy, int64_t m_f, int64_t n_f, int64_t m0, int64_t n0) {
+    for (int64_t j = 0; j < 16 && m0 + j < m_f; j++)
+        for (int64_t i = 0; i < 16 && n0 + i < n_f; i++)
+            y[(m0 + j) * ldy + n0 + i] = c[i * 16 + j];
+}
+
+static void amx_gemm(const uint32_t *xp, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t n_f, float *y,
+                     int64_t ldy) {
+    const int64_t kp = round_up(k_f, 32), n_tiles = (n_f + 15) / 16, m_tiles = (m_f + 15) / 16;
+#pragma omp parallel
+    {
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) { /* tmm0-3: C (16 outputs x 16 rows, float32); tmm4-5: w; tmm6-7: x pairs */
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        uint16_t pad0[16 * 32], pad1[16 * 32];
+        float c[16 * 16];
+        int64_t first, last; /* this thread's pairs of output tiles */
+        tsterm_thread_share((n_tiles + 1) / 2, 1, &first, &last);
+        for (int64_t np = first; np < last; np++) {
+            const int64_t n0 = np * 32, two_n = n0 + 16 < n_f;
+            for (int64_t m0 = 0; m0 < m_tiles * 16; m0 += 32) {
+                const int two_m = m0 + 16 < m_f;
+                const uint32_t *b0 = xp + (m0 / 16) * (kp / 2) * 16, *b1 = b0 + (kp / 2) * 16;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t k0 = 0; k0 < kp; k0 += 32) {
+                    int64_t s0, s1;
+                    const uint16_t *a0 = amx_a_block(w, n_f, k_f, n0, k0, pad0, &s0);
+                    _tile_loadd(4, a0, s0);
+                    _tile_loadd(6, b0 + (k0 / 2) * 16, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two_m) {
+                        _tile_loadd(7, b1 + (k0 / 2) * 16, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (two_n) {
+                        const uint16_t *a1 = amx_a_block(w, n_f, k_f, n0 + 16, k0, pad1, &s1);
+                        _tile_loadd(5, a1, s1);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two_m)
+                            _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c, 64);
+                amx_store(c, y, ldy, m_f, n_f, m0, n0);
+                if (two_m) {
+                    _tile_stored(1, c, 64);
+                    amx_store(c, y, ldy, m_f, n_f, m0 + 16, n0);
+                }
+                if (two_n) {
+                    _tile_stored(2, c, 64);
+                    amx_store(c, y, ldy, m_f, n_f, m0, n0 + 16);
+                    if (two_m) {
+                        _tile_stored(3, c, 64);
+                        amx_store(c, y, ldy, m_f, n_f, m0 + 16, n0 + 16);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define HAVE_AVX512BF16 1
+/* xb: [m_f, kp] bfloat16 rows, zero-padded to kp (whole 32s) */
+static void avx512bf16_gemm(const uint16_t *xb, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t n_f, float *y,
+                            int64_t ldy) {
+    const int64_t kp = round_up(k_f, 32);
+    const __mmask32 tail = k_f % 32 ? (__mmask32)((1u << (k_f % 32)) - 1u) : (__mmask32)0xffffffffu;
+#pragma omp parallel
+    {
+        int64_t first, last;
+        tsterm_thread_share(n_f, 4, &first, &last);
+        for (int64_t n0 = first; n0 < last; n0 += 4) {
+            const int64_t nn = last - n0 < 4 ? last - n0 : 4;
+            for (int64_t m0 = 0; m0 < m_f; m0 += 4) {
+                const int64_t mm = m_f - m0 < 4 ? m_f - m0 : 4;
+                __m512 acc[4][4];
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 4; j++)
+                        acc[i][j] = _mm512_setzero_ps();
+                for (int64_t k0 = 0; k0 < kp; k0 += 32) {
+                    const __mmask32 mask = k0 + 32 <= k_f ? (__mmask32)0xffffffffu : tail;
+                    __m512bh xv[4];
+                    for (int64_t j = 0; j < mm; j++)
+                        xv[j] = (__m512bh)_mm512_loadu_si512(xb + (m0 + j) * kp + k0);
+                    for (int64_t i = 0; i < nn; i++) {
+                        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + i) * k_f + k0);
+                        for (int64_t j = 0; j < mm; j++)
+                            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+                    }
+                }
+                for (int64_t j = 0; j < mm; j++)
+                    for (int64_t i = 0; i < nn; i++)
+                        y[(m0 + j) * ldy + n0 + i] = _mm512_reduce_add_ps(acc[i][j]);
+            }
+        }
+    }
+}
+#else
+#define HAVE_AVX512BF16 0
+#endif
+
+/* xf: [m_f, kp] float32 (the bfloat16-rounded inputs), zero-padded to kp (whole 16s) */
+static void plain_gemm(const float *xf, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t n_f, float *y,
+                       int64_t ldy) {
+    const int64_t kp = round_up(k_f, 16);
+#pragma omp parallel
+    {
+        int64_t first, last;
+        tsterm_thread_share(n_f, 1, &first, &last);
+        float wf[16];
+        for (int64_t n = first; n < last; n++) {
+            for (int64_t m = 0; m < m_f; m++) {
+                const float *xr = xf + m * kp;
+                float acc[16] = {0};
+                for (int64_t k0 = 0; k0 < kp; k0 += 16) {
+                    for (int j = 0; j < 16; j++)
+                        wf[j] = k0 + j < k_f ? bf16_float(w[n * k_f + k0 + j]) : 0.0f;
+                    for (int j = 0; j < 16; j++)
+                        acc[j] += xr[k0 + j] * wf[j];
+                }
+                for (int width = 8; width >= 1; width /= 2) /* 16 lanes -> 1, pairwise, in a fixed order */
+                    for (int j = 0; j < width; j++)
+                        acc[j] += acc[j + width];
+                y[m * ldy + n] = acc[0];
+            }
+        }
+    }
+}
+
+/* Bits: 1 = AVX512-BF16 code built, 2 = AMX code built and the tile state granted by the OS. */
+int tsterm_bf16_isa(void) {
+    int isa = 0;
+#if HAVE_AVX512BF16
+    isa |= 1;
+#endif
+#if HAVE_AMX
+    if (amx_granted())
+        isa |= 2;
+#endif
+    return isa;
+}
+
+/* y[m * ldy + n] = sum_k bf16(x[m][k]) * w[n][k] (float32 sums), m < rows, n < out_f. x: float32 (x_bf16 = 0,
+ * rounded to bfloat16 here) or bfloat16 bits (x_bf16 = 1), rows ldx elements apart; w: [out_f, in_f] bfloat16,
+ * contiguous. isa: 2 AMX, 1 AVX512-BF16, 0 plain. Returns 0; -1 out of memory; -2 the isa is not available. */
+int tsterm_bf16_gemm(const void *x, int64_t x_bf16, int64_t ldx, int64_t rows, int64_t in_f, const uint16_t *w,
+                     int64_t out_f, float *y, int64_t ldy, int64_t isa) {
+    if (rows <= 0 || out_f <= 0)
+        return 0;
+    if (isa == BF16_AMX) {
+#if HAVE_AMX
+        if (!amx_granted())
+            return -2;
+        /* x as B tiles: per 16 rows of x, [kp / 2] rows of 16 columns (one per row of x) of input pairs */
+        const int64_t kp = round_up(in_f, 32), m_tiles = (rows + 15) / 16;
+        uint32_t *xp = aligned_alloc(64, (size_t)(m_tiles * 16 * kp * 2));
+        if (xp == NULL)
+            return -1;
+#pragma omp parallel for schedule(static)
+        for (int64_t mt = 0; mt < m_tiles; mt++) {
+            uint32_t *tile = xp + mt * (kp / 2) * 16;
+            for (int64_t kk = 0; kk < kp / 2; kk++)
+                for (int64_t j = 0; j < 16; j++) {
+                    const int64_t m = mt * 16 + j, k = 2 * kk;
+                    uint32_t lo = 0, hi = 0;
+                    if (m < rows) {
+                        lo = k < in_f ? x_at(x, x_bf16, ldx, m, k) : 0;
+                        hi = k + 1 < in_f ? x_at(x, x_bf16, ldx, m, k + 1) : 0;
+                    }
+                    tile[kk * 16 + j] = lo | hi << 16;
+                }
+        }
+        amx_gemm(xp, rows, in_f, w, out_f, y, ldy);
+        free(xp);
+        return 0;
+#else
+        return -2;
+#endif
+    }
+    if (isa == BF16_AVX512) {
+#if HAVE_AVX512BF16
+        const int64_t kp = round_up(in_f, 32);
+        uint16_t *xb = aligned_alloc(64, (size_t)(rows * kp * 2));
+        if (xb == NULL)
+            return -1;
+#pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t k = 0; k < kp; k++)
+                xb[m * kp + k] = k < in_f ? x_at(x, x_bf16, ldx, m, k) : 0;
+        avx512bf16_gemm(xb, rows, in_f, w, out_f, y, ldy);
+        free(xb);
+        return 0;
+#else
+        return -2;
+#endif
+    }
+    if (isa != BF16_PLAIN)
+        return -2;
+    const int64_t kp = round_up(in_f, 16);
+    float *xf = aligned_alloc(64, (size_t)(rows * kp * 4));
+    if (xf == NULL)
+        return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t k = 0; k < kp; k++)
+            xf[m * kp + k] = k < in_f ? bf16_float(x_at(x, x_bf16, ldx, m, k)) : 0.0f;
+    plain_gemm(xf, rows, in_f, w, out_f, y, ldy);
+    free(xf);
+    return 0;
+}
