@@ -15,9 +15,13 @@ the built library. Building takes about a second. On a CPU with AVX-512 a second
 (VARIANTS["avx2"]) sits beside it: the same bits, and tsterm_kernels.cpu_select measures which is faster per shape. They are called through ctypes with tensor data pointers, which
 costs about a microsecond per call.
 
+On aarch64 the same sources build with `-mcpu=native` and csrc/neon/ on the include path: gemv.c's int8 / int4
+dot products (sdot where the CPU has the dotprod extension) and gemm.c's GEMV and GEMM tile are NEON code there, and
+neon/immintrin.h stands in for the x86 header in the rest (the same arithmetic lane for lane, so the same bits).
+
 `load()` returns None, with one warning naming the cause, where the kernels cannot be built (no compiler, a CPU
-without AVX2) or `TSTERM_NATIVE_KERNELS=0` turns them off; callers then take their torch path. The loaded library
-is cached for the process, like an imported module: it holds no state.
+without AVX2, a 32-bit ARM) or `TSTERM_NATIVE_KERNELS=0` turns them off; callers then take their torch path. The loaded
+library is cached for the process, like an imported module: it holds no state.
 """
 from __future__ import annotations
 
@@ -77,6 +81,15 @@ SIGNATURES = {
 # (tsterm_kernels.cpu_select).
 VARIANTS = {"native": (), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
 ISA_AVX512, ISA_VNNI = 1, 2  # csrc/gemm.c's tsterm_isa() bits
+ISA_NEON, ISA_DOTPROD = 4, 8  # (aarch64: the NEON code, with sdot)
+ARM_MACHINES = ("aarch64", "arm64")  # platform.machine() of a 64-bit ARM CPU (Linux, macOS)
+NEON_HEADERS = SOURCES_DIR / "neon"  # aarch64's stand-in for <immintrin.h>
+
+
+def arm_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """FLAGS for aarch64: -mcpu=native (what GCC and clang detect the CPU's extensions by there) for -march=native,
+    and the folder whose immintrin.h maps the x86 intrinsics the shared code uses onto NEON."""
+    return tuple("-mcpu=native" if f == "-march=native" else f for f in flags) + ("-I", str(NEON_HEADERS))
 
 
 def rows_contiguous_f32(x) -> bool:
@@ -120,7 +133,7 @@ def cache_dir() -> Path:
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):  # x86, ARM
                 return line
     except OSError:
         pass
@@ -133,16 +146,24 @@ def build(out_dir: Path | None = None, variant: str = "native") -> Path:
     if variant not in VARIANTS:
         raise ValueError(f"unknown CPU kernel variant {variant!r} (have: {', '.join(VARIANTS)})")
     flags = FLAGS + VARIANTS[variant]
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise NativeKernelError(f"the CPU kernels need x86-64 with AVX2 (this machine is {platform.machine()})")
-    if "avx2" not in _cpu_flags() or "f16c" not in _cpu_flags():
+    arm = platform.machine() in ARM_MACHINES
+    if arm and variant != "native":
+        raise NativeKernelError(f"the {variant} build of the CPU kernels is x86 code (this machine is aarch64)")
+    if arm:
+        flags = arm_flags(flags)
+    elif platform.machine() not in ("x86_64", "AMD64"):
+        raise NativeKernelError(f"the CPU kernels need x86-64 with AVX2 or aarch64 (this machine is "
+                                f"{platform.machine()})")
+    elif "avx2" not in _cpu_flags() or "f16c" not in _cpu_flags():
         raise NativeKernelError("the CPU kernels need AVX2, FMA and F16C, which this CPU does not report")
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise NativeKernelError(f"no C compiler ({compiler!r} not found; install gcc or set $CC)")
     sources = sorted(SOURCES_DIR.glob("*.c"))
     digest = hashlib.sha256()
-    for item in (compiler, *flags, _cpu_flags(), *(s.name + s.read_text() for s in sorted(SOURCES_DIR.glob("*.[ch]")))):
+    headers = sorted(NEON_HEADERS.glob("*.h")) if arm else []
+    for item in (compiler, *flags, _cpu_flags(),
+                 *(s.name + s.read_text() for s in sorted(SOURCES_DIR.glob("*.[ch]")) + headers)):
         digest.update(item.encode())
     target_dir = (out_dir or cache_dir()) / digest.hexdigest()[:16]
     target = target_dir / LIB_NAME
@@ -176,7 +197,10 @@ class NativeKernels:
 
     @property
     def isa_name(self) -> str:
-        """The widest vector code this build runs: "avx512" or "avx2" (+ "-vnni" where the int8 dots use VNNI)."""
+        """The widest vector code this build runs: "avx512" or "avx2" (+ "-vnni" where the int8 dots use VNNI), or
+        on aarch64 "neon" (+ "-dotprod" where they use sdot)."""
+        if self.isa_bits & ISA_NEON:
+            return "neon" + ("-dotprod" if self.isa_bits & ISA_DOTPROD else "")
         return ("avx512" if self.isa_bits & ISA_AVX512 else "avx2") + ("-vnni" if self.isa_bits & ISA_VNNI else "")
 
 

@@ -9,6 +9,7 @@ with dtype bfloat16 on the CPU, dims (out, in); its routed experts' matrices are
 
 - "c-avx512": the C kernels built with -march=native on a CPU with AVX-512F (csrc/gemm.c's 512-bit tile);
 - "c-avx2": the same sources built without AVX-512 (-mno-avx512f): what an AVX2-only CPU runs;
+- "c-neon": the same sources built on aarch64 (-mcpu=native): NEON, with sdot where the CPU has the dotprod extension;
 - "torch": torch's own path (MKL / oneDNN GEMM, the flash attention kernel, the experts' op loop);
 - for "bf16" only: "c-amx", csrc/bf16.c on AMX tiles (where the CPU has AMX-BF16 and the OS grants the tile state),
   and "c-bf16", the same file's AVX512-BF16 code (vdpbf16ps) where the build has it, else its plain float32 code.
@@ -17,7 +18,7 @@ with dtype bfloat16 on the CPU, dims (out, in); its routed experts' matrices are
 Invariance (README "Same answer whatever the cache or the batch"): the C variants compute every output in the
 same order (the same bits, tests/kernels run each variant), so choosing between them keeps the promise. torch's
 path does not keep it (MKL's blocking depends on the row count), so the engine picks among the C variants wherever
-they exist and reports what torch measured beside them; torch runs where no C kernel is built (aarch64, no
+they exist and reports what torch measured beside them; torch runs where no C kernel is built (no
 compiler, `TSTERM_NATIVE_KERNELS=0`) or where `TSTERM_CPU_KERNELS` forces it. A class's choice is made once, for all
 row counts: the op never switches arithmetic with the batch.
 
@@ -47,12 +48,12 @@ from tsterm_kernels import cpu_native
 
 ENV = "TSTERM_CPU_KERNELS"
 KINDS = ("gemm", "experts", "attention", "bf16")
-CANDIDATES = ("c-avx512", "c-avx2", "torch", "c-amx", "c-bf16")
+CANDIDATES = ("c-avx512", "c-avx2", "c-neon", "torch", "c-amx", "c-bf16")
 # the candidates that keep the invariance promise (a row's bits whatever the rows beside it)
-INVARIANT = frozenset({"c-avx512", "c-avx2", "c-amx", "c-bf16"})
+INVARIANT = frozenset({"c-avx512", "c-avx2", "c-neon", "c-amx", "c-bf16"})
 BF16_CANDIDATES = ("c-amx", "c-bf16", "torch")  # a "bf16" class's; the float32 kinds' are the others
 BF16_ISA = {"c-amx": 2}  # candidate -> csrc/bf16.c's isa argument ("c-bf16": the build's best of 1 and 0)
-VARIANT_OF = {"c-avx512": "native", "c-avx2": "avx2"}  # candidate -> cpu_native.VARIANTS build
+VARIANT_OF = {"c-avx512": "native", "c-avx2": "avx2", "c-neon": "native"}  # candidate -> cpu_native.VARIANTS build
 FORMAT = 1  # of the JSON file
 
 _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
@@ -99,6 +100,11 @@ class CpuInfo:
     @property
     def x86(self) -> bool:
         return self.machine in ("x86_64", "AMD64")
+
+    @property
+    def arm(self) -> bool:
+        """A 64-bit ARM CPU (NEON is part of the architecture there)."""
+        return self.machine in cpu_native.ARM_MACHINES
 
     @property
     def avx2(self) -> bool:
@@ -192,6 +198,8 @@ def available(cpu: CpuInfo, builds: Mapping[str, int | None]) -> tuple[str, ...]
         # the avx2 build, or a native build that is AVX2 code (an AVX2-only CPU builds nothing else)
         if not native & cpu_native.ISA_AVX512 or builds.get("avx2") is not None:
             have.append("c-avx2")
+    if cpu.arm and native is not None and native & cpu_native.ISA_NEON:
+        have.append("c-neon")
     have.append("torch")
     return tuple(have)
 

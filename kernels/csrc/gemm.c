@@ -26,6 +26,34 @@
 #define KC 256 /* inputs per packed block: [KC][16] floats = 16 KB */
 #define MC 384 /* rows of x per pass over the weights */
 
+#if defined(__aarch64__)
+/* aarch64: the same tile in NEON, 16 outputs as four q registers per row (24 accumulators for 6 rows of the 32
+ * registers); each output's sum is the AVX2 tile's: a chain of fused multiply-adds from zero over the block's inputs
+ * in order, then added to y, so the same bits. */
+#define DEFINE_TILE(ROWS)                                                                                          \
+    static void tile##ROWS(int64_t kc, const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy,   \
+                           int add) {                                                                               \
+        float32x4_t acc[ROWS][4];                                                                                   \
+        _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++)                                                      \
+            acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = vdupq_n_f32(0.0f);                                      \
+        for (int64_t k = 0; k < kc; k++) {                                                                          \
+            const float32x4_t b0 = vld1q_f32(packed + k * NR), b1 = vld1q_f32(packed + k * NR + 4),                \
+                              b2 = vld1q_f32(packed + k * NR + 8), b3 = vld1q_f32(packed + k * NR + 12);           \
+            _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {                                                \
+                const float32x4_t a = vld1q_dup_f32(x + r * ldx + k);                                              \
+                acc[r][0] = vfmaq_f32(acc[r][0], a, b0);                                                            \
+                acc[r][1] = vfmaq_f32(acc[r][1], a, b1);                                                            \
+                acc[r][2] = vfmaq_f32(acc[r][2], a, b2);                                                            \
+                acc[r][3] = vfmaq_f32(acc[r][3], a, b3);                                                            \
+            }                                                                                                       \
+        }                                                                                                           \
+        _Pragma("GCC unroll 6") for (int r = 0; r < ROWS; r++) {                                                    \
+            float *o = y + r * ldy;                                                                                 \
+            for (int i = 0; i < 4; i++)                                                                             \
+                vst1q_f32(o + 4 * i, add ? vaddq_f32(acc[r][i], vld1q_f32(o + 4 * i)) : acc[r][i]);                 \
+        }                                                                                                           \
+    }
+#else
 /* y tile [ROWS][16] (rows ldy apart) = (or +=) x rows [ROWS][kc] (ldx apart) @ packed [kc][16] */
 #define DEFINE_TILE(ROWS)                                                                                          \
     static void tile##ROWS(int64_t kc, const float *x, int64_t ldx, const float *packed, float *y, int64_t ldy,   \
@@ -50,6 +78,7 @@
             _mm256_storeu_ps(o + 8, acc[r][1]);                                                                     \
         }                                                                                                           \
     }
+#endif
 
 DEFINE_TILE(1)
 DEFINE_TILE(2)
@@ -61,6 +90,30 @@ DEFINE_TILE(6)
 typedef void (*tile_fn)(int64_t, const float *, int64_t, const float *, float *, int64_t, int);
 static const tile_fn TILES[MR] = {tile1, tile2, tile3, tile4, tile5, tile6};
 
+#if defined(__aarch64__)
+/* columns k..k+3 of four rows: c[j] = (r[0][k + j], r[1][k + j], r[2][k + j], r[3][k + j]) */
+static inline void transpose4(const float *const r[4], int64_t k, float32x4_t c[4]) {
+    const float32x4_t r0 = vld1q_f32(r[0] + k), r1 = vld1q_f32(r[1] + k);
+    const float32x4_t r2 = vld1q_f32(r[2] + k), r3 = vld1q_f32(r[3] + k);
+    const float64x2_t t0 = vreinterpretq_f64_f32(vtrn1q_f32(r0, r1)), t1 = vreinterpretq_f64_f32(vtrn2q_f32(r0, r1));
+    const float64x2_t t2 = vreinterpretq_f64_f32(vtrn1q_f32(r2, r3)), t3 = vreinterpretq_f64_f32(vtrn2q_f32(r2, r3));
+    c[0] = vreinterpretq_f32_f64(vtrn1q_f64(t0, t2)), c[1] = vreinterpretq_f32_f64(vtrn1q_f64(t1, t3));
+    c[2] = vreinterpretq_f32_f64(vtrn2q_f64(t0, t2)), c[3] = vreinterpretq_f32_f64(vtrn2q_f64(t1, t3));
+}
+
+void tsterm_pack16(const float *const *rows, int64_t n, int64_t len, float *packed) {
+    int64_t k = 0;
+    if (n == NR)
+        for (; k + 4 <= len; k += 4)
+            for (int g = 0; g < 4; g++) { /* rows 4g..4g+3: a 4 x 4 transpose */
+                float32x4_t c[4];
+                transpose4(rows + 4 * g, k, c);
+                for (int j = 0; j < 4; j++) vst1q_f32(packed + (k + j) * NR + 4 * g, c[j]);
+            }
+    for (; k < len; k++)
+        for (int64_t j = 0; j < NR; j++) packed[k * NR + j] = j < n ? rows[j][k] : 0.0f;
+}
+#else
 /* packed [len][16] <- rows[0..n) [len] transposed (n <= 16); outputs n..15 are zero */
 void tsterm_pack16(const float *const *rows, int64_t n, int64_t len, float *packed) {
     int64_t k = 0;
@@ -95,6 +148,7 @@ void tsterm_pack16(const float *const *rows, int64_t n, int64_t len, float *pack
     for (; k < len; k++)
         for (int64_t j = 0; j < NR; j++) packed[k * NR + j] = j < n ? rows[j][k] : 0.0f;
 }
+#endif
 
 void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, int64_t ldx, const float *packed, float *y,
                      int64_t ldy, int add) {
@@ -258,6 +312,12 @@ int tsterm_isa(void) {
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)) /* gemv.c's dot_u8s8 */
     isa |= 2;
 #endif
+#if defined(__aarch64__) /* bit 2: the NEON code (gemv.c, gemm.c), bit 3: with the dotprod extension's sdot */
+    isa |= 4;
+#if defined(__ARM_FEATURE_DOTPROD)
+    isa |= 8;
+#endif
+#endif
     return isa;
 }
 
@@ -288,6 +348,47 @@ void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, co
  * of rows (the engine's invariance promise: README "Same answer whatever the batch"). The weight is read in place:
  * 8 x 8 blocks (8 outputs' rows, 8 inputs) are transposed in registers into the 8 inputs' columns, and each column
  * multiplies a broadcast input of every row of x. Two blocks of 8 outputs at a time: two independent FMA chains. */
+#if defined(__aarch64__)
+/* aarch64: the same order in NEON: 4 x 4 blocks of the weight transposed in registers (transpose4, above), each
+ * input's column of 16 outputs multiplied by that input of every row of x (a lane of the row's 4 inputs). */
+static inline float32x4_t column4(const float *const r[4], int64_t k) {
+    const float c[4] = {r[0][k], r[1][k], r[2][k], r[3][k]};
+    return vld1q_f32(c);
+}
+
+#define DEFINE_COLS(ROWS)                                                                                          \
+    static void cols##ROWS(const float *x, int64_t ldx, int64_t in_f, const float *const r[16], float *y,          \
+                           int64_t ldy, int64_t n) {                                                                \
+        float32x4_t total[ROWS][4] = {{vdupq_n_f32(0.0f)}}; /* (every element set by the first block) */             \
+        for (int64_t k0 = 0; k0 < in_f; k0 += KC) {                                                                 \
+            const int64_t k1 = in_f - k0 < KC ? in_f : k0 + KC;                                                     \
+            float32x4_t acc[ROWS][4];                                                                               \
+            for (int q = 0; q < ROWS; q++) for (int g = 0; g < 4; g++) acc[q][g] = vdupq_n_f32(0.0f);               \
+            int64_t k = k0;                                                                                         \
+            for (; k + 4 <= k1; k += 4) {                                                                           \
+                float32x4_t w[4][4]; /* w[g][j]: outputs 4g..4g+3 at input k + j */                                 \
+                for (int g = 0; g < 4; g++) transpose4(r + 4 * g, k, w[g]);                                         \
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++)                                                 \
+                    for (int q = 0; q < ROWS; q++) {                                                                \
+                        const float32x4_t xj = vld1q_dup_f32(x + q * ldx + k + j);                                  \
+                        for (int g = 0; g < 4; g++) acc[q][g] = vfmaq_f32(acc[q][g], xj, w[g][j]);                  \
+                    }                                                                                               \
+            }                                                                                                       \
+            for (; k < k1; k++)                                                                                     \
+                for (int g = 0; g < 4; g++) {                                                                       \
+                    const float32x4_t col = column4(r + 4 * g, k);                                                  \
+                    for (int q = 0; q < ROWS; q++) acc[q][g] = vfmaq_f32(acc[q][g], vdupq_n_f32(x[q * ldx + k]), col); \
+                }                                                                                                   \
+            for (int q = 0; q < ROWS; q++) /* the tile's order: this block's chain + the blocks before */           \
+                for (int g = 0; g < 4; g++) total[q][g] = k0 ? vaddq_f32(acc[q][g], total[q][g]) : acc[q][g];       \
+        }                                                                                                           \
+        for (int q = 0; q < ROWS; q++) {                                                                            \
+            float out[16];                                                                                          \
+            for (int g = 0; g < 4; g++) vst1q_f32(out + 4 * g, total[q][g]);                                        \
+            for (int64_t j = 0; j < n; j++) y[q * ldy + j] = out[j];                                                \
+        }                                                                                                           \
+    }
+#else
 static inline void transpose8(const float *const r[8], int64_t k, __m256 t[8]) {
     const __m256 t0 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[0] + k), _mm256_loadu_ps(r[1] + k));
     const __m256 t1 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[0] + k), _mm256_loadu_ps(r[1] + k));
@@ -350,6 +451,7 @@ static inline __m256 column8(const float *const r[8], int64_t k) {
             for (int64_t j = 0; j < n; j++) y[q * ldy + j] = out[j];                                                \
         }                                                                                                           \
     }
+#endif
 
 DEFINE_COLS(1)
 DEFINE_COLS(2)

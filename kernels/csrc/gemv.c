@@ -26,6 +26,137 @@
 #define QBLOCK 32
 #define TILE 16
 
+#if defined(__aarch64__)
+/* aarch64: NEON, the same integers and the same float arithmetic as the x86 code below (so the same bits: each
+ * block's 32 products summed exactly into 8 lanes of 4 neighbouring products, converted, one fused multiply-add per
+ * lane with the block's d * dx into the even or the odd blocks' accumulator, then x86's horizontal sum), for every
+ * row count. The dot products of 16 int8 pairs into 4 lanes: sdot where the target has it (ARMv8.2 dotprod), else
+ * widening products (int16: no product of two int8 reaches its bound) summed pairwise twice; exact either way. */
+void tsterm_quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx_out, float *sx_out) {
+    for (int64_t b = 0; b < in_f / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        float32x4_t v[8];
+        __m256 amax = _mm256_setzero_ps();
+        for (int k = 0; k < 8; k++) v[k] = vld1q_f32(xb + 4 * k);
+        for (int k = 0; k < 4; k++) /* x86's max over the four 8-lane vectors, then across the lanes */
+            amax = tsterm_m256(tsterm_max_x86(amax.lo, vabsq_f32(v[2 * k])),
+                               tsterm_max_x86(amax.hi, vabsq_f32(v[2 * k + 1])));
+        const float dx = hmax256(amax) / 127.0f;
+        const float32x4_t inv = vdupq_n_f32(dx > 0.0f ? 1.0f / dx : 0.0f);
+        int32x4_t q[8], sum = vdupq_n_s32(0);
+        for (int k = 0; k < 8; k++) {
+            q[k] = vcvtnq_s32_f32(vmulq_f32(v[k], inv)); /* round half to even */
+            sum = vaddq_s32(sum, q[k]);
+        }
+        for (int k = 0; k < 4; k++) { /* saturating narrowing, as packs */
+            const int16x8_t h = vcombine_s16(vqmovn_s32(q[2 * k]), vqmovn_s32(q[2 * k + 1]));
+            vst1_s8(qx + b * QBLOCK + 8 * k, vqmovn_s16(h));
+        }
+        dx_out[b] = dx;
+        sx_out[b] = dx * (float)vaddvq_s32(sum);
+    }
+}
+
+/* lane j: the sum of a[4j + i] * b[4j + i] over i < 4 */
+static inline int32x4_t dot_s8x16(int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vdotq_s32(vdupq_n_s32(0), a, b);
+#else
+    const int16x8_t lo = vmull_s8(vget_low_s8(a), vget_low_s8(b)), hi = vmull_high_s8(a, b);
+    return vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi));
+#endif
+}
+
+/* fp16 bits [4] -> floats */
+static inline float32x4_t load_half4(const uint16_t *s) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(s))); }
+
+/* acc (lanes 0-3, 4-7) += the block's 8 partial sums (a against x's first 16 codes, b against the last 16) * dd */
+static inline void block_fma(float32x4_t acc[2], int8x16_t a, int8x16_t b, const int8_t *xr, float dd) {
+    const float32x4_t d = vdupq_n_f32(dd);
+    acc[0] = vfmaq_f32(acc[0], vcvtq_f32_s32(dot_s8x16(a, vld1q_s8(xr))), d);
+    acc[1] = vfmaq_f32(acc[1], vcvtq_f32_s32(dot_s8x16(b, vld1q_s8(xr + 16))), d);
+}
+
+/* x86's hsum256(acc even + acc odd) */
+static inline float sum_accs(float32x4_t acc[2][2]) {
+    return hsum256(tsterm_m256(vaddq_f32(acc[0][0], acc[1][0]), vaddq_f32(acc[0][1], acc[1][1])));
+}
+
+/* Output rows [o_begin, o_end) times ROWS (1..4) quantized rows of x, as the x86 q4_rows below. */
+#define DEFINE_Q4(ROWS)                                                                                      \
+    static void q4_rows##ROWS(const int8_t *qx, const float *dx, const float *sx, int64_t in_f,             \
+                              const uint8_t *codes, const uint16_t *scales, int64_t o_begin, int64_t o_end,  \
+                              int64_t out_f, float *y) {                                                     \
+        const int64_t nb = in_f / QBLOCK;                                                                    \
+        float dd[ROWS][nb];                                                                                  \
+        for (int64_t o = o_begin; o < o_end; o++) {                                                          \
+            const uint8_t *c = codes + o * nb * 16;                                                          \
+            const uint16_t *s = scales + o * nb * 2;                                                         \
+            float32x4_t acc[ROWS][2][2], mt[ROWS][2]; /* [row][even / odd block][lanes 0-3 / 4-7] */         \
+            float mrest[ROWS];                                                                               \
+            for (int r = 0; r < ROWS; r++) {                                                                 \
+                acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = vdupq_n_f32(0.0f);               \
+                mt[r][0] = mt[r][1] = vdupq_n_f32(0.0f), mrest[r] = 0.0f;                                     \
+            }                                                                                                \
+            int64_t b = 0;                                                                                   \
+            for (; b + 8 <= nb; b += 8) {                                                                    \
+                const uint16x8x2_t dm = vld2q_u16(s + 2 * b); /* the d's, the m's */                         \
+                const float32x4_t d[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(dm.val[0]))),       \
+                                          vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(dm.val[0])))};     \
+                const float32x4_t m[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(dm.val[1]))),       \
+                                          vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(dm.val[1])))};     \
+                for (int r = 0; r < ROWS; r++)                                                               \
+                    for (int h = 0; h < 2; h++) {                                                            \
+                        vst1q_f32(&dd[r][b + 4 * h], vmulq_f32(d[h], vld1q_f32(dx + r * nb + b + 4 * h)));    \
+                        mt[r][h] = vfmaq_f32(mt[r][h], m[h], vld1q_f32(sx + r * nb + b + 4 * h));            \
+                    }                                                                                        \
+            }                                                                                                \
+            for (; b < nb; b++)                                                                              \
+                for (int r = 0; r < ROWS; r++) {                                                             \
+                    dd[r][b] = _cvtsh_ss(s[2 * b]) * dx[r * nb + b];                                          \
+                    mrest[r] += _cvtsh_ss(s[2 * b + 1]) * sx[r * nb + b];                                     \
+                }                                                                                            \
+            for (b = 0; b < nb; b++) {                                                                       \
+                const uint8x16_t bytes = vld1q_u8(c + b * 16);                                               \
+                const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(bytes, vdupq_n_u8(15)));                   \
+                const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(bytes, 4));                              \
+                for (int r = 0; r < ROWS; r++)                                                               \
+                    block_fma(acc[r][b & 1], lo, hi, qx + r * in_f + b * QBLOCK, dd[r][b]);                  \
+            }                                                                                                \
+            for (int r = 0; r < ROWS; r++)                                                                   \
+                y[r * out_f + o] = sum_accs(acc[r]) + hsum256(tsterm_m256(mt[r][0], mt[r][1])) + mrest[r];   \
+        }                                                                                                    \
+    }
+
+#define DEFINE_Q8(ROWS)                                                                                      \
+    static void q8_rows##ROWS(const int8_t *qx, const float *dx, const float *sx, int64_t in_f,             \
+                              const int8_t *codes, const uint16_t *scales, int64_t o_begin, int64_t o_end,   \
+                              int64_t out_f, float *y) {                                                     \
+        (void)sx;                                                                                            \
+        const int64_t nb = in_f / QBLOCK;                                                                    \
+        float dd[ROWS][nb];                                                                                  \
+        for (int64_t o = o_begin; o < o_end; o++) {                                                          \
+            const int8_t *c = codes + o * in_f;                                                              \
+            const uint16_t *s = scales + o * nb;                                                             \
+            float32x4_t acc[ROWS][2][2];                                                                     \
+            for (int r = 0; r < ROWS; r++)                                                                   \
+                acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = vdupq_n_f32(0.0f);               \
+            int64_t b = 0;                                                                                   \
+            for (; b + 4 <= nb; b += 4) {                                                                    \
+                const float32x4_t d = load_half4(s + b);                                                     \
+                for (int r = 0; r < ROWS; r++) vst1q_f32(&dd[r][b], vmulq_f32(d, vld1q_f32(dx + r * nb + b))); \
+            }                                                                                                \
+            for (; b < nb; b++)                                                                              \
+                for (int r = 0; r < ROWS; r++) dd[r][b] = _cvtsh_ss(s[b]) * dx[r * nb + b];                  \
+            for (b = 0; b < nb; b++) {                                                                       \
+                const int8x16_t lo = vld1q_s8(c + b * QBLOCK), hi = vld1q_s8(c + b * QBLOCK + 16);           \
+                for (int r = 0; r < ROWS; r++)                                                               \
+                    block_fma(acc[r][b & 1], lo, hi, qx + r * in_f + b * QBLOCK, dd[r][b]);                  \
+            }                                                                                                \
+            for (int r = 0; r < ROWS; r++) y[r * out_f + o] = sum_accs(acc[r]);                              \
+        }                                                                                                    \
+    }
+#else
 void tsterm_quantize_row(const float *x, int64_t in_f, int8_t *qx, float *dx_out, float *sx_out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -173,6 +304,7 @@ static inline void load_dm8(const uint16_t *s, __m256 *d, __m256 *m) {
             for (int r = 0; r < ROWS; r++) y[r * out_f + o] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));  \
         }                                                                                                    \
     }
+#endif
 
 DEFINE_Q4(1)
 DEFINE_Q4(2)

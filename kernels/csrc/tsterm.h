@@ -11,6 +11,32 @@
 
 /* One block of 32 weights as float32, in quant.py's layouts: int8 codes times the block's fp16 d (GGUF Q8_0), or
  * int4 (byte i: input i in the low nibble, input i + 16 in the high one) as code * d + m (GGUF Q4_1; d, m fp16). */
+#if defined(__aarch64__)
+/* aarch64 (neon/immintrin.h stands in for the x86 header): the same two blocks in NEON, the same bits (each weight
+ * code * d, then + m, rounded as the x86 code rounds them). */
+#include <arm_neon.h>
+static inline void tsterm_q8_block(const int8_t *codes, uint16_t d_bits, float *w) {
+    const float32x4_t d = vdupq_n_f32(_cvtsh_ss(d_bits));
+    for (int i = 0; i < 32; i += 8) {
+        const int16x8_t c = vmovl_s8(vld1_s8(codes + i));
+        vst1q_f32(w + i, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(c))), d));
+        vst1q_f32(w + i + 4, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(c))), d));
+    }
+}
+static inline void tsterm_q4_block(const uint8_t *codes, const uint16_t *dm_bits, float *w) {
+    const float32x4_t d = vdupq_n_f32(_cvtsh_ss(dm_bits[0])), m = vdupq_n_f32(_cvtsh_ss(dm_bits[1]));
+    const uint8x16_t bytes = vld1q_u8(codes);
+    const uint8x16_t halves[2] = {vandq_u8(bytes, vdupq_n_u8(15)), vshrq_n_u8(bytes, 4)}; /* inputs 0-15, 16-31 */
+    for (int h = 0; h < 2; h++) {
+        const uint16x8_t parts[2] = {vmovl_u8(vget_low_u8(halves[h])), vmovl_u8(vget_high_u8(halves[h]))};
+        for (int p = 0; p < 2; p++) {
+            float *o = w + 16 * h + 8 * p;
+            vst1q_f32(o, vaddq_f32(vmulq_f32(vcvtq_f32_u32(vmovl_u16(vget_low_u16(parts[p]))), d), m));
+            vst1q_f32(o + 4, vaddq_f32(vmulq_f32(vcvtq_f32_u32(vmovl_u16(vget_high_u16(parts[p]))), d), m));
+        }
+    }
+}
+#else
 static inline void tsterm_q8_block(const int8_t *codes, uint16_t d_bits, float *w) {
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(d_bits));
     for (int i = 0; i < 32; i += 8)
@@ -25,6 +51,7 @@ static inline void tsterm_q4_block(const uint8_t *codes, const uint16_t *dm_bits
     for (int i = 0; i < 4; i++)
         _mm256_storeu_ps(w + 8 * i, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d), m));
 }
+#endif
 
 /* This OpenMP thread's even share [*first, *last) of n items handed out in whole units (the last may be short). */
 static inline void tsterm_thread_share(int64_t n, int64_t unit, int64_t *first, int64_t *last) {
@@ -34,6 +61,75 @@ static inline void tsterm_thread_share(int64_t n, int64_t unit, int64_t *first, 
     *last = end < n ? end : n;
 }
 
+#if defined(__aarch64__)
+/* aarch64: the helpers below in NEON, each the x86 code's arithmetic lane for lane (the same pairs summed in the
+ * same order, x86's max, round-to-nearest-even where x86 rounds, the same fused multiply-adds), so attention and
+ * decode give the same bits as on x86. */
+static inline float tsterm_max1_x86(float a, float b) { return a > b ? a : b; }
+
+static inline float hsum256(__m256 v) {
+    const float32x4_t s = vaddq_f32(v.lo, v.hi);                         /* lanes i + (i + 4) */
+    const float32x2_t t = vadd_f32(vget_low_f32(s), vget_high_f32(s));  /* (s0 + s2, s1 + s3) */
+    return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
+}
+
+static inline float hmax256(__m256 v) {
+    const float32x4_t m = tsterm_max_x86(v.lo, v.hi);
+    const float a = tsterm_max1_x86(vgetq_lane_f32(m, 0), vgetq_lane_f32(m, 2));
+    const float b = tsterm_max1_x86(vgetq_lane_f32(m, 1), vgetq_lane_f32(m, 3));
+    return tsterm_max1_x86(a, b);
+}
+
+static inline float32x4_t tsterm_exp4(float32x4_t x) {
+    const float32x4_t lo = vdupq_n_f32(-87.0f);
+    const uint32x4_t under = vcltq_f32(x, lo);
+    x = tsterm_max_x86(x, lo);
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504088896341f)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f)); /* x - n * c, fused: x86's fnmadd */
+    r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+    float32x4_t p = vdupq_n_f32(1.0f / 720.0f);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 120.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 24.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 6.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    const int32x4_t bits = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(vmulq_f32(p, vreinterpretq_f32_s32(bits))), under));
+}
+static inline __m256 exp256(__m256 x) { return tsterm_m256(tsterm_exp4(x.lo), tsterm_exp4(x.hi)); }
+
+static inline float32x4_t tsterm_exp2_4(float32x4_t t) {
+    t = tsterm_max_x86(t, vdupq_n_f32(-125.0f));
+    const float32x4_t n = vrndnq_f32(t), f = vsubq_f32(t, n);
+    float32x4_t p = vdupq_n_f32(1.32764783e-3f);
+    p = vfmaq_f32(vdupq_n_f32(9.67554189e-3f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(5.55071309e-2f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(0.240221202f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(0.693146944f), p, f);
+    p = vfmaq_f32(vdupq_n_f32(1.00000012f), p, f);
+    return vreinterpretq_f32_s32(vaddq_s32(vreinterpretq_s32_f32(p), vshlq_n_s32(vcvtnq_s32_f32(n), 23)));
+}
+static inline __m256 exp2_256(__m256 t) { return tsterm_m256(tsterm_exp2_4(t.lo), tsterm_exp2_4(t.hi)); }
+
+static inline float tsterm_exp_sum(float *s, int64_t n, float max) {
+    const float32x4_t log2e = vdupq_n_f32(1.44269504088896341f), neg_mv = vdupq_n_f32(-(max * 1.44269504088896341f));
+    __m256 sum8 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = tsterm_m256(tsterm_exp2_4(vfmaq_f32(neg_mv, vld1q_f32(s + i), log2e)), /* x86's fmsub */
+                                     tsterm_exp2_4(vfmaq_f32(neg_mv, vld1q_f32(s + i + 4), log2e)));
+        _mm256_storeu_ps(s + i, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum256(sum8);
+    for (; i < n; i++) {
+        s[i] = expf(s[i] - max);
+        sum += s[i];
+    }
+    return sum;
+}
+#else
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -102,6 +198,7 @@ static inline float tsterm_exp_sum(float *s, int64_t n, float max) {
     }
     return sum;
 }
+#endif
 
 /* gemv.c. Weight kinds: */
 enum { TSTERM_F32 = 0, TSTERM_Q8 = 1, TSTERM_Q4 = 2 };

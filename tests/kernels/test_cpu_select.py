@@ -1,5 +1,6 @@
 """The per-machine choice of CPU kernels (tsterm_kernels.cpu_select): the selection logic on fake CPUs and a fake
-timer (an AVX2-only CPU, AVX-512 without AMX, AMX refused by the OS, aarch64 without C kernels), its plan file, the
+timer (an AVX2-only CPU, AVX-512 without AMX, AMX refused by the OS, aarch64 with and without its NEON build), its plan
+file, the
 override, and on this machine: every C build it runs against the float64 oracles and against each other, bit for
 bit (the invariance promise holds whichever build a shape class gets)."""
 from __future__ import annotations
@@ -25,6 +26,7 @@ SPR_REFUSED = CpuInfo("x86_64", "Intel Xeon Platinum 8480+", ZEN4.flags | {"amx_
 SPR = replace(SPR_REFUSED, amx_allowed=True)
 ARM = CpuInfo("aarch64", "Apple M2", frozenset({"fp", "asimd", "asimddp", "bf16", "i8mm"}))
 BUILDS = {"native": cpu_native.ISA_AVX512, "avx2": 0}  # what an AVX-512 CPU builds (tsterm_isa() bits)
+NEON_BITS = cpu_native.ISA_NEON | cpu_native.ISA_DOTPROD  # what an aarch64 CPU with sdot builds
 
 GEMM, EXPERTS, ATTENTION = ShapeClass("gemm", (576, 576)), ShapeClass("experts", (8, 512, 576, 2)), \
     ShapeClass("attention", (9, 3, 64))
@@ -52,7 +54,8 @@ def test_the_candidates_follow_the_cpu_and_its_builds():
     assert cpu_select.available(ZEN4, {"native": cpu_native.ISA_AVX512, "avx2": None}) == ("c-avx512", "torch")
     assert cpu_select.available(ZEN4, {"native": None, "avx2": None}) == ("torch",)  # no compiler
     assert cpu_select.available(ARM, {"native": None, "avx2": None}) == ("torch",)
-    assert cpu_select.available(replace(ARM, flags=AVX2.flags), {"native": 0}) == ("torch",)  # not x86: no C code
+    assert cpu_select.available(ARM, {"native": NEON_BITS}) == ("c-neon", "torch")
+    assert cpu_select.available(replace(ARM, flags=AVX2.flags), {"native": 0}) == ("torch",)  # not a NEON build
 
 
 def test_the_fastest_candidate_that_keeps_the_invariance_promise_wins_each_class():
@@ -81,7 +84,15 @@ def test_amx_refused_by_the_os_is_reported_and_chooses_as_without_amx():
     assert cpu_select.plan_path(SPR, builds) != cpu_select.plan_path(SPR_REFUSED, builds)
 
 
-def test_aarch64_without_c_kernels_runs_torch_untimed():
+def test_aarch64_runs_its_neon_build_and_torch_only_without_one():
+    timer = FakeTimer({("gemm", "c-neon"): 1.0, ("gemm", "torch"): 0.5})
+    choice = cpu_select.choose(GEMM, cpu_select.available(ARM, {"native": NEON_BITS}), timer)
+    assert (choice.candidate, choice.how) == ("c-neon", "measured")  # torch is faster, but not invariant
+    assert choice.seconds == {"c-neon": 1.0, "torch": 0.5}
+    assert cpu_select.VARIANT_OF["c-neon"] == "native"  # the -mcpu=native build
+    with pytest.raises(ValueError, match=f"{ENV} asks for c-avx2 .*have: c-neon, torch"):
+        cpu_select.choose(GEMM, cpu_select.available(ARM, {"native": NEON_BITS}), _never, {"*": "c-avx2"})
+    # no compiler (or TSTERM_NATIVE_KERNELS=0): torch alone, untimed
     choice = cpu_select.choose(GEMM, cpu_select.available(ARM, {"native": None}), _never)
     assert (choice.candidate, choice.how, dict(choice.seconds)) == ("torch", "only", {})
     assert "aarch64" in ARM.describe() and "asimd" in ARM.describe()
