@@ -15,6 +15,12 @@ them. With one split the first kernel writes the output directly.
 
 Precision. Loads are cast to float32 at once; dot operands go back to the cache dtype (tensor cores for bf16/fp16)
 and float32 dots are exact ("ieee", not tf32), like the twin's float32 matmuls.
+
+Sinks and sliding windows (gpt-oss). A sink (a learned logit per query head) joins the denominator once: in the
+normalisation of a one-split launch, else in the merge. A window (WINDOW, a compile-time constant: one per layer)
+masks keys at or before query - WINDOW, and a tile's context starts at the BLOCK_N-aligned tile holding its first
+row's first key: the tiles wholly before every row's window are never loaded (nor their block-table entries read),
+and the KV tiles keep their positions (multiples of BLOCK_N), whatever the window.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ MAX_SPLITS = 64
 def _paged_attention_kernel(
     # pointers
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    sinks_ptr,  # [Hq] float32 sink logits (read only with HAS_SINKS)
     # sizes and strides (head_dim is unit-stride everywhere; lse is [split, token, head] with unit head stride)
     num_seqs, num_splits, group_size, block_size, qk_scale_log2,
     stride_q_token, stride_q_head,
@@ -43,7 +50,7 @@ def _paged_attention_kernel(
     stride_lse_split, stride_lse_token,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,10 +86,15 @@ def _paged_attention_kernel(
     dot_dtype = k_cache_ptr.dtype.element_ty
     q = q.to(dot_dtype)
 
-    # ---- this split's slice of the keys the tile may see (causal: up to its last token)
+    # ---- this split's slice of the keys the tile may see (causal: up to its last token; with a window, from its
+    # first token's first key, in tiles at multiples of BLOCK_N)
     kv_end = context_before + tl.minimum(first + BLOCK_Q, q_len)
-    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    kv_lo = split * split_len
+    kv_start = context_before * 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(context_before + first - WINDOW + 1, 0)
+    kv_base = kv_start // BLOCK_N * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(kv_end - kv_base, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = kv_base + split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, kv_end)
 
     # ---- online softmax over KV tiles, each slot found through the block table
@@ -93,6 +105,8 @@ def _paged_attention_kernel(
     for start in range(kv_lo, kv_hi, BLOCK_N):
         key_pos = start + tl.arange(0, BLOCK_N)  # [N]
         key_valid = key_pos < kv_hi
+        if WINDOW > 0:  # (the keys before every row's window in the first tile: not read)
+            key_valid = key_valid & (key_pos >= kv_start)
         block = tl.load(table + key_pos // block_size, mask=key_valid, other=0).to(tl.int64)  # [N]
         slot_offset = (block * stride_cache_block + (key_pos % block_size) * stride_cache_slot
                        + kv_head * stride_cache_head)  # [N]
@@ -100,6 +114,8 @@ def _paged_attention_kernel(
                     mask=key_valid[None, :] & dim_valid[:, None], other=0.0).to(tl.float32)  # [D, N]
         scores = tl.dot(q, k.to(dot_dtype), input_precision="ieee") * qk_scale_log2  # [M, N], log2 units
         visible = key_valid[None, :] & (key_pos[None, :] <= query_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (key_pos[None, :] > query_pos[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(run_max, tl.max(scores, axis=1))  # [M]
         base = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows that have seen nothing yet stay at 0
@@ -110,6 +126,15 @@ def _paged_attention_kernel(
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0).to(tl.float32)  # [N, D]
         acc = tl.dot(p.to(dot_dtype), v.to(dot_dtype), acc * correction[:, None], input_precision="ieee")
         run_max = new_max
+
+    # ---- the sink (one split only: with several, the merge adds it once), in log2 units like the scores
+    if HAS_SINKS and not WRITE_LSE:
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634  # [M]
+        top = tl.maximum(run_max, sink)
+        alpha = tl.exp2(run_max - top)  # 0 for a row that saw no key
+        run_sum = run_sum * alpha + tl.exp2(sink - top)
+        acc = acc * alpha[:, None]
+        run_max = top
 
     # ---- normalise and write: the output itself, or this split's partial output and log2-sum-exp
     seen = run_sum > 0
@@ -125,14 +150,14 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     # pointers
-    partial_ptr, lse_ptr, out_ptr,
+    partial_ptr, lse_ptr, out_ptr, sinks_ptr,
     # sizes and strides
     num_heads, num_splits,
     stride_partial_split, stride_partial_token, stride_partial_head,
     stride_lse_split, stride_lse_token,
     stride_out_token, stride_out_head,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     heads = tl.arange(0, BLOCK_H)
@@ -146,6 +171,9 @@ def _merge_splits_kernel(
         lse = tl.load(lse_ptr + split * stride_lse_split + token * stride_lse_token + heads,
                       mask=head_valid, other=float("-inf"))
         top = tl.maximum(top, lse)
+    if HAS_SINKS:  # each head's sink logit, in log2 units: one more term of the denominator, with no value
+        sink = tl.load(sinks_ptr + heads, mask=head_valid, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
     base = tl.where(top == float("-inf"), 0.0, top)
 
     # ---- weight each split's normalised output by its share of the softmax mass
@@ -159,6 +187,8 @@ def _merge_splits_kernel(
                           + heads[:, None] * stride_partial_head + dims[None, :], mask=mask, other=0.0)
         acc += weight[:, None] * partial
         total += weight
+    if HAS_SINKS:
+        total += tl.exp2(sink - base)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -204,7 +234,8 @@ def device_metadata(meta: AttentionMetadata, device: torch.device) -> tuple[torc
 
 
 def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None, sinks: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """`paged_attention` with the number of context splits forced (None: chosen for the device)."""
     assert q.dim() == 3 and q.stride(2) == 1, f"q must be [T, Hq, D] with unit last stride, got {q.stride()}"
     num_tokens, num_heads, head_dim = q.shape
@@ -222,6 +253,12 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tables = meta.block_tables
     assert tables.dim() == 2 and tables.shape[0] == num_seqs and tables.dtype == torch.int32 and tables.stride(1) == 1
     assert q.device == k_cache.device == tables.device
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"paged_attention: window must be a positive number of positions, got {window!r}")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.device != q.device or sinks.dtype != torch.float32
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"paged_attention: sinks must be a contiguous float32 [{num_heads}] tensor on {q.device}, "
+                         f"got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -232,8 +269,9 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     max_query_len = max(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:]))
     block_q, block_n = _tiles(q.device, group_pad, max_query_len)
     num_tile_slots = num_tokens // block_q + num_seqs
-    if num_splits is None:
-        num_splits = num_kv_splits(num_tile_slots * num_kv_heads, max(meta.seq_lens), q.device)
+    if num_splits is None:  # (a window bounds what a tile reads: its keys and its rows')
+        longest = max(meta.seq_lens) if window is None else min(max(meta.seq_lens), window + block_q + block_n)
+        num_splits = num_kv_splits(num_tile_slots * num_kv_heads, longest, q.device)
     if num_splits == 1:
         partial, lse = out, out  # lse unused
         stride_lse = (0, 0)
@@ -245,7 +283,7 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         stride_partial = partial.stride()[:3]
 
     _paged_attention_kernel[(num_tile_slots, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, query_start_loc, seq_lens, partial, lse,
+        q, k_cache, v_cache, tables, query_start_loc, seq_lens, partial, lse, out if sinks is None else sinks,
         num_seqs, num_splits, group_size, block_size, scale * LOG2_E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -253,22 +291,24 @@ def launch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *stride_partial,
         *stride_lse,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP_PAD=group_pad,
-        BLOCK_Q=block_q, BLOCK_N=block_n, WRITE_LSE=num_splits > 1,
-        num_warps=4,
+        BLOCK_Q=block_q, BLOCK_N=block_n, WRITE_LSE=num_splits > 1, HAS_SINKS=sinks is not None,
+        WINDOW=window or 0, num_warps=4,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens,)](
-            partial, lse, out,
+            partial, lse, out, out if sinks is None else sinks,
             num_heads, num_splits,
             *partial.stride()[:3],
             *lse.stride()[:2],
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+            BLOCK_D=triton.next_power_of_2(head_dim), HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return launch_paged_attention(q, k_cache, v_cache, meta, scale)
+                    meta: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
+    """The twin's contract (`torch_ops.paged_attention`), sinks and window included."""
+    return launch_paged_attention(q, k_cache, v_cache, meta, scale, sinks=sinks, window=window)

@@ -7,7 +7,9 @@
 over scattered block tables: windows shorter than the prompt, window edges inside a block and on a 128-position
 split's edge, sinks with grouped query heads, prefill, extend and decode steps. Then the properties the engine relies
 on: a query row's bits are the same in a prefill, an extend and a decode (alone or batched, one thread or two), and
-the blocks wholly before a row's window are never read (their table entries may be gone: item 3 of issue 36)."""
+the blocks wholly before a row's window are never read (their table entries may be gone: item 3 of issue 36). The
+Triton kernel (`triton_paged_attention`, interpreted on tiny shapes) against the same oracle, with and without
+split-K."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +17,9 @@ import torch
 
 from tsterm_kernels import cpu_native, torch_ops
 from tsterm_kernels.metadata import AttentionMetadata, BlockRuns
+from tsterm_kernels.triton_paged_attention import launch_paged_attention
+
+from tests.kernels.cases import TOLERANCE, paged_batch
 
 
 def oracle(q, keys, values, sinks, window, first_pos, scale):
@@ -195,3 +200,67 @@ def test_bad_windows_and_sinks_are_refused_by_name():
         torch_ops.paged_attention(q, pool.k_cache, pool.v_cache, meta, 0.25, window=0)
     with pytest.raises(ValueError, match="sinks"):
         torch_ops.paged_attention(q, pool.k_cache, pool.v_cache, meta, 0.25, sinks=torch.zeros(3))
+
+
+# ---- the Triton kernel (interpreted on the CPU: tiny shapes), against the same oracle
+
+TRITON_BATCHES = {  # (context lengths, new tokens): windows shorter than the prompts, decodes far past the window
+    "decode": ([37, 5, 20], [1, 1, 1]),
+    "mixed": ([13, 7, 30, 1], [13, 2, 1, 1]),
+    "extend": ([41], [19]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("batch", list(TRITON_BATCHES), ids=list(TRITON_BATCHES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,with_sinks", [(5, True), (7, False), (None, True)])
+def test_the_triton_kernel_matches_the_oracle(poison, dtype, batch, num_splits, window, with_sinks):
+    seq_lens, query_lens = TRITON_BATCHES[batch]
+    gen = torch.Generator().manual_seed(len(seq_lens) * 10 + num_splits)
+    num_kv_heads, group, head_dim, block = 2, 3, 16, 4  # GQA: 3 query heads per KV head (padded to 4 rows)
+    k_cache, v_cache, meta = paged_batch(seq_lens, query_lens, block, num_kv_heads, head_dim, dtype, gen)
+    q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    sinks = sink_logits(num_kv_heads * group) if with_sinks else None
+    out = launch_paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, num_splits=num_splits, sinks=sinks,
+                                 window=window)
+    tables = [[b for b in row if b >= 0] for row in meta.block_tables.tolist()]
+    for i, (n, new) in enumerate(zip(seq_lens, query_lens)):
+        slots = torch.tensor([tables[i][p // block] * block + p % block for p in range(n)])
+        keys, values = k_cache.flatten(0, 1)[slots].float(), v_cache.flatten(0, 1)[slots].float()
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        want = oracle(q[rows].float(), keys, values, sinks, window, n - new, head_dim ** -0.5).to(dtype)
+        torch.testing.assert_close(out[rows], want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_the_triton_kernel_never_reads_the_tiles_before_every_window(poison, num_splits):
+    """A decode at position 60 and an extend of 3 tokens at 47..49 with a window of 6: the blocks wholly before the
+    first key any of these rows sees (42: blocks 0..9, the last two inside the first tile the extend reads, 32..47)
+    are NaN and out of the table (-1); the output is the intact run's."""
+    Hq, Hkv, D, block, window = 4, 2, 16, 4, 6
+    pool = Pool((61, 50), Hq, Hkv, D, block, seed=4)
+    sinks, scale = sink_logits(Hq, seed=5), D ** -0.5
+    pieces = [(0, 61, 1), (1, 50, 3)]
+    q, meta = pool.step(pieces)
+    intact = launch_paged_attention(q, pool.k_cache, pool.v_cache, meta, scale, num_splits=num_splits, sinks=sinks,
+                                    window=window)
+    gone = (47 - window + 1) // block
+    tables = []
+    for i, n, _ in pieces:
+        for b in pool.tables[i][:gone]:
+            pool.k_cache[b], pool.v_cache[b] = float("nan"), float("nan")
+        tables.append([-1] * gone + pool.tables[i][gone:-(-n // block)])
+    q, meta = pool.step(pieces, tables)
+    got = launch_paged_attention(q, pool.k_cache, pool.v_cache, meta, scale, num_splits=num_splits, sinks=sinks,
+                                 window=window)
+    assert torch.equal(got, intact)
+
+
+def test_the_triton_kernel_refuses_bad_sinks_and_windows(triton_ops):
+    pool = Pool((10,), 4, 2, 16, 4)
+    q, meta = pool.step([(0, 10, 10)])
+    with pytest.raises(ValueError, match="window"):
+        triton_ops.paged_attention(q, pool.k_cache, pool.v_cache, meta, 0.25, window=0)
+    with pytest.raises(ValueError, match="sinks"):
+        triton_ops.paged_attention(q, pool.k_cache, pool.v_cache, meta, 0.25, sinks=torch.zeros(4, dtype=torch.float64))
