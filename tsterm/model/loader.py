@@ -346,7 +346,7 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, de
         w[o + "post_attn_norm"] = src.get(p + "post_attention_layernorm.weight", (H,))
         (load_mla if spec.mla else _load_attention)(src, cfg, spec, p + "self_attn.", o, w, layout, dtype)
         if cfg.is_moe_layer(i):
-            _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout)
+            _load_moe(src, cfg, spec, p + spec.moe_prefix + ".", o, w, layout, keep_mxfp4=quantization == "none")
         else:
             _load_dense_mlp(src, cfg.intermediate_size, H, p + "mlp.", o, w, (layout.tp_rank, layout.tp_size))
     if spec.mtp_layers_follow:  # the MTP head's layers (numbered from num_hidden_layers on): accounted for, not run
@@ -398,17 +398,18 @@ def _load_dense_mlp(src: WeightSource, inter: int, H: int, p: str, o: str, w: di
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
 
 
-def _mxfp4(src: WeightSource, name: str, shape: tuple[int, int, int], rows: Span) -> torch.Tensor:
-    """An MXFP4 expert stack (`name`_blocks [E, O, I/32, 16] uint8: two e2m1 values a byte, the low nibble first;
-    `name`_scales [E, O, I/32] uint8: a power of two, biased by 127, per 32 inputs) as [E_rows, O, I] floats of the
-    model's dtype: the experts in `rows`. (Kept quantized: later work; dequantized here, at load.)"""
+def _mxfp4_blocks(src: WeightSource, name: str, shape: tuple[int, int, int],
+                  rows: Span) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 expert stack's two tensors as stored, the experts in `rows` (views of the mapping): `name`_blocks
+    [E_rows, O, I/32, 16] uint8 (two e2m1 values a byte, the low nibble first) and `name`_scales [E_rows, O, I/32]
+    uint8 (E8M0: a power of two, biased by 127, per 32 inputs)."""
     E, out_f, in_f = shape
     blocks_name, scales_name = name + "_blocks", name + "_scales"
     for n, want in ((blocks_name, (E, out_f, in_f // 32, 16)), (scales_name, (E, out_f, in_f // 32))):
         if not src.has(n):
             raise ModelLoadError(f"missing tensor {n!r} (an MXFP4 expert stack has _blocks and _scales)")
         t = src.where[n].tensor(n)
-        if tuple(t.shape) != want or t.dtype != torch.uint8:
+        if tuple(t.shape) != want or t.dtype != torch.uint8 or in_f % 32:
             raise ModelLoadError(f"{src.where[n].path.name}: {n!r} has {t.dtype} {list(t.shape)}; MXFP4 experts of "
                                  f"shape {[E, out_f, in_f]} need uint8 {list(want)}")
     first, count = rows if rows is not None else (0, E)
@@ -416,6 +417,15 @@ def _mxfp4(src: WeightSource, name: str, shape: tuple[int, int, int], rows: Span
     scales = src.where[scales_name].tensor(scales_name)[first:first + count]
     src._mark_used(blocks_name)
     src._mark_used(scales_name)
+    return blocks, scales
+
+
+def _mxfp4(src: WeightSource, name: str, shape: tuple[int, int, int], rows: Span) -> torch.Tensor:
+    """An MXFP4 expert stack (`_mxfp4_blocks`) dequantized to [E_rows, O, I] floats of the model's dtype (where the
+    engine quantizes the experts to another format on load)."""
+    _, out_f, in_f = shape
+    blocks, scales = _mxfp4_blocks(src, name, shape, rows)
+    count = blocks.shape[0]
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
     out = torch.empty((count, out_f, in_f), dtype=src.dtype, device=src.device)
     for e in range(count):  # one expert at a time: the float32 scratch stays one expert's size
@@ -426,28 +436,53 @@ def _mxfp4(src: WeightSource, name: str, shape: tuple[int, int, int], rows: Span
     return out
 
 
+def _mxfp4_kept(src: WeightSource, e: str, E: int, H: int, inter: int, experts: tuple[int, int],
+                cols: tuple[int, int]) -> tuple[QuantizedWeight, QuantizedWeight]:
+    """gpt-oss's MXFP4 experts kept as "mxfp4" QuantizedWeights (`tsterm_kernels.quant`): w13 [E_local, 2I_local, H]
+    (gate rows, then up rows: gate_up's alternating rows regrouped, its blocks copied once) and w2 [E_local, H,
+    I_local] (down's blocks and scales as stored: views of the mapping on the CPU for one rank's whole experts; a
+    tensor-parallel rank's columns must be whole blocks of 32)."""
+    (i0, ni) = cols
+    gate_up, gate_up_scales = _mxfp4_blocks(src, e + "gate_up_proj", (E, 2 * inter, H), experts)
+
+    def regroup(t: torch.Tensor) -> torch.Tensor:  # rows 2i (gate i), then rows 2i + 1 (up i), this rank's i
+        return torch.cat((t[:, 0::2][:, i0:i0 + ni], t[:, 1::2][:, i0:i0 + ni]), 1).to(src.device)
+
+    w13 = QuantizedWeight.mxfp4(regroup(gate_up), regroup(gate_up_scales))
+    down, down_scales = _mxfp4_blocks(src, e + "down_proj", (E, H, inter), experts)
+    if ni != inter:
+        if i0 % 32 or ni % 32:
+            raise ModelLoadError(f"{e}down_proj: a tensor-parallel rank's columns [{i0}, {i0 + ni}) cut its MXFP4 "
+                                 "blocks of 32 inputs; use fewer tensor-parallel ranks or quantization: int8")
+        down, down_scales = down[:, :, i0 // 32:(i0 + ni) // 32], down_scales[:, :, i0 // 32:(i0 + ni) // 32]
+    return w13, QuantizedWeight.mxfp4(down.to(src.device), down_scales.to(src.device))
+
+
 def _load_interleaved_experts(src: WeightSource, E: int, H: int, inter: int, e: str, o: str,
                               w: dict[str, torch.Tensor], experts: tuple[int, int], cols: tuple[int, int],
-                              down_bias: bool) -> None:
+                              down_bias: bool, keep_mxfp4: bool = True) -> None:
     """gpt-oss's experts: `gate_up_proj` [E, H, 2I] with gate and up in alternating columns and `down_proj`
     [E, I, H] (the transpose of tsterm's layout; or MXFP4 `_blocks` / `_scales` [E, 2I | H, ...] in tsterm's
-    layout, dequantized at load), with `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H]. Stored as w13
-    [E_local, 2I_local, H] (gate rows, then up rows), w13_bias, w2 [E_local, H, I_local], w2_bias (down_bias: this
-    rank adds it)."""
+    layout: kept as MXFP4 (`keep_mxfp4`), else dequantized at load), with `gate_up_proj_bias` [E, 2I] and
+    `down_proj_bias` [E, H]. Stored as w13 [E_local, 2I_local, H] (gate rows, then up rows), w13_bias, w2 [E_local,
+    H, I_local], w2_bias (down_bias: this rank adds it)."""
     (first, count), (i0, ni) = experts, cols
-    if src.has(e + "gate_up_proj"):
+    if keep_mxfp4 and not src.has(e + "gate_up_proj"):
+        w[o + "w13"], w[o + "w2"] = _mxfp4_kept(src, e, E, H, inter, experts, cols)
+    elif src.has(e + "gate_up_proj"):
         gate_up = src.get(e + "gate_up_proj", (E, H, 2 * inter), convert=False, rows=(first, count)).transpose(1, 2)
         down = src.get(e + "down_proj", (E, inter, H), convert=False, rows=(first, count)).transpose(1, 2)
     else:
         gate_up = _mxfp4(src, e + "gate_up_proj", (E, 2 * inter, H), (first, count))  # [E_local, 2I, H]
         down = _mxfp4(src, e + "down_proj", (E, H, inter), (first, count))  # [E_local, H, I]
-    w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
-    w13[:, :ni].copy_(gate_up[:, 0::2][:, i0:i0 + ni])
-    w13[:, ni:].copy_(gate_up[:, 1::2][:, i0:i0 + ni])
-    del gate_up
-    w[o + "w13"] = w13
-    del w13
-    w[o + "w2"] = down[:, :, i0:i0 + ni].to(dtype=src.dtype, device=src.device).contiguous()
+    if not keep_mxfp4 or src.has(e + "gate_up_proj"):
+        w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
+        w13[:, :ni].copy_(gate_up[:, 0::2][:, i0:i0 + ni])
+        w13[:, ni:].copy_(gate_up[:, 1::2][:, i0:i0 + ni])
+        del gate_up
+        w[o + "w13"] = w13
+        del w13
+        w[o + "w2"] = down[:, :, i0:i0 + ni].to(dtype=src.dtype, device=src.device).contiguous()
     b13 = src.get(e + "gate_up_proj_bias", (E, 2 * inter), rows=(first, count))
     w[o + "w13_bias"] = torch.cat((b13[:, 0::2][:, i0:i0 + ni], b13[:, 1::2][:, i0:i0 + ni]), 1).contiguous()
     b2 = src.get(e + "down_proj_bias", (E, H), rows=(first, count))
@@ -456,7 +491,7 @@ def _load_interleaved_experts(src: WeightSource, E: int, H: int, inter: int, e: 
 
 
 def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict[str, torch.Tensor],
-              layout: ParallelLayout) -> None:
+              layout: ParallelLayout, keep_mxfp4: bool = True) -> None:
     E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     gate, up, down = spec.expert_names
     first, count = layout.experts(E)  # this rank's experts ...
@@ -470,7 +505,7 @@ def _load_moe(src: WeightSource, cfg: ModelConfig, spec, p: str, o: str, w: dict
         w[o + "router_bias"] = src.get(p + spec.router_bias, (E,), convert=False).float().to(src.device)
     if spec.experts_interleaved:
         _load_interleaved_experts(src, E, H, inter, p + "experts.", o, w, (first, count), (i0, ni),
-                                  layout.tp_rank == 0)
+                                  layout.tp_rank == 0, keep_mxfp4)
     elif src.has(p + "experts.gate_up_proj") or src.is_quantized(p + "experts.gate_up_proj"):  # transformers-5's
         # fused layout (and tsterm's GGUF import's), already stacked
         gate_up = src.weight(p + "experts.gate_up_proj", (E, 2 * inter, H), rows=(first, count))
