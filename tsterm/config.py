@@ -611,7 +611,7 @@ def _parse_quantization(qc: Any, source: str) -> tuple[str | None, tuple[int, in
             raise ModelLoadError(f"{source}: quantization_config.block_size must be 32 for gguf_blocks, got "
                                  f"{qc.get('block_size')!r}")
         return method, None
-    if method == "mxfp4":  # gpt-oss: its experts as MXFP4 `_blocks` / `_scales`, dequantized at load (loader)
+    if method == "mxfp4":  # gpt-oss: its experts as MXFP4 `_blocks` / `_scales`, kept so by the loader (csrc/mxfp4.c)
         return method, None
     if method != "fp8":
         raise ModelLoadError(f"{source}: quantization_config.quant_method {method!r} is not supported (tsterm loads "

@@ -17,6 +17,11 @@ scales alike; a column slice (o_proj, down_proj under tensor parallelism) must f
 else loading fails with an error that says to run on one rank or import the GGUF with --dequantize. On a GPU the
 blocks are copied to the device as they are: the Triton kernels (quantized linear, fused MoE) read them.
 
+MXFP4 experts (gpt-oss, quant_method "mxfp4": `<name>_blocks` / `_scales`) load as "mxfp4" QuantizedWeights, the
+blocks as stored (down_proj's read in place from the mapping on the CPU; gate_up's alternating gate / up rows regrouped
+in one copy of the blocks), which csrc/mxfp4.c and the Triton kernels read; under `quantization` int8 / int4 / fp16 /
+fp8 they are dequantized at load and quantized to that format instead.
+
 Block-scaled FP8 checkpoints (quant_method "fp8", `weight_block_size` [128, 128]): on a CUDA device (`keep_fp8`)
 the 2-D matrices (attention, dense MLPs, each expert and the shared expert) load as "fp8" QuantizedWeights (values
 and `weight_scale_inv` as they are stored; experts stacked), which the Triton kernels read; a span that cuts a
