@@ -55,7 +55,8 @@ GPU_PRESETS = MappingProxyType({
 # Weight formats. fp8: 1 byte per weight + one fp32 scale per 128x128 block (the block-wise FP8 of the Qwen/DeepSeek
 # FP8 checkpoints). int4: 4 bits per weight + one bf16 scale per group of 128 input weights (symmetric, no zeros).
 # Only the linear layers are quantized; embedding, LM head, router, norms, conv1d and gates stay bf16, as in those
-# checkpoints.
+# checkpoints. A checkpoint whose experts ship as MXFP4 (gpt-oss: quantization_config.quant_method "mxfp4") has them
+# counted as tsterm keeps them, 4.25 bits a weight (e2m1 codes and one E8M0 byte per 32), under every --dtype.
 DTYPES = ("bf16", "fp8", "int4")
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "models" / "configs"  # config.json of real models, by name
 CACHE_BYTES = MappingProxyType({"bf16": 2, "fp8": 1, "fp32": 4})
@@ -124,6 +125,7 @@ class PlanModel:
     # gpt-oss: o_proj's bias and a sink logit per head in each attention layer; biases on every expert
     attention_extras: bool = False
     expert_bias: bool = False
+    expert_format: str | None = None  # "mxfp4": the routed experts ship (and load) as MXFP4 blocks
 
     @property
     def num_layers(self) -> int:
@@ -144,10 +146,13 @@ class Tensor:
     count: int
     read: int
     quantized: bool = True
+    shipped: str | None = None  # "mxfp4": stored in that format whatever the --dtype (MXFP4 experts kept as shipped)
 
     def bytes(self, dtype: str) -> int:
         """Bytes of one matrix."""
         n = self.rows * self.cols
+        if self.shipped == "mxfp4":  # 4-bit codes + one scale byte per 32 inputs
+            return n // 2 + self.rows * math.ceil(self.cols / 32)
         if not self.quantized or dtype == "bf16":
             return 2 * n
         if dtype == "fp8":
@@ -210,8 +215,8 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
         i_r, held = _cdiv(m.moe_intermediate, tp), _cdiv(m.experts, ep)
         # batch 1 routes top_k experts; by pigeonhole some rank holds at least ceil(top_k / ep) of them
         active = min(_cdiv(m.top_k, ep), held)
-        out += [Tensor("experts", i_r, h, 2 * held * n_moe, 2 * active * n_moe),  # gate, up
-                Tensor("experts", h, i_r, held * n_moe, active * n_moe),  # down
+        out += [Tensor("experts", i_r, h, 2 * held * n_moe, 2 * active * n_moe, shipped=m.expert_format),  # gate, up
+                Tensor("experts", h, i_r, held * n_moe, active * n_moe, shipped=m.expert_format),  # down
                 Tensor("router", m.experts, h, n_moe, n_moe, quantized=False)]
         if m.router_bias:  # e_score_correction_bias (gpt-oss: the router's own bias)
             out.append(Tensor("router", 1, m.experts, n_moe, n_moe, quantized=False))
@@ -376,6 +381,11 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
         if missing:
             raise ModelLoadError(f"{source}: multi-head latent attention (kv_lora_rank) needs {', '.join(missing)}")
         mla = LatentAttention(_int(cfg, source, "q_lora_rank") or 0, *(_int(cfg, source, k) for k in keys))
+    qc = raw.get("quantization_config")
+    expert_format = "mxfp4" if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4" and experts else None
+    if expert_format:
+        notes.append("the routed experts ship as MXFP4 and are counted as tsterm keeps them, 4.25 bits a weight, "
+                     "under every --dtype (the other weights take --dtype)")
     if cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_modules"):
         notes.append("the MTP layers shipped after the last layer are not counted: plain decode does not run them")
     if cfg.get("mtp_num_hidden_layers"):
@@ -394,7 +404,7 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
         dense_intermediate=dense_intermediate, full_layers=full_layers, moe_layers=moe_layers, linear=linear,
         notes=tuple(notes), shared_gated=model_type not in ("glm4_moe",) + MLA_TYPES,
         router_bias=model_type in ("glm4_moe", "minimax_m2", "gpt_oss") + MLA_TYPES, mla=mla,
-        attention_extras=model_type == "gpt_oss", expert_bias=model_type == "gpt_oss",
+        attention_extras=model_type == "gpt_oss", expert_bias=model_type == "gpt_oss", expert_format=expert_format,
     )
 
 
