@@ -30,6 +30,15 @@ While the session waits on its tools, and after its answer while it waits on the
 pinned in the engine (a TTL, under the engine's cap), so other sessions' traffic cannot evict its prefix; `close()`
 releases the pin.
 
+A harmony model (gpt-oss: tsterm.agent.harmony's `is_harmony`, the one choice the server makes too) is read by
+`HarmonyParser` from the text of the reply's ids with their markers (the engine's text leaves them out): its analysis
+channel comes as `ReasoningChunk`s (the step's `reasoning`), its final channel and commentary preambles as
+`TextChunk`s, its `to=functions.NAME` message as the call. Its prompts are rendered by tsterm (`harmony.render`), and
+its reply is kept as a structured message (reasoning, content, the calls with their arguments as written), which the
+renderer writes back as harmony where a turn is re-rendered; the kept ids are the model's own under `preserve`. Its
+calls are constrained by `harmony.turn_grammar` (reasoning and preambles, then a final answer or a call of an offered
+tool, its arguments held to the tool's schema).
+
 The loop is an async generator of events (`Agent.run`), shared by `tsterm agent`, the TUI and the server. No
 Textual here, no engine import: the backend is anything with AsyncEngine's `generate` / `abort` / `pin` / `unpin`.
 """
@@ -43,7 +52,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser
+from tsterm.agent.harmony import ReasoningDelta, TurnText, call_arguments, chat_tokenizer, is_harmony, turn_grammar, \
+    turn_parser
+from tsterm.agent.tool_calls import TextDelta, ToolCall
 from tsterm.agent.tool_grammar import (CallFormError, ChatTokens, agent_grammar, call_form, prompt_opens_reasoning,
                                        tool_parameters)
 from tsterm.agent.tools import Tool, ToolResult
@@ -117,6 +128,7 @@ class AgentStep:
     duration_s: float = 0.0
     policy_applied: str | None = None  # the thinking-history policy that planned the prompt
     fallback_reason: str | None = None  # why `preserve` could not apply to this step (planned as `template`)
+    reasoning: str = ""  # a harmony reply's analysis channel (other families keep theirs in `text`'s <think>)
 
     @property
     def new_tokens(self) -> int:
@@ -154,6 +166,12 @@ class TextChunk:
 
 
 @dataclass(frozen=True)
+class ReasoningChunk:
+    step: int
+    text: str  # a harmony reply's reasoning (its analysis channel), as it streams
+
+
+@dataclass(frozen=True)
 class ToolCallParsed:
     step: int
     call: ToolCallRecord
@@ -181,7 +199,8 @@ class AgentFinished:
     steps: int  # steps this task took
 
 
-AgentEvent = StepStarted | TextChunk | ToolCallParsed | StepFinished | ToolStarted | ToolFinished | AgentFinished
+AgentEvent = StepStarted | TextChunk | ReasoningChunk | ToolCallParsed | StepFinished | ToolStarted | ToolFinished \
+    | AgentFinished
 
 
 class Agent:
@@ -203,7 +222,8 @@ class Agent:
                  system_prompt: str | None = None, template_kwargs: dict[str, Any] | None = None,
                  history_policy: str = PRESERVE, stop_ids: Collection[int] | None = None,
                  constrain_tool_calls: bool = True):
-        self.backend, self.tokenizer = backend, tokenizer
+        self.harmony = is_harmony(tokenizer)
+        self.backend, self.tokenizer = backend, chat_tokenizer(tokenizer)  # harmony: rendered by tsterm
         self.tools: dict[str, Tool] = {}
         for tool in tools:
             if tool.name in self.tools:
@@ -276,7 +296,7 @@ class Agent:
         grammars = getattr(getattr(self.backend, "engine", None), "grammars", None)  # the engine's llguidance view
         try:
             self._tokens = ChatTokens(self.tokenizer, getattr(grammars, "lltokenizer", None))
-            form = call_form(self._tokens)
+            form = None if self.harmony else call_form(self._tokens)
         except CallFormError as e:
             raise _Unconstrained(str(e)) from e
         except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read: unconstrained, said once
@@ -288,6 +308,13 @@ class Agent:
             error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokens.lltokenizer)
             return _readable(messages[0]) if error else None
 
+        if self.harmony:  # one grammar: a harmony prompt opens no reasoning block
+            for name, schema in parameters.items():
+                error = problem(turn_grammar(self._tokens, {name: schema}, required=False))
+                if error is not None:
+                    raise _Unconstrained(f"llguidance cannot compile the parameters schema of tool {name!r} ({error})")
+            grammar = StructuredOutputs(grammar=turn_grammar(self._tokens, parameters, required=False))
+            return {False: grammar, True: grammar}
         for name, schema in parameters.items():  # name the tool whose schema llguidance cannot take
             error = problem(agent_grammar(self._tokens, form, {name: schema}))
             if error is not None:
@@ -368,16 +395,19 @@ class Agent:
         if self._grammars is None:  # the first step builds the grammar (llguidance's tokenizer: off the event loop)
             await asyncio.to_thread(self._tool_grammars)
         params = self._step_params(plan.token_ids)
-        parser = ToolCallParser(self.specs, id_prefix=f"call_{index}_")
+        parser = turn_parser(self.tokenizer, self.specs, id_prefix=f"call_{index}_")
+        turn = TurnText(self.tokenizer) if self.harmony else None  # harmony's markers are special tokens
         calls: list[ToolCallRecord] = []
         text: list[str] = []
+        reasoning: list[str] = []
         self._requests += 1
         self._request_id = f"{self.session.id}-{self._requests}"
         start = time.monotonic()
         final = None
         try:
             async for out in self.backend.generate(plan.token_ids, params, request_id=self._request_id):
-                events = parser.feed(out.outputs[0].delta_text)
+                output = out.outputs[0]
+                events = parser.feed(output.delta_text if turn is None else turn.feed(output.token_ids, out.finished))
                 if out.finished:
                     final = out
                     events += parser.finish()
@@ -385,6 +415,9 @@ class Agent:
                     if isinstance(event, TextDelta):
                         text.append(event.text)
                         yield TextChunk(index, event.text)
+                    elif isinstance(event, ReasoningDelta):
+                        reasoning.append(event.text)
+                        yield ReasoningChunk(index, event.text)
                     else:
                         call = _record(event)
                         calls.append(call)
@@ -395,15 +428,22 @@ class Agent:
             self._aborted = True
             return
         ids = list(final.outputs[0].token_ids)
-        raw = final.outputs[0].text
+        raw = final.outputs[0].text if turn is None else turn.text
         stats = TurnStats.from_plan(plan, final.num_cached_tokens, len(ids), ttft=final.metrics.ttft,
                                     finish_reason=final.finish_reason)
         # the reply as the model wrote it (see the module docstring): the kept ids become the plan's + these ids,
         # standing for every message through this one; the tool messages that answer its calls come after them
-        self.session.record_reply(plan, raw, ids, stats, message={"role": "assistant", "content": raw})
+        message = {"role": "assistant", "content": raw}
+        if turn is not None:  # harmony: its messages, which the renderer writes back as the model wrote them
+            message = {"role": "assistant", "content": "".join(text), "reasoning_content": "".join(reasoning)}
+            if calls:
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.name or "unknown", "arguments": call_arguments(_call(c))}} for c in calls]
+        self.session.record_reply(plan, raw, ids, stats, message=message)
         step = AgentStep(index, len(plan.token_ids), final.num_cached_tokens, plan.kept_tokens, len(ids),
                          "".join(text), raw, calls, final.finish_reason, plan.miss, plan.diverged_at, lost,
-                         final.metrics.ttft, time.monotonic() - start, plan.policy_applied, plan.fallback_reason)
+                         final.metrics.ttft, time.monotonic() - start, plan.policy_applied, plan.fallback_reason,
+                         "".join(reasoning))
         self.steps.append(step)
         yield StepFinished(step)
 
@@ -540,6 +580,10 @@ def _after_reasoning(text: str) -> str:
     return text.rsplit(THINK_END, 1)[1] if THINK_END in text else text
 
 
+def _call(record: ToolCallRecord) -> ToolCall:
+    return ToolCall(record.id, record.name, record.arguments, record.raw, record.error)
+
+
 def _record(call: ToolCall) -> ToolCallRecord:
     return ToolCallRecord(call.id, call.name, dict(call.arguments), call.raw, call.error,
                           status="parsed" if call.error is None else "error")
@@ -553,5 +597,6 @@ def _tool_message(call: ToolCallRecord) -> dict[str, Any]:
 
 
 __all__ = ["ABORTED", "Agent", "AgentEvent", "AgentFinished", "AgentOptions", "AgentStep", "Backend",
-           "engine_eos_ids", "NO_APPROVER", "REFUSED", "StepFinished", "StepStarted", "TextChunk", "ToolCallParsed", "ToolCallRecord",
+           "engine_eos_ids", "NO_APPROVER", "REFUSED", "ReasoningChunk", "StepFinished", "StepStarted",
+           "TextChunk", "ToolCallParsed", "ToolCallRecord",
            "ToolFinished", "ToolStarted"]

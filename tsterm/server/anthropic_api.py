@@ -57,7 +57,7 @@ from tsterm.server.generation import (
     sse_events,
 )
 from tsterm.server.tool_choice import ToolUse, call_grammar, reply_parser, stop_at_call_end, unsatisfied
-from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
+from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, Reasoning, ReplyParser
 from tsterm.server.security import request_salt
 from tsterm.server.state import RequestInfo, ServerState
 
@@ -447,7 +447,7 @@ async def messages(request: Request, raw: dict[str, Any] = Body()) -> Any:
     body = _parse_body(MessagesRequest, raw)
     check_model(state, body.model)
     chat = _chat(body)
-    params = stop_at_call_end(_sampling(state, body), chat.tools)
+    params = stop_at_call_end(_sampling(state, body), chat.tools, state)
     owner = request_owner(request, state)
     lease = Lease(state, metrics)  # before rendering: a full server renders and tokenises nothing more
     try:
@@ -467,7 +467,7 @@ async def messages(request: Request, raw: dict[str, Any] = Body()) -> Any:
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
                        history_context=prompt.context, cache_salt=request_salt(state, request, body.cache_salt))
     count_history(metrics, prompt, info.request_id)
-    parser = reply_parser(chat.tools, prefix="toolu")
+    parser = reply_parser(chat.tools, prefix="toolu", state=state)
     prefill = chat.messages[-1] if chat.prefill else None
     if body.stream:
         events = _stream(state, metrics, chat.tools, parser, info, params, owner, prompt, prefill)
@@ -477,7 +477,7 @@ async def messages(request: Request, raw: dict[str, Any] = Body()) -> Any:
     if out is None:
         return gone()
     (o,) = out.outputs
-    pieces = parser.feed(o.text, final=True, stop_reason=o.stop_reason)
+    pieces = parser.feed(parser.text(o, whole=True), final=True, stop_reason=o.stop_reason)
     if chat.tools.required and not parser.calls:
         raise unsatisfied()
     record = ReplyRecord()
@@ -485,7 +485,9 @@ async def messages(request: Request, raw: dict[str, Any] = Body()) -> Any:
     remember(state, owner, prompt, out, {o.index: _reply_message(record, prefill)})
     text = "".join(p for p in pieces if isinstance(p, str))
     calls = [p.call for p in pieces if isinstance(p, CallEnd)]
-    content: list[dict] = [{"type": "text", "text": text}] if text.strip() or not calls else []
+    reasoning = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    content: list[dict] = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+    content += [{"type": "text", "text": text}] if text.strip() or not calls else []
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in calls]
     stop_reason, stop_sequence = _stop(o, parser)
     return JSONResponse({"id": info.request_id, "type": "message", "role": "assistant", "model": state.model_name,
@@ -505,6 +507,7 @@ async def _stream(state: ServerState, metrics: ServerMetrics, tools: ToolUse, pa
                   info: RequestInfo, params: SamplingParams, owner: str, prompt: ChatPrompt,
                   prefill: dict | None) -> AsyncIterator[str]:
     last, index, text_open = None, 0, False
+    thinking_open: int | None = None  # the index of an open thinking block
     o = None
     record = ReplyRecord()
     async for out in generate(state, info, params):
@@ -514,9 +517,25 @@ async def _stream(state: ServerState, metrics: ServerMetrics, tools: ToolUse, pa
             yield _event("message_start", {"message": start})
         last = out
         (o,) = out.outputs
-        pieces = parser.feed(o.delta_text, o.finish_reason is not None, o.stop_reason)
+        pieces = parser.feed(parser.text(o), o.finish_reason is not None, o.stop_reason)
         record.add(pieces)
         for piece in pieces:
+            if isinstance(piece, Reasoning):  # a harmony reply's analysis: a thinking block (tsterm signs nothing)
+                if thinking_open is None:
+                    if text_open:
+                        yield _event("content_block_stop", {"index": index})
+                        index, text_open = index + 1, False
+                    yield _event("content_block_start", {"index": index, "content_block": {
+                        "type": "thinking", "thinking": "", "signature": ""}})
+                    thinking_open = index
+                yield _event("content_block_delta", {"index": index,
+                                                     "delta": {"type": "thinking_delta", "thinking": piece.text}})
+                continue
+            if thinking_open is not None:
+                yield _event("content_block_delta", {"index": index,
+                                                     "delta": {"type": "signature_delta", "signature": ""}})
+                yield _event("content_block_stop", {"index": index})
+                index, thinking_open = index + 1, None
             if isinstance(piece, str):
                 if not text_open and not piece.strip():
                     continue
@@ -543,6 +562,9 @@ async def _stream(state: ServerState, metrics: ServerMetrics, tools: ToolUse, pa
         raise APIError(500, "the request ended without output", type_="api_error")
     if tools.required and not parser.calls:
         raise unsatisfied()
+    if thinking_open is not None:
+        yield _event("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}})
+        yield _event("content_block_stop", {"index": index})
     if text_open:
         yield _event("content_block_stop", {"index": index})
     count_usage(metrics, last)

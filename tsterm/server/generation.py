@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tsterm.chat.history import POLICIES, PRESERVE, TEMPLATE
+from tsterm.chat.history import POLICIES, PRESERVE, TEMPLATE, kimi_call_ids, writes_call_ids
 from tsterm.chat.session import Session
 from tsterm.config import SamplingParams, StructuredOutputs
 from tsterm.engine.admission import check_reply_room
@@ -37,7 +37,7 @@ from tsterm.server.errors import APIError
 from tsterm.server.metrics import ServerMetrics
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_choice import ToolUse, call_grammar
-from tsterm.server.tool_stream import CallArguments, CallStart, Piece
+from tsterm.server.tool_stream import CallArguments, CallStart, Piece, Reasoning
 
 log = logging.getLogger("tsterm.server")
 CUT_SHORT = "cut short before its end (the client left, or the server refused the reply)"
@@ -262,6 +262,8 @@ def render_messages(state: ServerState, messages: list[dict], tools: ToolUse,
                     template_kwargs: dict[str, Any] | None = None) -> Prompt:
     """Chat-template messages (tool calls with object arguments) -> the prompt ids (the Anthropic route's
     count_tokens; a required call's grammar adds none). `template_kwargs` are variables for the template."""
+    if writes_call_ids(state.tokenizer):  # Kimi-K2: its calls' ids in the form its template writes
+        messages = kimi_call_ids(messages)
     try:
         ids = list(state.tokenizer.apply_chat_template(messages, tools=tools.offered, add_generation_prompt=True,
                                                        tokenize=True, **(template_kwargs or {})))
@@ -336,8 +338,11 @@ def plan_chat(state: ServerState, messages: list[dict], tools: ToolUse, kwargs: 
     """The prompt of a chat request (blocking: run it off the event loop). `stored` is the conversation it continues
     (ConversationStore.find), or None."""
     tokenizer = state.tokenizer
+    call_ids = writes_call_ids(tokenizer)  # Kimi-K2: its calls' ids in the form its template writes
 
     def render(conversation: list[dict]) -> str:
+        if call_ids:
+            conversation = kimi_call_ids(conversation)
         return tokenizer.apply_chat_template(conversation, tools=tools.offered, add_generation_prompt=True,
                                              tokenize=False, **kwargs)
 
@@ -389,12 +394,15 @@ class ReplyRecord:
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.reasoning: list[str] = []  # a harmony reply's analysis channel
         self.calls: list[list] = []  # [id, name, arguments text]
 
     def add(self, pieces: list[Piece]) -> None:
         for piece in pieces:
             if isinstance(piece, str):
                 self.text.append(piece)
+            elif isinstance(piece, Reasoning):
+                self.reasoning.append(piece.text)
             elif isinstance(piece, CallStart):
                 self.calls.append([piece.id, piece.name, ""])
             elif isinstance(piece, CallArguments):
@@ -402,6 +410,8 @@ class ReplyRecord:
 
     def message(self) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
         calls = []
         for call_id, name, arguments in self.calls:
             try:

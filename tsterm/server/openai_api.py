@@ -9,6 +9,8 @@ writes them, their arguments held to each tool's `parameters`; a named function 
 allows one call. A constrained reply cut short by max_tokens before its first call was whole is a 422
 (`tool_choice_unsatisfied`; in a stream, an error event after what was streamed). A `strict: true` function under
 "auto" holds its calls' arguments to its schema, the text before them free (tool_choice.py says where it applies).
+A harmony model's (gpt-oss) reasoning, its analysis channel, comes back as the message's `reasoning_content` (streamed,
+as `delta.reasoning_content`), its final channel as `content` (tool_stream.py).
 
 Structured outputs (`structured.py`): `response_format` json_object / json_schema, or vLLM's `structured_outputs`
 field (chat and completions), become the engine's `SamplingParams.structured_outputs`; a schema llguidance cannot
@@ -72,7 +74,7 @@ from tsterm.server.protocol import (
 )
 from tsterm.server.security import request_salt
 from tsterm.server.state import RequestInfo, ServerState
-from tsterm.server.tool_stream import CallArguments, CallStart, Piece, ReplyParser
+from tsterm.server.tool_stream import CallArguments, CallStart, Piece, Reasoning, ReplyParser
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -309,7 +311,7 @@ def _legacy_delta(delta: ToolCallDelta) -> ChoiceDelta:
 
 def _call_deltas(pieces: list[Piece]) -> tuple[str, list[ToolCallDelta]]:
     """One step's pieces of a reply as content and tool-call deltas: a call's first delta has its index, id, type,
-    name and empty arguments; then arguments fragments."""
+    name and empty arguments; then arguments fragments (reasoning pieces: `_reasoning`)."""
     text, deltas = [], []
     for piece in pieces:
         if isinstance(piece, str):
@@ -337,7 +339,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                        "constrain the reply; send one of them", param="tool_choice")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = stop_at_call_end(_sampling(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None),
-                              tools)
+                              tools, state)
     kwargs, policy = template_kwargs(body.chat_template_kwargs)
     # admitted before the costly part (checking a schema, rendering and tokenising a body of up to max_body_bytes),
     # so that the queue bound bounds those too; given back on every path (the stream's end or run_to_end, else here)
@@ -368,7 +370,7 @@ async def _chat(request: Request, state: ServerState, metrics: ServerMetrics, le
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
                        history_context=prompt.context, cache_salt=request_salt(state, request, body.cache_salt))
     count_history(metrics, prompt, info.request_id)
-    parsers = [reply_parser(tools) for _ in range(params.n)]
+    parsers = [reply_parser(tools, state=state) for _ in range(params.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _chat_stream(state, metrics, body, legacy, tools, parsers, info, params, include_usage, owner,
@@ -384,9 +386,9 @@ async def _chat(request: Request, state: ServerState, metrics: ServerMetrics, le
         if o.finish_reason == "length":
             # fed as a stream is: a call max_tokens cut after its name is a call with the arguments written so far
             # (not the model's raw markup as text), as the same reply streamed gives it
-            pieces = parser.feed(o.text, final=False) + parser.feed("", final=True)
+            pieces = parser.feed(parser.text(o, whole=True), final=False) + parser.feed("", final=True)
         else:
-            pieces = parser.feed(o.text, final=True, stop_reason=o.stop_reason)
+            pieces = parser.feed(parser.text(o, whole=True), final=True, stop_reason=o.stop_reason)
         if tools.required and not parser.calls:
             raise unsatisfied()
         record = ReplyRecord()
@@ -398,7 +400,8 @@ async def _chat(request: Request, state: ServerState, metrics: ServerMetrics, le
         for piece in pieces:
             if isinstance(piece, CallArguments):
                 calls[piece.index].function.arguments += piece.text
-        message = AssistantMessage(content=None if calls and not content.strip() else content)
+        message = AssistantMessage(content=None if calls and not content.strip() else content,
+                                   reasoning_content=_reasoning(pieces))
         finish_reason = parser.finish_reason(o.finish_reason)
         if legacy and calls:  # one call (the request allowed one), in the legacy form
             message.function_call, finish_reason = calls[0].function, _legacy_finish(finish_reason)
@@ -410,6 +413,12 @@ async def _chat(request: Request, state: ServerState, metrics: ServerMetrics, le
     result = ChatCompletion(id=info.request_id, created=int(time.time()), model=state.model_name, choices=choices,
                             usage=_usage(out))
     return JSONResponse(result.model_dump(exclude_none=True))
+
+
+def _reasoning(pieces: list[Piece]) -> str | None:
+    """The reasoning among a reply's pieces (a harmony model's analysis channel), or None."""
+    text = "".join(p.text for p in pieces if isinstance(p, Reasoning))
+    return text or None
 
 
 def _legacy_finish(reason: str | None) -> str | None:
@@ -446,9 +455,11 @@ async def _chat_stream(state: ServerState, metrics: ServerMetrics, body: ChatCom
             if o.index in done:
                 continue
             i, final, parser = o.index, o.finish_reason is not None, parsers[o.index]
-            pieces = parser.feed(o.delta_text, final, o.stop_reason)
+            pieces = parser.feed(parser.text(o), final, o.stop_reason)
             records[i].add(pieces)
             text, deltas = _call_deltas(pieces)
+            if reasoning := _reasoning(pieces):
+                yield chunk([ChunkChoice(index=i, delta=ChoiceDelta(reasoning_content=reasoning))])
             logprobs = None
             if body.logprobs:
                 entries = _new_logprobs(o, sent_logprobs)

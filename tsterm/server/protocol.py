@@ -192,6 +192,7 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # a harmony model's analysis channel (as vLLM's reasoning parsers return it)
     tool_calls: list[ToolCallOut] | None = None
     function_call: ToolCallFunction | None = None  # the call, where the request used the legacy `functions`
 
@@ -230,6 +231,7 @@ class ToolCallDelta(BaseModel):
 class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
     function_call: ToolCallFunction | None = None  # the legacy `functions` form of a call delta
 

@@ -67,7 +67,7 @@ from tsterm.server.response_store import StoredResponse
 from tsterm.server.security import request_salt
 from tsterm.server.state import RequestInfo, ServerState
 from tsterm.server.tool_choice import ToolUse, reply_parser, stop_at_call_end, unsatisfied
-from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, Piece, ReplyParser
+from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, Piece, Reasoning, ReplyParser
 
 router = APIRouter()
 PATH = "/v1/responses"
@@ -402,6 +402,8 @@ class OutputBuilder:
             if isinstance(piece, str):
                 for kind, fragment in self.split.feed(piece):
                     self._text(kind, fragment, events)
+            elif isinstance(piece, Reasoning):  # a harmony reply's analysis channel
+                self._text("reasoning", piece.text, events)
             elif isinstance(piece, CallStart):
                 self._close(events)
                 item = {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": piece.id,
@@ -562,7 +564,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     tools, echoed = _tools(body, form is not None and form.type != "text")
     if form is not None and form.type != "text" and tools.required:
         raise _bad("text.format and tool_choice each constrain the reply; send one of them", "tool_choice")
-    params = stop_at_call_end(_sampling(state, body), tools)
+    params = stop_at_call_end(_sampling(state, body), tools, state)
     kwargs, policy = template_kwargs(body.chat_template_kwargs)
     kwargs = thinking_kwargs(body, kwargs)
     # admitted before the costly part (compiling a schema, converting, rendering and tokenising the input), so that
@@ -610,7 +612,7 @@ async def _respond(request: Request, state: ServerState, metrics: ServerMetrics,
                        history_policy=prompt.policy, history_fallback=prompt.fallback_reason,
                        history_context=prompt.context, cache_salt=request_salt(state, request, body.cache_salt))
     count_history(metrics, prompt, info.request_id)
-    parser = reply_parser(tools)
+    parser = reply_parser(tools, state=state)
     builder = OutputBuilder(prompt_opens_reasoning(state, prompt.ids))
     if body.stream:
         sequence = _Sequence()
@@ -621,7 +623,7 @@ async def _respond(request: Request, state: ServerState, metrics: ServerMetrics,
     if out is None:
         return gone()
     o = out.outputs[0]
-    pieces = parser.feed(o.text, final=True, stop_reason=o.stop_reason)
+    pieces = parser.feed(parser.text(o, whole=True), final=True, stop_reason=o.stop_reason)
     if tools.required and not parser.calls:
         raise unsatisfied()
     record = ReplyRecord()
@@ -661,7 +663,7 @@ async def _stream(state: ServerState, metrics: ServerMetrics, call: _Call, parse
         last = out
         o = out.outputs[0]
         final = o.finish_reason is not None
-        pieces = parser.feed(o.delta_text, final, o.stop_reason)
+        pieces = parser.feed(parser.text(o), final, o.stop_reason)
         record.add(pieces)
         for event in builder.feed(pieces):
             yield sequence.sse(event)

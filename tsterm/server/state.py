@@ -6,6 +6,7 @@ from typing import Any, Protocol
 
 import llguidance
 
+from tsterm.agent.harmony import chat_tokenizer
 from tsterm.chat.history import PRESERVE, check_policy
 from tsterm.config import SamplingParams
 from tsterm.outputs import RequestOutput
@@ -103,6 +104,7 @@ class ServerState:
         return self._lltokenizer.is_special_token(token_id)
 
     def __post_init__(self) -> None:
+        self.tokenizer = chat_tokenizer(self.tokenizer)  # a harmony model's prompts: rendered by tsterm.agent.harmony
         check_policy(self.history_policy)
         if self.conversations is None:
             self.conversations = ConversationStore(self.limits.max_conversations, self.limits.conversation_ttl_s)

@@ -20,11 +20,18 @@ arguments held to their schemas (the others' to any object); this needs a templa
 (text cannot hold it, so text and calls are told apart): with a text open tag, "auto" is not constrained. Otherwise
 "auto" constrains nothing, and `parallel_tool_calls: false` stops the reply at its first call's close tag.
 The call form and the Lark rules of a call are built in tsterm/agent/tool_grammar.py (agent sessions use them too).
+A harmony model (gpt-oss, tsterm.agent.harmony) is held to `harmony.turn_grammar` instead: reasoning and preambles,
+then the call of an allowed tool as a `to=functions.NAME` commentary message, its arguments held to the schema (under
+"auto" with strict functions, a final answer or such a call); a harmony reply holds one call (`<|call|>` ends it), so
+a one-call request needs no stop string there.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from typing import Any
+
+from tsterm.agent.harmony import is_harmony, turn_grammar
 from tsterm.agent.tool_calls import CLOSE_TAG
 from tsterm.agent.tool_grammar import CallForm, CallFormError, call_rules, prompt_opens_reasoning, think_rules
 from tsterm.agent.tool_grammar import call_form as template_call_form
@@ -59,6 +66,8 @@ def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int],
     docstring. `prompt_ids`: the request's prompt (a generation prompt that leaves a `<think>` block open makes the
     reply finish it before its calls); `thinking`: the request asked for reasoning (`enable_thinking`), so a reply may
     open with a reasoning block. A 400 where the template does not render tool calls in a form the grammar follows."""
+    if is_harmony(state.tokenizer):
+        return StructuredOutputs(grammar=turn_grammar(state, _allowed(tools), required=tools.required))
     try:
         form = call_form(state)
     except APIError:
@@ -89,6 +98,15 @@ def call_grammar(state: ServerState, tools: ToolUse, prompt_ids: list[int],
     return StructuredOutputs(grammar="\n".join(lines))
 
 
+def _allowed(tools: ToolUse) -> dict[str, dict]:
+    """Each tool a reply may call -> the schema its arguments are held to (under "auto", a strict function's own,
+    any object for the others)."""
+    specs = {t["function"]["name"]: t["function"] for t in tools.offered or []}
+    names = [tools.name] if tools.name else list(specs)
+    return {name: (specs[name].get("parameters") or {"type": "object"}) if tools.required or specs[name].get("strict")
+            else {"type": "object"} for name in names}
+
+
 def call_form(state: ServerState) -> CallForm:
     """How the served model's template writes a tool call (tsterm.agent.tool_grammar.call_form); a 400
     (`tool_choice_unsupported`) where it writes none the grammar can follow."""
@@ -103,14 +121,18 @@ def _cannot_force(why: str) -> APIError:
                     "tool_choice \"auto\"", param="tool_choice", code="tool_choice_unsupported")
 
 
-def reply_parser(tools: ToolUse, prefix: str = "call") -> ReplyParser:
-    """A parser for one choice's reply (a one-call stop is put back)."""
+def reply_parser(tools: ToolUse, prefix: str = "call", state: Any = None) -> ReplyParser:
+    """A parser for one choice's reply (a one-call stop is put back); a harmony model's (`state`'s tokenizer) reads
+    the reply's ids with their markers."""
+    if state is not None and is_harmony(state.tokenizer):
+        return ReplyParser(tools.offered, tools.parse, prefix=prefix, tokenizer=state.tokenizer)
     return ReplyParser(tools.offered, tools.parse, prefix=prefix, stop_at=tools.stop_at)
 
 
-def stop_at_call_end(params: SamplingParams, tools: ToolUse) -> SamplingParams:
-    """`params` stopping at the first call's close tag where "auto" allows one call."""
-    if tools.stop_at is None:
+def stop_at_call_end(params: SamplingParams, tools: ToolUse, state: Any = None) -> SamplingParams:
+    """`params` stopping at the first call's close tag where "auto" allows one call (not for a harmony model,
+    `state`'s: its replies hold one call)."""
+    if tools.stop_at is None or (state is not None and is_harmony(state.tokenizer)):
         return params
     return dataclasses.replace(params, stop=[*(params.stop or []), tools.stop_at])
 

@@ -8,6 +8,11 @@ MiniMax-M2 block, each call of a DeepSeek-V3 / V3.1 or Kimi-K2 section, which th
 it arrives, arguments given as a JSON string) starts when it is complete and carries its arguments in one fragment. The arguments text of a call is the same streamed or not: the object as
 the model wrote it when the scanner could read it (and it parses to the call's arguments), else `json.dumps` of them.
 
+A harmony model's reply (gpt-oss; `tokenizer` given) is read by tsterm.agent.harmony's parser from the text of its
+ids with their markers (`text`): its analysis channel comes out as `Reasoning` pieces, its final channel and
+commentary preambles as text, and each `to=functions.NAME` message as a call whose arguments (the message's content,
+the JSON as the model wrote it) stream as they arrive.
+
 A call is only started once its name is a tool the request offered; a call that then turns out malformed (bad JSON,
 arguments failing the schema, cut short) cannot be taken back: it ends with a `CallEnd` whose call is not `ok`, and
 the client keeps what was streamed. A malformed call that was never started is text, as in a non-streamed reply.
@@ -19,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tsterm.agent.harmony import HarmonyParser, ReasoningDelta, TurnText, call_arguments
 from tsterm.agent.tool_calls import TAGS, TextDelta, ToolCall, ToolCallParser
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # the keys ToolCallParser reads a JSON-form call's arguments from
@@ -122,6 +128,14 @@ def _body(raw: str) -> str:
 
 def arguments_text(call: ToolCall) -> str:
     """A complete call's arguments as the client gets them (see the module docstring)."""
+    written = call_arguments(call)  # a harmony call: its content is the arguments object
+    if written:
+        try:
+            if json.loads(written) == call.arguments:
+                return written
+        except json.JSONDecodeError:
+            pass
+        return json.dumps(call.arguments, ensure_ascii=False)
     scanner = CallScanner()
     scanner.feed(_body(call.raw))
     if scanner.arguments_end is not None:
@@ -153,7 +167,12 @@ class CallEnd:
     call: ToolCall  # `call.ok` False: a started call turned out malformed
 
 
-Piece = str | CallStart | CallArguments | CallEnd
+@dataclass(frozen=True)
+class Reasoning:
+    text: str  # the next piece of the reply's reasoning (a harmony reply's analysis channel)
+
+
+Piece = str | Reasoning | CallStart | CallArguments | CallEnd
 
 
 @dataclass
@@ -166,14 +185,30 @@ class _Streaming:
 
 class ReplyParser:
     """One choice's reply as pieces, fed delta by delta. `stop_at`: a stop string that ended the reply at a call's
-    close tag (a request for one call), put back so that the call is complete."""
+    close tag (a request for one call), put back so that the call is complete. `tokenizer`: given for a harmony
+    model, whose replies are read from their ids (`text`) by a HarmonyParser (its channels are always split; with
+    `parse` false no call is offered, so a call message stays text)."""
 
-    def __init__(self, offered: list[dict] | None, parse: bool, *, prefix: str = "call", stop_at: str | None = None):
-        self.parser = ToolCallParser(offered, id_prefix=f"{prefix}_{uuid.uuid4().hex[:12]}_") if parse else None
+    def __init__(self, offered: list[dict] | None, parse: bool, *, prefix: str = "call", stop_at: str | None = None,
+                 tokenizer: Any = None):
+        id_prefix = f"{prefix}_{uuid.uuid4().hex[:12]}_"
+        self.turn = TurnText(tokenizer) if tokenizer is not None else None
+        self.parser: HarmonyParser | ToolCallParser | None
+        if self.turn is not None:
+            self.parser = HarmonyParser(offered if parse else [], id_prefix=id_prefix)
+        else:
+            self.parser = ToolCallParser(offered, id_prefix=id_prefix) if parse else None
         self.stop_at = stop_at
         self.calls: list[ToolCall] = []  # the valid calls so far
         self.started = 0  # calls streamed so far (valid or not)
         self._current: _Streaming | None = None
+
+    def text(self, output: Any, whole: bool = False) -> str:
+        """What to feed for an engine output (a CompletionOutput): its `delta_text` (its `text` when `whole`), or for
+        a harmony reply the text its new ids add, markers included."""
+        if self.turn is not None:
+            return self.turn.feed(output.token_ids, output.finish_reason is not None)
+        return output.text if whole else output.delta_text
 
     def feed(self, delta: str, final: bool, stop_reason: Any = None) -> list[Piece]:
         if final and self.stop_at is not None and stop_reason == self.stop_at:
@@ -187,11 +222,31 @@ class ReplyParser:
         for event in events:
             if isinstance(event, TextDelta):
                 pieces.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                pieces.append(Reasoning(event.text))
             else:
                 self._end(event, pieces)
         if not final and (pending := self.parser.pending) is not None:
-            self._advance(*pending, pieces)
+            if self.turn is not None:
+                self._advance_written(*pending, pieces)
+            else:
+                self._advance(*pending, pieces)
         return _merge_text(pieces)
+
+    def _advance_written(self, call_id: str, name: str, arguments: str, pieces: list[Piece]) -> None:
+        """A harmony call being read: started once its name is an offered tool, its arguments (the message's
+        content) streamed as they grow."""
+        current = self._current
+        if current is None or current.id != call_id:
+            current = self._current = _Streaming(call_id)
+        if current.index is None:
+            if not self.parser.accepts(name):
+                return
+            current.index, self.started = self.started, self.started + 1
+            pieces.append(CallStart(current.index, call_id, name))
+        if arguments[current.sent:]:
+            pieces.append(CallArguments(current.index, arguments[current.sent:]))
+            current.sent = len(arguments)
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """'tool_calls' when the reply holds a valid call, or streamed one that max_tokens did not cut short."""
@@ -223,6 +278,10 @@ class ReplyParser:
                 return
             index, self.started = self.started, self.started + 1
             pieces += [CallStart(index, call.id, call.name), CallArguments(index, arguments_text(call))]
+        elif self.turn is not None:  # a harmony call: the rest of its content
+            index = current.index
+            if rest := call_arguments(call)[current.sent:]:
+                pieces.append(CallArguments(index, rest))
         else:
             index, scanner = current.index, current.scanner
             scanner.feed(_body(call.raw)[len(scanner.text):])
@@ -241,6 +300,8 @@ def _merge_text(pieces: list[Piece]) -> list[Piece]:
     for piece in pieces:
         if isinstance(piece, str) and merged and isinstance(merged[-1], str):
             merged[-1] += piece
-        elif piece != "":
+        elif isinstance(piece, Reasoning) and merged and isinstance(merged[-1], Reasoning):
+            merged[-1] = Reasoning(merged[-1].text + piece.text)
+        elif piece != "" and piece != Reasoning(""):
             merged.append(piece)
     return merged
