@@ -22,6 +22,11 @@ a held-back partial tag (`<tool_ca` at the very end) was never a tag, so it is r
 The text events and the calls' `raw` concatenate back to the input, exactly (a MiniMax block's calls share it out:
 the first call's raw starts at the open tag, the last one's runs to the close tag).
 
+Call ids are `{id_prefix}{n}`, but for Kimi-K2's calls, which carry their own: the id as the model wrote it,
+`functions.NAME:IDX` (IDX counting the conversation's calls), which its template writes back in the call and in the
+`## Return of ID` heading of the call's result, so the result names the call as the model did (a turn that writes one
+id twice gets `{id_prefix}{n}` for the second).
+
 A malformed call (bad JSON, no name, unknown tool, arguments that are not an object or fail the tool's JSON schema)
 is a `ToolCall` whose `error` says what to fix; the agent loop hands that back to the model as the call's result.
 Known limit: the first `</tool_call>` ends a call and a second `<tool_call>` inside one starts a new call, even
@@ -91,6 +96,7 @@ class _Read:
     name: str = ""
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    id: str | None = None  # the call's own id where the form writes one (Kimi-K2's functions.NAME:IDX)
 
 
 class ToolCallParser:
@@ -111,6 +117,7 @@ class ToolCallParser:
         self._section: str | None = None  # in a section of special-token calls: its open tag
         self._prefix = ""  # in a section: its text not yet in a call's raw (the section's open tag, layout)
         self._held: tuple[_Read, str, str | None] | None = None  # a section's read call until the next marker
+        self._ids: set[str] = set()  # the ids given so far
 
     def feed(self, delta: str) -> list[Event]:
         if self._finished:
@@ -246,7 +253,9 @@ class ToolCallParser:
         return [self._new_call(self._read(body), raw, error)]
 
     def _new_call(self, read: _Read, raw: str, error: str | None = None) -> ToolCall:
-        call_id = f"{self.id_prefix}{self._calls}"
+        # the call's own id, unless the turn already gave it to an earlier call (ids name one call each)
+        call_id = read.id if read.id and read.id not in self._ids else f"{self.id_prefix}{self._calls}"
+        self._ids.add(call_id)
         self._calls += 1
         return ToolCall(call_id, read.name, read.arguments, raw, error or read.error)
 
@@ -289,7 +298,7 @@ class ToolCallParser:
             return read
         if read.name not in self.schemas:
             known = ", ".join(sorted(self.schemas)) or "none"
-            return _Read(read.name, read.arguments, f"unknown tool {read.name!r}; available tools: {known}")
+            return _Read(read.name, read.arguments, f"unknown tool {read.name!r}; available tools: {known}", read.id)
         checker = self._checkers.get(read.name)
         if checker is None:
             checker = self._checkers[read.name] = ArgumentSchema(self.schemas[read.name])
@@ -451,7 +460,9 @@ def _read_kimi(body: str) -> _Read:
     call_id = _KIMI_ID.match(head)
     if call_id is None:
         return _Read(error=f"the call's id {head.strip()[:40]!r} is not functions.NAME:IDX; {expected}")
-    return _json_arguments(arguments, call_id.group(1), expected)
+    read = _json_arguments(arguments, call_id.group(1), expected)
+    read.id = head.strip()  # the id the template writes back, in the call and in its result
+    return read
 
 
 def _read_invoke(invoke: re.Match, schemas: Mapping[str, Mapping[str, Any]] | None) -> _Read:

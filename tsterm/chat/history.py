@@ -27,6 +27,11 @@ template to render the covered messages as the engine saw them:
 4. The prompt is the kept ids + the encoding of the new text. For harmony the stop `<|return|>` is itself replaced by
    `<|end|>` (the format's rule for a reply kept in history), so all kept ids but the last are kept.
 
+Kimi-K2's template writes each call's id into the call (`<|tool_call_begin|>ID`) and into its result's heading
+(`## Return of ID`), and the model writes its ids as `functions.NAME:IDX` (IDX counting the conversation's calls):
+`kimi_call_ids` gives a conversation's calls whose ids are in another form (an API client's `call_...`, `toolu_...`)
+that form, and the results that answer them the same id, before such a template renders them (`writes_call_ids`).
+
 When any of this fails (no stop token at the end of the kept ids: a reply cut by max_tokens or a stop string; the
 kept ids or the messages they stand for changed since they were recorded; the template rejects the probe; a sentinel
 or the end marker is missing or in the wrong place) the turn falls back to `template`, and the plan says why.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from array import array
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -54,6 +60,41 @@ THINK_END = "</think>"
 CONTEXT_PROBE = "tsterm-context-probe"
 
 Render = Callable[[list[dict]], str]  # messages -> prompt text (chat template + generation prompt)
+KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"  # in Kimi-K2's template, which writes each call's id
+_KIMI_ID = re.compile(r"functions\.[^\s:]+:\d+\Z")
+
+
+def writes_call_ids(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template writes Kimi-K2's calls (whose ids the template writes, in their form)."""
+    templates = getattr(tokenizer, "chat_templates", None) or {}
+    return any(isinstance(t, str) and KIMI_ARGUMENTS in t for t in templates.values())
+
+
+def kimi_call_ids(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """The messages with every tool call's id in Kimi-K2's form `functions.NAME:IDX`, IDX the call's index among the
+    conversation's calls: a call whose id is in another form gets that id, and each tool result whose `tool_call_id`
+    named it names the new id. Ids already in the form are kept (the model's own)."""
+    renamed: dict[str, str] = {}
+    count, out = 0, []
+    for message in messages:
+        message = dict(message)
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                call_id = call.get("id") if isinstance(call, Mapping) else None
+                if isinstance(call, Mapping) and not (isinstance(call_id, str) and _KIMI_ID.match(call_id)):
+                    function = call.get("function") if isinstance(call.get("function"), Mapping) else call
+                    new = f"functions.{function.get('name')}:{count}"
+                    if isinstance(call_id, str):
+                        renamed[call_id] = new
+                    call = {**call, "id": new}
+                calls.append(call)
+                count += 1
+            message["tool_calls"] = calls
+        elif message.get("role") == "tool" and message.get("tool_call_id") in renamed:
+            message["tool_call_id"] = renamed[message["tool_call_id"]]
+        out.append(message)
+    return out
 
 
 def check_policy(policy: str) -> str:
