@@ -21,6 +21,9 @@ OP_NAMES = ("rms_norm", "store_kv", "paged_attention", "moe_route", "fused_moe",
 # name -> module providing every op in OP_NAMES. Imported on first `load` (Python caches the module), so that
 # importing this package never imports triton (nor needs a GPU).
 IMPLEMENTATIONS = {"torch": "tsterm_kernels.torch_ops", "triton": "tsterm_kernels.triton_ops"}
+# ops that only some implementations have: op -> {implementation: module}; elsewhere the field is None and the model
+# composes the op from the ones above (MLA's absorbed attention: the paged attention over the latent pool)
+OPTIONAL_OPS = {"mla_attention": {"triton": "tsterm_kernels.triton_mla"}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class KernelOps:
     causal_conv1d: Callable  # Gated DeltaNet prefill: every prompt chunk of a step in one call
     chunk_gated_delta_rule: Callable
     decode_stack: Callable  # a model's layers -> one callable for its decode steps, or None (see torch_ops)
+    mla_attention: Callable | None = None  # MLA's absorbed attention over the latent pool (triton_mla); torch: None
 
 
 def load(name: str) -> KernelOps:
@@ -46,4 +50,6 @@ def load(name: str) -> KernelOps:
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown kernel implementation {name!r} (have: {', '.join(IMPLEMENTATIONS)})")
     module = importlib.import_module(IMPLEMENTATIONS[name])
-    return KernelOps(name, **{op: getattr(module, op) for op in OP_NAMES})
+    optional = {op: getattr(importlib.import_module(where[name]), op)
+                for op, where in OPTIONAL_OPS.items() if name in where}
+    return KernelOps(name, **{op: getattr(module, op) for op in OP_NAMES}, **optional)

@@ -137,3 +137,10 @@ def test_bad_inputs_are_refused_by_name():
         triton_mla.mla_attention(q_lat.transpose(1, 2).contiguous().transpose(1, 2), q_rope, cache, meta, 0.3)
     with pytest.raises(ValueError, match="query_start_loc"):
         triton_mla.mla_attention(torch.cat((q_lat, q_lat)), torch.cat((q_rope, q_rope)), cache, meta, 0.3)
+
+
+def test_the_triton_ops_carry_the_kernel_and_the_torch_ops_do_not():
+    from tsterm_kernels import dispatch
+
+    assert dispatch.load("triton").mla_attention is triton_mla.mla_attention
+    assert dispatch.load("torch").mla_attention is None  # the MLA layer composes it from the paged attention

@@ -11,8 +11,10 @@ q_a_layernorm -> q_b_proj (or q_proj when q_lora_rank is null).
 Two equal ways to attend:
 - absorbed (decode rows, verify steps, short chunks): W_UK is folded into the query (q_lat[h] = W_UK[h]^T q_nope[h]),
   so the scores are q_lat . latent + q_rope . k_rope, one key head of kv_lora_rank + qk_rope_head_dim shared by all
-  query heads, read straight from the latent pool by the ordinary paged attention (the latent row as both key and
+  query heads, read straight from the latent pool: by the ops' MLA kernel where they have one (`mla_attention`: the
+  Triton ops, `tsterm_kernels.triton_mla`), else by the ordinary paged attention (the latent row as both key and
   value); the output's latent part goes out through W_UV. Nothing per head is ever materialised for the context.
+  On a CUDA device the absorption and W_UV run as one batched matmul over the heads, on the CPU head by head.
 - expanded (prompt chunks of more than `absorb_max_rows` tokens): the context's latents are expanded through
   kv_b_proj to per-head K and V once and attended as ordinary multi-head attention, cheaper once a chunk's queries
   outnumber the break-even (expanding costs r (dn + dv) per context token and head, the absorbed form 2 (r + dr)
@@ -141,14 +143,24 @@ class MLAttention:
 
     def absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, meta: AttentionMetadata,
                  dtype: torch.dtype) -> torch.Tensor:
-        """Attention over the latent pool itself: [T, Hq, dn], [T, Hq, dr] float32 -> [T, Hq, dv] float32."""
+        """Attention over the latent pool itself: [T, Hq, dn], [T, Hq, dr] float32 -> [T, Hq, dv] float32. The ops'
+        own MLA kernel where they have one (Triton: `tsterm_kernels.triton_mla`, the latent read once per tile for
+        scores and output), else their paged attention with the latent row as the one key head and its value."""
         T, Hq, r = q_nope.shape[0], self.num_heads, self.rank
-        q = q_nope.new_empty(T, Hq, r + self.rope_dim)  # [T, Hq, r + dr]: [q_lat | q_rope]
-        for h in range(Hq):
-            q[:, h, :r] = linear(q_nope[:, h].contiguous(), self.w_uk_t[h])
-        q[..., r:] = q_rope
-        o = self.ops.paged_attention(q.to(dtype), self.cache, self.cache, meta, self.scale)  # [T, Hq, r + dr]
-        o_lat = o[..., :r].float()
+        if q_nope.is_cuda:  # one batched matmul over the heads (the GPU's GEMMs are not row-invariant anyway)
+            q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk_t.transpose(1, 2)).transpose(0, 1)  # [T, Hq, r]
+        else:  # head by head through `linear`: a row's bits do not depend on the step's rows
+            q_lat = q_nope.new_empty(T, Hq, r)
+            for h in range(Hq):
+                q_lat[:, h] = linear(q_nope[:, h].contiguous(), self.w_uk_t[h])
+        if self.ops.mla_attention is not None:
+            q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+            o_lat = self.ops.mla_attention(q_lat, q_rope, self.cache, meta, self.scale)  # [T, Hq, r] float32
+        else:
+            q = torch.cat((q_lat, q_rope), dim=-1).to(dtype)  # [T, Hq, r + dr]: [q_lat | q_rope]
+            o_lat = self.ops.paged_attention(q, self.cache, self.cache, meta, self.scale)[..., :r].float()
+        if o_lat.is_cuda:
+            return torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, Hq, dv]
         return torch.stack([linear(o_lat[:, h].contiguous(), self.w_uv[h]) for h in range(Hq)], 1)  # [T, Hq, dv]
 
     def expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, runs: list[tuple[int, int]],
