@@ -83,6 +83,23 @@ class GgufFile:
                                  f"expected {native.nbytes}")
         return to_blocks(raw, ggml_type, t.tensor_type, in_f)
 
+    def mxfp4(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """An MXFP4 tensor [..., O, I] as (blocks uint8 [..., O, I/32, 16], scales uint8 E8M0 [..., O, I/32]) in
+        `tsterm_kernels.quant`'s mxfp4 layout (GGUF's nibble order converted: byte j holds inputs 2j, 2j + 1); None
+        for any other type."""
+        import torch
+        from tsterm_kernels.quant import MX_BLOCK, mxfp4_interleave
+
+        t = self.tensors[name]
+        if t.tensor_type.name != "MXFP4":
+            return None
+        *lead, out_f, in_f = self.shape(name)
+        raw = np.asarray(t.data).reshape(*lead, out_f, in_f // MX_BLOCK, -1)  # {uint8 e; uint8 qs[16]} per block
+        if raw.shape[-1] != 17:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} (MXFP4) has {raw.shape[-1]}-byte blocks, expected 17")
+        blocks = mxfp4_interleave(torch.from_numpy(np.ascontiguousarray(raw[..., 1:]))).numpy()
+        return blocks, np.ascontiguousarray(raw[..., 0])
+
     def dequantize(self, name: str) -> np.ndarray:
         from gguf import dequantize
 

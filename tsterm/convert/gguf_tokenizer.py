@@ -29,11 +29,23 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS = {
+# o200k (gpt-oss, MiniMax-M2): cased letter runs with their contractions, digits by three
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek-V3: three splits in turn (digits by three, CJK runs, then the rest)
+_DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                     r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS: dict[str, str | tuple[str, ...]] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "smaug-bpe", "dbrx", "pixtral",
-                     "midm-2.0", "lfm2", "jina-v5-nano"), _LLAMA3_SPLIT),
+                     "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "chatglm-bpe"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"), _QWEN2_SPLIT),
     "tekken": _TEKKEN_SPLIT,  # Mistral NeMo
+    **dict.fromkeys(("gpt-4o", "minimax-m2"), _O200K_SPLIT),
+    "deepseek-v3": _DEEPSEEK3_SPLITS,
 }
 # llama.cpp isolates every \p{N} character before the GPT-2 regex for these (their HF tokenizer.json: Digits)
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
@@ -79,10 +91,11 @@ def _byte_level_model(gf: GgufFile, tokens: list[str]):
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=_merges(gf), dropout=None, continuing_subword_prefix="",
                                      end_of_word_suffix="", fuse_unk=False))
     pre = gf.get("tokenizer.ggml.pre")
-    if (split := PRE_TOKENIZER_SPLITS.get(pre)) is not None:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                           pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                    use_regex=False)])
+    if (splits := PRE_TOKENIZER_SPLITS.get(pre)) is not None:
+        splits = (splits,) if isinstance(splits, str) else splits
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif pre in DIGIT_SPLIT_PRE:  # transformers' converter omits this split; llama.cpp and the HF original have it
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                            pre_tokenizers.ByteLevel(add_prefix_space=False)])
