@@ -238,8 +238,13 @@ class EngineConfig:
     # the KV cache's disk tier (tsterm.engine.kv_store): {path: DIR, max_bytes: N}; blocks registered for the prefix
     # cache are written through to DIR (default: <cache dir>/kv), at most max_bytes (default 8 GiB, least recently used
     # deleted first), and a prompt whose blocks are there reads them back instead of computing them, after a restart
-    # too. None: no disk tier. Not for hybrid models, nor several ranks, yet.
+    # too. None: no disk tier. Not for several ranks yet.
     kv_disk: dict[str, Any] | None = None
+    # the KV cache's host tier (tsterm.engine.kv_host): bytes of host memory (pinned on a GPU) that keep the prefix
+    # cache's blocks copied out of the pool, least recently used evicted first (to kv_disk when it is set and does not
+    # hold them); a prompt whose blocks are there copies them back instead of computing them. On the CPU the pool is
+    # host memory already: this is a RAM cache under a smaller pool. 0: none.
+    kv_host_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -296,6 +301,11 @@ class EngineConfig:
             self.kv_disk = _kv_disk(self.kv_disk)
             _check(self.enable_prefix_caching, "kv_disk needs enable_prefix_caching: the disk tier keeps the prefix "
                    "cache's blocks", "kv_disk")
+        _check(_is_int(self.kv_host_bytes) and self.kv_host_bytes >= 0,
+               f"kv_host_bytes must be a non-negative integer of bytes (0: no host tier), got {self.kv_host_bytes!r}",
+               "kv_host_bytes")
+        _check(not self.kv_host_bytes or self.enable_prefix_caching, "kv_host_bytes needs enable_prefix_caching: the "
+               "host tier keeps the prefix cache's blocks", "kv_host_bytes")
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "EngineConfig":

@@ -26,7 +26,7 @@ from tsterm.engine.copy_audit import CopyAudit
 from tsterm.engine.executor import ExecutorFactory, ExecutorSpec
 from tsterm.engine.isolation import SamplingCheckpoint, isolate
 from tsterm.engine.kv_manager import KVCacheManager
-from tsterm.engine.kv_tier import engine_fingerprint, open_disk_tier
+from tsterm.engine.kv_tier import engine_fingerprint, open_tiers
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.engine.request import Request, Sample
 from tsterm.engine.sampler import PenaltyState, Sampler, SamplingRow, has_penalty
@@ -109,9 +109,9 @@ class Engine:
                          enable_prefix_caching=config.enable_prefix_caching,
                          max_pinned_blocks=int(config.max_pinned_fraction * num_blocks),
                          num_state_slots=self.num_state_slots)
-        tier = None if config.kv_disk is None else open_disk_tier(  # the disk tier: `tsterm.engine.kv_tier`
+        tier = None if config.kv_disk is None and not config.kv_host_bytes else open_tiers(  # `tsterm.engine.kv_tier`
             config.kv_disk, fingerprint, self.executor, pool.root_hash, block_size=config.block_size,
-            model=str(model_dir), num_state_slots=self.num_state_slots,
+            model=str(model_dir), num_state_slots=self.num_state_slots, host_bytes=config.kv_host_bytes,
             ledger=lambda kind, nbytes: self.audit.record_copy("kv_tier", kind, nbytes) if self.audit else None)
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval, tier=tier)
         # speculative decoding: the draft source (None: off); a step verifies what it drafts (`_accept`)

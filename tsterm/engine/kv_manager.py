@@ -49,7 +49,8 @@ class KVCacheManager:
         self.pool = pool
         self.tier = tier
         self.tier_hit_tokens = 0  # prompt tokens of admitted requests served from the tier (in prefix_hit)
-        self._tier_tokens: dict[int, int] = {}  # seq_id -> tokens its last match_prefix loaded from the tier
+        self.tier_hit_tokens_by = {"host": 0, "disk": 0}  # the same by the tier that served them
+        self._tier_tokens: dict[int, dict[str, int]] = {}  # seq_id -> its last match_prefix's tier tokens, by tier
         self._pinned_tokens: dict[str, tuple[list[int], str | None]] = {}  # pin key -> its tokens, salt (a tier's)
         self.offloaded_pins = 0  # pins released to the tier under pressure (`offload_pins`)
         self.offloaded_pin_blocks = 0  # their blocks the store had lost and that were written again
@@ -87,7 +88,6 @@ class KVCacheManager:
         loads: list[tuple[list[int], torch.Tensor]] = []  # (pool block, its data read from the tier)
         if self.tier is not None and self.pool.enable_prefix_caching:
             self._extend_from_tier(seq, chain, (len(tokens) - 1) // B, root, loads)
-        tier_tokens = sum(len(ids) for ids, _ in loads) * B
         num_cached = len(chain) * B
         if self.pool.enable_prefix_caching and not self.num_state_slots:  # (a hybrid's state is kept per block)
             partial = self.pool.lookup_partial(chain[-1] if chain else root, tokens[num_cached:len(tokens) - 1])
@@ -96,13 +96,10 @@ class KVCacheManager:
                 seq.block_table.append(partial[0])
                 num_cached += partial[1]
             elif self.tier is not None:
-                partial_tokens = self._partial_from_tier(seq, chain[-1] if chain else root,
-                                                         tokens[num_cached:len(tokens) - 1], loads)
-                num_cached += partial_tokens
-                tier_tokens += partial_tokens
-        if loads:  # one batched copy into the pool of the blocks this prompt read from the tier (and its partial)
-            self.tier.copy_in(loads)
-        self._tier_tokens[seq.seq_id] = tier_tokens
+                num_cached += self._partial_from_tier(seq, chain[-1] if chain else root,
+                                                      tokens[num_cached:len(tokens) - 1], loads)
+        # one batched copy into the pool of the blocks this prompt read from the tiers (and its partial)
+        self._tier_tokens[seq.seq_id] = self.tier.copy_in(loads) if loads else {}
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
         return num_cached
 
@@ -174,7 +171,7 @@ class KVCacheManager:
             block_tokens = tokens[i * B:(i + 1) * B]
             block_hash = pool.hash_block(parent, block_tokens)
             block_id = pool.lookup(block_hash, block_tokens, parent)
-            if block_id is None and not tier.store.contains(block_name(block_hash)):
+            if block_id is None and not tier.contains(block_name(block_hash)):
                 break
             entries.append((block_id, block_hash, parent, block_tokens))
             parent = block_hash
@@ -210,8 +207,7 @@ class KVCacheManager:
             if block_id is not None:
                 pool.acquire(block_id)
         loaded = self._append_blocks(seq, chain, entries[:cut])
-        if loaded:
-            tier.copy_in([(loaded, data)])
+        self._tier_tokens[seq.seq_id] = tier.copy_in([(loaded, data)]) if loaded else {}
         if cut:
             last = seq.block_table[-1]
             if snapshot is not None:  # read from disk into a free slot, kept with its block like any snapshot
@@ -220,7 +216,6 @@ class KVCacheManager:
                 pool.attach_snapshot(last, slot)
             seq.state_restore = pool.use_snapshot(last)  # held until the copy has run
         self._chain[seq.seq_id] = chain
-        self._tier_tokens[seq.seq_id] = len(loaded) * B
         seq.num_computed_tokens = seq.num_cached_tokens = cut * B
         return cut * B
 
@@ -260,6 +255,8 @@ class KVCacheManager:
         return self.pool.unpin(key)
 
     def expire_pins(self, now: float) -> int:
+        if self.tier is not None:  # (the start of a schedule: the tier's copies deferred after the last step run)
+            self.tier.before_schedule()
         expired = self.pool.expire_pins(now)
         if expired and self._pinned_tokens:
             live = self.pool.pins()
@@ -354,7 +351,9 @@ class KVCacheManager:
         """Count one admission's prefix lookup (the scheduler calls it once per admitted request, not per retry)."""
         self.prefix_query_tokens += len(seq.token_ids)
         self.prefix_hit_tokens += seq.num_cached_tokens
-        self.tier_hit_tokens += self._tier_tokens.pop(seq.seq_id, 0)
+        for tier, tokens in self._tier_tokens.pop(seq.seq_id, {}).items():
+            self.tier_hit_tokens += tokens
+            self.tier_hit_tokens_by[tier] += tokens
 
     def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
         """(new blocks to allocate, table indices to copy-on-write) for writing the next num_new_tokens."""
@@ -448,6 +447,8 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return
         B, chain = self.block_size, self._chain.setdefault(seq.seq_id, [])
+        if self.tier is not None:
+            self.tier.step_done()
         for i in range(len(chain), seq.num_computed_tokens // B):
             parent = chain[-1] if chain else self._root(seq)
             block_id, block_tokens = seq.block_table[i], seq.token_ids[i * B:(i + 1) * B]
@@ -591,6 +592,8 @@ class KVCacheManager:
                 "cow_copies": self.cow_copies, "state_slots": self.num_state_slots,
                 "state_interval_snapshots": self.interval_snapshots, **tier}
         if self.tier is not None:
+            out["kv_host_hit_tokens"] = self.tier_hit_tokens_by["host"]
+            out["kv_disk_hit_tokens"] = self.tier_hit_tokens_by["disk"]
             out["kv_disk_offloaded_pins"] = self.offloaded_pins
             out["kv_disk_offloaded_pin_blocks"] = self.offloaded_pin_blocks
         return out

@@ -77,7 +77,7 @@ def partial_name(parent_hash: int, token_ids: Sequence[int]) -> str:
     return f"{parent_hash:032x}-{len(token_ids)}-{partial_key(parent_hash, token_ids):032x}{PARTIAL_SUFFIX}"
 
 
-def _parse_partial(name: str) -> tuple[int, int] | None:
+def parse_partial(name: str) -> tuple[int, int] | None:
     """(parent hash, n) of a partial block's file name; None if it is not one."""
     parts = name[:-len(PARTIAL_SUFFIX)].split("-")
     if len(parts) != 3:
@@ -152,7 +152,7 @@ class KVDiskStore:
         self._bytes += size - (old or 0)
         self._files[name] = size
         if name.endswith(PARTIAL_SUFFIX):
-            parsed = _parse_partial(name)
+            parsed = parse_partial(name)
             if parsed is not None:
                 self._partials.setdefault(parsed[0], set()).add((parsed[1], name))
 
@@ -162,7 +162,7 @@ class KVDiskStore:
             return
         self._bytes -= size
         if name.endswith(PARTIAL_SUFFIX):
-            parsed = _parse_partial(name)
+            parsed = parse_partial(name)
             if parsed is not None:
                 siblings = self._partials.get(parsed[0], set())
                 siblings.discard((parsed[1], name))
@@ -195,7 +195,7 @@ class KVDiskStore:
         with self._lock:
             found = set(self._partials.get(parent_hash, ()))
             found.update((p[1], name) for name in self._pending if name.endswith(PARTIAL_SUFFIX)
-                         and (p := _parse_partial(name)) is not None and p[0] == parent_hash)
+                         and (p := parse_partial(name)) is not None and p[0] == parent_hash)
         return sorted(found, reverse=True)
 
     @property
@@ -405,7 +405,7 @@ class KVDiskStore:
                     "kv_disk_max_bytes": self.max_bytes,
                     "kv_disk_written_blocks": self.written_blocks, "kv_disk_written_bytes": self.written_bytes,
                     "kv_disk_read_blocks": self.read_blocks, "kv_disk_read_bytes": self.read_bytes,
-                    "kv_host_hit_blocks": self.pending_hits, "kv_disk_pending_bytes": self._pending_bytes,
+                    "kv_disk_queue_hit_blocks": self.pending_hits, "kv_disk_pending_bytes": self._pending_bytes,
                     "kv_disk_refused_blocks": sum(self.refused.values()),
                     "kv_disk_refused_checksum": self.refused["checksum"],
                     "kv_disk_refused_fingerprint": self.refused["fingerprint"],

@@ -34,12 +34,13 @@ from typing import Any
 
 import torch
 
+from tsterm.engine.kv_host import HostKVCache
 from tsterm.engine.kv_store import KVDiskStore, block_name, partial_name, snapshot_name
 from tsterm.errors import ConfigError
 from tsterm.model.arch import FULL_ATTENTION, LINEAR_ATTENTION
 from tsterm.paths import default_cache_dir
 
-# (kind, bytes): tier traffic, for the copy audit ("disk_write", "disk_read", "host_read")
+# (kind, bytes): tier traffic, for the copy audit ("host_write", "host_read", "disk_write", "disk_read")
 Ledger = Callable[[str, int], None]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 _IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -86,43 +87,103 @@ class TierRead:
     expect: dict[str, Any]
 
 
-class DiskTier:
-    """The device pool's blocks (`kv`: the paged pool `[L, 2, num_blocks, B, Hkv, D]`) to and from `store`.
+@dataclass(slots=True)
+class Fetched:
+    """Blocks read from the tiers for one prompt: `data` `[n, block bytes]` (uint8, pinned on a GPU), and for each
+    row the tier that served it ("host": host memory, the host tier or the disk writer's queue; "disk": a file) and
+    the prompt tokens it holds."""
 
-    `root_hash`: the pool's (`BlockPool.root_hash`), the parent of a first partial block. Counters: `hit_blocks`
-    (served from disk), `host_hit_blocks` (from the writer's queue), `load_seconds` / `loads` (the time prompts
-    waited for their blocks: reads, checks and the copy into the pool), `saved_blocks`."""
+    data: torch.Tensor
+    rows: list[tuple[str, int]]
 
-    def __init__(self, store: KVDiskStore, kv: torch.Tensor, root_hash: int, ledger: Ledger | None = None,
-                 states: Any = None):
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class KVTier:
+    """The device pool's blocks to and from the lower tiers: a host tier (`host`, `kv_host.HostKVCache`) and a disk
+    store (`store`, `kv_store.KVDiskStore`), either or both.
+
+    `kv`: the paged pool `[L, 2, num_blocks, B, Hkv, D]`, or several pools under the same block ids (the MTP head's
+    one-layer pool after the target's): a block's bytes are each pool's block, one after the other. `root_hash`: the
+    pool's (`BlockPool.root_hash`), the parent of a first partial block.
+
+    A block copied out of the pool goes to both tiers from one host buffer (the disk's write is write-through: a
+    session survives a restart or a crash whatever the host tier held); the host tier, when over its budget, spills
+    what the store does not hold. A read takes the host tier first, then the store.
+
+    Counters: `hit_blocks` (served from disk files), `host_hit_blocks` (from host memory: the host tier or the disk
+    writer's queue), `load_seconds` / `loads` (the time prompts waited for their blocks: reads, checks and the copy
+    into the pool), `saved_blocks` (copied out of the pool)."""
+
+    def __init__(self, store: KVDiskStore | None, kv: torch.Tensor | Sequence[torch.Tensor], root_hash: int,
+                 ledger: Ledger | None = None, states: Any = None, host: HostKVCache | None = None,
+                 defer_after_step: bool = False):
         """states: a hybrid model's recurrent-state pool (`RecurrentStatePool`: `conv` and `recurrent`, one slot per
-        index of their dim 1), whose snapshots at block boundaries are stored with their blocks; None otherwise."""
+        index of their dim 1), whose snapshots at block boundaries are stored with their blocks; None otherwise.
+        defer_after_step: a block saved after a step (`step_done` to `before_schedule`) is copied out at the next
+        schedule's start instead of at once: the MTP head writes its KV of a step's positions after the step
+        (`MtpDraftSource.after_step`), and no step or load writes a pool block before the next schedule."""
+        if store is None and host is None:
+            raise ValueError("a KV tier needs a host tier, a disk store or both")
         self.store = store
+        self.host = host
+        if host is not None and store is not None:
+            host.spill = self._spill
+        self.parts = [kv] if isinstance(kv, torch.Tensor) else list(kv)
+        self.kv = self.parts[0]
         self.states = states
         self._state_parts = [] if states is None else [states.conv, states.recurrent]
         self.snapshot_nbytes = sum(t[:, 0].numel() * t.element_size() for t in self._state_parts)
         self._snapshot_meta = {"state": [[str(t.dtype).removeprefix("torch."), [t.shape[0], *t.shape[2:]]]
                                          for t in self._state_parts]}
         self.saved_snapshots = self.hit_snapshots = 0
-        self.kv = kv
         self.root_hash = root_hash
         self.ledger = ledger
-        self.block_shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
-        self.block_nbytes = kv[:, :, 0].numel() * kv.element_size()
-        self.dtype = kv.dtype
-        self._meta = {"dtype": str(kv.dtype).removeprefix("torch."), "shape": list(self.block_shape)}
-        self.cuda = kv.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(kv.device) if self.cuda else None
+        self._part_shapes = [(p.shape[0], p.shape[1], *p.shape[3:]) for p in self.parts]
+        self._part_nbytes = [p[:, :, 0].numel() * p.element_size() for p in self.parts]
+        self.block_nbytes = sum(self._part_nbytes)
+        offset = 0
+        for part, nbytes in zip(self.parts, self._part_nbytes):  # (each part's bytes must view as its dtype)
+            assert offset % part.element_size() == 0 and self.block_nbytes % part.element_size() == 0
+            offset += nbytes
+        described = [[str(p.dtype).removeprefix("torch."), list(s)] for p, s in zip(self.parts, self._part_shapes)]
+        # (one pool: the header of every store written before several existed; the MTP head's: one pair per pool)
+        self._meta = ({"dtype": described[0][0], "shape": described[0][1]} if len(described) == 1
+                      else {"parts": described})
+        self.cuda = self.kv.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.kv.device) if self.cuda else None
         self.hit_blocks = self.host_hit_blocks = self.saved_blocks = 0
+        self.hit_tokens = {"host": 0, "disk": 0}  # prompt tokens copied into the pool from each (`copy_in`)
         self.load_seconds = 0.0
         self.loads = 0
+        self.defer_after_step = defer_after_step
+        self._after_step = False
+        self._deferred: list[Callable[[], None]] = []
+
+    # ---- the deferred copies (the MTP head's KV: see __init__)
+
+    def step_done(self) -> None:
+        """A step ran (its blocks are being registered): until `before_schedule`, saves wait (with the MTP head)."""
+        self._after_step = self.defer_after_step
+
+    def before_schedule(self) -> None:
+        """The next schedule starts: the saves since the last step are copied out now, before any step or load."""
+        self._after_step = False
+        deferred, self._deferred = self._deferred, []
+        for save in deferred:
+            save()
 
     # ---- names and lookups
 
+    def contains(self, name: str) -> bool:
+        return (self.host is not None and self.host.contains(name)) or \
+            (self.store is not None and self.store.contains(name))
+
     def full_read(self, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> TierRead | None:
-        """The read of the full block hashed `block_hash`, or None when the store does not hold it."""
+        """The read of the full block hashed `block_hash`, or None when no tier holds it."""
         name = block_name(block_hash)
-        if not self.store.contains(name):
+        if not self.contains(name):
             return None
         return TierRead(name, {"kind": "full", "hash": f"{block_hash:032x}", "tokens": list(token_ids),
                                **self._meta})
@@ -131,82 +192,112 @@ class DiskTier:
         """(read, n): the stored partial block after `parent_hash` (None: the root) holding the most of `token_ids`'
         first tokens, n of them; None when none does."""
         parent = self.root_hash if parent_hash is None else parent_hash
-        for n, name in self.store.partials(parent):
+        found = set(self.host.partials(parent)) if self.host is not None else set()
+        if self.store is not None:
+            found.update(self.store.partials(parent))
+        for n, name in sorted(found, reverse=True):
             if n <= len(token_ids) and name == partial_name(parent, token_ids[:n]):
                 return TierRead(name, {"kind": "partial", "parent": f"{parent:032x}",
                                        "tokens": list(token_ids[:n]), **self._meta}), n
         return None
 
-    # ---- write-through
+    # ---- writes: copied out of the pool once, kept by the host tier and queued for the store
+
+    def _held(self, name: str) -> bool:
+        """Whether the tier right under the pool holds `name` already (made the most recent in each tier that does);
+        a block only the store holds is copied out again into the host tier, where a later read costs no file."""
+        in_host = self.host is not None and self.host.touch(name)
+        in_store = self.store is not None and self.store.touch(name)
+        return in_host or (self.host is None and in_store)
 
     def save_block(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
-        """Queue the registered block `block_id` for the store, unless it is there already."""
+        """Copy the registered block `block_id` out to the tiers, unless they hold it already."""
         name = block_name(block_hash)
-        if self.store.touch(name):  # (stored already: now the most recently used)
+        if self._after_step:
+            self._deferred.append(lambda: self.save_block(block_id, block_hash, parent_hash, token_ids))
+            return
+        if self._held(name):
             return
         parent = None if parent_hash is None else f"{parent_hash:032x}"
-        self._save(block_id, name, {"kind": "full", "hash": f"{block_hash:032x}", "parent": parent,
-                                    "tokens": list(token_ids), **self._meta})
+        header = {"kind": "full", "hash": f"{block_hash:032x}", "parent": parent, "tokens": list(token_ids),
+                  **self._meta}
+        if self._keep(name, header, *self._copy_out(self.block_nbytes, lambda flat: self._copy_block(flat, block_id))):
+            self.saved_blocks += 1
 
     def save_partial(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> None:
-        """Queue a finished turn's partly filled last block (the KV of `token_ids` after `parent_hash`)."""
+        """Copy a finished turn's partly filled last block (the KV of `token_ids` after `parent_hash`) out."""
         parent = self.root_hash if parent_hash is None else parent_hash
         name = partial_name(parent, token_ids)
-        if self.store.contains(name):
+        if self._after_step:
+            self._deferred.append(lambda: self.save_partial(block_id, parent_hash, token_ids))
             return
-        self._save(block_id, name, {"kind": "partial", "parent": f"{parent:032x}", "tokens": list(token_ids),
-                                    **self._meta})
-
-    def _save(self, block_id: int, name: str, header: dict[str, Any]) -> None:
-        source = self.kv[:, :, block_id]
-        ready = None
-        if self.cuda:
-            # into pinned memory on a copy stream, after the work that wrote the block; the step stream waits for the
-            # copy before anything that may reuse the block (the host does not wait); the writer waits for its event
-            host = torch.empty(self.block_shape, dtype=self.dtype, pin_memory=True)
-            current = torch.cuda.current_stream(self.kv.device)
-            self._copy_stream.wait_stream(current)
-            with torch.cuda.stream(self._copy_stream):
-                host.copy_(source, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-            current.wait_event(event)
-            ready = event.synchronize
-        else:
-            host = source.clone(memory_format=torch.contiguous_format)
-        if self.store.put(name, header, _bytes_of(host), ready=ready):
+        if self._held(name):
+            return
+        header = {"kind": "partial", "parent": f"{parent:032x}", "tokens": list(token_ids), **self._meta}
+        if self._keep(name, header, *self._copy_out(self.block_nbytes, lambda flat: self._copy_block(flat, block_id))):
             self.saved_blocks += 1
+
+    def _copy_out(self, nbytes: int, fill: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, Any]:
+        """A host buffer of `nbytes` that `fill` copies pool data into: (buffer, the callable that waits for it, or
+        None). On a GPU the buffer is pinned and filled on the copy stream after the work that wrote the data; the
+        step stream waits for the copy before anything that may overwrite the block (the host does not wait); a
+        reader of the buffer (the host tier's read, the store's writer) calls the event's synchronize first."""
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        if not self.cuda:
+            fill(host)
+            return host, None
+        current = torch.cuda.current_stream(self.kv.device)
+        self._copy_stream.wait_stream(current)
+        with torch.cuda.stream(self._copy_stream):
+            fill(host)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        current.wait_event(event)
+        return host, event.synchronize
+
+    def _keep(self, name: str, header: dict[str, Any], host: torch.Tensor, ready: Any) -> bool:
+        """Hand a copied-out buffer to the store (first: the host tier's spill then finds it queued) and the host
+        tier; whether either took it. Each tier's bytes are counted in the ledger as its traffic."""
+        payload, nbytes, kept = _bytes_of(host), host.numel(), False
+        if self.store is not None and self.store.put(name, header, payload, ready=ready):
+            kept = True
             if self.ledger is not None:
-                self.ledger("disk_write", self.block_nbytes)
+                self.ledger("disk_write", nbytes)
+        if self.host is not None and self.host.put(name, header, payload, ready=ready):
+            kept = True
+            if self.ledger is not None:
+                self.ledger("host_write", nbytes)
+        return kept
+
+    def _spill(self, name: str, header: dict[str, Any], payload: Any, ready: Any) -> bool:
+        """The host tier's eviction of a block the store does not hold: written to disk (counted as disk traffic)."""
+        if not self.store.put(name, header, payload, ready=ready):
+            return False
+        if self.ledger is not None:
+            self.ledger("disk_write", memoryview(payload).nbytes)
+        return True
+
+    def _copy_block(self, flat: torch.Tensor, block_id: int) -> None:
+        """Block `block_id` of each pool into its bytes of `flat`, one pool after the other."""
+        offset = 0
+        for part, nbytes, shape in zip(self.parts, self._part_nbytes, self._part_shapes):
+            flat[offset:offset + nbytes].view(part.dtype).view(shape).copy_(part[:, :, block_id], non_blocking=True)
+            offset += nbytes
 
     # ---- a hybrid's state snapshots (the recurrent state after a full block: where a cached prefix resumes)
 
     def save_snapshot(self, slot: int, block_hash: int) -> None:
-        """Queue the state in `slot` (kept with the block hashed `block_hash`) for the store, unless it is there."""
+        """Copy the state in `slot` (kept with the block hashed `block_hash`) out to the tiers, unless they hold it."""
         name = snapshot_name(block_hash)
-        if self.store.touch(name):
+        if self._held(name):
             return
-        host = torch.empty(self.snapshot_nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        ready = None
-        if self.cuda:  # (as `_save`: on the copy stream, after the step that wrote the slot; the next one waits)
-            current = torch.cuda.current_stream(self.kv.device)
-            self._copy_stream.wait_stream(current)
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_state(host, slot, out=True)
-                event = torch.cuda.Event()
-                event.record(self._copy_stream)
-            current.wait_event(event)
-            ready = event.synchronize
-        else:
-            self._copy_state(host, slot, out=True)
         header = {"kind": "snapshot", "hash": f"{block_hash:032x}", **self._snapshot_meta}
-        if self.store.put(name, header, _bytes_of(host), ready=ready):
+        if self._keep(name, header, *self._copy_out(self.snapshot_nbytes,
+                                                    lambda flat: self._copy_state(flat, slot, out=True))):
             self.saved_snapshots += 1
-            if self.ledger is not None:
-                self.ledger("disk_write", self.snapshot_nbytes)
 
     def has_snapshot(self, block_hash: int) -> bool:
-        return self.states is not None and self.store.contains(snapshot_name(block_hash))
+        return self.states is not None and self.contains(snapshot_name(block_hash))
 
     def fetch_snapshot(self, block_hash: int) -> torch.Tensor | None:
         """The stored state after the block hashed `block_hash`, read and checked into a host buffer; None when
@@ -214,13 +305,11 @@ class DiskTier:
         start = time.perf_counter()
         staging = torch.empty(self.snapshot_nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         expect = {"kind": "snapshot", "hash": f"{block_hash:032x}", **self._snapshot_meta}
-        source = self.store.read(snapshot_name(block_hash), expect, _bytes_of(staging))
+        source = self._read(snapshot_name(block_hash), expect, _bytes_of(staging), self.snapshot_nbytes)
         self.load_seconds += time.perf_counter() - start
         if source is None:
             return None
         self.hit_snapshots += 1
-        if self.ledger is not None:
-            self.ledger("host_read" if source == "pending" else "disk_read", self.snapshot_nbytes)
         return staging
 
     def load_snapshot(self, slot: int, data: torch.Tensor) -> None:
@@ -241,52 +330,89 @@ class DiskTier:
 
     # ---- loads
 
-    def fetch(self, reads: list[TierRead]) -> torch.Tensor:
-        """Read and check `reads` in order into one host tensor `[n, L, 2, B, Hkv, D]`, stopping at the first that
-        is missing or refused: n <= len(reads) blocks, the leading ones."""
+    def _read(self, name: str, expect: dict[str, Any], into: memoryview, nbytes: int) -> str | None:
+        """Fill `into` from the host tier, else the store: "host" (host memory: the host tier, or the store's write
+        queue), "disk", or None (missing or refused). Counted in the ledger as the serving tier's traffic."""
+        source = None
+        if self.host is not None and self.host.read(name, expect, into):
+            source = "host"
+        elif self.store is not None:
+            found = self.store.read(name, expect, into)
+            source = None if found is None else "host" if found == "pending" else "disk"
+        if source is not None and self.ledger is not None:
+            self.ledger(f"{source}_read", nbytes)
+        return source
+
+    def fetch(self, reads: list[TierRead]) -> Fetched:
+        """Read and check `reads` in order into one host buffer `[n, block bytes]`, stopping at the first that is
+        missing or refused: n <= len(reads) blocks, the leading ones."""
         start = time.perf_counter()
-        staging = torch.empty((len(reads), *self.block_shape), dtype=self.dtype, pin_memory=self.cuda)
-        n = 0
+        staging = torch.empty((len(reads), self.block_nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        rows: list[tuple[str, int]] = []
         for read in reads:
-            source = self.store.read(read.name, read.expect, _bytes_of(staging[n]))
+            source = self._read(read.name, read.expect, _bytes_of(staging[len(rows)]), self.block_nbytes)
             if source is None:
                 break
-            n += 1
-            if source == "pending":
+            rows.append((source, len(read.expect["tokens"])))
+            if source == "host":
                 self.host_hit_blocks += 1
             else:
                 self.hit_blocks += 1
-            if self.ledger is not None:
-                self.ledger("host_read" if source == "pending" else "disk_read", self.block_nbytes)
         self.load_seconds += time.perf_counter() - start
-        return staging[:n]
+        return Fetched(staging[:len(rows)], rows)
 
-    def copy_in(self, loads: list[tuple[list[int], torch.Tensor]]) -> None:
-        """Copy fetched blocks into the pool: each (block ids, `fetch`'s tensor of as many blocks) one batched copy (on
-        a GPU, ahead of the step on its stream)."""
+    def copy_in(self, loads: list[tuple[list[int], Fetched]]) -> dict[str, int]:
+        """Copy fetched blocks into the pool: each (block ids, `fetch`'s blocks, as many) one batched copy per pool
+        (on a GPU, ahead of the step on its stream). Returns the prompt tokens they hold by serving tier."""
         start = time.perf_counter()
-        for block_ids, data in loads:
-            index = torch.tensor(block_ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
-            self.kv.index_copy_(2, index, data.to(self.kv.device, non_blocking=True).movedim(0, 2))
+        tokens = {"host": 0, "disk": 0}
+        for block_ids, fetched in loads:
+            device = self.kv.device
+            index = torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
+            data = fetched.data.to(device, non_blocking=True)
+            offset = 0
+            for part, nbytes, shape in zip(self.parts, self._part_nbytes, self._part_shapes):
+                rows = data[:, offset:offset + nbytes].view(part.dtype).view(len(block_ids), *shape)
+                part.index_copy_(2, index, rows.movedim(0, 2))
+                offset += nbytes
+            for source, n in fetched.rows:
+                tokens[source] += n
+        for source, n in tokens.items():
+            self.hit_tokens[source] += n
         self.load_seconds += time.perf_counter() - start
         self.loads += 1
+        return tokens
 
     # ---- the rest
 
     def stats(self) -> dict[str, int | float]:
-        out = {**self.store.stats(), "kv_disk_hit_blocks": self.hit_blocks, "kv_disk_loads": self.loads,
-               "kv_disk_load_seconds": self.load_seconds, "kv_disk_saved_blocks": self.saved_blocks}
+        out: dict[str, int | float] = {"kv_tier_loads": self.loads, "kv_tier_load_seconds": self.load_seconds,
+                                       "kv_tier_saved_blocks": self.saved_blocks,
+                                       "kv_host_hit_blocks": self.host_hit_blocks}
+        if self.store is not None:
+            out.update(self.store.stats())
+            out["kv_disk_hit_blocks"] = self.hit_blocks
+        if self.host is not None:
+            out.update(self.host.stats())
         if self.states is not None:
-            out["kv_disk_saved_snapshots"] = self.saved_snapshots
-            out["kv_disk_hit_snapshots"] = self.hit_snapshots
+            out["kv_tier_saved_snapshots"] = self.saved_snapshots
+            out["kv_tier_hit_snapshots"] = self.hit_snapshots
         return out
 
     def flush(self) -> None:
         """Wait until every queued block is on disk."""
-        self.store.flush()
+        self.before_schedule()
+        if self.store is not None:
+            self.store.flush()
 
     def close(self) -> None:
-        self.store.close()
+        """Finish the store's queued writes; the host tier's blocks go with the process (the store holds them too)."""
+        self.before_schedule()
+        if self.store is not None:
+            self.store.close()
+
+
+DiskTier = KVTier  # (its name while the disk store was the only tier)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -294,29 +420,42 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy().reshape(-1))
 
 
-def open_disk_tier(options: dict[str, Any], fingerprint: str, executor: Any, root_hash: int, *, block_size: int,
-                   model: str, num_state_slots: int, ledger: Ledger | None = None) -> DiskTier:
-    """The disk tier an engine's `kv_disk` option asks for, over `executor`'s paged KV pool (and a hybrid model's
-    recurrent-state pool: its snapshots at block boundaries are stored with their blocks). Refused (ConfigError,
-    naming `kv_disk`) for an executor whose pools are not in this process (several ranks) and with the MTP head."""
-    if getattr(executor, "mtp", None) is not None:
-        raise ConfigError("kv_disk: the MTP draft head keeps KV of its own that the disk tier does not store yet; "
-                          "use another speculative_method, or remove kv_disk")
+def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, root_hash: int, *, block_size: int,
+               model: str, num_state_slots: int, ledger: Ledger | None = None, host_bytes: int = 0) -> KVTier:
+    """The tiers an engine's `kv_disk` option (`options`; None: no disk store) and `kv_host_bytes` (`host_bytes`; 0:
+    no host tier) ask for, over `executor`'s paged KV pool (the MTP head's too: one more pool under the same block
+    ids) and a hybrid model's recurrent-state pool (its snapshots at block boundaries are kept with their blocks).
+    Refused (ConfigError, naming the option) for an executor whose pools are not in this process (several ranks)."""
+    what = "kv_disk" if options is not None else "kv_host_bytes"
     cache = getattr(executor, "cache", None)
     pools = getattr(cache, "pools", None)
     kv_pool = pools.get(FULL_ATTENTION) if isinstance(pools, dict) else None
     kv = getattr(kv_pool, "kv", None)
     if not isinstance(kv, torch.Tensor):
-        raise ConfigError("kv_disk: the disk tier needs the one-process executor's KV pool; with tensor or expert "
-                          "parallel ranks each rank would have to store its own share (not done yet): remove kv_disk "
+        raise ConfigError(f"{what}: the KV tiers need the one-process executor's KV pool; with tensor or expert "
+                          f"parallel ranks each rank would have to keep its own share (not done yet): remove {what} "
                           "or run on one rank")
+    parts = [kv]
+    mtp = getattr(executor, "mtp", None)
+    if mtp is not None:  # the MTP head's KV: its first num_blocks blocks are the pool's, under the same ids
+        parts.append(mtp.kv_pool.kv)
     states = pools.get(LINEAR_ATTENTION) if num_state_slots else None
     if num_state_slots and not isinstance(getattr(states, "recurrent", None), torch.Tensor):
-        raise ConfigError("kv_disk: the disk tier needs the one-process executor's recurrent-state pool for this "
-                          "hybrid model; remove kv_disk or run on one rank")
-    path = Path(options["path"]).expanduser() if options.get("path") else default_cache_dir() / "kv"
-    try:
-        store = KVDiskStore(path, options["max_bytes"], fingerprint, model=model, block_size=block_size)
-    except OSError as e:
-        raise ConfigError(f"kv_disk.path: cannot use {str(path)!r} as the KV store: {e.strerror or e}") from None
-    return DiskTier(store, kv, root_hash, ledger, states=states)
+        raise ConfigError(f"{what}: the KV tiers need the one-process executor's recurrent-state pool for this "
+                          f"hybrid model; remove {what} or run on one rank")
+    store = None
+    if options is not None:
+        path = Path(options["path"]).expanduser() if options.get("path") else default_cache_dir() / "kv"
+        try:
+            store = KVDiskStore(path, options["max_bytes"], fingerprint, model=model, block_size=block_size)
+        except OSError as e:
+            raise ConfigError(f"kv_disk.path: cannot use {str(path)!r} as the KV store: {e.strerror or e}") from None
+    host = HostKVCache(host_bytes) if host_bytes else None
+    return KVTier(store, parts, root_hash, ledger, states=states, host=host, defer_after_step=mtp is not None)
+
+
+def open_disk_tier(options: dict[str, Any], fingerprint: str, executor: Any, root_hash: int, *, block_size: int,
+                   model: str, num_state_slots: int, ledger: Ledger | None = None) -> KVTier:
+    """`open_tiers` with a disk store and no host tier."""
+    return open_tiers(options, fingerprint, executor, root_hash, block_size=block_size, model=model,
+                      num_state_slots=num_state_slots, ledger=ledger)

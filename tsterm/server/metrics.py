@@ -73,29 +73,50 @@ class EngineCollector(Collector):
                 cumulative += count
                 buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
             yield HistogramMetricFamily(f"tsterm:{name}", help_text, buckets=buckets, sum_value=hist.total)
-        if "kv_disk_bytes" in s:  # the KV cache's disk tier (kv_disk): hits by tier, traffic, size, load time
-            hits = CounterMetricFamily("tsterm:prefix_cache_hits_by_tier", "Prompt tokens served from the prefix "
-                                       "cache by tier: device (by reference), disk (read back: a copy).",
-                                       labels=["tier"])
-            hits.add_metric(["device"], s["prefix_hit_tokens"] - s["kv_tier_hit_tokens"])
-            hits.add_metric(["disk"], s["kv_tier_hit_tokens"])
-            yield hits
-            yield GaugeMetricFamily("tsterm:kv_disk_bytes", "Bytes of KV blocks in the disk store.",
-                                    value=s["kv_disk_bytes"])
-            yield GaugeMetricFamily("tsterm:kv_disk_max_bytes", "The disk store's bound (kv_disk.max_bytes).",
-                                    value=s["kv_disk_max_bytes"])
-            for name, help_text in (("kv_disk_written_bytes", "KV bytes written to the disk store (write-through)."),
-                                    ("kv_disk_read_bytes", "KV bytes read back from the disk store."),
-                                    ("kv_disk_hit_blocks", "KV blocks read back from the disk store."),
-                                    ("kv_host_hit_blocks", "KV blocks read back from the writer's queue (not yet on "
-                                     "disk)."),
-                                    ("kv_disk_refused_blocks", "Stored KV blocks refused (checksum, model "
-                                     "fingerprint, header) and computed instead."),
-                                    ("kv_disk_evicted_blocks", "KV blocks deleted to keep the store under its bound."),
-                                    ("kv_disk_loads", "Prompts that read blocks back from the disk store."),
-                                    ("kv_disk_load_seconds", "Time prompts waited for blocks from the disk store "
-                                     "(reads, checks, the copy into the pool); per turn: over kv_disk_loads.")):
-                yield CounterMetricFamily(f"tsterm:{name}", help_text, value=s[name])
+        if "kv_tier_loads" in s:  # the KV cache's lower tiers (kv_host_bytes, kv_disk): hits, traffic, size, loads
+            yield from _kv_tiers(s)
+
+
+def _kv_tiers(s: dict) -> Iterator[Metric]:
+    """The host and disk tiers' counters: prompt tokens served by each tier (the device pool's by reference, the
+    others' copied back), the bytes written to and read from each, each one's size and bound, and the loads."""
+    hits = CounterMetricFamily("tsterm:prefix_cache_hits_by_tier", "Prompt tokens served from the prefix cache by "
+                               "tier: device (by reference), host and disk (read back: a copy).", labels=["tier"])
+    hits.add_metric(["device"], s["prefix_hit_tokens"] - s["kv_tier_hit_tokens"])
+    hits.add_metric(["host"], s["kv_host_hit_tokens"])
+    hits.add_metric(["disk"], s["kv_disk_hit_tokens"])
+    yield hits
+    tiers = [tier for tier in ("host", "disk") if f"kv_{tier}_max_bytes" in s]
+    for name, help_text in (("bytes", "Bytes of KV blocks the tier holds."),
+                            ("max_bytes", "The tier's bound (kv_host_bytes, kv_disk.max_bytes).")):
+        gauge = GaugeMetricFamily(f"tsterm:kv_tier_{name}", help_text, labels=["tier"])
+        for tier in tiers:
+            gauge.add_metric([tier], s[f"kv_{tier}_{name}"])
+        yield gauge
+    for name, help_text in (("written_bytes", "KV bytes copied into the tier (host: out of the pool; disk: written "
+                             "through, or spilled by the host tier)."),
+                            ("read_bytes", "KV bytes read back from the tier."),
+                            ("evicted_blocks", "KV blocks the tier evicted to stay under its bound.")):
+        counter = CounterMetricFamily(f"tsterm:kv_tier_{name}", help_text, labels=["tier"])
+        for tier in tiers:
+            counter.add_metric([tier], s[f"kv_{tier}_{name}"])
+        yield counter
+    hit_blocks = CounterMetricFamily("tsterm:kv_tier_hit_blocks", "KV blocks read back, by the tier that served them "
+                                     "(host: host memory, the host tier or the disk writer's queue).", labels=["tier"])
+    hit_blocks.add_metric(["host"], s["kv_host_hit_blocks"])
+    if "kv_disk_hit_blocks" in s:
+        hit_blocks.add_metric(["disk"], s["kv_disk_hit_blocks"])
+    yield hit_blocks
+    counters = [("kv_tier_loads", "Prompts that read blocks back from the host or disk tier."),
+                ("kv_tier_load_seconds", "Time prompts waited for blocks from the host and disk tiers (reads, checks, "
+                 "the copy into the pool); per turn: over kv_tier_loads.")]
+    if "kv_host_max_bytes" in s:
+        counters.append(("kv_host_spilled_blocks", "KV blocks the host tier evicted to the disk store."))
+    if "kv_disk_max_bytes" in s:
+        counters.append(("kv_disk_refused_blocks", "Stored KV blocks refused (checksum, model fingerprint, header) "
+                         "and computed instead."))
+    for name, help_text in counters:
+        yield CounterMetricFamily(f"tsterm:{name}", help_text, value=s[name])
 
 
 def _spec_decode(s: dict) -> Iterator[Metric]:

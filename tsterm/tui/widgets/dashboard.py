@@ -216,28 +216,36 @@ class Dashboard(VerticalScroll):
         self.query_one("#spec", Static).update("\n".join(lines))
 
     def _draw_tiers(self, s: dict) -> None:
-        """The KV cache's tiers (`Engine.stats()`'s kv_disk_* keys, with `kv_disk` on): prompt tokens served by each
-        tier (the device pool by reference, the disk store by a copy back), the bytes written to and read from disk,
-        the store's size against its bound, the time prompts waited for their blocks, what it refused or evicted, and
-        the waiting agent sessions offloaded to it under pressure. Hidden without a disk tier."""
-        on = "kv_disk_bytes" in s
+        """The KV cache's lower tiers (`Engine.stats()`'s kv_host_* / kv_disk_* keys, with `kv_host_bytes` or
+        `kv_disk` on): prompt tokens served by each tier (the device pool by reference, the host and disk tiers by a
+        copy back), per tier the bytes written and read and its size against its bound (the host tier's spills to
+        disk, the store's reads served from its write queue), the time prompts waited for their blocks, what the
+        store refused or evicted, and the waiting agent sessions offloaded under pressure. Hidden without a tier."""
+        on = "kv_tier_loads" in s
         for widget in (self.query_one("#tiers-title"), self.query_one("#tiers")):
             widget.display = on
         if not on:
             return
-        disk_tok = s.get("kv_tier_hit_tokens", 0)
-        loads = s.get("kv_disk_loads", 0)
-        per_load = ms(s.get("kv_disk_load_seconds", 0.0) / loads) if loads else "-"
-        lines = [
-            f"hits    device {s.get('prefix_hit_tokens', 0) - disk_tok} tok  disk {disk_tok} tok",
-            f"written {human_bytes(s.get('kv_disk_written_bytes', 0))} ({s.get('kv_disk_written_blocks', 0)} blocks)",
-            f"read    {human_bytes(s.get('kv_disk_read_bytes', 0))} ({s.get('kv_disk_read_blocks', 0)} blocks)"
-            f"  queued {s.get('kv_host_hit_blocks', 0)}",
-            f"store   {human_bytes(s['kv_disk_bytes'])} / {human_bytes(s.get('kv_disk_max_bytes'))}"
-            f" ({s.get('kv_disk_blocks', 0)} blocks)",
-            f"loads   {loads}  {per_load} each",
-            f"refused {s.get('kv_disk_refused_blocks', 0)}  evicted {s.get('kv_disk_evicted_blocks', 0)}"
-            f"  offloaded {s.get('kv_disk_offloaded_pins', 0)} pin(s)"]
+        loads = s.get("kv_tier_loads", 0)
+        per_load = ms(s.get("kv_tier_load_seconds", 0.0) / loads) if loads else "-"
+        device_tok = s.get("prefix_hit_tokens", 0) - s.get("kv_tier_hit_tokens", 0)
+        lines = [f"hits    device {device_tok} tok  host {s.get('kv_host_hit_tokens', 0)} tok"
+                 f"  disk {s.get('kv_disk_hit_tokens', 0)} tok"]
+        if "kv_host_max_bytes" in s:
+            lines += [
+                f"host    {human_bytes(s['kv_host_bytes'])} / {human_bytes(s['kv_host_max_bytes'])}"
+                f" ({s.get('kv_host_blocks', 0)} blocks)",
+                f"  in {human_bytes(s.get('kv_host_written_bytes', 0))}  out {human_bytes(s.get('kv_host_read_bytes', 0))}"
+                f"  spilled {s.get('kv_host_spilled_blocks', 0)}"]
+        if "kv_disk_max_bytes" in s:
+            lines += [
+                f"disk    {human_bytes(s['kv_disk_bytes'])} / {human_bytes(s['kv_disk_max_bytes'])}"
+                f" ({s.get('kv_disk_blocks', 0)} blocks)",
+                f"  in {human_bytes(s.get('kv_disk_written_bytes', 0))}  out {human_bytes(s.get('kv_disk_read_bytes', 0))}"
+                f"  queued {s.get('kv_disk_queue_hit_blocks', 0)}",
+                f"  refused {s.get('kv_disk_refused_blocks', 0)}  evicted {s.get('kv_disk_evicted_blocks', 0)}"]
+        lines += [f"loads   {loads}  {per_load} each",
+                  f"offloaded {s.get('kv_disk_offloaded_pins', 0)} pin(s)"]
         self.query_one("#tiers", Static).update("\n".join(lines))
 
     def _draw_latency(self) -> None:
