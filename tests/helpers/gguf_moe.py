@@ -11,7 +11,8 @@ each head's matrix transposed: [H, kv_lora_rank, nope]) and `attn_v_b` [H, v, kv
 after the last one (`nextn_predict_layers`, counted in `block_count`). No q/k permutation (these families' RoPE is
 NeoX or, DeepSeek's, interleaved as HF stores it). The hyperparameters go under llama.cpp's keys.
 
-`quantize(gguf_name, shape)` picks each tensor's GGML type (None: float32); gguf-py quantizes (MXFP4, Q8_0, ...).
+`quantize(gguf_name, shape)` picks each tensor's GGML type (None: float32); gguf-py quantizes (MXFP4, Q8_0, ...),
+tests.helpers.gguf the K-quants.
 `fake_quantized(model, ...)` is the same model with every weight that became a quantized tensor replaced by what
 that tensor dequantizes to, worked out in HF's layout (quantization runs along the GGUF rows: HF's last dimension,
 or for gpt-oss's expert matrices, stored [E, in, out], its second): the oracle transformers runs for a quantized file.
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.helpers.gguf import MERGES, tiny_vocab
+from tests.helpers.gguf import MERGES, quantize_kquant, tiny_vocab
 
 ARCHS = {"gpt_oss": "GPT_OSS", "glm4_moe": "GLM4_MOE", "deepseek_v3": "DEEPSEEK2", "minimax_m2": "MINIMAXM2"}
 PRE = {"gpt_oss": "gpt-4o", "glm4_moe": "glm4", "deepseek_v3": "deepseek-v3", "minimax_m2": "minimax-m2"}
@@ -157,8 +158,7 @@ def write(path: Path, model_dir: Path, model_type: str, quantize: QuantizeFn | N
         if qtype is None:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype),
-                              raw_dtype=qtype)
+            writer.add_tensor(name, quantized(np.ascontiguousarray(w, dtype=np.float32), qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -254,10 +254,20 @@ def fake_quantized(model, model_type: str, quantize: QuantizeFn, split_kv_b: boo
             if qtype is None:
                 continue
             rows = w.reshape(-1, w.shape[-1])
-            back = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(rows), qtype), qtype)
+            back = gguf.quants.dequantize(quantized(np.ascontiguousarray(rows), qtype), qtype)
             back = back.reshape(w.shape)
             param.copy_(torch.from_numpy(np.ascontiguousarray(back.swapaxes(-1, -2) if transposed else back)))
     return model
+
+
+def quantized(w: np.ndarray, qtype) -> np.ndarray:
+    """gguf-py's quantization of `w` as `qtype`; the K-quants (which gguf-py cannot make) by tests.helpers.gguf's."""
+    import gguf
+
+    try:
+        return gguf.quants.quantize(w, qtype)
+    except NotImplementedError:
+        return quantize_kquant(w, qtype)
 
 
 def _gguf_target(tmap, hf_name: str, model_type: str, split_kv_b: bool) -> tuple[str, bool] | None:

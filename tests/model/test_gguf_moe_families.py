@@ -205,3 +205,36 @@ def test_bad_mla_tensors_are_named(deepseek, tmp_path):
     with pytest.raises(ModelLoadError, match=r"'blk\.0\.attn_sinks\.weight' has no counterpart in the deepseek2"):
         import_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_kquant_deepseek_keeps_its_blocks(tmp_path):
+    """A Q4_K_M-like DeepSeek-V3 file (256-wide rows): the experts, dense and shared MLPs and q_a as Q4_K, the
+    latent's kv_a as Q6_K (read as floats by tsterm's MLA), the rest Q8_0 where rows allow. The native import keeps
+    the Q4_K matrices as int4 blocks; its logits are the dequantized import's within the kernels' tolerance, and
+    the dequantized import gives transformers' tokens on the weights the file dequantizes to."""
+    overrides = dict(FAMILIES["deepseek_v3"], hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                     initializer_range=0.05)
+    model_dir, hf_model = make_checkpoint(tmp_path / "hf", "deepseek_v3", overrides, with_tokenizer=False)
+
+    def rule(name: str, shape) -> object:
+        if not name.endswith(".weight") or len(shape) < 2 or "norm" in name or "ffn_gate_inp" in name \
+                or name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            return None
+        if shape[-1] % 256 == 0 and name.startswith("blk."):
+            return Q.Q6_K if "attn_kv_a_mqa" in name else Q.Q4_K
+        return Q.Q8_0 if shape[-1] % 32 == 0 else None
+
+    path = gguf_moe.write(tmp_path / "k.gguf", model_dir, "deepseek_v3", quantize=rule)
+    flat = engine(import_gguf(path, tmp_path / "float", dequantize=True))
+    assert_matches(flat, gguf_moe.fake_quantized(copy.deepcopy(hf_model), "deepseek_v3", rule), seed=4)
+    native_dir = import_gguf(path, tmp_path / "native")
+    kept = json.loads((native_dir / INFO_FILE).read_text())["quantized"]
+    for layer, leaf in ((0, "mlp.gate_proj.weight"), (1, "mlp.experts.gate_up_proj"), (1, "mlp.experts.down_proj"),
+                        (1, "mlp.shared_experts.down_proj.weight"), (1, "self_attn.q_a_proj.weight")):
+        assert kept[f"model.layers.{layer}.{leaf}"] == "Q4_K", leaf
+    assert not any("kv_a_proj" in n or "q_b_proj" in n for n in kept)  # MLA reads these as floats
+    native = engine(native_dir)
+    experts = native.engine.executor.model.layers[1][-1]
+    assert any(isinstance(w, QuantizedWeight) and w.kind == "int4" for w in vars(experts).values())
+    prompt = random_prompts(hf_model.config.vocab_size, (10,), seed=5)[0]
+    assert relative_error(last_logits(native, prompt), last_logits(flat, prompt)) < 6e-2
