@@ -116,9 +116,11 @@ def _map(tmap, name: str) -> str:
 
 def write(path: Path, model_dir: Path, model_type: str, quantize: QuantizeFn | None = None,
           split_kv_b: bool = True, fuse_gate_up: bool = False, mtp_layer: bool = False,
-          tensors: dict[str, np.ndarray] | None = None, drop_keys: tuple[str, ...] = ()) -> Path:
+          tensors: dict[str, np.ndarray] | None = None, drop_keys: tuple[str, ...] = (),
+          pre: str | None = None) -> Path:
     """Writes the checkpoint in `model_dir` as a GGUF at `path` (see the module docstring). `tensors`: written
-    instead of the converted ones (a test's damaged copy); `drop_keys`: metadata keys left out ("{arch}." form)."""
+    instead of the converted ones (a test's damaged copy); `drop_keys`: metadata keys left out ("{arch}." form);
+    `pre`: tokenizer.ggml.pre (default: the family's)."""
     import gguf
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -147,7 +149,7 @@ def write(path: Path, model_dir: Path, model_type: str, quantize: QuantizeFn | N
     writer.add_name(f"tiny-{model_type}")
     tokens, types = tiny_vocab(cfg["vocab_size"])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(PRE[model_type])
+    writer.add_tokenizer_pre(pre or PRE[model_type])
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(list(MERGES))

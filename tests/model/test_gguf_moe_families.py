@@ -121,11 +121,8 @@ def test_float_gguf_generates_like_transformers(family, tmp_path):
     else:
         assert info["skipped"] == []
     assert_matches(engine(out), hf_model)
-    text, pieces = PRE_TOKENIZED[model_type]
-    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    alphabet = {c: b for b, c in enumerate(byte_symbols())}
-    assert [bytes(alphabet[c] for c in piece).decode() for piece, _ in
-            tokenizer.pre_tokenizer.pre_tokenize_str(text)] == pieces
+    text, expected = PRE_TOKENIZED[model_type]
+    assert pieces(out, text) == expected
 
 
 def test_quantized_gguf_generates_like_transformers_on_its_weights(family, tmp_path):
@@ -168,6 +165,25 @@ def _assert_mxfp4_is_the_files(path, native_dir) -> None:
         t = reader[f"blk.{layer}.ffn_down_exps.weight"]
         ref = gguf.quants.dequantize(t.data, Q.MXFP4).reshape(tuple(reversed(t.shape.tolist())))
         assert torch.equal(down.dequantize(), torch.from_numpy(ref))
+
+
+def pieces(model_dir, text: str) -> list[str]:
+    """`text` as the imported tokenizer's pre-tokenizer splits it (its byte-level pieces decoded)."""
+    alphabet = {c: b for b, c in enumerate(byte_symbols())}
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return [bytes(alphabet[c] for c in piece).decode() for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_kimi_k2_is_a_deepseek2_file_with_its_tokenizer(deepseek, tmp_path):
+    """Kimi-K2's GGUFs say deepseek2 with tokenizer.ggml.pre kimi-k2: imported as kimi_k2 (as Moonshot's config.json
+    says), with its pre-tokenizer (Han runs apart from other letters, digits by three), running DeepSeek-V3's
+    architecture token for token."""
+    model_dir, hf_model = deepseek
+    out = import_gguf(gguf_moe.write(tmp_path / "k2.gguf", model_dir, "deepseek_v3", pre="kimi-k2"), tmp_path / "k2")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "kimi_k2"
+    assert pieces(out, "\u4f60\u597dabc I'm Hello12345") == ["\u4f60\u597d", "abc", " I'm", " Hello", "123", "45"]
+    prompt = random_prompts(hf_model.config.vocab_size, (9,), seed=6)[0]
+    assert greedy(engine(out), prompt, NEW_TOKENS) == reference_greedy(hf_model, prompt, NEW_TOKENS)[0]
 
 
 # --------------------------------------------------------------------------------------------------

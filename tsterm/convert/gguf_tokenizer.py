@@ -39,6 +39,13 @@ _O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
 _DEEPSEEK3_SPLITS = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
                      r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                      r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Kimi-K2 (tiktoken's pattern): Han runs on their own, kept out of the letter runs by class intersection
+_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_K2_SPLIT = (r"[\p{Han}]+"
+                  rf"|[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                  rf"|[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZER_SPLITS: dict[str, str | tuple[str, ...]] = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "smaug-bpe", "dbrx", "pixtral",
                      "midm-2.0", "lfm2", "jina-v5-nano", "glm4", "chatglm-bpe"), _LLAMA3_SPLIT),
@@ -46,6 +53,7 @@ PRE_TOKENIZER_SPLITS: dict[str, str | tuple[str, ...]] = {
     "tekken": _TEKKEN_SPLIT,  # Mistral NeMo
     **dict.fromkeys(("gpt-4o", "minimax-m2"), _O200K_SPLIT),
     "deepseek-v3": _DEEPSEEK3_SPLITS,
+    "kimi-k2": _KIMI_K2_SPLIT,
 }
 # llama.cpp isolates every \p{N} character before the GPT-2 regex for these (their HF tokenizer.json: Digits)
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
