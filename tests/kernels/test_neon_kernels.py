@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tsterm_kernels import cpu_native
-from tsterm_kernels.quant import quantize_int4, quantize_int8
+from tsterm_kernels.quant import quantize_int4, quantize_int8, quantize_mxfp4
 
 from tests.kernels import oracles
 
@@ -246,6 +246,23 @@ def test_float32_matmuls_give_the_x86_bits(harness, x86, rows, in_f, out_f):
     assert bits_equal(got["rows"], y)
     x86.f32_gemm(_p(x), in_f, rows, in_f, _p(w), out_f, _p(y))
     assert bits_equal(got["gemm"], y)
+
+
+@pytest.mark.parametrize("rows", [1, 5])  # few rows decode in registers, more decode panels (csrc/mxfp4.c)
+def test_mxfp4_through_the_x86_intrinsics_map_gives_the_x86_bits(harness, x86, rows):
+    in_f, out_f = 96, 37
+    x, w = _inputs(rows, in_f, out_f, seed=13)
+    q = quantize_mxfp4(w)
+    got = run(harness["plain"], "mx4", rows, in_f, out_f, data=raw(x, q.data, q.scale),
+              floats=2 * rows * out_f + out_f * in_f)
+    y_all, y_each, weight = (t(p, *shape) for p, shape in zip(
+        np.split(got, [rows * out_f, 2 * rows * out_f]), ((rows, out_f), (rows, out_f), (out_f, in_f))))
+    assert bits_equal(y_all, y_each)
+    y, wf = torch.empty(rows, out_f), torch.empty(out_f, in_f)
+    assert x86.mxfp4_matmul(_p(x), rows, in_f, _p(q.data), _p(q.scale), out_f, _p(y)) == 0
+    x86.mxfp4_dequantize(_p(q.data), _p(q.scale), out_f, in_f, _p(wf))
+    assert bits_equal(y_all, y) and bits_equal(weight, wf)
+    torch.testing.assert_close(y_all, oracles.linear(x, wf).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_swiglu_rms_norm_and_attention_give_the_x86_bits(harness, x86):

@@ -6,6 +6,8 @@
  *   neon_harness q8 ROWS IN OUT           stdin: x f32 [ROWS, IN], codes s8 [OUT, IN], scales fp16 [OUT, IN/32]
  *     stdout (f32): the row matmul of all rows, then of each row alone; tsterm_q_gemm of all rows, then of each row
  *     alone; the dequantized weight [OUT, IN]; tsterm_f32_gemm of all rows with that weight
+ *   neon_harness mx4 ROWS IN OUT          stdin: x f32 [ROWS, IN], codes u8 [OUT, IN/2], scales e8m0 [OUT, IN/32]
+ *     stdout (f32): tsterm_mxfp4_matmul of all rows, then of each row alone; tsterm_mxfp4_dequantize's weight
  *   neon_harness f32 ROWS IN OUT          stdin: x f32 [ROWS, IN], w f32 [OUT, IN]
  *     stdout (f32): tsterm_f32_matmul (the few-rows path) of all rows, then of each row alone; tsterm_f32_gemm of all
  *     rows, then of each row alone
@@ -32,6 +34,9 @@ void tsterm_q4_dequantize(const uint8_t *codes, const uint16_t *scales, int64_t 
 void tsterm_q8_dequantize(const int8_t *codes, const uint16_t *scales, int64_t out_f, int64_t in_f, float *w);
 void tsterm_q_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, int kind, const void *codes,
                    const uint16_t *scales, int64_t out_f, float *y);
+int tsterm_mxfp4_matmul(const float *x, int64_t rows, int64_t in_f, const uint8_t *codes, const uint8_t *scales,
+                        int64_t out_f, float *y);
+void tsterm_mxfp4_dequantize(const uint8_t *codes, const uint8_t *scales, int64_t out_f, int64_t in_f, float *w);
 void tsterm_f32_matmul(const float *x, int64_t rows, int64_t in_f, const float *w, int64_t out_f, float *y);
 void tsterm_f32_gemm(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w, int64_t out_f,
                      float *y);
@@ -106,6 +111,20 @@ static void quant(int q4, int64_t rows, int64_t in_f, int64_t out_f) {
     emit(y, rows * out_f);
 }
 
+static void mx4(int64_t rows, int64_t in_f, int64_t out_f) {
+    if (in_f % 32) fail("IN must be a multiple of 32");
+    float *x = read_exact(sizeof(float) * (size_t)(rows * in_f));
+    uint8_t *codes = read_exact((size_t)(out_f * in_f / 2)), *scales = read_exact((size_t)(out_f * in_f / 32));
+    float *y = alloc_f32(rows * out_f), *w = alloc_f32(out_f * in_f);
+    int rc = tsterm_mxfp4_matmul(x, rows, in_f, codes, scales, out_f, y);
+    emit(y, rows * out_f);
+    for (int64_t r = 0; r < rows; r++) rc |= tsterm_mxfp4_matmul(x + r * in_f, 1, in_f, codes, scales, out_f, y + r * out_f);
+    if (rc) exit(3);
+    emit(y, rows * out_f);
+    tsterm_mxfp4_dequantize(codes, scales, out_f, in_f, w);
+    emit(w, out_f * in_f);
+}
+
 static void f32(int64_t rows, int64_t in_f, int64_t out_f) {
     float *x = read_exact(sizeof(float) * (size_t)(rows * in_f));
     float *w = read_exact(sizeof(float) * (size_t)(out_f * in_f));
@@ -164,14 +183,16 @@ static void attn(int64_t seqs, int64_t hq, int64_t hkv, int64_t d, int64_t bs, i
 }
 
 int main(int argc, char **argv) {
-    if (argc < 2) fail("usage: neon_harness isa | q4 | q8 | f32 ROWS IN OUT | ops ROWS N | attn S HQ HKV D BS LEN");
+    if (argc < 2) fail("usage: neon_harness isa | q4 | q8 | mx4 | f32 ROWS IN OUT | ops ROWS N | attn S HQ HKV D BS LEN");
     const char *op = argv[1];
     if (!strcmp(op, "isa")) {
         printf("%d\n", tsterm_isa());
-    } else if ((!strcmp(op, "q4") || !strcmp(op, "q8") || !strcmp(op, "f32")) && argc == 5) {
+    } else if ((!strcmp(op, "q4") || !strcmp(op, "q8") || !strcmp(op, "f32") || !strcmp(op, "mx4")) && argc == 5) {
         const int64_t rows = arg(argv, 2), in_f = arg(argv, 3), out_f = arg(argv, 4);
         if (!strcmp(op, "f32"))
             f32(rows, in_f, out_f);
+        else if (!strcmp(op, "mx4"))
+            mx4(rows, in_f, out_f);
         else
             quant(!strcmp(op, "q4"), rows, in_f, out_f);
     } else if (!strcmp(op, "ops") && argc == 4) {
