@@ -90,8 +90,10 @@ class SessionStore:
 def session_kv_names(session: Session, models: list[dict]) -> set[str]:
     """The names of the blocks a session's turns leave in a KV store holding `models` (`kv_store.store_models`): the
     full blocks of its kept ids and each recorded turn's partly filled last block, under every model of the store
-    (chain hashes start at the model's fingerprint, so another model's names never collide)."""
-    from tsterm.engine.kv_store import session_block_names  # (no torch: hashing only)
+    (chain hashes start at the model's fingerprint, so another model's names never collide), and a hybrid model's
+    state snapshots, each named after the full block it ends (`<hash>.kvs`: one at the last block boundary a turn
+    computed, and any interval snapshots of its prompts; a name no file has is simply not found)."""
+    from tsterm.engine.kv_store import FULL_SUFFIX, SNAPSHOT_SUFFIX, session_block_names  # (no torch: hashing only)
 
     prefixes = [session.token_ids] + [ids for k in range(1, len(session.reply_stats()) + 1)
                                       if (ids := session.ids_through_reply(k))]
@@ -99,6 +101,7 @@ def session_kv_names(session: Session, models: list[dict]) -> set[str]:
     for model in models:
         for ids in prefixes:
             names.update(session_block_names(model["fingerprint"], model["block_size"], ids))
+    names.update([name[:-len(FULL_SUFFIX)] + SNAPSHOT_SUFFIX for name in names if name.endswith(FULL_SUFFIX)])
     return names
 
 
