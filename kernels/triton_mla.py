@@ -174,10 +174,13 @@ def _merge_splits_kernel(
     tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :], out, mask=mask)
 
 
-def _tiles(on_gpu: bool) -> tuple[int, int, int, int]:
+def _tiles(on_gpu: bool, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages). tl.dot needs 16 rows: 16 heads a program (DeepSeek-V3's 128: 8
-    programs per row and split); the interpreter takes small key tiles (its cost is per element)."""
-    return (16, 32, 4, 2) if on_gpu else (16, 16, 4, 1)
+    programs per row and split). A float32 pool's exact dots take more registers: smaller key tiles, more warps
+    (at R = 512 neither spills on sm_90). The interpreter takes small key tiles (its cost is per element)."""
+    if not on_gpu:
+        return 16, 16, 4, 1
+    return (16, 32, 4, 2) if dtype.itemsize <= 2 else (16, 16, 8, 2)
 
 
 def num_splits(kv_len: int) -> int:
@@ -222,7 +225,7 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
         return out
     query_start_loc, seq_lens = device_metadata(meta, q_lat.device)
 
-    block_h, block_n, num_warps, num_stages = _tiles(q_lat.device.type == "cuda")
+    block_h, block_n, num_warps, num_stages = _tiles(q_lat.device.type == "cuda", cache.dtype)
     grid_splits = num_splits(max(meta.seq_lens))  # the longest row's; a shorter row's extra splits are empty
     if grid_splits == 1:
         partial, lse, stride_lse, stride_partial = out, out, (0, 0), (0, out.stride(0), out.stride(1))
