@@ -77,7 +77,8 @@ def test_a_history_with_other_ids_is_given_kimi_s_form(tokenizer):
                {"role": "tool", "tool_call_id": "call_x", "content": "A"},
                {"role": "tool", "tool_call_id": "functions.read_file:1", "content": "B"},
                {"role": "assistant", "content": "", "tool_calls": [
-                   {"id": "toolu_9", "type": "function", "function": {"name": "read_file", "arguments": {"path": "c"}}}]},
+                   {"id": "toolu_9", "type": "function",
+                    "function": {"name": "read_file", "arguments": {"path": "c"}}}]},
                {"role": "tool", "tool_call_id": "toolu_9", "content": "C"}]
     fixed = kimi_call_ids(history)
     assert [c["id"] for c in fixed[1]["tool_calls"]] == ["functions.read_file:0", "functions.read_file:1"]
