@@ -24,6 +24,7 @@ read as llama.cpp's converter (convert_hf_to_gguf.py) writes them:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +118,7 @@ def arch_of(gf: GgufFile) -> GgufArch:
     if arch is not None and gf.arch == "llama" and gf.get("{arch}.expert_count", 0):
         arch = MIXTRAL
     if arch is not None and arch.mla and gf.get("tokenizer.ggml.pre") == KIMI_K2_PRE:
-        arch = GgufArch(**{**arch.__dict__, "model_type": "kimi_k2"})
+        arch = dataclasses.replace(arch, model_type="kimi_k2")
     if arch is None or arch.model_type not in ARCHITECTURES:
         known = sorted(a for a, spec in GGUF_ARCHS.items() if spec.model_type in ARCHITECTURES)
         what = f"{gf.arch!r}" + (f" ({arch.model_type})" if arch else "")
