@@ -1,4 +1,8 @@
-"""The KV cache's lower tier: the disk store (`kv_store`) under the device pool, as the KV manager sees it.
+"""The KV cache's lower tiers under the device pool, as the KV manager sees them: a host tier (`kv_host`, bounded by
+`kv_host_bytes`: host memory, pinned on a GPU; on the CPU a RAM cache under a smaller pool) and the disk store
+(`kv_store`, `kv_disk`), either or both. A block copied out of the pool goes to both from one host buffer; the host
+tier keeps the most recent ones (spilling to the store what the store lacks when it evicts), the store keeps them
+across restarts; a read takes the host tier first, then the store. The rest of this note says "the store" for both.
 
 Write-through: a full block is copied out when it is registered for the prefix cache (it is immutable from then on),
 and a finished turn's partly filled last block when it is kept; the copy is queued for the store's writer thread, so
@@ -6,15 +10,18 @@ the engine's thread pays only the copy out of the pool (on a GPU, an asynchronou
 stream). Write-through rather than write-on-evict because:
 - a session must survive its engine: an engine killed or restarted never evicts what its pool holds, and the blocks
   of the sessions just used are exactly those still in the pool;
-- on the CPU the pool is host memory: there is no host tier to stage an evicted block in, and writing it out when
-  `allocate` evicts it would put a disk write on the allocation path, in the middle of scheduling;
+- copying a block out when `allocate` evicts it would put the copy (and a disk write) on the allocation path, in
+  the middle of scheduling, and `BlockPool` evicts without telling anyone;
 - an evicted block is already on disk, so eviction stays O(1) and no block's data is ever read after it was freed.
 A block already stored (the same chain hash) is not written again.
 
 Loads: a prompt whose next full blocks are not in the pool but are in the store gets them read, checked and copied
 into fresh pool blocks, one batch a prompt (one copy into the pool for all its blocks), before its step runs; a block
 that is missing, refused (checksum, fingerprint, header) or does not fit in the pool ends the run there, and the
-rest is computed. Every byte either way is counted (`ledger`: the copy audit's `kv_tier` phase, and the stats).
+rest is computed. Every byte either way is counted per tier (`ledger`: the copy audit's `kv_tier` phase, kinds
+host_write / host_read / disk_write / disk_read, and the stats). With the MTP head, its one-layer pool travels with
+the target's under the same block ids, and a step's blocks are copied out at the next schedule's start (the head
+writes its KV of a step's positions after the step).
 
 `model_fingerprint` names what makes a block's bytes what they are: the weights (their files' names, sizes and
 mtimes), config.json and the tokenizer, the dtype, quantization, kernels, device type, the KV layout and block size,
