@@ -8,7 +8,8 @@ summation order, so an ARM machine answers as an x86 one).
 
 qemu runs the code for correctness only: its timings say nothing about an ARM CPU's speed.
 
-Needs `apt-get install -y gcc-aarch64-linux-gnu qemu-user` (Debian / Ubuntu); skipped, saying so, without them."""
+The harness tests need `apt-get install -y gcc-aarch64-linux-gnu qemu-user` (Debian / Ubuntu) and are skipped, saying
+so, without them; the build flags cpu_native uses on aarch64 are checked everywhere (platform.machine faked)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,16 +33,36 @@ CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 HARNESS = Path(__file__).parent / "native" / "neon_harness.c"
 # target -> the -march it is built for: ARMv8.2 with sdot (every ARM core of the last years), and plain ARMv8.0
 TARGETS = {"dotprod": "armv8.2-a+dotprod", "plain": "armv8-a"}
-ISA_NEON, ISA_DOTPROD = 4, 8
+ISA_NEON, ISA_DOTPROD = cpu_native.ISA_NEON, cpu_native.ISA_DOTPROD
 
-pytestmark = pytest.mark.skipif(
-    shutil.which(CC) is None or shutil.which(QEMU) is None,
-    reason=f"the aarch64 checks need {CC} and {QEMU}: apt-get install -y gcc-aarch64-linux-gnu qemu-user")
+
+def test_an_aarch64_machine_builds_the_library_with_its_own_flags(monkeypatch, tmp_path):
+    """cpu_native on aarch64 (platform.machine faked, a fake compiler that records its arguments): -mcpu=native for
+    -march=native and csrc/neon/ on the include path; the x86-only avx2 variant is refused."""
+    args = tmp_path / "args"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {args}\n'
+                  'while [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(cpu_native.platform, "machine", lambda: "aarch64")
+    assert cpu_native.build(tmp_path / "out").is_file()
+    flags = args.read_text().splitlines()
+    assert "-mcpu=native" in flags and "-march=native" not in flags
+    assert flags[flags.index("-I") + 1] == str(cpu_native.NEON_HEADERS)
+    assert (cpu_native.NEON_HEADERS / "immintrin.h").is_file()
+    with pytest.raises(cpu_native.NativeKernelError, match="avx2 build of the CPU kernels is x86 code"):
+        cpu_native.build(tmp_path / "out", variant="avx2")
+    isa_name = cpu_native.NativeKernels.isa_name.fget
+    assert isa_name(SimpleNamespace(isa_bits=ISA_NEON | ISA_DOTPROD)) == "neon-dotprod"
+    assert isa_name(SimpleNamespace(isa_bits=ISA_NEON)) == "neon"
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> dict[str, Path]:
     """The harness built for each of TARGETS (in parallel), with the library's own flags minus the host's -march."""
+    if shutil.which(CC) is None or shutil.which(QEMU) is None:
+        pytest.skip(f"the aarch64 checks need {CC} and {QEMU}: apt-get install -y gcc-aarch64-linux-gnu qemu-user")
     out = tmp_path_factory.mktemp("neon")
     flags = [f for f in cpu_native.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
     sources = [str(s) for s in sorted(cpu_native.SOURCES_DIR.glob("*.c"))]
