@@ -15,6 +15,17 @@ after a restart. `--llama-cpp` (the default model: its GGUF file) adds llama-cpp
 saved to a file (`save_state`, pickled), and in a new `Llama` the file loaded (`load_state`) and turn 2's new tokens
 evaluated up to the first token, against the same `Llama` evaluating all of turn 2. `--write-overhead` also times
 turn 1's prefill with and without the disk tier, alternating (the cost of the write-through). Token ids are random (KV costs do not depend on them).
+
+    python benchmarks/kv_disk_tier.py --trace [--profile bench] [--sessions 8] [--turns 6] [--system-tokens 1024]
+                                      [--turn-tokens 128] [--output-tokens 16] [--pool-fraction 0.25] [--rounds 2]
+
+`--trace`: instead, the bench trace (`tsterm bench`'s synthetic agent trace: a shared system prompt, `--sessions`
+sessions of `--turns` turns run at once) replayed with a device pool of `--pool-fraction` of its working set (the
+distinct blocks of every session's whole conversation), without lower tiers (what the pool evicts is computed again)
+and with a host tier holding the whole working set (`kv_host_bytes`; `--with-disk` adds a disk store under it), and
+with a pool of the whole working set (the bound), alternating round by round: wall time, the prefix hits against what
+the cache could hit at most (`hit_rate_vs_theoretical`), prompt tokens computed, and tokens served by each tier. Every
+replay's greedy outputs are compared with the full pool's.
 """
 from __future__ import annotations
 
@@ -42,7 +53,20 @@ def main() -> None:
     parser.add_argument("--write-overhead", action="store_true", help="also time turn 1 without the disk tier")
     parser.add_argument("--store", help="the disk tier's directory (default: a new temporary one, deleted after)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp's threads")
+    parser.add_argument("--trace", action="store_true", help="the bench trace with a pool of --pool-fraction of its "
+                        "working set, with and without the host tier")
+    parser.add_argument("--sessions", type=int, default=8, help="--trace: sessions at once")
+    parser.add_argument("--turns", type=int, default=6, help="--trace: turns per session")
+    parser.add_argument("--system-tokens", type=int, default=1024, help="--trace: the shared system prompt")
+    parser.add_argument("--turn-tokens", type=int, default=128, help="--trace: new tokens per later turn")
+    parser.add_argument("--output-tokens", type=int, default=16, help="--trace: reply tokens per turn")
+    parser.add_argument("--pool-fraction", type=float, default=0.25, help="--trace: the device pool's share of the "
+                        "working set")
+    parser.add_argument("--with-disk", action="store_true", help="--trace: a disk store under the host tier too")
     args = parser.parse_args()
+    if args.trace:
+        trace_mode(args)
+        return
 
     from tsterm import LLM, SamplingParams
     from tsterm.bench.machine import cpu_description
@@ -177,6 +201,70 @@ def llama_cpp_restore(args, conversation: list[int], tail: list[int], tsterm_dis
           f"TTFT restored {restore:.3f} s, recomputed {recompute:.3f} s ({recompute / restore:.1f}x); "
           f"tsterm from disk {tsterm_disk:.3f} s: llama.cpp restore / tsterm disk = {restore / tsterm_disk:.2f}x")
     print("  all llama.cpp runs: " + ", ".join(f"{k} {v:.3f}" for k, vs in results.items() for v in vs))
+
+
+def trace_mode(args) -> None:
+    """The bench trace over a pool of `args.pool_fraction` of its working set: no lower tier, the host tier (and
+    a disk store under it with --with-disk), and the whole working set in the pool, alternating by round."""
+    from tsterm import LLM
+    from tsterm.bench.machine import cpu_description
+    from tsterm.bench.replay import replay_tsterm, warm_up
+    from tsterm.bench.trace import TraceSpec, make_trace
+
+    spec = TraceSpec(args.sessions, args.turns, args.system_tokens, 64, args.turn_tokens, args.output_tokens)
+    probe = LLM.from_profile(args.profile)
+    block, per_block = probe.engine.config.block_size, probe.engine.executor.kv_bytes_per_block
+    trace = make_trace(spec, probe.engine.model_config.vocab_size)
+    probe.engine.shutdown()
+    del probe
+    gc.collect()
+    # the working set: the shared system prompt's blocks once, then each session's own (task, turns, replies)
+    own = sum(len(t.new_ids) + t.output_tokens for t in trace[0]) - spec.system_tokens
+    working = -(-spec.system_tokens // block) + spec.sessions * -(-own // block)
+    longest = -(-(spec.system_tokens + own) // block)  # one conversation's blocks: what the pool must hold at least
+    pool = max(int(working * args.pool_fraction), longest + 2)
+    print(f"CPU: {cpu_description()}")
+    print(f"profile {args.profile}; trace {spec.sessions} sessions x {spec.turns} turns, system {spec.system_tokens}, "
+          f"turn {spec.turn_tokens}, reply {spec.output_tokens}; working set {working} blocks of {block} tokens "
+          f"({working * per_block / (1 << 20):.1f} MiB); pool {pool} blocks ({pool / working:.2f} of it; one "
+          f"conversation needs {longest})")
+    store = Path(tempfile.mkdtemp(prefix="tsterm-kv-trace-"))
+    kinds = {"no tier": dict(num_kv_blocks=pool),
+             "host tier": dict(num_kv_blocks=pool, kv_host_bytes=working * per_block),
+             "whole pool": dict(num_kv_blocks=working + 2)}
+    if args.with_disk:
+        kinds["host tier"]["kv_disk"] = {"path": str(store), "max_bytes": 2 * working * per_block + (64 << 20)}
+    rows, outputs = [], {}
+    for round_index in range(args.rounds):
+        order = list(kinds) if round_index % 2 == 0 else list(reversed(kinds))
+        for kind in order:
+            llm = LLM.from_profile(args.profile, **kinds[kind])
+            warm_up(llm.engine)
+            before = llm.stats()
+            result = replay_tsterm(llm.engine, trace, kind.replace(" ", "-"))
+            stats = llm.stats()
+            outputs.setdefault(kind, result.outputs())
+            rows.append((round_index, kind, result.wall_s, result.hit_rate_vs_theoretical(),
+                         stats["prefill_tokens"] - before["prefill_tokens"], stats.get("kv_host_hit_tokens", 0),
+                         stats.get("kv_disk_hit_tokens", 0), stats.get("evictions", 0)))
+            llm.engine.shutdown()
+            del llm
+            gc.collect()
+            for path in store.iterdir():  # (each replay starts with an empty store)
+                if path.is_file():
+                    path.unlink()
+    shutil.rmtree(store, ignore_errors=True)
+    print(f"\n{'round':>5} {'pool':<11} {'wall s':>8} {'hit rate':>9} {'computed':>9} {'host tok':>9} "
+          f"{'disk tok':>9} {'evictions':>9}")
+    for round_index, kind, wall, rate, computed, host, disk, evictions in rows:
+        print(f"{round_index:>5} {kind:<11} {wall:>8.2f} {rate:>9.3f} {computed:>9} {host:>9} {disk:>9} {evictions:>9}")
+    for round_index in range(args.rounds):
+        wall = {r[1]: r[2] for r in rows if r[0] == round_index}
+        print(f"round {round_index}: no tier / host tier = {wall['no tier'] / wall['host tier']:.2f}x, "
+              f"host tier / whole pool = {wall['host tier'] / wall['whole pool']:.2f}x")
+    for kind, got in outputs.items():
+        if got != outputs["whole pool"]:
+            print(f"{kind}: THE GREEDY OUTPUTS DIFFER from the whole pool's")
 
 
 def drop_page_cache(folder: Path) -> None:
