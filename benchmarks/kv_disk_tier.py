@@ -137,7 +137,7 @@ def main() -> None:
             stats = llm.stats()
             firsts[kind] = out.token_ids
             rows.append((round_index, kind, len(turn2), out.num_cached_tokens, seconds,
-                         stats.get("kv_disk_load_seconds", 0.0), stats.get("kv_disk_read_bytes", 0)))
+                         stats.get("kv_tier_load_seconds", 0.0), stats.get("kv_disk_read_bytes", 0)))
             close(llm)
         if firsts["disk"] != firsts["recompute"]:  # (reported, not raised: the timings are still worth printing)
             print(f"round {round_index}: THE FIRST TOKENS DIFFER: {firsts}")
