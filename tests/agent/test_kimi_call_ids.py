@@ -1,7 +1,9 @@
 """Kimi-K2's tool-call ids: the model writes each call's id as `functions.NAME:IDX`, and its template writes the id
 back into the call and into the result's `## Return of ID` heading. The parser gives a call the id the model wrote,
 so an agent's tool result names the call as the model did; a history whose calls carry ids of another form (an API
-client's `call_...`) is given Kimi's form, the results that answer them following, before the template renders it."""
+client's `call_...`) is given Kimi's form, the results that answer them following, before the template renders it.
+Kimi-K2's tokenizer holds its call markers as special tokens, which the engine's text leaves out: the agent and the
+server read such a reply from its ids (the stop token left out)."""
 from __future__ import annotations
 
 import json
@@ -96,3 +98,59 @@ def test_a_history_with_other_ids_is_given_kimi_s_form(tokenizer):
         assert f"<|tool_call_begin|>functions.read_file:{i}<|tool_call_argument_begin|>" in text
         assert f"## Return of functions.read_file:{i}\n{result}" in text
     assert "call_x" not in text and "toolu_9" not in text
+
+
+KIMI_MARKERS = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_end|>", "<|tool_call_argument_begin|>")
+
+
+@pytest.fixture(scope="module")
+def special_tokenizer(tmp_path_factory):
+    """Kimi-K2's call markers as special tokens, as its tokenizer holds them: the engine's text leaves them out."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Backend
+
+    directory = make_tokenizer_dir(tmp_path_factory.mktemp("kimi") / "kimi_k2_special")
+    (directory / "chat_template.jinja").write_text(KIMI_K2)
+    backend = Backend.from_file(str(directory / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in KIMI_MARKERS])
+    backend.save(str(directory / "tokenizer.json"))
+    return Tokenizer.from_dir(directory)
+
+
+async def test_special_token_markers_are_read_from_the_ids(special_tokenizer):
+    tokenizer = special_tokenizer
+    reply = "Let me look." + kimi_turn(("read_file", {"path": "notes.txt"}, 0))
+    ids = tokenizer.encode(reply)
+    assert all(tokenizer.token_to_id(m) in ids for m in KIMI_MARKERS)
+    assert "tool_call" not in tokenizer.decode(ids)  # the engine's text: the markers are gone
+    backend = ScriptedBackend(tokenizer, [reply, "Done."])
+    agent = Agent(backend, tokenizer, [ReadFile()], SamplingParams(temperature=0))
+    events = [e async for e in agent.run("Read notes.txt")]
+    [parsed] = [e.call for e in events if isinstance(e, ToolCallParsed)]
+    assert (parsed.id, parsed.name, parsed.arguments) == ("functions.read_file:0", "read_file", {"path": "notes.txt"})
+    assert agent.steps[0].text == "Let me look." and agent.steps[0].raw == reply  # the stop token is no text
+    assert "## Return of functions.read_file:0\ncontents of notes.txt" in tokenizer.decode(
+        backend.prompts[1], skip_special_tokens=False)
+
+
+def test_the_server_reads_special_token_markers_from_the_ids(special_tokenizer):
+    from tsterm.outputs import CompletionOutput
+    from tsterm.server.tool_choice import reply_parser
+    from tsterm.server.tool_stream import CallArguments, CallStart
+
+    tokenizer = special_tokenizer
+    state = ServerState(engine=None, tokenizer=tokenizer, model_name="kimi", max_model_len=4096)
+    parser = reply_parser(ToolUse([READ], True, False), state=state)
+    ids = tokenizer.encode("Let me look." + kimi_turn(("read_file", {"path": "a b"}, 7))) + [tokenizer.eos_token_ids[0]]
+    pieces, shown = [], ""
+    for n in range(1, len(ids) + 1):
+        text, done = tokenizer.decode(ids[:n]), n == len(ids)
+        output = CompletionOutput(0, ids[:n], text, "stop" if done else None, ids[-1] if done else None,
+                                  delta_text=text[len(shown):])
+        pieces += parser.feed(parser.text(output), done, output.stop_reason)
+        shown = text
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Let me look."
+    assert [(p.id, p.name) for p in pieces if isinstance(p, CallStart)] == [("functions.read_file:7", "read_file")]
+    assert json.loads("".join(p.text for p in pieces if isinstance(p, CallArguments))) == {"path": "a b"}
+    assert parser.finish_reason("stop") == "tool_calls"

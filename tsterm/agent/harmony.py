@@ -25,7 +25,9 @@ as they arrive.
 Which parser a model's replies need is `turn_parser`'s choice (`is_harmony`: the model type `gpt_oss`, or a vocabulary
 that holds harmony's markers `<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|call|>` and `<|return|>`), the
 one choice the agent loop and the server both make. A harmony turn's markers are special tokens, which the engine's
-text leaves out: `TurnText` decodes the turn's ids with them.
+text leaves out: `TurnText` decodes the turn's ids with them. So do the call markers of Kimi-K2's and DeepSeek's
+tokenizers where they are special tokens (Kimi-K2's are): `reads_special_tokens` says when a turn is read that way
+(then without the stop token that ended it, which harmony's parser alone reads).
 
 Prompts are rendered by tsterm (`render`, or `HarmonyChat`: a tokenizer whose `apply_chat_template` is `render`), as
 the `openai-harmony` package renders a conversation (vLLM renders gpt-oss prompts with that package too), not through
@@ -57,12 +59,12 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tsterm.agent.schema import ArgumentSchema
-from tsterm.agent.tool_calls import TextDelta, ToolCall, ToolCallParser, _tool_schemas
+from tsterm.agent.tool_calls import SECTIONS, TextDelta, ToolCall, ToolCallParser, _tool_schemas
 from tsterm.errors import RequestError
 
 START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
@@ -269,19 +271,40 @@ def turn_parser(tokenizer: Any, tools: Iterable[Mapping[str, Any]] | None, *, id
     return ToolCallParser(tools, id_prefix=id_prefix)
 
 
+def reads_special_tokens(tokenizer: Any, model_type: str | None = None) -> bool:
+    """Whether this model's turns are read with their special tokens (`TurnText`): harmony's, or a tokenizer that
+    holds a family's tool-call markers (Kimi-K2's, DeepSeek's sections) as special tokens, which the engine's text
+    leaves out (a marker whose id decodes to nothing without special tokens)."""
+    if is_harmony(tokenizer, model_type):
+        return True
+    token_to_id = getattr(tokenizer, "token_to_id", None)
+    if token_to_id is None:
+        return False
+    markers = [marker for section, (close, call_open, call_close) in SECTIONS.items()
+               for marker in (section, close, call_open, call_close)]
+    ids = [token_id for token_id in map(token_to_id, markers) if token_id is not None]
+    return any(tokenizer.decode([token_id], skip_special_tokens=True) == "" for token_id in ids)
+
+
 class TurnText:
     """A turn's text with its special tokens, from its growing ids (`CompletionOutput.token_ids`): what a harmony
-    parser reads, where the engine's own text leaves the markers out."""
+    parser reads (and a parser of special-token call markers), where the engine's own text leaves them out.
+    `keep_stop`: the stop token that ended the turn is text too (harmony's `<|call|>` ends a call); otherwise it is
+    left out, as the engine's text leaves it."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, keep_stop: bool = True):
         from tsterm.tokenizer import IncrementalDetokenizer
 
         self._detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+        self._keep_stop = keep_stop
         self._seen = 0
         self.text = ""
 
-    def feed(self, token_ids: Sequence[int], final: bool = False) -> str:
-        """The text the ids after those already fed add (all of it once `final`)."""
+    def feed(self, token_ids: Sequence[int], final: bool = False, stops: Collection[int] = ()) -> str:
+        """The text the ids after those already fed add (all of it once `final`; `stops`: the ids that end a turn,
+        one of which, last, is not text unless `keep_stop`)."""
+        if final and not self._keep_stop and token_ids and token_ids[-1] in stops and len(token_ids) > self._seen:
+            token_ids = token_ids[:-1]
         delta = self._detokenizer.add(token_ids[self._seen:])
         self._seen = len(token_ids)
         if final:

@@ -52,8 +52,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tsterm.agent.harmony import ReasoningDelta, TurnText, call_arguments, chat_tokenizer, is_harmony, turn_grammar, \
-    turn_parser
+from tsterm.agent.harmony import (ReasoningDelta, TurnText, call_arguments, chat_tokenizer, is_harmony,
+                                  reads_special_tokens, turn_grammar, turn_parser)
 from tsterm.agent.tool_calls import TextDelta, ToolCall
 from tsterm.agent.tool_grammar import (CallFormError, ChatTokens, agent_grammar, call_form, prompt_opens_reasoning,
                                        tool_parameters)
@@ -396,7 +396,8 @@ class Agent:
             await asyncio.to_thread(self._tool_grammars)
         params = self._step_params(plan.token_ids)
         parser = turn_parser(self.tokenizer, self.specs, id_prefix=f"call_{index}_")
-        turn = TurnText(self.tokenizer) if self.harmony else None  # harmony's markers are special tokens
+        # harmony's markers are special tokens, and Kimi-K2's call markers: read from the ids, which hold them
+        turn = TurnText(self.tokenizer, keep_stop=self.harmony) if reads_special_tokens(self.tokenizer) else None
         calls: list[ToolCallRecord] = []
         text: list[str] = []
         reasoning: list[str] = []
@@ -407,7 +408,8 @@ class Agent:
         try:
             async for out in self.backend.generate(plan.token_ids, params, request_id=self._request_id):
                 output = out.outputs[0]
-                events = parser.feed(output.delta_text if turn is None else turn.feed(output.token_ids, out.finished))
+                events = parser.feed(output.delta_text if turn is None
+                                     else turn.feed(output.token_ids, out.finished, self.stop_ids))
                 if out.finished:
                     final = out
                     events += parser.finish()
@@ -434,7 +436,7 @@ class Agent:
         # the reply as the model wrote it (see the module docstring): the kept ids become the plan's + these ids,
         # standing for every message through this one; the tool messages that answer its calls come after them
         message = {"role": "assistant", "content": raw}
-        if turn is not None:  # harmony: its messages, which the renderer writes back as the model wrote them
+        if self.harmony:  # its messages, which the renderer writes back as the model wrote them
             message = {"role": "assistant", "content": "".join(text), "reasoning_content": "".join(reasoning)}
             if calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {

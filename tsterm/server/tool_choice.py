@@ -31,7 +31,7 @@ import dataclasses
 
 from typing import Any
 
-from tsterm.agent.harmony import is_harmony, turn_grammar
+from tsterm.agent.harmony import is_harmony, reads_special_tokens, turn_grammar
 from tsterm.agent.tool_calls import CLOSE_TAG
 from tsterm.agent.tool_grammar import CallForm, CallFormError, call_rules, prompt_opens_reasoning, think_rules
 from tsterm.agent.tool_grammar import call_form as template_call_form
@@ -122,10 +122,12 @@ def _cannot_force(why: str) -> APIError:
 
 
 def reply_parser(tools: ToolUse, prefix: str = "call", state: Any = None) -> ReplyParser:
-    """A parser for one choice's reply (a one-call stop is put back); a harmony model's (`state`'s tokenizer) reads
-    the reply's ids with their markers."""
+    """A parser for one choice's reply (a one-call stop is put back); a harmony model's (`state`'s tokenizer), or one
+    whose call markers are special tokens, reads the reply's ids with their markers."""
     if state is not None and is_harmony(state.tokenizer):
-        return ReplyParser(tools.offered, tools.parse, prefix=prefix, tokenizer=state.tokenizer)
+        return ReplyParser(tools.offered, tools.parse, prefix=prefix, tokenizer=state.tokenizer, harmony=True)
+    if state is not None and tools.parse and reads_special_tokens(state.tokenizer):  # Kimi-K2's special markers
+        return ReplyParser(tools.offered, True, prefix=prefix, stop_at=tools.stop_at, tokenizer=state.tokenizer)
     return ReplyParser(tools.offered, tools.parse, prefix=prefix, stop_at=tools.stop_at)
 
 

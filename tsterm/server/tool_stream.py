@@ -8,10 +8,11 @@ MiniMax-M2 block, each call of a DeepSeek-V3 / V3.1 or Kimi-K2 section, which th
 it arrives, arguments given as a JSON string) starts when it is complete and carries its arguments in one fragment. The arguments text of a call is the same streamed or not: the object as
 the model wrote it when the scanner could read it (and it parses to the call's arguments), else `json.dumps` of them.
 
-A harmony model's reply (gpt-oss; `tokenizer` given) is read by tsterm.agent.harmony's parser from the text of its
-ids with their markers (`text`): its analysis channel comes out as `Reasoning` pieces, its final channel and
+A harmony model's reply (gpt-oss; `harmony`) is read by tsterm.agent.harmony's parser from the text of its ids with
+their markers (`tokenizer` given: `text`): its analysis channel comes out as `Reasoning` pieces, its final channel and
 commentary preambles as text, and each `to=functions.NAME` message as a call whose arguments (the message's content,
-the JSON as the model wrote it) stream as they arrive.
+the JSON as the model wrote it) stream as they arrive. A tokenizer whose call markers are special tokens (Kimi-K2's)
+is read the same way, by the tag parser, the stop token left out.
 
 A call is only started once its name is a tool the request offered; a call that then turns out malformed (bad JSON,
 arguments failing the schema, cut short) cannot be taken back: it ends with a `CallEnd` whose call is not `ok`, and
@@ -185,16 +186,17 @@ class _Streaming:
 
 class ReplyParser:
     """One choice's reply as pieces, fed delta by delta. `stop_at`: a stop string that ended the reply at a call's
-    close tag (a request for one call), put back so that the call is complete. `tokenizer`: given for a harmony
-    model, whose replies are read from their ids (`text`) by a HarmonyParser (its channels are always split; with
-    `parse` false no call is offered, so a call message stays text)."""
+    close tag (a request for one call), put back so that the call is complete. `tokenizer`: given where the reply is
+    read from its ids with their special tokens (`text`); `harmony`: by a HarmonyParser (its channels are always
+    split; with `parse` false no call is offered, so a call message stays text)."""
 
     def __init__(self, offered: list[dict] | None, parse: bool, *, prefix: str = "call", stop_at: str | None = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, harmony: bool = False):
         id_prefix = f"{prefix}_{uuid.uuid4().hex[:12]}_"
-        self.turn = TurnText(tokenizer) if tokenizer is not None else None
+        self.harmony = harmony
+        self.turn = TurnText(tokenizer, keep_stop=harmony) if tokenizer is not None else None
         self.parser: HarmonyParser | ToolCallParser | None
-        if self.turn is not None:
+        if harmony:
             self.parser = HarmonyParser(offered if parse else [], id_prefix=id_prefix)
         else:
             self.parser = ToolCallParser(offered, id_prefix=id_prefix) if parse else None
@@ -207,7 +209,9 @@ class ReplyParser:
         """What to feed for an engine output (a CompletionOutput): its `delta_text` (its `text` when `whole`), or for
         a harmony reply the text its new ids add, markers included."""
         if self.turn is not None:
-            return self.turn.feed(output.token_ids, output.finish_reason is not None)
+            stop = output.stop_reason  # the stop token's id where one ended the reply
+            return self.turn.feed(output.token_ids, output.finish_reason is not None,
+                                  (stop,) if isinstance(stop, int) else ())
         return output.text if whole else output.delta_text
 
     def feed(self, delta: str, final: bool, stop_reason: Any = None) -> list[Piece]:
@@ -227,7 +231,7 @@ class ReplyParser:
             else:
                 self._end(event, pieces)
         if not final and (pending := self.parser.pending) is not None:
-            if self.turn is not None:
+            if self.harmony:
                 self._advance_written(*pending, pieces)
             else:
                 self._advance(*pending, pieces)
@@ -278,7 +282,7 @@ class ReplyParser:
                 return
             index, self.started = self.started, self.started + 1
             pieces += [CallStart(index, call.id, call.name), CallArguments(index, arguments_text(call))]
-        elif self.turn is not None:  # a harmony call: the rest of its content
+        elif self.harmony:  # a harmony call: the rest of its content
             index = current.index
             if rest := call_arguments(call)[current.sent:]:
                 pieces.append(CallArguments(index, rest))
