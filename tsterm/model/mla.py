@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from tsterm_kernels.metadata import AttentionMetadata
-from tsterm_kernels.quant import QuantizedWeight
+from tsterm_kernels.quant import FP8_BLOCK, QuantizedWeight
 from tsterm_kernels.torch_ops import linear
 
 from tsterm.config import ModelConfig
@@ -204,35 +204,53 @@ def load_mla(src, cfg: ModelConfig, spec, a: str, o: str, w: dict[str, torch.Ten
              dtype: torch.dtype) -> None:
     """One MLA block from the checkpoint (`a`: its prefix, `o`: the canonical one; `src`: the loader's
     `WeightSource`): this rank's heads of q_b / q_proj, kv_b and o_proj's columns; q_a, kv_a and the norms whole (the
-    latent is every rank's). Interleaved RoPE rows (`rope_interleave`) are reordered to rotate-half here."""
+    latent is every rank's). Interleaved RoPE rows (`rope_interleave`) are reordered to rotate-half here.
+
+    Every matrix is read through `src.weight`, so a block-scaled FP8 checkpoint on a CUDA device keeps them all as
+    fp8 QuantizedWeights (where the span is whole 128-blocks, as for any matrix): the RoPE reordering moves rows
+    within their 128-row block (each head's RoPE rows start at a multiple of 64 at DeepSeek's sizes), so the block
+    scales stand unchanged; a reordering that would carry a row across blocks dequantizes that matrix instead.
+    kv_b stays fp8 for the expanded form's `linear`; the absorbed form's per-head W_UK / W_UV are float32 copies
+    made from it once (`MLAttention`: no fp8 kernel takes a matrix per head)."""
     H, Hq, r, dn, dr, dv = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
                             cfg.qk_rope_head_dim, cfg.v_head_dim)
     h0, nh = layout.q_heads(cfg)
     # rotate-half order of an interleaved RoPE part: the even dims, then the odd ones
     order = torch.cat((torch.arange(0, dr, 2), torch.arange(1, dr, 2))) if cfg.rope_interleave else torch.arange(dr)
     q_order = torch.cat([h * (dn + dr) + torch.cat((torch.arange(dn), dn + order)) for h in range(nh)])
+    kv_a_order = torch.cat((torch.arange(r), r + order))
     q_rows = (h0 * (dn + dr), nh * (dn + dr))
     if cfg.q_lora_rank:
         w[o + "q_a"] = src.weight(a + "q_a_proj.weight", (cfg.q_lora_rank, H))
         w[o + "q_a_norm"] = src.get(a + "q_a_layernorm.weight", (cfg.q_lora_rank,))
         if cfg.attention_bias:
             w[o + "q_a_bias"] = src.get(a + "q_a_proj.bias", (cfg.q_lora_rank,))
-        w[o + "q_b"] = _rows(src.get(a + "q_b_proj.weight", (Hq * (dn + dr), cfg.q_lora_rank), rows=q_rows), q_order)
+        w[o + "q_b"] = _rows(src.weight(a + "q_b_proj.weight", (Hq * (dn + dr), cfg.q_lora_rank), rows=q_rows),
+                             q_order, dtype)
     else:
-        w[o + "q_proj"] = _rows(src.get(a + "q_proj.weight", (Hq * (dn + dr), H), rows=q_rows), q_order)
-    w[o + "kv_a"] = _rows(src.get(a + "kv_a_proj_with_mqa.weight", (r + dr, H)), torch.cat((torch.arange(r), r + order)))
+        w[o + "q_proj"] = _rows(src.weight(a + "q_proj.weight", (Hq * (dn + dr), H), rows=q_rows), q_order, dtype)
+    w[o + "kv_a"] = _rows(src.weight(a + "kv_a_proj_with_mqa.weight", (r + dr, H)), kv_a_order, dtype)
     if cfg.attention_bias:
-        w[o + "kv_a_bias"] = _rows(src.get(a + "kv_a_proj_with_mqa.bias", (r + dr,)),
-                                   torch.cat((torch.arange(r), r + order)))
+        w[o + "kv_a_bias"] = _rows(src.get(a + "kv_a_proj_with_mqa.bias", (r + dr,)), kv_a_order, dtype)
     w[o + "kv_a_norm"] = src.get(a + "kv_a_layernorm.weight", (r,))
-    w[o + "kv_b"] = src.get(a + "kv_b_proj.weight", (Hq * (dn + dv), r), rows=(h0 * (dn + dv), nh * (dn + dv)))
+    w[o + "kv_b"] = src.weight(a + "kv_b_proj.weight", (Hq * (dn + dv), r), rows=(h0 * (dn + dv), nh * (dn + dv)))
     w[o + "o_proj"] = src.weight(a + "o_proj.weight", (H, Hq * dv), cols=(h0 * dv, nh * dv))
     if cfg.attention_bias:
         w[o + "o_bias"] = src.get(a + "o_proj.bias", (H,))
 
 
-def _rows(t: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """t's rows in `order` (a copy only when the order is not the identity)."""
+def _rows(t: torch.Tensor | QuantizedWeight, order: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+    """t's rows in `order` (a copy only when the order is not the identity). An fp8 weight keeps its values and
+    scales where every row stays in its 128-row block, else it is dequantized to `dtype`; int8 / int4 blocks (one
+    scale row per output row) move with their rows."""
     if torch.equal(order, torch.arange(t.shape[0])):
         return t
-    return t.index_select(0, order.to(t.device))
+    if not isinstance(t, QuantizedWeight):
+        return t.index_select(0, order.to(t.device))
+    index = order.to(t.device)
+    if t.kind == "fp8" and torch.equal(order // FP8_BLOCK, torch.arange(len(order)) // FP8_BLOCK):
+        # (float8 has no index_select: its bytes move)
+        return QuantizedWeight.fp8(t.data.view(torch.uint8).index_select(0, index).view(t.data.dtype), t.scale)
+    if t.kind in ("int8", "int4"):
+        return QuantizedWeight.blocks(t.kind, t.data.index_select(0, index), t.scale.index_select(0, index))
+    return t.dequantize().to(dtype).index_select(0, index)
