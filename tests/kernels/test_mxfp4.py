@@ -84,6 +84,9 @@ def test_dequantize_is_the_spec():
     want = oracle_weight(w)
     assert torch.equal(w.dequantize().to(F64), want)
     assert sorted({spec_e2m1(c) for c in range(16)}) == sorted(set(quant.E2M1_VALUES))
+    edges = QuantizedWeight.mxfp4(w.data[:3, :16], torch.tensor([[0], [254], [255]], dtype=torch.uint8))
+    # (float32: 3 * 2^127 and more overflow to infinity, as the oracle's values do in float32)
+    torch.testing.assert_close(edges.dequantize(), oracle_weight(edges).float(), rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_c_dequantize_is_the_spec(native):
