@@ -19,18 +19,30 @@
 
 #include "tsterm.h"
 
-int64_t tsterm_attention_splits(const int32_t *seq_lens, int64_t num_seqs) {
+/* The first split sequence s's row reads: the one holding its window's first key (0 without a window). Partials are
+ * kept from there on (`part` index split - first_split), so a window's decode holds a few splits, not the context's. */
+static inline int64_t first_split(const tsterm_attention *a, int64_t s) {
+    return tsterm_att_window_start(a->window, a->seq_lens[s] - 1) / ATT_SPLIT;
+}
+
+/* the most splits any sequence's row reads (at least 1) */
+static int64_t window_splits(const int32_t *seq_lens, int64_t num_seqs, int64_t window) {
     int64_t most = 1;
     for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t c = (seq_lens[s] + ATT_SPLIT - 1) / ATT_SPLIT;
+        const int64_t first = tsterm_att_window_start(window, seq_lens[s] - 1) / ATT_SPLIT;
+        const int64_t c = (seq_lens[s] + ATT_SPLIT - 1) / ATT_SPLIT - first;
         most = c > most ? c : most;
     }
     return most;
 }
 
+int64_t tsterm_attention_splits(const int32_t *seq_lens, int64_t num_seqs) {
+    return window_splits(seq_lens, num_seqs, 0);
+}
+
 /* Split `split` of sequence s for KV head h: its G query rows (scaled) through tsterm_attend_split, their partials
- * into `part`. w: this thread's scratch. */
-static void split_task(const tsterm_attention *a, int64_t s, int64_t split, int64_t h, float *w) {
+ * into `part` (at `rel`, the split's index from the sequence's first_split). w: this thread's scratch. */
+static void split_task(const tsterm_attention *a, int64_t s, int64_t split, int64_t rel, int64_t h, float *w) {
     const int64_t Hq = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim, G = Hq / Hkv, len = a->seq_lens[s];
     const int64_t k0 = split * ATT_SPLIT, k1 = len - k0 < ATT_SPLIT ? len : k0 + ATT_SPLIT;
     const tsterm_kv kv = {a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks, a->block_size, Hkv, D,
@@ -43,7 +55,7 @@ static void split_task(const tsterm_attention *a, int64_t s, int64_t split, int6
     }
     tsterm_attend_split(&kv, h, qs, G, G, len - 1, k0, k1, len, sc, m, l, o);
     for (int64_t g = 0; g < G; g++) {
-        float *pt = a->part + ((s * a->max_splits + split) * Hq + h * G + g) * (D + 2);
+        float *pt = a->part + ((s * a->max_splits + rel) * Hq + h * G + g) * (D + 2);
         memcpy(pt, o + g * D, sizeof(float) * (size_t)D);
         pt[D] = m[g], pt[D + 1] = l[g];
     }
@@ -59,10 +71,8 @@ void tsterm_attention_tasks(const tsterm_attention *a) {
     const int64_t Hkv = a->num_kv_heads;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < a->num_seqs * Hkv * a->max_splits; t++) {
-        const int64_t s = t / (Hkv * a->max_splits), split = t % a->max_splits, len = a->seq_lens[s];
-        /* (splits wholly before the row's sliding window are not read) */
-        if (split * ATT_SPLIT < len && (split + 1) * ATT_SPLIT > tsterm_att_window_start(a->window, len - 1))
-            split_task(a, s, split, t / a->max_splits % Hkv, w);
+        const int64_t s = t / (Hkv * a->max_splits), rel = t % a->max_splits, split = first_split(a, s) + rel;
+        if (split * ATT_SPLIT < a->seq_lens[s]) split_task(a, s, split, rel, t / a->max_splits % Hkv, w);
     }
 }
 
@@ -76,9 +86,9 @@ void tsterm_attention_merge(const tsterm_attention *a, int64_t row, float *out) 
         return;
     }
     float M = 0.0f, L = 0.0f;
-    const int64_t c0 = tsterm_att_window_start(a->window, a->seq_lens[s] - 1) / ATT_SPLIT; /* the window's first */
+    const int64_t c0 = first_split(a, s); /* (the splits before its window's are neither run nor merged) */
     for (int64_t c = c0; c < splits; c++) {
-        const float *pt = a->part + ((s * a->max_splits + c) * Hq + hq) * (D + 2);
+        const float *pt = a->part + ((s * a->max_splits + c - c0) * Hq + hq) * (D + 2);
         tsterm_att_merge(&M, &L, out, pt[D], pt[D + 1], pt, D, c == c0);
     }
     const __m256 inv = _mm256_set1_ps(tsterm_att_norm(M, L, a->sinks ? a->sinks + hq : NULL));
@@ -97,7 +107,7 @@ int tsterm_decode_attention_sw(const float *q, int64_t q_stride, const float *k_
     if (num_heads > MAX_HEADS || head_dim % 16 || num_kv_heads <= 0 || num_heads % num_kv_heads || window < 0)
         return -2;
     tsterm_attention a = {q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
-                          num_kv_heads, head_dim, block_size, scale, tsterm_attention_splits(seq_lens, num_seqs), NULL,
+                          num_kv_heads, head_dim, block_size, scale, window_splits(seq_lens, num_seqs, window), NULL,
                           sinks, window};
     a.part = malloc(tsterm_attention_part_bytes(&a));
     if (!a.part) return -1;

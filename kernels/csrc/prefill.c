@@ -63,7 +63,8 @@ static void run_task(const prefill *a, const scratch *w, int64_t h, int64_t firs
     }
     for (int64_t r = 0; r < R; r++) {
         float *dst = a->out + (first + r / G) * a->out_stride + (h * G + r % G) * D;
-        const __m256 inv = _mm256_set1_ps(tsterm_att_norm(w->M[r], w->L[r], a->sinks ? a->sinks + h * G + r % G : NULL));
+        const float *sink = a->sinks ? a->sinks + h * G + r % G : NULL;
+        const __m256 inv = _mm256_set1_ps(tsterm_att_norm(w->M[r], w->L[r], sink));
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(inv, _mm256_load_ps(w->O + r * D + d)));
     }
 }
