@@ -26,11 +26,11 @@ E, H, INTER = 5, 64, 96  # I = 96: three blocks of 32 along down_proj's inputs
 OPTIONS = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=96)
 
 
-@pytest.fixture(scope="module")
-def mxfp4_dir(tmp_path_factory):
-    """A tiny gpt-oss (sinks, a window of 4, YaRN, biases, the clamped SwiGLU) whose experts are random MXFP4 bytes."""
+def write_mxfp4_checkpoint(path):
+    """A tiny gpt-oss (sinks, a window of 4, YaRN, biases, the clamped SwiGLU) at `path` whose experts are random
+    MXFP4 bytes (`_blocks` / `_scales`, quantization_config as gpt-oss-20b's); returns its directory."""
     overrides = dict(CASES[0][1], hidden_size=H, moe_intermediate_size=INTER)
-    model_dir, hf_model = make_checkpoint(tmp_path_factory.mktemp("mxfp4") / "gpt_oss", "gpt_oss", overrides)
+    model_dir, hf_model = make_checkpoint(path, "gpt_oss", overrides)
     assert hf_model.config.num_local_experts == E
     gen = torch.Generator().manual_seed(17)
     weights = load_file(str(model_dir / "model.safetensors"))
@@ -46,6 +46,11 @@ def mxfp4_dir(tmp_path_factory):
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (model_dir / "config.json").write_text(json.dumps(raw))
     return model_dir
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory):
+    return write_mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4") / "gpt_oss")
 
 
 @pytest.fixture(scope="module")
