@@ -11,6 +11,8 @@ float32 import of the same file); `--llama-cpp` adds llama-cpp-python on the GGU
 (or the one given), on the same number of threads as torch. Also prints bytes read per token (of tsterm's weights
 as stored) and the achieved bandwidth, next to the machine's copy bandwidth. `--layer-by-layer` adds tsterm with its
 CPU decode stack turned off (every layer called from Python, `tsterm_kernels.cpu_stack`), the path before it.
+`--also-dtype bfloat16` adds tsterm on the same (float) checkpoint in that dtype, interleaved with the others: a
+float32 model against its bfloat16 run (csrc/bf16.c's linears, half the weight bytes), with each one's bytes read.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="leave transformers out")
     parser.add_argument("--threads", type=int, help="threads for every engine (default: torch's)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating measurements per engine (best kept)")
+    parser.add_argument("--also-dtype", choices=["float32", "bfloat16"],
+                        help="also tsterm on the same checkpoint in this dtype (interleaved with the others)")
     parser.add_argument("--layer-by-layer", action="store_true",
                         help="also tsterm without its one-call CPU decode stack (the layers called one by one)")
     args = parser.parse_args()
@@ -71,6 +75,10 @@ def main() -> None:
         layered = LLM(model_dir, dtype=args.dtype, device="cpu")
         torch_ops.decode_stack = stack
         rates["tsterm layers"] = lambda: tsterm_rate(layered)
+    other = None
+    if args.also_dtype:
+        other = LLM(model_dir, dtype=args.also_dtype, device="cpu")
+        rates[f"tsterm {args.also_dtype}"] = lambda: tsterm_rate(other)
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
@@ -112,6 +120,10 @@ def main() -> None:
     best = {name: max(values) for name, values in samples.items()}
     cfg = llm.engine.model_config
     read = stored_decode_bytes(llm.engine.executor.model, cfg, llm.engine.dtype.itemsize, args.context)[0]
+    reads = {name: read for name in best}
+    if other is not None:
+        reads[f"tsterm {args.also_dtype}"] = stored_decode_bytes(other.engine.executor.model, cfg,
+                                                                 other.engine.dtype.itemsize, args.context)[0]
     bw = copy_bandwidth(torch.device("cpu"))
     print(f"model {model_dir} ({args.dtype}), context {args.context}, {args.tokens} decoded tokens, "
           f"{threads} threads" + (f"; llama.cpp on {gguf}" if "llama.cpp" in rates else ""))
@@ -119,7 +131,8 @@ def main() -> None:
           f"{bw / 1e9:.1f} GB/s")
     print(f"{'engine':<14}{'tok/s':>8}{'GB/s':>8}{'of copy bw':>12}  rounds (tok/s)")
     for name, rate in best.items():
-        gbs = f"{rate * read / 1e9:8.2f}{rate * read / bw:11.1%}" if name != "llama.cpp" else f"{'-':>8}{'-':>11}"
+        gbs = f"{rate * reads[name] / 1e9:8.2f}{rate * reads[name] / bw:11.1%}" if name != "llama.cpp" else \
+            f"{'-':>8}{'-':>11}"
         print(f"{name:<14}{rate:8.1f}{gbs}  {' '.join(f'{v:.1f}' for v in samples[name])}")
     for name in best:
         if name != "tsterm":

@@ -5,13 +5,16 @@ CPU runs, against torch's.
 
 The shapes are the bench model's (hidden 1024, 16 experts of 512, top-4; 16 query and 4 KV heads of 64) in the
 agent trace's prefill: a 216-token extend (each expert sees about 54 rows) and a 1536-token first turn. Candidates
-run interleaved, round by round; the best round of each counts. Reported: GFLOP/s of each candidate, and the best
-C build's speedup over torch float32 in the same run.
+run interleaved, round by round; the best round of each counts. Reported: GFLOP/s of each candidate, the best
+C build's speedup over torch float32 in the same run, and for the matmuls the best bf16 C kernel's over torch
+bfloat16 and over the best float32 candidate.
 - matmul `x @ W.T`: torch float32 (`torch.mm`, MKL / oneDNN), `tsterm_f32_gemm` of each build ("C-AVX2": the
   sources built without AVX-512; "C-AVX-512": -march=native on a CPU with AVX-512F, csrc/gemm.c's 512-bit tile),
-  and torch bfloat16 (oneDNN; AMX tiles where the CPU has them and the OS allows them: another precision, shown for
-  what a bf16 model would get). Each round cycles through 16 distinct weights, as the experts of a layer are, so
-  the weights come from memory, not from the cache.
+  and the bfloat16 candidates of a model run with dtype bfloat16 (another precision: x and W in bf16, float32 sums):
+  torch bfloat16 (oneDNN; AMX tiles where the CPU has them and the OS allows them; its blocking follows the row
+  count), and csrc/bf16.c's `tsterm_bf16_gemm` ("C-bf16": AVX512-BF16 where built, else plain C; "C-AMX": AMX
+  tiles where granted; both keep a row's bits whatever the rows beside it, float32 out). Each round cycles through
+  16 distinct weights, as the experts of a layer are, so the weights come from memory, not from the cache.
 - causal attention of the new tokens over a paged pool (in-order blocks of 16): torch's flash kernel, in the pieces
   `tsterm_kernels.torch_ops` ran it (an unmasked prefix and a causal part, merged by log-sum-exp), against
   `tsterm_prefill_attention` of each build.
@@ -50,11 +53,16 @@ def _best(fns: dict, rounds: int, calls: int) -> dict:
 
 def _row(label: str, flops: float, best: dict) -> None:
     cells = " ".join(f"{flops / best[name] / 1e9:>11.0f}" if name in best else f"{'-':>11}" for name in COLUMNS)
-    c_best = min(t for name, t in best.items() if name.startswith("C"))
-    print(f"{label:<36} {cells} {best['torch fp32'] / c_best:>9.2f}x")
+    c_best = min(t for name, t in best.items() if name in ("C-AVX2", "C-AVX-512"))
+    ratios = f"{best['torch fp32'] / c_best:>9.2f}x"
+    bf16 = [t for name, t in best.items() if name in BF16_C]
+    if bf16:  # the bf16 kernel against torch's bf16 matmul, and against the fastest float32 candidate
+        ratios += f" {best['torch bf16'] / min(bf16):>9.2f}x {min(best['torch fp32'], c_best) / min(bf16):>9.2f}x"
+    print(f"{label:<36} {cells} {ratios}")
 
 
-COLUMNS = ("torch fp32", "C-AVX2", "C-AVX-512", "torch bf16")
+COLUMNS = ("torch fp32", "C-AVX2", "C-AVX-512", "torch bf16", "C-bf16", "C-AMX")
+BF16_C = ("C-bf16", "C-AMX")  # csrc/bf16.c's columns
 
 
 def _builds() -> dict:
@@ -81,7 +89,10 @@ def main() -> None:
     print(f"{cpu.describe()}; torch {torch.__version__}")
     print(f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}; GFLOP/s "
           f"(torch bf16: {'AMX' if cpu.amx else 'no AMX'})")
-    print(f"{'':<36} {' '.join(f'{name:>11}' for name in COLUMNS)} {'C/torch':>10}")
+    bits = builds.get("C-AVX-512", builds.get("C-AVX2")).bf16_isa()
+    bf16_isa = {"C-bf16": 1 if bits & 1 else 0, **({"C-AMX": 2} if bits & 2 and cpu.amx else {})}
+    print(f"{'':<36} {' '.join(f'{name:>11}' for name in COLUMNS)} {'C/torch':>10} {'bf16 C/t':>10} "
+          f"{'bf16/fp32':>10}")
     for label, rows, in_f, out_f in MATMULS:
         x = torch.randn(rows, in_f, generator=gen)
         weights = [torch.randn(out_f, in_f, generator=gen) for _ in range(EXPERTS)]
@@ -101,7 +112,16 @@ def main() -> None:
                 for w in weights:
                     native.f32_gemm(x.data_ptr(), in_f, rows, in_f, w.data_ptr(), out_f, y.data_ptr())
             return run
-        fns = {"torch fp32": run_torch, **{name: run_c(b) for name, b in builds.items()}, "torch bf16": run_bf16}
+
+        def run_c_bf16(native, isa):
+            def run():
+                for w in weights16:
+                    native.bf16_gemm(x16.data_ptr(), 1, in_f, rows, in_f, w.data_ptr(), out_f, y.data_ptr(), out_f,
+                                     isa)
+            return run
+        native = builds.get("C-AVX-512", builds.get("C-AVX2"))
+        fns = {"torch fp32": run_torch, **{name: run_c(b) for name, b in builds.items()}, "torch bf16": run_bf16,
+               **{name: run_c_bf16(native, isa) for name, isa in bf16_isa.items()}}
         _row(label, 2.0 * rows * in_f * out_f * EXPERTS, _best(fns, args.rounds, 2))
     scale = HEAD_DIM ** -0.5
     for label, num_q, seq_len in ATTENTION:

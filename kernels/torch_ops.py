@@ -8,6 +8,7 @@ float64 oracles in tests/kernels/oracles.py, which nothing under tsterm/ or kern
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import time
 from pathlib import Path
@@ -827,26 +828,24 @@ def _bf16_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def _bf16_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """`paged_attention` over a bfloat16 pool on the CPU: the blocks the step's sequences read, converted to float32
-    (exact) into a small pool of their own, and the float32 path (the C kernels) over it, rounded to bfloat16. The
-    copy is the step's context once per layer; a row's result is the float32 path's on the same values."""
+    """`paged_attention` over a bfloat16 pool on the CPU: the blocks each sequence reads, converted to float32 (exact)
+    into a small pool of their own (one after another: a block two sequences share is copied for each), and the
+    float32 path (the C kernels) over it, rounded to bfloat16. The copy is the step's context once per layer; a row's
+    result is the float32 path's on the same values."""
     block_size = k_cache.shape[1]
     counts = [-(-n // block_size) for n in meta.seq_lens]  # blocks each sequence's context uses
+    starts = [0, *itertools.accumulate(counts)][:-1]  # each sequence's first block in the small pool
     tables = meta.block_tables
-    ids = torch.cat([tables[i, :c] for i, c in enumerate(counts)]).long() if any(counts) else \
-        torch.zeros(0, dtype=torch.long)
-    blocks, local = torch.unique(ids, return_inverse=True)  # each block once; local: its index in the small pool
+    blocks = tables[0, :counts[0]] if len(counts) == 1 else torch.cat([tables[i, :c] for i, c in enumerate(counts)])
     local_tables = torch.full((len(counts), max(max(counts, default=0), 1)), -1, dtype=torch.int32)
-    host, start = [], 0
-    for i, c in enumerate(counts):
-        local_tables[i, :c] = local[start:start + c].to(torch.int32)
-        host.append(local[start:start + c].tolist())
-        start += c
-    meta32 = AttentionMetadata(meta.query_start_loc, meta.seq_lens, BlockRuns(host), meta.slot_mapping, local_tables,
+    for i, (start, c) in enumerate(zip(starts, counts)):
+        local_tables[i, :c] = torch.arange(start, start + c, dtype=torch.int32)
+    host = BlockRuns([list(range(start, start + c)) for start, c in zip(starts, counts)])
+    meta32 = AttentionMetadata(meta.query_start_loc, meta.seq_lens, host, meta.slot_mapping, local_tables,
                                meta.block_size, seq_lens_device=meta.seq_lens_device)
+    blocks = blocks.long()
     k32, v32 = k_cache.index_select(0, blocks).float(), v_cache.index_select(0, blocks).float()
-    out = paged_attention(q.float(), k32, v32, meta32, scale, sinks, window)
-    return out.to(q.dtype)
+    return paged_attention(q.float(), k32, v32, meta32, scale, sinks, window).to(q.dtype)
 
 
 def _bf16_expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -88,18 +88,38 @@ static inline const uint16_t *amx_a_block(const uint16_t *w, int64_t n_f, int64_
     return pad;
 }
 
-/* y[m0 .. m0 + 16) x [n0 .. n0 + 16) from a C tile (rows: outputs, columns: rows of x), bounded by m_f, n_f */
+/* y[m0 .. m0 + 16) x [n0 .. n0 + 16) from a C tile (rows: outputs, columns: rows of x), bounded by m_f, n_f: each
+ * row of y is a column of the tile, gathered */
 static inline void amx_store(const float *c, float *y, int64_t ldy, int64_t m_f, int64_t n_f, int64_t m0, int64_t n0) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const __mmask16 keep = n0 + 16 <= n_f ? (__mmask16)0xffff : (__mmask16)((1u << (n_f - n0)) - 1u);
     for (int64_t j = 0; j < 16 && m0 + j < m_f; j++)
-        for (int64_t i = 0; i < 16 && n0 + i < n_f; i++)
-            y[(m0 + j) * ldy + n0 + i] = c[i * 16 + j];
+        _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep,
+                              _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)j)), c, 4));
 }
 
-static void amx_gemm(const uint32_t *xp, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t n_f, float *y,
-                     int64_t ldy) {
+/* xp: room for x as B tiles: per 16 rows of x, [kp / 2] rows of 16 columns (one per row of x) of input pairs; filled
+ * here (x rounded to bfloat16, zero-padded), then every pair of output tiles computed, in one parallel region */
+static void amx_gemm(const void *x, int64_t x_bf16, int64_t ldx, uint32_t *xp, int64_t m_f, int64_t k_f,
+                     const uint16_t *w, int64_t n_f, float *y, int64_t ldy) {
     const int64_t kp = round_up(k_f, 32), n_tiles = (n_f + 15) / 16, m_tiles = (m_f + 15) / 16;
 #pragma omp parallel
     {
+#pragma omp for schedule(static)
+        for (int64_t mt = 0; mt < m_tiles; mt++) {
+            uint32_t *tile = xp + mt * (kp / 2) * 16;
+            for (int64_t kk = 0; kk < kp / 2; kk++)
+                for (int64_t j = 0; j < 16; j++) {
+                    const int64_t m = mt * 16 + j, k = 2 * kk;
+                    uint32_t lo = 0, hi = 0;
+                    if (m < m_f) {
+                        lo = k < k_f ? x_at(x, x_bf16, ldx, m, k) : 0;
+                        hi = k + 1 < k_f ? x_at(x, x_bf16, ldx, m, k + 1) : 0;
+                    }
+                    tile[kk * 16 + j] = lo | hi << 16;
+                }
+        } /* (the loop's barrier: every tile of x is ready) */
         tile_config cfg;
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
@@ -255,26 +275,11 @@ int tsterm_bf16_gemm(const void *x, int64_t x_bf16, int64_t ldx, int64_t rows, i
 #if HAVE_AMX
         if (!amx_granted())
             return -2;
-        /* x as B tiles: per 16 rows of x, [kp / 2] rows of 16 columns (one per row of x) of input pairs */
         const int64_t kp = round_up(in_f, 32), m_tiles = (rows + 15) / 16;
         uint32_t *xp = aligned_alloc(64, (size_t)(m_tiles * 16 * kp * 2));
         if (xp == NULL)
             return -1;
-#pragma omp parallel for schedule(static)
-        for (int64_t mt = 0; mt < m_tiles; mt++) {
-            uint32_t *tile = xp + mt * (kp / 2) * 16;
-            for (int64_t kk = 0; kk < kp / 2; kk++)
-                for (int64_t j = 0; j < 16; j++) {
-                    const int64_t m = mt * 16 + j, k = 2 * kk;
-                    uint32_t lo = 0, hi = 0;
-                    if (m < rows) {
-                        lo = k < in_f ? x_at(x, x_bf16, ldx, m, k) : 0;
-                        hi = k + 1 < in_f ? x_at(x, x_bf16, ldx, m, k + 1) : 0;
-                    }
-                    tile[kk * 16 + j] = lo | hi << 16;
-                }
-        }
-        amx_gemm(xp, rows, in_f, w, out_f, y, ldy);
+        amx_gemm(x, x_bf16, ldx, xp, rows, in_f, w, out_f, y, ldy);
         free(xp);
         return 0;
 #else
