@@ -74,7 +74,9 @@ class QuantizeOnLoad(dict):
     (see the module doc); other weights are stored as they are. `finish()` after the last weight.
 
     A tied LM head stored as the embedding itself gets its own quantized copy (the embedding stays float for its
-    lookup); an FP8 checkpoint's matrix kept as fp8 stays so under `mode` fp8, and is re-quantized under another."""
+    lookup); an FP8 checkpoint's matrix kept as fp8 stays so under `mode` fp8, and is re-quantized under another.
+    Under mode none, weights that come quantized are stored as they come: gpt-oss's MXFP4 experts as "mxfp4"
+    QuantizedWeights (the loader keeps them; under another mode it dequantizes them at load instead)."""
 
     def __init__(self, mode: str, device: torch.device, dtype: torch.dtype):
         super().__init__()
