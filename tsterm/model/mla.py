@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from tsterm_kernels.cpu_stack import MAX_HEADS
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import FP8_BLOCK, QuantizedWeight
 from tsterm_kernels.torch_ops import linear
@@ -158,7 +159,11 @@ class MLAttention:
             o_lat = self.ops.mla_attention(q_lat, q_rope, self.cache, meta, self.scale)  # [T, Hq, r] float32
         else:
             q = torch.cat((q_lat, q_rope), dim=-1).to(dtype)  # [T, Hq, r + dr]: [q_lat | q_rope]
-            o_lat = self.ops.paged_attention(q, self.cache, self.cache, meta, self.scale)[..., :r].float()
+            # at most MAX_HEADS query heads a call, the C decode kernel's limit (DeepSeek-V3 has 128 on one rank); a
+            # head's bits do not depend on the other heads of its call
+            parts = [self.ops.paged_attention(q[:, h:h + MAX_HEADS], self.cache, self.cache, meta, self.scale)
+                     for h in range(0, Hq, MAX_HEADS)]
+            o_lat = (parts[0] if len(parts) == 1 else torch.cat(parts, 1))[..., :r].float()
         if o_lat.is_cuda:
             return torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)  # [T, Hq, dv]
         return torch.stack([linear(o_lat[:, h].contiguous(), self.w_uv[h]) for h in range(Hq)], 1)  # [T, Hq, dv]
