@@ -23,10 +23,10 @@ in one copy of the blocks), which csrc/mxfp4.c and the Triton kernels read; unde
 fp8 they are dequantized at load and quantized to that format instead.
 
 Block-scaled FP8 checkpoints (quant_method "fp8", `weight_block_size` [128, 128]): on a CUDA device (`keep_fp8`)
-the 2-D matrices (attention, dense MLPs, each expert and the shared expert) load as "fp8" QuantizedWeights (values
-and `weight_scale_inv` as they are stored; experts stacked), which the Triton kernels read; a span that cuts a
-128-block, or a fused part whose rows are not whole blocks (gate and up of an I that is not a multiple of 128), is
-dequantized to the model's dtype at load, as every FP8 weight is on the CPU.
+the 2-D matrices (attention, MLA's projections (`tsterm.model.mla.load_mla`), dense MLPs, each expert and the shared
+expert) load as "fp8" QuantizedWeights (values and `weight_scale_inv` as they are stored; experts stacked), which the
+Triton kernels read; a span that cuts a 128-block, or a fused part whose rows are not whole blocks (gate and up of an I
+that is not a multiple of 128), is dequantized to the model's dtype at load, as every FP8 weight is on the CPU.
 """
 from __future__ import annotations
 
