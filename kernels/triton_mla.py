@@ -91,11 +91,11 @@ def _mla_attention_kernel(
     r_valid = r_dims < RANK
     dr_valid = dr_dims < ROPE
     dot_dtype = cache_ptr.dtype.element_ty
-    q_lat = tl.load(q_lat_ptr + token.to(tl.int64) * stride_ql_token + heads[:, None] * stride_ql_head + r_dims[None, :],
+    row = token.to(tl.int64)
+    q_lat = tl.load(q_lat_ptr + row * stride_ql_token + heads[:, None] * stride_ql_head + r_dims[None, :],
                     mask=head_valid[:, None] & r_valid[None, :], other=0.0).to(tl.float32).to(dot_dtype)  # [H, R]
-    q_rope = tl.load(q_rope_ptr + token.to(tl.int64) * stride_qr_token + heads[:, None] * stride_qr_head
-                     + dr_dims[None, :], mask=head_valid[:, None] & dr_valid[None, :],
-                     other=0.0).to(tl.float32).to(dot_dtype)  # [H, DR]
+    q_rope = tl.load(q_rope_ptr + row * stride_qr_token + heads[:, None] * stride_qr_head + dr_dims[None, :],
+                     mask=head_valid[:, None] & dr_valid[None, :], other=0.0).to(tl.float32).to(dot_dtype)  # [H, DR]
 
     # ---- online softmax over key tiles, each slot found through the block table
     run_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -124,12 +124,11 @@ def _mla_attention_kernel(
     # ---- normalise and write: the output itself, or this split's partial output and log2-sum-exp
     seen = run_sum > 0
     o = acc / tl.where(seen, run_sum, 1.0)[:, None]
-    out_rows = split * stride_out_split + token.to(tl.int64) * stride_out_token + heads * stride_out_head  # [H]
+    out_rows = split * stride_out_split + row * stride_out_token + heads * stride_out_head  # [H]
     tl.store(out_ptr + out_rows[:, None] + r_dims[None, :], o, mask=head_valid[:, None] & r_valid[None, :])
     if WRITE_LSE:
         lse = tl.where(seen, run_max + tl.log2(tl.where(seen, run_sum, 1.0)), float("-inf"))
-        tl.store(lse_ptr + split * stride_lse_split + token.to(tl.int64) * stride_lse_token + heads, lse,
-                 mask=head_valid)
+        tl.store(lse_ptr + split * stride_lse_split + row * stride_lse_token + heads, lse, mask=head_valid)
 
 
 @triton.jit
