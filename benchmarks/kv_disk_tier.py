@@ -35,6 +35,7 @@ import os
 import pickle
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -258,10 +259,14 @@ def trace_mode(args) -> None:
           f"{'disk tok':>9} {'evictions':>9}")
     for round_index, kind, wall, rate, computed, host, disk, evictions in rows:
         print(f"{round_index:>5} {kind:<11} {wall:>8.2f} {rate:>9.3f} {computed:>9} {host:>9} {disk:>9} {evictions:>9}")
+    ratios = []
     for round_index in range(args.rounds):
         wall = {r[1]: r[2] for r in rows if r[0] == round_index}
-        print(f"round {round_index}: no tier / host tier = {wall['no tier'] / wall['host tier']:.2f}x, "
-              f"host tier / whole pool = {wall['host tier'] / wall['whole pool']:.2f}x")
+        ratios.append((wall["no tier"] / wall["host tier"], wall["host tier"] / wall["whole pool"]))
+        print(f"round {round_index}: no tier / host tier = {ratios[-1][0]:.2f}x, "
+              f"host tier / whole pool = {ratios[-1][1]:.2f}x")
+    print(f"median of the rounds: no tier / host tier = {statistics.median(r[0] for r in ratios):.2f}x, "
+          f"host tier / whole pool = {statistics.median(r[1] for r in ratios):.2f}x")
     for kind, got in outputs.items():
         if got != outputs["whole pool"]:
             print(f"{kind}: THE GREEDY OUTPUTS DIFFER from the whole pool's")
