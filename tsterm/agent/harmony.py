@@ -65,6 +65,7 @@ from typing import Any
 
 from tsterm.agent.schema import ArgumentSchema
 from tsterm.agent.tool_calls import SECTIONS, TextDelta, ToolCall, ToolCallParser, _tool_schemas
+from tsterm.chat.chat_format import TemplateFormat, shown_reply
 from tsterm.errors import RequestError
 
 START, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|message|>", "<|channel|>", "<|constrain|>"
@@ -599,3 +600,64 @@ def turn_grammar(tokens: Any, parameters: Mapping[str, Mapping[str, Any]], *, re
                      f"{message} args_{i}")
         lines.append(f"args_{i}: %json " + json.dumps(schema))
     return "\n".join(lines)
+
+
+# ---- the chat paths' format (tsterm.chat.chat_format)
+
+
+class HarmonyReply:
+    """One harmony reply read for a chat view (tsterm.chat.chat_format's ReplyReader): its ids with their markers
+    (`TurnText`) through `HarmonyParser`; the analysis channel shown as reasoning, the final channel (and commentary
+    preambles) as the answer. A call (a chat offers no tools) is left out of both."""
+
+    def __init__(self, tokenizer: Any):
+        self._turn = TurnText(tokenizer)
+        self._parser = HarmonyParser(None)
+        self.reasoning = self.text = self.shown = ""
+        self._done = False
+
+    def read(self, completion: Any, final: bool = False) -> str:
+        if self._done:
+            return ""
+        self._done = final
+        events = self._parser.feed(self._turn.feed(completion.token_ids, final))
+        if final:
+            events += self._parser.finish()
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                self.reasoning += event.text
+            elif isinstance(event, TextDelta):
+                self.text += event.text
+        shown = shown_reply(self.reasoning, self.text, thinking_done=final)
+        delta = shown[len(self.shown):] if shown.startswith(self.shown) else shown
+        self.shown = shown
+        return delta
+
+    def message(self) -> dict:
+        message = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        return message
+
+
+class HarmonyFormat:
+    """gpt-oss's chat format for the chat paths: prompts rendered by `render`, replies read by `HarmonyReply`."""
+
+    name = "harmony"
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def render(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> str:
+        return render(messages, None, True, **template_kwargs)
+
+    def reader(self) -> HarmonyReply:
+        return HarmonyReply(self.tokenizer)
+
+
+def chat_format(tokenizer: Any, model_type: str | None = None) -> Any:
+    """The format of this model's chat turns (tsterm.chat.chat_format): `HarmonyFormat` for harmony (`is_harmony`,
+    the agent loop's and the server's choice), else the checkpoint's template (`TemplateFormat`)."""
+    if is_harmony(tokenizer, model_type):
+        return HarmonyFormat(tokenizer.tokenizer if isinstance(tokenizer, HarmonyChat) else tokenizer)
+    return TemplateFormat(tokenizer)

@@ -8,7 +8,10 @@ between turns and is saved in the TUI's session store, so `tsterm` shows it afte
 profile's thinking-history policy (`history_policy`, tsterm.chat.history): under `preserve` (the default) a reasoning
 template that drops earlier `<think>` blocks changes nothing the engine computed; a turn `preserve` cannot take (the
 last reply was stopped or cut at max_tokens, the system prompt changed) is planned as the template renders it, and
-when that costs a miss the status line says why.
+when that costs a miss the status line says why. Prompts are rendered and replies read by the model's chat format
+(`chat_format`, tsterm.chat.chat_format; the caller passes `tsterm.agent.harmony.chat_format(llm.tokenizer)`, the
+checkpoint's template when none is given): a gpt-oss reply's analysis channel is shown as a `<think>` block, as a
+reasoning family's reply is, and its final channel as the reply.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from tsterm.chat.chat_format import ChatFormat, TemplateFormat
 from tsterm.chat.history import PRESERVE, check_policy, request_stop_ids
 from tsterm.chat.session import Session, TurnStats, new_session_id
 from tsterm.chat.store import SessionStore
@@ -40,10 +44,13 @@ class LineChat:
 
     def __init__(self, llm: Any, params: SamplingParams, system_prompt: str | None, store: SessionStore | None,
                  stdin: TextIO | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None,
-                 interactive: bool | None = None, history_policy: str = PRESERVE):
+                 interactive: bool | None = None, history_policy: str = PRESERVE,
+                 chat_format: ChatFormat | None = None):
         """`stdin`/`stdout`/`stderr` default to the process's streams as they are now (not at import).
-        `history_policy`: `preserve` or `template` (a profile's `thinking_history`)."""
+        `history_policy`: `preserve` or `template` (a profile's `thinking_history`). `chat_format`: how the model's
+        turns are written and read (default: its chat template)."""
         self.llm, self.params, self.store = llm, params, store
+        self.format = chat_format if chat_format is not None else TemplateFormat(llm.tokenizer)
         self.history_policy = check_policy(history_policy)
         self.stdin, self.stdout, self.stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
         stdin, stdout = self.stdin, self.stdout
@@ -118,10 +125,11 @@ class LineChat:
         session = self.session
         session.add_user(text)
         tokenizer = self.llm.tokenizer
-        plan = session.plan(lambda m: tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False),
-                            tokenizer, self.history_policy, request_stop_ids(self.llm.engine.eos_token_ids, self.params))
+        plan = session.plan(self.format.render, tokenizer, self.history_policy,
+                            request_stop_ids(self.llm.engine.eos_token_ids, self.params))
+        reader = self.format.reader()
         try:
-            out = self._generate(plan.token_ids)
+            out = self._generate(plan.token_ids, reader)
         # the conversation outgrew the context, or the engine failed on this reply (and serves on): report it, keep
         # the chat as it was
         except (RequestError, EngineStepError) as e:
@@ -132,9 +140,9 @@ class LineChat:
         self.stdout.flush()
         aborted = not out.finished
         completion = out.outputs[0]
-        session.record_reply(plan, completion.text, list(completion.token_ids), TurnStats.from_plan(
+        session.record_reply(plan, reader.shown, list(completion.token_ids), TurnStats.from_plan(
             plan, out.num_cached_tokens, len(completion.token_ids),
-            finish_reason="abort" if aborted else completion.finish_reason))
+            finish_reason="abort" if aborted else completion.finish_reason), message=reader.message())
         self._save()
         if aborted:
             self._note("(stopped)")
@@ -145,8 +153,9 @@ class LineChat:
                        f"on, so {lost} tokens were computed again instead of reused{why}]")
         self._note(f"[cached {out.num_cached_tokens}/{len(plan.token_ids)} tokens]")
 
-    def _generate(self, prompt_ids: list[int]) -> Any:
-        """Stream one reply; ctrl+c (or `stop()`) ends it after the current step, its partial output returned."""
+    def _generate(self, prompt_ids: list[int], reader: Any) -> Any:
+        """Stream one reply, shown as `reader` reads it; ctrl+c (or `stop()`) ends it after the current step, its
+        partial output returned (and read to its end)."""
         engine = self.llm.engine
         request_id = engine.add_request(prompt_ids, self.params)
         self._stop.clear()
@@ -161,18 +170,22 @@ class LineChat:
                         if out.request_id != request_id:
                             continue
                         last = out
-                        if out.outputs[0].delta_text:
-                            self.stdout.write(out.outputs[0].delta_text)
-                            self.stdout.flush()
+                        self._show(reader.read(out.outputs[0], out.finished))
             except BaseException:
                 engine.abort(request_id)
                 raise
         if last is None:  # stopped before the first token
             last = _empty_output(request_id, prompt_ids)
+        self._show(reader.read(last.outputs[0], True))  # a reply cut short: what the reader held back
         if last.error is not None:
             raise EngineStepError(f"the engine failed on this reply ({type(last.error).__name__}: {last.error})") \
                 from last.error
         return last
+
+    def _show(self, text: str) -> None:
+        if text:
+            self.stdout.write(text)
+            self.stdout.flush()
 
     def stop(self) -> None:
         self._stop.set()
@@ -229,6 +242,8 @@ def _empty_output(request_id: str, prompt_ids: list[int]) -> Any:
 
 
 def run(llm: Any, params: SamplingParams, system_prompt: str | None,
-        store_factory: Callable[[], SessionStore] = SessionStore, history_policy: str = PRESERVE) -> int:
+        store_factory: Callable[[], SessionStore] = SessionStore, history_policy: str = PRESERVE,
+        chat_format: ChatFormat | None = None) -> int:
     """`tsterm chat --plain`: the loop on this process's stdin/stdout, chats saved in the session store."""
-    return LineChat(llm, params, system_prompt, store_factory(), history_policy=history_policy).run()
+    return LineChat(llm, params, system_prompt, store_factory(), history_policy=history_policy,
+                    chat_format=chat_format).run()
