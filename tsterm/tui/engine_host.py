@@ -20,6 +20,8 @@ from typing import Any
 
 from textual.message import Message
 
+from tsterm.agent.harmony import chat_format
+from tsterm.chat.chat_format import ChatFormat
 from tsterm.chat.history import PRESERVE, check_policy, request_stop_ids
 from tsterm.chat.plan import PromptPlan
 from tsterm.chat.store import default_data_dir
@@ -96,9 +98,14 @@ class EngineHost:
         """Whether the model's chat template shows it the tools an agent session offers (see tool_support.py)."""
         return renders_tools(self.tokenizer)
 
+    @cached_property
+    def chat_format(self) -> ChatFormat:
+        """How the model's chat turns are written and read (tsterm.chat.chat_format): its template, or harmony."""
+        return chat_format(self.tokenizer)
+
     def render(self, messages: list[dict]) -> str:
         """The conversation as prompt text (the session plan tokenises only what is new in it)."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.chat_format.render(messages)
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -109,6 +116,7 @@ class EngineHost:
     async def stream_turn(self, session_id: str, plan: PromptPlan, request_id: str, post: Post) -> None:
         """Stream one reply; always ends with a TurnFinished (cancellation = abort: the request is freed)."""
         last, error, aborted = None, None, False
+        reader = self.chat_format.reader()  # the reply as shown (a harmony reply's analysis as thinking)
         posted = -math.inf  # the first progress always posts (time.monotonic() may count from a recent boot)
         try:
             async for out in self.async_engine.generate(plan.token_ids, self.sampling, request_id=request_id):
@@ -117,21 +125,25 @@ class EngineHost:
                 if now - posted >= PROGRESS_INTERVAL:  # the final text comes with TurnFinished
                     posted = now
                     completion = out.outputs[0]
-                    post(TurnProgress(session_id, request_id, completion.text, completion.token_ids,
-                                      out.num_cached_tokens))
+                    reader.read(completion, out.finished)
+                    post(TurnProgress(session_id, request_id, reader.shown, completion.token_ids,
+                                      out.num_cached_tokens, reader.message()))
         except asyncio.CancelledError:
             aborted = True
             self.async_engine.abort(request_id)  # also covers a cancel that landed before the stream began
         except Exception as e:  # noqa: BLE001 - a failed turn is reported, the session is left intact
             error = f"{type(e).__name__}: {e}"
-        text, token_ids = (last.outputs[0].text, last.outputs[0].token_ids) if last is not None else ("", [])
+        token_ids = last.outputs[0].token_ids if last is not None else []
+        if last is not None:
+            reader.read(last.outputs[0], True)
+        text, message = reader.shown, reader.message() if last is not None else None
         stats = None
         if last is not None or aborted:
             m = last.metrics if last is not None else None
             stats = TurnStats.from_plan(plan, last.num_cached_tokens if last else 0, len(token_ids),
                                         ttft=m.ttft if m else None, mean_itl=m.mean_itl if m else None,
                                         finish_reason="abort" if aborted else last.finish_reason)
-        post(TurnFinished(session_id, request_id, plan, text, list(token_ids), stats, error))
+        post(TurnFinished(session_id, request_id, plan, text, list(token_ids), stats, error, message))
 
     # ---- counters
     def start_stats(self, post: Post, interval: float | None = None) -> None:

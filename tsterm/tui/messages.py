@@ -59,6 +59,7 @@ class TurnProgress(Message):
     text: str
     token_ids: list[int]  # the output's own list (the engine builds a fresh one per output): no copy here
     num_cached_tokens: int
+    message: dict | None = None  # the assistant message the reply so far is (its chat format's reading)
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, TurnProgress) and message.request_id == self.request_id
@@ -73,6 +74,7 @@ class TurnFinished(Message):
     token_ids: list[int] = field(default_factory=list)
     stats: TurnStats | None = None
     error: str | None = None  # the turn failed: the session is left as before it
+    message: dict | None = None  # the assistant message to record (None: one holding `text`)
 
 
 # ---- the API server (tsterm.tui.api_server): one external request, from start to end

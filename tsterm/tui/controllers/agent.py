@@ -16,10 +16,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tsterm.agent.loop import (Agent, AgentFinished, StepFinished, StepStarted, TextChunk, ToolCallParsed,
-                               ToolCallRecord, ToolFinished, ToolStarted)
+from tsterm.agent.loop import (Agent, AgentFinished, ReasoningChunk, StepFinished, StepStarted, TextChunk,
+                               ToolCallParsed, ToolCallRecord, ToolFinished, ToolStarted)
 from tsterm.agent.tools import Tool
 from tsterm.agent.toolset import ToolSet, build_toolset
+from tsterm.chat.chat_format import shown_reply
 from tsterm.chat.session import Session
 from tsterm.errors import TstermError
 from tsterm.tui import engine_host
@@ -51,7 +52,9 @@ class AgentRun:
     toolset: ToolSet | None = None
     worker: Worker | None = None  # the running task; None while the session waits on the user
     phase: str | None = None  # "tools" while the last step's calls run, "generating" while a step streams
-    text: str = ""  # the step being generated: its visible text so far
+    text: str = ""  # the step being generated: its text so far as shown (reasoning as a <think> block)
+    answer: str = ""  # its text chunks so far
+    reasoning: str = ""  # its reasoning chunks so far (a harmony reply's analysis channel)
     shown_at: float = 0.0
     calls: list[ToolCallRecord] = field(default_factory=list)  # the current step's calls
     lost_tokens: int = 0
@@ -187,11 +190,15 @@ class AgentRuns:
 
     async def _event(self, session: Session, run: AgentRun, event: Any) -> None:
         if isinstance(event, StepStarted):
-            run.phase, run.text, run.calls, run.shown_at = "generating", "", [], 0.0
+            run.phase, run.text, run.answer, run.reasoning, run.calls, run.shown_at = "generating", "", "", "", [], 0.0
             run.lost_tokens = event.lost_tokens
             await self.view.step_started(session, event)
-        elif isinstance(event, TextChunk):
-            run.text += event.text
+        elif isinstance(event, (TextChunk, ReasoningChunk)):
+            if isinstance(event, TextChunk):
+                run.answer += event.text
+            else:
+                run.reasoning += event.text
+            run.text = shown_reply(run.reasoning, run.answer, thinking_done=bool(run.answer))
             now = time.monotonic()
             if now - run.shown_at >= engine_host.PROGRESS_INTERVAL and self.view.showing_step(session):
                 run.shown_at = now

@@ -42,6 +42,7 @@ class InFlight:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    message: dict | None = None  # the reply so far as the assistant message to record (None: one holding `text`)
 
     def partial_stats(self) -> TurnStats:
         return TurnStats.from_plan(self.plan, self.num_cached_tokens, len(self.token_ids), finish_reason="abort")
@@ -92,7 +93,7 @@ class ChatTurns:
         state = self.turns.get(message.session_id)
         if state is None or state.request_id != message.request_id:
             return None
-        state.text, state.token_ids = message.text, message.token_ids
+        state.text, state.token_ids, state.message = message.text, message.token_ids, message.message
         state.num_cached_tokens = message.num_cached_tokens
         return state
 
@@ -108,7 +109,7 @@ class ChatTurns:
         if session is not None and failed:
             session.drop_last_user()
         elif session is not None:
-            session.record_reply(message.plan, message.text, message.token_ids, message.stats)
+            session.record_reply(message.plan, message.text, message.token_ids, message.stats, message.message)
             self.book.save(session)
         return Ended(session, failed)
 
@@ -131,5 +132,5 @@ class ChatTurns:
         for session_id, state in self.turns.items():
             if session_id in self.book.sessions:
                 self.book.sessions[session_id].record_reply(state.plan, state.text, state.token_ids,
-                                                            state.partial_stats())
+                                                            state.partial_stats(), state.message)
         self.turns.clear()

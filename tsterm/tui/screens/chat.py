@@ -23,6 +23,7 @@ from textual.widgets import Footer, Input, Label, OptionList, Static
 
 from tsterm.agent.loop import StepFinished, StepStarted, ToolCallRecord
 from tsterm.agent.tools import Tool
+from tsterm.chat.chat_format import shown_message, shown_reply
 from tsterm.chat.session import Session, new_session_id
 from tsterm.chat.store import SessionStore
 from tsterm.errors import TstermError
@@ -205,7 +206,7 @@ class ChatScreen(Screen):
             number = session.number_of(index)
             if m["role"] == "assistant":
                 stats = next(replies, None)
-                views.append(MessageView("assistant", m["content"], turn_summary(stats) if stats else "",
+                views.append(MessageView("assistant", shown_message(m), turn_summary(stats) if stats else "",
                                          miss=bool(stats and stats.miss), index=index, number=number,
                                          collapse_thinking=self.collapse_thinking, note=reply_note(stats)))
             else:
@@ -510,7 +511,7 @@ class ChatScreen(Screen):
         async with self._log_lock:
             reply, self.agent_reply = self.agent_reply, None
             if reply is not None:
-                await reply.show(step.text)
+                await reply.show(shown_reply(step.reasoning, step.text))  # a harmony step's analysis as thinking
                 number = sum(m["role"] == "assistant" for m in session.messages)  # steps so far, every task's
                 await reply.finish(step_summary(number, step, run.lost_tokens), step.miss, index=index,
                                    number=session.number_of(index))

@@ -18,6 +18,7 @@ from textual.widgets import Collapsible, Static
 
 from tsterm.agent.loop import NO_APPROVER, REFUSED, AgentStep, ToolCallRecord
 from tsterm.agent.tool_calls import TextDelta, ToolCallParser
+from tsterm.chat.chat_format import REASONING_FIELDS, shown_reply
 from tsterm.chat.session import Session, TurnStats
 from tsterm.tui.widgets.chat_log import MessageView, policy_summary
 
@@ -151,6 +152,18 @@ def split_reply(raw: str) -> tuple[str, list[tuple[str, dict[str, Any], str | No
     return text, calls
 
 
+def _recorded_call(call: Any) -> tuple[str, dict[str, Any], str | None]:
+    """(name, arguments, parse error) of a call recorded as a message's `tool_calls` entry."""
+    function = call.get("function", call) if isinstance(call, dict) else {}
+    name, arguments = function.get("name") or "", function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return name, {}, f"the arguments are not valid JSON ({e.msg})"
+    return (name, arguments, None) if isinstance(arguments, dict) else (name, {}, "the arguments are not an object")
+
+
 def agent_history_views(session: Session, collapse_thinking: bool = True,
                         pending: Sequence[ToolCallRecord] = ()) -> tuple[list[Widget], dict[str, ToolCallView]]:
     """The views of an agent session's saved history, and its tool blocks by call id. `pending`: the live records
@@ -170,6 +183,10 @@ def agent_history_views(session: Session, collapse_thinking: bool = True,
         step += 1
         turn = next(stats, None)
         text, calls = split_reply(m["content"])
+        if not calls and m.get("tool_calls"):  # a harmony step: its calls and reasoning kept as fields
+            calls = [_recorded_call(call) for call in m["tool_calls"]]
+        reasoning = next((m[key] for key in REASONING_FIELDS if isinstance(m.get(key), str)), "")
+        text = shown_reply(reasoning, text)
         if text.strip() or not calls:
             views.append(MessageView("assistant", text, step_summary(step, turn) if turn else "",
                                      miss=bool(turn and turn.miss), index=index, number=number,
