@@ -12,7 +12,9 @@ and the 576-wide row of DeepSeek's sizes is read as 512 + 64, never padded to 10
 
 Work split. A program owns one query row (a token of some sequence), BLOCK_H of its heads and one split of the keys
 that row sees (positions 0 .. its own). Its sequence is found by binary search over query_start_loc, as in the paged
-attention kernel; block tables, query_start_loc and seq_lens are the engine's, on the device.
+attention kernel; block tables, query_start_loc and seq_lens are the engine's, on the device. With splits, rows go
+in launches of at most ROWS_PER_LAUNCH, which share one buffer of partial outputs (its size bounded whatever the
+step's rows).
 
 Splits and the same bits. A row's keys are cut into `num_splits(L)` slices, L the number of keys the row sees (its
 position + 1): at most MAX_SPLITS, at least MIN_SPLIT_TOKENS keys each, each slice a whole number of BLOCK_N tiles.
@@ -36,7 +38,8 @@ from tsterm_kernels.triton_paged_attention import device_metadata
 
 LOG2_E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256  # keys per split at least: below this a split costs more in merging than it gains
-MAX_SPLITS = 8  # splits per row at most (the float32 partial outputs: MAX_SPLITS x T x Hq x R)
+MAX_SPLITS = 8  # splits per row at most
+ROWS_PER_LAUNCH = 64  # rows a launch with splits takes (its float32 partial outputs: MAX_SPLITS x 64 x Hq x R)
 
 
 @triton.jit
@@ -52,7 +55,7 @@ def _mla_attention_kernel(
     # pointers
     q_lat_ptr, q_rope_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     # sizes and strides (the last dimension is unit-stride everywhere; lse is [split, token, head], unit head stride)
-    num_seqs, num_heads, block_size, qk_scale_log2,
+    num_seqs, num_heads, block_size, qk_scale_log2, first_token,
     stride_ql_token, stride_ql_head, stride_qr_token, stride_qr_head,
     stride_cache_block, stride_cache_slot,
     stride_table_seq,
@@ -62,7 +65,8 @@ def _mla_attention_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    local = tl.program_id(0)  # this launch's row (the outputs' index), of the step's row `token`
+    token = first_token + local
     head_block = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -124,11 +128,13 @@ def _mla_attention_kernel(
     # ---- normalise and write: the output itself, or this split's partial output and log2-sum-exp
     seen = run_sum > 0
     o = acc / tl.where(seen, run_sum, 1.0)[:, None]
-    out_rows = split * stride_out_split + row * stride_out_token + heads * stride_out_head  # [H]
+    out_rows = (split.to(tl.int64) * stride_out_split + local.to(tl.int64) * stride_out_token
+                + heads * stride_out_head)  # [H]
     tl.store(out_ptr + out_rows[:, None] + r_dims[None, :], o, mask=head_valid[:, None] & r_valid[None, :])
     if WRITE_LSE:
         lse = tl.where(seen, run_max + tl.log2(tl.where(seen, run_sum, 1.0)), float("-inf"))
-        tl.store(lse_ptr + split * stride_lse_split + row * stride_lse_token + heads, lse, mask=head_valid)
+        tl.store(lse_ptr + split.to(tl.int64) * stride_lse_split + local.to(tl.int64) * stride_lse_token + heads,
+                 lse, mask=head_valid)
 
 
 @triton.jit
@@ -136,14 +142,14 @@ def _merge_splits_kernel(
     # pointers
     partial_ptr, lse_ptr, out_ptr,
     # sizes and strides
-    num_heads, num_splits,
+    num_heads, num_splits, first_token,
     stride_partial_split, stride_partial_token, stride_partial_head,
     stride_lse_split, stride_lse_token,
     stride_out_token, stride_out_head,
     # meta-parameters
     RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    local = tl.program_id(0).to(tl.int64)  # this launch's row, of the step's row first_token + local
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_R)
     head_valid = heads < num_heads
@@ -152,7 +158,7 @@ def _merge_splits_kernel(
     # ---- the largest log-sum-exp over the splits (a split past the row's last, or an empty one, holds -inf)
     top = tl.full([BLOCK_H], float("-inf"), tl.float32)
     for split in range(num_splits):
-        lse = tl.load(lse_ptr + split * stride_lse_split + token * stride_lse_token + heads, mask=head_valid,
+        lse = tl.load(lse_ptr + split * stride_lse_split + local * stride_lse_token + heads, mask=head_valid,
                       other=float("-inf"))
         top = tl.maximum(top, lse)
     base = tl.where(top == float("-inf"), 0.0, top)
@@ -162,15 +168,17 @@ def _merge_splits_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     for split in range(num_splits):
-        lse = tl.load(lse_ptr + split * stride_lse_split + token * stride_lse_token + heads, mask=head_valid,
+        lse = tl.load(lse_ptr + split * stride_lse_split + local * stride_lse_token + heads, mask=head_valid,
                       other=float("-inf"))
         weight = tl.exp2(lse - base)  # [H]
-        partial = tl.load(partial_ptr + split * stride_partial_split + token * stride_partial_token
+        split_at = local * 0 + split  # (int64, like `local`)
+        partial = tl.load(partial_ptr + split_at * stride_partial_split + local * stride_partial_token
                           + heads[:, None] * stride_partial_head + dims[None, :], mask=mask, other=0.0)
         acc += weight[:, None] * partial
         total += weight
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + token * stride_out_token + heads[:, None] * stride_out_head + dims[None, :], out, mask=mask)
+    tl.store(out_ptr + (first_token + local) * stride_out_token + heads[:, None] * stride_out_head + dims[None, :],
+             out, mask=mask)
 
 
 def _tiles(on_gpu: bool, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -226,34 +234,39 @@ def mla_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor
 
     block_h, block_n, num_warps, num_stages = _tiles(q_lat.device.type == "cuda", cache.dtype)
     grid_splits = num_splits(max(meta.seq_lens))  # the longest row's; a shorter row's extra splits are empty
+    head_blocks = triton.cdiv(num_heads, block_h)
+    block_r, block_dr = max(16, triton.next_power_of_2(rank)), max(16, triton.next_power_of_2(rope))
+    # one launch for every row, or, with splits, launches of at most ROWS_PER_LAUNCH rows sharing one buffer of partial
+    # outputs (bounded whatever the step's rows; a row's arithmetic is the same in any launch)
+    rows_per_launch = num_tokens if grid_splits == 1 else min(num_tokens, ROWS_PER_LAUNCH)
     if grid_splits == 1:
         partial, lse, stride_lse, stride_partial = out, out, (0, 0), (0, out.stride(0), out.stride(1))
     else:
-        partial = torch.empty((grid_splits, num_tokens, num_heads, rank), dtype=torch.float32, device=q_lat.device)
-        lse = torch.empty((grid_splits, num_tokens, num_heads), dtype=torch.float32, device=q_lat.device)
+        partial = torch.empty((grid_splits, rows_per_launch, num_heads, rank), dtype=torch.float32,
+                              device=q_lat.device)
+        lse = torch.empty((grid_splits, rows_per_launch, num_heads), dtype=torch.float32, device=q_lat.device)
         stride_lse, stride_partial = lse.stride()[:2], partial.stride()[:3]
-    head_blocks = triton.cdiv(num_heads, block_h)
-    block_r, block_dr = max(16, triton.next_power_of_2(rank)), max(16, triton.next_power_of_2(rope))
-
-    _mla_attention_kernel[(num_tokens, head_blocks, grid_splits)](
-        q_lat, q_rope, cache, tables, query_start_loc, seq_lens, partial, lse,
-        num_seqs, num_heads, block_size, scale * LOG2_E,
-        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1),
-        tables.stride(0),
-        *stride_partial,
-        *stride_lse,
-        RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_N=block_n,
-        MIN_SPLIT=MIN_SPLIT_TOKENS, MAX_SPLITS=MAX_SPLITS, WRITE_LSE=grid_splits > 1,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if grid_splits > 1:
-        _merge_splits_kernel[(num_tokens, head_blocks)](
-            partial, lse, out,
-            num_heads, grid_splits,
-            *partial.stride()[:3],
-            *lse.stride()[:2],
-            out.stride(0), out.stride(1),
-            RANK=rank, BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4,
+    for first in range(0, num_tokens, rows_per_launch):
+        rows = min(rows_per_launch, num_tokens - first)
+        _mla_attention_kernel[(rows, head_blocks, grid_splits)](
+            q_lat, q_rope, cache, tables, query_start_loc, seq_lens, partial, lse,
+            num_seqs, num_heads, block_size, scale * LOG2_E, first,
+            q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
+            cache.stride(0), cache.stride(1),
+            tables.stride(0),
+            *stride_partial,
+            *stride_lse,
+            RANK=rank, ROPE=rope, BLOCK_R=block_r, BLOCK_DR=block_dr, BLOCK_H=block_h, BLOCK_N=block_n,
+            MIN_SPLIT=MIN_SPLIT_TOKENS, MAX_SPLITS=MAX_SPLITS, WRITE_LSE=grid_splits > 1,
+            num_warps=num_warps, num_stages=num_stages,
         )
+        if grid_splits > 1:
+            _merge_splits_kernel[(rows, head_blocks)](
+                partial, lse, out,
+                num_heads, grid_splits, first,
+                *partial.stride()[:3],
+                *lse.stride()[:2],
+                out.stride(0), out.stride(1),
+                RANK=rank, BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4,
+            )
     return out

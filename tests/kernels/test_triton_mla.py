@@ -70,12 +70,14 @@ def test_matches_the_oracle(poison, dtype, heads, case):
     assert meta.query_start_loc_device.tolist() == meta.query_start_loc  # built once, kept for the step's layers
 
 
-@pytest.mark.parametrize("rank, rope", [(20, 12), (32, 16)])
-def test_many_splits_per_row(poison, monkeypatch, rank, rope):
+@pytest.mark.parametrize("rank, rope, rows_per_launch", [(20, 12, 64), (32, 16, 5)])
+def test_many_splits_per_row(poison, monkeypatch, rank, rope, rows_per_launch):
     """Splits of 16 keys, at most 3 a row: rows of 1, 2, 3 splits and capped ones (more keys per split) in one
-    step; the grid has 3 split programs per row, so the short rows' extra ones are empty and must add nothing."""
+    step; the grid has 3 split programs per row, so the short rows' extra ones are empty and must add nothing. The
+    12 rows in one launch, and in launches of 5, 5 and 2 rows sharing one buffer of partial outputs."""
     monkeypatch.setattr(triton_mla, "MIN_SPLIT_TOKENS", 16)
     monkeypatch.setattr(triton_mla, "MAX_SPLITS", 3)
+    monkeypatch.setattr(triton_mla, "ROWS_PER_LAUNCH", rows_per_launch)
     q_lat, q_rope, cache, meta = batch([9, 30, 47, 90, 61], [1, 1, 3, 1, 6], 3, rank, rope, 4, torch.float32, seed=5)
     out = triton_mla.mla_attention(q_lat, q_rope, cache, meta, 0.25)
     torch.testing.assert_close(out.double(), oracle(q_lat, q_rope, cache, meta, 0.25), **TOLERANCE[torch.float32])
