@@ -49,7 +49,7 @@ def test_the_gpt_oss_20b_profile_plans_without_its_weights(capsys, monkeypatch):
     assert f"({GPT_OSS_20B})" in out.splitlines()[0]
     comment = (Path(tsterm.__file__).parents[1] / "profiles" / "gpt-oss-20b.yaml").read_text()
     assert "#   tsterm plan --profile gpt-oss-20b --gpus 1xH100 --dtype bf16\n" in comment
-    row = "TP1 x EP1      41.83 GB   30.17 GB            613,820         74          7.63 GB     439 tok/s"
+    row = "TP1 x EP1      13.76 GB   58.24 GB          1,184,870        144          4.12 GB     813 tok/s"
     assert f"#   {row}\n" in comment and f"  {row}\n" in out
 
 

@@ -207,7 +207,11 @@ def _compile_everything(moe_row: str, moe_buckets: list[int]) -> None:
                        for rows, cols in ((2 * inter, hidden), (hidden, inter))],
               "fp8": [QuantizedWeight.fp8(torch.empty((experts, rows, cols), dtype=torch.float8_e4m3fn, device=META),
                                           torch.empty((experts, rows // 128, cols // 128), device=META))
-                      for rows, cols in ((2 * inter, hidden), (hidden, inter))]}
+                      for rows, cols in ((2 * inter, hidden), (hidden, inter))],
+              # gpt-oss's MXFP4 experts: e2m1 codes two a byte, one E8M0 scale per 32 inputs
+              "mxfp4": [QuantizedWeight.mxfp4(torch.empty((experts, rows, cols // 2), dtype=torch.uint8, device=META),
+                                              torch.empty((experts, rows, cols // 32), dtype=torch.uint8, device=META))
+                        for rows, cols in ((2 * inter, hidden), (hidden, inter))]}
     for q13, q2 in stacks.values():
         for num_tokens in (1, 512):
             context["tiles"] = f"{moe_row}, {num_tokens} tokens"
@@ -223,7 +227,9 @@ def _compile_everything(moe_row: str, moe_buckets: list[int]) -> None:
                  QuantizedWeight.blocks("int4", torch.empty((out_f, hidden // 2), dtype=torch.uint8, device=META),
                                         torch.empty((out_f, hidden // 32, 2), dtype=torch.float16, device=META)),
                  QuantizedWeight.fp8(torch.empty((out_f, hidden), dtype=torch.float8_e4m3fn, device=META),
-                                     torch.empty((out_f // 128, hidden // 128), device=META))]
+                                     torch.empty((out_f // 128, hidden // 128), device=META)),
+                 QuantizedWeight.mxfp4(torch.empty((out_f, hidden // 2), dtype=torch.uint8, device=META),
+                                       torch.empty((out_f, hidden // 32), dtype=torch.uint8, device=META))]
     for weight in quantized:
         for dtype, rows in ((BF16, (1, 64, 512)), (torch.float32, (1, 64))):
             for num_rows in rows:

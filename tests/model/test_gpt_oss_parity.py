@@ -4,7 +4,7 @@ with full-attention layers), attention sinks, q/k/v/o biases, YaRN RoPE without 
 experts with biases and the clamped SwiGLU (the sinks and biases randomised: transformers starts some at zero).
 Greedy 32 tokens on three prompts, the first step's log-probabilities, the last logits of a prefill, and multi-turn
 reuse of the prefix cache equal to a fresh recompute across the window's edge. Also an MXFP4 checkpoint (experts as
-`_blocks` / `_scales`, dequantized at load) against the same model with those weights in float."""
+`_blocks` / `_scales`, kept as MXFP4 blocks at load) against the same model with those weights in float."""
 from __future__ import annotations
 
 import json
@@ -106,8 +106,8 @@ def _random_mxfp4(gen: torch.Generator, experts: int, rows: int, cols: int) -> t
     return blocks, scales.to(torch.uint8), values
 
 
-def test_an_mxfp4_checkpoint_loads_dequantized(tmp_path):
-    """The experts shipped as MXFP4 `_blocks` / `_scales` (as gpt-oss-20b is): dequantized at load, the model gives
+def test_an_mxfp4_checkpoint_matches_its_float_weights(tmp_path):
+    """The experts shipped as MXFP4 `_blocks` / `_scales` (as gpt-oss-20b is): kept as blocks at load, the model gives
     transformers' tokens for the same model with those expert weights in float."""
     overrides = dict(CASES[0][1], hidden_size=64, moe_intermediate_size=32)
     model_dir, hf_model = make_checkpoint(tmp_path / "mxfp4", "gpt_oss", overrides)
