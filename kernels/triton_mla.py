@@ -17,7 +17,7 @@ in launches of at most ROWS_PER_LAUNCH, which share one buffer of partial output
 step's rows).
 
 Splits and the same bits. A row's keys are cut into `num_splits(L)` slices, L the number of keys the row sees (its
-position + 1): at most MAX_SPLITS, at least MIN_SPLIT_TOKENS keys each, each slice a whole number of BLOCK_N tiles.
+position + 1): one per MIN_SPLIT_TOKENS keys begun, at most MAX_SPLITS, of equal length in whole BLOCK_N tiles.
 That depends on the row alone, never on the batch beside it, the step's rows of its sequence, or the device's SM
 count, and the merge adds the slices in order; so a row's output is the same bits in a decode, in a verify step
 (where later draft tokens are already cached) and in any batch. A row of one slice is written directly, bit for bit
