@@ -184,37 +184,51 @@ static void amx_gemm(const void *x, int64_t x_bf16, int64_t ldx, uint32_t *xp, i
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define HAVE_AVX512BF16 1
+/* Outputs [n0, n0 + nn) x rows [m0, m0 + mm) of y (nn, mm <= 4): one accumulator of 16 lanes each, over the inputs
+ * 32 at a time, then one reduction. Inlined with constant nn = mm = 4 for whole blocks (the accumulators stay in
+ * registers), with the tails' sizes otherwise: the same instructions for each output either way. */
+static inline __attribute__((always_inline)) void avx512bf16_block(const uint16_t *xb, int64_t kp, int64_t k_f,
+                                                                   const uint16_t *w, float *y, int64_t ldy,
+                                                                   int64_t n0, int64_t m0, int nn, int mm) {
+    const __mmask32 tail = k_f % 32 ? (__mmask32)((1u << (k_f % 32)) - 1u) : (__mmask32)0xffffffffu;
+    __m512 acc[4][4];
+    for (int i = 0; i < nn; i++)
+        for (int j = 0; j < mm; j++)
+            acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < kp; k0 += 32) {
+        const __mmask32 mask = k0 + 32 <= k_f ? (__mmask32)0xffffffffu : tail;
+        __m512bh xv[4];
+        for (int j = 0; j < mm; j++)
+            xv[j] = (__m512bh)_mm512_loadu_si512(xb + (m0 + j) * kp + k0);
+        for (int i = 0; i < nn; i++) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + i) * k_f + k0);
+            for (int j = 0; j < mm; j++)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
+        }
+    }
+    for (int j = 0; j < mm; j++)
+        for (int i = 0; i < nn; i++)
+            y[(m0 + j) * ldy + n0 + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
 /* xb: [m_f, kp] bfloat16 rows, zero-padded to kp (whole 32s) */
 static void avx512bf16_gemm(const uint16_t *xb, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t n_f, float *y,
                             int64_t ldy) {
     const int64_t kp = round_up(k_f, 32);
-    const __mmask32 tail = k_f % 32 ? (__mmask32)((1u << (k_f % 32)) - 1u) : (__mmask32)0xffffffffu;
 #pragma omp parallel
     {
         int64_t first, last;
         tsterm_thread_share(n_f, 4, &first, &last);
         for (int64_t n0 = first; n0 < last; n0 += 4) {
-            const int64_t nn = last - n0 < 4 ? last - n0 : 4;
+            const int nn = last - n0 < 4 ? (int)(last - n0) : 4;
             for (int64_t m0 = 0; m0 < m_f; m0 += 4) {
-                const int64_t mm = m_f - m0 < 4 ? m_f - m0 : 4;
-                __m512 acc[4][4];
-                for (int i = 0; i < 4; i++)
-                    for (int j = 0; j < 4; j++)
-                        acc[i][j] = _mm512_setzero_ps();
-                for (int64_t k0 = 0; k0 < kp; k0 += 32) {
-                    const __mmask32 mask = k0 + 32 <= k_f ? (__mmask32)0xffffffffu : tail;
-                    __m512bh xv[4];
-                    for (int64_t j = 0; j < mm; j++)
-                        xv[j] = (__m512bh)_mm512_loadu_si512(xb + (m0 + j) * kp + k0);
-                    for (int64_t i = 0; i < nn; i++) {
-                        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + i) * k_f + k0);
-                        for (int64_t j = 0; j < mm; j++)
-                            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[j]);
-                    }
-                }
-                for (int64_t j = 0; j < mm; j++)
-                    for (int64_t i = 0; i < nn; i++)
-                        y[(m0 + j) * ldy + n0 + i] = _mm512_reduce_add_ps(acc[i][j]);
+                const int mm = m_f - m0 < 4 ? (int)(m_f - m0) : 4;
+                if (nn == 4 && mm == 4)
+                    avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, 4, 4);
+                else if (nn == 4 && mm == 1)  /* one row of x: a decode step */
+                    avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, 4, 1);
+                else
+                    avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, nn, mm);
             }
         }
     }
