@@ -91,3 +91,41 @@ def test_the_deepseek_profile_layout_is_one_the_engine_cuts(monkeypatch, tmp_pat
     assert (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.first_k_dense_replace) == (8, 4, 2.5, 3)
     assert cfg.rope.rope_type == "yarn" and cfg.rope.mscale == cfg.rope.mscale_all_dim == 1.0
     assert softmax_scale(cfg) == pytest.approx(192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2)
+
+
+def test_the_absorbed_forms_float32_copies_of_kv_b_are_counted():
+    """MLA's absorbed form keeps per-head W_UK^T [r, dn] and W_UV [dv, r] as float32 copies of a rank's kv_b rows
+    (tsterm.model.mla.MLAttention): memory and bytes read per token, not parameters. DeepSeek-V3 at TP4: 61 layers x
+    32 heads x 512 x (128 + 128) x 4 bytes = 1,023,410,176 per rank, whatever the weights' --dtype."""
+    from tsterm.plan import GPU_PRESETS, plan_layouts, rank_tensors
+
+    m = model(DEEPSEEK_V3)
+    for tp, heads in ((1, 128), (4, 32), (8, 16)):
+        copies = [t for t in rank_tensors(m, tp, 8 // tp) if t.derived]
+        assert sum(t.bytes("fp8") * t.count for t in copies) == 61 * heads * 512 * 256 * 4
+        assert sum(t.bytes("bf16") * t.read for t in copies) == 61 * heads * 512 * 256 * 4
+    tp4 = {dtype: next(lay for lay in plan_layouts(m, 8, GPU_PRESETS["h200"], dtype) if lay.tp == 4) for dtype in ("fp8", "bf16")}
+    without = {dtype: sum(t.bytes(dtype) * t.count for t in rank_tensors(m, 4, 2) if not t.derived)
+               for dtype in tp4}
+    assert all(tp4[d].weight_bytes - without[d] == 1_023_410_176 for d in tp4)
+    assert parameter_counts(m)[0] == 671_026_419_200  # (copies are not parameters)
+
+
+def test_kimi_k2_does_not_fit_eight_h200s(capsys, tmp_path):
+    """Kimi-K2 (DeepSeek-V3's architecture with 64 heads, 384 experts, one dense layer, a 163,840 vocabulary): 1026B
+    parameters, 130.00 GB of FP8 weights per rank at TP8 (its W_UK / W_UV copies: 61 x 8 x 512 x 256 x 4 bytes),
+    over the 126.9 GB eight H200s leave after the headroom, as the deepseek-v3 profile says."""
+    import tsterm
+
+    raw = json.loads(DEEPSEEK_V3.read_text())
+    raw.update(model_type="kimi_k2", num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
+               first_k_dense_replace=1, vocab_size=163840, n_group=1, topk_group=1)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "8xH200", "--dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "1026.41 B parameters" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  TP")]
+    assert len(rows) == 4 and all("does not fit" in " ".join(row) for row in rows)
+    assert rows[-1][:5] == ["TP8", "x", "EP1", "130.00", "GB"]
+    comment = (Path(tsterm.__file__).parents[1] / "profiles" / "deepseek-v3.yaml").read_text()
+    assert "(130.00 GB of weights per rank\n# at TP8" in comment

@@ -146,13 +146,18 @@ class Tensor:
     count: int
     read: int
     quantized: bool = True
-    shipped: str | None = None  # "mxfp4": stored in that format whatever the --dtype (MXFP4 experts kept as shipped)
+    # stored in that format whatever the --dtype: "mxfp4" (MXFP4 experts kept as shipped), "float32" (MLA's W_UK /
+    # W_UV, made at load)
+    shipped: str | None = None
+    derived: bool = False  # a copy made at load from another weight: memory, not parameters
 
     def bytes(self, dtype: str) -> int:
         """Bytes of one matrix."""
         n = self.rows * self.cols
         if self.shipped == "mxfp4":  # 4-bit codes + one scale byte per 32 inputs
             return n // 2 + self.rows * math.ceil(self.cols / 32)
+        if self.shipped == "float32":
+            return 4 * n
         if not self.quantized or dtype == "bf16":
             return 2 * n
         if dtype == "fp8":
@@ -179,7 +184,11 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
                 Tensor("attention", a.kv_lora_rank + a.qk_rope_head_dim, h, n_full, n_full),  # kv_a_proj_with_mqa
                 Tensor("attention", heads_r * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank, n_full, n_full),
                 Tensor("attention", h, heads_r * a.v_head_dim, n_full, n_full),  # o
-                Tensor("norms", 1, a.kv_lora_rank + qa, n_full, n_full, quantized=False)]  # kv_a, q_a layernorms
+                Tensor("norms", 1, a.kv_lora_rank + qa, n_full, n_full, quantized=False),  # kv_a, q_a layernorms
+                # the absorbed form's per-head W_UK^T [r, dn] and W_UV [dv, r]: float32 copies of this rank's kv_b
+                # rows made at load (tsterm.model.mla.MLAttention), both read by every decoded token
+                Tensor("attention", heads_r * a.kv_lora_rank, a.qk_nope_head_dim + a.v_head_dim, n_full, n_full,
+                       quantized=False, shipped="float32", derived=True)]
         if qa:
             out.append(Tensor("attention", qa, h, n_full, n_full))  # q_a
     elif n_full:
@@ -240,7 +249,7 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
 def parameter_counts(m: PlanModel) -> tuple[int, int]:
     """(total, active per token) parameters of the text model. Active counts the whole embedding, as model cards do
     ("A3B", "A17B"), though a decode step reads one row of it."""
-    tensors = rank_tensors(m, 1, 1)
+    tensors = [t for t in rank_tensors(m, 1, 1) if not t.derived]
     total = sum(t.rows * t.cols * t.count for t in tensors)
     active = sum(t.rows * t.cols * (t.count if t.group == "embedding" else t.read) for t in tensors)
     return total, active
