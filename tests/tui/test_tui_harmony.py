@@ -13,13 +13,19 @@ import math
 
 import pytest
 
+from tests.helpers.reasoning_templates import FAMILIES, family_tokenizer
 from tests.server.harmony_model import ScriptedEngine, make_harmony_checkpoint
 from tests.tui.helpers import chat_screen, say, turns_done, wait_until
-from tsterm.agent.harmony import render
+from tsterm.agent.harmony import chat_format, render
 from tsterm.agent.loop import ReasoningChunk, TextChunk
+from tsterm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tsterm.server.state import RequestInfo
 from tsterm.tui import TstermApp
+from tsterm.tui.api_server import ApiObserver
 from tsterm.tui.controllers.agent import AgentRun, AgentRuns
+from tsterm.tui.messages import ApiTurnFinished, ApiTurnProgress
 from tsterm.tui.thinking import SplitReply, split_thinking
+from tsterm.tui.widgets.agent_log import split_reply
 from tsterm.tui.widgets.chat_log import MessageView, ReplyView
 
 SIZE = (160, 50)
@@ -137,3 +143,29 @@ async def test_the_agent_runs_show_reasoning_chunks_as_the_step_s_thinking():
     await runs._event(None, run, TextChunk(1, "It is 42."))
     assert run.text == "<think>\nUse the calculator.\n</think>\n\nIt is 42."
     assert split_thinking(run.text) == SplitReply("Use the calculator.", "It is 42.")
+
+
+def test_the_workstation_shows_an_api_client_s_harmony_reply_as_thinking_and_a_tool_block():
+    """The workstation's API sessions: a harmony reply to a client is shown as its chat format reads it (the server
+    streams the engine's outputs, whose text leaves harmony's markers out): its analysis as thinking, its call as the
+    tool block the log draws from a reply's call tags."""
+    tokenizer = family_tokenizer(FAMILIES["gpt-oss"])
+    posted = []
+    observer = ApiObserver(posted.append, interval=0.0)
+    observer.chat_format = chat_format(tokenizer)
+    info = RequestInfo("r1", "chat.completions", [1, 2, 3], messages=[{"role": "user", "content": "6*7?"}])
+    ids = tokenizer.encode(CALL)
+    outputs = [RequestOutput("r1", info.prompt_ids, [CompletionOutput(
+        0, ids[:n], tokenizer.decode(ids[:n], skip_special_tokens=True), "stop" if n == len(ids) else None)], 0,
+        RequestMetrics(), n == len(ids)) for n in range(1, len(ids) + 1)]
+    observer.started(info)
+    for output in outputs:
+        observer.progress(info, output)
+    observer.finished(info, outputs[-1], None)
+    progress = [m.text for m in posted if isinstance(m, ApiTurnProgress)]
+    assert any(text.startswith("<think>\nUse the calc") and "</think>" not in text for text in progress)
+    [finished] = [m for m in posted if isinstance(m, ApiTurnFinished)]
+    text, calls = split_reply(finished.text)
+    assert split_thinking(text) == SplitReply("Use the calculator for 6*7.", "")
+    assert calls == [("calculator", {"expression": "6*7"}, None)]
+    assert not observer._readers  # the request's reader goes with it

@@ -53,6 +53,10 @@ answer follows it; so a tool loop in progress keeps its reasoning, and a new use
 assistant message is final; the two agree but in multi-turn conversations with reasoning in a later turn.)
 A final answer ends `<|end|>` once it is history (the model wrote `<|return|>`), which is what
 `tsterm.chat.history`'s `preserve` policy rewrites in the kept ids; everything else the model wrote is kept as its ids.
+
+The chat paths (the TUI's chat and API sessions, the line chat) ask `chat_format` (tsterm.chat.chat_format's seam):
+for harmony, `HarmonyFormat` renders with `render` and reads a reply with `HarmonyReply` (analysis shown as a `<think>`
+block, final as the reply, recorded as content + reasoning_content).
 """
 from __future__ import annotations
 
@@ -608,12 +612,13 @@ def turn_grammar(tokens: Any, parameters: Mapping[str, Mapping[str, Any]], *, re
 class HarmonyReply:
     """One harmony reply read for a chat view (tsterm.chat.chat_format's ReplyReader): its ids with their markers
     (`TurnText`) through `HarmonyParser`; the analysis channel shown as reasoning, the final channel (and commentary
-    preambles) as the answer. A call (a chat offers no tools) is left out of both."""
+    preambles) as the answer; a `to=functions.NAME` message (an API client's tools) is one of `calls`, not shown."""
 
     def __init__(self, tokenizer: Any):
         self._turn = TurnText(tokenizer)
         self._parser = HarmonyParser(None)
         self.reasoning = self.text = self.shown = ""
+        self.calls: list[ToolCall] = []
         self._done = False
 
     def read(self, completion: Any, final: bool = False) -> str:
@@ -628,6 +633,8 @@ class HarmonyReply:
                 self.reasoning += event.text
             elif isinstance(event, TextDelta):
                 self.text += event.text
+            else:
+                self.calls.append(event)
         shown = shown_reply(self.reasoning, self.text, thinking_done=final)
         delta = shown[len(self.shown):] if shown.startswith(self.shown) else shown
         self.shown = shown
@@ -637,6 +644,9 @@ class HarmonyReply:
         message = {"role": "assistant", "content": self.text}
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
+        if self.calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.name, "arguments": call_arguments(call)}} for call in self.calls]
         return message
 
 

@@ -5,6 +5,7 @@ Nothing here touches a widget: the observer runs on the server's event loop and 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -45,6 +46,10 @@ class ApiObserver:
     def __init__(self, post: Post | None = None, interval: float = 1 / 15):
         self.post, self.interval = post, interval
         self._posted: dict[str, float] = {}  # request id -> when its progress was last posted
+        # the model's chat format (tsterm.chat.chat_format; set by ApiServer): each reply is shown as it reads it (a
+        # harmony reply's analysis as thinking, its calls as tool blocks); None: the engine's text
+        self.chat_format: Any = None
+        self._readers: dict[str, Any] = {}  # request id -> the reader of its first choice
         self._lock = threading.Lock()
 
     def _send(self, message: Message) -> None:
@@ -55,6 +60,8 @@ class ApiObserver:
     def started(self, info: RequestInfo) -> None:
         with self._lock:
             self._posted[info.request_id] = 0.0
+            if self.chat_format is not None:
+                self._readers[info.request_id] = self.chat_format.reader()
         self._send(ApiTurnStarted(info, display_messages(info), time.time()))
 
     def progress(self, info: RequestInfo, output: RequestOutput) -> None:
@@ -64,14 +71,41 @@ class ApiObserver:
                 return
             self._posted[info.request_id] = now
         first = output.outputs[0]
-        self._send(ApiTurnProgress(info.request_id, first.text, len(first.token_ids), output.num_cached_tokens))
+        text = self._text(info, first, output.finished)
+        self._send(ApiTurnProgress(info.request_id, text, len(first.token_ids), output.num_cached_tokens))
 
     def finished(self, info: RequestInfo, output: RequestOutput | None, error: str | None) -> None:
+        first = output.outputs[0] if output is not None and output.outputs else None
+        text = self._text(info, first, True) if first else ""
         with self._lock:
             self._posted.pop(info.request_id, None)
-        first = output.outputs[0] if output is not None and output.outputs else None
-        self._send(ApiTurnFinished(info, display_messages(info), first.text if first else "",
+            self._readers.pop(info.request_id, None)
+        self._send(ApiTurnFinished(info, display_messages(info), text,
                                    list(first.token_ids) if first else [], output, error))
+
+
+    def _text(self, info: RequestInfo, first: Any, final: bool) -> str:
+        """The reply so far as shown: the engine's text, or its chat format's reading with the calls as tool blocks."""
+        with self._lock:
+            reader = self._readers.get(info.request_id)
+        if reader is None:
+            return first.text
+        reader.read(first, final)
+        return reader.shown + _call_tags(reader.message())
+
+
+def _call_tags(message: dict) -> str:
+    """An assistant message's tool calls as the model-format tags the log shows as tool blocks."""
+    text = ""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):  # as the model wrote them (a harmony reply's): the object they spell
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
+        body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
+        text += f"{OPEN_TAG}\n{body}\n{CLOSE_TAG}"
+    return text
 
 
 def display_messages(info: RequestInfo) -> list[dict]:
@@ -82,12 +116,7 @@ def display_messages(info: RequestInfo) -> list[dict]:
                  else f"({len(info.prompt_ids)} prompt token ids)"}]
     shown = []
     for m in info.messages:
-        content = m.get("content") or ""
-        for call in m.get("tool_calls") or ():
-            function = call.get("function", {})
-            body = json.dumps({"name": function.get("name"), "arguments": function.get("arguments")},
-                              ensure_ascii=False)
-            content += f"{OPEN_TAG}\n{body}\n{CLOSE_TAG}"
+        content = (m.get("content") or "") + _call_tags(m)
         entry = {"role": m["role"], "content": content}
         if m.get("tool_call_id"):
             entry["tool_call_id"] = m["tool_call_id"]
@@ -106,6 +135,7 @@ class ApiServer:
         check_bind(options.host, options.api_key)
         free_port(options.host, options.port)
         self.options, self.observer = options, observer
+        observer.chat_format = host.chat_format  # its replies shown as the chat sessions' are
         state = ServerState(engine=host.async_engine, tokenizer=host.tokenizer,
                             model_name=options.model_name or host.profile_name or host.model_name,
                             max_model_len=host.info.max_model_len, defaults=host.sampling,
