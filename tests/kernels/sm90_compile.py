@@ -116,8 +116,9 @@ def _as_device(name: str, num_sms: int) -> None:
     triton_paged_attention.num_kv_splits = lambda programs, max_len, device: ATTENTION_SPLITS(programs, max_len, cuda)
 
 
-def _attention_batch(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int):
-    block_size, head_dim = 16, 128
+def _attention_batch(seq_lens: list[int], query_lens: list[int], num_heads: int, num_kv_heads: int,
+                     head_dim: int = 128):
+    block_size = 16
     blocks = [-(-n // block_size) for n in seq_lens]
     k_cache = torch.empty((sum(blocks) + 8, block_size, num_kv_heads, head_dim), dtype=BF16, device=META)
     query_start_loc = [0]
@@ -185,6 +186,12 @@ def _compile_everything(moe_row: str, moe_buckets: list[int]) -> None:
         paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)  # decode: split-K + merge
         q, k_cache, v_cache, meta = _attention_batch([2048, 700, 90], [512, 200, 1], num_heads, num_kv_heads)
         paged_attention(q, k_cache, v_cache, meta, 128 ** -0.5)  # prefill / extend: one split
+
+    # gpt-oss's attention: 64 query heads over 8 KV heads of 64, each head's sink, a 128-token window and none
+    for window in (128, None):
+        for seq_lens, query_lens in (([4096, 300, 4100], [1, 1, 1]), ([2048, 700, 90], [512, 200, 1])):
+            q, k_cache, v_cache, meta = _attention_batch(seq_lens, query_lens, 64, 8, head_dim=64)
+            paged_attention(q, k_cache, v_cache, meta, 64 ** -0.5, sinks=torch.empty(64, device=META), window=window)
 
     _compile_moe(moe_row, moe_buckets)
     # a gated shared expert / dense MLP: one expert, top-1 (Qwen1.5-MoE-A2.7B's shared expert size)

@@ -1,7 +1,7 @@
 """A tiny gpt-oss checkpoint (sinks, a window shorter than the prompt, biases, clamped SwiGLU) decoded on a CUDA
-device with the Triton kernels (its sink / window attention and experts run their torch paths there), token-exact with
-transformers and with the CPU engine's log-probabilities; decode steps eager (cuda_graphs false, as the gpt-oss-20b
-profile runs: the sink / window path reads the step's host lists).
+device with the Triton kernels (the paged attention with its sinks and window), token-exact with transformers and with
+the CPU engine's log-probabilities; decode steps eager (cuda_graphs false, as the gpt-oss-20b profile runs: its experts
+read their per-expert token counts on the host).
 
 Skipped without CUDA, and under TRITON_INTERPRET (tests/conftest.py sets it for the CPU suite): run with
 `pytest --noconftest tests/model/test_gpt_oss_gpu.py` (to be listed in scripts/gpu_check.sh's GPU_TESTS).

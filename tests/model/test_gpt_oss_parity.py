@@ -150,17 +150,3 @@ def test_a_bad_gpt_oss_field_is_named(change, field):
     ModelConfig.from_dict(raw)  # the base is fine
     with pytest.raises(ModelLoadError, match=field):
         ModelConfig.from_dict({**raw, **change})
-
-
-def test_a_cuda_graph_capture_of_the_sink_attention_is_refused_by_name(checkpoint, monkeypatch):
-    """The sink / window path reads each step's host lists: captured in a CUDA graph it would replay the captured
-    step's contexts, so a capture stops with an error naming cuda_graphs (faked here: no GPU needed)."""
-    from tsterm.errors import ConfigError
-
-    model_dir, _ = checkpoint
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
-    assert out.outputs[0].finish_reason == "error" and isinstance(out.error, ConfigError)
-    assert "cuda_graphs: false" in str(out.error)

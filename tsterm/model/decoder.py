@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from tsterm.config import ModelConfig
-from tsterm.errors import ConfigError
 from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION, MLA
 from tsterm.model.cache import ModelCache
 from tsterm.model.clamped_swiglu import clamped_swiglu_experts
@@ -37,7 +36,6 @@ from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.routing import Routing, routing_or_default
 from tsterm_kernels.torch_ops import expert_mlp, linear, sigmoid
-from tsterm_kernels.torch_ops import paged_attention as sink_window_attention
 
 
 @dataclass(slots=True)
@@ -83,9 +81,10 @@ class Attention:
             self.qk_head_weight = torch.cat((self.q_norm.float().expand(self.num_heads, -1),
                                              self.k_norm.float().expand(self.num_kv_heads, -1)))
         self.k_cache, self.v_cache = cache  # [num_blocks, block_size, Hkv, D] views of the pool
-        # gpt-oss: each head's sink logit [Hq_local] float32 (None: none) and the layer's window. The C and Triton
-        # attention kernels take neither yet: such a layer runs the torch twin's sink / window path on any device
+        # gpt-oss: each head's sink logit [Hq_local] float32 (None: none) and the layer's window, passed to the ops'
+        # attention (the C kernels, the torch twin, the Triton kernel) only where the layer has them
         self.sinks, self.window = w.get(prefix + "sinks"), window
+        self.sink_window = {k: v for k, v in (("sinks", self.sinks), ("window", window)) if v is not None}
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """rope: the step's rotation tables (`RotaryEmbedding.tables`); x: [T, H] normed hidden states."""
@@ -113,13 +112,7 @@ class Attention:
         q, k = qk[:, :Hq], qk[:, Hq:]  # views
         meta = self.ctx.meta
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
-        if self.sinks is None and self.window is None:
-            o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
-        else:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise ConfigError("gpt-oss's sink / sliding-window attention reads each step's host lists, which a "
-                                  "CUDA graph cannot replay: set cuda_graphs: false")
-            o = sink_window_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sinks, self.window)
+        o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, **self.sink_window)  # [T, Hq, D]
         out = linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]: this rank's heads' part
         self.par.all_reduce_tp(out)
         return out

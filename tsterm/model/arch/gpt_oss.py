@@ -10,11 +10,10 @@ with biases and a clamped SwiGLU:
 
 The experts run through `tsterm.model.clamped_swiglu` (torch; the C, fused-MoE and Triton kernels have neither the
 biases nor this activation yet), so these layers stay out of the one-call decode stack. The sink / window attention
-is `tsterm_kernels.torch_ops.paged_attention(sinks=, window=)`: on the CPU in float32 the C kernels (csrc/prefill.c,
-decode.c: a row's bits the same in a prefill, an extend and a decode; the splits of keys before a row's window are
-never read), elsewhere the torch twin. The Triton kernel takes both too (`triton_paged_attention`), but the decoder
-calls torch_ops' function for these layers on every device, and CUDA graphs stay off for the family
-(`clamped_swiglu_experts` reads its expert counts on the host, which a graph cannot capture).
+is the ops' `paged_attention(sinks=, window=)`: on the CPU in float32 the C kernels (csrc/prefill.c, decode.c: a row's
+bits the same in a prefill, an extend and a decode; the splits of keys before a row's window are never read), with
+the Triton ops the Triton kernel (`triton_paged_attention`), elsewhere the torch twin. CUDA graphs stay off for the
+family (`clamped_swiglu_experts` reads its expert counts on the host, which a graph cannot capture).
 A sliding layer shares its block ids with the full layers (one KV pool, one block table per sequence), so the blocks
 wholly outside every running sequence's window stay held: returning them needs the sliding layers in a pool and
 block tables of their own.
