@@ -182,7 +182,7 @@ def test_kv_host_bytes_is_checked_and_named():
     assert EngineConfig(model="m", kv_host_bytes=1 << 20).kv_host_bytes == 1 << 20
 
 
-def test_a_snapshot_shaped_put_keeps_its_partial_index(tmp_path):
+def test_partial_blocks_are_found_by_their_parent_and_dropped_from_the_index():
     """Partial blocks are found by their parent in the host tier as in the store (`partials`), and dropped from the
     index with their entry."""
     h = Harness(host_blocks=16)
