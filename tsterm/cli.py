@@ -122,7 +122,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     llm = llm_from_args(args, profile)
     system = args.system if args.system is not None else (profile.system_prompt if profile else None)
     policy = args.thinking_history or (profile.thinking_history if profile else DEFAULT_THINKING_HISTORY)
-    return line_chat.run(llm, _model_sampling(args, profile, llm, system), system, history_policy=policy)
+    from tsterm.agent.harmony import chat_format  # harmony for gpt-oss, else the checkpoint's template
+
+    return line_chat.run(llm, _model_sampling(args, profile, llm, system), system, history_policy=policy,
+                         chat_format=chat_format(llm.tokenizer))
 
 
 def _parallel_options(args: argparse.Namespace) -> dict[str, int | str | None]:

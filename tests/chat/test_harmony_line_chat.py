@@ -113,3 +113,19 @@ def test_a_harmony_line_chat_shows_reasoning_apart_and_continues_the_model_s_ids
     assert second.cached_tokens == len(kept) // BLOCK * BLOCK  # every whole block of them, from the cache
     assert f"[cached {second.cached_tokens}/{second.prompt_tokens} tokens]" in stderr.getvalue()
 
+
+
+def test_tsterm_chat_plain_renders_a_gpt_oss_chat_with_harmony(llm, monkeypatch, tmp_path, capsys):
+    """The command line hands line mode the model's chat format: `tsterm chat --plain` on a gpt-oss model renders
+    the harmony prompt and shows the analysis channel as the reply's thinking."""
+    from tsterm import launch
+    from tsterm.cli import main
+
+    scripted = ScriptedLLM(llm, [FIRST])
+    scripted.config = llm.config
+    monkeypatch.setattr(launch, "llm_from_args", lambda args, profile=None: scripted)
+    monkeypatch.setenv("TSTERM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--plain", "--model", str(llm.config.model), "--temperature", "0"]) == 0
+    assert scripted.engine.prompts[0] == llm.tokenizer.encode(render([{"role": "user", "content": "hello"}]))
+    assert "<think>\nThe user greets me; greet back.\n</think>\n\nHello there!\n" in capsys.readouterr().out
