@@ -8,6 +8,9 @@ The only temporary is the SwiGLU activation, [T*k, I] in the activation dtype. R
 projections and the activation are rounded to the storage dtype where the twin's F.linear would round them.
 Loads are cast to float32 at once; dot operands go back to the storage dtype (tensor cores for bf16/fp16), and
 float32 dots are exact ("ieee", not tf32), as the twin's float32 matmuls are.
+gpt-oss's experts run here too (one launch of each kernel per layer): per-expert biases on both projections and the
+clamped SwiGLU (constexpr variants HAS_BIAS / CLAMPED; their twin is `tsterm.model.clamped_swiglu`'s per-expert loop).
+w13's rows are gate rows, then up rows, as the loader stores gpt-oss's interleaved `gate_up_proj` (de-interleaved).
 """
 from __future__ import annotations
 
@@ -29,13 +32,16 @@ TILES_FILE = Path(__file__).with_name("moe_tiles.json")
 @triton.jit
 def _gate_up_kernel(
     # pointers
-    x_ptr, w13_ptr, scale13_ptr, sorted_pairs_ptr, tile_experts_ptr, act_ptr,
+    x_ptr, w13_ptr, scale13_ptr, sorted_pairs_ptr, tile_experts_ptr, act_ptr, b13_ptr,
     # sizes and strides (the reduction dimension is unit-stride)
     num_pairs, top_k, hidden_size, inter_size,
     stride_x_token, stride_w13_expert, stride_w13_row, stride_s13_expert, stride_s13_row, stride_s13_col,
-    stride_act_pair,
+    stride_act_pair, stride_b13_expert,
+    # the clamped SwiGLU's sigmoid scale and clamp limit (read when CLAMPED)
+    alpha, limit,
     # meta-parameters
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -87,11 +93,25 @@ def _gate_up_kernel(
                          KIND, BLOCK_K)
         up = quant_dot(zero, x_rows, row_valid, up_cols, col_valid, up_s, stride_s13_col, hidden_size, KIND, BLOCK_K)
 
+    # ---- the expert's biases (added to the float32 sums: one rounding of each projection, as F.linear's)
+    if HAS_BIAS:
+        biases = b13_ptr + expert.to(tl.int64) * stride_b13_expert
+        gate += tl.load(biases + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(biases + inter_size + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+
     # ---- SwiGLU, one row per pair
     act_dtype = act_ptr.dtype.element_ty
     gate = gate.to(act_dtype).to(tl.float32)
     up = up.to(act_dtype).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(act_dtype).to(tl.float32) * up
+    if CLAMPED:  # gpt-oss: ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), each
+        # op rounded to the storage dtype as the twin's (tsterm.model.clamped_swiglu) in-place ops round it
+        gate = tl.minimum(gate, limit).to(act_dtype).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit).to(act_dtype).to(tl.float32)
+        up = (up + 1.0).to(act_dtype).to(tl.float32)
+        s = tl.sigmoid((gate * alpha).to(act_dtype).to(tl.float32)).to(act_dtype).to(tl.float32)
+        act = (s * gate).to(act_dtype).to(tl.float32) * up
+    else:
+        act = (gate * tl.sigmoid(gate)).to(act_dtype).to(tl.float32) * up
     tl.store(act_ptr + pairs[:, None].to(tl.int64) * stride_act_pair + cols[None, :], act.to(act_dtype),
              mask=row_valid[:, None] & col_valid[None, :])
 
@@ -99,13 +119,14 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     # pointers
-    act_ptr, w2_ptr, scale2_ptr, sorted_pairs_ptr, tile_experts_ptr, weights_ptr, out_ptr,
+    act_ptr, w2_ptr, scale2_ptr, sorted_pairs_ptr, tile_experts_ptr, weights_ptr, out_ptr, b2_ptr,
     # sizes and strides (the reduction dimension is unit-stride)
     num_pairs, top_k, hidden_size, inter_size,
     stride_act_pair, stride_w2_expert, stride_w2_row, stride_s2_expert, stride_s2_row, stride_s2_col,
-    stride_weights_token, stride_weights_slot, stride_out_token,
+    stride_weights_token, stride_weights_slot, stride_out_token, stride_b2_expert,
     # meta-parameters
     KIND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     n_tile = tl.program_id(1)
@@ -147,7 +168,11 @@ def _down_kernel(
         acc = quant_dot(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), act_rows, row_valid, w_cols, col_valid, s_cols,
                         stride_s2_col, inter_size, KIND, BLOCK_K)
 
-    # ---- weight by the routing probability and add into the token's output row
+    # ---- the expert's down bias (to the float32 sums, before the one rounding), then weight by the routing
+    # probability and add into the token's output row
+    if HAS_BIAS:
+        acc += tl.load(b2_ptr + expert.to(tl.int64) * stride_b2_expert + cols, mask=col_valid,
+                       other=0.0).to(tl.float32)[None, :]
     # (a token picks an expert at most once, so the rows of one tile never hit the same address)
     out_dtype = out_ptr.dtype.element_ty
     routing = tl.load(weights_ptr + tokens * stride_weights_token + (safe_pairs % top_k) * stride_weights_slot,
@@ -192,10 +217,28 @@ def _weight_args(w: "torch.Tensor | QuantizedWeight", name: str) -> tuple:
     return w, w, w.stride(0), w.stride(1), 0, 0, 0, -1  # (no scales: the data pointer stands in, never read)
 
 
+def _bias_args(bias: torch.Tensor | None, num_experts: int, rows: int, x: torch.Tensor, name: str) -> tuple:
+    """(pointer, expert stride, present) of an optional [E, rows] per-expert bias (x's pointer stands in for none,
+    never read)."""
+    if bias is None:
+        return x, 0, False
+    assert tuple(bias.shape) == (num_experts, rows) and bias.is_floating_point(), \
+        f"{name} must be [{num_experts}, {rows}] float, got {tuple(bias.shape)} {bias.dtype}"
+    assert bias.stride(1) == 1 and bias.device == x.device, f"{name}: unit-stride rows on x's device"
+    return bias, bias.stride(0), True
+
+
 def fused_moe(x: torch.Tensor, w13: "torch.Tensor | QuantizedWeight", w2: "torch.Tensor | QuantizedWeight",
-              weights: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+              weights: torch.Tensor, expert_ids: torch.Tensor, out: torch.Tensor, *,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              clamped_swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """w13, w2: float stacks in x's dtype, or QuantizedWeight stacks (int8 / int4 / fp8 / mxfp4, each on its own;
-    int8 / int4 / mxfp4 need whole blocks of 32 inputs, as their format does); the dot then runs in x's dtype."""
+    int8 / int4 / mxfp4 need whole blocks of 32 inputs, as their format does); the dot then runs in x's dtype.
+
+    gpt-oss's experts (the twin: `tsterm.model.clamped_swiglu.clamped_swiglu_experts`): w13_bias [E, 2I] (gate
+    biases, then up biases, as w13's rows) added to the projections before the activation, w2_bias [E, H] added to
+    the down projection before the routing weight scales it; clamped_swiglu = (alpha, limit): the activation
+    ((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)) instead of silu(gate) * up."""
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, H] with unit last stride, got {x.stride()}"
     num_tokens, hidden_size = x.shape
     assert w13.dim() == 3 and w13.shape[2] == hidden_size and w13.shape[1] % 2 == 0, \
@@ -215,6 +258,10 @@ def fused_moe(x: torch.Tensor, w13: "torch.Tensor | QuantizedWeight", w2: "torch
     assert all(d == x.dtype for d in [out.dtype, *floats]), \
         f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}, out {out.dtype}"
     assert x.device == w13.device == w2.device == weights.device == expert_ids.device == out.device
+    b13, stride_b13, has_b13 = _bias_args(w13_bias, num_experts, 2 * inter_size, x, "w13_bias")
+    b2, stride_b2, has_b2 = _bias_args(w2_bias, num_experts, hidden_size, x, "w2_bias")
+    alpha, limit = (0.0, 0.0) if clamped_swiglu is None else (float(clamped_swiglu[0]), float(clamped_swiglu[1]))
+    assert clamped_swiglu is None or limit > 0, f"clamped_swiglu limit must be > 0, got {limit}"
     if num_tokens == 0:
         return out
     tiles = tile_config(x.device, num_tokens)
@@ -227,15 +274,16 @@ def fused_moe(x: torch.Tensor, w13: "torch.Tensor | QuantizedWeight", w2: "torch
     num_pairs, num_tiles = expert_ids.numel(), tile_experts.numel()
     act = torch.empty((num_pairs, inter_size), dtype=x.dtype, device=x.device)  # [T*k, I]
     _gate_up_kernel[(num_tiles, triton.cdiv(inter_size, tiles["BLOCK_N"]))](
-        x, data13, scale13, sorted_pairs, tile_experts, act,
+        x, data13, scale13, sorted_pairs, tile_experts, act, b13,
         num_pairs, top_k, hidden_size, inter_size,
-        x.stride(0), *strides13, act.stride(0),
-        KIND=kind13, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], **launch,
+        x.stride(0), *strides13, act.stride(0), stride_b13, alpha, limit,
+        KIND=kind13, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], HAS_BIAS=has_b13,
+        CLAMPED=clamped_swiglu is not None, **launch,
     )
     _down_kernel[(num_tiles, triton.cdiv(hidden_size, tiles["BLOCK_N"]))](
-        act, data2, scale2, sorted_pairs, tile_experts, weights, out,
+        act, data2, scale2, sorted_pairs, tile_experts, weights, out, b2,
         num_pairs, top_k, hidden_size, inter_size,
-        act.stride(0), *strides2, weights.stride(0), weights.stride(1), out.stride(0),
-        KIND=kind2, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], **launch,
+        act.stride(0), *strides2, weights.stride(0), weights.stride(1), out.stride(0), stride_b2,
+        KIND=kind2, BLOCK_M=block_m, BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], HAS_BIAS=has_b2, **launch,
     )
     return out

@@ -41,7 +41,7 @@ GPU_TESTS=(tests/kernels/test_triton_gpu.py tests/kernels/test_triton_gated_delt
            tests/engine/test_startup_gpu.py tests/engine/test_hybrid_gpu.py tests/distributed/test_nccl_gpu.py
            tests/engine/test_core_process_gpu.py tests/kernels/test_moe_routing_gpu.py
            tests/engine/test_spec_decode_hybrid_gpu.py tests/model/test_mla_gpu.py tests/model/test_gpt_oss_gpu.py tests/kernels/test_triton_mla_gpu.py
-           tests/engine/test_kv_host_gpu.py tests/model/test_gpt_oss_mxfp4_gpu.py)
+           tests/engine/test_kv_host_gpu.py tests/model/test_gpt_oss_mxfp4_gpu.py tests/kernels/test_triton_clamped_moe_gpu.py)
 echo; echo "== GPU tests: kernels in bf16 at real sizes, the CUDA decode path, start-up (profile run, graphs captured at start), the hybrid path without host syncs, NCCL groups, the engine core process on the device, sigmoid / grouped routing, hybrid speculation, MLA, gpt-oss sinks and MXFP4 experts, the KV host tier (${GPU_TESTS[*]}) =="
 test_log=$(mktemp)
 timeout "$(limit 230)" "$PYTHON" -m pytest --noconftest -q -rs -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 | tee "$test_log"

@@ -226,6 +226,24 @@ def _compile_everything(moe_row: str, moe_buckets: list[int]) -> None:
             weights, expert_ids = moe_route(torch.empty((num_tokens, experts), dtype=BF16, device=META), top_k, True)
             fused_moe(x, q13, q2, weights, expert_ids, torch.empty_like(x))
 
+    # gpt-oss's experts (20b: H = I = 2880, 32 experts, top-4): both biases and the clamped SwiGLU, on bf16 and on
+    # MXFP4 stacks, at the decode and a prefill bucket; and a tensor-parallel rank > 0's launch (no down bias)
+    oss_h, oss_i, oss_e, oss_k = 2880, 2880, 32, 4
+    oss = {"bf16": [torch.empty((oss_e, rows, cols), dtype=BF16, device=META)
+                    for rows, cols in ((2 * oss_i, oss_h), (oss_h, oss_i))],
+           "mxfp4": [QuantizedWeight.mxfp4(torch.empty((oss_e, rows, cols // 2), dtype=torch.uint8, device=META),
+                                           torch.empty((oss_e, rows, cols // 32), dtype=torch.uint8, device=META))
+                     for rows, cols in ((2 * oss_i, oss_h), (oss_h, oss_i))]}
+    oss_b13 = torch.empty((oss_e, 2 * oss_i), dtype=BF16, device=META)
+    oss_b2 = torch.empty((oss_e, oss_h), dtype=BF16, device=META)
+    for o13, o2 in oss.values():
+        for num_tokens, down_bias in ((1, oss_b2), (512, oss_b2), (1, None)):
+            context["tiles"] = f"{moe_row}, {num_tokens} tokens, gpt-oss"
+            x = torch.empty((num_tokens, oss_h), dtype=BF16, device=META)
+            weights, expert_ids = moe_route(torch.empty((num_tokens, oss_e), dtype=BF16, device=META), oss_k, True)
+            fused_moe(x, o13, o2, weights, expert_ids, torch.empty_like(x), w13_bias=oss_b13, w2_bias=down_bias,
+                      clamped_swiglu=(1.702, 7.0))
+
     # weight-only quantized linear layers (q/k/v of Qwen3-30B-A3B: 5120 x 2048), every tile-table row
     context["tiles"] = "triton_quant_linear.TILES"
     out_f = 5120
