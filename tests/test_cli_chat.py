@@ -47,8 +47,8 @@ def test_next_prompt_is_the_kept_ids_plus_the_tokens_of_the_new_text(model_dir, 
     calls: list[tuple[object, list[int], object]] = []
     generate = LineChat._generate
 
-    def recording(self, prompt_ids):
-        out = generate(self, prompt_ids)
+    def recording(self, prompt_ids, reader):
+        out = generate(self, prompt_ids, reader)
         calls.append((self.llm, list(prompt_ids), out))
         return out
 
