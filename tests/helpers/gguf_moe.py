@@ -246,6 +246,9 @@ def fake_quantized(model, model_type: str, quantize: QuantizeFn, split_kv_b: boo
     tmap = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHS[model_type]), cfg["num_hidden_layers"])
     with torch.no_grad():
         for name, param in model.state_dict().items():
+            if model_type == "deepseek_v3" and name.endswith("kv_b_proj.weight") and split_kv_b:
+                param.copy_(_fake_quantized_halves(tmap, name, param, cfg, quantize))
+                continue
             target = _gguf_target(tmap, name, model_type, split_kv_b)
             if target is None:
                 continue
@@ -262,6 +265,23 @@ def fake_quantized(model, model_type: str, quantize: QuantizeFn, split_kv_b: boo
     return model
 
 
+def _fake_quantized_halves(tmap, name: str, param: torch.Tensor, cfg: dict, quantize: QuantizeFn) -> torch.Tensor:
+    """DeepSeek's kv_b_proj as its split GGUF halves dequantize: attn_k_b [H, rank, nope] (each head's key rows
+    transposed) and attn_v_b [H, v, rank], each quantized along its own rows as `quantize` says, put back."""
+    import gguf
+
+    heads, nope = cfg["num_key_value_heads"], cfg["qk_nope_head_dim"]
+    kv_b = param.detach().float().numpy().reshape(heads, -1, param.shape[-1])
+    halves = {"k_b_proj": kv_b[:, :nope].transpose(0, 2, 1), "v_b_proj": kv_b[:, nope:]}
+    for half, w in halves.items():
+        qtype = quantize(_map(tmap, name.replace("kv_b_proj", half)), w.shape[-2:])
+        if qtype is not None:
+            rows = np.ascontiguousarray(w.reshape(-1, w.shape[-1]))
+            halves[half] = gguf.quants.dequantize(quantized(rows, qtype), qtype).reshape(w.shape)
+    back = np.concatenate([halves["k_b_proj"].transpose(0, 2, 1), halves["v_b_proj"]], axis=1)
+    return torch.from_numpy(np.ascontiguousarray(back.reshape(param.shape)))
+
+
 def quantized(w: np.ndarray, qtype) -> np.ndarray:
     """gguf-py's quantization of `w` as `qtype`; the K-quants (which gguf-py cannot make) by tests.helpers.gguf's."""
     import gguf
@@ -275,7 +295,7 @@ def quantized(w: np.ndarray, qtype) -> np.ndarray:
 def _gguf_target(tmap, hf_name: str, model_type: str, split_kv_b: bool) -> tuple[str, bool] | None:
     """The GGUF tensor an in-memory transformers weight lands in (a representative one for split / stacked ones)
     and whether its GGUF rows run along the weight's second-to-last dimension; None for ones never quantized here
-    (DeepSeek's split kv_b: the key half is transposed, so `quantize` must leave attn_k_b / attn_v_b alone)."""
+    (DeepSeek's split kv_b: `fake_quantized` quantizes its halves apart, `_fake_quantized_halves`)."""
     name = hf_name.replace("e_score_correction_bias", "e_score_correction.bias")
     if model_type == "gpt_oss" and ".mlp.experts." in name:
         if name.endswith("_bias"):

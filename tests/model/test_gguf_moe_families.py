@@ -141,6 +141,9 @@ def test_quantized_gguf_generates_like_transformers_on_its_weights(family, tmp_p
     if model_type == "gpt_oss":
         assert {t for n, t in kept.items() if ".experts." in n} == {"MXFP4"}
         _assert_mxfp4_is_the_files(path, native_dir)
+    if model_type == "deepseek_v3":  # MLA's projections too, whole kv_b included (its Q8_0 blocks as they are)
+        for leaf in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+            assert kept[f"model.layers.1.self_attn.{leaf}.weight"] == "Q8_0", leaf
     native = engine(native_dir)
     layer = native.engine.executor.model.layers[-1]
     assert any(isinstance(w, QuantizedWeight) for part in layer for w in vars(part).values())
@@ -225,32 +228,112 @@ def test_bad_mla_tensors_are_named(deepseek, tmp_path):
 
 def test_kquant_deepseek_keeps_its_blocks(tmp_path):
     """A Q4_K_M-like DeepSeek-V3 file (256-wide rows): the experts, dense and shared MLPs and q_a as Q4_K, the
-    latent's kv_a as Q6_K (read as floats by tsterm's MLA), the rest Q8_0 where rows allow. The native import keeps
-    the Q4_K matrices as int4 blocks; its logits are the dequantized import's within the kernels' tolerance, and
-    the dequantized import gives transformers' tokens on the weights the file dequantizes to."""
+    latent's kv_a as Q6_K, the rest Q8_0 where rows allow, kv_b's split halves as Q4_0 (the key half, rows along
+    nope) and Q8_0 (the value half). The native import keeps them all as blocks (MLA's q_b, kv_a and kv_b too, which
+    tsterm's MLA multiplies through its linear seam): kv_b as int8 along kv_lora_rank re-quantized from the halves,
+    which gives back the value half's Q8_0 blocks as they are, its key rows within half an int8 step; its logits
+    are the dequantized import's within the kernels' tolerance, and the dequantized import gives transformers'
+    tokens on the weights the file dequantizes to."""
     overrides = dict(FAMILIES["deepseek_v3"], hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
                      initializer_range=0.05)
     model_dir, hf_model = make_checkpoint(tmp_path / "hf", "deepseek_v3", overrides, with_tokenizer=False)
 
     def rule(name: str, shape) -> object:
-        if not name.endswith(".weight") or len(shape) < 2 or "norm" in name or "ffn_gate_inp" in name \
-                or name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+        if not name.endswith(".weight") or len(shape) < 2 or "norm" in name or "ffn_gate_inp" in name:
             return None
+        if name.endswith("attn_k_b.weight"):
+            return Q.Q4_0
         if shape[-1] % 256 == 0 and name.startswith("blk."):
             return Q.Q6_K if "attn_kv_a_mqa" in name else Q.Q4_K
         return Q.Q8_0 if shape[-1] % 32 == 0 else None
 
     path = gguf_moe.write(tmp_path / "k.gguf", model_dir, "deepseek_v3", quantize=rule)
-    flat = engine(import_gguf(path, tmp_path / "float", dequantize=True))
+    flat_dir = import_gguf(path, tmp_path / "float", dequantize=True)
+    flat = engine(flat_dir)
     assert_matches(flat, gguf_moe.fake_quantized(copy.deepcopy(hf_model), "deepseek_v3", rule), seed=4)
     native_dir = import_gguf(path, tmp_path / "native")
-    kept = json.loads((native_dir / INFO_FILE).read_text())["quantized"]
+    info = json.loads((native_dir / INFO_FILE).read_text())
+    kept = info["quantized"]
     for layer, leaf in ((0, "mlp.gate_proj.weight"), (1, "mlp.experts.gate_up_proj"), (1, "mlp.experts.down_proj"),
                         (1, "mlp.shared_experts.down_proj.weight"), (1, "self_attn.q_a_proj.weight")):
         assert kept[f"model.layers.{layer}.{leaf}"] == "Q4_K", leaf
-    assert not any("kv_a_proj" in n or "q_b_proj" in n for n in kept)  # MLA reads these as floats
+    for layer in range(2):
+        a = f"model.layers.{layer}.self_attn."
+        assert (kept[a + "q_b_proj.weight"], kept[a + "kv_a_proj_with_mqa.weight"]) == ("Q8_0", "Q6_K")
+        assert kept[a + "kv_b_proj.weight"] == "Q4_0+Q8_0" and a + "kv_b_proj.weight" in info["requantized"]
+    _assert_kv_b_blocks(path, native_dir, flat_dir, hf_model.config)
     native = engine(native_dir)
+    attention = native.engine.executor.model.layers[1][1]  # (input norm, mixer, post norm, MLP)
+    for weight in ("q_b", "kv_a", "kv_b"):
+        assert isinstance(getattr(attention, weight), QuantizedWeight) and getattr(attention, weight).kind == "int8"
     experts = native.engine.executor.model.layers[1][-1]
     assert any(isinstance(w, QuantizedWeight) and w.kind == "int4" for w in vars(experts).values())
     prompt = random_prompts(hf_model.config.vocab_size, (10,), seed=5)[0]
+    assert relative_error(last_logits(native, prompt), last_logits(flat, prompt)) < 6e-2
+
+
+def _assert_kv_b_blocks(path, native_dir, flat_dir, cfg) -> None:
+    """The native kv_b's value rows are the file's attn_v_b Q8_0 blocks (codes and scales as they are); its key rows
+    dequantize to the file's attn_k_b within half an int8 step of their blocks."""
+    native, flat = load_file(str(native_dir / "model.safetensors")), load_file(str(flat_dir / "model.safetensors"))
+    reader = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    heads, nope, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+    for layer in range(2):
+        name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+        kv_b = QuantizedWeight.blocks("int8", native[name + ".qcodes"], native[name + ".qscales"])
+        values, codes = kv_b.dequantize().view(heads, -1, rank), native[name + ".qcodes"].view(heads, -1, rank)
+        v_b = np.asarray(reader[f"blk.{layer}.attn_v_b.weight"].data).reshape(heads, -1, rank // 32, 34)
+        file_codes = v_b[..., 2:].copy().view(np.int8).reshape(heads, -1, rank)
+        assert torch.equal(codes[:, nope:], torch.from_numpy(file_codes))
+        reference = flat[name].view(heads, -1, rank)  # the file's halves dequantized (the --dequantize import)
+        assert torch.equal(values[:, nope:], reference[:, nope:])
+        step = native[name + ".qscales"].float().view(heads, -1, rank // 32).repeat_interleave(32, -1)
+        assert ((values[:, :nope] - reference[:, :nope]).abs() <= step[:, :nope] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("experts", ["Q8_0", "Q4_K+Q6_K"])
+def test_gpt_oss_kquant_experts_stay_blocks(experts, tmp_path):
+    """gpt-oss GGUFs whose experts are not MXFP4 (Q8_0; Q4_K_M-like: gate / up Q4_K, down Q6_K): the native import
+    writes them as int8 / int4 blocks in tsterm's layout (gate and up rows interleaved as gpt-oss's checkpoints lay
+    them), which the loader keeps as QuantizedWeights run by the clamped-SwiGLU experts: each dequantizes to the
+    --dequantize import's expert matrices (Q8_0, Q6_K -> int8 exactly; Q4_K within its float16 scales' rounding);
+    the logits are within the kernels' tolerance of the dequantized import, which gives transformers' tokens on the
+    weights the file dequantizes to."""
+    overrides = dict(FAMILIES["gpt_oss"], hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                     initializer_range=0.05)
+    model_dir, hf_model = make_checkpoint(tmp_path / "hf", "gpt_oss", overrides, with_tokenizer=False)
+    gate_up, down = (Q.Q8_0, Q.Q8_0) if experts == "Q8_0" else (Q.Q4_K, Q.Q6_K)
+
+    def rule(name: str, shape) -> object:
+        if len(shape) < 2 or shape[-1] % 32 or not name.endswith(".weight") or "norm" in name \
+                or "ffn_gate_inp" in name:
+            return None
+        if "_exps." in name:
+            return down if "ffn_down_exps" in name else gate_up
+        return Q.Q8_0
+
+    path = gguf_moe.write(tmp_path / "q.gguf", model_dir, "gpt_oss", quantize=rule)
+    flat_dir = import_gguf(path, tmp_path / "float", dequantize=True)
+    flat = engine(flat_dir)
+    assert_matches(flat, gguf_moe.fake_quantized(copy.deepcopy(hf_model), "gpt_oss", rule), seed=7)
+    native_dir = import_gguf(path, tmp_path / "native")
+    kept = json.loads((native_dir / INFO_FILE).read_text())["quantized"]
+    want = {"Q8_0": ("Q8_0", "Q8_0"), "Q4_K+Q6_K": ("Q4_K", "Q6_K")}[experts]
+    native = engine(native_dir)
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        assert (kept[p + "gate_up_proj"], kept[p + "down_proj"]) == want
+        mine, theirs = native.engine.executor.model.layers[layer][-1], flat.engine.executor.model.layers[layer][-1]
+        for weight, kind in (("w13", "int8" if experts == "Q8_0" else "int4"), ("w2", "int8")):
+            kept_weight, float_weight = getattr(mine, weight), getattr(theirs, weight)
+            assert isinstance(kept_weight, QuantizedWeight) and kept_weight.kind == kind, weight
+            error = (kept_weight.dequantize() - float_weight).abs()
+            if experts == "Q8_0":  # the file's blocks as they are
+                assert error.max() == 0, weight
+            elif kind == "int8":  # Q6_K re-quantized: within half an int8 step of its block
+                step = kept_weight.scale.float().repeat_interleave(32, -1)
+                assert (error <= step / 2 + 1e-7).all(), weight
+            else:  # Q4_K: its scales rounded to float16 (2^-11 of a block's 15 d sc + dmin m, at most 3 max|w|)
+                assert error.max() <= 2 ** -11 * 3 * float_weight.abs().max(), weight
+    prompt = random_prompts(hf_model.config.vocab_size, (10,), seed=8)[0]
     assert relative_error(last_logits(native, prompt), last_logits(flat, prompt)) < 6e-2

@@ -26,15 +26,21 @@ package's numpy reference) and cast to the target dtype. `dequantize=True` (`--d
 everything: a plain HF checkpoint that transformers loads too.
 
 The MoE families (`gpt-oss`, `glm4moe`, `deepseek2`, `minimax-m2`; names and keys: `gguf_arch`): llama.cpp's
-`ffn_gate_up_exps` (gate and up fused) is taken as it is; DeepSeek's `attn_k_b` / `attn_v_b` halves are put back
-together as `kv_b_proj` (floats: tsterm's MLA reads q_proj / q_b / kv_a / kv_b as floats, so only q_a, o_proj, the
-MLPs and experts stay blocks); the selection bias and gpt-oss's sinks are written float32 whatever the dtype (the
-loader reads them so); the layers after the last one (GLM's MTP) are left out and listed in gguf_import.json
-(`skipped`). gpt-oss's experts go back to its checkpoints' layout, gate and up interleaved (HF's row 2i is gate i,
-2i + 1 up i; the biases likewise): MXFP4 in the file (the released gpt-oss GGUFs' experts) -> `<name>_blocks` /
-`<name>_scales` as gpt-oss's own checkpoints store them (the blocks' bytes moved, their nibbles put in that order:
-exact), recorded as "MXFP4" in `quantized` (config.json `quant_method: "mxfp4"` when nothing else stayed blocks);
-any other type -> floats, `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H] (HF's transposed layout).
+`ffn_gate_up_exps` (gate and up fused) is taken as it is; DeepSeek's MLA projections (q_a, q_b or q_proj, kv_a,
+kv_b, o) are linears like any other (tsterm's MLA multiplies by them through its seam; the absorbed form's float
+W_UK / W_UV are dequantized from kv_b at load); its `attn_k_b` / `attn_v_b` halves are put back together as
+`kv_b_proj`: floats, or where a half is of a type kept as blocks, int8 blocks along kv_lora_rank re-quantized
+from the halves' values (the key half's file blocks run along nope; a Q8_0 value half comes back as its own
+blocks; listed in `requantized`);
+the selection bias and gpt-oss's sinks are written float32 whatever the dtype (the loader reads them so); the
+layers after the last one (GLM's MTP) are left out and listed in gguf_import.json (`skipped`). gpt-oss's experts go
+back to its checkpoints' layout, gate and up interleaved (HF's row 2i is gate i, 2i + 1 up i; the biases likewise):
+MXFP4 in the file (the released gpt-oss GGUFs' experts) -> `<name>_blocks` / `<name>_scales` as gpt-oss's own
+checkpoints store them (the blocks' bytes moved, their nibbles put in that order: exact), recorded as "MXFP4" in
+`quantized` (config.json `quant_method: "mxfp4"` when nothing else stayed blocks); gate / up and down of
+`NATIVE_TYPES` (gate and up of one kind) -> `.qcodes` / `.qscales` in tsterm's layout, `gate_up_proj` [E, 2I, H]
+(rows interleaved as above) and `down_proj` [E, H, I], which the loader keeps as blocks; any other type -> floats,
+`gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H] (HF's transposed layout).
 
 The parts of the import live beside this module: `gguf_reader` (the file), `kquant` (block repacking), `gguf_arch`
 (architecture maps, config.json), `gguf_tokenizer` (tokenizer files); `gguf_cli` is `tsterm import-gguf`, and
@@ -58,7 +64,7 @@ from tsterm.convert.gguf_arch import (BLOCK_RE, EXPERT_LEAVES, GLOBAL_NAMES, LAY
                                       block_names, build_config, build_generation_config, is_linear, unpermute_qk)
 from tsterm.convert.gguf_reader import GgufFile
 from tsterm.convert.gguf_tokenizer import build_tokenizer_config, build_tokenizer_json
-from tsterm.convert.kquant import BLOCK, Blocks
+from tsterm.convert.kquant import BLOCK, NATIVE_TYPES, Blocks
 from tsterm.errors import ConfigError, ModelLoadError
 from tsterm.paths import replace_dir
 
@@ -158,8 +164,9 @@ def _iter_weights(gf: GgufFile, config: dict[str, Any], dtype: torch.dtype, prog
             for name in experts.values():
                 advance(name)
         if halves := gathered["half"]:
-            kv_b = _mla_kv_b(gf, halves, config["num_attention_heads"], floats)
-            yield f"model.layers.{block}.self_attn.kv_b_proj.weight", kv_b.to(dtype).contiguous()
+            kv_b = _mla_kv_b(gf, halves, config["num_attention_heads"], floats, native)
+            yield f"model.layers.{block}.self_attn.kv_b_proj.weight", \
+                kv_b if isinstance(kv_b, Blocks) else kv_b.to(dtype).contiguous()
             for name in halves.values():
                 advance(name)
 
@@ -225,19 +232,30 @@ def _interleaved_experts(gf: GgufFile, experts: dict[str, str], prefix: str, dty
     """gpt-oss's experts back in its checkpoints' layout: gate and up interleaved (HF's row / column 2i is gate i,
     2i + 1 is up i) and the biases likewise. MXFP4 in the file (all three matrices; `native`): `gate_up_proj_blocks`
     / `_scales` [E, 2I, H/32, 16 | -] and `down_proj_blocks` / `_scales` [E, H, I/32, 16 | -], the blocks' bytes
-    moved and their nibbles reordered (exact); anything else as floats: `gate_up_proj` [E, H, 2I] and `down_proj`
-    [E, I, H] (HF's transposed layout)."""
+    moved and their nibbles reordered (exact); all three of `NATIVE_TYPES` (gate and up of one kind; `native`):
+    Blocks `gate_up_proj` [E, 2I, H] (rows interleaved: codes and scales moved, exact) and `down_proj` [E, H, I];
+    anything else as floats: `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H] (HF's transposed layout)."""
     fused = "ffn_gate_up_exps.weight" in experts
     matrices = [experts["ffn_gate_up_exps.weight"]] if fused else \
         [_partner(gf, experts, f"ffn_{leaf}_exps.weight") for leaf in ("gate", "up")]
     down_name = _partner(gf, experts, "ffn_down_exps.weight")
     mx = [gf.mxfp4(n) for n in (*matrices, down_name)] if native else [None]
+    blocks = [gf.blocks(n) for n in (*matrices, down_name)] if native and not all(m is not None for m in mx) \
+        else [None]
     if all(m is not None for m in mx):
         *gate_up, down = mx
         codes = np.concatenate([m[0] for m in gate_up], axis=1)
         scales = np.concatenate([m[1] for m in gate_up], axis=1)
         yield prefix + "gate_up_proj", Mxfp4(_interleave_rows(codes), _interleave_rows(scales))
         yield prefix + "down_proj", Mxfp4(*down)
+    elif all(b is not None for b in blocks) and len({b.kind for b in blocks[:-1]}) == 1:
+        *gate_up, down = blocks
+        types = list(dict.fromkeys(b.ggml_type for b in gate_up))
+        yield prefix + "gate_up_proj", Blocks("+".join(types), gate_up[0].kind,
+                                              _interleave_rows(np.concatenate([b.codes for b in gate_up], axis=1)),
+                                              _interleave_rows(np.concatenate([b.scales for b in gate_up], axis=1)),
+                                              any(b.requantized for b in gate_up))
+        yield prefix + "down_proj", down
     else:
         gate_up = torch.cat([floats(n) for n in matrices], dim=1)  # [E, 2I, H]: gate rows, then up rows
         yield prefix + "gate_up_proj", _interleave_rows(gate_up).transpose(1, 2).to(dtype).contiguous()
@@ -258,20 +276,36 @@ def _interleave_rows(x):
     return swapped.reshape(x.shape)
 
 
-def _mla_kv_b(gf: GgufFile, halves: dict[str, str], heads: int, floats: FloatsFn) -> torch.Tensor:
+def _mla_kv_b(gf: GgufFile, halves: dict[str, str], heads: int, floats: FloatsFn,
+              native: bool = False) -> torch.Tensor | Blocks:
     """DeepSeek's kv_b_proj [H (nope + v), kv_lora_rank] from llama.cpp's halves: `attn_k_b` [H, kv_lora_rank, nope]
     (each head's key matrix transposed) and `attn_v_b` [H, v, kv_lora_rank]; per head, the key rows then the value
-    rows."""
+    rows. Float32, or (`native`, where a half is of a type kept as blocks and kv_lora_rank is whole blocks of 32)
+    int8 Blocks re-quantized from the halves' exact dequantized values (`tsterm_kernels.quant.quantize_int8`): the
+    key half's file blocks run along nope, not along kv_lora_rank. Recorded as re-quantized; a Q8_0 value half comes
+    back as its own blocks (Q8_0's largest code is 127, so re-quantizing its values finds its scale and codes), a
+    Q5_K / Q6_K one as its native import would be (the same re-quantization)."""
     missing = [leaf for leaf in MLA_HALVES if leaf not in halves]
     if missing:
         raise ModelLoadError(f"{gf.path}: {sorted(halves.values())} without {missing[0]} (MLA's kv_b comes as "
                              "attn_kv_b or as attn_k_b + attn_v_b)")
-    k_b, v_b = floats(halves["attn_k_b"]), floats(halves["attn_v_b"])
+    k_name, v_name = halves["attn_k_b"], halves["attn_v_b"]
+    k_b, v_b = floats(k_name), floats(v_name)
     if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != heads or v_b.shape[0] != heads \
             or k_b.shape[1] != v_b.shape[2]:
-        raise ModelLoadError(f"{gf.path}: {halves['attn_k_b']!r} {list(k_b.shape)} and {halves['attn_v_b']!r} "
+        raise ModelLoadError(f"{gf.path}: {k_name!r} {list(k_b.shape)} and {v_name!r} "
                              f"{list(v_b.shape)} are not [{heads}, rank, nope] and [{heads}, v, rank]")
-    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+    kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope + v, rank]
+    types = [gf.tensors[n].tensor_type.name for n in (k_name, v_name)]
+    if not native or kv_b.shape[-1] % BLOCK or not any(t in NATIVE_TYPES for t in types):
+        return kv_b.reshape(-1, kv_b.shape[-1])
+    from tsterm_kernels.quant import quantize_int8
+
+    q = quantize_int8(kv_b)  # codes [H, nope + v, rank], scales [H, nope + v, rank / 32]
+    codes, scales = q.data.numpy(), q.scale.numpy()
+    ggml_type = types[0] if types[0] == types[1] else "+".join(types)
+    return Blocks(ggml_type, "int8", codes.reshape(-1, codes.shape[-1]), scales.reshape(-1, scales.shape[-1]),
+                  requantized=True)
 
 
 def _block_order(name: str) -> int:

@@ -106,9 +106,10 @@ LINEAR_LEAVES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
                  "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
                  "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
                  "shared_experts.down_proj.weight")
-# MLA: only q_a and o_proj go through the linear seam (tsterm.model.mla reads q_proj / q_b / kv_a / kv_b as floats)
-MLA_FLOAT_LEAVES = ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")
-MLA_LINEAR_LEAVES = ("self_attn.q_a_proj.weight",)
+# MLA's projections, which tsterm.model.mla multiplies through the linear seam too (q_proj and o_proj: LINEAR_LEAVES;
+# kv_b also gives the absorbed form's float W_UK / W_UV, dequantized from it once at load)
+MLA_LINEAR_LEAVES = ("self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                     "self_attn.kv_b_proj.weight")
 
 
 def arch_of(gf: GgufFile) -> GgufArch:
@@ -425,10 +426,8 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def is_linear(hf_name: str, mla: bool = False) -> bool:
     """Whether tsterm multiplies by this weight through its linear seam (what may stay quantized). `mla`: DeepSeek's
-    attention, whose q_proj / q_b_proj / kv_a / kv_b tsterm reads as floats."""
+    attention, whose q_a / q_b / kv_a / kv_b projections are linears too."""
     if hf_name == "lm_head.weight":
         return True
     leaf = hf_name.split(".", 3)[-1] if hf_name.startswith("model.layers.") else ""
-    if mla and leaf.endswith(MLA_FLOAT_LEAVES):
-        return False
     return leaf.endswith(LINEAR_LEAVES) or (mla and leaf.endswith(MLA_LINEAR_LEAVES))

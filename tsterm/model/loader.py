@@ -463,16 +463,35 @@ def _mxfp4_kept(src: WeightSource, e: str, E: int, H: int, inter: int, experts: 
     return w13, QuantizedWeight.mxfp4(down.to(src.device), down_scales.to(src.device))
 
 
+def _interleaved_blocks(src: WeightSource, e: str, E: int, H: int, inter: int, experts: tuple[int, int],
+                        cols: tuple[int, int]) -> tuple[QuantizedWeight, Weight]:
+    """gpt-oss's experts stored as int8 / int4 blocks in tsterm's layout (`tsterm.convert.gguf`: `gate_up_proj`
+    [E, 2I, H] with gate and up in alternating rows, `down_proj` [E, H, I]), kept as QuantizedWeights: w13
+    [E_local, 2I_local, H] (this rank's gate rows, then its up rows: codes and scales gathered in one copy) and w2
+    [E_local, H, I_local] (a tensor-parallel rank's columns: whole blocks of 32)."""
+    (i0, ni) = cols
+    gate_up = src.weight(e + "gate_up_proj", (E, 2 * inter, H), rows=experts)  # a QuantizedWeight: is_quantized
+    rows = torch.cat((torch.arange(2 * i0, 2 * (i0 + ni), 2), torch.arange(2 * i0 + 1, 2 * (i0 + ni), 2)))
+    rows = rows.to(gate_up.data.device)
+    w13 = QuantizedWeight.blocks(gate_up.kind, gate_up.data.index_select(1, rows),
+                                 gate_up.scale.index_select(1, rows))
+    w2 = src.weight(e + "down_proj", (E, H, inter), rows=experts, cols=cols)
+    return w13, w2
+
+
 def _load_interleaved_experts(src: WeightSource, E: int, H: int, inter: int, e: str, o: str,
                               w: dict[str, torch.Tensor], experts: tuple[int, int], cols: tuple[int, int],
                               down_bias: bool, keep_mxfp4: bool = True) -> None:
     """gpt-oss's experts: `gate_up_proj` [E, H, 2I] with gate and up in alternating columns and `down_proj`
     [E, I, H] (the transpose of tsterm's layout; or MXFP4 `_blocks` / `_scales` [E, 2I | H, ...] in tsterm's
-    layout: kept as MXFP4 (`keep_mxfp4`), else dequantized at load), with `gate_up_proj_bias` [E, 2I] and
+    layout: kept as MXFP4 (`keep_mxfp4`), else dequantized at load; or int8 / int4 `.qcodes` / `.qscales` [E, 2I | H,
+    ...] in tsterm's layout: kept as blocks, `_interleaved_blocks`), with `gate_up_proj_bias` [E, 2I] and
     `down_proj_bias` [E, H]. Stored as w13 [E_local, 2I_local, H] (gate rows, then up rows), w13_bias, w2 [E_local,
     H, I_local], w2_bias (down_bias: this rank adds it)."""
     (first, count), (i0, ni) = experts, cols
-    if keep_mxfp4 and not src.has(e + "gate_up_proj"):
+    if src.is_quantized(e + "gate_up_proj"):  # int8 / int4 blocks (a GGUF of Q8_0 / K-quant experts)
+        w[o + "w13"], w[o + "w2"] = _interleaved_blocks(src, e, E, H, inter, experts, cols)
+    elif keep_mxfp4 and not src.has(e + "gate_up_proj"):
         w[o + "w13"], w[o + "w2"] = _mxfp4_kept(src, e, E, H, inter, experts, cols)
     elif src.has(e + "gate_up_proj"):
         gate_up = src.get(e + "gate_up_proj", (E, H, 2 * inter), convert=False, rows=(first, count)).transpose(1, 2)
@@ -480,7 +499,7 @@ def _load_interleaved_experts(src: WeightSource, E: int, H: int, inter: int, e: 
     else:
         gate_up = _mxfp4(src, e + "gate_up_proj", (E, 2 * inter, H), (first, count))  # [E_local, 2I, H]
         down = _mxfp4(src, e + "down_proj", (E, H, inter), (first, count))  # [E_local, H, I]
-    if not keep_mxfp4 or src.has(e + "gate_up_proj"):
+    if (not keep_mxfp4 or src.has(e + "gate_up_proj")) and not src.is_quantized(e + "gate_up_proj"):
         w13 = torch.empty((count, 2 * ni, H), dtype=src.dtype, device=src.device)
         w13[:, :ni].copy_(gate_up[:, 0::2][:, i0:i0 + ni])
         w13[:, ni:].copy_(gate_up[:, 1::2][:, i0:i0 + ni])
