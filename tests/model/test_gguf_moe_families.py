@@ -337,3 +337,38 @@ def test_gpt_oss_kquant_experts_stay_blocks(experts, tmp_path):
                 assert error.max() <= 2 ** -11 * 3 * float_weight.abs().max(), weight
     prompt = random_prompts(hf_model.config.vocab_size, (10,), seed=8)[0]
     assert relative_error(last_logits(native, prompt), last_logits(flat, prompt)) < 6e-2
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
+def test_gpt_oss_block_experts_shard(tp, ep, tmp_path):
+    """gpt-oss's imported Q8_0 expert blocks, loaded by a rank of a tensor- or expert-parallel layout: its w13 holds
+    its experts' gate rows then up rows of its share of the intermediate, its w2 those columns, as blocks that
+    dequantize to exactly that slice of the one-rank load (the float import's layout, checked against transformers
+    above)."""
+    from tsterm.config import ModelConfig
+    from tsterm.model.loader import load_weights
+    from tsterm.model.parallel import ParallelLayout
+
+    overrides = dict(FAMILIES["gpt_oss"], num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                     moe_intermediate_size=64)
+    model_dir, _ = make_checkpoint(tmp_path / "hf", "gpt_oss", overrides, with_tokenizer=False)
+
+    def rule(name: str, shape) -> object:
+        return Q.Q8_0 if "_exps.weight" in name else None
+
+    native_dir = import_gguf(gguf_moe.write(tmp_path / "q.gguf", model_dir, "gpt_oss", quantize=rule),
+                             tmp_path / "native")
+    cfg = ModelConfig.from_dir(native_dir)
+    full = load_weights(native_dir, cfg, torch.float32, torch.device("cpu"))
+    inter, experts = cfg.moe_intermediate_size, cfg.num_experts
+    for rank in range(tp * ep):
+        layout = ParallelLayout(tp, ep, rank)
+        w = load_weights(native_dir, cfg, torch.float32, torch.device("cpu"), layout=layout)
+        (e0, ne), (i0, ni) = layout.experts(experts), (layout.tp_rank * inter // tp, inter // tp)
+        for layer in range(cfg.num_hidden_layers):
+            p = f"layers.{layer}."
+            assert isinstance(w[p + "w13"], QuantizedWeight) and isinstance(w[p + "w2"], QuantizedWeight)
+            w13, w2 = full[p + "w13"].dequantize()[e0:e0 + ne], full[p + "w2"].dequantize()[e0:e0 + ne]
+            want = torch.cat((w13[:, i0:i0 + ni], w13[:, inter + i0:inter + i0 + ni]), 1)
+            assert torch.equal(w[p + "w13"].dequantize(), want)
+            assert torch.equal(w[p + "w2"].dequantize(), w2[:, :, i0:i0 + ni])
