@@ -82,10 +82,12 @@ def test_the_fused_kernel_is_as_close_to_the_oracle_as_the_loop(kind, num_tokens
     h = torch.einsum("th,eih->tei", x.cpu().to(F64), floats[0]) + b13.cpu().to(F64)[None]
     assert (h[..., :INTER] > LIMIT).any() or (h[..., INTER:].abs() > LIMIT).any()  # the clamp is reached
     scale = want.abs().max().item()
-    fused_err = (fused.cpu().to(F64) - want).abs().max().item()
-    loop_err = (loop.cpu().to(F64) - want).abs().max().item()
-    assert fused_err <= 2e-2 * scale, (fused_err, scale)
-    assert fused_err <= 1.5 * loop_err + 1e-3 * scale, (fused_err, loop_err, scale)
+    fused_err, loop_err = ((got.cpu().to(F64) - want).abs() for got in (fused, loop))
+    assert fused_err.max().item() <= 2e-2 * scale, (fused_err.max().item(), scale)  # a few bf16 steps at most
+    # on average no further than the loop (the same roundings; only the order of the float32 sums and of the
+    # atomic adds differ)
+    assert fused_err.mean().item() <= 1.25 * loop_err.mean().item() + 1e-4 * scale, \
+        (fused_err.mean().item(), loop_err.mean().item(), scale)
 
 
 def test_the_models_seam_runs_the_fused_kernel_on_cuda(monkeypatch):
