@@ -1,5 +1,7 @@
 """The torch implementation of tsterm's ops (`dispatch.load("torch")`): the CPU production path. Float32 work on
-the CPU goes to tsterm's C kernels (`cpu_native`, `cpu_stack`: csrc/), the rest runs as torch ops on any device.
+the CPU goes to tsterm's C kernels (`cpu_native`, `cpu_stack`: csrc/), and so does a bfloat16 model's on the CPU (its
+linears through csrc/bf16.c, the ops between them in float32: see "bfloat16 on the CPU" below); the rest runs as torch
+ops on any device.
 
 Contracts (shapes, dtypes, what is mutated) are documented here once; the Triton kernels keep the same signatures.
 This is production code, not a test oracle: the tests check it, the C kernels and the Triton kernels against the
