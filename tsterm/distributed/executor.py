@@ -83,6 +83,7 @@ class DistributedExecutor(Executor):
         self._failure: DistributedError | None = None
         self._closed = False
         self.tables = TableSender()
+        self._tier_saves: list[list[int]] = []  # the KV tier's saves for the workers, sent ahead of the next command
         self.control_bytes = 0  # sent to each worker on the control group, since start
         self.last_step_bytes = 0  # of those, by the last step
         timeout = timedelta(seconds=self.timeout_s)
@@ -176,6 +177,7 @@ class DistributedExecutor(Executor):
         step = self.runner.host_step(batch)
         seq_ids, updates, freed = self.tables.updates(batch.seqs, step.block_tables)
         try:
+            self._send_tier_saves()
             self.last_step_bytes = protocol.send(self.groups.control, protocol.Command.STEP,
                                                  protocol.step_payload(step, seq_ids, updates, freed))
             self.control_bytes += self.last_step_bytes
@@ -201,14 +203,61 @@ class DistributedExecutor(Executor):
 
     def _broadcast(self, command: protocol.Command, payload: list[tuple[int, int]]) -> None:
         """Send every worker a command that rank 0 then runs on its own shard too."""
+        self._command(command, protocol.flatten(payload))
+
+    def _command(self, command: protocol.Command, words: list[int], reduce: int | None = None) -> int | None:
+        """Send every worker a command (after the KV tier's queued saves); with `reduce`, then the least of it and
+        the workers' answers (`protocol.all_reduce_min`)."""
         self._check_usable()
         try:
-            self.control_bytes += protocol.send(self.groups.control, command, protocol.flatten(payload))
+            self._send_tier_saves()
+            self.control_bytes += protocol.send(self.groups.control, command, words)
+            return None if reduce is None else protocol.all_reduce_min(self.groups.control, reduce)
         except RuntimeError as e:
             raise self._fail(e) from None
         except BaseException:
             self._abandon()
             raise
+
+    def _send_tier_saves(self) -> None:
+        """The KV tier's saves since the last command, before any command that could write the pool's blocks."""
+        if self._tier_saves:
+            saves, self._tier_saves = self._tier_saves, []
+            self.control_bytes += protocol.send(self.groups.control, protocol.Command.TIER_SAVE,
+                                                protocol.pack(*saves))
+
+    # ---------------------------------------------------------------------------------------------------------
+    # the KV tiers (`tsterm.engine.kv_tier.RankTiers`): rank 0 decides, each rank moves its share of every block
+
+    def open_rank_tiers(self, request: dict) -> None:
+        """Every worker opens its own KV tier as `request` says (`kv_tier.open_rank_tier`); ConfigError with the
+        first worker's reason when one cannot."""
+        workers = range(1, self.layout.world_size)
+        for rank in workers:
+            self.store.delete_key(f"tier/opened/{rank}")
+        self.store.set("tier/open", json.dumps(request))
+        self._command(protocol.Command.TIER_OPEN, [])
+        keys = [f"tier/opened/{rank}" for rank in workers]
+        self.store.wait(keys, timedelta(seconds=max(self.timeout_s, START_TIMEOUT_S)))
+        for rank, key in zip(workers, keys):
+            reason = self.store.get(key).decode()
+            if reason:
+                raise ConfigError(f"{reason} (worker rank {rank})")
+
+    def tier_save(self, words: list[int]) -> None:
+        self._tier_saves.append(words)
+
+    def tier_fetch(self, serial: int, reads: list[list[int]], have: int) -> int:
+        return self._command(protocol.Command.TIER_FETCH, protocol.pack([serial], *reads), reduce=have)
+
+    def tier_load(self, loads: list[list[int]]) -> None:
+        if loads:
+            self._command(protocol.Command.TIER_LOAD, protocol.pack(*loads))
+
+    def tier_flush(self) -> None:
+        """Every worker's store has written its queue; nothing to wait for once the ranks have failed or stopped."""
+        if self._failure is None and not self._closed and not self.watch.failed.is_set():
+            self._command(protocol.Command.TIER_FLUSH, [], reduce=0)
 
     def expert_load(self) -> list[list[int]]:
         return self.runner.expert_load()  # routing is replicated: rank 0 counts every expert's tokens
@@ -265,6 +314,8 @@ class DistributedExecutor(Executor):
             self._stop_at_exit.detach()
         self.watch.stop()  # before the workers are told to stop: their exits are no failure
         if self._failure is None and not self.watch.failed.is_set():
+            with contextlib.suppress(RuntimeError):  # (the KV tier's last saves, if its engine did not close it)
+                self._send_tier_saves()
             _send_stop(self.groups.control)
             deadline = time.monotonic() + self.timeout_s
             for process in self.processes:

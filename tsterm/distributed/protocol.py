@@ -9,6 +9,12 @@ pickle: a worker never runs what it receives.
   batch size, not on the context length or the blocks the sequences hold.
 - `COPY_BLOCKS` / `COPY_STATES`: the `(src, dst)` pairs of a copy-on-write or of a fork's state copy.
 - `REPORT_TABLES`: each worker writes its block-table mirror to the store (a consistency check).
+- The KV tiers (`tsterm.engine.kv_tier`; rank 0 decides, each rank moves its own share of the pool to and from its
+  own store): `TIER_OPEN` (no payload: the request is in the store, `tier/open`; each worker answers
+  `tier/opened/R`), `TIER_SAVE` (the saves queued since the last command, one list each), `TIER_FETCH` (a fetch's
+  serial, then its reads; followed by a MIN all-reduce on the control group of the leading blocks each rank read),
+  `TIER_LOAD` (`[serial, pool block ids...]` per load), `TIER_FLUSH` (no payload; followed by an all-reduce once
+  each worker's store has written its queue).
 - `STOP`: no payload; leave the loop.
 """
 from __future__ import annotations
@@ -30,6 +36,20 @@ class Command(IntEnum):
     STOP = 3  # no payload: leave the loop
     COPY_STATES = 4  # payload: (src, dst) recurrent-state slot pairs
     REPORT_TABLES = 5  # no payload: write the block-table mirror to the store
+    TIER_OPEN = 6  # no payload: open this rank's KV tier as the store's `tier/open` asks
+    TIER_SAVE = 7  # payload: the queued saves, one list each
+    TIER_FETCH = 8  # payload: [serial], then one list per read; then a MIN all-reduce of the blocks read
+    TIER_LOAD = 9  # payload: [serial, block ids...] per load
+    TIER_FLUSH = 10  # no payload: write the store's queue; then an all-reduce
+
+
+def all_reduce_min(group: dist.ProcessGroup, value: int) -> int:
+    """Every rank of the control group: the least of their `value`s."""
+    tensor = torch.tensor([value], dtype=torch.int64)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([tensor], options).wait()
+    return int(tensor[0])
 
 
 def pack(*lists: list[int]) -> list[int]:

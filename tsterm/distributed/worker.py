@@ -21,7 +21,9 @@ from tsterm.distributed import protocol
 from tsterm.distributed.groups import IDLE_TIMEOUT, Groups, RankContext, connect_store
 from tsterm.distributed.health import Heartbeat
 from tsterm.distributed.tables import TableMirror
+from tsterm.errors import ConfigError
 from tsterm.engine.executor import ExecutorSpec
+from tsterm.engine.kv_tier import Fetched, KVTier, open_rank_tier
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.model.parallel import ParallelLayout
 
@@ -52,8 +54,18 @@ def worker_main(args: WorkerArgs) -> None:
             return int(store.get("blocks/agreed"))
 
         runner = ModelRunner(args.spec, RankContext(args.layout, groups, agree))
+
+        def open_tier() -> KVTier | None:
+            try:
+                tier = open_rank_tier(json.loads(store.get("tier/open")), runner, rank)
+            except ConfigError as e:  # (rank 0 raises it, naming the option; this rank goes on without a tier)
+                store.set(f"tier/opened/{rank}", str(e))
+                return None
+            store.set(f"tier/opened/{rank}", "")
+            return tier
+
         serve(runner, groups, want_logits=args.layout.ep_rank == 0,
-              report=lambda tables: store.set(f"tables/{rank}", json.dumps(tables)))
+              report=lambda tables: store.set(f"tables/{rank}", json.dumps(tables)), open_tier=open_tier)
         groups.close()
     except BaseException as e:  # noqa: BLE001 - any failure: say why where rank 0 reads it, then exit non-zero
         try:
@@ -64,21 +76,45 @@ def worker_main(args: WorkerArgs) -> None:
         sys.exit(1)
 
 
-def serve(runner: ModelRunner, groups: Groups, want_logits: bool, report) -> None:
+def serve(runner: ModelRunner, groups: Groups, want_logits: bool, report, open_tier=None) -> None:
     """Run rank 0's commands. `want_logits`: this rank takes part in gathering the logits (rank 0's tp group);
-    `report(tables)`: hand rank 0 the block-table mirror ({seq_id: block ids})."""
+    `report(tables)`: hand rank 0 the block-table mirror ({seq_id: block ids}); `open_tier()`: this rank's KV tier
+    as rank 0 asked (None: refused, rank 0 was told why)."""
     mirror = TableMirror()
-    while True:
-        kind, words = protocol.receive(groups.control)
-        if kind == protocol.Command.STEP:
-            step, seq_ids, updates, freed = protocol.parse_step(words)
-            step.block_tables = mirror.apply(seq_ids, updates, freed)
-            runner.run_step(step, logits=want_logits)
-        elif kind == protocol.Command.COPY_BLOCKS:
-            runner.copy_blocks(protocol.pairs(words))
-        elif kind == protocol.Command.COPY_STATES:
-            runner.copy_states(protocol.pairs(words))
-        elif kind == protocol.Command.REPORT_TABLES:
-            report(mirror.tables)
-        else:
-            return
+    tier: KVTier | None = None
+    fetched: dict[int, Fetched] = {}  # serial -> the blocks of a fetch, until the load that copies them
+    try:
+        while True:
+            kind, words = protocol.receive(groups.control)
+            if kind == protocol.Command.STEP:
+                fetched.clear()  # (a fetch not loaded by now never will be)
+                step, seq_ids, updates, freed = protocol.parse_step(words)
+                step.block_tables = mirror.apply(seq_ids, updates, freed)
+                runner.run_step(step, logits=want_logits)
+            elif kind == protocol.Command.COPY_BLOCKS:
+                runner.copy_blocks(protocol.pairs(words))
+            elif kind == protocol.Command.COPY_STATES:
+                runner.copy_states(protocol.pairs(words))
+            elif kind == protocol.Command.REPORT_TABLES:
+                report(mirror.tables)
+            elif kind == protocol.Command.TIER_OPEN:
+                tier = open_tier()
+            elif kind == protocol.Command.TIER_SAVE:
+                tier.apply_saves(protocol.unpack(words))
+            elif kind == protocol.Command.TIER_FETCH:
+                serial, *reads = protocol.unpack(words)
+                got = tier.fetch([tier.read_of(read) for read in reads])
+                n = protocol.all_reduce_min(groups.control, len(got))  # what every rank read: the leading n blocks
+                fetched[serial[0]] = Fetched(got.data[:n], got.rows[:n], serial[0])
+            elif kind == protocol.Command.TIER_LOAD:
+                tier.copy_in([(ids, fetched[serial]) for serial, *ids in protocol.unpack(words)])
+                fetched.clear()
+            elif kind == protocol.Command.TIER_FLUSH:
+                if tier is not None:
+                    tier.flush()
+                protocol.all_reduce_min(groups.control, 0)  # (rank 0 waits until every store has written)
+            else:
+                return
+    finally:
+        if tier is not None:
+            tier.close()  # its queued writes finish before the process ends

@@ -37,13 +37,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from tsterm.engine.kv_host import HostKVCache
 from tsterm.engine.kv_store import KVDiskStore, block_name, partial_name, snapshot_name
-from tsterm.errors import ConfigError
+from tsterm.errors import ConfigError, DistributedError
 from tsterm.model.arch import FULL_ATTENTION, LINEAR_ATTENTION
 from tsterm.paths import default_cache_dir
 
@@ -51,6 +51,27 @@ from tsterm.paths import default_cache_dir
 Ledger = Callable[[str, int], None]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 _IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+SAVE_FULL, SAVE_PARTIAL = 0, 1  # the kinds of a save or read sent to the other ranks (`read_words`, `tier_save`)
+_WORD_BITS, _HASH_WORDS = 32, 4  # a 128-bit chain hash as int64 words of 32 bits each (the control protocol's words)
+
+
+class RankTiers(Protocol):
+    """Rank 0's link to the other ranks' tiers (`tsterm.distributed.executor.DistributedExecutor`): each call is sent
+    to every worker, whose own `KVTier` over its shard of the pool does the same (`apply_saves`, `fetch_words`)."""
+
+    def tier_save(self, words: list[int]) -> None:
+        """Queue one save (`SAVE_FULL` / `SAVE_PARTIAL`, block id, hashes, token ids) for every worker; the queue is
+        sent ahead of the next command, before anything can write the pool's blocks."""
+
+    def tier_fetch(self, serial: int, reads: list[list[int]], have: int) -> int:
+        """Every worker reads `reads` (`read_words`) as fetch `serial`; rank 0 read the first `have`: the number of
+        leading blocks every rank read (the minimum), which every rank keeps."""
+
+    def tier_load(self, loads: list[list[int]]) -> None:
+        """Every worker copies fetch `serial`'s blocks into the pool blocks `ids`, each load `[serial, *ids]`."""
+
+    def tier_flush(self) -> None:
+        """Every worker's store has written its queue (returns once they all have)."""
 
 
 def model_fingerprint(model_dir: Path, *, dtype: torch.dtype, quantization: str, kernels: str, device_type: str,
@@ -72,6 +93,29 @@ def model_fingerprint(model_dir: Path, *, dtype: torch.dtype, quantization: str,
                        "kernels": kernels, "device": device_type, "block_size": block_size, "kv": kv_layout,
                        "tp": tensor_parallel_size, "ep": expert_parallel_size, "rank": rank,
                        "deterministic": deterministic}, sort_keys=True)
+
+
+def rank_fingerprint(fingerprint: str, rank: int) -> str:
+    """`model_fingerprint` of rank `rank` of the same layout as `fingerprint` (rank 0's): its store's, never rank 0's."""
+    fields = json.loads(fingerprint)
+    fields["rank"] = rank
+    return json.dumps(fields, sort_keys=True)
+
+
+def _int_words(value: int) -> list[int]:
+    return [(value >> (_WORD_BITS * i)) & ((1 << _WORD_BITS) - 1) for i in range(_HASH_WORDS)]
+
+
+def _words_int(words: Sequence[int]) -> int:
+    return sum(int(w) << (_WORD_BITS * i) for i, w in enumerate(words[:_HASH_WORDS]))
+
+
+def read_words(read: TierRead) -> list[int]:
+    """A read as the int64 words sent to the other ranks: [kind, 4 words of its hash (a full block) or its parent's (a
+    partial one), its token ids]; each rank checks the block against its own layout (`KVTier.read_of`)."""
+    full = read.expect["kind"] == "full"
+    key = int(read.expect["hash" if full else "parent"], 16)
+    return [SAVE_FULL if full else SAVE_PARTIAL, *_int_words(key), *read.expect["tokens"]]
 
 
 def engine_fingerprint(config: Any, model_dir: Path, model_config: Any, dtype: torch.dtype, device: torch.device,
@@ -102,6 +146,7 @@ class Fetched:
 
     data: torch.Tensor
     rows: list[tuple[str, int]]
+    serial: int = -1  # with several ranks: which fetch of the workers' this is (`copy_in` names it to them)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -125,12 +170,15 @@ class KVTier:
 
     def __init__(self, store: KVDiskStore | None, kv: torch.Tensor | Sequence[torch.Tensor], root_hash: int,
                  ledger: Ledger | None = None, states: Any = None, host: HostKVCache | None = None,
-                 defer_after_step: bool = False):
+                 defer_after_step: bool = False, ranks: RankTiers | None = None):
         """states: a hybrid model's recurrent-state pool (`RecurrentStatePool`: `conv` and `recurrent`, one slot per
         index of their dim 1), whose snapshots at block boundaries are stored with their blocks; None otherwise.
         defer_after_step: a block saved after a step (`step_done` to `before_schedule`) is copied out at the next
         schedule's start instead of at once: the MTP head writes its KV of a step's positions after the step
-        (`MtpDraftSource.after_step`), and no step or load writes a pool block before the next schedule."""
+        (`MtpDraftSource.after_step`), and no step or load writes a pool block before the next schedule.
+        ranks: rank 0's link to the other ranks' tiers (`RankTiers`, the distributed executor), None on one rank or
+        on a worker: each save, read and copy into the pool decided here is sent to every rank, which does the same
+        on its own shard of the pool, in its own store."""
         if store is None and host is None:
             raise ValueError("a KV tier needs a host tier, a disk store or both")
         self.store = store
@@ -167,6 +215,8 @@ class KVTier:
         self.defer_after_step = defer_after_step
         self._after_step = False
         self._deferred: list[Callable[[], None]] = []
+        self.ranks = ranks
+        self._serial = 0  # fetches the workers were asked for (`Fetched.serial`)
 
     # ---- the deferred copies (the MTP head's KV: see __init__)
 
@@ -223,6 +273,9 @@ class KVTier:
         if self._after_step:
             self._deferred.append(lambda: self.save_block(block_id, block_hash, parent_hash, token_ids))
             return
+        if self.ranks is not None:  # (whatever this rank holds: another rank's store may have lost it)
+            self.ranks.tier_save([SAVE_FULL, block_id, *_int_words(block_hash), parent_hash is not None,
+                                  *_int_words(parent_hash or 0), *token_ids])
         if self._held(name):
             return
         parent = None if parent_hash is None else f"{parent_hash:032x}"
@@ -238,6 +291,8 @@ class KVTier:
         if self._after_step:
             self._deferred.append(lambda: self.save_partial(block_id, parent_hash, token_ids))
             return
+        if self.ranks is not None:
+            self.ranks.tier_save([SAVE_PARTIAL, block_id, *_int_words(parent), *token_ids])
         if self._held(name):
             return
         header = {"kind": "partial", "parent": f"{parent:032x}", "tokens": list(token_ids), **self._meta}
@@ -361,18 +416,25 @@ class KVTier:
             if source is None:
                 break
             rows.append((source, len(read.expect["tokens"])))
+        serial = -1
+        if self.ranks is not None and rows:  # a load is only what every rank read: the leading blocks all have
+            serial, self._serial = self._serial, self._serial + 1
+            del rows[self.ranks.tier_fetch(serial, [read_words(read) for read in reads[:len(rows)]], len(rows)):]
+        for source, _ in rows:
             if source == "host":
                 self.host_hit_blocks += 1
             else:
                 self.hit_blocks += 1
         self.load_seconds += time.perf_counter() - start
-        return Fetched(staging[:len(rows)], rows)
+        return Fetched(staging[:len(rows)], rows, serial)
 
     def copy_in(self, loads: list[tuple[list[int], Fetched]]) -> dict[str, int]:
         """Copy fetched blocks into the pool: each (block ids, `fetch`'s blocks, as many) one batched copy per pool
         (on a GPU, ahead of the step on its stream). Returns the prompt tokens they hold by serving tier."""
         start = time.perf_counter()
         tokens = {"host": 0, "disk": 0}
+        if self.ranks is not None:
+            self.ranks.tier_load([[fetched.serial, *block_ids] for block_ids, fetched in loads if block_ids])
         for block_ids, fetched in loads:
             device = self.kv.device
             index = torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
@@ -389,6 +451,28 @@ class KVTier:
         self.load_seconds += time.perf_counter() - start
         self.loads += 1
         return tokens
+
+    # ---- a worker rank: what rank 0 decided, on this rank's shard of the pool and its own store
+
+    def read_of(self, words: Sequence[int]) -> TierRead:
+        """The read rank 0 sent as `read_words`, with what this rank's headers must say."""
+        kind, key, tokens = words[0], _words_int(words[1:1 + _HASH_WORDS]), list(words[1 + _HASH_WORDS:])
+        if kind == SAVE_FULL:
+            return TierRead(block_name(key), {"kind": "full", "hash": f"{key:032x}", "tokens": tokens, **self._meta})
+        return TierRead(partial_name(key, tokens), {"kind": "partial", "parent": f"{key:032x}", "tokens": tokens,
+                                                    **self._meta})
+
+    def apply_saves(self, saves: list[list[int]]) -> None:
+        """Rank 0's saves (`RankTiers.tier_save`), in order: each block copied out of this rank's pool to its tiers."""
+        for words in saves:
+            kind, block_id = words[0], words[1]
+            if kind == SAVE_FULL:
+                block_hash = _words_int(words[2:2 + _HASH_WORDS])
+                rest = words[2 + _HASH_WORDS:]
+                parent = _words_int(rest[1:1 + _HASH_WORDS]) if rest[0] else None
+                self.save_block(block_id, block_hash, parent, rest[1 + _HASH_WORDS:])
+            else:
+                self.save_partial(block_id, _words_int(words[2:2 + _HASH_WORDS]), words[2 + _HASH_WORDS:])
 
     # ---- the rest
 
@@ -407,16 +491,28 @@ class KVTier:
         return out
 
     def flush(self) -> None:
-        """Wait until every queued block is on disk."""
+        """Wait until every queued block is on disk (every rank's)."""
         self.before_schedule()
         if self.store is not None:
             self.store.flush()
+        if self.ranks is not None:
+            self.ranks.tier_flush()
 
-    def close(self) -> None:
-        """Finish the store's queued writes; the host tier's blocks go with the process (the store holds them too)."""
+    def close_local(self) -> None:
+        """`close` for this rank alone."""
         self.before_schedule()
         if self.store is not None:
             self.store.close()
+
+    def close(self) -> None:
+        """Finish the store's queued writes (every rank's); the host tier's blocks go with the process (the store
+        holds them too)."""
+        self.close_local()
+        if self.ranks is not None:
+            try:
+                self.ranks.tier_flush()
+            except DistributedError:  # (the ranks failed: the executor holds the error; each file is whole or absent)
+                pass
 
 
 DiskTier = KVTier  # (its name while the disk store was the only tier)
@@ -428,22 +524,32 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 
 def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, root_hash: int, *, block_size: int,
-               model: str, num_state_slots: int, ledger: Ledger | None = None, host_bytes: int = 0) -> KVTier:
+               model: str, num_state_slots: int, ledger: Ledger | None = None, host_bytes: int = 0,
+               rank: int = 0) -> KVTier:
     """The tiers an engine's `kv_disk` option (`options`; None: no disk store) and `kv_host_bytes` (`host_bytes`; 0:
     no host tier) ask for, over `executor`'s paged KV pool (the MTP head's too: one more pool under the same block
     ids) and a hybrid model's recurrent-state pool (its snapshots at block boundaries are kept with their blocks).
-    Refused (ConfigError, naming the option) for an executor whose pools are not in this process (several ranks)."""
+
+    Several ranks (an executor with `open_rank_tiers`, the distributed one): this tier is rank 0's, over its share of
+    the pool, and every worker opens its own over its share (`open_rank_tiers`), in the store's subdirectory
+    `rank<R>` under a fingerprint naming its rank, each bounded by `max_bytes`; rank 0 decides what is saved and
+    read for all (`RankTiers`). A hybrid model's snapshots and the MTP head's KV are not kept per rank yet: refused
+    (ConfigError, naming the option). `rank`: a worker's, opening its own tier (`fingerprint` already its own)."""
     what = "kv_disk" if options is not None else "kv_host_bytes"
-    cache = getattr(executor, "cache", None)
-    pools = getattr(cache, "pools", None)
+    ranks = executor if callable(getattr(executor, "open_rank_tiers", None)) else None
+    runner = getattr(executor, "runner", None) if ranks is not None else executor  # (rank 0's share, with ranks)
+    pools = getattr(getattr(runner, "cache", None), "pools", None)
     kv_pool = pools.get(FULL_ATTENTION) if isinstance(pools, dict) else None
     kv = getattr(kv_pool, "kv", None)
     if not isinstance(kv, torch.Tensor):
-        raise ConfigError(f"{what}: the KV tiers need the one-process executor's KV pool; with tensor or expert "
-                          f"parallel ranks each rank would have to keep its own share (not done yet): remove {what} "
-                          "or run on one rank")
+        raise ConfigError(f"{what}: the KV tiers need the executor's KV pool (each rank's share of it) in this "
+                          f"process; this executor has none: remove {what}")
+    mtp = getattr(runner, "mtp", None)
+    if (ranks is not None or rank) and (mtp is not None or num_state_slots):
+        kept = "the MTP head's KV" if mtp is not None else "a hybrid model's state snapshots"
+        raise ConfigError(f"{what}: with tensor or expert parallel ranks the KV tiers keep attention blocks only, "
+                          f"not {kept} (not done yet): remove {what} or run on one rank")
     parts = [kv]
-    mtp = getattr(executor, "mtp", None)
     if mtp is not None:  # the MTP head's KV: its first num_blocks blocks are the pool's, under the same ids
         parts.append(mtp.kv_pool.kv)
     states = pools.get(LINEAR_ATTENTION) if num_state_slots else None
@@ -453,12 +559,30 @@ def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, 
     store = None
     if options is not None:
         path = Path(options["path"]).expanduser() if options.get("path") else default_cache_dir() / "kv"
+        path = path / f"rank{rank}" if rank else path  # (each rank's blocks have the same names: rank 0's chain's)
         try:
             store = KVDiskStore(path, options["max_bytes"], fingerprint, model=model, block_size=block_size)
         except OSError as e:
             raise ConfigError(f"kv_disk.path: cannot use {str(path)!r} as the KV store: {e.strerror or e}") from None
     host = HostKVCache(host_bytes) if host_bytes else None
-    return KVTier(store, parts, root_hash, ledger, states=states, host=host, defer_after_step=mtp is not None)
+    tier = KVTier(store, parts, root_hash, ledger, states=states, host=host, defer_after_step=mtp is not None,
+                  ranks=ranks)
+    if ranks is not None:
+        try:
+            ranks.open_rank_tiers({"options": options, "fingerprint": fingerprint, "root_hash": f"{root_hash:x}",
+                                   "block_size": block_size, "model": model, "host_bytes": host_bytes})
+        except BaseException:
+            tier.close_local()
+            raise
+    return tier
+
+
+def open_rank_tier(request: dict[str, Any], runner: Any, rank: int) -> KVTier:
+    """A worker's tier, as rank 0's `open_tiers` asked (`request`): over `runner`'s share of the pool, in its own
+    store (`rank<R>` under the store's path), under the fingerprint of its rank."""
+    return open_tiers(request["options"], rank_fingerprint(request["fingerprint"], rank), runner,
+                      int(request["root_hash"], 16), block_size=request["block_size"], model=request["model"],
+                      num_state_slots=0, host_bytes=request["host_bytes"], rank=rank)
 
 
 def open_disk_tier(options: dict[str, Any], fingerprint: str, executor: Any, root_hash: int, *, block_size: int,
