@@ -1,0 +1,135 @@
+"""The KV tiers over tensor / expert parallel gloo CPU ranks: rank 0 decides which blocks are saved and read, each rank
+moves its own share of every block to and from its own store (`rank<R>` under the store's path, under a fingerprint
+naming its rank and layout), and a load keeps only the leading blocks every rank read.
+
+The oracle is one process without tiers: a restart between two turns (a new multi-rank engine over the same store)
+gives its tokens, with the first turn's prompt and reply read from disk; a block one rank cannot read is computed on
+every rank, from there on; a store written by two ranks serves nothing to one.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from tsterm import LLM, SamplingParams
+from tsterm.engine.kv_store import session_block_names, store_models
+
+from tests.helpers.checkpoints import make_checkpoint
+
+BLOCK = 4
+OPTIONS = dict(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=40, distributed_timeout_s=30)
+PROMPT = [random.Random(0).randrange(8, 380) for _ in range(14)]
+MORE = [50, 51, 52]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def with_store(checkpoint, store, **kw) -> LLM:
+    return LLM(str(checkpoint), kv_disk={"path": str(store), "max_bytes": 1 << 22}, **OPTIONS, **kw)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("kvranks") / "qwen3_moe", "qwen3_moe",
+                              dict(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=387))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """One process, no tiers: the first turn's reply, and the second turn (prompt, reply)."""
+    llm = LLM(str(checkpoint), **OPTIONS)
+    first = llm.generate(PROMPT, greedy(5))[0].token_ids
+    second = PROMPT + first + MORE
+    return first, second, llm.generate(second, greedy(5))[0].token_ids
+
+
+def first_turn(checkpoint, store, tp: int, ep: int, reference) -> str:
+    """Run the first turn on `tp x ep` ranks with a store at `store`; rank 0's fingerprint."""
+    llm = with_store(checkpoint, store, tensor_parallel_size=tp, expert_parallel_size=ep)
+    try:
+        assert llm.generate(PROMPT, greedy(5))[0].token_ids == reference[0]
+        fingerprint = llm.engine.kv.tier.store.fingerprint
+    finally:
+        llm.engine.shutdown()  # every rank's queued writes finish first
+    return fingerprint
+
+
+@pytest.fixture(scope="module")
+def tp2_store(checkpoint, reference, tmp_path_factory):
+    """A store the first turn wrote on two tensor-parallel ranks (copied by each test that changes it)."""
+    store = tmp_path_factory.mktemp("tp2") / "kv"
+    return store, first_turn(checkpoint, store, 2, 1, reference)
+
+
+def second_turn(checkpoint, store, reference, **kw) -> tuple[list[int], int, dict]:
+    llm = with_store(checkpoint, store, **kw)
+    try:
+        out = llm.generate(reference[1], greedy(5))[0]
+        return out.token_ids, out.num_cached_tokens, llm.stats()
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
+def test_a_restart_between_turns_reads_every_ranks_share_from_disk(checkpoint, reference, tp2_store, tmp_path, tp,
+                                                                   ep):
+    store = tmp_path / "kv"
+    if tp == 2:
+        shutil.copytree(tp2_store[0], store)
+        fingerprint = tp2_store[1]
+    else:
+        fingerprint = first_turn(checkpoint, store, tp, ep, reference)
+    # each rank's own store: the same block names (rank 0's chain), under its own rank's fingerprint
+    names = session_block_names(fingerprint, BLOCK, PROMPT + reference[0])
+    assert names and all((store / name).is_file() and (store / "rank1" / name).is_file() for name in names)
+    (rank1,) = store_models(store / "rank1")
+    assert json.loads(rank1["fingerprint"]) == {**json.loads(fingerprint), "rank": 1}
+    tokens, cached, stats = second_turn(checkpoint, store, reference, tensor_parallel_size=tp,
+                                        expert_parallel_size=ep)
+    assert tokens == reference[2]
+    kept = len(PROMPT) + len(reference[0]) - 1  # the first turn's prompt and reply but its last token (never fed)
+    assert cached == stats["kv_tier_hit_tokens"] == kept
+    assert stats["prefill_tokens"] == len(reference[1]) - kept
+
+
+def test_a_block_one_rank_cannot_read_is_computed_on_every_rank(checkpoint, reference, tp2_store, tmp_path):
+    store = tmp_path / "kv"
+    shutil.copytree(tp2_store[0], store)
+    names = session_block_names(tp2_store[1], BLOCK, PROMPT + reference[0])
+    target = store / "rank1" / names[1]  # rank 1's share of the second full block; rank 0's is whole
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    target.write_bytes(bytes(data))
+    tokens, cached, stats = second_turn(checkpoint, store, reference, tensor_parallel_size=2)
+    assert tokens == reference[2]
+    # the first block from every rank's store; the second and everything after it computed, on both ranks
+    assert cached == stats["kv_tier_hit_tokens"] == BLOCK
+    assert stats["prefill_tokens"] == len(reference[1]) - BLOCK
+    assert target.is_file() and target.read_bytes() != bytes(data)  # refused, deleted, written again
+
+
+def test_a_two_rank_store_serves_nothing_to_one_rank(checkpoint, reference, tp2_store, tmp_path):
+    store = tmp_path / "kv"
+    shutil.copytree(tp2_store[0], store)
+    tokens, cached, stats = second_turn(checkpoint, store, reference)
+    assert tokens == reference[2]
+    assert cached == stats["kv_tier_hit_tokens"] == 0 and stats["kv_disk_read_blocks"] == 0
+    # never even looked up: one rank's chain starts at another fingerprint than two ranks' (no header was refused)
+    assert sum(stats[f"kv_disk_refused_{why}"] for why in ("checksum", "fingerprint", "mismatch")) == 0
+
+
+def test_another_ranks_share_is_refused_never_served(checkpoint, reference, tp2_store, tmp_path):
+    store = tmp_path / "kv"
+    shutil.copytree(tp2_store[0], store)
+    # rank 1's shares under rank 0's names (as a fingerprint without the rank would have let them be)
+    for name in session_block_names(tp2_store[1], BLOCK, PROMPT + reference[0]):
+        shutil.copyfile(store / "rank1" / name, store / name)
+    tokens, cached, stats = second_turn(checkpoint, store, reference, tensor_parallel_size=2)
+    assert tokens == reference[2]
+    assert cached == stats["kv_tier_hit_tokens"] == 0 and stats["kv_disk_refused_fingerprint"] == 1
