@@ -16,8 +16,9 @@ import pytest
 
 from tsterm import LLM, SamplingParams
 from tsterm.engine.kv_store import session_block_names, store_models
+from tsterm.errors import ConfigError
 
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
 
 BLOCK = 4
 OPTIONS = dict(dtype="float32", device="cpu", block_size=BLOCK, num_kv_blocks=40, distributed_timeout_s=30)
@@ -133,3 +134,11 @@ def test_another_ranks_share_is_refused_never_served(checkpoint, reference, tp2_
     tokens, cached, stats = second_turn(checkpoint, store, reference, tensor_parallel_size=2)
     assert tokens == reference[2]
     assert cached == stats["kv_tier_hit_tokens"] == 0 and stats["kv_disk_refused_fingerprint"] == 1
+
+
+def test_a_hybrid_models_tier_on_several_ranks_is_refused_naming_the_option(tmp_path):
+    """Its state snapshots are not kept per rank yet: refused, naming the option, rather than served half."""
+    hybrid, _ = make_hybrid_checkpoint(tmp_path / "m", "qwen3_next",
+                                       dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
+    with pytest.raises(ConfigError, match=r"^kv_disk: .*state snapshots"):
+        with_store(hybrid, tmp_path / "kv", expert_parallel_size=2)
