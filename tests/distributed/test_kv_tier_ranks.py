@@ -69,10 +69,13 @@ def tp2_store(checkpoint, reference, tmp_path_factory):
 
 
 def second_turn(checkpoint, store, reference, **kw) -> tuple[list[int], int, dict]:
+    """(tokens, cached tokens, stats with the copy ledger's disk reads as `ledger_disk_read`) of the second turn."""
     llm = with_store(checkpoint, store, **kw)
     try:
+        audit = llm.engine.enable_copy_audit()
         out = llm.generate(reference[1], greedy(5))[0]
-        return out.token_ids, out.num_cached_tokens, llm.stats()
+        stats = {**llm.stats(), "ledger_disk_read": audit.copy_bytes.get(("kv_tier", "disk_read"), 0)}
+        return out.token_ids, out.num_cached_tokens, stats
     finally:
         llm.engine.shutdown()
 
@@ -97,6 +100,9 @@ def test_a_restart_between_turns_reads_every_ranks_share_from_disk(checkpoint, r
     kept = len(PROMPT) + len(reference[0]) - 1  # the first turn's prompt and reply but its last token (never fed)
     assert cached == stats["kv_tier_hit_tokens"] == kept
     assert stats["prefill_tokens"] == len(reference[1]) - kept
+    # every rank read its share: the ledger counts them all, the store's counters are rank 0's (half of each block)
+    read = stats["kv_disk_read_blocks"] * stats["kv_bytes_per_block"]
+    assert stats["ledger_disk_read"] == read == 2 * stats["kv_disk_read_bytes"] > 0
 
 
 def test_a_block_one_rank_cannot_read_is_computed_on_every_rank(checkpoint, reference, tp2_store, tmp_path):
@@ -142,3 +148,27 @@ def test_a_hybrid_models_tier_on_several_ranks_is_refused_naming_the_option(tmp_
                                        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
     with pytest.raises(ConfigError, match=r"^kv_disk: .*state snapshots"):
         with_store(hybrid, tmp_path / "kv", expert_parallel_size=2)
+
+
+def test_a_session_evicted_from_a_small_pool_resumes_from_every_ranks_host_tier(checkpoint):
+    """`kv_host_bytes` on two ranks: each keeps its share in its own host memory; other traffic evicts the session
+    from the pool (16 blocks), and its next turn reads it back on both ranks."""
+    one = LLM(str(checkpoint), **OPTIONS)  # (40 blocks: never evicts)
+    llm = LLM(str(checkpoint), tensor_parallel_size=2, kv_host_bytes=1 << 20, **{**OPTIONS, "num_kv_blocks": 16})
+    try:
+        rng = random.Random(1)
+        history = [rng.randrange(8, 380) for _ in range(22)]
+        first = llm.generate(history, greedy(5))[0].token_ids
+        assert first == one.generate(history, greedy(5))[0].token_ids
+        llm.generate([rng.randrange(8, 380) for _ in range(60)], greedy(3))  # the session's blocks leave the pool
+        assert llm.stats()["evictions"] > 0
+        nxt = history + first + MORE
+        before = llm.stats()
+        out = llm.generate(nxt, greedy(5))[0]
+        stats = llm.stats()
+    finally:
+        llm.engine.shutdown()
+    assert out.token_ids == one.generate(nxt, greedy(5))[0].token_ids
+    resumed = len(history) + len(first) - 1
+    assert out.num_cached_tokens == stats["kv_host_hit_tokens"] - before["kv_host_hit_tokens"] == resumed
+    assert stats["prefill_tokens"] - before["prefill_tokens"] == len(nxt) - resumed

@@ -23,6 +23,12 @@ host_write / host_read / disk_write / disk_read, and the stats). With the MTP he
 the target's under the same block ids, and a step's blocks are copied out at the next schedule's start (the head
 writes its KV of a step's positions after the step).
 
+Several ranks (tensor / expert parallel): rank 0's tier decides for every rank, as the scheduler does; each save,
+read and copy into the pool is sent to the workers (`RankTiers`: the distributed executor's control commands), and
+each worker's own tier does it on its share of the pool, in its own store (`rank<R>` under the store's path, its
+fingerprint naming its rank). A load keeps the leading blocks every rank read (a MIN all-reduce), the rest computed;
+each store is bounded and evicts by itself, so a block gone from any rank's is a miss for all.
+
 `model_fingerprint` names what makes a block's bytes what they are: the weights (their files' names, sizes and
 mtimes), config.json and the tokenizer, the dtype, quantization, kernels, device type, the KV layout and block size,
 and this rank's place in the tensor / expert parallel layout. The pool chains every hash from it, so a block of
@@ -533,7 +539,8 @@ def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, 
     Several ranks (an executor with `open_rank_tiers`, the distributed one): this tier is rank 0's, over its share of
     the pool, and every worker opens its own over its share (`open_rank_tiers`), in the store's subdirectory
     `rank<R>` under a fingerprint naming its rank, each bounded by `max_bytes`; rank 0 decides what is saved and
-    read for all (`RankTiers`). A hybrid model's snapshots and the MTP head's KV are not kept per rank yet: refused
+    read for all (`RankTiers`). The copy ledger counts every rank's bytes (rank 0's times the world size: each
+    rank's share of a block is as large); the stores' counters (`stats`) are rank 0's. A hybrid model's snapshots and the MTP head's KV are not kept per rank yet: refused
     (ConfigError, naming the option). `rank`: a worker's, opening its own tier (`fingerprint` already its own)."""
     what = "kv_disk" if options is not None else "kv_host_bytes"
     ranks = executor if callable(getattr(executor, "open_rank_tiers", None)) else None
@@ -565,6 +572,9 @@ def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, 
         except OSError as e:
             raise ConfigError(f"kv_disk.path: cannot use {str(path)!r} as the KV store: {e.strerror or e}") from None
     host = HostKVCache(host_bytes) if host_bytes else None
+    if ranks is not None and ledger is not None:  # every rank moves its share, as large as rank 0's: the copy
+        world, counted = executor.layout.world_size, ledger  # ledger counts what all of them moved
+        ledger = lambda kind, nbytes: counted(kind, nbytes * world)  # noqa: E731
     tier = KVTier(store, parts, root_hash, ledger, states=states, host=host, defer_after_step=mtp is not None,
                   ranks=ranks)
     if ranks is not None:
