@@ -3,7 +3,9 @@
 The engine's scheduler, block pool and prefix cache stay here and decide for every rank: each rank keeps its
 heads' KV under the same block ids. Each engine call becomes one broadcast command (the step's host lists with
 only what changed in the block tables, `tsterm.distributed.tables`; or the copy-on-write pairs); then every rank
-runs its shard of the step, and rank 0 returns the gathered logits.
+runs its shard of the step, and rank 0 returns the gathered logits. The KV tiers (`kv_disk`, `kv_host_bytes`) work the
+same way: rank 0's tier decides which blocks are saved and read, and each rank moves its own share to and from its own
+store (`open_rank_tiers` and the `tier_*` calls: `tsterm.engine.kv_tier.RankTiers`).
 
 Under torchrun (`python -m tsterm.distributed.torchrun`, see there) the workers are torchrun's processes, on this machine or
 others: the executor attaches to them through torchrun's store instead of starting any.

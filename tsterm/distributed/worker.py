@@ -3,8 +3,9 @@
 Started by `DistributedExecutor` as a spawned process, one per rank past 0. It reports through the store: `ready/R`
 once it can build its groups, `blocks/R` with the KV blocks that fit on it, `error/R` with a one-line reason when
 it fails, `heartbeat/R` counting up while it lives (`tsterm.distributed.health`), and `tables/R` when asked for its
-block-table mirror. Any failure ends the process; rank 0 notices (its process ends, its heartbeat stops, or a
-collective fails) and reports it.
+block-table mirror, and `tier/opened/R` once it has opened its KV tier as rank 0 asked (empty, or why not). Any
+failure ends the process; rank 0 notices (its process ends, its heartbeat stops, or a collective fails) and reports
+it.
 """
 from __future__ import annotations
 

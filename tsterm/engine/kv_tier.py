@@ -102,7 +102,7 @@ def model_fingerprint(model_dir: Path, *, dtype: torch.dtype, quantization: str,
 
 
 def rank_fingerprint(fingerprint: str, rank: int) -> str:
-    """`model_fingerprint` of rank `rank` of the same layout as `fingerprint` (rank 0's): its store's, never rank 0's."""
+    """`model_fingerprint` of rank `rank` of the layout `fingerprint` (rank 0's) names: its store's, never rank 0's."""
     fields = json.loads(fingerprint)
     fields["rank"] = rank
     return json.dumps(fields, sort_keys=True)
@@ -540,8 +540,9 @@ def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, 
     the pool, and every worker opens its own over its share (`open_rank_tiers`), in the store's subdirectory
     `rank<R>` under a fingerprint naming its rank, each bounded by `max_bytes`; rank 0 decides what is saved and
     read for all (`RankTiers`). The copy ledger counts every rank's bytes (rank 0's times the world size: each
-    rank's share of a block is as large); the stores' counters (`stats`) are rank 0's. A hybrid model's snapshots and the MTP head's KV are not kept per rank yet: refused
-    (ConfigError, naming the option). `rank`: a worker's, opening its own tier (`fingerprint` already its own)."""
+    rank's share of a block is as large); the stores' counters (`stats`) are rank 0's. A hybrid model's snapshots
+    and the MTP head's KV are not kept per rank yet: refused (ConfigError, naming the option). `rank`: a worker's,
+    opening its own tier (`fingerprint` already its own)."""
     what = "kv_disk" if options is not None else "kv_host_bytes"
     ranks = executor if callable(getattr(executor, "open_rank_tiers", None)) else None
     runner = getattr(executor, "runner", None) if ranks is not None else executor  # (rank 0's share, with ranks)
