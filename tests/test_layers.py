@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("convert",),  # GGUF import (reader, architecture maps, K-quant repacking, tokenizer), demo checkpoints
     ("tsterm_kernels",),  # the top-level kernels/ directory: Triton and C kernels, each with its torch twin
     ("profiles",),  # configuration: YAML -> engine options, sampling, UI / agent / server settings; loads no model
+    ("harmony",),  # gpt-oss's harmony format: rendering, a turn's messages, is_harmony (LLM.chat's and the agent's)
     ("plan", "tokenizer", "outputs"),  # capacity arithmetic; tokenizer + chat template; what the engine hands back
     ("config", "paths"),  # EngineConfig, SamplingParams, ModelConfig; where models are and what they are named
     ("model.arch",),  # architecture specs: plain data that ModelConfig's parsing and the decoder both read

@@ -5,7 +5,8 @@ once, by one function, and never special-cased where a reply is shown.
 A `ChatFormat` renders a conversation to prompt text (`render`) and reads one reply (`reader()`): a `ReplyReader` is
 handed the engine's growing output (`read(completion, final)`) and gives back the text to show, in the one form every
 chat view already shows a reasoning model's reply in: its reasoning inside `<think>...</think>`, then the answer
-(`shown_reply`); `message()` is the assistant message the session records for it.
+(`shown_reply`, defined with the harmony format in `tsterm.harmony`, below the offline API, which gives a harmony
+reply in that form too); `message()` is the assistant message the session records for it.
 
 `TemplateFormat` is the checkpoint's chat template, its reply the engine's text as it is (a reasoning family's
 `<think>` block is part of that text). gpt-oss's harmony (rendered by tsterm, its channels read from the reply's ids)
@@ -18,16 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+from tsterm.harmony import THINK_CLOSE, THINK_OPEN, shown_reply  # the form LLM.chat gives a harmony reply in too
+
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # as tsterm.chat.history names them
-
-
-def shown_reply(reasoning: str, text: str, thinking_done: bool = True) -> str:
-    """A reply with its reasoning as the chat views show a reasoning family's reply: `<think>` reasoning `</think>`,
-    then the text (the block left open while the model still thinks). No reasoning: the text alone."""
-    if not reasoning:
-        return text
-    return f"{THINK_OPEN}\n{reasoning}" + (f"\n{THINK_CLOSE}\n\n{text}" if thinking_done or text else "")
 
 
 def shown_message(message: Mapping[str, Any]) -> str:
@@ -92,4 +86,5 @@ class TemplateFormat:
         return TextReply()
 
 
-__all__ = ["ChatFormat", "ReplyReader", "TemplateFormat", "TextReply", "shown_message", "shown_reply"]
+__all__ = ["THINK_CLOSE", "THINK_OPEN", "ChatFormat", "ReplyReader", "TemplateFormat", "TextReply", "shown_message",
+           "shown_reply"]
