@@ -10,6 +10,8 @@ from tsterm.engine.engine import Engine
 from tsterm.engine.executor import ExecutorFactory
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.errors import ModelLoadError
+from tsterm.harmony import REASONING_KEYS, is_harmony, read_reply, split_shown
+from tsterm.harmony import render as harmony_render
 from tsterm.model.loader import ProgressFn
 from tsterm.outputs import RequestOutput
 
@@ -34,6 +36,16 @@ def _with_reimport_hint(error: ModelLoadError, model_dir: str) -> ModelLoadError
         return error
     message = re.sub(r";? ?\(?re-download it\)?", "", str(error)).rstrip()
     return ModelLoadError(f"{message}; {model_dir} is tsterm's import of a GGUF file: import it again with `{command}`")
+
+
+def _reasoning_apart(message: dict) -> dict:
+    """An assistant message whose content opens with a `<think>` block (a harmony reply as `LLM.chat` gives it) as
+    its content and `reasoning_content`; any other message as it is."""
+    if not isinstance(message, dict) or message.get("role") != "assistant" or not isinstance(
+            message.get("content"), str) or any(key in message for key in REASONING_KEYS):
+        return message
+    reasoning, answer = split_shown(message["content"])
+    return {**message, "content": answer, "reasoning_content": reasoning} if reasoning else message
 
 
 class LLM:
@@ -109,14 +121,31 @@ class LLM:
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], params: SamplingParams | None = None,
              tools: list[dict] | None = None, **template_kwargs: Any) -> list[RequestOutput]:
-        """Renders conversation(s) with the model's chat template, then generates the assistant reply."""
+        """Renders conversation(s) in the model's chat format, then generates the assistant reply.
+
+        The format is the checkpoint's chat template, but for a model that writes harmony (gpt-oss:
+        `tsterm.harmony.is_harmony`, the choice the agent loop, the server and the chat views make): its prompt is
+        tsterm's harmony rendering (`tsterm.harmony.render`; `reasoning_effort` and the other harmony options as
+        keyword arguments), and each reply's `text` is read from its ids (the engine's text leaves harmony's markers
+        out): the final channel, after the analysis channel as the `<think>` block a reasoning family's reply opens
+        with (`tsterm.harmony.shown_reply`), a tool call as the model wrote it. An assistant message whose content is
+        in that form is read back (its `<think>` block as its reasoning), so a reply goes back into the history as
+        it came."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if self.system_prompt:
             conversations = [c if c and c[0].get("role") == "system" else
                              [{"role": "system", "content": self.system_prompt}, *c] for c in conversations]
-        prompts = [self.tokenizer.apply_chat_template(c, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                      **template_kwargs) for c in conversations]
-        return self.generate(prompts, params)
+        if not is_harmony(self.tokenizer, self.engine.model_config.model_type):
+            prompts = [self.tokenizer.apply_chat_template(c, tools=tools, add_generation_prompt=True, tokenize=True,
+                                                          **template_kwargs) for c in conversations]
+            return self.generate(prompts, params)
+        prompts = [self.tokenizer.encode(harmony_render([_reasoning_apart(m) for m in c], tools, True,
+                                                        **template_kwargs)) for c in conversations]
+        outputs = self.generate(prompts, params)
+        for output in outputs:
+            for completion in output.outputs:
+                completion.text = read_reply(self.tokenizer, completion.token_ids).shown
+        return outputs
 
     def stats(self) -> dict[str, int | float]:
         return self.engine.stats()
