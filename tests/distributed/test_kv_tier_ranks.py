@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from tsterm import LLM, SamplingParams
-from tsterm.engine.kv_store import session_block_names, store_models
+from tsterm.engine.kv_store import SNAPSHOT_SUFFIX, session_block_names, store_models
 from tsterm.errors import ConfigError
 
 from tests.helpers.checkpoints import make_checkpoint, make_hybrid_checkpoint
@@ -148,12 +148,34 @@ def test_another_ranks_share_is_refused_never_served(checkpoint, reference, tp2_
     assert cached == stats["kv_tier_hit_tokens"] == 0 and stats["kv_disk_refused_fingerprint"] == 1
 
 
-def test_a_hybrid_models_tier_on_several_ranks_is_refused_naming_the_option(tmp_path):
-    """Its state snapshots are not kept per rank yet: refused, naming the option, rather than served half."""
+def test_a_hybrid_resumes_on_two_ranks_from_every_ranks_blocks_and_state_snapshot(tmp_path):
+    """A hybrid (Gated DeltaNet layers) on two expert-parallel ranks: each rank keeps its share of the state snapshot
+    at the last block boundary with its blocks; after a restart both read them back (the tokens and cached tokens of
+    one process), and when rank 1's snapshot is corrupted no rank resumes from it: the prefix is computed."""
     hybrid, _ = make_hybrid_checkpoint(tmp_path / "m", "qwen3_next",
                                        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
-    with pytest.raises(ConfigError, match=r"^kv_disk: .*state snapshots"):
-        with_store(hybrid, tmp_path / "kv", expert_parallel_size=2)
+    one = LLM(str(hybrid), **OPTIONS)
+    first = one.generate(PROMPT, greedy(5))[0].token_ids
+    nxt = PROMPT + first + MORE
+    want = one.generate(nxt, greedy(5))[0]
+    store = tmp_path / "kv"
+    llm = with_store(hybrid, store, expert_parallel_size=2)
+    try:
+        assert llm.generate(PROMPT, greedy(5))[0].token_ids == first
+    finally:
+        llm.engine.shutdown()
+    (snapshot,) = (store / "rank1").glob(f"*{SNAPSHOT_SUFFIX}")
+    assert (store / snapshot.name).is_file()
+    shutil.copytree(store, tmp_path / "corrupted")
+    corrupted = bytearray(snapshot.read_bytes())
+    corrupted[len(corrupted) // 2] ^= 0x40
+    (tmp_path / "corrupted" / "rank1" / snapshot.name).write_bytes(bytes(corrupted))
+    tokens, cached, stats = second_turn(hybrid, store, (first, nxt), expert_parallel_size=2)
+    resumed = (len(PROMPT) + len(first) - 1) // BLOCK * BLOCK  # the last block boundary the first turn computed
+    assert tokens == want.token_ids and cached == want.num_cached_tokens == resumed > 0
+    assert stats["kv_tier_hit_tokens"] == resumed and stats["kv_tier_hit_snapshots"] == 1
+    tokens, cached, stats = second_turn(hybrid, tmp_path / "corrupted", (first, nxt), expert_parallel_size=2)
+    assert tokens == want.token_ids and cached == 0 and stats["prefill_tokens"] == len(nxt)
 
 
 def test_a_session_evicted_from_a_small_pool_resumes_from_every_ranks_host_tier(checkpoint):
@@ -178,3 +200,11 @@ def test_a_session_evicted_from_a_small_pool_resumes_from_every_ranks_host_tier(
     resumed = len(history) + len(first) - 1
     assert out.num_cached_tokens == stats["kv_host_hit_tokens"] - before["kv_host_hit_tokens"] == resumed
     assert stats["prefill_tokens"] - before["prefill_tokens"] == len(nxt) - resumed
+
+
+def test_a_worker_that_cannot_open_its_store_is_named_in_a_config_error(checkpoint, tmp_path):
+    store = tmp_path / "kv"
+    store.mkdir()
+    (store / "rank1").write_text("not a directory")  # rank 0's store opens; rank 1's cannot
+    with pytest.raises(ConfigError, match=r"^kv_disk\.path: cannot use .*rank1.* \(worker rank 1\)$"):
+        with_store(checkpoint, store, tensor_parallel_size=2)

@@ -24,7 +24,7 @@ from tsterm.distributed.health import Heartbeat
 from tsterm.distributed.tables import TableMirror
 from tsterm.errors import ConfigError
 from tsterm.engine.executor import ExecutorSpec
-from tsterm.engine.kv_tier import Fetched, KVTier, open_rank_tier
+from tsterm.engine.kv_tier import SAVE_SNAPSHOT, Fetched, KVTier, open_rank_tier
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.model.parallel import ParallelLayout
 
@@ -84,11 +84,13 @@ def serve(runner: ModelRunner, groups: Groups, want_logits: bool, report, open_t
     mirror = TableMirror()
     tier: KVTier | None = None
     fetched: dict[int, Fetched] = {}  # serial -> the blocks of a fetch, until the load that copies them
+    snapshots: dict[int, Fetched] = {}  # serial -> a hybrid's state snapshot, likewise
     try:
         while True:
             kind, words = protocol.receive(groups.control)
             if kind == protocol.Command.STEP:
                 fetched.clear()  # (a fetch not loaded by now never will be)
+                snapshots.clear()
                 step, seq_ids, updates, freed = protocol.parse_step(words)
                 step.block_tables = mirror.apply(seq_ids, updates, freed)
                 runner.run_step(step, logits=want_logits)
@@ -104,12 +106,18 @@ def serve(runner: ModelRunner, groups: Groups, want_logits: bool, report, open_t
                 tier.apply_saves(protocol.unpack(words))
             elif kind == protocol.Command.TIER_FETCH:
                 serial, *reads = protocol.unpack(words)
-                got = tier.fetch([tier.read_of(read) for read in reads])
-                n = protocol.all_reduce_min(groups.control, len(got))  # what every rank read: the leading n blocks
-                fetched[serial[0]] = Fetched(got.data[:n], got.rows[:n], serial[0])
+                got = tier.fetch_words(reads)  # (None: a state snapshot this rank does not have)
+                n = protocol.all_reduce_min(groups.control, 0 if got is None else len(got))  # what every rank read
+                if n and reads[0][0] == SAVE_SNAPSHOT:
+                    snapshots[serial[0]] = got
+                elif n:  # the leading n blocks
+                    fetched[serial[0]] = Fetched(got.data[:n], got.rows[:n], serial[0])
             elif kind == protocol.Command.TIER_LOAD:
-                tier.copy_in([(ids, fetched[serial]) for serial, *ids in protocol.unpack(words)])
-                fetched.clear()
+                for serial, *ids in protocol.unpack(words):
+                    if serial in snapshots:  # (ids: the state slot)
+                        tier.load_snapshot(ids[0], snapshots.pop(serial))
+                    else:
+                        tier.copy_in([(ids, fetched.pop(serial))])
             elif kind == protocol.Command.TIER_FLUSH:
                 if tier is not None:
                     tier.flush()

@@ -109,10 +109,14 @@ class Engine:
                          enable_prefix_caching=config.enable_prefix_caching,
                          max_pinned_blocks=int(config.max_pinned_fraction * num_blocks),
                          num_state_slots=self.num_state_slots)
-        tier = None if config.kv_disk is None and not config.kv_host_bytes else open_tiers(  # `tsterm.engine.kv_tier`
-            config.kv_disk, fingerprint, self.executor, pool.root_hash, block_size=config.block_size,
-            model=str(model_dir), num_state_slots=self.num_state_slots, host_bytes=config.kv_host_bytes,
-            ledger=lambda kind, nbytes: self.audit.record_copy("kv_tier", kind, nbytes) if self.audit else None)
+        try:  # (`tsterm.engine.kv_tier`; with several ranks, each opens its own)
+            tier = None if config.kv_disk is None and not config.kv_host_bytes else open_tiers(
+                config.kv_disk, fingerprint, self.executor, pool.root_hash, block_size=config.block_size,
+                model=str(model_dir), num_state_slots=self.num_state_slots, host_bytes=config.kv_host_bytes,
+                ledger=lambda kind, nbytes: self.audit.record_copy("kv_tier", kind, nbytes) if self.audit else None)
+        except BaseException:  # (refused: the executor's ranks and device memory go now, not at garbage collection)
+            self.executor.shutdown()
+            raise
         self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval, tier=tier)
         # speculative decoding: the draft source (None: off); a step verifies what it drafts (`_accept`)
         self.drafter: DraftSource | None = None

@@ -57,7 +57,9 @@ from tsterm.paths import default_cache_dir
 Ledger = Callable[[str, int], None]
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 _IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-SAVE_FULL, SAVE_PARTIAL = 0, 1  # the kinds of a save or read sent to the other ranks (`read_words`, `tier_save`)
+# the kinds of a save or read sent to the other ranks (`read_words`, `tier_save`): a full block, a partial one, a
+# hybrid's state snapshot
+SAVE_FULL, SAVE_PARTIAL, SAVE_SNAPSHOT = 0, 1, 2
 _WORD_BITS, _HASH_WORDS = 32, 4  # a 128-bit chain hash as int64 words of 32 bits each (the control protocol's words)
 
 
@@ -357,6 +359,8 @@ class KVTier:
     def save_snapshot(self, slot: int, block_hash: int) -> None:
         """Copy the state in `slot` (kept with the block hashed `block_hash`) out to the tiers, unless they hold it."""
         name = snapshot_name(block_hash)
+        if self.ranks is not None:
+            self.ranks.tier_save([SAVE_SNAPSHOT, slot, *_int_words(block_hash)])
         if self._held(name):
             return
         header = {"kind": "snapshot", "hash": f"{block_hash:032x}", **self._snapshot_meta}
@@ -367,22 +371,29 @@ class KVTier:
     def has_snapshot(self, block_hash: int) -> bool:
         return self.states is not None and self.contains(snapshot_name(block_hash))
 
-    def fetch_snapshot(self, block_hash: int) -> torch.Tensor | None:
-        """The stored state after the block hashed `block_hash`, read and checked into a host buffer; None when
-        missing or refused."""
+    def fetch_snapshot(self, block_hash: int) -> Fetched | None:
+        """The stored state after the block hashed `block_hash`, read and checked into a host buffer (`data`, one
+        row; with several ranks: read by every rank); None when missing or refused (on any rank)."""
         start = time.perf_counter()
         staging = torch.empty(self.snapshot_nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         expect = {"kind": "snapshot", "hash": f"{block_hash:032x}", **self._snapshot_meta}
         source = self._read(snapshot_name(block_hash), expect, _bytes_of(staging), self.snapshot_nbytes)
+        serial = -1
+        if self.ranks is not None and source is not None:
+            serial, self._serial = self._serial, self._serial + 1
+            if not self.ranks.tier_fetch(serial, [[SAVE_SNAPSHOT, *_int_words(block_hash)]], 1):
+                source = None
         self.load_seconds += time.perf_counter() - start
         if source is None:
             return None
         self.hit_snapshots += 1
-        return staging
+        return Fetched(staging, [(source, 0)], serial)
 
-    def load_snapshot(self, slot: int, data: torch.Tensor) -> None:
+    def load_snapshot(self, slot: int, fetched: Fetched) -> None:
         """Copy a fetched snapshot into the state slot `slot` (on a GPU, ahead of the step on its stream)."""
-        self._copy_state(data, slot, out=False)
+        if self.ranks is not None:
+            self.ranks.tier_load([[fetched.serial, slot]])
+        self._copy_state(fetched.data, slot, out=False)
 
     def _copy_state(self, flat: torch.Tensor, slot: int, out: bool) -> None:
         """Between the flat bytes `flat` and state slot `slot` of each state tensor, in order (out: slot -> flat)."""
@@ -468,11 +479,21 @@ class KVTier:
         return TierRead(partial_name(key, tokens), {"kind": "partial", "parent": f"{key:032x}", "tokens": tokens,
                                                     **self._meta})
 
+    def fetch_words(self, reads: list[list[int]]) -> Fetched | None:
+        """A worker's part of rank 0's fetch: its blocks (`fetch`), or a hybrid's state snapshot (`fetch_snapshot`:
+        one read of kind `SAVE_SNAPSHOT`, None when missing or refused)."""
+        if reads and reads[0][0] == SAVE_SNAPSHOT:
+            return self.fetch_snapshot(_words_int(reads[0][1:1 + _HASH_WORDS]))
+        return self.fetch([self.read_of(read) for read in reads])
+
     def apply_saves(self, saves: list[list[int]]) -> None:
-        """Rank 0's saves (`RankTiers.tier_save`), in order: each block copied out of this rank's pool to its tiers."""
+        """Rank 0's saves (`RankTiers.tier_save`), in order: each block (or a hybrid's state snapshot) copied out of
+        this rank's pool to its tiers."""
         for words in saves:
             kind, block_id = words[0], words[1]
-            if kind == SAVE_FULL:
+            if kind == SAVE_SNAPSHOT:  # (block_id: the state slot)
+                self.save_snapshot(block_id, _words_int(words[2:2 + _HASH_WORDS]))
+            elif kind == SAVE_FULL:
                 block_hash = _words_int(words[2:2 + _HASH_WORDS])
                 rest = words[2 + _HASH_WORDS:]
                 parent = _words_int(rest[1:1 + _HASH_WORDS]) if rest[0] else None
@@ -539,10 +560,10 @@ def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, 
     Several ranks (an executor with `open_rank_tiers`, the distributed one): this tier is rank 0's, over its share of
     the pool, and every worker opens its own over its share (`open_rank_tiers`), in the store's subdirectory
     `rank<R>` under a fingerprint naming its rank, each bounded by `max_bytes`; rank 0 decides what is saved and
-    read for all (`RankTiers`). The copy ledger counts every rank's bytes (rank 0's times the world size: each
-    rank's share of a block is as large); the stores' counters (`stats`) are rank 0's. A hybrid model's snapshots
-    and the MTP head's KV are not kept per rank yet: refused (ConfigError, naming the option). `rank`: a worker's,
-    opening its own tier (`fingerprint` already its own)."""
+    read for all (`RankTiers`), a hybrid model's state snapshots too (each rank's share of the state). The copy
+    ledger counts every rank's bytes (rank 0's times the world size: each rank's share of a block is as large); the
+    stores' counters (`stats`) are rank 0's. (The MTP head runs on one rank only: `EngineConfig` refuses it with
+    ranks.) `rank`: a worker's, opening its own tier (`fingerprint` already its own)."""
     what = "kv_disk" if options is not None else "kv_host_bytes"
     ranks = executor if callable(getattr(executor, "open_rank_tiers", None)) else None
     runner = getattr(executor, "runner", None) if ranks is not None else executor  # (rank 0's share, with ranks)
@@ -553,17 +574,13 @@ def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, 
         raise ConfigError(f"{what}: the KV tiers need the executor's KV pool (each rank's share of it) in this "
                           f"process; this executor has none: remove {what}")
     mtp = getattr(runner, "mtp", None)
-    if (ranks is not None or rank) and (mtp is not None or num_state_slots):
-        kept = "the MTP head's KV" if mtp is not None else "a hybrid model's state snapshots"
-        raise ConfigError(f"{what}: with tensor or expert parallel ranks the KV tiers keep attention blocks only, "
-                          f"not {kept} (not done yet): remove {what} or run on one rank")
     parts = [kv]
     if mtp is not None:  # the MTP head's KV: its first num_blocks blocks are the pool's, under the same ids
         parts.append(mtp.kv_pool.kv)
     states = pools.get(LINEAR_ATTENTION) if num_state_slots else None
     if num_state_slots and not isinstance(getattr(states, "recurrent", None), torch.Tensor):
-        raise ConfigError(f"{what}: the KV tiers need the one-process executor's recurrent-state pool for this "
-                          f"hybrid model; remove {what} or run on one rank")
+        raise ConfigError(f"{what}: the KV tiers need the executor's recurrent-state pool (each rank's share of it) "
+                          f"in this process for this hybrid model; this executor has none: remove {what}")
     store = None
     if options is not None:
         path = Path(options["path"]).expanduser() if options.get("path") else default_cache_dir() / "kv"
@@ -581,7 +598,8 @@ def open_tiers(options: dict[str, Any] | None, fingerprint: str, executor: Any, 
     if ranks is not None:
         try:
             ranks.open_rank_tiers({"options": options, "fingerprint": fingerprint, "root_hash": f"{root_hash:x}",
-                                   "block_size": block_size, "model": model, "host_bytes": host_bytes})
+                                   "block_size": block_size, "model": model, "host_bytes": host_bytes,
+                                   "num_state_slots": num_state_slots})
         except BaseException:
             tier.close_local()
             raise
@@ -593,7 +611,7 @@ def open_rank_tier(request: dict[str, Any], runner: Any, rank: int) -> KVTier:
     store (`rank<R>` under the store's path), under the fingerprint of its rank."""
     return open_tiers(request["options"], rank_fingerprint(request["fingerprint"], rank), runner,
                       int(request["root_hash"], 16), block_size=request["block_size"], model=request["model"],
-                      num_state_slots=0, host_bytes=request["host_bytes"], rank=rank)
+                      num_state_slots=request["num_state_slots"], host_bytes=request["host_bytes"], rank=rank)
 
 
 def open_disk_tier(options: dict[str, Any], fingerprint: str, executor: Any, root_hash: int, *, block_size: int,
