@@ -11,10 +11,11 @@ pickle: a worker never runs what it receives.
 - `REPORT_TABLES`: each worker writes its block-table mirror to the store (a consistency check).
 - The KV tiers (`tsterm.engine.kv_tier`; rank 0 decides, each rank moves its own share of the pool to and from its
   own store): `TIER_OPEN` (no payload: the request is in the store, `tier/open`; each worker answers
-  `tier/opened/R`), `TIER_SAVE` (the saves queued since the last command, one list each), `TIER_FETCH` (a fetch's
-  serial, then its reads; followed by a MIN all-reduce on the control group of the leading blocks each rank read),
-  `TIER_LOAD` (`[serial, pool block ids...]` per load), `TIER_FLUSH` (no payload; followed by an all-reduce once
-  each worker's store has written its queue).
+  `tier/opened/R`), `TIER_SAVE` (the saves queued since the last command, one list each: a block or a hybrid's
+  state snapshot), `TIER_FETCH` (a fetch's serial, then its reads, or one snapshot's; followed by a MIN all-reduce
+  on the control group of the leading blocks each rank read), `TIER_LOAD` (`[serial, pool block ids...]` per load,
+  `[serial, state slot]` for a snapshot), `TIER_FLUSH` (no payload; followed by an all-reduce once each worker's
+  store has written its queue).
 - `STOP`: no payload; leave the loop.
 """
 from __future__ import annotations
