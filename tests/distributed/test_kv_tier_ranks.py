@@ -208,3 +208,21 @@ def test_a_worker_that_cannot_open_its_store_is_named_in_a_config_error(checkpoi
     (store / "rank1").write_text("not a directory")  # rank 0's store opens; rank 1's cannot
     with pytest.raises(ConfigError, match=r"^kv_disk\.path: cannot use .*rank1.* \(worker rank 1\)$"):
         with_store(checkpoint, store, tensor_parallel_size=2)
+
+
+def test_sessions_count_and_drop_every_ranks_share_of_a_session(tp2_store, reference, tmp_path):
+    """`tsterm sessions` counts a session's blocks once and the bytes of every rank's share; dropping it deletes the
+    share in each rank's store (`rank<R>`, under rank 0's names), not only rank 0's."""
+    from tsterm.chat.session import Session
+    from tsterm.chat.store import drop_session_kv, session_kv_usage
+
+    store = tmp_path / "kv"
+    shutil.copytree(tp2_store[0], store)
+    names = session_block_names(tp2_store[1], BLOCK, PROMPT + reference[0])
+    session = Session(id="s", messages=[], token_ids=PROMPT + reference[0])
+    files = [d / name for d in (store, store / "rank1") for name in names]
+    assert all(f.is_file() for f in files)
+    size = sum(f.stat().st_size for f in files)
+    assert session_kv_usage([session], store) == {"s": (len(names), size)}
+    assert drop_session_kv(session, [], store) == (len(names), size)
+    assert not any(f.exists() for f in files)

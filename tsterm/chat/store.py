@@ -105,24 +105,35 @@ def session_kv_names(session: Session, models: list[dict]) -> set[str]:
     return names
 
 
+def _rank_dirs(kv_dir: Path) -> list[Path]:
+    """The store at `kv_dir` and the other ranks' stores below it (`rank<R>`: each rank's share of the same blocks,
+    under rank 0's names; tsterm.engine.kv_tier)."""
+    if not kv_dir.is_dir():
+        return []
+    ranks = sorted((p for p in kv_dir.glob("rank*") if p.name[4:].isdigit() and p.is_dir()), key=lambda p: int(p.name[4:]))
+    return [kv_dir, *ranks]
+
+
 def session_kv_usage(sessions: list[Session], kv_dir: Path | str) -> dict[str, tuple[int, int]]:
     """session id -> (blocks, bytes) it holds in the KV store at `kv_dir` (blocks shared with another session, such
-    as a common system prompt's, count for each)."""
+    as a common system prompt's, count for each; the bytes of every rank's share)."""
     from tsterm.engine.kv_store import store_models
 
     kv_dir = Path(kv_dir).expanduser()
     models = store_models(kv_dir)
-    sizes = {entry.name: entry.stat().st_size for entry in os.scandir(kv_dir)} if kv_dir.is_dir() else {}
+    sizes = [{entry.name: entry.stat().st_size for entry in os.scandir(d) if entry.is_file()}
+             for d in _rank_dirs(kv_dir)]
     usage = {}
     for session in sessions:
-        present = [sizes[name] for name in session_kv_names(session, models) if name in sizes]
-        usage[session.id] = (len(present), sum(present))
+        names = session_kv_names(session, models)
+        usage[session.id] = (sum(name in sizes[0] for name in names) if sizes else 0,
+                             sum(rank[name] for rank in sizes for name in names if name in rank))
     return usage
 
 
 def drop_session_kv(session: Session, others: list[Session], kv_dir: Path | str) -> tuple[int, int]:
-    """Delete the blocks `session` holds in the KV store at `kv_dir` that none of `others` holds too; returns (blocks,
-    bytes) deleted. An engine running over the store computes a dropped block again when a prompt needs it."""
+    """Delete the blocks `session` holds in the KV store at `kv_dir` (every rank's share) that none of `others` holds
+    too; returns (blocks, bytes) deleted. An engine running over the store computes a dropped block again when a prompt needs it."""
     from tsterm.engine.kv_store import store_models
 
     kv_dir = Path(kv_dir).expanduser()
@@ -133,11 +144,14 @@ def drop_session_kv(session: Session, others: list[Session], kv_dir: Path | str)
             shared |= session_kv_names(other, models)
     blocks = freed = 0
     for name in sorted(session_kv_names(session, models) - shared):
-        path = kv_dir / name
-        try:
-            size = path.stat().st_size
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        blocks, freed = blocks + 1, freed + size
+        found = False
+        for directory in _rank_dirs(kv_dir):  # every rank's share of the block
+            path = directory / name
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            found, freed = True, freed + size
+        blocks += found
     return blocks, freed
