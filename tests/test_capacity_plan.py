@@ -307,8 +307,9 @@ def test_shipped_configs_are_package_data():
     globs = tomllib.loads((Path(tsterm.__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"]["tsterm"]
     configs = sorted((Path(tsterm.__file__).parent / "models" / "configs").glob("*.json"))
-    assert [p.name for p in configs] == ["deepseek-v3.json", "glm-4.5-air.json", "gpt-oss-20b.json", "minimax-m2.json",
-                                         "qwen3-30b-a3b.json", "qwen3.5-397b-a17b.json"]
+    assert [p.name for p in configs] == ["deepseek-v3.json", "glm-4.5-air.json", "gpt-oss-120b.json",
+                                         "gpt-oss-20b.json", "kimi-k2.json", "minimax-m2.json", "qwen3-30b-a3b.json",
+                                         "qwen3.5-397b-a17b.json"]
     assert all(any(p.relative_to(Path(tsterm.__file__).parent).match(g) for g in globs) for p in configs)
 
 

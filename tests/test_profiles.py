@@ -217,7 +217,7 @@ def test_search_path_precedence(tmp_path):
 
 def test_shipped_profiles_pass_check_without_loading(no_model_loading, tmp_path, monkeypatch, capsys):
     for name in ("QWEN3_30B_A3B_DIR", "QWEN3_5_397B_A17B_DIR", "QWEN3_NEXT_80B_A3B_DIR", "GLM_4_5_AIR_DIR",
-                 "MINIMAX_M2_DIR", "DEEPSEEK_V3_DIR", "GPT_OSS_20B_DIR"):
+                 "MINIMAX_M2_DIR", "DEEPSEEK_V3_DIR", "GPT_OSS_20B_DIR", "GPT_OSS_120B_DIR", "KIMI_K2_DIR"):
         monkeypatch.setenv(name, str(tmp_path))
     for path in sorted(SHIPPED_DIR.glob("*.yaml")):
         assert main(["profiles", "check", str(path)]) == 0
@@ -263,7 +263,7 @@ def test_profiles_list(tmp_path, capsys):
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()] == ["agent-demo", "bench", "bench-hybrid",
                                                                  "deepseek-v3", "default", "glm-4.5-air",
-                                                                 "gpt-oss-20b",
+                                                                 "gpt-oss-120b", "gpt-oss-20b", "kimi-k2",
                                                                  "minimax-m2", "moe-demo",
                                                                  "qwen3-30b-a3b", "qwen3-next-80b-a3b",
                                                                  "qwen3.5-397b-a17b"]
