@@ -80,7 +80,8 @@ def test_groups_limit_the_choice():
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 70])  # 70: the C path's threaded loop
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32 on the CPU: the C path (csrc/stack.c)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # both on the CPU: the C path (csrc/stack.c; a
+# bfloat16 model's logits routed in float32 on their exact values, as a float32 model's are)
 @pytest.mark.parametrize("kind", KINDS, ids=[f"E{k[0]}-k{k[1]}-g{k[2]}of{k[3]}" for k in KINDS])
 def test_torch_route_matches_the_oracle(native_spy, poison, num_tokens, dtype, kind):
     experts, top_k, groups, topk_groups, bias, scale, renormalize = kind
@@ -89,7 +90,7 @@ def test_torch_route_matches_the_oracle(native_spy, poison, num_tokens, dtype, k
     routing = make_kind(experts, groups, topk_groups, bias, scale, gen)
     spy = native_spy("moe_route_sigmoid")
     weights, ids = torch_ops.moe_route(logits, top_k, renormalize, routing)
-    assert spy.calls == (dtype is torch.float32)
+    assert spy.calls == 1
     want_weights, want_ids = oracle_route(logits, top_k, renormalize, routing)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int64
     assert ids.tolist() == want_ids.tolist()
