@@ -8,6 +8,13 @@ import pytest  # noqa: E402 - after TRITON_INTERPRET, like everything that may i
 import torch  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def own_data_dir(tmp_path_factory, monkeypatch):
+    """No test writes the user's saved sessions: TSTERM_DATA_DIR is a fresh directory for each test (one that needs
+    its own sets it again)."""
+    monkeypatch.setenv("TSTERM_DATA_DIR", str(tmp_path_factory.mktemp("data")))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`): tiny models
