@@ -233,26 +233,18 @@ def test_quantization_int4_of_an_fp8_kimi_checkpoint_keeps_mla_fp8_and_makes_the
     the same way, loaded as on a CUDA device (keep_fp8): MLA's q_a / q_b / kv_a / kv_b stay the stored fp8 blocks;
     o_proj, the routed experts, the shared expert, the dense MLP and the LM head become int4; the embedding stays
     float."""
-    from safetensors.torch import load_file, save_file
-    from tsterm_kernels.quant import QuantizedWeight, quantize_fp8
+    from tsterm_kernels.quant import QuantizedWeight
 
     from tsterm.config import ModelConfig
     from tsterm.model.loader import load_weights
-    from tests.helpers.checkpoints import make_checkpoint
+    from tests.helpers.checkpoints import make_checkpoint, store_as_fp8
 
     path, _ = make_checkpoint(tmp_path / "kimi", "kimi_k2", dict(
         hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
         first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=16, v_head_dim=16), with_tokenizer=False)
-    tensors = load_file(path / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))]:
-        q = quantize_fp8(tensors[name])
-        tensors[name], tensors[name + "_scale_inv"] = q.data, q.scale
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = json.loads(KIMI_K2.read_text())["quantization_config"]
-    (path / "config.json").write_text(json.dumps(config))
+    store_as_fp8(path, json.loads(KIMI_K2.read_text())["quantization_config"])
     cfg = ModelConfig.from_dir(path)
     assert cfg.model_type == "kimi_k2"
     weights = load_weights(path, cfg, torch.float32, torch.device("cpu"), keep_fp8=True, quantization="int4")

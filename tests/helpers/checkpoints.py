@@ -155,3 +155,26 @@ def add_mtp_head(path: Path, seed: int = 0, std: float = 0.2) -> dict[str, torch
     text["mtp_num_hidden_layers"] = 1
     config_path.write_text(json.dumps(raw, indent=2))
     return tensors
+
+
+FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def store_as_fp8(path: Path, quantization_config: dict | None = None) -> dict[str, torch.Tensor]:
+    """Rewrite a checkpoint made by `make_checkpoint` as DeepSeek's / Moonshot's FP8 releases store it: every
+    `*_proj` (and MLA's `kv_a_proj_with_mqa`) matrix as e4m3 values with a `_scale_inv` per 128 x 128 block, and
+    `quantization_config` in config.json (default: DeepSeek-V3's). Returns the stored tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from tsterm_kernels.quant import quantize_fp8
+
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))]:
+        q = quantize_fp8(tensors[name])
+        tensors[name], tensors[name + "_scale_inv"] = q.data, q.scale
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = FP8_BLOCKS if quantization_config is None else quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors

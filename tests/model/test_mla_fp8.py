@@ -7,20 +7,18 @@ tokens on the torch kernels."""
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from tsterm_kernels import quant
-from tsterm_kernels.quant import QuantizedWeight, quantize_fp8
+from tsterm_kernels.quant import QuantizedWeight
 
 from tsterm import LLM, SamplingParams
 from tsterm.config import ModelConfig
 from tsterm.engine import model_runner
 from tsterm.model.loader import load_weights
 
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint, store_as_fp8
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,15 +32,7 @@ def fp8_checkpoint(path, overrides: dict):
     """A random deepseek_v3 checkpoint rewritten as DeepSeek's FP8 releases store it. Returns (path, config, the
     stored tensors)."""
     path, _ = make_checkpoint(path, "deepseek_v3", dict(BASE, **overrides))
-    tensors = load_file(path / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(("_proj.weight", "_proj_with_mqa.weight"))]:
-        q = quantize_fp8(tensors[name])
-        tensors[name], tensors[name + "_scale_inv"] = q.data, q.scale
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
+    tensors = store_as_fp8(path)
     return path, ModelConfig.from_dir(path), tensors
 
 
