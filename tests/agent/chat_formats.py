@@ -276,3 +276,44 @@ def assistant_reply(template: str, message: dict, tools: list[dict] | None = Non
     for end in ("[e~[", "<｜end▁of▁sentence｜>", "<|im_end|>"):
         reply = reply.split(end)[0]
     return reply
+
+
+# ---- the tools the format tests offer, and reading a reply with tsterm's parser
+
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+                   "required": ["path"], "additionalProperties": False}}}
+EDIT = {"type": "function", "function": {
+    "name": "edit", "description": "Edit a file.",
+    "parameters": {"type": "object", "properties": {
+        "path": {"type": "string"}, "text": {"type": "string"}, "dry_run": {"type": "boolean"},
+        "options": {"type": "object"}, "ranges": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["path"]}}}
+TOOLS = [READ_FILE, EDIT]
+
+
+def parse(text: str, tools=TOOLS, chunks: list[int] | None = None) -> list:
+    """`text` fed to a ToolCallParser in pieces of `chunks` characters (the rest in one), then finished."""
+    from tsterm.agent.tool_calls import ToolCallParser
+
+    parser = ToolCallParser(tools)
+    events, position = [], 0
+    for size in chunks or [len(text)]:
+        events += parser.feed(text[position:position + size])
+        position += size
+    events += parser.feed(text[position:]) + parser.finish()
+    return events
+
+
+def calls_of(events) -> list:
+    from tsterm.agent.tool_calls import ToolCall
+
+    return [e for e in events if isinstance(e, ToolCall)]
+
+
+def rebuilt(events) -> str:
+    """The reply again from its events: the text deltas and the calls' raw text."""
+    from tsterm.agent.tool_calls import TextDelta
+
+    return "".join(e.text if isinstance(e, TextDelta) else e.raw for e in events)

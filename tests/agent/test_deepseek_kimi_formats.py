@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.agent.chat_formats import DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, TEMPLATES, assistant_reply, render
-from tsterm.agent.tool_calls import (DEEPSEEK_CALL, DEEPSEEK_SECTION, KIMI_CALL, KIMI_SECTION, TextDelta, ToolCall,
+from tests.agent.chat_formats import (DEEPSEEK_V3, DEEPSEEK_V31, KIMI_K2, TEMPLATES, TOOLS, assistant_reply,
+                                      calls_of, parse, rebuilt, render)
+from tsterm.agent.tool_calls import (DEEPSEEK_CALL, DEEPSEEK_SECTION, KIMI_CALL, KIMI_SECTION, TextDelta,
                                      ToolCallParser)
 from tsterm.server.responses_api import ReasoningSplit
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
@@ -22,17 +23,6 @@ FAMILIES = ["deepseek_v3", "deepseek_v31", "kimi_k2"]
 SECTION = {"deepseek_v3": DEEPSEEK_SECTION, "deepseek_v31": DEEPSEEK_SECTION, "kimi_k2": KIMI_SECTION}
 CALL = {"deepseek_v3": DEEPSEEK_CALL, "deepseek_v31": DEEPSEEK_CALL, "kimi_k2": KIMI_CALL}
 
-READ_FILE = {"type": "function", "function": {
-    "name": "read_file", "description": "Read a file.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
-                   "required": ["path"], "additionalProperties": False}}}
-EDIT = {"type": "function", "function": {
-    "name": "edit", "description": "Edit a file.",
-    "parameters": {"type": "object", "properties": {
-        "path": {"type": "string"}, "text": {"type": "string"}, "dry_run": {"type": "boolean"},
-        "options": {"type": "object"}, "ranges": {"type": "array", "items": {"type": "integer"}}},
-        "required": ["path"]}}}
-TOOLS = [READ_FILE, EDIT]
 CALLS = [("read_file", {"path": "notes/a b.txt", "limit": 5}),
          ("edit", {"path": "x.py", "text": "if a < b:\n    return {\"k\": 1}\n```", "dry_run": True,
                    "options": {"k": [1, 2], "s": "é"}, "ranges": [3, 4]})]
@@ -44,24 +34,6 @@ def message(calls=CALLS, content="Let me look.") -> dict:
             "tool_calls": [{"id": f"functions.{n}:{i}", "type": "function",
                             "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}}
                            for i, (n, a) in enumerate(calls)]}
-
-
-def parse(text: str, tools=TOOLS, chunks: list[int] | None = None) -> list:
-    parser = ToolCallParser(tools)
-    events, position = [], 0
-    for size in chunks or [len(text)]:
-        events += parser.feed(text[position:position + size])
-        position += size
-    events += parser.feed(text[position:]) + parser.finish()
-    return events
-
-
-def calls_of(events) -> list[ToolCall]:
-    return [e for e in events if isinstance(e, ToolCall)]
-
-
-def rebuilt(events) -> str:
-    return "".join(e.text if isinstance(e, TextDelta) else e.raw for e in events)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,24 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.agent.chat_formats import GLM45, MINIMAX_M2, TEMPLATES, assistant_reply, render
-from tsterm.agent.tool_calls import MINIMAX_OPEN, TextDelta, ToolCall, ToolCallParser
+from tests.agent.chat_formats import (GLM45, MINIMAX_M2, TEMPLATES, TOOLS, assistant_reply, calls_of, parse,
+                                      rebuilt, render)
+from tsterm.agent.tool_calls import MINIMAX_OPEN, TextDelta
 from tsterm.server.responses_api import ReasoningSplit
 from tsterm.server.tool_stream import CallArguments, CallEnd, CallStart, ReplyParser
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-READ_FILE = {"type": "function", "function": {
-    "name": "read_file", "description": "Read a file.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
-                   "required": ["path"], "additionalProperties": False}}}
-EDIT = {"type": "function", "function": {
-    "name": "edit", "description": "Edit a file.",
-    "parameters": {"type": "object", "properties": {
-        "path": {"type": "string"}, "text": {"type": "string"}, "dry_run": {"type": "boolean"},
-        "options": {"type": "object"}, "ranges": {"type": "array", "items": {"type": "integer"}}},
-        "required": ["path"]}}}
-TOOLS = [READ_FILE, EDIT]
 CALLS = [("read_file", {"path": "notes/a b.txt", "limit": 5}),
          ("edit", {"path": "x.py", "text": "if a < b:\n    return {\"k\": 1}", "dry_run": True,
                    "options": {"k": [1, 2], "s": "é"}, "ranges": [3, 4]})]
@@ -37,24 +27,6 @@ def message(calls=CALLS, content="Let me look.", reasoning="The user wants the f
     return {"content": content, "reasoning_content": reasoning,
             "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
                            for i, (n, a) in enumerate(calls)]}
-
-
-def parse(text: str, tools=TOOLS, chunks: list[int] | None = None) -> list:
-    parser = ToolCallParser(tools)
-    events, position = [], 0
-    for size in chunks or [len(text)]:
-        events += parser.feed(text[position:position + size])
-        position += size
-    events += parser.feed(text[position:]) + parser.finish()
-    return events
-
-
-def calls_of(events) -> list[ToolCall]:
-    return [e for e in events if isinstance(e, ToolCall)]
-
-
-def rebuilt(events) -> str:
-    return "".join(e.text if isinstance(e, TextDelta) else e.raw for e in events)
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "minimax_m2"])

@@ -130,23 +130,19 @@ def _body(raw: str) -> str:
 def arguments_text(call: ToolCall) -> str:
     """A complete call's arguments as the client gets them (see the module docstring)."""
     written = call_arguments(call)  # a harmony call: its content is the arguments object
-    if written:
-        try:
-            if json.loads(written) == call.arguments:
-                return written
-        except json.JSONDecodeError:
-            pass
-        return json.dumps(call.arguments, ensure_ascii=False)
-    scanner = CallScanner()
-    scanner.feed(_body(call.raw))
-    if scanner.arguments_end is not None:
-        text = scanner.arguments_so_far()
-        try:
-            if json.loads(text) == call.arguments:
-                return text
-        except json.JSONDecodeError:
-            pass
-    return json.dumps(call.arguments, ensure_ascii=False)
+    if not written:
+        scanner = CallScanner()
+        scanner.feed(_body(call.raw))
+        written = scanner.arguments_so_far() if scanner.arguments_end is not None else ""
+    return written if _same_arguments(written, call.arguments) else json.dumps(call.arguments, ensure_ascii=False)
+
+
+def _same_arguments(text: str, arguments: dict) -> bool:
+    """Whether `text` is JSON for exactly `arguments` (then the client gets the model's own text)."""
+    try:
+        return json.loads(text) == arguments
+    except json.JSONDecodeError:
+        return False
 
 
 @dataclass(frozen=True)
