@@ -12,17 +12,15 @@ import io
 
 import pytest
 
-from tests.server.harmony_model import make_harmony_checkpoint
+from tests.server.harmony_model import GREETING_REPLY, PRODUCT_REPLY, make_harmony_checkpoint
 from tsterm import LLM, SamplingParams
 from tsterm.agent.harmony import HarmonyFormat, chat_format, render
 from tsterm.chat.line_chat import LineChat
 from tsterm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 BLOCK = 4
-FIRST = ("<|channel|>analysis<|message|>The user greets me; greet back.<|end|><|start|>assistant<|channel|>final"
-         "<|message|>Hello there!<|return|>")
-SECOND = ("<|channel|>analysis<|message|>Seven times eight is 56.<|end|><|start|>assistant<|channel|>final"
-          "<|message|>It is 56.<|return|>")
+FIRST = GREETING_REPLY
+SECOND = PRODUCT_REPLY
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,11 @@ from tsterm.config import SamplingParams
 from tsterm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 FAMILY = FAMILIES["gpt-oss"]
+# two scripted replies of a harmony chat (analysis, then final), for the chat paths' tests
+GREETING_REPLY = ("<|channel|>analysis<|message|>The user greets me; greet back.<|end|>"
+                  "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>")
+PRODUCT_REPLY = ("<|channel|>analysis<|message|>Seven times eight is 56.<|end|>"
+                 "<|start|>assistant<|channel|>final<|message|>It is 56.<|return|>")
 
 
 def make_harmony_checkpoint(path: Path) -> Path:

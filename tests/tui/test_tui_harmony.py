@@ -14,7 +14,7 @@ import math
 import pytest
 
 from tests.helpers.reasoning_templates import FAMILIES, family_tokenizer
-from tests.server.harmony_model import ScriptedEngine, make_harmony_checkpoint
+from tests.server.harmony_model import GREETING_REPLY, PRODUCT_REPLY, ScriptedEngine, make_harmony_checkpoint
 from tests.tui.helpers import chat_screen, say, turns_done, wait_until
 from tsterm.agent.harmony import chat_format, render
 from tsterm.agent.loop import ReasoningChunk, TextChunk
@@ -30,10 +30,8 @@ from tsterm.tui.widgets.chat_log import MessageView, ReplyView
 
 SIZE = (160, 50)
 BLOCK = 4
-FIRST = ("<|channel|>analysis<|message|>The user greets me; greet back.<|end|><|start|>assistant<|channel|>final"
-         "<|message|>Hello there!<|return|>")
-SECOND = ("<|channel|>analysis<|message|>Seven times eight is 56.<|end|><|start|>assistant<|channel|>final"
-          "<|message|>It is 56.<|return|>")
+FIRST = GREETING_REPLY
+SECOND = PRODUCT_REPLY
 CALL = ("<|channel|>analysis<|message|>Use the calculator for 6*7.<|end|><|start|>assistant<|channel|>commentary "
         'to=functions.calculator <|constrain|>json<|message|>{"expression":"6*7"}<|call|>')
 ANSWER = ("<|channel|>analysis<|message|>The tool said 42.<|end|><|start|>assistant<|channel|>final<|message|>"
