@@ -38,6 +38,10 @@ class AttentionMetadata:
     # A hybrid model's step: the recurrent-state layers' index tensors (set with the step inputs; a layer that finds
     # None builds it once from the host lists and stores it here, as for the device copies above)
     recurrent: RecurrentPlan | None = None
+    # A model whose sliding layers keep their K/V in a window pool of their own (`tsterm.model.cache.WINDOW_POOL`):
+    # the same rows and contexts over that pool's block ids (its own block tables, with a null block for the entries
+    # before each window, and slot mapping); the sliding layers read this one. None: no window pool.
+    window: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -203,6 +203,10 @@ class EngineConfig:
     # of it once the profile run's working memory (largest step, sampler, CUDA graphs) is taken off
     kv_cache_fraction: float = 0.5
     num_kv_blocks: int | None = None  # exact pool size (overrides the memory budget); tests use it
+    # a model with sliding-window and full attention layers (gpt-oss): blocks of the sliding layers' own pool, whose
+    # blocks go back once out of every running sequence's window (kept in the prefix cache); None: sized by the rule
+    # in `tsterm.model.cache.window_pool_blocks`; 0: no window pool (the sliding layers keep every block)
+    window_kv_blocks: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
@@ -258,6 +262,9 @@ class EngineConfig:
         _check(0.0 < self.kv_cache_fraction <= 0.95, f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
                f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        _check(self.window_kv_blocks is None or (_is_int(self.window_kv_blocks) and self.window_kv_blocks >= 0),
+               f"window_kv_blocks must be blocks >= 0 (0: no window pool), got {self.window_kv_blocks!r}",
+               "window_kv_blocks")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2, got {self.max_model_len}")
         _check(self.kernels in ("auto", "torch", "triton"), f"kernels must be auto, torch or triton, got {self.kernels!r}")

@@ -17,8 +17,9 @@ def test_a_padded_decode_step_matches_the_unpadded_one(tmp_path, monkeypatch):
     model_dir, _ = make_checkpoint(tmp_path / "m", "gpt_oss", dict(
         num_local_experts=5, num_experts_per_tok=2, num_attention_heads=5, num_key_value_heads=1, sliding_window=4,
         num_hidden_layers=2))
+    # (no window pool: a decode graph's static step buffers carry no window tables, `StepLayout(window=...)`)
     engine = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=48,
-                 kernels="triton").engine
+                 kernels="triton", window_kv_blocks=0).engine
     runner = engine.executor
     gen = torch.Generator().manual_seed(0)
     for n in (5, 10, 3):  # windows of 4: two of the three contexts are longer

@@ -25,7 +25,7 @@ from tsterm.engine.block_pool import BlockPool
 from tsterm.engine.copy_audit import CopyAudit
 from tsterm.engine.executor import ExecutorFactory, ExecutorSpec
 from tsterm.engine.isolation import SamplingCheckpoint, isolate
-from tsterm.engine.kv_manager import KVCacheManager
+from tsterm.engine.kv_manager import KVCacheManager, WindowBlocks
 from tsterm.engine.kv_tier import engine_fingerprint, open_tiers
 from tsterm.engine.model_runner import ModelRunner
 from tsterm.engine.request import Request, Sample
@@ -117,7 +117,14 @@ class Engine:
         except BaseException:  # (refused: the executor's ranks and device memory go now, not at garbage collection)
             self.executor.shutdown()
             raise
-        self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval, tier=tier)
+        window = None  # the sliding layers' own pool (gpt-oss), when the executor keeps one: `WindowBlocks`
+        if getattr(self.executor, "num_window_blocks", 0):
+            num_window = self.executor.num_window_blocks
+            window = WindowBlocks(BlockPool(num_window, config.block_size, fingerprint=fingerprint,
+                                            enable_prefix_caching=config.enable_prefix_caching,
+                                            max_pinned_blocks=int(config.max_pinned_fraction * num_window)),
+                                  self.executor.window)
+        self.kv = KVCacheManager(pool, snapshot_interval=config.state_snapshot_interval, tier=tier, window=window)
         # speculative decoding: the draft source (None: off); a step verifies what it drafts (`_accept`)
         self.drafter: DraftSource | None = None
         if config.speculative_method != "off":
@@ -554,6 +561,7 @@ class Engine:
             preemptions=self.scheduler.num_preemptions, steps=self.num_steps,
             generated_tokens=self.num_generated_tokens, prefill_tokens=self.scheduler.num_prefill_tokens,
             block_size=self.config.block_size, kv_bytes_per_block=self.executor.kv_bytes_per_block,
+            window_bytes_per_block=getattr(self.executor, "window_bytes_per_block", 0),
             state_bytes=self.executor.state_bytes,
         )
         s.update(self.metrics.spec.stats())  # spec_num_drafts, spec_draft_tokens, ..., spec_sources (stats.py)

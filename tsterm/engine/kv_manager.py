@@ -13,6 +13,85 @@ if TYPE_CHECKING:
     from tsterm.engine.kv_tier import DiskTier, TierRead
 
 
+class WindowBlocks:
+    """The sliding-window layers' blocks (a model with both sliding and full attention layers, gpt-oss): a second
+    `BlockPool` of their own ids, whose KV the executor keeps in a pool of its own (`ModelCache`'s window pool), and
+    each sequence's `Sequence.window_table`, entry i for the positions of `block_table[i]`.
+
+    A sliding layer's query at position p reads keys [p - window + 1, p] only. Once a sequence's next position to
+    compute is n, the entries wholly before n's window (`first_needed(n)`) are never read again: `KVCacheManager`
+    releases them after each step's tokens are committed, writing `NULL` in their place. A released block that was
+    registered keeps its chain hash while it stays unevicted (a cached block, as in the main pool), so a later prompt
+    whose prefix ends there can take it. The same chain hashes name a block in both pools.
+
+    `NULL` (id 0) is reserved for life, never handed out: the kernels never read a table entry before a row's
+    window (the C kernels substitute the window's first entry, the torch twin gathers from the window's first
+    position, the Triton kernel masks what a tile holds before it), and were one read, it would be a real block."""
+
+    NULL = 0
+
+    def __init__(self, pool: BlockPool, window: int):
+        assert window >= 1 and pool.num_blocks >= 2, (window, pool.num_blocks)
+        self.pool, self.window, self.block_size = pool, window, pool.block_size
+        null = pool.allocate()  # held for life: never free, never cached, never evicted
+        assert null == self.NULL, null
+        self.released_blocks = 0  # table entries released (their block back to the pool, its hash kept)
+        self.hit_blocks = 0  # window blocks prompts took by reference (`match_prefix`)
+        self.cow_copies = 0
+
+    def first_needed(self, position: int) -> int:
+        """The first table entry that the window of a query at `position` reads."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def blocks_per_seq(self, num_drafts: int = 0) -> int:
+        """The most window blocks a decoding sequence holds (its window, its next token's block, its drafts')."""
+        return -(-(self.window + num_drafts) // self.block_size) + 1
+
+    def cut(self, run: list[tuple[int, int]], tokens: list[int], root: int | None) -> tuple[int, list[int]]:
+        """For a main-pool run of cached full blocks (id, chain hash) prefixing `tokens`: the largest k <= len(run)
+        such that this pool still holds the blocks covering the window of position k*B ([first_needed(kB), k)), and
+        the window table for it (NULL before that window, the found blocks after; not acquired)."""
+        B, pool = self.block_size, self.pool
+        found: list[int | None] = []
+        missing, best = -1, 0
+        for i, (_, block_hash) in enumerate(run):
+            parent = run[i - 1][1] if i else root
+            block_id = pool.lookup(block_hash, tokens[i * B:(i + 1) * B], parent)
+            found.append(block_id)
+            if block_id is None:
+                missing = i
+            if missing < self.first_needed((i + 1) * B):
+                best = i + 1
+        first = self.first_needed(best * B)
+        return best, [self.NULL] * first + found[first:best]
+
+    def stats(self) -> dict[str, int]:
+        """The window pool's counters (`window_*`); its reserved NULL block counted in none."""
+        s = self.pool.stats()
+        return {"window": self.window, "window_blocks": s["num_blocks"] - 1, "window_free": s["free"],
+                "window_used": s["used"] - 1, "window_cached": s["cached"], "window_shared": s["shared"],
+                "window_evictions": s["evictions"], "window_released": self.released_blocks,
+                "window_hit_blocks": self.hit_blocks, "window_cow_copies": self.cow_copies,
+                "window_pinned_blocks": s["pinned_blocks"]}
+
+    def check(self, seqs: list[Sequence]) -> None:
+        """O(blocks) consistency of the live sequences' window tables with the pool's ref counts (tests)."""
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for seq in seqs:
+            assert len(seq.window_table) == len(seq.block_table), seq
+            first = seq.window_released
+            assert all(b == self.NULL for b in seq.window_table[:first]), seq
+            assert self.NULL not in seq.window_table[first:], seq
+            assert first <= self.first_needed(seq.num_computed_tokens) or not seq.block_table, seq
+            for block_id in seq.window_table[first:]:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        null = self.pool.blocks[self.NULL]
+        assert null.ref_cnt == 1 and null.block_hash is None and null.pin_cnt == 0, null
+        for block in self.pool.blocks[1:]:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (block, refs.get(block.block_id, 0))
+
+
 class KVCacheManager:
     """Owns every `Sequence.block_table`. Block i of a table holds the KV of positions `[i*B, (i+1)*B)`.
 
@@ -43,10 +122,21 @@ class KVCacheManager:
     by reference) instead of computed. A hybrid's snapshots go to the tier when they are kept with their block
     (`free`, `keep_interval_snapshot`), and its prompt resumes at the furthest block boundary whose blocks and state
     the pool or the tier holds (`_match_hybrid_from_tier`).
+
+    With a window pool (`window`: `WindowBlocks`), every operation is mirrored on each sequence's `window_table`:
+    a prefix hit is the largest block boundary whose full blocks the main pool holds and whose window the window
+    pool still holds (its blocks taken by reference, NULL before them); a finished sequence's partial block is kept in
+    both pools and taken only from both; slots, copy-on-write, commits, forks, trims, frees and pins act on both
+    pools, and `can_append` counts both. After each commit the entries wholly before the window of the next position
+    go back to the window pool (`_release_window`). Not with a tier or recurrent state (the executor keeps the
+    window pool off there).
     """
 
-    def __init__(self, pool: BlockPool, snapshot_interval: int = 0, tier: DiskTier | None = None):
+    def __init__(self, pool: BlockPool, snapshot_interval: int = 0, tier: DiskTier | None = None,
+                 window: WindowBlocks | None = None):
+        assert window is None or (tier is None and not pool.num_state_slots), "a window pool without tier or state"
         self.pool = pool
+        self.window = window
         self.tier = tier
         self.tier_hit_tokens = 0  # prompt tokens of admitted requests served from the tier (in prefix_hit)
         self.tier_hit_tokens_by = {"host": 0, "disk": 0}  # the same by the tier that served them
@@ -75,6 +165,16 @@ class KVCacheManager:
         B, tokens, root = self.block_size, seq.token_ids, self._root(seq)
         chain: list[int] = []
         run = self._cached_run(tokens, (len(tokens) - 1) // B, root)
+        window = self.window
+        if window is not None:  # cut where the window pool still holds the blocks of the next position's window
+            cut, window_table = window.cut(run, tokens, root)
+            del run[cut:]
+            for block_id in window_table:
+                if block_id != window.NULL:
+                    window.pool.acquire(block_id)
+            window.hit_blocks += sum(block_id != window.NULL for block_id in window_table)
+            seq.window_table = window_table
+            seq.window_released = window.first_needed(cut * B)
         if self.num_state_slots:  # a hybrid resumes only where a state snapshot was kept: the run is cut there
             while run and self.pool.blocks[run[-1][0]].snapshot is None:
                 run.pop()
@@ -91,10 +191,19 @@ class KVCacheManager:
         num_cached = len(chain) * B
         if self.pool.enable_prefix_caching and not self.num_state_slots:  # (a hybrid's state is kept per block)
             partial = self.pool.lookup_partial(chain[-1] if chain else root, tokens[num_cached:len(tokens) - 1])
+            window_partial = None
+            if partial is not None and window is not None:  # (taken only when the window pool kept its twin)
+                window_partial = window.pool.lookup_partial(chain[-1] if chain else root,
+                                                            tokens[num_cached:len(tokens) - 1])
+                partial = None if window_partial is None else (partial[0], min(partial[1], window_partial[1]))
             if partial is not None:
                 self.pool.take_partial(partial[0])
                 seq.block_table.append(partial[0])
                 num_cached += partial[1]
+                if window_partial is not None:
+                    window.pool.take_partial(window_partial[0])
+                    seq.window_table.append(window_partial[0])
+                    window.hit_blocks += 1
             elif self.tier is not None:
                 num_cached += self._partial_from_tier(seq, chain[-1] if chain else root,
                                                       tokens[num_cached:len(tokens) - 1], loads)
@@ -245,18 +354,39 @@ class KVCacheManager:
         partly filled block after its full ones is what `offload_pins` saves with them."""
         cached = self.cached_prefix_blocks(list(token_ids), cache_salt)
         num_pinned = self.pool.pin(key, cached, expires_at)
+        if self.window is not None:  # and the window pool's blocks of the window where the pinned run ends
+            self._pin_window(key, list(token_ids), num_pinned, cache_salt, expires_at)
         self._pinned_tokens.pop(key, None)
         if num_pinned and self.tier is not None:
             self._pinned_tokens[key] = (list(token_ids), cache_salt)
         return num_pinned, len(cached)
 
+    def _pin_window(self, key: str, token_ids: list[int], num_blocks: int, cache_salt: str | None,
+                    expires_at: float) -> None:
+        """Pin under `key` in the window pool the blocks it holds of the window at the end of the first `num_blocks`
+        full blocks of `token_ids` (what `match_prefix` needs there), the run after the last one it lacks."""
+        window, B = self.window, self.block_size
+        root = None if cache_salt is None else self.pool.salt_root(cache_salt)
+        run = self._cached_run(token_ids, num_blocks, root)
+        blocks: list[int] = []
+        for i in range(window.first_needed(len(run) * B), len(run)):
+            block_id = window.pool.lookup(run[i][1], token_ids[i * B:(i + 1) * B], run[i - 1][1] if i else root)
+            blocks = [] if block_id is None else blocks + [block_id]
+        window.pool.unpin(key)
+        if blocks:
+            window.pool.pin(key, blocks, expires_at)
+
     def unpin(self, key: str) -> bool:
         self._pinned_tokens.pop(key, None)
+        if self.window is not None:
+            self.window.pool.unpin(key)
         return self.pool.unpin(key)
 
     def expire_pins(self, now: float) -> int:
         if self.tier is not None:  # (the start of a schedule: the tier's copies deferred after the last step run)
             self.tier.before_schedule()
+        if self.window is not None:
+            self.window.pool.expire_pins(now)
         expired = self.pool.expire_pins(now)
         if expired and self._pinned_tokens:
             live = self.pool.pins()
@@ -366,8 +496,19 @@ class KVCacheManager:
         cow = [i for i in range(start // B, min(len(table), num_blocks)) if self.pool.blocks[table[i]].ref_cnt > 1]
         return max(0, num_blocks - len(table)), cow
 
+    def _window_cow(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Window-table indices the next num_new_tokens write that another table also holds (a fork's partial block)."""
+        B, table, pool = self.block_size, seq.window_table, self.window.pool
+        start = seq.num_computed_tokens
+        end = -(-(start + num_new_tokens) // B)
+        assert start // B >= seq.window_released, f"{seq}: a write into a released window entry"
+        return [i for i in range(start // B, min(len(table), end)) if pool.blocks[table[i]].ref_cnt > 1]
+
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         num_new, cow = self._plan(seq, num_new_tokens)
+        if self.window is not None and not self.window.pool.can_allocate(
+                num_new + len(self._window_cow(seq, num_new_tokens))):
+            return False
         return self.pool.can_allocate(num_new + len(cow))
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -380,6 +521,12 @@ class KVCacheManager:
         if not pool.can_allocate(num_new + len(cow)):
             raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {num_new + len(cow)} KV blocks, "
                                     f"{pool.num_free} free or evictable")
+        if self.window is not None:  # (checked before either pool changes: all or nothing)
+            window_cow = self._window_cow(seq, num_new_tokens)
+            if not self.window.pool.can_allocate(num_new + len(window_cow)):
+                raise NoFreeBlocksError(f"sequence {seq.seq_id} needs {num_new + len(window_cow)} window KV blocks, "
+                                        f"{self.window.pool.num_free} free or evictable")
+            self._allocate_window(seq, num_new, window_cow)
         if self.num_state_slots and seq.state_slot < 0:  # (the pool has slots for every sequence that may run)
             seq.state_slot = pool.allocate_state_slot()
             if pool.enable_prefix_caching:
@@ -401,6 +548,37 @@ class KVCacheManager:
             new.append(pool.allocate(prefer=None if last is None else last + 1))
         table.extend(sorted(new))
         return copies
+
+    def _allocate_window(self, seq: Sequence, num_new: int, cow: list[int]) -> None:
+        """`allocate_slots` on the window table: its shared blocks copied on write (the pairs queued on the sequence
+        for its step's runner, `Sequence.window_copies`) and `num_new` new blocks, consecutive where the ids allow."""
+        window, table = self.window, seq.window_table
+        for i in cow:
+            src, dst = table[i], window.pool.allocate()
+            table[i] = dst
+            window.pool.release(src)  # still referenced by the other branch
+            if i * self.block_size < seq.num_computed_tokens:
+                seq.window_copies.append((src, dst))
+                window.cow_copies += 1
+        new: list[int] = []
+        for _ in range(num_new):
+            last = new[-1] if new else table[-1] if table else None
+            new.append(window.pool.allocate(prefer=None if last is None or last == window.NULL else last + 1))
+        table.extend(sorted(new))
+
+    def _release_window(self, seq: Sequence) -> None:
+        """Give the window pool back the entries of `seq`'s window table wholly before the window of its next
+        position (its computed tokens: chunks and accepted drafts included; a rejected draft never counts), oldest
+        first, so the LRU evicts the oldest first. A registered block stays cached under its hash."""
+        window = self.window
+        first = min(window.first_needed(seq.num_computed_tokens), len(seq.window_table))
+        table = seq.window_table
+        for i in range(seq.window_released, first):
+            window.pool.release(table[i])
+            table[i] = window.NULL
+        if first > seq.window_released:
+            window.released_blocks += first - seq.window_released
+            seq.window_released = first
 
     def snapshot_at(self, seq: Sequence, num_new_tokens: int) -> int:
         """Where the model snapshots `seq`'s state while computing its next `num_new_tokens`: the last block boundary
@@ -443,8 +621,15 @@ class KVCacheManager:
         return [table[p // B] * B + p % B for p in range(start, end)]
 
     def commit(self, seq: Sequence) -> None:
-        """Register the blocks filled (computed) since the last commit, generated tokens included."""
+        """Register the blocks filled (computed) since the last commit, generated tokens included. With a window
+        pool: their window blocks too, under the same hashes, then the window entries no later position reads go back
+        to it (`_release_window`); the step that wrote them has run (its window copies with it)."""
+        window = self.window
+        if window is not None:
+            seq.window_copies = []
         if not self.pool.enable_prefix_caching:
+            if window is not None:
+                self._release_window(seq)
             return
         B, chain = self.block_size, self._chain.setdefault(seq.seq_id, [])
         if self.tier is not None:
@@ -453,8 +638,12 @@ class KVCacheManager:
             parent = chain[-1] if chain else self._root(seq)
             block_id, block_tokens = seq.block_table[i], seq.token_ids[i * B:(i + 1) * B]
             chain.append(self.pool.register(block_id, parent, block_tokens))
+            if window is not None and i >= seq.window_released:
+                window.pool.register(seq.window_table[i], parent, block_tokens)
             if self.tier is not None and self.pool.blocks[block_id].block_hash == chain[-1]:  # write-through
                 self.tier.save_block(block_id, chain[-1], parent, block_tokens)
+        if window is not None:
+            self._release_window(seq)
 
     def trim(self, seq: Sequence) -> int:
         """Release the blocks of `seq`'s table past what its computed tokens and its next one need: after a verify
@@ -467,6 +656,10 @@ class KVCacheManager:
             assert self.pool.blocks[block_id].block_hash is None, f"trim of registered block {block_id} of {seq}"
             self.pool.release(block_id)
         del seq.block_table[keep:]
+        if self.window is not None:
+            for block_id in reversed(seq.window_table[keep:]):
+                self.window.pool.release(block_id)
+            del seq.window_table[keep:]
         return len(extra)
 
     def take_draft_state_slots(self, seq: Sequence, num_drafts: int) -> list[int]:
@@ -536,6 +729,10 @@ class KVCacheManager:
         for block_id in parent.block_table:
             self.pool.acquire(block_id)
         child.block_table = list(parent.block_table)
+        if self.window is not None:
+            for block_id in parent.window_table[parent.window_released:]:
+                self.window.pool.acquire(block_id)
+            child.window_table, child.window_released = list(parent.window_table), parent.window_released
         child.num_computed_tokens = parent.num_computed_tokens
         self._chain[child.seq_id] = list(self._chain.get(parent.seq_id, ()))
         return copies
@@ -573,9 +770,15 @@ class KVCacheManager:
             partial_tokens = seq.token_ids[computed // B * B:computed]
             if self.pool.keep_partial(block_id, parent, partial_tokens) and self.tier is not None:
                 self.tier.save_partial(block_id, parent, partial_tokens)  # (the next turn's, after a restart too)
+            if self.window is not None:  # its twin, which `match_prefix` needs to take either
+                self.window.pool.keep_partial(seq.window_table[computed // B], parent, partial_tokens)
         for block_id in reversed(seq.block_table):  # tail blocks become least recent: evicted first
             self.pool.release(block_id)
         seq.block_table = []
+        if self.window is not None:
+            for block_id in reversed(seq.window_table[seq.window_released:]):
+                self.window.pool.release(block_id)
+            seq.window_table, seq.window_released, seq.window_copies = [], 0, []
         seq.num_computed_tokens = 0
         self._chain.pop(seq.seq_id, None)
         self._tier_tokens.pop(seq.seq_id, None)
@@ -591,6 +794,8 @@ class KVCacheManager:
                 "prefix_hit_tokens": self.prefix_hit_tokens, "kv_tier_hit_tokens": self.tier_hit_tokens,
                 "cow_copies": self.cow_copies, "state_slots": self.num_state_slots,
                 "state_interval_snapshots": self.interval_snapshots, **tier}
+        if self.window is not None:
+            out.update(self.window.stats())
         if self.tier is not None:
             out["kv_host_hit_tokens"] = self.tier_hit_tokens_by["host"]
             out["kv_disk_hit_tokens"] = self.tier_hit_tokens_by["disk"]

@@ -39,7 +39,7 @@ from tsterm.engine.step_inputs import (
 )
 from tsterm.model.arch import ARCHITECTURES
 from tsterm.errors import ConfigError
-from tsterm.model.cache import ModelCache, PagedKVPool, num_state_slots
+from tsterm.model.cache import ModelCache, PagedKVPool, num_state_slots, sliding_window, window_pool_blocks
 from tsterm.model.cpu_kernels import choose as choose_cpu_kernels
 from tsterm.model.decoder import DecoderModel
 from tsterm.model.hybrid_loader import load_hybrid_weights
@@ -98,9 +98,17 @@ class ModelRunner(Executor):
             mtp_weights = load_mtp_weights(spec.model_dir, cfg, spec.dtype, spec.device)
         self.mtp_scratch_per_seq = -(-config.num_speculative_tokens // self.block_size) if mtp_weights else 0
         mtp_block_bytes = PagedKVPool.bytes_per_block(cfg, 1, self.block_size, spec.dtype, layout) if mtp_weights else 0
+        # sliding and full attention layers (gpt-oss): the sliding layers' K/V in a window pool of their own, whose
+        # blocks go back once out of every later position's window (`tsterm.engine.kv_manager.WindowBlocks`)
+        self.window = self._window_pool(config, layer_types, layout.world_size, mtp_weights is not None)
+        self.num_window_blocks = 0  # blocks of the window pool, its null block included (0: none)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
-        self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout)
+        pools = "main" if self.window else "all"
+        self.kv_bytes_per_block = ModelCache.bytes_per_block(cfg, layer_types, self.block_size, spec.dtype, layout,
+                                                             pools=pools)
         self.kv_bytes_per_block += mtp_block_bytes
+        self.window_bytes_per_block = ModelCache.bytes_per_block(
+            cfg, layer_types, self.block_size, spec.dtype, layout, pools="window") if self.window else 0
         self.state_bytes_per_slot = ModelCache.bytes_per_slot(cfg, layer_types, spec.dtype, layout)
         self.state_bytes = self.num_state_slots * self.state_bytes_per_slot
         self.cow_bytes = 0
@@ -126,11 +134,14 @@ class ModelRunner(Executor):
                 spec.progress(0, 0, f"measuring memory: a forward of {tokens} tokens")
             self.memory_profile = self.profile_memory(memory, config, layer_types, weights, use_graphs)
         num_scratch = config.max_num_seqs * self.mtp_scratch_per_seq
-        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block, agree=par.agree_min,
+        self.num_blocks, self.max_model_len = size_cache(spec, self.kv_bytes_per_block + self.window_bytes_per_block,
+                                                         agree=par.agree_min,
                                                          reserved_bytes=self.state_bytes + num_scratch * mtp_block_bytes,
                                                          profile=self.memory_profile)
+        if self.window:
+            self._split_window_pool(spec, speculative)
         self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
-                                num_state_slots=self.num_state_slots)
+                                num_state_slots=self.num_state_slots, num_window_blocks=self.num_window_blocks)
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
         # each float32 shape class's CPU kernel: measured on this machine once (kept in the kernel cache), logged
         self.cpu_kernels = (choose_cpu_kernels(self.model)
@@ -159,6 +170,47 @@ class ModelRunner(Executor):
         # one process on the CPU: its threads follow the cores other processes leave free (a rank's are its own)
         self.cpu_threads = CpuThreads() if self.device.type == "cpu" and layout.world_size == 1 else None
 
+    @staticmethod
+    def _window_pool(config, layer_types, world_size: int, mtp: bool) -> int:
+        """The window the sliding layers' own pool keeps (0: no window pool). Off, with one log line, where it is not
+        mirrored: several ranks (the workers' step protocol carries no window tables), an MTP head, a KV tier."""
+        window = sliding_window(layer_types)
+        if not window or config.window_kv_blocks == 0:
+            return 0
+        reason = ("several ranks" if world_size > 1 else "speculative_method mtp" if mtp
+                  else "a KV tier (kv_disk / kv_host_bytes)" if config.kv_disk is not None or config.kv_host_bytes
+                  else None)
+        if reason is not None:
+            log.info("sliding-window pool off with %s: the sliding layers keep every block", reason)
+            return 0
+        return window
+
+    def _split_window_pool(self, spec: ExecutorSpec, speculative: int) -> None:
+        """Size the window pool (`window_kv_blocks`, or `window_pool_blocks`'s auto rule) and the main pool beside it.
+        `size_cache` counted each block at both pools' bytes (`num_blocks` of each): a budget is split so that both
+        pools together take what that took, the main pool the rest after the window pool; an explicit
+        `num_kv_blocks` is the main pool's. The window pool never gets fewer blocks than one request alone needs."""
+        config, B = spec.config, self.block_size
+        least, auto = window_pool_blocks(self.window, B, config.max_num_seqs, config.max_num_batched_tokens,
+                                         speculative)
+        explicit = config.window_kv_blocks
+        if explicit is not None and explicit < least:
+            raise ConfigError(f"window_kv_blocks {explicit} is too small: one request alone needs {least} window "
+                              f"blocks (a window of {self.window} tokens, its next token's block and a prompt chunk "
+                              f"of max_num_batched_tokens {config.max_num_batched_tokens}, in blocks of {B}, and "
+                              "the reserved null block)", param="window_kv_blocks")
+        both = self.num_blocks
+        num_window = explicit if explicit is not None else min(auto, both + 1)
+        if config.num_kv_blocks is None:  # a budget: the main pool takes what the window pool leaves of it
+            main_bytes, window_bytes = self.kv_bytes_per_block, self.window_bytes_per_block
+            self.num_blocks = max(2, (both * (main_bytes + window_bytes) - num_window * window_bytes) // main_bytes)
+        self.num_window_blocks = num_window
+        self.max_model_len = min(config.max_model_len or spec.model_config.max_position_embeddings,
+                                 self.num_blocks * B)
+        log.info("sliding-window pool: %d blocks of %d tokens for a window of %d (%s) beside %d main blocks (%s)",
+                 num_window - 1, B, self.window, gib(num_window * self.window_bytes_per_block), self.num_blocks,
+                 gib(self.num_blocks * self.kv_bytes_per_block))
+
     def profile_memory(self, memory: MemoryProbe, config, layer_types, weights, use_graphs: bool) -> MemoryProfile:
         """Measure the largest step before the cache exists: one forward of a full prefill chunk (one sequence of
         `max_num_batched_tokens` - `max_num_seqs` + 1 tokens, and `max_num_seqs` - 1 one-token rows beside it, every
@@ -186,14 +238,18 @@ class ModelRunner(Executor):
         free = memory.free_bytes()
         before = memory.allocated_bytes()
         num_blocks, num_slots = first_blocks + rows - 1, rows if self.num_state_slots else 0
+        if self.window:  # (the window pool as big as the other: the step's blocks under the same ids in both)
+            step.window_slot_mapping = list(step.slot_mapping)
+            step.window_block_tables = [list(table) for table in step.block_tables]
         cache = ModelCache(cfg, layer_types, num_blocks, block, self.dtype, self.device, self.par.layout,
-                           num_state_slots=num_slots)
+                           num_state_slots=num_slots, num_window_blocks=num_blocks if self.window else 0)
         # a model as the real one will be (its rotary tables for the longest context): what it allocates besides the
         # cache is allocated again by the real model
         longest = config.max_model_len or cfg.max_position_embeddings
         self.cache, self.model = cache, DecoderModel(cfg, weights, cache, longest, self.ops, self.par)
         baseline = memory.allocated_bytes()
-        cache_bytes = num_blocks * self.kv_bytes_per_block + num_slots * self.state_bytes_per_slot
+        cache_bytes = (num_blocks * (self.kv_bytes_per_block + self.window_bytes_per_block)
+                       + num_slots * self.state_bytes_per_slot)
         model_bytes = max(baseline - before - cache_bytes, 0)
         memory.reset_peak()
         try:
@@ -259,6 +315,10 @@ class ModelRunner(Executor):
                     step.block_tables.append(seq.block_table[:-(-(start + j + 1) // B)])
                     step.state_slots.append(seq.state_slot)
                     step.sample_rows.append(len(step.input_ids) - 1)
+                    if self.window:
+                        step.window_block_tables.append(seq.window_table[:-(-(start + j + 1) // B)])
+                if self.window:
+                    self._window_rows(step, seq, start, n)
                 continue
             step.input_ids.extend(input_ids)
             step.positions.extend(range(start, start + n))
@@ -269,6 +329,9 @@ class ModelRunner(Executor):
             step.state_slots.append(seq.state_slot)
             # one row per sampling sequence, its last; a verify step's: one per position, its drafts' included
             step.sample_rows.extend(range(len(step.input_ids) - sample_rows[i], len(step.input_ids)))
+            if self.window:
+                step.window_block_tables.append(seq.window_table[:-(-(start + n) // B)])
+                self._window_rows(step, seq, start, n)
         if self.num_state_slots:
             step.snapshot_slots = [seq.snapshot_slot for seq in batch.seqs]
             step.snapshot_positions = list(batch.snapshots)
@@ -276,6 +339,12 @@ class ModelRunner(Executor):
             if batch.num_draft_tokens:  # a hybrid's verify: the state after each of its positions kept in a slot
                 step.verify_slots = self._verify_slots(batch)
         return step
+
+    def _window_rows(self, step: HostStep, seq, start: int, n: int) -> None:
+        """The window pool's slots of `seq`'s new positions [start, start + n), and its pending copy-on-write pairs."""
+        B, table = self.block_size, seq.window_table
+        step.window_slot_mapping.extend(table[p // B] * B + p % B for p in range(start, start + n))
+        step.window_copies.extend(seq.window_copies)
 
     @staticmethod
     def _verify_slots(batch: ScheduledBatch) -> list[int]:
@@ -298,7 +367,8 @@ class ModelRunner(Executor):
         return self.prepare_step(self.host_step(batch))
 
     def prepare_step(self, step: HostStep) -> StepInputs:
-        layout = StepLayout(len(step.input_ids), len(step.seq_lens), step.table_width, len(step.sample_rows))
+        layout = StepLayout(len(step.input_ids), len(step.seq_lens), step.table_width, len(step.sample_rows),
+                            window=self.window > 0)
         self.staging.write(layout, step)
         i64, i32 = self.buffers.reserve(layout)
         self.staging.upload(layout, i64, i32)
@@ -318,6 +388,8 @@ class ModelRunner(Executor):
         them (a rank whose logits nobody reads passes False, and gets None)."""
         self.eager_steps += 1
         inputs = self.prepare_step(step)
+        if step.window_copies:  # before the forward: copy-on-write of the window pool's shared partial blocks
+            self.cow_bytes += self.cache.copy_blocks([], step.window_copies)
         if step.state_copies:  # before the forward: a resumed prefix's state, from its snapshot
             self.copy_states([tuple(pair) for pair in step.state_copies])
         snapshots = list(zip(step.snapshot_slots, step.snapshot_positions)) if any(step.snapshot_positions) else None

@@ -31,6 +31,13 @@ class Sequence:
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        # A model with a sliding-window pool (`tsterm.engine.kv_manager.WindowBlocks`; only the KV manager edits these):
+        # the sliding layers' blocks, entry i for the positions of block_table[i]; the leading `window_released`
+        # entries, wholly before the window of the next position, hold `WindowBlocks.NULL` (their block went back to
+        # the window pool); `window_copies`: copy-on-write pairs of window blocks that its next step copies first
+        self.window_table: list[int] = []
+        self.window_released = 0
+        self.window_copies: list[tuple[int, int]] = []
         self.state_slot = -1  # its slot in the model's recurrent-state pools (-1: the model keeps no state)
         # Hybrid models with prefix caching (only the KV manager sets these): the slot where the model keeps its
         # state at `snapshot_position` (its last block boundary scheduled), and the snapshot its cached prefix

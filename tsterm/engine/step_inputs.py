@@ -37,16 +37,21 @@ class StepLayout:
     (token, expert) pairs carry a weight in the expert-load count (1 for a real row, 0 for padding).
     A step of a model with recurrent state also places its plan (`plan_state`, which `HostStaging.write` calls):
     a region after the others in the int64 buffer, sized by how the step's sequences split.
+    `window`: the model keeps its sliding layers' K/V in a window pool: the step also carries their slot mapping
+    [T] and block tables [S, table_width] over that pool's ids (a window table is as long as its block table).
     """
 
-    def __init__(self, num_tokens: int, num_seqs: int, table_width: int, num_samples: int, num_pairs: int = 0):
+    def __init__(self, num_tokens: int, num_seqs: int, table_width: int, num_samples: int, num_pairs: int = 0,
+                 window: bool = False):
         self.num_tokens, self.num_seqs, self.table_width = num_tokens, num_seqs, table_width
-        self.num_samples, self.num_pairs = num_samples, num_pairs
+        self.num_samples, self.num_pairs, self.window = num_samples, num_pairs, window
         self._i64_sizes = {"input_ids": num_tokens, "positions": num_tokens, "slot_mapping": num_tokens,
-                           "sample_rows": num_samples, "pair_weights": num_pairs}
+                           "sample_rows": num_samples, "pair_weights": num_pairs,
+                           "window_slot_mapping": num_tokens if window else 0}
         self.i64, self.i64_size = _pack(self._i64_sizes)
         self.i32, self.i32_size = _pack({"query_start_loc": num_seqs + 1, "seq_lens": num_seqs,
-                                         "state_slots": num_seqs, "block_tables": num_seqs * table_width})
+                                         "state_slots": num_seqs, "block_tables": num_seqs * table_width,
+                                         "window_block_tables": num_seqs * table_width if window else 0})
         self.recurrent: RecurrentPlanShape | None = None  # the plan of the step last written with this layout
 
     def plan_state(self, step: HostStep) -> list[int]:
@@ -80,6 +85,12 @@ class HostStep:
     # hybrid models verifying drafts: [T] the slot that keeps the state after each row of a verify sequence (-1 for
     # the other rows; empty: no verify this step), `plan_recurrent_step`
     verify_slots: list[int] = field(default_factory=list)
+    # a model with a window pool: the sliding layers' slot mapping [T] and block tables [S] over its ids (each table
+    # as long as the sequence's block table, the entries before its window the null block), and the copy-on-write
+    # pairs of window blocks copied before the forward
+    window_slot_mapping: list[int] = field(default_factory=list)
+    window_block_tables: list[list[int]] = field(default_factory=list)
+    window_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def table_width(self) -> int:
@@ -97,6 +108,9 @@ class HostStep:
             self.state_slots.append(-1)
             self.snapshot_slots.append(-1)
             self.snapshot_positions.append(0)
+            if self.window_block_tables:
+                self.window_slot_mapping.append(-1)
+                self.window_block_tables.append([])
 
 
 @dataclass(slots=True)
@@ -150,11 +164,10 @@ class HostStaging:
         _put(i32, layout.i32["query_start_loc"], step.query_start_loc)
         _put(i32, layout.i32["seq_lens"], step.seq_lens)
         _put(i32, layout.i32["state_slots"], step.state_slots)
-        start, size = layout.i32["block_tables"]
-        tables = i32[start:start + size].reshape(layout.num_seqs, layout.table_width)
-        tables.fill(-1)
-        for row, table in zip(tables, step.block_tables):
-            row[:len(table)] = table
+        _tables(i32, layout, "block_tables", step.block_tables)
+        if layout.window:
+            _put(i64, layout.i64["window_slot_mapping"], step.window_slot_mapping)
+            _tables(i32, layout, "window_block_tables", step.window_block_tables)
 
     def upload(self, layout: StepLayout, i64: torch.Tensor, i32: torch.Tensor) -> None:
         """Copy what `write` staged into the device buffers `i64`, `i32` (no-op when they are the staging itself)."""
@@ -166,6 +179,15 @@ class HostStaging:
             if self._uploaded is None:
                 self._uploaded = torch.cuda.Event()
             self._uploaded.record(torch.cuda.current_stream(self.device))
+
+
+def _tables(i32: np.ndarray, layout: StepLayout, name: str, block_tables: list[list[int]]) -> None:
+    start, size = layout.i32[name]
+    tables = i32[start:start + size].reshape(layout.num_seqs, layout.table_width)
+    tables.fill(-1)
+    assert len(block_tables) == layout.num_seqs, f"{len(block_tables)} {name} for a step of {layout.num_seqs}"
+    for row, table in zip(tables, block_tables):
+        row[:len(table)] = table
 
 
 def _put(buffer: np.ndarray, region: tuple[int, int], values: list[int]) -> None:
@@ -211,5 +233,12 @@ def step_inputs(layout: StepLayout, i64: torch.Tensor, i32: torch.Tensor, step: 
         query_start_loc_device=view32("query_start_loc"), seq_lens_device=view32("seq_lens"),
         recurrent=None if layout.recurrent is None else RecurrentPlan.from_buffer(layout.recurrent, view64("recurrent")),
     )
+    if layout.window:  # the sliding layers' view of the step: the same rows over the window pool's blocks
+        meta.window = AttentionMetadata(
+            query_start_loc=step.query_start_loc, seq_lens=step.seq_lens,
+            block_runs=BlockRuns(step.window_block_tables), slot_mapping=view64("window_slot_mapping"),
+            block_tables=view32("window_block_tables").view(layout.num_seqs, layout.table_width),
+            block_size=block_size, query_start_loc_device=meta.query_start_loc_device,
+            seq_lens_device=meta.seq_lens_device)
     return StepInputs(view64("input_ids"), view64("positions"), view64("sample_rows"), view64("pair_weights"),
                       view32("state_slots"), meta)

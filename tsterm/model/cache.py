@@ -6,6 +6,10 @@ pool only holds the data). A recurrent mixer (linear attention, in the hybrid fa
 state per sequence instead: a pool of per-sequence state slots (`RecurrentStatePool`), addressed through the step's
 `state_slots` input (`tsterm.engine.step_inputs`); the engine gives a sequence its slot when it is admitted and takes
 it back when it is freed. Each pool is registered in POOLS under its mixer's name.
+
+A model with both sliding-window and full attention layers (gpt-oss) may keep its sliding layers' K/V in a pool of
+their own (`WINDOW_POOL`, `num_window_blocks` > 0): a `PagedKVPool` under block ids of its own, which the KV manager
+hands out per sequence (`Sequence.window_table`) and takes back once they fall out of every later position's window.
 """
 from __future__ import annotations
 
@@ -171,11 +175,28 @@ POOLS: dict[str, type[CachePool]] = {FULL_ATTENTION: PagedKVPool, LINEAR_ATTENTI
                                      MLA: MLALatentPool}
 
 
-def _layers_by_mixer(layer_types: tuple[LayerType, ...]) -> dict[str, tuple[int, ...]]:
+# the key, in `ModelCache.pools`, of the sliding-window layers' own pool (a `PagedKVPool` with its own block ids)
+WINDOW_POOL = "sliding_window"
+
+
+def sliding_window(layer_types: tuple[LayerType, ...]) -> int:
+    """The window a window pool keeps for a model (the largest of its sliding layers'), when it has full attention
+    layers with a window beside layers without one; else 0 (no window pool: every layer keeps every block)."""
+    windows = [t.window for t in layer_types if t.mixer == FULL_ATTENTION and t.window]
+    return max(windows) if windows and len(windows) < len(layer_types) else 0
+
+
+def _layers_by_mixer(layer_types: tuple[LayerType, ...], window_pool: bool = False) -> dict[str, tuple[int, ...]]:
+    """Model layers by the pool that keeps them: their mixer's, or `WINDOW_POOL` for sliding layers with one."""
     groups: dict[str, list[int]] = {}
     for i, layer_type in enumerate(layer_types):
-        groups.setdefault(layer_type.mixer, []).append(i)
+        windowed = window_pool and layer_type.mixer == FULL_ATTENTION and layer_type.window
+        groups.setdefault(WINDOW_POOL if windowed else layer_type.mixer, []).append(i)
     return {mixer: tuple(layers) for mixer, layers in groups.items()}
+
+
+def _pool_class(key: str) -> type[CachePool]:
+    return PagedKVPool if key == WINDOW_POOL else POOLS[key]
 
 
 class ModelCache:
@@ -183,20 +204,32 @@ class ModelCache:
 
     def __init__(self, cfg: ModelConfig, layer_types: tuple[LayerType, ...], num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, layout: ParallelLayout = ParallelLayout(),
-                 num_state_slots: int = 0):
-        """num_state_slots: sequences a recurrent-state pool holds at once (`state_slots` the engine hands out)."""
+                 num_state_slots: int = 0, num_window_blocks: int = 0):
+        """num_state_slots: sequences a recurrent-state pool holds at once (`state_slots` the engine hands out).
+        num_window_blocks: blocks of the sliding layers' own pool (`WINDOW_POOL`; 0: none, they share the others')."""
+        assert not num_window_blocks or sliding_window(layer_types), "a window pool for a model without one"
         self.num_blocks, self.block_size, self.num_state_slots = num_blocks, block_size, num_state_slots
+        self.num_window_blocks = num_window_blocks
         self.pools: dict[str, CachePool] = {
-            mixer: POOLS[mixer](cfg, layers, num_blocks, block_size, dtype, device, layout, num_slots=num_state_slots)
-            for mixer, layers in _layers_by_mixer(layer_types).items()}
+            key: _pool_class(key)(cfg, layers, num_window_blocks if key == WINDOW_POOL else num_blocks, block_size,
+                                  dtype, device, layout, num_slots=num_state_slots)
+            for key, layers in _layers_by_mixer(layer_types, num_window_blocks > 0).items()}
         self._pool_of = {layer: pool for pool in self.pools.values() for layer in pool.layers}
+        window = self.pools.get(WINDOW_POOL)
+        self.window_layers: tuple[int, ...] = window.layers if window is not None else ()
 
     def layer(self, index: int) -> Any:
         return self._pool_of[index].layer(index)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> int:
-        """Copy-on-write of forked partial blocks in every pool; returns the bytes copied."""
-        return sum(pool.copy_blocks(pairs) for pool in self.pools.values()) if pairs else 0
+    def copy_blocks(self, pairs: list[tuple[int, int]], window_pairs: list[tuple[int, int]] = ()) -> int:
+        """Copy-on-write of forked partial blocks in every pool (`window_pairs`: the window pool's, under its own
+        ids); returns the bytes copied."""
+        total = 0
+        for key, pool in self.pools.items():
+            todo = window_pairs if key == WINDOW_POOL else pairs
+            if todo:
+                total += pool.copy_blocks(list(todo))
+        return total
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> int:
         """Copy per-sequence states slot to slot in every state pool (a snapshot resumed); returns the bytes copied."""
@@ -204,11 +237,13 @@ class ModelCache:
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, layer_types: tuple[LayerType, ...], block_size: int,
-                        dtype: torch.dtype, layout: ParallelLayout = ParallelLayout()) -> int:
+                        dtype: torch.dtype, layout: ParallelLayout = ParallelLayout(), pools: str = "all") -> int:
         """Bytes one block of `block_size` tokens costs over every pool (what the KV budget is divided by), on the
-        rank `layout` names."""
-        return sum(POOLS[mixer].bytes_per_block(cfg, len(layers), block_size, dtype, layout)
-                   for mixer, layers in _layers_by_mixer(layer_types).items())
+        rank `layout` names. pools: "all"; "main": without the sliding layers (a window pool's model's main block);
+        "window": the sliding layers' only (its window pool's block)."""
+        groups = _layers_by_mixer(layer_types, pools != "all")
+        return sum(_pool_class(key).bytes_per_block(cfg, len(layers), block_size, dtype, layout)
+                   for key, layers in groups.items() if pools == "all" or (key == WINDOW_POOL) == (pools == "window"))
 
     @staticmethod
     def bytes_per_slot(cfg: ModelConfig, layer_types: tuple[LayerType, ...], dtype: torch.dtype,
@@ -216,6 +251,20 @@ class ModelCache:
         """Bytes one sequence's state slot costs over every pool (0 for a model without recurrent layers)."""
         return sum(POOLS[mixer].bytes_per_slot(cfg, len(layers), dtype, layout)
                    for mixer, layers in _layers_by_mixer(layer_types).items())
+
+
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                       num_speculative_tokens: int = 0) -> tuple[int, int]:
+    """(least, auto): the window pool's block counts for a model whose sliding layers keep `window` positions, its
+    reserved null block included. `least`: what one request alone needs at most (its window, the block its next
+    token goes into and its drafts', and one step's prompt chunk on top): no request can wait for the window pool
+    forever. `auto`, the default size: a window per sequence the scheduler may run at once and the chunk (what the
+    running sequences hold), plus as much again for the prefix cache (a cached window per sequence: the next turns'
+    prompts resume there). The executor takes at most one block more than the main pool has (a window table is never
+    longer than its block table)."""
+    per_seq = -(-(window + num_speculative_tokens) // block_size) + 1
+    chunk = -(-max_num_batched_tokens // block_size)
+    return 1 + per_seq + chunk, 1 + 2 * max_num_seqs * per_seq + chunk
 
 
 def num_state_slots(layer_types: tuple[LayerType, ...], max_num_seqs: int, prefix_caching: bool,

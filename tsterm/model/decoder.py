@@ -60,9 +60,11 @@ class Attention:
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str,
                  cache: tuple[torch.Tensor, torch.Tensor], ctx: StepContext, ops: KernelOps, par: ParallelContext,
-                 window: int | None = None):
+                 window: int | None = None, window_pool: bool = False):
         """par: the rank this layer is a shard of; it computes that rank's query heads (and KV heads). window: each
-        query sees only the last `window` positions (the layer's `LayerType.window`: gpt-oss's sliding layers)."""
+        query sees only the last `window` positions (the layer's `LayerType.window`: gpt-oss's sliding layers).
+        window_pool: `cache` is the sliding layers' own pool (`tsterm.model.cache.WINDOW_POOL`), which the step's
+        `meta.window` addresses."""
         spec = ARCHITECTURES[cfg.model_type].for_config(cfg)
         self.ctx, self.ops, self.par = ctx, ops, par
         self.num_heads, self.num_kv_heads = par.layout.q_heads(cfg)[1], par.layout.kv_heads(cfg)[1]
@@ -85,6 +87,7 @@ class Attention:
         # attention (the C kernels, the torch twin, the Triton kernel) only where the layer has them
         self.sinks, self.window = w.get(prefix + "sinks"), window
         self.sink_window = {k: v for k, v in (("sinks", self.sinks), ("window", window)) if v is not None}
+        self.window_pool = window_pool
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """rope: the step's rotation tables (`RotaryEmbedding.tables`); x: [T, H] normed hidden states."""
@@ -111,6 +114,9 @@ class Attention:
         qk = rotate_(qk, rope).to(x.dtype)
         q, k = qk[:, :Hq], qk[:, Hq:]  # views
         meta = self.ctx.meta
+        if self.window_pool:  # (a sliding layer whose K/V lives in the window pool: that pool's tables and slots)
+            meta = meta.window
+            assert meta is not None, "a step over a window pool without its window metadata (meta.window)"
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)  # the only KV write: new tokens, in place
         o = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, **self.sink_window)  # [T, Hq, D]
         out = linear(o.reshape(T, self.q_size), self.o_proj, self.o_bias)  # [T, H]: this rank's heads' part
@@ -213,6 +219,8 @@ class DecoderModel:
         for i, layer_type in enumerate(self.layer_types):
             p = f"layers.{i}."
             window = {"window": layer_type.window} if layer_type.window else {}  # (gpt-oss's sliding layers)
+            if i in cache.window_layers:  # (their K/V in the window pool)
+                window["window_pool"] = True
             mixer = mixers[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par, **window)
             self.layers.append((weights[p + "input_norm"], mixer, weights[p + "post_attn_norm"],
                                 SparseMoE(cfg, weights, p, self.ctx, ops, par)))
