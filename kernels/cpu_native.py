@@ -62,6 +62,11 @@ SIGNATURES = {
                                            _P, _I64]),
     "tsterm_decode_attention_sw": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P,
                                           _P, _I64]),
+    # the _sw two over bfloat16 caches, read in place (the bits of the float32 ones on the caches converted)
+    "tsterm_prefill_attention_bf16": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P,
+                                             _I64, _P, _I64]),
+    "tsterm_decode_attention_bf16": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P,
+                                            _P, _I64]),
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
     "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
     "tsterm_store_kv": (None, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P]),
@@ -84,6 +89,22 @@ ISA_AVX512, ISA_VNNI = 1, 2  # csrc/gemm.c's tsterm_isa() bits
 ISA_NEON, ISA_DOTPROD = 4, 8  # (aarch64: the NEON code, with sdot)
 ARM_MACHINES = ("aarch64", "arm64")  # platform.machine() of a 64-bit ARM CPU (Linux, macOS)
 NEON_HEADERS = SOURCES_DIR / "neon"  # aarch64's stand-in for <immintrin.h>
+# TSTERM_CPU_ISA: "native" (the default: every extension the CPU has) or "avx2": the C kernels run their AVX2 build
+# only and tsterm_kernels.cpu_select offers nothing wider (no AVX-512, VNNI, AVX512-BF16 or AMX candidate), so an
+# AVX-512 CPU stands in for an AVX2-only one (x86-64 only; torch's own kernels follow their own variables:
+# ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS)
+ISA_ENV, ISA_LIMITS = "TSTERM_CPU_ISA", ("native", "avx2")
+
+
+def isa_limit() -> str:
+    """TSTERM_CPU_ISA's value ("native" when unset); ValueError naming the variable for anything else, or for "avx2"
+    on a CPU that is not x86-64."""
+    value = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if value not in ISA_LIMITS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_LIMITS)}, got {value!r}")
+    if value != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(f"{ISA_ENV}={value} restricts x86-64 kernels (this machine is {platform.machine()})")
+    return value
 
 
 def arm_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
@@ -206,11 +227,13 @@ class NativeKernels:
 
 @functools.cache
 def load() -> NativeKernels | None:
-    """The CPU kernels, built on first use; None (with one warning) where they cannot be built or are turned off."""
+    """The CPU kernels, built on first use; None (with one warning) where they cannot be built or are turned off.
+    The build is VARIANTS' "native", or the one TSTERM_CPU_ISA names (`isa_limit`)."""
     if os.environ.get("TSTERM_NATIVE_KERNELS", "1") == "0":
         return None
+    variant = isa_limit()
     try:
-        return NativeKernels(build())
+        return NativeKernels(build(variant=variant), variant)
     except (NativeKernelError, OSError) as e:
         warnings.warn(f"tsterm's CPU kernels are unavailable, quantized matmuls take a slow torch path: {e}",
                       RuntimeWarning, stacklevel=2)

@@ -321,14 +321,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     device = q.device
     sink_window = sinks is not None or window is not None
-    if window is not None and window < 1:
-        raise ValueError(f"paged_attention: window must be a positive number of positions, got {window}")
-    if sinks is not None:
-        if sinks.shape != (num_heads,):
-            raise ValueError(f"paged_attention: sinks must be [{num_heads}] (one logit per query head), got "
-                             f"{tuple(sinks.shape)}")
-        if sinks.is_cpu:
-            sinks = sinks.to(torch.float32).contiguous()  # (the loader keeps them so: no copy)
+    sinks = _checked_sink_window(num_heads, sinks, window)
     if num_tokens == len(meta.seq_lens) and q.dtype is torch.float32 and q.stride(2) == 1 and q.stride(1) == head_dim:
         # decode (one new token per sequence): one C call over every sequence's blocks, however many runs
         native = _native_f32(k_cache, v_cache) and _chosen("attention", (num_heads, num_kv_heads, head_dim))
@@ -404,6 +397,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             return o.to(q.dtype)
         out[q_start:q_end] = o.to(q.dtype)
     return out
+
+
+def _checked_sink_window(num_heads: int, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor | None:
+    """`paged_attention`'s sinks and window checked; the sinks as float32 where they are on the CPU (the loader keeps
+    them so: no copy)."""
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: window must be a positive number of positions, got {window}")
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"paged_attention: sinks must be [{num_heads}] (one logit per query head), got "
+                             f"{tuple(sinks.shape)}")
+        if sinks.is_cpu:
+            sinks = sinks.to(torch.float32).contiguous()
+    return sinks
 
 
 _SINK_ROWS_ALONE = 16  # a sequence with at most this many new tokens (a decode, a verify) runs each row alone
@@ -513,7 +520,9 @@ def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             seq_lens.data_ptr(), len(meta.seq_lens), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
             out.data_ptr())
-    if sinks is None and window is None:
+    if k_cache.dtype is torch.bfloat16:  # read in place, widened as it is read (csrc/decode.c)
+        rc = native.decode_attention_bf16(*args, None if sinks is None else sinks.data_ptr(), window or 0)
+    elif sinks is None and window is None:
         rc = native.decode_attention(*args)
     else:  # (csrc/decode.c's tsterm_decode_attention_sw)
         rc = native.decode_attention_sw(*args, None if sinks is None else sinks.data_ptr(), window or 0)
@@ -830,10 +839,45 @@ def _bf16_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def _bf16_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """`paged_attention` over a bfloat16 pool on the CPU: the blocks each sequence reads, converted to float32 (exact)
-    into a small pool of their own (one after another: a block two sequences share is copied for each), and the
-    float32 path (the C kernels) over it, rounded to bfloat16. The copy is the step's context once per layer; a row's
-    result is the float32 path's on the same values."""
+    """`paged_attention` over a bfloat16 pool on the CPU, rounded to bfloat16: the C kernels of the float32 path
+    (csrc/decode.c for one new token per sequence, csrc/prefill.c for more) read the pool in place, each K and V row
+    widened to float32 as it is loaded, with q's float32 values (the new tokens only are converted). A row's result is
+    the bits the float32 path gives on the pool converted to float32, which is what runs where those kernels do not
+    (`_bf16_attention_converted`: a head size or layout they do not take, or the attention class chose torch)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    tables = meta.block_tables
+    native = None
+    if (head_dim % 16 == 0 and num_heads % num_kv_heads == 0 and v_cache.dtype is torch.bfloat16
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.dtype is torch.int32 and tables.is_cpu
+            and tables.is_contiguous() and (sinks is None or sinks.is_cpu)):
+        native = _chosen("attention", (num_heads, num_kv_heads, head_dim))  # the float32 path's build, or torch
+    if native is None:
+        return _bf16_attention_converted(q, k_cache, v_cache, meta, scale, sinks, window)
+    sinks = _checked_sink_window(num_heads, sinks, window)
+    qf = q.float()  # [T, Hq, D] contiguous: the step's new tokens
+    if num_tokens == len(meta.seq_lens):  # one new token per sequence: one call over every sequence's blocks
+        return _native_decode_attention(native, qf, k_cache, v_cache, meta, scale, sinks, window).to(q.dtype)
+    out = torch.empty_like(qf)
+    sink_ptr = None if sinks is None else sinks.data_ptr()
+    for i, seq_len in enumerate(meta.seq_lens):  # one call per sequence over its blocks (csrc/prefill.c)
+        q_start, num_q = meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+        status = native.prefill_attention_bf16(
+            qf[q_start].data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables[i].data_ptr(), seq_len,
+            num_q, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, out[q_start].data_ptr(), out.stride(0),
+            sink_ptr, window or 0)
+        if status == -1:
+            raise MemoryError("prefill attention: out of memory for its scratch")
+        if status != 0:
+            raise ValueError(f"prefill attention: sequence {i} has {num_q} new tokens in a context of {seq_len}")
+    return out.to(q.dtype)
+
+
+def _bf16_attention_converted(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                              scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """`_bf16_attention` where the C kernels do not read the pool: the blocks each sequence reads, converted to
+    float32 (exact) into a small pool of their own (one after another: a block two sequences share is copied for
+    each), and the float32 path over it, rounded to bfloat16. The copy is the step's context once per layer."""
     block_size = k_cache.shape[1]
     counts = [-(-n // block_size) for n in meta.seq_lens]  # blocks each sequence's context uses
     starts = [0, *itertools.accumulate(counts)][:-1]  # each sequence's first block in the small pool

@@ -15,6 +15,10 @@
  * chunk that hold the first key of its window, the keys before it in that chunk left out of its max and its sum
  * (the sum's lanes start at that key, in every path alike), and the splits and chunks before it are never read.
  * An attention sink (a learned per-head logit) joins only the final normalisation (tsterm_att_norm).
+ *
+ * A bfloat16 pool (kv->kv_bf16) is read in place, each K and V row widened to float32 as it is loaded (exact: a
+ * bfloat16 is a float32's high half), and then everything above runs on those float32 values in the same order: a
+ * row's result is the bits the float32 kernel gives on the pool converted to float32, without converting it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -38,19 +42,28 @@ static inline int64_t slots(const tsterm_kv *kv, int64_t h, int64_t p, int64_t e
     return n > 0 ? n : 0;
 }
 
-static inline void prefetch_row(const float *row, int64_t D, int hint) {
-    for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), hint);
+/* A pool's element `off` (a float32 or a bfloat16 one): bf16 is a constant in each inlined copy of the kernel */
+#define KV_AT(base, off, bf16) ((const void *)((const char *)(base) + (off) * ((bf16) ? 2 : 4)))
+
+/* 8 values of a K or V row from p as float32 */
+static inline __attribute__((always_inline)) __m256 kv_load8(const void *p, int bf16) {
+    return bf16 ? tsterm_bf16x8((const uint16_t *)p) : _mm256_loadu_ps((const float *)p);
+}
+
+static inline void prefetch_row(const void *row, int64_t bytes, int hint) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)row + b, hint);
 }
 
 /* 8 dot products q . k[j] (length D, a multiple of 8) as one vector: lane l of each position's accumulator sums the
  * products of the inputs d = l mod 8 in order, then a transposing horizontal reduction (hadd tree) adds the lanes.
  * Decode and prefill score every position this way: no transposed copy of K is made. */
-static inline __m256 dot8(const float *q, const float *const k[8], int64_t D) {
+static inline __attribute__((always_inline)) __m256 dot8(const float *q, const void *const k[8], int64_t D,
+                                                         int bf16) {
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, kv_load8(KV_AT(k[j], d, bf16), bf16), a[j]);
     }
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
@@ -60,14 +73,15 @@ static inline __m256 dot8(const float *q, const float *const k[8], int64_t D) {
 
 /* dot8 for two query rows at once (16 accumulators: with AVX-512's 32 vector registers they stay in registers),
  * each row's lanes and tree exactly dot8's */
-static inline void dot8x2(const float *q0, const float *q1, const float *const k[8], int64_t D, float *s0, float *s1) {
+static inline __attribute__((always_inline)) void dot8x2(const float *q0, const float *q1, const void *const k[8],
+                                                         int64_t D, float *s0, float *s1, int bf16) {
 #ifdef __AVX512VL__
     __m256 a[8], b[8];
     for (int j = 0; j < 8; j++) a[j] = b[j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
         const __m256 qa = _mm256_loadu_ps(q0 + d), qb = _mm256_loadu_ps(q1 + d);
         for (int j = 0; j < 8; j++) {
-            const __m256 kv = _mm256_loadu_ps(k[j] + d);
+            const __m256 kv = kv_load8(KV_AT(k[j], d, bf16), bf16);
             a[j] = _mm256_fmadd_ps(qa, kv, a[j]);
             b[j] = _mm256_fmadd_ps(qb, kv, b[j]);
         }
@@ -82,8 +96,8 @@ static inline void dot8x2(const float *q0, const float *q1, const float *const k
         _mm256_storeu_ps(out[r], _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
     }
 #else /* 16 ymm registers: one row at a time, no spills */
-    _mm256_storeu_ps(s0, dot8(q0, k, D));
-    _mm256_storeu_ps(s1, dot8(q1, k, D));
+    _mm256_storeu_ps(s0, dot8(q0, k, D, bf16));
+    _mm256_storeu_ps(s1, dot8(q1, k, D, bf16));
 #endif
 }
 
@@ -95,18 +109,19 @@ static inline int64_t r_first(int64_t c0, int64_t first_pos, int64_t G) {
 /* o [D] = sum over positions j < n of p[j] * rows[j][0..D), a chain of FMAs from zero in position order for each
  * lane, then + o: the bits tsterm_f32_tile gives the same row with V packed (its padding adds p = 0 terms, which
  * leave a sum that never is -0 unchanged), without copying V. */
-static void pv_rows(const float *p, const float *const *rows, int64_t n, int64_t D, float *o) {
+static inline __attribute__((always_inline)) void pv_rows(const float *p, const void *const *rows, int64_t n,
+                                                          int64_t D, float *o, int bf16) {
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         const int wide = D - d0 >= 32;
         for (int64_t j = 0; j < n; j++) {
             const __m256 pj = _mm256_broadcast_ss(p + j);
-            const float *v = rows[j] + d0;
-            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
+            const void *v = rows[j];
+            a0 = _mm256_fmadd_ps(pj, kv_load8(KV_AT(v, d0, bf16), bf16), a0);
+            a1 = _mm256_fmadd_ps(pj, kv_load8(KV_AT(v, d0 + 8, bf16), bf16), a1);
             if (wide) {
-                a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
-                a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
+                a2 = _mm256_fmadd_ps(pj, kv_load8(KV_AT(v, d0 + 16, bf16), bf16), a2);
+                a3 = _mm256_fmadd_ps(pj, kv_load8(KV_AT(v, d0 + 24, bf16), bf16), a3);
             }
         }
         _mm256_storeu_ps(o + d0, _mm256_add_ps(a0, _mm256_loadu_ps(o + d0)));
@@ -118,9 +133,12 @@ static void pv_rows(const float *p, const float *const *rows, int64_t n, int64_t
     }
 }
 
-void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G, int64_t first_pos,
-                         int64_t k0, int64_t k1, int64_t ahead_end, float *scratch, float *m, float *l, float *o) {
-    const int64_t D = kv->head_dim, W = kv->window;
+/* tsterm_attend_split for a float32 (bf16 = 0) or a bfloat16 (bf16 = 1) pool: a constant in each inlined copy */
+static inline __attribute__((always_inline)) void attend_split(const tsterm_kv *kv, int64_t h, const float *qs,
+                                                               int64_t R, int64_t G, int64_t first_pos, int64_t k0,
+                                                               int64_t k1, int64_t ahead_end, float *scratch, float *m,
+                                                               float *l, float *o, const int bf16) {
+    const int64_t D = kv->head_dim, W = kv->window, row_bytes = D * (bf16 ? 2 : 4);
     float *vp = scratch, *s = vp + ATT_CHUNK * D; /* V panels, scores */
     const int64_t rs = k0 > first_pos ? (k0 - first_pos) * G : 0;           /* rows before the split see none of it */
     for (int64_t r = rs; r < R; r++) {
@@ -141,13 +159,13 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
         const int64_t ahead = slots(kv, h, c0 + ATT_CHUNK, c0 + ATT_CHUNK < k1 ? k1 : ahead_end, ws, at[c ^ 1]);
         const int direct = R - r_first(c0, first_pos, G) <= MR; /* few rows (decode): P V reads V in place */
         for (int64_t j = 0; j < n; j++) /* this chunk's V rows, on their way while the scores are computed */
-            prefetch_row(kv->v_cache + off[j], D, _MM_HINT_T0);
+            prefetch_row(KV_AT(kv->v_cache, off[j], bf16), row_bytes, _MM_HINT_T0);
         for (int64_t j = 0; j < width && !direct; j++) { /* V panels [16 of D] x [width][16] */
             if (j < n) {
-                const float *v = kv->v_cache + off[j];
+                const void *v = KV_AT(kv->v_cache, off[j], bf16);
                 for (int64_t d = 0; d < D; d += NR) {
-                    _mm256_store_ps(vp + (d / NR) * ATT_CHUNK * NR + j * NR, _mm256_loadu_ps(v + d));
-                    _mm256_store_ps(vp + (d / NR) * ATT_CHUNK * NR + j * NR + 8, _mm256_loadu_ps(v + d + 8));
+                    _mm256_store_ps(vp + (d / NR) * ATT_CHUNK * NR + j * NR, kv_load8(KV_AT(v, d, bf16), bf16));
+                    _mm256_store_ps(vp + (d / NR) * ATT_CHUNK * NR + j * NR + 8, kv_load8(KV_AT(v, d + 8, bf16), bf16));
                 }
             } else {
                 for (int64_t d = 0; d < D; d += NR) memset(vp + (d / NR) * ATT_CHUNK * NR + j * NR, 0, sizeof(float) * NR);
@@ -155,12 +173,12 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
         }
         const int64_t r0 = r_first(c0, first_pos, G);
         for (int64_t j = 0; j < n; j += 8) { /* scores, 8 positions at a time, every row */
-            const float *k[8]; /* past the chunk's end the first position again: its lanes are never read */
-            for (int64_t i = 0; i < 8; i++) k[i] = kv->k_cache + off[j + i < n ? j + i : j];
+            const void *k[8]; /* past the chunk's end the first position again: its lanes are never read */
+            for (int64_t i = 0; i < 8; i++) k[i] = KV_AT(kv->k_cache, off[j + i < n ? j + i : j], bf16);
             int64_t r = r0;
             for (; r + 2 <= R; r += 2)
-                dot8x2(qs + r * D, qs + (r + 1) * D, k, D, s + r * ATT_CHUNK + j, s + (r + 1) * ATT_CHUNK + j);
-            if (r < R) _mm256_storeu_ps(s + r * ATT_CHUNK + j, dot8(qs + r * D, k, D));
+                dot8x2(qs + r * D, qs + (r + 1) * D, k, D, s + r * ATT_CHUNK + j, s + (r + 1) * ATT_CHUNK + j, bf16);
+            if (r < R) _mm256_storeu_ps(s + r * ATT_CHUNK + j, dot8(qs + r * D, k, D, bf16));
         }
         for (int64_t r = r0; r < R; r++) { /* online softmax: S -> P in place */
             float *sr = s + r * ATT_CHUNK;
@@ -190,11 +208,12 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
                     _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + r * D + d)));
             }
         }
-        for (int64_t j = 0; j < ahead; j++) prefetch_row(kv->k_cache + next[j], D, _MM_HINT_T1); /* during P V */
+        for (int64_t j = 0; j < ahead; j++) /* during P V */
+            prefetch_row(KV_AT(kv->k_cache, next[j], bf16), row_bytes, _MM_HINT_T1);
         if (direct) {
-            const float *rows_v[ATT_CHUNK];
-            for (int64_t j = 0; j < n; j++) rows_v[j] = kv->v_cache + off[j];
-            for (int64_t r = r0; r < R; r++) pv_rows(s + r * ATT_CHUNK, rows_v, n, D, o + r * D);
+            const void *rows_v[ATT_CHUNK];
+            for (int64_t j = 0; j < n; j++) rows_v[j] = KV_AT(kv->v_cache, off[j], bf16);
+            for (int64_t r = r0; r < R; r++) pv_rows(s + r * ATT_CHUNK, rows_v, n, D, o + r * D, bf16);
             continue;
         }
         for (int64_t r = r0; r < R; r += MR) { /* O += P V */
@@ -204,4 +223,12 @@ void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_
                                 D, 1);
         }
     }
+}
+
+void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G, int64_t first_pos,
+                         int64_t k0, int64_t k1, int64_t ahead_end, float *scratch, float *m, float *l, float *o) {
+    if (kv->kv_bf16)
+        attend_split(kv, h, qs, R, G, first_pos, k0, k1, ahead_end, scratch, m, l, o, 1);
+    else
+        attend_split(kv, h, qs, R, G, first_pos, k0, k1, ahead_end, scratch, m, l, o, 0);
 }

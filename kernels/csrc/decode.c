@@ -1,7 +1,8 @@
 /* The small per-token ops of CPU decode, each one call instead of a handful of torch ops (float32):
  *
  * - tsterm_decode_attention: one new query row per sequence attends over its context, read in place from the paged
- *   KV pool through the block table (any number of runs of blocks: a prefix cache hit leaves several), in
+ *   KV pool (float32, or bfloat16 widened as it is read: tsterm_decode_attention_bf16) through the block table (any
+ *   number of runs of blocks: a prefix cache hit leaves several), in
  *   attention.c's order, the one prefill.c follows: tasks are (sequence, split of ATT_SPLIT positions, KV head),
  *   handed to the threads; each split's partial is merged in order per query row. A decode row is thus the same bits as the same
  *   row computed in a prefill or an extend, whatever the batch and the thread count. With a sliding window the
@@ -46,7 +47,7 @@ static void split_task(const tsterm_attention *a, int64_t s, int64_t split, int6
     const int64_t Hq = a->num_heads, Hkv = a->num_kv_heads, D = a->head_dim, G = Hq / Hkv, len = a->seq_lens[s];
     const int64_t k0 = split * ATT_SPLIT, k1 = len - k0 < ATT_SPLIT ? len : k0 + ATT_SPLIT;
     const tsterm_kv kv = {a->k_cache, a->v_cache, a->block_tables + s * a->max_blocks, a->block_size, Hkv, D,
-                          a->window};
+                          a->window, a->kv_bf16};
     float *sc = w, *qs = sc + tsterm_att_scratch_floats(G, D), *o = qs + G * D, *m = o + G * D, *l = m + G;
     const __m256 scale = _mm256_set1_ps(a->scale);
     for (int64_t g = 0; g < G; g++) {
@@ -95,20 +96,20 @@ void tsterm_attention_merge(const tsterm_attention *a, int64_t row, float *out) 
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(inv, _mm256_loadu_ps(out + d)));
 }
 
-/* q: [S, Hq, D] rows q_stride apart (elements between sequences' rows); caches: [num_blocks, B, Hkv, D];
- * block_tables: [S, max_blocks]; seq_lens: [S]; out: [S, Hq, D] contiguous; sinks: [Hq] each head's sink logit, or
- * NULL; window: each row sees its last `window` positions only (0: all). Returns -1 when scratch memory ran out,
- * -2 for more than MAX_HEADS query heads, a head size not a multiple of 16, query heads not a multiple of KV
- * heads or a negative window, else 0. */
-int tsterm_decode_attention_sw(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                               const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
-                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale, float *out, const float *sinks, int64_t window) {
+/* q: [S, Hq, D] rows q_stride apart (elements between sequences' rows); caches: [num_blocks, B, Hkv, D] of float32
+ * (kv_bf16 = 0) or bfloat16 (kv_bf16 = 1); block_tables: [S, max_blocks]; seq_lens: [S]; out: [S, Hq, D] contiguous;
+ * sinks: [Hq] each head's sink logit, or NULL; window: each row sees its last `window` positions only (0: all).
+ * Returns -1 when scratch memory ran out, -2 for more than MAX_HEADS query heads, a head size not a multiple of 16,
+ * query heads not a multiple of KV heads or a negative window, else 0. */
+static int decode_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                            float *out, const float *sinks, int64_t window, int64_t kv_bf16) {
     if (num_heads > MAX_HEADS || head_dim % 16 || num_kv_heads <= 0 || num_heads % num_kv_heads || window < 0)
         return -2;
     tsterm_attention a = {q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
                           num_kv_heads, head_dim, block_size, scale, window_splits(seq_lens, num_seqs, window), NULL,
-                          sinks, window};
+                          sinks, window, kv_bf16};
     a.part = malloc(tsterm_attention_part_bytes(&a));
     if (!a.part) return -1;
 #pragma omp parallel  /* one parallel region for both phases: the threads are woken once */
@@ -119,6 +120,25 @@ int tsterm_decode_attention_sw(const float *q, int64_t q_stride, const float *k_
     }
     free(a.part);
     return 0;
+}
+
+/* decode_attention over float32 caches */
+int tsterm_decode_attention_sw(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                               const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale, float *out, const float *sinks, int64_t window) {
+    return decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, out, sinks, window, 0);
+}
+
+/* decode_attention over bfloat16 caches (uint16 bits), read in place: the bits tsterm_decode_attention_sw gives on
+ * the same caches converted to float32 */
+int tsterm_decode_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                                 const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, float *out, const float *sinks, int64_t window) {
+    return decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, out, sinks, window, 1);
 }
 
 /* tsterm_decode_attention_sw without sinks or a window */

@@ -13,7 +13,9 @@
  *   are never read and only the diagonal chunk masks anything; a sliding window (keys > p - window) likewise
  *   leaves the splits and chunks before a block's first window unread.
  *
- * Tasks are handed to the OpenMP threads dynamically, longest (latest positions) first.
+ * Tasks are handed to the OpenMP threads dynamically, longest (latest positions) first. A bfloat16 pool
+ * (tsterm_prefill_attention_bf16) is read in place, widened to float32 as it is read: the float32 kernel's bits on the
+ * converted pool.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -71,11 +73,12 @@ static void run_task(const prefill *a, const scratch *w, int64_t h, int64_t firs
 
 /* 0 on success; -1 when the scratch cannot be allocated; -2 for a shape the kernel does not take (head_dim not a
  * multiple of 16, query heads not a multiple of KV heads, more queries than the context, a negative window).
- * sinks: [Hq] each head's sink logit, or NULL; window: each row sees its last `window` positions only (0: all). */
-int tsterm_prefill_attention_sw(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                                const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
-                                int64_t out_stride, const float *sinks, int64_t window) {
+ * caches: float32 (kv_bf16 = 0) or bfloat16 (kv_bf16 = 1). sinks: [Hq] each head's sink logit, or NULL; window: each
+ * row sees its last `window` positions only (0: all). */
+static int prefill_attention(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                             const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+                             int64_t out_stride, const float *sinks, int64_t window, int64_t kv_bf16) {
     if (head_dim % NR || head_dim <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads || num_q > seq_len ||
         num_q <= 0 || block_size <= 0 || window < 0)
         return -2;
@@ -83,7 +86,7 @@ int tsterm_prefill_attention_sw(const float *q, int64_t q_stride, const float *k
     const int64_t positions = TASK_ROWS / G > 0 ? TASK_ROWS / G : 1;
     const int64_t blocks = (num_q + positions - 1) / positions, tasks = blocks * num_kv_heads;
     const prefill a = {q, q_stride, out_stride,
-                       {k_cache, v_cache, block_table, block_size, num_kv_heads, head_dim, window},
+                       {k_cache, v_cache, block_table, block_size, num_kv_heads, head_dim, window, kv_bf16},
                        seq_len, num_q, num_heads, positions, scale, out, sinks};
     const int64_t R = positions * G, RD = (R * head_dim + 7) / 8 * 8, R8 = (R + 7) / 8 * 8;
     const size_t floats = (size_t)(3 * RD + 4 * R8) + tsterm_att_scratch_floats(R, head_dim) + 64;
@@ -109,6 +112,25 @@ int tsterm_prefill_attention_sw(const float *q, int64_t q_stride, const float *k
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* prefill_attention over float32 caches */
+int tsterm_prefill_attention_sw(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                                const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+                                int64_t out_stride, const float *sinks, int64_t window) {
+    return prefill_attention(q, q_stride, k_cache, v_cache, block_table, seq_len, num_q, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, out, out_stride, sinks, window, 0);
+}
+
+/* prefill_attention over bfloat16 caches (uint16 bits), read in place: the bits tsterm_prefill_attention_sw gives on
+ * the same caches converted to float32 */
+int tsterm_prefill_attention_bf16(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                                  const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+                                  int64_t out_stride, const float *sinks, int64_t window) {
+    return prefill_attention(q, q_stride, k_cache, v_cache, block_table, seq_len, num_q, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, out, out_stride, sinks, window, 1);
 }
 
 /* tsterm_prefill_attention_sw without sinks or a window */

@@ -5,6 +5,7 @@
 #include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TSTERM_INTERNAL __attribute__((visibility("hidden")))
 #define MAX_HEADS 64 /* query heads (of one rank) the decode attention takes */
@@ -237,11 +238,45 @@ TSTERM_INTERNAL void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t 
 #define ATT_SPLIT 128
 
 typedef struct {
-    const float *k_cache, *v_cache; /* [num_blocks, B, Hkv, D] */
+    const float *k_cache, *v_cache; /* [num_blocks, B, Hkv, D] (bfloat16 bits where kv_bf16: cast, never read as floats) */
     const int32_t *table;           /* the sequence's block table */
     int64_t block_size, num_kv_heads, head_dim;
     int64_t window; /* a sliding window: a row at position p sees keys (p - window, p] only (0: every key <= p) */
+    int64_t kv_bf16; /* 1: the pools hold bfloat16, widened to float32 as they are read (exact); 0: float32 */
 } tsterm_kv;
+
+/* 8 bfloat16 values -> their float32 values (exact: a bfloat16 is a float32's high 16 bits) */
+#if defined(__aarch64__)
+static inline __m256 tsterm_bf16x8(const uint16_t *p) {
+    const uint16x8_t h = vld1q_u16(p);
+    return tsterm_m256(vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)),
+                       vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(h), 16)));
+}
+#else
+static inline __m256 tsterm_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+/* float32 -> bfloat16 bits, round to nearest even (NaN stays a quiet NaN): torch's .to(torch.bfloat16) */
+static inline uint16_t tsterm_bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* bfloat16 bits -> float32 (exact) */
+static inline float tsterm_bf16_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* f rounded to bfloat16, as a float32 */
+static inline float tsterm_bf16_rounded(float f) { return tsterm_bf16_float(tsterm_bf16_round(f)); }
 
 /* the first key a row at position p sees */
 static inline int64_t tsterm_att_window_start(int64_t window, int64_t p) {
@@ -290,7 +325,7 @@ static inline void tsterm_att_merge(float *M, float *L, float *O, float m, float
 typedef struct {
     const float *q; /* [S, Hq, D], rows q_stride apart */
     int64_t q_stride;
-    const float *k_cache, *v_cache; /* [num_blocks, B, Hkv, D] */
+    const float *k_cache, *v_cache; /* [num_blocks, B, Hkv, D] (bfloat16 bits where kv_bf16) */
     const int32_t *block_tables;    /* [S, max_blocks] */
     int64_t max_blocks;
     const int32_t *seq_lens; /* [S] */
@@ -300,6 +335,7 @@ typedef struct {
     float *part;        /* tsterm_attention_part_bytes() of scratch, 32-byte aligned */
     const float *sinks; /* [Hq] each head's sink logit, or NULL (none) */
     int64_t window;     /* tsterm_kv's window (0: none) */
+    int64_t kv_bf16;    /* tsterm_kv's: the caches hold bfloat16 */
 } tsterm_attention;
 
 TSTERM_INTERNAL int64_t tsterm_attention_splits(const int32_t *seq_lens, int64_t num_seqs);
