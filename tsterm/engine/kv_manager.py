@@ -166,15 +166,10 @@ class KVCacheManager:
         chain: list[int] = []
         run = self._cached_run(tokens, (len(tokens) - 1) // B, root)
         window = self.window
+        window_table: list[int] = []
         if window is not None:  # cut where the window pool still holds the blocks of the next position's window
             cut, window_table = window.cut(run, tokens, root)
             del run[cut:]
-            for block_id in window_table:
-                if block_id != window.NULL:
-                    window.pool.acquire(block_id)
-            window.hit_blocks += sum(block_id != window.NULL for block_id in window_table)
-            seq.window_table = window_table
-            seq.window_released = window.first_needed(cut * B)
         if self.num_state_slots:  # a hybrid resumes only where a state snapshot was kept: the run is cut there
             while run and self.pool.blocks[run[-1][0]].snapshot is None:
                 run.pop()
@@ -202,14 +197,20 @@ class KVCacheManager:
                 num_cached += partial[1]
                 if window_partial is not None:
                     window.pool.take_partial(window_partial[0])
-                    seq.window_table.append(window_partial[0])
-                    window.hit_blocks += 1
+                    window_table.append(window_partial[0])
             elif self.tier is not None:
                 num_cached += self._partial_from_tier(seq, chain[-1] if chain else root,
                                                       tokens[num_cached:len(tokens) - 1], loads)
         # one batched copy into the pool of the blocks this prompt read from the tiers (and its partial)
         self._tier_tokens[seq.seq_id] = self.tier.copy_in(loads) if loads else {}
         seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        if window is not None:  # the window blocks of the hit's next position, by reference (a partial: taken)
+            first = window.first_needed(num_cached)
+            for i in range(first, len(chain)):
+                window.pool.acquire(window_table[i])
+            window_table[:first] = [window.NULL] * first
+            window.hit_blocks += len(window_table) - first
+            seq.window_table, seq.window_released = window_table, first
         return num_cached
 
     def _extend_from_tier(self, seq: Sequence, chain: list[int], max_blocks: int, root: int | None,
