@@ -67,6 +67,8 @@ SIGNATURES = {
                                              _I64, _P, _I64]),
     "tsterm_decode_attention_bf16": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P,
                                             _P, _I64]),
+    "tsterm_mla_attention": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P,
+                                    _P, _I64, _I64, _F32, _P]),  # csrc/mla.c
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),
     "tsterm_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
     "tsterm_store_kv": (None, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P]),

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from tsterm_kernels import cpu_mla
 from tsterm_kernels.cpu_stack import MAX_HEADS
 from tsterm_kernels.metadata import AttentionMetadata
 from tsterm_kernels.quant import FP8_BLOCK, QuantizedWeight
@@ -157,6 +158,10 @@ class MLAttention:
         if self.ops.mla_attention is not None:
             q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
             o_lat = self.ops.mla_attention(q_lat, q_rope, self.cache, meta, self.scale)  # [T, Hq, r] float32
+        elif (native := cpu_mla.native_for(q_lat, self.cache)) is not None:
+            # csrc/mla.c: every head over each latent row read once, float32 or bfloat16 rows, in place
+            q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+            o_lat = cpu_mla.mla_attention(q_lat, q_rope, self.cache, meta, self.scale, native)  # [T, Hq, r] float32
         else:
             q = torch.cat((q_lat, q_rope), dim=-1).to(dtype)  # [T, Hq, r + dr]: [q_lat | q_rope]
             # at most MAX_HEADS query heads a call, the C decode kernel's limit (DeepSeek-V3 has 128 on one rank); a
