@@ -213,11 +213,15 @@ def decode_stack(layers: list[StackLayer], num_heads: int, num_kv_heads: int, he
                  scale: float) -> DecodeStack | None:
     """A model's decoder layers as one C call per decode step (`tsterm_kernels.cpu_stack`), or None where the C
     kernels cannot run them, or where a shape class of theirs runs torch's path (`cpu_select`: one kernel per class,
-    in a decode as in a prefill); the model then runs every step layer by layer through the ops here."""
-    stack = DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale)
+    in a decode as in a prefill); the model then runs every step layer by layer through the ops here. A bfloat16
+    model's linears run in the arithmetic of their "bf16" classes (csrc/bf16.c's; a class that chose torch's matmul
+    keeps the model layer by layer)."""
+    stack = DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale, _bf16_stack_isa)
     if stack is None:
         return None
     classes = [("attention", (num_heads, num_kv_heads, head_dim))]
+    if stack.dtype is torch.bfloat16:  # (its weights' classes: checked by _bf16_stack_isa as it was built)
+        return None if _chosen(*classes[0]) is None else stack
     for layer in layers:
         for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.router, layer.shared_gate):
             if isinstance(w, torch.Tensor) and w.dim() == 2:
@@ -793,6 +797,15 @@ def _bf16_isa(candidate: str) -> int:
 
 def _bf16_cpu(*tensors) -> bool:
     return all(isinstance(t, torch.Tensor) and t.dtype is torch.bfloat16 and t.is_cpu for t in tensors)
+
+
+def _bf16_stack_isa(shape: tuple[int, int]) -> int | None:
+    """csrc/bf16.c's instruction set for a bfloat16 weight of this shape in the decode stack: its "bf16" class's
+    (what `_bf16_linear` runs it with), or None where the class runs torch or the C kernels are unavailable."""
+    if cpu_native.load() is None:
+        return None
+    candidate = _planned("bf16", tuple(shape), os.environ.get(cpu_select.ENV, ""))
+    return None if candidate == "torch" else _bf16_isa(candidate)
 
 
 def _bf16_gemm(native: "cpu_native.NativeKernels", isa: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

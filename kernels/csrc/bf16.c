@@ -20,7 +20,11 @@
  * shape class runs one of them (tsterm_kernels.cpu_select), and another machine may give other bits.
  *
  * AMX needs the OS's permission for the tile state (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA));
- * tsterm_bf16_isa() asks for it and reports AMX only where it is granted. */
+ * tsterm_bf16_isa() asks for it and reports AMX only where it is granted.
+ *
+ * The work is in two pieces the decode stack (stack.c) calls inside its own parallel region: tsterm_bf16_pack (x into
+ * the form an instruction set reads) and tsterm_bf16_rows (a range of outputs over every row); tsterm_bf16_gemm is
+ * the two in a parallel region of its own, so both give a row the same bits. */
 #include "tsterm.h"
 
 #include <stdlib.h>
@@ -32,22 +36,8 @@
 #define BF16_AVX512 1
 #define BF16_PLAIN 0
 
-/* float32 -> bfloat16, round to nearest even (NaN stays a quiet NaN): torch's .to(torch.bfloat16) */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#define bf16_round tsterm_bf16_round /* (tsterm.h: round to nearest even, torch's .to(torch.bfloat16)) */
+#define bf16_float tsterm_bf16_float
 
 /* row m of x as bfloat16 bits: x is float32 (rounded here) or already bfloat16 */
 static inline uint16_t x_at(const void *x, int64_t x_bf16, int64_t ldx, int64_t m, int64_t k) {
@@ -140,82 +130,82 @@ static inline void amx_store(const float *c, float *y, int64_t ldy, int64_t m_f,
         _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep, r[j]);
 }
 
-static void amx_gemm(const void *x, int64_t x_bf16, int64_t ldx, uint32_t *xp, int64_t m_f, int64_t k_f,
-                     const uint16_t *w, int64_t n_f, float *y, int64_t ldy) {
-    const int64_t kp = round_up(k_f, 32), n_tiles = (n_f + 15) / 16, m_tiles = (m_f + 15) / 16;
-#pragma omp parallel
-    {
-#pragma omp for schedule(static)
-        for (int64_t mt = 0; mt < m_tiles; mt++) {
-            uint32_t *tile = xp + mt * (kp / 2) * 16;
-            for (int64_t kk = 0; kk < kp / 2; kk++)
-                for (int64_t j = 0; j < 16; j++) {
-                    const int64_t m = mt * 16 + j, k = 2 * kk;
-                    uint32_t lo = 0, hi = 0;
-                    if (m < m_f) {
-                        lo = k < k_f ? x_at(x, x_bf16, ldx, m, k) : 0;
-                        hi = k + 1 < k_f ? x_at(x, x_bf16, ldx, m, k + 1) : 0;
-                    }
-                    tile[kk * 16 + j] = lo | hi << 16;
-                }
-        } /* (the loop's barrier: every tile of x is ready) */
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) { /* tmm0-3: C (16 outputs x 16 rows, float32); tmm4-5: w; tmm6-7: x pairs */
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
+/* x's 16-row tile mt as B tiles want it: rows of input pairs (kp / 2 of them), one column per row of x, zero past m_f
+ * rows and k_f inputs */
+static void amx_pack_tile(const void *x, int64_t x_bf16, int64_t ldx, int64_t m_f, int64_t k_f, int64_t mt,
+                          uint32_t *xp) {
+    const int64_t kp = round_up(k_f, 32);
+    uint32_t *tile = xp + mt * (kp / 2) * 16;
+    for (int64_t kk = 0; kk < kp / 2; kk++)
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t m = mt * 16 + j, k = 2 * kk;
+            uint32_t lo = 0, hi = 0;
+            if (m < m_f) {
+                lo = k < k_f ? x_at(x, x_bf16, ldx, m, k) : 0;
+                hi = k + 1 < k_f ? x_at(x, x_bf16, ldx, m, k + 1) : 0;
+            }
+            tile[kk * 16 + j] = lo | hi << 16;
         }
-        _tile_loadconfig(&cfg);
-        uint16_t pad0[16 * 32], pad1[16 * 32];
-        float c[16 * 16];
-        int64_t first, last; /* this thread's pairs of output tiles */
-        tsterm_thread_share((n_tiles + 1) / 2, 1, &first, &last);
-        for (int64_t np = first; np < last; np++) {
-            const int64_t n0 = np * 32, two_n = n0 + 16 < n_f;
-            for (int64_t m0 = 0; m0 < m_tiles * 16; m0 += 32) {
-                const int two_m = m0 + 16 < m_f;
-                const uint32_t *b0 = xp + (m0 / 16) * (kp / 2) * 16, *b1 = b0 + (kp / 2) * 16;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t k0 = 0; k0 < kp; k0 += 32) {
-                    int64_t s0, s1;
-                    const uint16_t *a0 = amx_a_block(w, n_f, k_f, n0, k0, pad0, &s0);
-                    _tile_loadd(4, a0, s0);
-                    _tile_loadd(6, b0 + (k0 / 2) * 16, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (two_m) {
-                        _tile_loadd(7, b1 + (k0 / 2) * 16, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (two_n) {
-                        const uint16_t *a1 = amx_a_block(w, n_f, k_f, n0 + 16, k0, pad1, &s1);
-                        _tile_loadd(5, a1, s1);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (two_m)
-                            _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c, 64);
-                amx_store(c, y, ldy, m_f, n_f, m0, n0);
+}
+
+/* outputs [first, last) (first a multiple of 32) of every row of y from the packed tiles xp, this thread alone */
+static void amx_rows(const uint32_t *xp, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t first, int64_t last,
+                     int64_t n_f, float *y, int64_t ldy) {
+    const int64_t kp = round_up(k_f, 32), m_tiles = (m_f + 15) / 16;
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { /* tmm0-3: C (16 outputs x 16 rows, float32); tmm4-5: w; tmm6-7: x pairs */
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    uint16_t pad0[16 * 32], pad1[16 * 32];
+    float c[16 * 16];
+    for (int64_t n0 = first; n0 < last; n0 += 32) { /* pairs of output tiles */
+        const int64_t two_n = n0 + 16 < last;
+        for (int64_t m0 = 0; m0 < m_tiles * 16; m0 += 32) {
+            const int two_m = m0 + 16 < m_f;
+            const uint32_t *b0 = xp + (m0 / 16) * (kp / 2) * 16, *b1 = b0 + (kp / 2) * 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k0 = 0; k0 < kp; k0 += 32) {
+                int64_t s0, s1;
+                const uint16_t *a0 = amx_a_block(w, n_f, k_f, n0, k0, pad0, &s0);
+                _tile_loadd(4, a0, s0);
+                _tile_loadd(6, b0 + (k0 / 2) * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
                 if (two_m) {
-                    _tile_stored(1, c, 64);
-                    amx_store(c, y, ldy, m_f, n_f, m0 + 16, n0);
+                    _tile_loadd(7, b1 + (k0 / 2) * 16, 64);
+                    _tile_dpbf16ps(1, 4, 7);
                 }
                 if (two_n) {
-                    _tile_stored(2, c, 64);
-                    amx_store(c, y, ldy, m_f, n_f, m0, n0 + 16);
-                    if (two_m) {
-                        _tile_stored(3, c, 64);
-                        amx_store(c, y, ldy, m_f, n_f, m0 + 16, n0 + 16);
-                    }
+                    const uint16_t *a1 = amx_a_block(w, n_f, k_f, n0 + 16, k0, pad1, &s1);
+                    _tile_loadd(5, a1, s1);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_m)
+                        _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c, 64);
+            amx_store(c, y, ldy, m_f, last, m0, n0);
+            if (two_m) {
+                _tile_stored(1, c, 64);
+                amx_store(c, y, ldy, m_f, last, m0 + 16, n0);
+            }
+            if (two_n) {
+                _tile_stored(2, c, 64);
+                amx_store(c, y, ldy, m_f, last, m0, n0 + 16);
+                if (two_m) {
+                    _tile_stored(3, c, 64);
+                    amx_store(c, y, ldy, m_f, last, m0 + 16, n0 + 16);
                 }
             }
         }
-        _tile_release();
     }
+    _tile_release();
 }
 #else
 #define HAVE_AMX 0
@@ -250,25 +240,20 @@ static inline __attribute__((always_inline)) void avx512bf16_block(const uint16_
             y[(m0 + j) * ldy + n0 + i] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-/* xb: [m_f, kp] bfloat16 rows, zero-padded to kp (whole 32s) */
-static void avx512bf16_gemm(const uint16_t *xb, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t n_f, float *y,
-                            int64_t ldy) {
+/* outputs [first, last) of every row of y; xb: [m_f, kp] bfloat16 rows, zero-padded to kp (whole 32s) */
+static void avx512bf16_rows(const uint16_t *xb, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t first,
+                            int64_t last, float *y, int64_t ldy) {
     const int64_t kp = round_up(k_f, 32);
-#pragma omp parallel
-    {
-        int64_t first, last;
-        tsterm_thread_share(n_f, 4, &first, &last);
-        for (int64_t n0 = first; n0 < last; n0 += 4) {
-            const int nn = last - n0 < 4 ? (int)(last - n0) : 4;
-            for (int64_t m0 = 0; m0 < m_f; m0 += 4) {
-                const int mm = m_f - m0 < 4 ? (int)(m_f - m0) : 4;
-                if (nn == 4 && mm == 4)
-                    avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, 4, 4);
-                else if (nn == 4 && mm == 1)  /* one row of x: a decode step */
-                    avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, 4, 1);
-                else
-                    avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, nn, mm);
-            }
+    for (int64_t n0 = first; n0 < last; n0 += 4) {
+        const int nn = last - n0 < 4 ? (int)(last - n0) : 4;
+        for (int64_t m0 = 0; m0 < m_f; m0 += 4) {
+            const int mm = m_f - m0 < 4 ? (int)(m_f - m0) : 4;
+            if (nn == 4 && mm == 4)
+                avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, 4, 4);
+            else if (nn == 4 && mm == 1)  /* one row of x: a decode step */
+                avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, 4, 1);
+            else
+                avx512bf16_block(xb, kp, k_f, w, y, ldy, n0, m0, nn, mm);
         }
     }
 }
@@ -276,30 +261,26 @@ static void avx512bf16_gemm(const uint16_t *xb, int64_t m_f, int64_t k_f, const 
 #define HAVE_AVX512BF16 0
 #endif
 
-/* xf: [m_f, kp] float32 (the bfloat16-rounded inputs), zero-padded to kp (whole 16s) */
-static void plain_gemm(const float *xf, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t n_f, float *y,
-                       int64_t ldy) {
+/* outputs [first, last) of every row of y; xf: [m_f, kp] float32 (the bfloat16-rounded inputs), zero-padded to kp
+ * (whole 16s) */
+static void plain_rows(const float *xf, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t first, int64_t last,
+                       float *y, int64_t ldy) {
     const int64_t kp = round_up(k_f, 16);
-#pragma omp parallel
-    {
-        int64_t first, last;
-        tsterm_thread_share(n_f, 1, &first, &last);
-        float wf[16];
-        for (int64_t n = first; n < last; n++) {
-            for (int64_t m = 0; m < m_f; m++) {
-                const float *xr = xf + m * kp;
-                float acc[16] = {0};
-                for (int64_t k0 = 0; k0 < kp; k0 += 16) {
-                    for (int j = 0; j < 16; j++)
-                        wf[j] = k0 + j < k_f ? bf16_float(w[n * k_f + k0 + j]) : 0.0f;
-                    for (int j = 0; j < 16; j++)
-                        acc[j] += xr[k0 + j] * wf[j];
-                }
-                for (int width = 8; width >= 1; width /= 2) /* 16 lanes -> 1, pairwise, in a fixed order */
-                    for (int j = 0; j < width; j++)
-                        acc[j] += acc[j + width];
-                y[m * ldy + n] = acc[0];
+    float wf[16];
+    for (int64_t n = first; n < last; n++) {
+        for (int64_t m = 0; m < m_f; m++) {
+            const float *xr = xf + m * kp;
+            float acc[16] = {0};
+            for (int64_t k0 = 0; k0 < kp; k0 += 16) {
+                for (int j = 0; j < 16; j++)
+                    wf[j] = k0 + j < k_f ? bf16_float(w[n * k_f + k0 + j]) : 0.0f;
+                for (int j = 0; j < 16; j++)
+                    acc[j] += xr[k0 + j] * wf[j];
             }
+            for (int width = 8; width >= 1; width /= 2) /* 16 lanes -> 1, pairwise, in a fixed order */
+                for (int j = 0; j < width; j++)
+                    acc[j] += acc[j + width];
+            y[m * ldy + n] = acc[0];
         }
     }
 }
@@ -317,6 +298,56 @@ int tsterm_bf16_isa(void) {
     return isa;
 }
 
+size_t tsterm_bf16_packed_bytes(int64_t isa, int64_t rows, int64_t in_f) {
+    if (isa == BF16_AMX) return (size_t)(round_up(rows, 16) * round_up(in_f, 32) * 2);
+    if (isa == BF16_AVX512) return (size_t)(rows * round_up(in_f, 32) * 2);
+    return (size_t)(rows * round_up(in_f, 16) * 4);
+}
+
+/* the pack's units: 16-row tiles (AMX) or rows */
+static int64_t pack_units(int64_t isa, int64_t rows) { return isa == BF16_AMX ? (rows + 15) / 16 : rows; }
+
+/* units [first, last) of x's packed form (x float32, rounded here, or bfloat16 bits: x_bf16) */
+static void pack_units_range(int64_t isa, const void *x, int64_t x_bf16, int64_t ldx, int64_t rows, int64_t in_f,
+                             int64_t first, int64_t last, void *packed) {
+    for (int64_t u = first; u < last; u++) {
+        if (isa == BF16_AMX) {
+#if HAVE_AMX
+            amx_pack_tile(x, x_bf16, ldx, rows, in_f, u, packed);
+#endif
+        } else if (isa == BF16_AVX512) {
+            const int64_t kp = round_up(in_f, 32);
+            uint16_t *xb = (uint16_t *)packed + u * kp;
+            for (int64_t k = 0; k < kp; k++) xb[k] = k < in_f ? x_at(x, x_bf16, ldx, u, k) : 0;
+        } else {
+            const int64_t kp = round_up(in_f, 16);
+            float *xf = (float *)packed + u * kp;
+            for (int64_t k = 0; k < kp; k++) xf[k] = k < in_f ? bf16_float(x_at(x, x_bf16, ldx, u, k)) : 0.0f;
+        }
+    }
+}
+
+void tsterm_bf16_pack(int64_t isa, const float *x, int64_t ldx, int64_t rows, int64_t in_f, void *packed) {
+    pack_units_range(isa, x, 0, ldx, rows, in_f, 0, pack_units(isa, rows), packed);
+}
+
+void tsterm_bf16_rows(int64_t isa, const void *packed, int64_t rows, int64_t in_f, const uint16_t *w, int64_t first,
+                      int64_t last, int64_t out_f, float *y, int64_t ldy) {
+    if (first >= last || rows <= 0) return;
+    if (isa == BF16_AMX) {
+#if HAVE_AMX
+        amx_rows(packed, rows, in_f, w, first, last, out_f, y, ldy);
+#endif
+    } else if (isa == BF16_AVX512) {
+#if HAVE_AVX512BF16
+        avx512bf16_rows(packed, rows, in_f, w, first, last, y, ldy);
+#endif
+    } else {
+        plain_rows(packed, rows, in_f, w, first, last, y, ldy);
+    }
+    (void)out_f;
+}
+
 /* y[m * ldy + n] = sum_k bf16(x[m][k]) * w[n][k] (float32 sums), m < rows, n < out_f. x: float32 (x_bf16 = 0,
  * rounded to bfloat16 here) or bfloat16 bits (x_bf16 = 1), rows ldx elements apart; w: [out_f, in_f] bfloat16,
  * contiguous. isa: 2 AMX, 1 AVX512-BF16, 0 plain. Returns 0; -1 out of memory; -2 the isa is not available. */
@@ -328,45 +359,28 @@ int tsterm_bf16_gemm(const void *x, int64_t x_bf16, int64_t ldx, int64_t rows, i
 #if HAVE_AMX
         if (!amx_granted())
             return -2;
-        const int64_t kp = round_up(in_f, 32), m_tiles = (rows + 15) / 16;
-        uint32_t *xp = aligned_alloc(64, (size_t)(m_tiles * 16 * kp * 2));
-        if (xp == NULL)
-            return -1;
-        amx_gemm(x, x_bf16, ldx, xp, rows, in_f, w, out_f, y, ldy);
-        free(xp);
-        return 0;
 #else
         return -2;
 #endif
-    }
-    if (isa == BF16_AVX512) {
-#if HAVE_AVX512BF16
-        const int64_t kp = round_up(in_f, 32);
-        uint16_t *xb = aligned_alloc(64, (size_t)(rows * kp * 2));
-        if (xb == NULL)
-            return -1;
-#pragma omp parallel for schedule(static)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t k = 0; k < kp; k++)
-                xb[m * kp + k] = k < in_f ? x_at(x, x_bf16, ldx, m, k) : 0;
-        avx512bf16_gemm(xb, rows, in_f, w, out_f, y, ldy);
-        free(xb);
-        return 0;
-#else
+    } else if (isa == BF16_AVX512) {
+        if (!HAVE_AVX512BF16)
+            return -2;
+    } else if (isa != BF16_PLAIN) {
         return -2;
-#endif
     }
-    if (isa != BF16_PLAIN)
-        return -2;
-    const int64_t kp = round_up(in_f, 16);
-    float *xf = aligned_alloc(64, (size_t)(rows * kp * 4));
-    if (xf == NULL)
+    void *packed = aligned_alloc(64, (tsterm_bf16_packed_bytes(isa, rows, in_f) + 63) / 64 * 64);
+    if (packed == NULL)
         return -1;
-#pragma omp parallel for schedule(static)
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t k = 0; k < kp; k++)
-            xf[m * kp + k] = k < in_f ? bf16_float(x_at(x, x_bf16, ldx, m, k)) : 0.0f;
-    plain_gemm(xf, rows, in_f, w, out_f, y, ldy);
-    free(xf);
+    const int64_t units = pack_units(isa, rows), unit = isa == BF16_AMX ? 32 : isa == BF16_AVX512 ? 4 : 1;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) pack_units_range(isa, x, x_bf16, ldx, rows, in_f, u, u + 1, packed);
+        /* (the loop's barrier: every row of x is packed) */
+        int64_t first, last;
+        tsterm_thread_share(out_f, unit, &first, &last);
+        tsterm_bf16_rows(isa, packed, rows, in_f, w, first, last, out_f, y, ldy);
+    }
+    free(packed);
     return 0;
 }

@@ -229,6 +229,17 @@ TSTERM_INTERNAL void tsterm_f32_tile(int64_t rows, int64_t kc, const float *x, i
 TSTERM_INTERNAL void tsterm_f32_gemm_share(const float *x, int64_t ldx, int64_t rows, int64_t in_f, const float *w,
                                            int64_t out_f, float *y);
 
+/* bf16.c: a bfloat16 linear's two pieces, for a caller's own parallel region (stack.c). isa: 2 AMX (granted), 1
+ * AVX512-BF16, 0 plain C (tsterm_bf16_gemm's). The bytes of x's packed form for `rows` rows of in_f inputs: */
+TSTERM_INTERNAL size_t tsterm_bf16_packed_bytes(int64_t isa, int64_t rows, int64_t in_f);
+/* x [rows, in_f] float32 (rows ldx apart), rounded to bfloat16, into the form isa reads (packed: 64-byte aligned) */
+TSTERM_INTERNAL void tsterm_bf16_pack(int64_t isa, const float *x, int64_t ldx, int64_t rows, int64_t in_f,
+                                      void *packed);
+/* Outputs [first, last) of y [rows, out_f] (rows ldy apart) = packed x @ w [out_f, in_f]^T (bfloat16, contiguous),
+ * on this thread (first a multiple of 32): each output the bits tsterm_bf16_gemm gives it. */
+TSTERM_INTERNAL void tsterm_bf16_rows(int64_t isa, const void *packed, int64_t rows, int64_t in_f, const uint16_t *w,
+                                      int64_t first, int64_t last, int64_t out_f, float *y, int64_t ldy);
+
 /* attention.c: the one order of arithmetic every CPU attention of a query row follows, in a prefill, an extend or a
  * decode, so that a row's output is the same bits however its context was computed and batched. Keys go in splits
  * of ATT_SPLIT positions and chunks of ATT_CHUNK, both at fixed positions (0, ATT_CHUNK, ...): scores are dot
