@@ -146,7 +146,10 @@ class Dashboard(VerticalScroll):
             f"used {s.get('used', 0)}  shared {s.get('shared', 0)}\n"
             f"cached {s.get('cached', 0)}  free {s.get('free', 0)}\n"
             f"evictions {s.get('evictions', 0)}  preemptions {s.get('preemptions', 0)}\n"
-            f"pinned {s.get('pinned_blocks', 0)} blocks, {s.get('pins', 0)} pin(s)")  # waiting agent sessions
+            f"pinned {s.get('pinned_blocks', 0)} blocks, {s.get('pins', 0)} pin(s)"  # waiting agent sessions
+            + (f"\nwindow {s['window_blocks']} blocks ({s.get('window', 0)} tok): used {s.get('window_used', 0)}  "
+               f"cached {s.get('window_cached', 0)}  released {s.get('window_released', 0)}"
+               if s.get("window_blocks") else ""))  # the sliding layers' own pool (gpt-oss)
         reused = s.get("kv_reused_bytes")
         if reused is None and s.get("block_size"):
             reused = s.get("prefix_hit_tokens", 0) * s.get("kv_bytes_per_block", 0) // s["block_size"]
@@ -162,7 +165,8 @@ class Dashboard(VerticalScroll):
         else:
             mem = f"RSS {human_bytes(memory.get('rss'))}"
         self.query_one(ExpertHeatmap).set_load(self.experts)
-        pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0)
+        pool = s.get("num_blocks", 0) * s.get("kv_bytes_per_block", 0) + \
+            (s.get("window_blocks", 0) + 1) * s.get("window_bytes_per_block", 0)  # (+1: its null block)
         self._draw_ranks()
         self._draw_spec(s)
         self._draw_tiers(s)
