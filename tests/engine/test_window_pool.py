@@ -6,12 +6,17 @@ Every output is checked against the same engine without a window pool (`window_k
 block), and the greedy replies against transformers (eager attention, its own sink softmax and window)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from tsterm import LLM, SamplingParams
+from tsterm.config import EngineConfig
+from tsterm.engine.engine import Engine
+from tsterm.engine.executor import MemoryProbe
+from tsterm.engine.model_runner import ModelRunner
 from tsterm.engine.spec_decode.base import DraftSource
 from tsterm.errors import ConfigError
 
@@ -219,3 +224,36 @@ def test_window_pool_sizes_and_bad_values(checkpoint):
     assert stats["window_blocks"] == runner.num_window_blocks - 1 and stats["window_free"] == stats["window_blocks"]
     plain = LLM(str(model_dir), window_kv_blocks=0, **budget).engine.executor
     assert plain.num_window_blocks == 0 and plain.num_blocks == both
+
+
+class _Memory(MemoryProbe):
+    """A device with 64 MiB free whose largest step takes 1 MiB (what a CUDA device's probe reads, on the CPU)."""
+
+    def free_bytes(self) -> int:
+        return 64 << 20
+
+    def allocated_bytes(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int:
+        return 1 << 20
+
+
+def test_the_profile_run_steps_over_both_pools(checkpoint):
+    """With a memory probe, the profile run's forward goes over a throw-away cache with a window pool too (its step
+    carries window tables), and the budget it leaves is split between the two pools."""
+    model_dir, _ = checkpoint
+    config = EngineConfig(model=str(model_dir), **{**OPTIONS, "num_kv_blocks": None})
+    engine = Engine(config, executor=lambda spec: ModelRunner(dataclasses.replace(spec, memory=_Memory())))
+    runner = engine.executor
+    assert runner.memory_profile is not None and runner.num_window_blocks == 1 + 2 * 4 * 3 + 4
+    assert runner.num_blocks * runner.kv_bytes_per_block + runner.num_window_blocks * runner.window_bytes_per_block \
+        <= runner.memory_profile.free_bytes * config.kv_cache_fraction
+    prompt = _prompt(random.Random(7), 19)
+    engine.add_request(prompt, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["window_released"] > 0
