@@ -442,8 +442,9 @@ def _mixers(cfg: dict[str, Any], model_type: Any, layers: int, source: str,
             raise ModelLoadError(f"{source}: layer type(s) {', '.join(map(repr, unknown))} are not modelled by the "
                                  f"planner (only full_attention, sliding_attention and linear_attention)")
         if "sliding_attention" in kinds:  # gpt-oss
-            notes.append("sliding_attention layers are counted as full attention: the KV pool keeps every "
-                         "position of them (blocks outside the window are not returned to the pool yet)")
+            notes.append("sliding_attention layers are counted as full attention (an upper bound): the engine "
+                         "keeps them in a window pool of their own (window_kv_blocks), whose blocks go back once out "
+                         "of every running sequence's window, so a long context costs less than shown")
         full = tuple(k in ("full_attention", "sliding_attention") for k in kinds)
     elif cfg.get("full_attention_interval") is not None or model_type in HYBRID_TYPES:
         interval = _int(cfg, source, "full_attention_interval") or 4  # the HF default of these families
