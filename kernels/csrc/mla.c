@@ -39,6 +39,7 @@
 #define MLA_SPLIT 512 /* keys per split: a decode row's parallel tasks (a multiple of MLA_CHUNK) */
 #define MLA_PANEL 32  /* heads per panel: the score tile's lanes */
 #define MLA_ROWS 8    /* query rows per task of a sequence that brings several */
+#define MLA_PARALLEL_WORK 4e6 /* multiply-adds from which a step wakes the threads (~40 us on one core) */
 
 typedef struct {
     const float *q_lat, *q_rope;    /* [T, Hq, R], [T, Hq, DR]: unit last stride */
@@ -386,6 +387,7 @@ int tsterm_mla_attention(const float *q_lat, int64_t ql_t, int64_t ql_h, const f
     if (num_seqs > 0 && starts[0] != 0) return -3;
     const int64_t threads = omp_get_max_threads(), panels = panels_of(num_heads), W = rank + rope;
     int64_t decode_splits = 0, row_tasks = 0;
+    double work = 0.0; /* fused multiply-adds, roughly: a step this small runs on the calling thread */
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t rows = (int64_t)starts[s + 1] - starts[s], len = seq_lens[s], blocks = (len + block_size - 1) / block_size;
         if (rows < 0 || len < rows || blocks > max_blocks) return -3;
@@ -393,6 +395,7 @@ int tsterm_mla_attention(const float *q_lat, int64_t ql_t, int64_t ql_h, const f
             const int32_t id = block_tables[s * max_blocks + b];
             if (id < 0 || id >= num_blocks) return -3;
         }
+        work += (double)rows * (double)len * (double)num_heads * (double)(W + rank);
         if (rows == 1) decode_splits += (len + MLA_SPLIT - 1) / MLA_SPLIT;
         if (rows > 1) row_tasks += (rows + MLA_ROWS - 1) / MLA_ROWS * panels;
     }
@@ -437,7 +440,7 @@ int tsterm_mla_attention(const float *q_lat, int64_t ql_t, int64_t ql_h, const f
         row += splits;
     }
     float *scratch = part + part_floats;
-#pragma omp parallel
+#pragma omp parallel if (work >= MLA_PARALLEL_WORK) /* (which thread runs a task changes no bit) */
     {
         float *w = scratch + (size_t)scratch_floats(&z) * (size_t)omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
