@@ -257,3 +257,17 @@ def test_the_profile_run_steps_over_both_pools(checkpoint):
     while engine.has_unfinished():
         engine.step()
     assert engine.stats()["window_released"] > 0
+
+
+def test_no_window_pool_with_a_kv_tier(checkpoint, caplog):
+    """A KV tier copies blocks of the main pool only: the window pool stays off there (said once in the log), every
+    layer keeping every block, and the engine runs as without it."""
+    model_dir, _ = checkpoint
+    with caplog.at_level("INFO", logger="tsterm.engine.model_runner"):
+        llm = LLM(str(model_dir), kv_host_bytes=1 << 20, **OPTIONS)
+    assert llm.engine.kv.window is None and llm.engine.executor.num_window_blocks == 0
+    assert "sliding-window pool off with a KV tier (kv_disk / kv_host_bytes)" in caplog.text
+    assert "window_blocks" not in llm.stats()
+    prompt = _prompt(random.Random(8), 17)
+    plain = LLM(str(model_dir), window_kv_blocks=0, **OPTIONS)
+    assert _ids(llm.generate([prompt], GREEDY)) == _ids(plain.generate([prompt], GREEDY))

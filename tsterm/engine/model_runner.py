@@ -100,7 +100,7 @@ class ModelRunner(Executor):
         mtp_block_bytes = PagedKVPool.bytes_per_block(cfg, 1, self.block_size, spec.dtype, layout) if mtp_weights else 0
         # sliding and full attention layers (gpt-oss): the sliding layers' K/V in a window pool of their own, whose
         # blocks go back once out of every later position's window (`tsterm.engine.kv_manager.WindowBlocks`)
-        self.window = self._window_pool(config, layer_types, layout.world_size, mtp_weights is not None)
+        self.window = self._window_pool(config, layer_types, layout.world_size, mtp_weights is not None, recurrent)
         self.num_window_blocks = 0  # blocks of the window pool, its null block included (0: none)
         # this rank's bytes; every rank holds as many KV heads, so all ranks together cost world_size times this
         pools = "main" if self.window else "all"
@@ -171,13 +171,15 @@ class ModelRunner(Executor):
         self.cpu_threads = CpuThreads() if self.device.type == "cpu" and layout.world_size == 1 else None
 
     @staticmethod
-    def _window_pool(config, layer_types, world_size: int, mtp: bool) -> int:
+    def _window_pool(config, layer_types, world_size: int, mtp: bool, recurrent: bool) -> int:
         """The window the sliding layers' own pool keeps (0: no window pool). Off, with one log line, where it is not
-        mirrored: several ranks (the workers' step protocol carries no window tables), an MTP head, a KV tier."""
+        mirrored: several ranks (the workers' step protocol carries no window tables), an MTP head, a KV tier,
+        recurrent state (no family has both)."""
         window = sliding_window(layer_types)
         if not window or config.window_kv_blocks == 0:
             return 0
         reason = ("several ranks" if world_size > 1 else "speculative_method mtp" if mtp
+                  else "recurrent-state layers" if recurrent
                   else "a KV tier (kv_disk / kv_host_bytes)" if config.kv_disk is not None or config.kv_host_bytes
                   else None)
         if reason is not None:
