@@ -76,8 +76,12 @@ def test_bench_reports_every_figure(llm, tmp_path):
     assert r["speedup_vs"] == {name: pytest.approx(r["replays"][name]["wall_s"] / ours["wall_s"])
                                for name in ("transformers-cache", "transformers")}
     assert r["speedup_vs_baseline"] == min(r["speedup_vs"].values())
+    # and by process CPU time (what each replay computed), from each replay's own count
+    assert r["cpu_speedup_vs"] == {name: pytest.approx(r["replays"][name]["phases"]["cpu_s"] / ours["phases"]["cpu_s"])
+                                   for name in ("transformers-cache", "transformers")}
     table = format_table(r)
     assert "speedup_vs_transformers-cache" in table and "speedup_vs_transformers " in table
+    assert "time split" in table and f"by process CPU time {r['cpu_speedup_vs']['transformers']:.2f}x" in table
     assert f"ceiling {r['decode']['parallel_ceiling']:.2f}" in table and "parallel_fraction_of_ceiling" in table
     assert f"{r['roofline_fraction']:.3f}" in table.split("sample rounds")[1].splitlines()[0]  # the rounds, shown
     svg = tmp_path / "ttft.svg"

@@ -206,7 +206,7 @@ def _replay_figures(r: ReplayResult) -> dict:
             "cached_tokens": sum(t.cached_tokens for t in r.turns),
             "state_copy_bytes": sum(t.state_copy_bytes for t in r.turns),
             "state_snapshot_bytes": sum(t.state_snapshot_bytes for t in r.turns),
-            "turns": [t.__dict__ for t in r.turns]}
+            "phases": dict(r.phases), "turns": [t.__dict__ for t in r.turns]}
 
 
 def _stat_delta(before: Any, after: Any) -> Any:
@@ -343,6 +343,12 @@ def _measure(llm, trace, baselines: list[str], ablation: bool, micro_context: in
         # against the strongest baseline of the run (the smallest ratio); each one's is in speedup_vs
         "speedup_vs_baseline": min(speedup_vs.values()) if speedup_vs else None,
         "speedup_vs": speedup_vs,
+        # by process CPU seconds (what each replay computed, whatever the other processes of a shared machine took
+        # of the cores meanwhile), tsterm's over each baseline's that measures it
+        "cpu_speedup_vs": {name: statistics.median([theirs.phases["cpu_s"] / mine.phases["cpu_s"]
+                                                    for mine, theirs in zip(runs["tsterm"], runs[name])])
+                           for name in baselines
+                           if all(r.phases.get("cpu_s") for r in (*runs["tsterm"], *runs[name]))},
         # decode only (each turn's tokens after its first over their time), tsterm's over each other replay's
         "decode_speedup_vs": {name: statistics.median([mine.decode_tokens_per_s() / theirs.decode_tokens_per_s()
                                              for mine, theirs in zip(runs["tsterm"], runs[name])

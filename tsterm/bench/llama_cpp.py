@@ -91,27 +91,28 @@ def replay_llama_cpp(llama: Any, trace: Trace, progress: Progress | None = None,
     """Sessions one after another on one `Llama` (as transformers runs them), greedy, fixed reply lengths. A `Llama`
     opened with a draft model (`open_llama(lookup_tokens=K)`) speculates inside `generate`: the same loop."""
     result = ReplayResult(name, 0.0)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for session, turns in enumerate(trace):
         history: list[int] = []
         for turn, step in enumerate(turns):
             ids = _prompt(history, step)
             cached = common_prefix(list(llama.input_ids[:llama.n_tokens]), ids)
             generated: list[int] = []
-            t0 = time.perf_counter()
-            first = t0
+            t0, c0 = time.perf_counter(), time.process_time()
+            first, first_cpu = t0, c0
             for token in llama.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
                 if not generated:
-                    first = time.perf_counter()
+                    first, first_cpu = time.perf_counter(), time.process_time()
                 generated.append(int(token))
                 if len(generated) == step.output_tokens:  # the EOS id does not stop it: fixed lengths, as elsewhere
                     break
-            e2e = time.perf_counter() - t0
+            e2e, e2e_cpu = time.perf_counter() - t0, time.process_time() - c0
             history = ids + generated
             result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, first - t0, e2e, len(generated),
-                                           generated))
+                                           generated, ttft_cpu=first_cpu - c0, e2e_cpu=e2e_cpu))
             if progress:
                 progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
                          f"({len(ids)} prompt tokens, {cached} cached)")
     result.wall_s = time.perf_counter() - start
+    result.serial_phases(time.process_time() - start_cpu)
     return result

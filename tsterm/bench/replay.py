@@ -34,6 +34,13 @@ class TurnRecord:
     output_token_ids: list[int] = field(default_factory=list)
     state_copy_bytes: int = 0  # recurrent state copied from a snapshot into the turn's slot (hybrid models)
     state_snapshot_bytes: int = 0  # recurrent state copied into snapshots while the turn ran (hybrid models)
+    # process CPU seconds (all threads) from the turn's submission to its first token / its last (a replay that runs
+    # sessions one after another records them: `serial_phases`)
+    ttft_cpu: float = 0.0
+    e2e_cpu: float = 0.0
+
+
+PHASES = ("prefill", "decode", "other")
 
 
 @dataclass
@@ -41,6 +48,12 @@ class ReplayResult:
     name: str
     wall_s: float
     turns: list[TurnRecord] = field(default_factory=list)
+    # Where the replay's time went: "<phase>_s" wall and "<phase>_cpu_s" process CPU seconds (all threads: on a
+    # machine other processes share, what the replay itself computed, not the time it waited for a core) for each
+    # of PHASES, "cpu_s" in all; tsterm's also counts its engine steps ("prefill_steps": steps that computed prompt
+    # tokens, "decode_steps" the others, "batched_decode_steps": decode steps that sampled several sessions,
+    # "decode_rows": the sessions its decode steps sampled, summed). Empty where the replay does not measure it.
+    phases: dict[str, float] = field(default_factory=dict)
 
     def ttft_by_turn(self) -> list[float]:
         """Mean TTFT per turn over sessions."""
@@ -59,6 +72,17 @@ class ReplayResult:
     def outputs(self) -> dict[tuple[int, int], list[int]]:
         """(session, turn) -> the ids that turn generated: what two replays of one trace must agree on."""
         return {(r.session, r.turn): r.output_token_ids for r in self.turns}
+
+    def serial_phases(self, cpu_s: float) -> None:
+        """`phases` of a replay that runs one turn at a time (the baselines): prefill is each turn's time to its
+        first token, decode the rest of the turn, other what passed between turns; `cpu_s` the replay's process CPU
+        seconds."""
+        prefill = (sum(r.ttft for r in self.turns), sum(r.ttft_cpu for r in self.turns))
+        decode = (sum(r.e2e - r.ttft for r in self.turns), sum(r.e2e_cpu - r.ttft_cpu for r in self.turns))
+        self.phases = {"prefill_s": prefill[0], "decode_s": decode[0],
+                       "other_s": self.wall_s - prefill[0] - decode[0], "cpu_s": cpu_s,
+                       "prefill_cpu_s": prefill[1], "decode_cpu_s": decode[1],
+                       "other_cpu_s": cpu_s - prefill[1] - decode[1]}
 
     def decode_tokens_per_s(self) -> float:
         """Tokens decoded after each turn's first over the time from its first token to its last, summed over the
@@ -163,11 +187,24 @@ def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | 
         rid = engine.add_request(prompt, params, request_id=f"{name}-s{session}-t{turn}", cache_salt=cache_salt)
         pending[rid] = (session, turn, prompt, time.perf_counter())
 
-    start = time.perf_counter()
+    # each engine step's wall and CPU seconds, as a prefill step (it computed prompt tokens) or a decode step
+    phases = dict.fromkeys(("prefill_s", "decode_s", "prefill_cpu_s", "decode_cpu_s", "prefill_steps",
+                            "decode_steps", "batched_decode_steps", "decode_rows"), 0)
+    start, start_cpu = time.perf_counter(), time.process_time()
     for session in range(len(trace)):
         submit(session, 0)
     while pending:
-        for out in engine.step():
+        prompt_tokens = engine.scheduler.num_prefill_tokens
+        step_start, step_cpu = time.perf_counter(), time.process_time()
+        outputs = engine.step()
+        kind = "prefill" if engine.scheduler.num_prefill_tokens > prompt_tokens else "decode"
+        phases[f"{kind}_s"] += time.perf_counter() - step_start
+        phases[f"{kind}_cpu_s"] += time.process_time() - step_cpu
+        phases[f"{kind}_steps"] += 1
+        if kind == "decode":  # (each session a decode step advances samples a token: one output each)
+            phases["decode_rows"] += len(outputs)
+            phases["batched_decode_steps"] += len(outputs) > 1
+        for out in outputs:
             if not out.finished:
                 continue
             session, turn, prompt, submitted = pending.pop(out.request_id)
@@ -188,6 +225,9 @@ def replay_tsterm(engine: Engine, trace: Trace, name: str, progress: Progress | 
             if turn + 1 < len(trace[session]):
                 submit(session, turn + 1)
     result.wall_s = time.perf_counter() - start
+    cpu_s = time.process_time() - start_cpu
+    result.phases = dict(phases, other_s=result.wall_s - phases["prefill_s"] - phases["decode_s"], cpu_s=cpu_s,
+                         other_cpu_s=cpu_s - phases["prefill_cpu_s"] - phases["decode_cpu_s"])
     return result
 
 
@@ -197,11 +237,12 @@ class _FirstTokenTimer:
     def __init__(self) -> None:
         self.calls = 0
         self.first_token_time: float | None = None
+        self.first_token_cpu: float | None = None  # process CPU time then
 
     def put(self, value) -> None:
         self.calls += 1
         if self.calls == 2:  # the first call carries the prompt
-            self.first_token_time = time.perf_counter()
+            self.first_token_time, self.first_token_cpu = time.perf_counter(), time.process_time()
 
     def end(self) -> None:
         pass
@@ -269,7 +310,7 @@ def replay_transformers(model, trace: Trace, progress: Progress | None = None,
     cache to what it keeps; a hybrid's recurrent state cannot be cropped, so there it starts afresh."""
     name = "transformers-cache" if keep_cache else "transformers"
     result = ReplayResult(name, 0.0)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for session, turns in enumerate(trace):
         history: list[int] = []
         cache = None
@@ -282,7 +323,7 @@ def replay_transformers(model, trace: Trace, progress: Progress | None = None,
                     _crop_to(cache, step.keep)
             cached = min(cache.get_seq_length(), len(ids) - 1) if cache is not None else 0
             timer = _FirstTokenTimer()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with torch.inference_mode(), warnings.catch_warnings():
                 # `past_key_values` is the name from transformers 4.x through the GPU machine's 5.17; 5.24 also
                 # takes it (as `cache`) and warns
@@ -294,17 +335,19 @@ def replay_transformers(model, trace: Trace, progress: Progress | None = None,
                                      min_new_tokens=step.output_tokens, do_sample=False, streamer=timer,
                                      pad_token_id=0, past_key_values=cache if keep_cache else None,
                                      return_dict_in_generate=True)
-            e2e = time.perf_counter() - t0
+            e2e, e2e_cpu = time.perf_counter() - t0, time.process_time() - c0
             if keep_cache:
                 cache = out.past_key_values
             generated = out.sequences[0, len(ids):].tolist()
             history = ids + generated
             result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, (timer.first_token_time or t0) - t0,
-                                           e2e, len(generated), generated))
+                                           e2e, len(generated), generated, ttft_cpu=(timer.first_token_cpu or c0) - c0,
+                                           e2e_cpu=e2e_cpu))
             if progress:
                 progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
                          f"({len(ids)} prompt tokens, {cached} cached)")
     result.wall_s = time.perf_counter() - start
+    result.serial_phases(time.process_time() - start_cpu)
     return result
 
 
@@ -325,7 +368,7 @@ def replay_transformers_lookup(model, trace: Trace, num_tokens: int, progress: P
                            "a rejected draft (transformers refuses assisted decoding there too)")
     name = "transformers-lookup"
     result = ReplayResult(name, 0.0)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for session, turns in enumerate(trace):
         history: list[int] = []
         cache = DynamicCache(config=model.config)
@@ -337,8 +380,8 @@ def replay_transformers_lookup(model, trace: Trace, num_tokens: int, progress: P
             _crop_to(cache, cached)
             lookup = PromptLookupCandidateGenerator(num_output_tokens=num_tokens,
                                                     max_length=len(ids) + step.output_tokens)
-            t0 = time.perf_counter()
-            first = None
+            t0, c0 = time.perf_counter(), time.process_time()
+            first = first_cpu = None
             sequence = torch.tensor([ids])
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)
@@ -357,14 +400,16 @@ def replay_transformers_lookup(model, trace: Trace, num_tokens: int, progress: P
                     sequence = torch.cat([sequence, new[None]], dim=1)
                     _crop_to(cache, sequence.shape[1] - 1)  # the rejected drafts' KV goes; the last token is never fed
                     if first is None:
-                        first = time.perf_counter()
-            e2e = time.perf_counter() - t0
+                        first, first_cpu = time.perf_counter(), time.process_time()
+            e2e, e2e_cpu = time.perf_counter() - t0, time.process_time() - c0
             generated = sequence[0, len(ids):].tolist()
             history = ids + generated
             result.turns.append(TurnRecord(session, turn, len(ids), cached, 0, (first or t0) - t0, e2e,
-                                           len(generated), generated))
+                                           len(generated), generated, ttft_cpu=(first_cpu or c0) - c0,
+                                           e2e_cpu=e2e_cpu))
             if progress:
                 progress(f"{name}: session {session + 1}/{len(trace)} turn {turn + 1}/{len(turns)} "
                          f"({len(ids)} prompt tokens, {cached} cached)")
     result.wall_s = time.perf_counter() - start
+    result.serial_phases(time.process_time() - start_cpu)
     return result

@@ -57,11 +57,29 @@ def _turn_lines(replays: dict) -> list[str]:
         ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, width)).rstrip() for row in cells]
 
 
+def _phase_lines(replays: dict) -> list[str]:
+    """Where each replay's time went (wall, and process CPU seconds of all threads), and tsterm's engine steps."""
+    lines = []
+    for name, rep in replays.items():
+        p = rep.get("phases")
+        if not p:
+            continue
+        split = ", ".join(f"{phase} {p[f'{phase}_s']:.2f} s (CPU {p[f'{phase}_cpu_s']:.2f} s)"
+                          for phase in ("prefill", "decode", "other"))
+        steps = ""
+        if "prefill_steps" in p:
+            steps = (f"; {p['prefill_steps']} prefill steps, {p['decode_steps']} decode steps "
+                     f"({p['batched_decode_steps']} of them with several sessions, "
+                     f"{p['decode_rows'] / max(p['decode_steps'], 1):.2f} sessions a decode step)")
+        lines.append(f"  {name}: {split}; CPU {p['cpu_s']:.2f} s in all{steps}")
+    return ["time split (wall, and process CPU time of all threads):"] + lines if lines else []
+
+
 def _comparison_lines(r: dict) -> list[str]:
     """tsterm's decode and end-to-end ratios over each other replay, whether their greedy tokens agree, and what
     its drafts did."""
     lines = []
-    decode, e2e = r.get("decode_speedup_vs") or {}, r.get("speedup_vs") or {}
+    decode, e2e, cpu = r.get("decode_speedup_vs") or {}, r.get("speedup_vs") or {}, r.get("cpu_speedup_vs") or {}
     spec = r.get("speculation")
     rounds = f" (median of {r['rounds']} interleaved rounds)" if r.get("rounds", 1) > 1 else ""
     if decode:
@@ -69,6 +87,7 @@ def _comparison_lines(r: dict) -> list[str]:
             f"{name} decode {value:.2f}x" + (f", end to end {e2e[name]:.2f}x" if name in e2e else
                                              f", end to end {spec['e2e_speedup_vs_off']:.2f}x"
                                              if spec and name == "tsterm-no-spec" else "")
+            + (f" (by process CPU time {cpu[name]:.2f}x)" if name in cpu else "")
             for name, value in decode.items()))
     for name, where in (r.get("divergence_from_tsterm") or {}).items():
         lines.append(f"greedy tokens of {name}: " + ("the same as tsterm's" if where is None else
@@ -98,6 +117,7 @@ def format_table(r: dict) -> str:
                         else ""))
     if replays:
         lines += _turn_lines(replays)
+        lines += _phase_lines(replays)
     lines += _comparison_lines(r)
     audit = r.get("copy_audit")
     if audit:
