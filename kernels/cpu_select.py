@@ -23,7 +23,9 @@ compiler, `TSTERM_NATIVE_KERNELS=0`) or where `TSTERM_CPU_KERNELS` forces it. A 
 row counts: the op never switches arithmetic with the batch.
 
 The measurement: each candidate runs the class at a representative size (`ShapeClass.rows`) for a few tens of
-milliseconds (the minimum of repeated runs), a few hundred milliseconds for a model. The choices are kept in a JSON
+milliseconds (the minimum of repeated runs), a few hundred milliseconds for a model, on one thread (`choose`; timed
+by that thread's CPU clock where the timer uses `measure`), so that other processes sharing the cores cannot decide
+it (see `measure`). The choices are kept in a JSON
 file next to the built libraries (`cpu_native.cache_dir()`), named by a hash of what they depend on (the CPU's
 model, flags and AMX permission, the libraries' builds, torch's version); a later start reads them back.
 
@@ -38,7 +40,9 @@ import json
 import os
 import platform
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -253,11 +257,55 @@ def _forced(kind: str, override: Mapping[str, str] | None) -> str | None:
 Timer = Callable[[ShapeClass, tuple[str, ...]], Mapping[str, float]]
 
 
+@contextmanager
+def one_thread():
+    """torch's (and so the C kernels') thread count set to 1 inside, restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure(runs: Mapping[str, Callable[[], object]], seconds_per_candidate: float, max_rounds: int = 64,
+            clock: Callable[[], float] = time.thread_time) -> dict[str, float]:
+    """Each candidate's seconds for one call of its `runs` entry: one warm call each, then rounds that call every
+    candidate once in turn (a load that changes meanwhile slows them alike), at least 3 and at most `max_rounds`,
+    until each had about `seconds_per_candidate`; each one's fastest call counts. Timed by `clock`, the calling
+    thread's CPU time, on one thread (`one_thread`).
+
+    Why not the wall clock on every core: on a machine that other processes share, a kernel on two threads waits at
+    each of its barriers for the thread that lost its core (a time slice), so the wall time of a call measures the
+    neighbours. On the 2-core machine of issue 34, busy with other jobs (load 5-7), the bench model's classes timed
+    that way took 10-80x a quiet run's time, and the plans kept in its kernel cache chose the AVX2 build over the
+    AVX-512 one for a GEMM or the experts (1.3-1.45x slower there when quiet) in 5 of 12 builds. One thread's CPU
+    clock leaves out the time the thread waited for its core: the same classes, timed so under that load, came
+    within a few percent of each other from run to run and ranked the builds as a quiet machine does. The C builds
+    differ in their instruction set, not their threading, so their ranking on one thread is their ranking on
+    several."""
+    best = dict.fromkeys(runs, float("inf"))
+    with one_thread():
+        for run in runs.values():
+            run()  # warm: first touch of the outputs, the thread pool
+        spent = 0.0
+        for i in range(max_rounds):
+            for name, run in runs.items():
+                t0 = clock()
+                run()
+                took = clock() - t0
+                best[name] = min(best[name], took)
+                spent += took
+            if i >= 2 and spent > seconds_per_candidate * len(runs):
+                break
+    return best
+
+
 def choose(shape: ShapeClass, candidates: Iterable[str], timer: Timer, override: Mapping[str, str] | None = None,
            invariant: bool = True) -> Choice:
     """The candidate for one shape class: the forced one (`override`, from parse_override), else the fastest by
     `timer` among the eligible ones, that is the invariant ones where any exist (`invariant`), else all. Every
-    candidate is timed (what torch measured is reported beside the C kernels' figures)."""
+    candidate is timed (what torch measured is reported beside the C kernels' figures), on one thread (`measure`)."""
     candidates = tuple(candidates)
     forced = _forced(shape.kind, override)
     if forced is not None:
@@ -267,7 +315,8 @@ def choose(shape: ShapeClass, candidates: Iterable[str], timer: Timer, override:
         return Choice(shape, forced, "forced")
     if len(candidates) == 1:
         return Choice(shape, candidates[0], "only")
-    timed = timer(shape, candidates)
+    with one_thread():  # (not every core: see `measure`)
+        timed = timer(shape, candidates)
     seconds = {name: float(timed[name]) for name in candidates}
     eligible = [name for name in candidates if name in INVARIANT] if invariant else []
     best = min(eligible or candidates, key=lambda name: seconds[name])
