@@ -43,10 +43,6 @@ class WindowBlocks:
         """The first table entry that the window of a query at `position` reads."""
         return max(0, position - self.window + 1) // self.block_size
 
-    def blocks_per_seq(self, num_drafts: int = 0) -> int:
-        """The most window blocks a decoding sequence holds (its window, its next token's block, its drafts')."""
-        return -(-(self.window + num_drafts) // self.block_size) + 1
-
     def cut(self, run: list[tuple[int, int]], tokens: list[int], root: int | None) -> tuple[int, list[int]]:
         """For a main-pool run of cached full blocks (id, chain hash) prefixing `tokens`: the largest k <= len(run)
         such that this pool still holds the blocks covering the window of position k*B ([first_needed(kB), k)), and
