@@ -5,20 +5,33 @@ zero-padded to K's 192 values, as the paged attention reads one width: 20% more 
 the CPU, random weights.
 
     python benchmarks/mla_decode.py [--context 8192] [--decode 32] [--heads 16] [--layers 2] [--rounds 3]
-                                    [--device cpu|cuda] [--dtype float32|bfloat16]
+                                    [--device cpu|cuda] [--dtype float32|bfloat16] [--variants ...] [--threads N]
+    python benchmarks/mla_decode.py --attention-only [--context 8192] [--heads 128] [--rounds 15] [--threads 1]
 
-On a CUDA device (`--device cuda`, the Triton kernels, decode steps replayed as CUDA graphs) the latent variant's
-decode attends through the Triton MLA kernel (kernels/triton_mla.py) and the expanded one through the Triton paged
-attention; there `--heads 128 --dtype bfloat16` is DeepSeek-V3's attention on one GPU.
+Variants (`--variants`, comma-separated; all by default):
+- "latent": the latent cache, absorbed decode; on the CPU through csrc/mla.c (`tsterm_kernels.cpu_mla`: every head
+  over each latent row read once), on CUDA through the Triton MLA kernel (kernels/triton_mla.py);
+- "latent-paged" (CPU only): the same cache and model, the absorbed attention through the generic paged attention
+  instead (the latent row as the one key head and its value, 64 heads a call: what the CPU ran before csrc/mla.c);
+- "expanded": full per-head K/V, the plain paged attention (Triton on CUDA).
+
+`--attention-only` times one decode row's absorbed attention alone (no model, random latents) on the CPU: csrc/mla.c
+against the paged attention over the latent rows, interleaved: where DeepSeek-V3's 128 heads are cheap to measure
+(the model's prefill at 8K with 128 heads is not).
+
+On a CUDA device (`--device cuda`, the Triton kernels, decode steps replayed as CUDA graphs) there `--heads 128
+--dtype bfloat16` is DeepSeek-V3's attention on one GPU.
 
 The model: DeepSeek-V3's per-head dims and latent, `--heads` heads (128 in the real model), `--layers` layers (the
-first dense), a tiny MoE; float32. Both variants load the same weights; the expanded one swaps the decoder's MLA
+first dense), a tiny MoE; float32. The variants load the same weights; the expanded one swaps the decoder's MLA
 mixer and cache pool for an expanded-K/V pair (defined here, in this process only). Per round and variant: a new
 engine prefills a `--context`-token prompt (chunks of 512), then decodes `--decode` tokens greedily; decode tok/s is
-the decoded tokens over the time from the first token to the last. Rounds alternate the variants. Printed: cache
-bytes per token (all layers), the cache bytes one decode step reads at the context, decode tok/s per round, and the
-median ratio. Both variants' tokens are checked equal in float32 (the same model, two ways of attending); in
-bfloat16, where the two round differently, the share of equal tokens is printed.
+the decoded tokens over the time from the first token to the last, and on the CPU the attention layers' own time per
+decoded token (their mixers' calls on one-row steps, summed over the layers: q/kv projections, attention, W_UV and
+o_proj). Rounds alternate the variants. Printed: cache bytes per token (all layers), the cache bytes one decode step
+reads at the context, decode tok/s and layer ms per round, and the medians' ratios. The variants' tokens are checked
+equal in float32 (the same model, ways of attending that agree to float32 rounding: a tie could flip a token, which
+the check would report); in bfloat16, where they round differently, the share of equal tokens is printed.
 """
 from __future__ import annotations
 
@@ -146,17 +159,84 @@ def expanded_variant():
     return ExpandedMLA, ExpandedKVPool
 
 
-def run(path: Path, prompt: list[int], decode: int, expanded: bool, device: str = "cpu", dtype: str = "float32"):
-    """(tokens, decode tok/s, cache bytes per token over all layers) of one fresh engine."""
+VARIANTS = ("latent", "latent-paged", "expanded")
+
+
+def attention_only(context: int, heads: int, rounds: int, dtype: str) -> None:
+    """`--attention-only`: one decode row's absorbed attention alone (no model) on the CPU, DeepSeek-V3's latent (512 +
+    64) at `context` keys in shuffled 16-token blocks, random values: csrc/mla.c against the model's fallback (the
+    paged attention over the latent rows, 64 heads a call), called in turn `rounds` times after one warm-up each;
+    prints ms per call (minimum and median) and the ratio per round."""
+    from tsterm.model.mla import MAX_HEADS
+    from tsterm_kernels import cpu_mla, torch_ops
+    from tsterm_kernels.metadata import AttentionMetadata, contiguous_runs
+
+    rank, rope, block, scale = 512, 64, 16, 192 ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    blocks = -(-context // block)
+    cache = torch.randn(blocks, block, 1, rank + rope, generator=gen).to(getattr(torch, dtype))
+    table = torch.randperm(blocks, generator=gen).to(torch.int32)[None]
+    meta = AttentionMetadata([0, 1], [context], [contiguous_runs(table[0].tolist(), blocks)],
+                             torch.zeros(1, dtype=torch.int64), table, block)
+    q_lat, q_rope = torch.randn(1, heads, rank, generator=gen), torch.randn(1, heads, rope, generator=gen)
+    native = cpu_mla.native_for(q_lat, cache)
+    if native is None:
+        sys.exit("--attention-only: the C kernels are unavailable here")
+
+    def c_kernel():
+        return cpu_mla.mla_attention(q_lat, q_rope, cache, meta, scale, native)
+
+    def paged():
+        q = torch.cat((q_lat, q_rope), dim=-1).to(cache.dtype)
+        parts = [torch_ops.paged_attention(q[:, h:h + MAX_HEADS], cache, cache, meta, scale)
+                 for h in range(0, heads, MAX_HEADS)]
+        return torch.cat(parts, 1)[..., :rank].float()
+
+    torch.testing.assert_close(c_kernel(), paged(), rtol=1e-3 if dtype == "float32" else 3e-2, atol=1e-4)
+    times: dict[str, list[float]] = {"csrc/mla.c": [], "paged attention": []}
+    for _ in range(rounds):
+        for name, fn in zip(times, (c_kernel, paged)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    flops = 2 * heads * context * (2 * rank + rope)
+    for name, t in times.items():
+        print(f"{name:16s} {heads} heads at {context}: min {1e3 * min(t):7.2f} ms  median {1e3 * statistics.median(t):7.2f}"
+              f" ms  ({flops / min(t) / 1e9:.0f} GFLOP/s at the minimum)")
+    ratios = [b / a for a, b in zip(*times.values())]
+    print(f"paged / csrc/mla.c per round: median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max "
+          f"{max(ratios):.2f}x); of the minima {min(times['paged attention']) / min(times['csrc/mla.c']):.2f}x")
+
+
+def timed(mixer: type, spent: list[float]) -> type:
+    """`mixer` whose calls on one-row steps (decodes) add their seconds to `spent`."""
+    class Timed(mixer):
+        def __call__(self, rope, x):
+            if x.shape[0] != 1:
+                return super().__call__(rope, x)
+            start = time.perf_counter()
+            out = super().__call__(rope, x)
+            spent.append(time.perf_counter() - start)
+            return out
+
+    return Timed
+
+
+def run(path: Path, prompt: list[int], decode: int, variant: str, device: str = "cpu", dtype: str = "float32"):
+    """(tokens, decode tok/s, cache bytes per token over all layers, attention layers' ms per decoded token) of one
+    fresh engine."""
     from tsterm import LLM, SamplingParams
-    from tsterm.model import cache, decoder
+    from tsterm.model import cache, decoder, mla
     from tsterm.model.arch import ARCHITECTURES, MLA
     from tsterm.model.cache import ModelCache
     from tsterm.model.parallel import ParallelLayout
 
-    saved = decoder.MIXERS[MLA], cache.POOLS[MLA]
-    if expanded:
-        decoder.MIXERS[MLA], cache.POOLS[MLA] = expanded_variant()
+    saved = decoder.MIXERS[MLA], cache.POOLS[MLA], mla.cpu_mla.native_for
+    spent: list[float] = []
+    mixer, pool = expanded_variant() if variant == "expanded" else saved[:2]
+    decoder.MIXERS[MLA], cache.POOLS[MLA] = timed(mixer, spent), pool
+    if variant == "latent-paged":
+        mla.cpu_mla.native_for = lambda q_lat, cache: None  # the model's fallback: the generic paged attention
     try:
         blocks = -(-(len(prompt) + decode + 16) // 16) + 4
         llm = LLM(str(path), dtype=dtype, device=device, block_size=16, num_kv_blocks=blocks,
@@ -171,13 +251,15 @@ def run(path: Path, prompt: list[int], decode: int, expanded: bool, device: str 
             for out in engine.step():
                 if out.token_ids and first is None:
                     first = time.perf_counter()
+                    spent.clear()  # (the prompt's last chunk is not a one-row step; a one-token prompt's would be)
                 if out.finished:
                     tokens = list(out.token_ids)
         elapsed = time.perf_counter() - first
         engine.shutdown()
-        return tokens, (decode - 1) / elapsed, per_token
+        layer_ms = 1e3 * sum(spent) / (decode - 1) if spent else float("nan")  # (CUDA graphs: no Python calls)
+        return tokens, (decode - 1) / elapsed, per_token, layer_ms
     finally:
-        decoder.MIXERS[MLA], cache.POOLS[MLA] = saved
+        decoder.MIXERS[MLA], cache.POOLS[MLA], mla.cpu_mla.native_for = saved
 
 
 def main() -> None:
@@ -189,30 +271,60 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating measurements of each variant")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--variants", default=None, help=f"comma-separated, of {', '.join(VARIANTS)} (default: all; "
+                                                          "latent-paged on the CPU only)")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="time one decode row's absorbed attention alone (CPU: csrc/mla.c vs the paged attention)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's and the C kernels' threads (default: torch's; one thread is steadier on a busy "
+                             "machine, where a parallel region waits for its slowest thread)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.attention_only:
+        if args.device != "cpu":
+            sys.exit("--attention-only compares the CPU's two absorbed attentions")
+        attention_only(args.context, args.heads, args.rounds, args.dtype)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device")
+    variants = (args.variants.split(",") if args.variants else
+                [v for v in VARIANTS if args.device == "cpu" or v != "latent-paged"])
+    if any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
+        sys.exit(f"--variants: each of {', '.join(VARIANTS)} at most once, got {args.variants!r}")
+    if args.device == "cuda" and "latent-paged" in variants:
+        sys.exit("--variants: latent-paged is the CPU's fallback path (CUDA takes the Triton MLA kernel)")
     torch.manual_seed(0)
     prompt = torch.randint(3, 512, (args.context,)).tolist()
-    results: dict[str, list[float]] = {"latent (absorbed)": [], "expanded K/V": []}
+    tok_s: dict[str, list[float]] = {v: [] for v in variants}
+    layer_ms: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "mla", config(args.heads, args.layers))
         reference = None
         for rnd in range(args.rounds):
-            for name in results:
-                tokens, tok_s, per_token = run(path, prompt, args.decode, name == "expanded K/V", args.device,
-                                               args.dtype)
+            for name in variants:
+                tokens, speed, per_token, ms = run(path, prompt, args.decode, name, args.device, args.dtype)
                 reference = reference or tokens
                 if tokens != reference and args.dtype == "float32":
-                    sys.exit(f"{name}: greedy tokens differ from the other variant's: {tokens} vs {reference}")
+                    sys.exit(f"{name}: greedy tokens differ from the first run's: {tokens} vs {reference}")
                 if tokens != reference:
                     print(f"{name}: {sum(a == b for a, b in zip(tokens, reference))} of {len(reference)} greedy tokens "
-                          f"equal to the first run's ({args.dtype} rounds the two ways differently)")
-                results[name].append(tok_s)
-                print(f"round {rnd}  {name:18s} cache {per_token:>9,} B/token  reads {per_token * args.context / 1e6:8.1f}"
-                      f" MB/step at {args.context}  decode {tok_s:6.2f} tok/s", flush=True)
-    latent, expanded = (statistics.median(v) for v in results.values())
-    print(f"median decode: latent {latent:.2f} tok/s, expanded {expanded:.2f} tok/s: {latent / expanded:.2f}x")
+                          f"equal to the first run's ({args.dtype} rounds the variants differently)")
+                tok_s[name].append(speed)
+                layer_ms[name].append(ms)
+                print(f"round {rnd}  {name:13s} cache {per_token:>9,} B/token  reads {per_token * args.context / 1e6:8.1f}"
+                      f" MB/step at {args.context}  decode {speed:6.2f} tok/s  attention layers {ms:7.2f} ms/token",
+                      flush=True)
+    speed = {v: statistics.median(x) for v, x in tok_s.items()}
+    ms = {v: statistics.median(x) for v, x in layer_ms.items()}
+    print("median: " + ", ".join(f"{v} {speed[v]:.2f} tok/s ({ms[v]:.2f} ms/token in the attention layers)"
+                                 for v in variants))
+    base = variants[0]
+    for other in variants[1:]:  # per round too: the rounds interleave, so a ratio within a round shares its load
+        rounds = ", ".join(f"{a / b:.2f}x" for a, b in zip(tok_s[base], tok_s[other]))
+        layers = ", ".join(f"{b / a:.2f}x" for a, b in zip(layer_ms[base], layer_ms[other]))
+        print(f"{base} vs {other}: decode {speed[base] / speed[other]:.2f}x (rounds {rounds}); attention layers "
+              f"{ms[other] / ms[base]:.2f}x faster (rounds {layers})")
 
 
 if __name__ == "__main__":

@@ -12,17 +12,18 @@ Two equal ways to attend:
 - absorbed (decode rows, verify steps, short chunks): W_UK is folded into the query (q_lat[h] = W_UK[h]^T q_nope[h]),
   so the scores are q_lat . latent + q_rope . k_rope, one key head of kv_lora_rank + qk_rope_head_dim shared by all
   query heads, read straight from the latent pool: by the ops' MLA kernel where they have one (`mla_attention`: the
-  Triton ops, `tsterm_kernels.triton_mla`), else by the ordinary paged attention (the latent row as both key and
-  value); the output's latent part goes out through W_UV. Nothing per head is ever materialised for the context.
-  On a CUDA device the absorption and W_UV run as one batched matmul over the heads, on the CPU head by head.
+  Triton ops, `tsterm_kernels.triton_mla`), on the CPU by csrc/mla.c (`tsterm_kernels.cpu_mla`: every head over each
+  latent row read once, a float32 or bfloat16 pool), else (no C kernels, or TSTERM_CPU_KERNELS forcing torch) by the
+  ordinary paged attention (the latent row as both key and value); the output's latent part goes out through W_UV.
+  Nothing per head is ever materialised for the context. On a CUDA device the absorption and W_UV run as one batched
+  matmul over the heads, on the CPU head by head.
 - expanded (prompt chunks of more than `absorb_max_rows` tokens): the context's latents are expanded through
   kv_b_proj to per-head K and V once and attended as ordinary multi-head attention, cheaper once a chunk's queries
   outnumber the break-even (expanding costs r (dn + dv) per context token and head, the absorbed form 2 (r + dr)
   against the expanded (dn + dr + dv) per query: ~158 rows at DeepSeek-V3's sizes). A chunk of at most
   `VERIFY_ROWS` (a verify step's most: 64 drafts + the last token) is never expanded, so a verify's rows are computed
-  as the decode's are, bit for bit (each op row-invariant: `linear`, the paged attention, whose float32 C kernels
-  take a latent row of a multiple of 16 values: 576 at DeepSeek-V3's and Kimi-K2's sizes), and speculation stays
-  lossless.
+  as the decode's are, bit for bit (each op row-invariant: `linear`, and csrc/mla.c, whose order of arithmetic for a
+  row does not depend on the rows beside it, its sequence's included), and speculation stays lossless.
 
 The softmax scale is (qk_nope_head_dim + qk_rope_head_dim)^-0.5, times yarn_mscale(factor, mscale_all_dim)^2 under
 DeepSeek's YaRN (the rotation tables carry the mscale / mscale_all_dim ratio). DeepSeek's checkpoints lay the RoPE
@@ -147,7 +148,8 @@ class MLAttention:
                  dtype: torch.dtype) -> torch.Tensor:
         """Attention over the latent pool itself: [T, Hq, dn], [T, Hq, dr] float32 -> [T, Hq, dv] float32. The ops'
         own MLA kernel where they have one (Triton: `tsterm_kernels.triton_mla`, the latent read once per tile for
-        scores and output), else their paged attention with the latent row as the one key head and its value."""
+        scores and output), on the CPU csrc/mla.c (`tsterm_kernels.cpu_mla`), else their paged attention with the
+        latent row as the one key head and its value."""
         T, Hq, r = q_nope.shape[0], self.num_heads, self.rank
         if q_nope.is_cuda:  # one batched matmul over the heads (the GPU's GEMMs are not row-invariant anyway)
             q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk_t.transpose(1, 2)).transpose(0, 1)  # [T, Hq, r]
