@@ -120,7 +120,11 @@ def test_a_shared_prefix_takes_the_released_window_blocks(checkpoint):
         out = llm.generate([prompt], GREEDY)
         after = llm.stats()
         assert out[0].num_cached_tokens == shared
-        assert after["window_hit_blocks"] - before["window_hit_blocks"] == shared // B - (shared - WINDOW + 1) // B
+        window_hits = after["window_hit_blocks"] - before["window_hit_blocks"]
+        assert window_hits == shared // B - (shared - WINDOW + 1) // B
+        # taken by reference: the full layers' KV of every hit token, the sliding layers' of the window blocks only
+        assert after["kv_reused_bytes"] - before["kv_reused_bytes"] == \
+            shared * after["kv_bytes_per_block"] // B + window_hits * after["window_bytes_per_block"]
         assert _ids(out) == _ids(plain.generate([prompt], GREEDY))
 
 

@@ -571,6 +571,8 @@ class Engine:
         # (The tokens read back from the disk tier were copied, not referenced: `kv_disk_read_bytes`.)
         s["kv_reused_bytes"] = ((s["prefix_hit_tokens"] - s["kv_tier_hit_tokens"]) * s["kv_bytes_per_block"]
                                 // self.config.block_size)
+        # (with a window pool, the main pool's blocks hold the full layers only: the sliding layers' blocks taken)
+        s["kv_reused_bytes"] += s.get("window_hit_blocks", 0) * s["window_bytes_per_block"]
         return s
 
     def expert_load(self) -> list[list[int]]:
