@@ -8,11 +8,17 @@ pools, every C build this CPU runs.
 
 The batch invariance the engine promises: a row's output is the same bits alone, beside other sequences, as any row
 of a verify-like chunk of its sequence (another schedule of the kernel: tasks of rows that merge their splits as they
-go), on one thread or three, and on the AVX-512 and AVX2 builds."""
+go), on one thread or three, and on the AVX-512 and AVX2 builds; and the aarch64 build (csrc/neon/'s stand-in for the
+x86 intrinsics, cross-compiled with tests/kernels/native/mla_harness.c and run under qemu-aarch64, as
+tests/kernels/test_neon_kernels.py does for the other kernels) gives the x86 builds' bits."""
 from __future__ import annotations
 
-import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tsterm_kernels import cpu_mla, cpu_native, cpu_select
@@ -155,3 +161,39 @@ def test_the_ops_object_takes_the_c_kernel_unless_torch_is_forced(monkeypatch):
     assert cpu_mla.native_for(q_lat, cache.half()) is None and cpu_mla.native_for(q_lat.double(), cache) is None
     monkeypatch.setenv(cpu_select.ENV, "torch")
     assert cpu_mla.native_for(q_lat, cache) is None
+
+
+CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+HARNESS = Path(__file__).parent / "native" / "mla_harness.c"
+
+
+@pytest.fixture(scope="module")
+def neon_harness(tmp_path_factory) -> Path:
+    """mla_harness.c with csrc/mla.c for plain ARMv8 NEON, with the library's flags minus the host's -march."""
+    if shutil.which(CC) is None or shutil.which(QEMU) is None:
+        pytest.skip(f"the aarch64 check needs {CC} and {QEMU}: apt-get install -y gcc-aarch64-linux-gnu qemu-user")
+    out = tmp_path_factory.mktemp("mla_neon") / "mla_harness"
+    flags = [f for f in cpu_native.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
+    proc = subprocess.run([CC, *flags, "-march=armv8-a", "-static", "-I", str(cpu_native.NEON_HEADERS), "-o", str(out),
+                           str(HARNESS), str(cpu_native.SOURCES_DIR / "mla.c"), "-lm"], capture_output=True, text=True)
+    assert proc.returncode == 0, f"the aarch64 build of csrc/mla.c failed:\n{proc.stderr[-3000:]}"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_aarch64_build_gives_the_x86_bits(neon_harness, dtype):
+    heads, rank, rope, block = 37, 44, 8, 16
+    q_lat, q_rope, cache, meta = batch([1100, 600, 30, 9], [1, 9, 1, 4], heads, rank, rope, block, dtype, seed=11)
+    q_lat = q_lat.contiguous()
+    pool = cache.view(torch.int16) if dtype is torch.bfloat16 else cache
+    data = b"".join(t.contiguous().numpy().tobytes() for t in (
+        q_lat, q_rope, pool, meta.block_tables, torch.tensor(meta.seq_lens, dtype=torch.int32),
+        torch.tensor(meta.query_start_loc, dtype=torch.int32), torch.tensor([SCALE])))
+    args = (q_lat.shape[0], heads, rank, rope, block, cache.shape[0], meta.num_seqs, meta.block_tables.shape[1],
+            int(dtype is torch.bfloat16))
+    proc = subprocess.run([QEMU, str(neon_harness), *map(str, args)], input=data, capture_output=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "3"})
+    assert proc.returncode == 0, proc.stderr.decode()
+    got = torch.from_numpy(np.frombuffer(proc.stdout, dtype=np.float32).copy()).view(q_lat.shape)
+    for name, build in builds().items():
+        assert torch.equal(got, cpu_mla.mla_attention(q_lat, q_rope, cache, meta, SCALE, build)), name
