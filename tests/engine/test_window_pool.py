@@ -275,3 +275,28 @@ def test_no_window_pool_with_a_kv_tier(checkpoint, caplog):
     prompt = _prompt(random.Random(8), 17)
     plain = LLM(str(model_dir), window_kv_blocks=0, **OPTIONS)
     assert _ids(llm.generate([prompt], GREEDY)) == _ids(plain.generate([prompt], GREEDY))
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "unpinned"])
+def test_a_pin_keeps_the_window_of_a_waiting_session(checkpoint, pinned):
+    """A session pinned while it waits keeps the window pool's blocks of its last window too: other traffic takes
+    every other window block, and its next turn still reuses every token (unpinned: a shorter hit). Same tokens."""
+    model_dir, _ = checkpoint
+    llm, plain = _engines(model_dir, window_kv_blocks=12)
+    rng = random.Random(9)
+    first = _prompt(rng, 34)
+    full = first + llm.generate([first], GREEDY)[0].token_ids
+    blocks = (len(full) - 1) // B  # full blocks computed (its last token never is)
+    if pinned:
+        assert llm.engine.pin(full).num_blocks == blocks
+        # and in the window pool the blocks of the window at their end
+        assert llm.stats()["window_pinned_blocks"] == blocks - (blocks * B - WINDOW + 1) // B
+    for _ in range(2):  # other sessions' windows take every window block that is not pinned
+        llm.generate([_prompt(rng, 36)], GREEDY)
+    turn = full + _prompt(rng, 3)
+    out = llm.generate([turn], GREEDY)
+    if pinned:  # (the partly filled block after them, not pinned, may be gone)
+        assert out[0].num_cached_tokens in (blocks * B, len(full) - 1)
+    else:
+        assert out[0].num_cached_tokens < blocks * B
+    assert _ids(out) == _ids(plain.generate([turn], GREEDY))
