@@ -10,7 +10,6 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from tsterm import LLM, SamplingParams
 from tsterm.config import EngineConfig
