@@ -21,7 +21,9 @@ def test_mxfp4_experts_count_their_blocks_and_scales():
     # one [2880, 2880] matrix: 2880 * 2880 / 2 = 4,147,200 bytes of e2m1 codes + 2880 * 90 = 259,200 E8M0 scales
     #   = 4,406,400 (8,294,400 weights x 4.25 bits); gate, up and down of 32 experts in 24 layers: x 2,304
     assert _experts_bytes(raw, "bf16") == 2_304 * 4_406_400 == 10_152_345_600
-    assert _experts_bytes(raw, "int4") == _experts_bytes(raw, "fp8") == 10_152_345_600  # kept whatever --dtype
+    assert _experts_bytes(raw, "fp8") == 10_152_345_600  # kept as shipped
+    # under int4 the engine re-quantizes them to its int4 at load: 4,147,200 + 2880 * 90 * 4 per matrix
+    assert _experts_bytes(raw, "int4") == 2_304 * 5_184_000
     unquantized = {k: v for k, v in raw.items() if k != "quantization_config"}
     assert _experts_bytes(unquantized, "bf16") == 2_304 * 8_294_400 * 2  # a bf16 checkpoint's experts
     assert any("MXFP4" in note for note in parse_model(raw).notes)

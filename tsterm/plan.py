@@ -53,17 +53,27 @@ GPU_PRESETS = MappingProxyType({
 })
 
 # Weight formats. fp8: 1 byte per weight + one fp32 scale per 128x128 block (the block-wise FP8 of the Qwen/DeepSeek
-# FP8 checkpoints). int4: 4 bits per weight + one bf16 scale per group of 128 input weights (symmetric, no zeros).
-# Only the linear layers are quantized; embedding, LM head, router, norms, conv1d and gates stay bf16, as in those
-# checkpoints. A checkpoint whose experts ship as MXFP4 (gpt-oss: quantization_config.quant_method "mxfp4") has them
-# counted as tsterm keeps them, 4.25 bits a weight (e2m1 codes and one E8M0 byte per 32), under every --dtype.
+# FP8 checkpoints); only the linear layers are quantized; embedding, LM head, router, norms, conv1d and gates stay
+# bf16, as in those checkpoints. int4: what the engine's `quantization: int4` allocates (tsterm.model.quant's
+# QuantizeOnLoad): tsterm_kernels.quant's int4, GGUF Q4_1's form, 4 bits a weight + an fp16 scale and an fp16 minimum
+# per block of 32 inputs (5 bits a weight), for every matrix the decoder multiplies through its `linear` (q/k/v, o_proj,
+# the linear-attention projections, dense MLPs, experts, the shared expert) and the LM head (a tied one gets its own
+# int4 copy beside the bf16 embedding); a matrix whose inputs are not whole blocks of 32 stays bf16; MLA's q_a / q_b /
+# kv_a / kv_b keep the checkpoint's form (fp8 blocks from a block-scaled FP8 checkpoint, else bf16); the embedding,
+# norms, router and gates stay bf16. A checkpoint whose experts ship as MXFP4 (gpt-oss: quantization_config.quant_method
+# "mxfp4") has them counted as tsterm keeps them, 4.25 bits a weight (e2m1 codes and one E8M0 byte per 32), under bf16
+# and fp8; under int4 the engine re-quantizes them to int4 at load.
 DTYPES = ("bf16", "fp8", "int4")
+Q4_BLOCK = 32  # inputs per int4 block (tsterm_kernels.quant.BLOCK): 16 bytes of codes + fp16 scale and minimum
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "models" / "configs"  # config.json of real models, by name
 CACHE_BYTES = MappingProxyType({"bf16": 2, "fp8": 1, "fp32": 4})
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 MLA_TYPES = ("deepseek_v3", "kimi_k2")  # Multi-head Latent Attention (tsterm.model.mla)
 KNOWN_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "glm4_moe",
                "minimax_m2", "gpt_oss") + HYBRID_TYPES + MLA_TYPES
+# the families whose router the engine holds in float32 (tsterm.model.arch: router_float32), as it does every
+# sigmoid router's correction bias; counted so under int4, the engine's allocation (bf16 and fp8 count bf16)
+ROUTER_FLOAT32 = ("glm4_moe", "minimax_m2") + MLA_TYPES
 QK_NORM_PER_HEAD = ("qwen3", "qwen3_moe") + HYBRID_TYPES  # q_norm/k_norm of head_dim each
 
 # TokenSpeed's published figure for Qwen3.5-397B-A17B (PyTorch blog, 2026-05-27): 580 tok/s for one user (batch 1)
@@ -126,6 +136,7 @@ class PlanModel:
     attention_extras: bool = False
     expert_bias: bool = False
     expert_format: str | None = None  # "mxfp4": the routed experts ship (and load) as MXFP4 blocks
+    fp8_checkpoint: bool = False  # block-scaled FP8 (quant_method "fp8", 128 x 128 blocks), which the engine keeps
 
     @property
     def num_layers(self) -> int:
@@ -150,19 +161,38 @@ class Tensor:
     # W_UV, made at load)
     shipped: str | None = None
     derived: bool = False  # a copy made at load from another weight: memory, not parameters
+    # its form under --dtype int4 (see DTYPES): "q4_1" (quantized at load), "fp8" (an FP8 checkpoint's blocks kept),
+    # "bf16", "float32"; None: "q4_1" where `quantized` (MXFP4 experts included), else what the other dtypes hold
+    int4: str | None = None
+    int4_only: bool = False  # held only under int4 (a tied LM head's int4 copy)
+    int4_read: int | None = None  # `read` under int4, where it differs (a tied embedding: its copy is the LM head)
 
     def bytes(self, dtype: str) -> int:
         """Bytes of one matrix."""
         n = self.rows * self.cols
+        if dtype == "int4":
+            form = self.int4 or ("q4_1" if self.quantized and self.shipped != "float32" else None)
+            if form == "q4_1" and self.cols % Q4_BLOCK == 0:  # 4-bit codes + fp16 scale and minimum per 32 inputs
+                return n // 2 + 4 * self.rows * (self.cols // Q4_BLOCK)
+            if form == "fp8":
+                return n + 4 * math.ceil(self.rows / 128) * math.ceil(self.cols / 128)
+            if form == "float32":
+                return 4 * n
+            if form is not None:
+                return 2 * n
+        elif self.int4_only:
+            return 0
         if self.shipped == "mxfp4":  # 4-bit codes + one scale byte per 32 inputs
             return n // 2 + self.rows * math.ceil(self.cols / 32)
         if self.shipped == "float32":
             return 4 * n
         if not self.quantized or dtype == "bf16":
             return 2 * n
-        if dtype == "fp8":
-            return n + 4 * math.ceil(self.rows / 128) * math.ceil(self.cols / 128)
-        return n // 2 + 2 * self.rows * math.ceil(self.cols / 128)  # int4
+        return n + 4 * math.ceil(self.rows / 128) * math.ceil(self.cols / 128)  # fp8
+
+    def reads(self, dtype: str) -> int:
+        """How many of the `count` matrices one decoded token reads under `dtype`."""
+        return self.int4_read if dtype == "int4" and self.int4_read is not None else self.read
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -180,9 +210,18 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
     if n_full and m.mla:  # q_a, kv_a and their norms on every rank (the latent is every head's); heads split TP ways
         a, heads_r = m.mla, _cdiv(m.heads, tp)
         q_head, qa = a.qk_nope_head_dim + a.qk_rope_head_dim, a.q_lora_rank
-        out += [Tensor("attention", heads_r * q_head, qa or h, n_full, n_full),  # q_b (or q_proj)
-                Tensor("attention", a.kv_lora_rank + a.qk_rope_head_dim, h, n_full, n_full),  # kv_a_proj_with_mqa
-                Tensor("attention", heads_r * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank, n_full, n_full),
+
+        def stored(rows: int, split: bool) -> str:
+            """A projection's form under int4 (`quantization` leaves MLA's projections as loaded): an FP8
+            checkpoint's blocks where this rank's rows are whole 128-row blocks (tsterm.model.loader's fp8_kept),
+            else dequantized to bf16."""
+            return "fp8" if m.fp8_checkpoint and (not split or tp == 1 or rows % 128 == 0) else "bf16"
+
+        q_rows, kv_b_rows = heads_r * q_head, heads_r * (a.qk_nope_head_dim + a.v_head_dim)
+        out += [Tensor("attention", q_rows, qa or h, n_full, n_full, int4=stored(q_rows, True)),  # q_b (or q_proj)
+                Tensor("attention", a.kv_lora_rank + a.qk_rope_head_dim, h, n_full, n_full,  # kv_a_proj_with_mqa
+                       int4=stored(0, False)),
+                Tensor("attention", kv_b_rows, a.kv_lora_rank, n_full, n_full, int4=stored(kv_b_rows, True)),
                 Tensor("attention", h, heads_r * a.v_head_dim, n_full, n_full),  # o
                 Tensor("norms", 1, a.kv_lora_rank + qa, n_full, n_full, quantized=False),  # kv_a, q_a layernorms
                 # the absorbed form's per-head W_UK^T [r, dn] and W_UV [dv, r]: float32 copies of this rank's kv_b
@@ -190,7 +229,7 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
                 Tensor("attention", heads_r * a.kv_lora_rank, a.qk_nope_head_dim + a.v_head_dim, n_full, n_full,
                        quantized=False, shipped="float32", derived=True)]
         if qa:
-            out.append(Tensor("attention", qa, h, n_full, n_full))  # q_a
+            out.append(Tensor("attention", qa, h, n_full, n_full, int4=stored(0, False)))  # q_a
     elif n_full:
         out += [Tensor("attention", q_r * (2 if m.q_gated else 1), h, n_full, n_full),
                 Tensor("attention", kv_r, h, 2 * n_full, 2 * n_full),  # k, v
@@ -226,9 +265,11 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
         active = min(_cdiv(m.top_k, ep), held)
         out += [Tensor("experts", i_r, h, 2 * held * n_moe, 2 * active * n_moe, shipped=m.expert_format),  # gate, up
                 Tensor("experts", h, i_r, held * n_moe, active * n_moe, shipped=m.expert_format),  # down
-                Tensor("router", m.experts, h, n_moe, n_moe, quantized=False)]
-        if m.router_bias:  # e_score_correction_bias (gpt-oss: the router's own bias)
-            out.append(Tensor("router", 1, m.experts, n_moe, n_moe, quantized=False))
+                Tensor("router", m.experts, h, n_moe, n_moe, quantized=False,
+                       int4="float32" if m.model_type in ROUTER_FLOAT32 else None)]
+        if m.router_bias:  # e_score_correction_bias, float32 in the engine (gpt-oss: the router's own bias, bf16)
+            out.append(Tensor("router", 1, m.experts, n_moe, n_moe, quantized=False,
+                              int4=None if m.model_type == "gpt_oss" else "float32"))
         if m.expert_bias:  # gate_up_proj_bias, down_proj_bias
             out.append(Tensor("experts", held, 2 * i_r + h, n_moe, n_moe, quantized=False))
         if m.shared_intermediate:
@@ -239,10 +280,12 @@ def rank_tensors(m: PlanModel, tp: int, ep: int) -> list[Tensor]:
                 out.append(Tensor("router", 1, h, n_moe, n_moe, quantized=False))  # shared_expert_gate
     out.append(Tensor("norms", 1, h, 2 * m.num_layers + 1, 2 * m.num_layers + 1, quantized=False))
     v_r = _cdiv(m.vocab, tp)
-    if m.tied:  # one matrix, read whole as the LM head
-        out.append(Tensor("embedding", v_r, h, 1, 1, quantized=False))
+    if m.tied:  # one matrix, read whole as the LM head (under int4 the head is its own int4 copy, read instead)
+        out += [Tensor("embedding", v_r, h, 1, 1, quantized=False, int4_read=0),
+                Tensor("lm_head", v_r, h, 1, 1, quantized=False, derived=True, int4="q4_1", int4_only=True)]
     else:  # the embedding reads one row per token: negligible
-        out += [Tensor("embedding", v_r, h, 1, 0, quantized=False), Tensor("lm_head", v_r, h, 1, 1, quantized=False)]
+        out += [Tensor("embedding", v_r, h, 1, 0, quantized=False),
+                Tensor("lm_head", v_r, h, 1, 1, quantized=False, int4="q4_1")]
     return out
 
 
@@ -311,7 +354,7 @@ def plan_layouts(m: PlanModel, gpus: int, gpu: GpuSpec, dtype: str = "bf16", kv_
             continue
         tensors = rank_tensors(m, tp, ep)
         weights = sum(t.bytes(dtype) * t.count for t in tensors)
-        read = sum(t.bytes(dtype) * t.read for t in tensors)
+        read = sum(t.bytes(dtype) * t.reads(dtype) for t in tensors)
         kv, state = kv_bytes_per_token(m, tp, kv_dtype), state_bytes_per_sequence(m, tp, state_dtype)
         free = math.floor(gpu.memory_bytes * (1 - Fraction(repr(headroom)))) - weights  # exact: 0.1 is 1/10
         per_seq = context * kv + state
@@ -394,7 +437,10 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
     expert_format = "mxfp4" if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4" and experts else None
     if expert_format:
         notes.append("the routed experts ship as MXFP4 and are counted as tsterm keeps them, 4.25 bits a weight, "
-                     "under every --dtype (the other weights take --dtype)")
+                     "under bf16 and fp8 (the other weights take --dtype); under int4 as the int4 they are "
+                     "re-quantized to at load")
+    fp8_checkpoint = isinstance(qc, dict) and qc.get("quant_method") == "fp8" and \
+        list(qc.get("weight_block_size") or ()) == [128, 128]
     if cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_modules"):
         notes.append("the MTP layers shipped after the last layer are not counted: plain decode does not run them")
     if cfg.get("mtp_num_hidden_layers"):
@@ -414,6 +460,7 @@ def parse_model(raw: dict[str, Any], source: str = "config.json") -> PlanModel:
         notes=tuple(notes), shared_gated=model_type not in ("glm4_moe",) + MLA_TYPES,
         router_bias=model_type in ("glm4_moe", "minimax_m2", "gpt_oss") + MLA_TYPES, mla=mla,
         attention_extras=model_type == "gpt_oss", expert_bias=model_type == "gpt_oss", expert_format=expert_format,
+        fp8_checkpoint=fp8_checkpoint,
     )
 
 
