@@ -26,8 +26,9 @@ The model: DeepSeek-V3's per-head dims and latent, `--heads` heads (128 in the r
 first dense), a tiny MoE; float32. The variants load the same weights; the expanded one swaps the decoder's MLA
 mixer and cache pool for an expanded-K/V pair (defined here, in this process only). Per round and variant: a new
 engine prefills a `--context`-token prompt (chunks of 512), then decodes `--decode` tokens greedily; decode tok/s is
-the decoded tokens over the time from the first token to the last, and on the CPU the attention layers' own time per
-decoded token (their mixers' calls on one-row steps, summed over the layers: q/kv projections, attention, W_UV and
+the decoded tokens over the time from the first token to the last (with `--threads 1` on the CPU by this thread's CPU
+clock, which leaves out the time it waited for a core on a busy machine; else the wall clock), and on the CPU the
+attention layers' own time per decoded token (their mixers' calls on one-row steps, summed over the layers: q/kv projections, attention, W_UV and
 o_proj). Rounds alternate the variants. Printed: cache bytes per token (all layers), the cache bytes one decode step
 reads at the context, decode tok/s and layer ms per round, and the medians' ratios. The variants' tokens are checked
 equal in float32 (the same model, ways of attending that agree to float32 rounding: a tie could flip a token, which
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -193,38 +195,46 @@ def attention_only(context: int, heads: int, rounds: int, dtype: str) -> None:
         return torch.cat(parts, 1)[..., :rank].float()
 
     torch.testing.assert_close(c_kernel(), paged(), rtol=1e-3 if dtype == "float32" else 3e-2, atol=1e-4)
-    times: dict[str, list[float]] = {"csrc/mla.c": [], "paged attention": []}
+    # wall clock, and on one thread this thread's CPU clock too (the time it ran, not the time it waited for a core:
+    # steadier on a shared machine, where a wall-clock call also holds the time other processes took the core)
+    one_thread = torch.get_num_threads() == 1
+    clocks = {"wall": time.perf_counter, **({"thread CPU": time.thread_time} if one_thread else {})}
+    times = {(name, clock): [] for name in ("csrc/mla.c", "paged attention") for clock in clocks}
     for _ in range(rounds):
-        for name, fn in zip(times, (c_kernel, paged)):
-            start = time.perf_counter()
+        for name, fn in (("csrc/mla.c", c_kernel), ("paged attention", paged)):
+            start = {clock: read() for clock, read in clocks.items()}
             fn()
-            times[name].append(time.perf_counter() - start)
+            for clock, read in clocks.items():
+                times[name, clock].append(read() - start[clock])
     flops = 2 * heads * context * (2 * rank + rope)
-    for name, t in times.items():
-        print(f"{name:16s} {heads} heads at {context}: min {1e3 * min(t):7.2f} ms  median {1e3 * statistics.median(t):7.2f}"
-              f" ms  ({flops / min(t) / 1e9:.0f} GFLOP/s at the minimum)")
-    ratios = [b / a for a, b in zip(*times.values())]
-    print(f"paged / csrc/mla.c per round: median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max "
-          f"{max(ratios):.2f}x); of the minima {min(times['paged attention']) / min(times['csrc/mla.c']):.2f}x")
+    for (name, clock), t in times.items():
+        print(f"{name:16s} {heads} heads at {context}, {clock:10s}: min {1e3 * min(t):7.2f} ms  median "
+              f"{1e3 * statistics.median(t):7.2f} ms  ({flops / min(t) / 1e9:.0f} GFLOP/s at the minimum)")
+    for clock in clocks:
+        ratios = [b / a for a, b in zip(times["csrc/mla.c", clock], times["paged attention", clock])]
+        print(f"{clock}: paged / csrc/mla.c per round: median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x,"
+              f" max {max(ratios):.2f}x); of the minima "
+              f"{min(times['paged attention', clock]) / min(times['csrc/mla.c', clock]):.2f}x")
 
 
-def timed(mixer: type, spent: list[float]) -> type:
-    """`mixer` whose calls on one-row steps (decodes) add their seconds to `spent`."""
+def timed(mixer: type, spent: list[float], clock) -> type:
+    """`mixer` whose calls on one-row steps (decodes) add their seconds by `clock` to `spent`."""
     class Timed(mixer):
         def __call__(self, rope, x):
             if x.shape[0] != 1:
                 return super().__call__(rope, x)
-            start = time.perf_counter()
+            start = clock()
             out = super().__call__(rope, x)
-            spent.append(time.perf_counter() - start)
+            spent.append(clock() - start)
             return out
 
     return Timed
 
 
-def run(path: Path, prompt: list[int], decode: int, variant: str, device: str = "cpu", dtype: str = "float32"):
+def run(path: Path, prompt: list[int], decode: int, variant: str, device: str = "cpu", dtype: str = "float32",
+        clock=time.perf_counter):
     """(tokens, decode tok/s, cache bytes per token over all layers, attention layers' ms per decoded token) of one
-    fresh engine."""
+    fresh engine, timed by `clock`."""
     from tsterm import LLM, SamplingParams
     from tsterm.model import cache, decoder, mla
     from tsterm.model.arch import ARCHITECTURES, MLA
@@ -234,7 +244,7 @@ def run(path: Path, prompt: list[int], decode: int, variant: str, device: str = 
     saved = decoder.MIXERS[MLA], cache.POOLS[MLA], mla.cpu_mla.native_for
     spent: list[float] = []
     mixer, pool = expanded_variant() if variant == "expanded" else saved[:2]
-    decoder.MIXERS[MLA], cache.POOLS[MLA] = timed(mixer, spent), pool
+    decoder.MIXERS[MLA], cache.POOLS[MLA] = timed(mixer, spent, clock), pool
     if variant == "latent-paged":
         mla.cpu_mla.native_for = lambda q_lat, cache: None  # the model's fallback: the generic paged attention
     try:
@@ -250,11 +260,11 @@ def run(path: Path, prompt: list[int], decode: int, variant: str, device: str = 
         while engine.has_unfinished():
             for out in engine.step():
                 if out.token_ids and first is None:
-                    first = time.perf_counter()
+                    first = clock()
                     spent.clear()  # (the prompt's last chunk is not a one-row step; a one-token prompt's would be)
                 if out.finished:
                     tokens = list(out.token_ids)
-        elapsed = time.perf_counter() - first
+        elapsed = clock() - first
         engine.shutdown()
         layer_ms = 1e3 * sum(spent) / (decode - 1) if spent else float("nan")  # (CUDA graphs: no Python calls)
         return tokens, (decode - 1) / elapsed, per_token, layer_ms
@@ -280,6 +290,7 @@ def main() -> None:
                              "machine, where a parallel region waits for its slowest thread)")
     args = parser.parse_args()
     if args.threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # (the engine's thread governor's ceiling too)
         torch.set_num_threads(args.threads)
     if args.attention_only:
         if args.device != "cpu":
@@ -294,6 +305,11 @@ def main() -> None:
         sys.exit(f"--variants: each of {', '.join(VARIANTS)} at most once, got {args.variants!r}")
     if args.device == "cuda" and "latent-paged" in variants:
         sys.exit("--variants: latent-paged is the CPU's fallback path (CUDA takes the Triton MLA kernel)")
+    # on one CPU thread, this thread's CPU clock (the engine steps here, the C kernels run on it): the time it ran,
+    # not the time it waited for a core, steadier on a shared machine; else the wall clock
+    clock = time.thread_time if args.device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    print(f"timed by the {'thread CPU' if clock is time.thread_time else 'wall'} clock, {torch.get_num_threads()} "
+          f"thread(s)")
     torch.manual_seed(0)
     prompt = torch.randint(3, 512, (args.context,)).tolist()
     tok_s: dict[str, list[float]] = {v: [] for v in variants}
@@ -303,7 +319,7 @@ def main() -> None:
         reference = None
         for rnd in range(args.rounds):
             for name in variants:
-                tokens, speed, per_token, ms = run(path, prompt, args.decode, name, args.device, args.dtype)
+                tokens, speed, per_token, ms = run(path, prompt, args.decode, name, args.device, args.dtype, clock)
                 reference = reference or tokens
                 if tokens != reference and args.dtype == "float32":
                     sys.exit(f"{name}: greedy tokens differ from the first run's: {tokens} vs {reference}")
