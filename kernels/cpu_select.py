@@ -29,6 +29,10 @@ it (see `measure`). The choices are kept in a JSON
 file next to the built libraries (`cpu_native.cache_dir()`), named by a hash of what they depend on (the CPU's
 model, flags and AMX permission, the libraries' builds, torch's version); a later start reads them back.
 
+`TSTERM_CPU_ISA=avx2` (cpu_native.isa_limit) restricts all of it to AVX2: the CPU is described without its AVX-512,
+AVX-VNNI and AMX flags (`CpuInfo.restricted`) and the C kernels load their avx2 build, so the candidates are "c-avx2"
+and "torch" (and "c-bf16" in its plain float32 code): an AVX-512 machine measured as an AVX2-only one would run.
+
 `TSTERM_CPU_KERNELS` forces a choice: a candidate name for every class ("torch", "c-avx2"), or per kind
 ("gemm=torch,attention=c-avx2"); a name this machine does not have is an error naming the variable.
 """
@@ -84,6 +88,7 @@ class CpuInfo:
     model: str
     flags: frozenset[str]
     amx_allowed: bool = False  # the OS granted the AMX tile state (only asked where the CPU reports AMX)
+    limit: str = "native"  # cpu_native.ISA_ENV's limit applied to `flags` (`restricted`)
 
     @classmethod
     def detect(cls) -> CpuInfo:
@@ -98,8 +103,19 @@ class CpuInfo:
                     flags = frozenset(value.split())
         except OSError:
             pass
-        amx = "amx_tile" in flags and amx_permitted()
-        return cls(platform.machine(), model, flags, amx)
+        limit = cpu_native.isa_limit()
+        amx = "amx_tile" in flags and limit == "native" and amx_permitted()
+        return cls(platform.machine(), model, flags, amx).restricted(limit)
+
+    def restricted(self, limit: str) -> CpuInfo:
+        """This CPU as TSTERM_CPU_ISA=`limit` presents it: "avx2" drops every AVX-512, AVX-VNNI and AMX flag (what
+        cpu_native's avx2 build leaves out), "native" keeps it as it is."""
+        if limit == "native":
+            return self
+        if limit != "avx2" or not self.x86:
+            raise ValueError(f"{cpu_native.ISA_ENV}={limit}: only 'avx2' restricts, on x86-64 ({self.machine} here)")
+        flags = frozenset(f for f in self.flags if not f.startswith(("avx512", "amx", "avx_vnni")))
+        return CpuInfo(self.machine, self.model, flags, False, limit)
 
     @property
     def x86(self) -> bool:
@@ -133,10 +149,12 @@ class CpuInfo:
                                           ("avx512_fp16", "AVX512-FP16")) if flag in self.flags]
         if "amx_tile" in self.flags:
             parts.append("AMX" if self.amx_allowed else "AMX refused by the OS")
+        if self.limit != "native":
+            parts.append(f"limited by {cpu_native.ISA_ENV}={self.limit}")
         return f"{self.model} ({self.machine}: {', '.join(parts)})"
 
     def fingerprint(self) -> str:
-        return f"{self.machine}|{self.model}|{' '.join(sorted(self.flags))}|amx={self.amx_allowed}"
+        return f"{self.machine}|{self.model}|{' '.join(sorted(self.flags))}|amx={self.amx_allowed}|{self.limit}"
 
 
 @dataclass(frozen=True)
