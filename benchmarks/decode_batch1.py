@@ -13,13 +13,28 @@ as stored) and the achieved bandwidth, next to the machine's copy bandwidth. `--
 CPU decode stack turned off (every layer called from Python, `tsterm_kernels.cpu_stack`), the path before it.
 `--also-dtype bfloat16` adds tsterm on the same (float) checkpoint in that dtype, interleaved with the others: a
 float32 model against its bfloat16 run (csrc/bf16.c's linears, half the weight bytes), with each one's bytes read.
+Each ratio against tsterm is given twice: of the best rounds, and the median of the rounds' own ratios (one pair per
+round, measured back to back).
+
+`--isa avx2` runs tsterm as on an AVX2-only CPU (an AVX-512 one standing in): the script starts itself again with
+TSTERM_CPU_ISA=avx2 (the C kernels' AVX2 build, no AVX-512 / VNNI / AMX candidate) and torch held to AVX2 too
+(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2). llama.cpp is whichever
+llama-cpp-python `import llama_cpp` finds: put another build first on PYTHONPATH to compare with it (its path and
+ggml's system-info line are printed, so the run says which ISA it had, AMX included).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
 import time
 
 import torch
+
+# what --isa avx2 sets before the run starts again: tsterm's C kernels (tsterm_kernels.cpu_native.ISA_ENV) and torch's
+AVX2_ENV = {"TSTERM_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def main() -> None:
@@ -39,7 +54,11 @@ def main() -> None:
                         help="also tsterm on the same checkpoint in this dtype (interleaved with the others)")
     parser.add_argument("--layer-by-layer", action="store_true",
                         help="also tsterm without its one-call CPU decode stack (the layers called one by one)")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native",
+                        help="avx2: tsterm (and torch) as on an AVX2-only CPU, this one standing in")
     args = parser.parse_args()
+    if args.isa == "avx2" and any(os.environ.get(k) != v for k, v in AVX2_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})  # torch reads them at start
 
     from tsterm import LLM, SamplingParams
     from tsterm.bench.measure import copy_bandwidth, stored_decode_bytes
@@ -125,8 +144,18 @@ def main() -> None:
         reads[f"tsterm {args.also_dtype}"] = stored_decode_bytes(other.engine.executor.model, cfg,
                                                                  other.engine.dtype.itemsize, args.context)[0]
     bw = copy_bandwidth(torch.device("cpu"))
+    from tsterm_kernels import cpu_native, cpu_select
+
+    native = cpu_native.load()
     print(f"model {model_dir} ({args.dtype}), context {args.context}, {args.tokens} decoded tokens, "
           f"{threads} threads" + (f"; llama.cpp on {gguf}" if "llama.cpp" in rates else ""))
+    print(f"cpu {cpu_select.CpuInfo.detect().describe()}; tsterm's C kernels: "
+          f"{native.isa_name + ' (' + native.variant + ' build)' if native else 'none'}; torch "
+          f"{torch.backends.cpu.get_cpu_capability()}")
+    if "llama.cpp" in rates:
+        import llama_cpp
+
+        print(f"llama.cpp {llama_cpp.__file__}: {llama_cpp.llama_print_system_info().decode().strip()}")
     print(f"bytes read per token {read / 1e6:.1f} MB (tsterm's weights as stored); copy bandwidth "
           f"{bw / 1e9:.1f} GB/s")
     print(f"{'engine':<14}{'tok/s':>8}{'GB/s':>8}{'of copy bw':>12}  rounds (tok/s)")
@@ -136,7 +165,9 @@ def main() -> None:
         print(f"{name:<14}{rate:8.1f}{gbs}  {' '.join(f'{v:.1f}' for v in samples[name])}")
     for name in best:
         if name != "tsterm":
-            print(f"tsterm / {name} = {best['tsterm'] / best[name]:.2f}x")
+            pairs = statistics.median(t / o for t, o in zip(samples["tsterm"], samples[name]))
+            print(f"tsterm / {name} = {best['tsterm'] / best[name]:.2f}x (best rounds), {pairs:.2f}x (median of "
+                  f"the {args.rounds} rounds' pairs)")
 
 
 if __name__ == "__main__":
