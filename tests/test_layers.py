@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("profiles",),  # configuration: YAML -> engine options, sampling, UI / agent / server settings; loads no model
     ("harmony",),  # gpt-oss's harmony format: rendering, a turn's messages, is_harmony (LLM.chat's and the agent's)
     ("plan", "tokenizer", "outputs"),  # capacity arithmetic; tokenizer + chat template; what the engine hands back
-    ("config", "paths"),  # EngineConfig, SamplingParams, ModelConfig; where models are and what they are named
+    ("config", "paths", "cpu"),  # EngineConfig, SamplingParams, ModelConfig; where models are and what they are named;
+    # what `dtype: auto` means on this CPU
     ("model.arch",),  # architecture specs: plain data that ModelConfig's parsing and the decoder both read
     ("errors",),
 ]

@@ -284,7 +284,8 @@ class Profile:
         `num_kv_blocks`; `dtype: auto` on `device: auto`) is not judged."""
         budget, blocks = self.engine.get("kv_cache_memory"), self.engine.get("num_kv_blocks")
         config = self._model_config_json()
-        dtype_bytes = _kv_dtype_bytes(self.engine.get("dtype", "auto"), self.engine.get("device", "auto"))
+        dtype_bytes = _kv_dtype_bytes(self.engine.get("dtype", "auto"), self.engine.get("device", "auto"),
+                                      config is not None and _quantized(self.engine, config))
         if (budget is None and blocks is None) or config is None or dtype_bytes is None:
             return []
         from tsterm.errors import ModelLoadError
@@ -384,12 +385,24 @@ class Profile:
         return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=float("inf"))
 
 
-def _kv_dtype_bytes(dtype: str, device: str) -> int | None:
-    """Bytes of one cached K or V value: the engine keeps KV in the weights' dtype (auto: float32 on the CPU,
-    bfloat16 on CUDA); None where it depends on the machine."""
-    if dtype == "auto":
-        dtype = {"cpu": "float32"}.get(device, "bfloat16" if device.startswith("cuda") else "auto")
+def _kv_dtype_bytes(dtype: str, device: str, quantized: bool = False) -> int | None:
+    """Bytes of one cached K or V value: the engine keeps KV in its dtype; `dtype: auto` is bfloat16 on CUDA and on
+    the CPU what this machine's CPU makes it (tsterm.cpu.auto_dtype: bfloat16 where AMX-BF16 is granted, for a model of
+    float linears, else float32); None where it depends on the device (`device: auto`)."""
+    if dtype == "auto" and (device == "cpu" or device.startswith("cuda")):
+        from tsterm.cpu import auto_dtype
+
+        dtype = auto_dtype("cpu" if device == "cpu" else "cuda", quantized).dtype
     return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype)
+
+
+def _quantized(engine: dict, config: dict) -> bool:
+    """Whether a profile's model runs integer / packed linears (its `quantization`, its config.json's own)."""
+    from tsterm.cpu import quantized_linears
+
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return quantized_linears(engine.get("quantization", "none"), method)
 
 
 def search_path() -> list[Path]:

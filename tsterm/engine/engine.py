@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tsterm.config import EngineConfig, ModelConfig, SamplingParams
+from tsterm.cpu import CpuFeatures, DtypeChoice, auto_dtype, quantized_linears
 from tsterm.engine.admission import Limits, check_request, compile_structured
 from tsterm.engine.batch import ScheduledBatch
 from tsterm.engine.block_pool import BlockPool
@@ -59,9 +60,20 @@ class PinResult:
     capped: bool  # max_pinned_fraction stopped it before the end of the cached prefix
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """An engine dtype option; "auto": float32 on the CPU, bfloat16 elsewhere."""
-    return DTYPES[name] if name != "auto" else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+def dtype_choice(name: str, device: torch.device, quantized: bool = False,
+                 cpu: CpuFeatures | None = None) -> DtypeChoice:
+    """An engine dtype option, and why. "auto": bfloat16 on a GPU; on the CPU bfloat16 where it pays (AMX-BF16 granted
+    by the OS, a model of float linears: `quantized` says its linears are int8 / int4 / MXFP4 / fp16 blocks), else
+    float32 (tsterm.cpu.cpu_auto_dtype; `cpu`: this machine's, detected, when not given)."""
+    if name != "auto":
+        return DtypeChoice(name, "as configured")
+    return auto_dtype(device.type, quantized, cpu)
+
+
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False,
+                  cpu: CpuFeatures | None = None) -> torch.dtype:
+    """`dtype_choice`'s dtype."""
+    return DTYPES[dtype_choice(name, device, quantized, cpu).dtype]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,12 +96,14 @@ class Engine:
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = Path(config.model)
         if not model_dir.is_dir():
             what = "is a file, not a model directory" if model_dir.exists() else "does not exist"
             raise ModelLoadError(f"model directory {config.model!r} {what}")
         self.model_config = cfg = ModelConfig.from_dir(model_dir)
+        self.dtype_choice = dtype_choice(config.dtype, self.device,
+                                         quantized_linears(config.quantization, cfg.quant_method))  # (and why)
+        self.dtype = DTYPES[self.dtype_choice.dtype]
         self.tokenizer = Tokenizer.from_dir(model_dir)
         if self.tokenizer.vocab_size > cfg.vocab_size:
             raise ModelLoadError(f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but the "

@@ -28,15 +28,24 @@ class EngineInfo:
     vocab_size: int  # the embedding's rows (token ids are below it)
     eos_token_ids: frozenset[int]  # the tokenizer's and the model config's end-of-sequence ids
     num_kv_blocks: int
+    # why the engine runs in `dtype`: "as configured", or what `dtype: auto` found on this machine ("auto: AMX-BF16
+    # granted by the OS, ...": tsterm.cpu)
+    dtype_reason: str = "as configured"
 
     @property
     def model(self) -> str:
         return self.config.model
 
+    @property
+    def dtype_line(self) -> str:
+        """The dtype and why, in one line: "bfloat16 (auto: AMX-BF16 granted by the OS, ...)"."""
+        return f"{self.dtype} ({self.dtype_reason})"
+
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
         return cls(engine.config, str(engine.device), str(engine.dtype).removeprefix("torch."), engine.max_model_len,
-                   engine.model_config.vocab_size, frozenset(engine.eos_token_ids), engine.executor.num_blocks)
+                   engine.model_config.vocab_size, frozenset(engine.eos_token_ids), engine.executor.num_blocks,
+                   engine.dtype_choice.reason)
 
 
 def memory_info(engine: Engine) -> dict[str, Any]:
