@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -93,7 +92,7 @@ def _chosen(kind: str, dims: tuple[int, ...]) -> "cpu_native.NativeKernels | Non
 def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str, float]:
     """Seconds of one call of each candidate on `shape` at shape.rows rows, on random inputs of the class's sizes: the
     minimum over rounds that call every candidate once in turn (a machine whose load changes meanwhile slows them
-    alike), for about _TIME_PER_CANDIDATE_S per candidate. Weights are cut to 4 M values (the per-output work is what
+    alike), for about _TIME_PER_CANDIDATE_S per candidate (`cpu_select.measure`). Weights are cut to 4 M values (the per-output work is what
     differs between the kernels; a vocabulary-sized one would time memory) and stacks of experts to 8."""
     gen = torch.Generator().manual_seed(0)
     rows = shape.rows
@@ -142,18 +141,7 @@ def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str
     if shape.kind != "bf16":
         runs = {name: runner(None if name == "torch" else cpu_native.load_variant(cpu_select.VARIANT_OF[name]))
                 for name in candidates}
-    best = dict.fromkeys(candidates, float("inf"))
-    for run in runs.values():
-        run()  # warm: first-touch of the outputs, the thread pool
-    start = time.perf_counter()
-    for i in range(64):
-        for name, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t0)
-        if i >= 2 and time.perf_counter() - start > _TIME_PER_CANDIDATE_S * len(runs):
-            break
-    return best
+    return cpu_select.measure(runs, _TIME_PER_CANDIDATE_S)  # one thread, its CPU clock: the neighbours do not decide
 
 
 # Small-M matmuls on the CPU. MKL runs `x @ W.T` with few rows of x on one core, at about half the memory
