@@ -91,9 +91,9 @@ def _chosen(kind: str, dims: tuple[int, ...]) -> "cpu_native.NativeKernels | Non
 
 def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str, float]:
     """Seconds of one call of each candidate on `shape` at shape.rows rows, on random inputs of the class's sizes: the
-    minimum over rounds that call every candidate once in turn (a machine whose load changes meanwhile slows them
-    alike), for about _TIME_PER_CANDIDATE_S per candidate (`cpu_select.measure`). Weights are cut to 4 M values (the per-output work is what
-    differs between the kernels; a vocabulary-sized one would time memory) and stacks of experts to 8."""
+    minimum over rounds that call every candidate once in turn, for about _TIME_PER_CANDIDATE_S per candidate, on one
+    thread by its CPU clock (`cpu_select.measure`). Weights are cut to 4 M values (the per-output work is what differs
+    between the kernels; a vocabulary-sized one would time memory) and stacks of experts to 8."""
     gen = torch.Generator().manual_seed(0)
     rows = shape.rows
     if shape.kind == "bf16":
