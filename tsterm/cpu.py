@@ -6,8 +6,9 @@ bfloat16 linears run on AMX tiles (csrc/bf16.c), and on a Sapphire Rapids class 
 CPU") SmolLM2-135M's float import prefills 2.4x and decodes 1.7x faster than in float32, at +0.05% held-out perplexity
 (int8 weights: +0.50%; the bound int8 is held to is 1%). Everywhere else auto stays float32:
 - AVX512-BF16 without AMX (AMD Zen 4 / 5, Cooper Lake): csrc/bf16.c's vdpbf16ps code is the one bfloat16 kernel that
-  keeps a row's bits whatever the batch, and it runs below the float32 GEMM's speed (BENCHMARKS.md: 66-81 GFLOP/s
-  against 94-141 for float32 on prefill shapes), so prefill would be slower;
+  keeps a row's bits whatever the batch, and it runs below the float32 GEMM's speed: measured with that code forced on
+  an AMX CPU (a stand-in, BENCHMARKS.md), SmolLM2's 512-token prefill ran at 0.68-0.73x float32's while decode, which
+  reads half the bytes, ran 2.0x; a profile may still name bfloat16 for decode-heavy work;
 - AMX refused by the OS (an old kernel, a seccomp policy), or left out by TSTERM_CPU_ISA=avx2;
 - AVX2-only x86 CPUs, and ARM (csrc/bf16.c is x86 code: bfloat16 would run as torch's matmul, which is not
   row-invariant);
@@ -97,8 +98,9 @@ def cpu_auto_dtype(cpu: CpuFeatures, quantized: bool = False) -> DtypeChoice:
     if cpu.isa_limit != "native":
         return DtypeChoice("float32", f"auto: {ISA_ENV}={cpu.isa_limit} leaves AMX out ({where})")
     if "amx_bf16" not in cpu.flags:
-        has = "AVX512-BF16 without AMX" if "avx512_bf16" in cpu.flags else "no AMX-BF16"
-        return DtypeChoice("float32", f"auto: {has}, bfloat16 would not pay ({where})")
+        if "avx512_bf16" in cpu.flags:
+            return DtypeChoice("float32", f"auto: AVX512-BF16 without AMX, bfloat16 prefill below float32's ({where})")
+        return DtypeChoice("float32", f"auto: no AMX-BF16, bfloat16 would not pay ({where})")
     if not cpu.amx_granted:
         return DtypeChoice("float32", f"auto: AMX refused by the OS ({where})")
     if quantized:
