@@ -20,6 +20,7 @@ import torch
 
 from tsterm.cli import parse_args
 from tsterm.config import EngineConfig, ModelConfig
+from tsterm.cpu import quantized_linears
 from tsterm.distributed.executor import TORCHRUN_ENV
 from tsterm.distributed.worker import WorkerArgs, worker_main
 from tsterm.engine.engine import resolve_device, resolve_dtype
@@ -37,8 +38,9 @@ def worker_args(argv: list[str], rank: int, local_rank: int) -> WorkerArgs:
     device = resolve_device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
-    spec = ExecutorSpec(config, ModelConfig.from_dir(model_dir), Path(model_dir),
-                        resolve_dtype(config.dtype, device), device)
+    model_config = ModelConfig.from_dir(model_dir)
+    quantized = quantized_linears(config.quantization, model_config.quant_method)  # as rank 0's engine decides auto
+    spec = ExecutorSpec(config, model_config, Path(model_dir), resolve_dtype(config.dtype, device, quantized), device)
     layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size, rank)
     return WorkerArgs(layout, spec, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                       config.distributed_timeout_s, torch.get_num_threads())
