@@ -217,7 +217,8 @@ MODEL_HELP = ("an HF-format model directory, a shipped model (smollm2-135m-instr
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and activations (default: the profile's, else auto: float32 on the CPU)")
+                        help="weights and activations (default: the profile's, else auto: bfloat16 on a GPU and on a "
+                             "CPU with AMX-BF16 granted for a float model, float32 elsewhere)")
     parser.add_argument("--device", help="auto, cpu or cuda[:N] (default: the profile's, else auto: cuda when present)")
 
 

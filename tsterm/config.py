@@ -195,7 +195,7 @@ class EngineConfig:
     """What the engine is asked to be: model, dtype, device and KV-cache geometry."""
 
     model: str
-    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA; on the CPU bfloat16 where AMX-BF16 pays, else float32 (tsterm.cpu)
     device: str = "auto"  # auto: cuda if available else cpu
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: kv_cache_fraction of free device memory
