@@ -4,13 +4,11 @@ for every family the engine runs there: the MoE families, glm4_moe, minimax_m2, 
 hybrids (tests/engine/test_invariance.py holds the attention + SwiGLU families' matrix in bfloat16). Greedy and seeded
 sampling with logprobs; each case against the same request alone on a fresh engine.
 
-Two families promise less, as in float32:
-- the hybrids' recurrent state is computed by the chunked rule over each piece of a prompt the scheduler cuts and by
-  the per-token rule in decode, so their bits depend on where a prompt is cut (test_invariance.py's hybrid section):
-  checked here with every prompt in one piece, alone, beside 2 and 8 others, on one thread and on two;
-- deepseek_v3's MLA attends a prompt chunk of more than `absorb_max_rows` tokens in its expanded form (per-head K and
-  V, a different arithmetic from the absorbed form that decode, cached tails and short chunks take), in float32 as in
-  bfloat16: a long prompt's bits then depend on its chunking. Its prompts here stay within the absorbed form."""
+The hybrids promise less, as in float32: their recurrent state is computed by the chunked rule over each piece of a
+prompt the scheduler cuts and by the per-token rule in decode, so their bits depend on where a prompt is cut
+(test_invariance.py's hybrid section): checked here with every prompt in one piece, alone, beside 2 and 8 others, on
+one thread and on two. (deepseek_v3's MLA absorbs every prompt chunk by default, so its long prompt is checked like
+the others'; with `deterministic: false` a long chunk is expanded, another arithmetic.)"""
 from __future__ import annotations
 
 import random
@@ -46,12 +44,10 @@ def _model(root, name: str, lengths: list[int]):
 
 @pytest.fixture(scope="module", params=ATTENTION)
 def model(request, tmp_path_factory):
-    """A short prompt and a long one (300 tokens: blocks of 16, several prefill chunks; 60 for MLA, see above), then
-    six neighbours."""
+    """A short prompt and a long one (300 tokens: blocks of 16, several prefill chunks), then six neighbours."""
     rng = random.Random(3)
-    long = 60 if request.param == "deepseek_v3" else 300
     return _model(tmp_path_factory.mktemp("bf16_inv"), request.param,
-                  [30, long] + [rng.randrange(5, 90) for _ in range(6)])
+                  [30, 300] + [rng.randrange(5, 90) for _ in range(6)])
 
 
 def test_cached_batched_and_one_thread_requests_give_the_solo_bits(model):

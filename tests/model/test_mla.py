@@ -98,6 +98,7 @@ def test_a_mixed_step_gives_each_sequence_its_own_rows():
     """Rows absorbed (a decode, a short chunk: through the step's metadata cut to them) beside a long prompt chunk
     (expanded)."""
     mla = layer(config(24), num_blocks=48)
+    mla.allow_expanded()  # (`deterministic: false`; by default every chunk is absorbed)
     long = mla.absorb_max_rows + 3
     assert long > 65  # a verify step's rows (64 drafts + 1) are never expanded
     seqs = [([40, 41], 6, 1), (list(range(1, 1 + -(-(long + 5) // BLOCK))), long + 5, long), ([42, 30, 31], 11, 4),

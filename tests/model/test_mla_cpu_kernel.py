@@ -17,6 +17,7 @@ import torch
 from tsterm_kernels import cpu_select
 
 from tsterm import LLM, SamplingParams
+from tsterm.model.mla import MLAttention
 
 from tests.helpers.checkpoints import make_checkpoint
 from tests.kernels.conftest import NativeSpy
@@ -91,3 +92,18 @@ def test_cached_batched_rechunked_and_one_thread_requests_give_the_solo_bits(mod
             assert _outputs(llm, prompts[1:4] + prompts[:1], SEEDED)[-1] == solo[SEEDED.seed], f"{threads} threads"
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_long_prompt_in_one_chunk_gives_the_chunked_bits(model, monkeypatch):
+    """By default (`deterministic: true`) a prompt chunk longer than the expanded form's break-even is absorbed too:
+    the 530-token prompt in one chunk gives the bits of its 64-token chunks (expanded, it would not). With
+    `deterministic: false` such a chunk is expanded."""
+    path, prompts, solo = model
+    calls = []
+    expanded = MLAttention.expanded
+    monkeypatch.setattr(MLAttention, "expanded", lambda self, *a: calls.append(1) or expanded(self, *a))
+    whole = LLM(path, **dict(OPTIONS, max_num_batched_tokens=1024))
+    assert _outputs(whole, [prompts[0]], GREEDY)[0] == solo[GREEDY.seed]
+    assert not calls
+    LLM(path, **dict(OPTIONS, max_num_batched_tokens=1024, deterministic=False)).generate([prompts[0]], GREEDY)
+    assert calls

@@ -44,6 +44,7 @@ from tsterm.model.cpu_kernels import choose as choose_cpu_kernels
 from tsterm.model.decoder import DecoderModel
 from tsterm.model.hybrid_loader import load_hybrid_weights
 from tsterm.model.loader import load_weights
+from tsterm.model.mla import allow_expanded_prefill
 from tsterm.model.mtp import MtpHead, load_mtp_weights
 from tsterm.model.parallel import ParallelContext, SingleRank
 from tsterm.model.quant import allow_prefill_gemms
@@ -143,6 +144,8 @@ class ModelRunner(Executor):
         self.cache = ModelCache(cfg, layer_types, self.num_blocks, self.block_size, spec.dtype, spec.device, layout,
                                 num_state_slots=self.num_state_slots, num_window_blocks=self.num_window_blocks)
         self.model = DecoderModel(cfg, weights, self.cache, self.max_model_len, self.ops, par)
+        if not config.deterministic:  # MLA may expand long prompt chunks (another arithmetic than decode's)
+            allow_expanded_prefill(self.model)
         # each float32 shape class's CPU kernel: measured on this machine once (kept in the kernel cache), logged
         self.cpu_kernels = (choose_cpu_kernels(self.model)
                             if self.device.type == "cpu" and self.kernels == "torch" else None)
@@ -249,6 +252,8 @@ class ModelRunner(Executor):
         # cache is allocated again by the real model
         longest = config.max_model_len or cfg.max_position_embeddings
         self.cache, self.model = cache, DecoderModel(cfg, weights, cache, longest, self.ops, self.par)
+        if not config.deterministic:  # (the real model's forms: an expanded chunk's memory measured)
+            allow_expanded_prefill(self.model)
         baseline = memory.allocated_bytes()
         cache_bytes = (num_blocks * (self.kv_bytes_per_block + self.window_bytes_per_block)
                        + num_slots * self.state_bytes_per_slot)

@@ -17,10 +17,11 @@ Two equal ways to attend:
   ordinary paged attention (the latent row as both key and value); the output's latent part goes out through W_UV.
   Nothing per head is ever materialised for the context. On a CUDA device the absorption and W_UV run as one batched
   matmul over the heads, on the CPU head by head.
-- expanded (prompt chunks of more than `absorb_max_rows` tokens): the context's latents are expanded through
-  kv_b_proj to per-head K and V once and attended as ordinary multi-head attention, cheaper once a chunk's queries
-  outnumber the break-even (expanding costs r (dn + dv) per context token and head, the absorbed form 2 (r + dr)
-  against the expanded (dn + dr + dv) per query: ~158 rows at DeepSeek-V3's sizes). A chunk of at most
+- expanded (with `deterministic: false` only, prompt chunks of more than `break_even_rows` tokens: by default every
+  row is absorbed, so that a prompt's bits do not depend on its chunking or cached prefix): the context's latents are
+  expanded through kv_b_proj to per-head K and V once and attended as ordinary multi-head attention, cheaper once a
+  chunk's queries outnumber the break-even (expanding costs r (dn + dv) per context token and head, the absorbed form
+  2 (r + dr) against the expanded (dn + dr + dv) per query: ~158 rows at DeepSeek-V3's sizes). A chunk of at most
   `VERIFY_ROWS` (a verify step's most: 64 drafts + the last token) is never expanded, so a verify's rows are computed
   as the decode's are, bit for bit (each op row-invariant: `linear`, and csrc/mla.c, whose order of arithmetic for a
   row does not depend on the rows beside it, its sequence's included), and speculation stays lossless.
@@ -32,6 +33,7 @@ rows into the rotate-half layout once, so rotation is the decoder's ordinary `ro
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,10 +101,19 @@ class MLAttention:
         self.w_uv = kv_b[:, self.nope:].float().contiguous()  # [Hq, dv, r]
         r, dn, dr, dv = self.rank, self.nope, self.rope_dim, self.v_dim
         break_even = -(-r * (dn + dv) // max(2 * (r + dr) - (dn + dr + dv), 1))
-        self.absorb_max_rows = max(VERIFY_ROWS, break_even)  # a longer chunk of one sequence is expanded
+        self.break_even_rows = max(VERIFY_ROWS, break_even)
+        # a longer chunk of one sequence is expanded: by default none (one arithmetic for every row, the invariance
+        # promise: a prompt's bits must not depend on its chunking or its cached prefix); `allow_expanded`
+        # (`deterministic: false`) lowers it to the break-even
+        self.absorb_max_rows = sys.maxsize
         self.cache = cache
         # the attention's shape as the kernels see it (`cpu_kernels.shape_classes`): one latent key head
         self.k_cache, self.num_kv_heads, self.head_dim = cache, 1, self.rank + self.rope_dim
+
+    def allow_expanded(self) -> None:
+        """`deterministic: false`: prompt chunks longer than the break-even take the expanded form (cheaper there, but
+        another arithmetic: a long prompt's bits then depend on how it was chunked and what of it was cached)."""
+        self.absorb_max_rows = self.break_even_rows
 
     def __call__(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """rope: the step's rotation tables (qk_rope_head_dim wide); x: [T, H] normed hidden states."""
@@ -190,6 +201,13 @@ class MLAttention:
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                            scale=self.scale)  # [Hq, m, dv]
         return o.transpose(0, 1)
+
+
+def allow_expanded_prefill(model) -> None:
+    """`deterministic: false`: every MLA layer of `model` (a `DecoderModel`) may expand long prompt chunks."""
+    for _, mixer, _, _ in model.layers:
+        if isinstance(mixer, MLAttention):
+            mixer.allow_expanded()
 
 
 def context_rows(cache: torch.Tensor, runs: list[tuple[int, int]], seq_len: int) -> torch.Tensor:
