@@ -180,6 +180,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return plan(args)
 
 
+def cmd_info(args: argparse.Namespace) -> int:
+    """`tsterm info`: the CPU, the C builds, the dtype `auto` resolves to and why, and each shape class's kernel."""
+    from tsterm.errors import ConfigError
+    from tsterm.launch import engine_options, profile_from_args
+
+    if args.model is not None and getattr(args, "profile", None) is not None:
+        raise ConfigError("give --model or --profile, not both")
+    if args.model is None and getattr(args, "profile", None) is None:
+        args.profile = "default"
+    model_dir, options = engine_options(profile_from_args(args), args.model, dtype=args.dtype, device=args.device,
+                                        quantization=args.quantization)
+    from tsterm.engine.machine_info import format_info, machine_info  # torch: loaded once the model is found
+
+    report = machine_info(model_dir, options, measure=args.measure)
+    print(json.dumps(report, indent=1) if args.json else format_info(report))
+    return 0
+
+
 def _warn(warnings: list[str]) -> None:
     for warning in warnings:
         print(f"tsterm: warning: {warning}", file=sys.stderr)
@@ -331,6 +349,20 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
     _add_engine_arguments(chat)
     add_parallel_arguments(chat)
     chat.set_defaults(func=cmd_chat)
+
+    info = sub.add_parser("info", help="this machine as an engine sees it: CPU, C builds, dtype auto, kernel choices",
+                          formatter_class=HelpFormatter)
+    info.add_argument("--model", help=MODEL_HELP)
+    info.add_argument("--profile", dest="profile", default=argparse.SUPPRESS,
+                      help=PROFILE_HELP % "default, unless --model is given")
+    _add_engine_arguments(info)
+    defined = argparse.ArgumentParser(add_help=False)
+    add_parallel_arguments(defined)
+    info._add_action(next(a for a in defined._actions if a.dest == "quantization"))
+    info.add_argument("--measure", action="store_true",
+                      help="measure the shape classes the kernel cache has no choice for (as an engine's start does)")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead")
+    info.set_defaults(func=cmd_info)
 
     profiles = sub.add_parser("profiles", help="list, show or check YAML profiles")
     actions = profiles.add_subparsers(dest="action", required=True)
