@@ -104,8 +104,8 @@ class TstermApp(App):
             self._run_server(old_server, self.serve_options(old_server.options.port), old)
         else:
             self._shut_down_engine(old)
-        self.notify(f"profile {self.host.profile_name}: {self.host.model_name} on {self.host.device}",
-                    title="profile switched")
+        self.notify(f"profile {self.host.profile_name}: {self.host.model_name} on {self.host.info.device} "
+                    f"{self.host.dtype_line}", title="profile switched")
 
     def _new_chat_screen(self, current_id: str | None = None) -> ChatScreen:
         return ChatScreen(self.host, self.store, current_id, agent_workspace=self.agent_workspace,

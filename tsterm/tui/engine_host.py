@@ -91,7 +91,15 @@ class EngineHost:
 
     @property
     def device(self) -> str:
-        return f"{self.info.device} {self.info.dtype}"
+        """The device and dtype for the status bar and the dashboard: "cpu float32" for a configured dtype, with the
+        gist of the reason where `dtype: auto` chose it ("cpu bfloat16 (auto: AMX-BF16 granted by the OS)")."""
+        gist = auto_gist(self.info.dtype_reason)
+        return f"{self.info.device} {self.info.dtype}" + (f" ({gist})" if gist else "")
+
+    @property
+    def dtype_line(self) -> str:
+        """The dtype and its whole reason (the profile-switched notification)."""
+        return self.info.dtype_line
 
     @cached_property
     def renders_tools(self) -> bool:
@@ -178,6 +186,15 @@ class EngineHost:
         owner's."""
         self.stop_stats()
         self.async_engine.shutdown()
+
+
+def auto_gist(reason: str) -> str:
+    """The first clause of a `dtype: auto` reason (tsterm.cpu: "auto: AMX-BF16 granted by the OS, bfloat16 linears on
+    AMX tiles (CPU model)" -> "auto: AMX-BF16 granted by the OS"); "" for a configured dtype."""
+    if not reason.startswith("auto"):
+        return ""
+    gist = reason.split(", ", 1)[0]
+    return gist.split(" (", 1)[0].strip()
 
 
 def load_host(profile_name_or_path: str, engine_factory: EngineFactory | None, progress: ProgressFn,
