@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ def test_the_dtype_auto_resolves_to_is_tsterm_cpus_choice_with_its_reason(model_
     assert [c["class"] for c in report["kernels"]["classes"]] == [
         s.key for s in _engine_classes(model_dir, want.dtype)]
     assert all(c["candidate"] == "torch" and c["how"] == "forced" for c in report["kernels"]["classes"])
+    assert report["cpu"]["env"][cpu_select.ENV] == "torch"
 
 
 @functools.cache
@@ -106,6 +108,14 @@ def test_the_kernel_choices_are_the_stored_plan_measured_once(model_dir, capsys,
         line = next(line for line in text.splitlines() if line.startswith(entry["class"] + " "))
         assert line.split()[1] == entry["candidate"]
         assert all(name in line for name in entry["seconds"])
+    # a stored choice made among other candidates is one the next start measures again: not shown as current
+    measured_key = next((c["class"] for c in kernels["classes"] if c["how"] == "measured"), None)
+    if measured_key is not None:
+        monkeypatch.setattr(cpu_select, "read_plan", lambda path: {
+            key: replace(c, seconds={**c.seconds, "c-neon": 1.0}) for key, c in stored.items()})
+        stale = info(capsys, "--model", model_dir, "--device", "cpu", "--dtype", "float32")
+        entry = next(c for c in stale["kernels"]["classes"] if c["class"] == measured_key)
+        assert (entry["candidate"], entry["how"]) == (None, "not measured")
 
 
 def test_a_missing_model_or_profile_is_one_error_line(capsys, tmp_path):

@@ -108,13 +108,23 @@ def kernels_report(shapes, measure: bool) -> dict[str, Any]:
             kind_forced = forced.get(shape.kind) or (forced.get("*") if forced.get("*") in
                                                      cpu_select.kind_candidates(shape.kind) else None)
             choice = (cpu_select.Choice(shape, kind_forced, "forced") if kind_forced is not None
-                      else stored.get(shape.key))
+                      else _current(stored.get(shape.key), bf16 if shape.kind == "bf16" else candidates))
         classes.append({"class": shape.key, "kind": shape.kind, "rows_timed": shape.rows,
                         "candidate": None if choice is None else choice.candidate,
                         "how": "not measured" if choice is None else choice.how,
                         "seconds": {} if choice is None else dict(choice.seconds)})
     return {"plan_file": str(path), "stored": path.is_file(), "candidates": list(candidates),
             "bf16_candidates": list(bf16), "classes": classes}
+
+
+def _current(choice, candidates: tuple[str, ...]):
+    """A stored choice that an engine's start would use as it is (`cpu_select.resolve`), else None: one made among
+    other candidates (a build added or gone) is measured again."""
+    if choice is None or choice.candidate not in candidates:
+        return None
+    if choice.how == "measured" and set(choice.seconds) != set(candidates):
+        return None
+    return None if choice.how == "only" and tuple(candidates) != (choice.candidate,) else choice
 
 
 def gpu_report(config: EngineConfig, device: torch.device) -> dict[str, Any] | None:
@@ -176,6 +186,6 @@ def format_info(report: dict[str, Any]) -> str:
                          "  each candidate, one call on one thread")
             lines += ["  ".join(v.ljust(w) for v, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
         if any(c["how"] == "not measured" for c in kernels["classes"]):
-            lines.append("(not measured: no stored choice on this machine yet; `tsterm info --measure` or an "
+            lines.append("(not measured: no stored choice for these candidates yet; `tsterm info --measure` or an "
                          "engine's start measures it)")
     return "\n".join(lines)
