@@ -3,7 +3,8 @@
  *
  * Why not torch's flash kernel: it runs these shapes at about half of what the two AVX2 cores can do (90 GFLOP/s
  * against a 180 peak; BENCHMARKS.md), and attention is a third of an agent trace's prefill. This is flash
- * attention on gemm.c's 6 x 16 register tile, in attention.c's order (the order decode.c follows too):
+ * attention on gemm.c's 6 x 16 register tile (built for AVX-512: attention.c's 512-bit tiles, the same bits), in
+ * attention.c's order (the order decode.c follows too):
  *
  * - a task is one KV head and a block of query positions; its rows are (position, head of the KV head's group),
  *   position-major, so the group's heads share every pass over the keys (GQA);
