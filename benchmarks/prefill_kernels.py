@@ -17,7 +17,7 @@ bfloat16 and over the best float32 candidate.
   16 distinct weights, as the experts of a layer are, so the weights come from memory, not from the cache.
 - causal attention of the new tokens over a paged pool (in-order blocks of 16): torch's flash kernel, in the pieces
   `tsterm_kernels.torch_ops` ran it (an unmasked prefix and a causal part, merged by log-sum-exp), against
-  `tsterm_prefill_attention` of each build.
+  `tsterm_prefill_attention` of each build (the builds' outputs checked bit for bit equal).
 """
 from __future__ import annotations
 
@@ -144,6 +144,8 @@ def main() -> None:
                      args.rounds, 3)
         for name in builds:
             torch.testing.assert_close(outs[name], outs["torch fp32"], rtol=1e-4, atol=1e-4)
+        if len(builds) > 1:  # the AVX-512 build's own tiles, the AVX2 build's bits (csrc/attention.c)
+            assert torch.equal(outs["C-AVX-512"], outs["C-AVX2"]), "the C builds' attention bits differ"
         visible = num_q * (seq_len - num_q) + num_q * (num_q + 1) / 2  # (query, key) pairs the causal mask keeps
         _row(label, 4.0 * HEADS * HEAD_DIM * visible, best)
 
