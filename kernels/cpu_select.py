@@ -38,7 +38,6 @@ and "torch" (and "c-bf16" in its plain float32 code): an AVX-512 machine measure
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -51,8 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from tsterm_kernels import cpu_native
+
+from tsterm.cpu import amx_permitted, read_cpuinfo
 
 ENV = "TSTERM_CPU_KERNELS"
 KINDS = ("gemm", "experts", "attention", "bf16")
@@ -63,22 +63,6 @@ BF16_CANDIDATES = ("c-amx", "c-bf16", "torch")  # a "bf16" class's; the float32 
 BF16_ISA = {"c-amx": 2}  # candidate -> csrc/bf16.c's isa argument ("c-bf16": the build's best of 1 and 0)
 VARIANT_OF = {"c-avx512": "native", "c-avx2": "avx2", "c-neon": "native"}  # candidate -> cpu_native.VARIANTS build
 FORMAT = 1  # of the JSON file
-
-_ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA, _SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
-
-
-def amx_permitted() -> bool:
-    """Whether this process may use AMX tiles: Linux hands out the tile state only on request
-    (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); a refusal (an old kernel, a seccomp policy) means AMX
-    instructions would fault. Asking is harmless where granted (oneDNN asks the same before its AMX kernels)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False
-
 
 @dataclass(frozen=True)
 class CpuInfo:
@@ -92,17 +76,7 @@ class CpuInfo:
 
     @classmethod
     def detect(cls) -> CpuInfo:
-        model, flags = platform.processor() or platform.machine(), frozenset()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model == (platform.processor() or platform.machine()):
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:  # x86 "flags", ARM "Features"
-                    flags = frozenset(value.split())
-        except OSError:
-            pass
+        model, flags = read_cpuinfo()
         limit = cpu_native.isa_limit()
         amx = "amx_tile" in flags and limit == "native" and amx_permitted()
         return cls(platform.machine(), model, flags, amx).restricted(limit)

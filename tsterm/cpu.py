@@ -40,6 +40,23 @@ def amx_permitted() -> bool:
         return False
 
 
+def read_cpuinfo() -> tuple[str, frozenset[str]]:
+    """/proc/cpuinfo's first model name and flags (x86 "flags", ARM "Features"); platform's name and no flags where it
+    cannot be read."""
+    model, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == (platform.processor() or platform.machine()):
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
 @dataclass(frozen=True)
 class CpuFeatures:
     """What the CPU reports (/proc/cpuinfo's model name and flags) and what the OS and TSTERM_CPU_ISA allow."""
@@ -52,17 +69,7 @@ class CpuFeatures:
 
     @classmethod
     def detect(cls) -> CpuFeatures:
-        model, flags = platform.processor() or platform.machine(), frozenset()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model == (platform.processor() or platform.machine()):
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:  # x86 "flags", ARM "Features"
-                    flags = frozenset(value.split())
-        except OSError:
-            pass
+        model, flags = read_cpuinfo()
         limit = os.environ.get(ISA_ENV, "").strip().lower() or "native"
         granted = "amx_tile" in flags and limit == "native" and amx_permitted()
         return cls(platform.machine(), model, flags, granted, limit)
