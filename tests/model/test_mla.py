@@ -77,7 +77,7 @@ def queries(mla: MLAttention, m: int, seed: int):
             torch.randn(m, mla.num_heads, mla.rope_dim, generator=gen))
 
 
-# kv_lora_rank + qk_rope_head_dim = 32 takes the C decode kernel; 28, the torch paths
+# kv_lora_rank + qk_rope_head_dim = 32 and 28: csrc/mla.c takes both (every tile width and its scalar tail)
 @pytest.mark.parametrize("kv_lora_rank", [24, 20])
 @pytest.mark.parametrize("m", [1, 5, 70])
 def test_absorbed_and_expanded_equal_the_definition(kv_lora_rank, m):
