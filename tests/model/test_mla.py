@@ -77,7 +77,7 @@ def queries(mla: MLAttention, m: int, seed: int):
             torch.randn(m, mla.num_heads, mla.rope_dim, generator=gen))
 
 
-# kv_lora_rank + qk_rope_head_dim = 32 and 28: csrc/mla.c takes both (every tile width and its scalar tail)
+# kv_lora_rank + qk_rope_head_dim = 32 and 28: both run csrc/mla.c (a width that is a multiple of 16 and one that is not)
 @pytest.mark.parametrize("kv_lora_rank", [24, 20])
 @pytest.mark.parametrize("m", [1, 5, 70])
 def test_absorbed_and_expanded_equal_the_definition(kv_lora_rank, m):
