@@ -20,6 +20,9 @@
  * a chunk for the scores (each of dot8's 8 lane chains its own accumulator, 16 keys a vector, the tree as vertical
  * adds), P V 64 outputs of 6 rows at a time with V read in place, the exponentials 16 at a time; the bits are the
  * AVX2 build's (tests/kernels/test_attention_builds.py), 1.3x its speed on the bench model's prefill, one thread.
+ * The AVX2 build does the same in 16 ymm registers (6 rows x 16 keys, one lane chain at a time; P V 6 rows x 16
+ * outputs, V in place): 1.09x its earlier dot8 / packed-V path, the same bits. aarch64 keeps that path (dot8, V
+ * packed into panels, gemm.c's tile).
  *
  * A bfloat16 pool (kv->kv_bf16) is read in place, each K and V row widened to float32 as it is loaded (exact: a
  * bfloat16 is a float32's high half), and then everything above runs on those float32 values in the same order: a
@@ -138,21 +141,7 @@ static inline __attribute__((always_inline)) void pv_rows(const float *p, const 
     }
 }
 
-#ifdef __AVX512F__
-/* AVX-512, many rows (prefill, extend): the same sums as dot8 and pv_rows / tsterm_f32_tile, computed 16 lanes
- * wide. dot8's lane l of a (row, key) pair is a chain of FMAs over d = l, l + 8, ... from zero, and the hadd tree
- * then adds the 8 lanes as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). Here K is transposed once a chunk (kT [D]
- * [ATT_CHUNK], shared by all the task's rows), a zmm holds 16 keys of one row, and each lane chain l runs as its
- * own accumulator (q[d] broadcast), two chains at a time, the tree then vertical adds: the same operations on the
- * same values in the same order (a + b == b + a in IEEE arithmetic), so each score is dot8's bits, with no hadd
- * and 3 x 32 pairs per 10 loads instead of 2 x 8 per 10. */
-
-/* 16 values of a K or V row from p as float32 */
-static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int bf16) {
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16))
-                : _mm512_loadu_ps((const float *)p);
-}
-
+#if defined(__AVX2__) && !defined(__aarch64__)
 /* kT [D][ATT_CHUNK] <- the chunk's K rows (keys j < width, a multiple of 16; past n the chunk's first key again,
  * whose scores are never read), 8 x 8 blocks transposed in registers */
 static inline __attribute__((always_inline)) void k_transpose(const tsterm_kv *kv, const int64_t *off, int64_t n,
@@ -183,6 +172,23 @@ static inline __attribute__((always_inline)) void k_transpose(const tsterm_kv *k
             _mm256_storeu_ps(dst + 7 * ATT_CHUNK, _mm256_permute2f128_ps(u3, u7, 0x31));
         }
     }
+}
+
+#endif
+
+#ifdef __AVX512F__
+/* AVX-512, many rows (prefill, extend): the same sums as dot8 and pv_rows / tsterm_f32_tile, computed 16 lanes
+ * wide. dot8's lane l of a (row, key) pair is a chain of FMAs over d = l, l + 8, ... from zero, and the hadd tree
+ * then adds the 8 lanes as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)). Here K is transposed once a chunk (kT [D]
+ * [ATT_CHUNK], shared by all the task's rows), a zmm holds 16 keys of one row, and each lane chain l runs as its
+ * own accumulator (q[d] broadcast), two chains at a time, the tree then vertical adds: the same operations on the
+ * same values in the same order (a + b == b + a in IEEE arithmetic), so each score is dot8's bits, with no hadd
+ * and 3 x 32 pairs per 10 loads instead of 2 x 8 per 10. */
+
+/* 16 values of a K or V row from p as float32 */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *p, int bf16) {
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16))
+                : _mm512_loadu_ps((const float *)p);
 }
 
 /* s[r][0..16 KV) (rows ATT_CHUNK apart) <- q[r] . key, for ROWS rows of q (D apart) and 16 KV keys of kT from its
@@ -324,8 +330,121 @@ static inline float exp_sum16(float *s, int64_t n, float max) {
     return sum;
 }
 #define WIDE 1 /* many rows take the 512-bit path */
-#else
+#define TILED 1
+#define SCORES scores512
+#define PV pv512
+#elif defined(__AVX2__) && !defined(__aarch64__)
+/* AVX2, many rows (prefill, extend): the AVX-512 build's scheme in 16 ymm registers. The scores of 6 rows x 16 keys
+ * (kT as above, 2 ymm of 8 keys) take one of dot8's lane chains at a time: 12 accumulators, 2 loads of kT and a
+ * broadcast of q[d] (15 registers), each chain from zero over d = l, l + 8, ..., and between chains the tree's
+ * additions through memory in its order, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)): dot8's bits, with no hadd and
+ * 12 products per 8 loads instead of 8 per 9. P V is gemm.c's 6 x 16 tile with V read in place (no packed copy). */
+
+/* s[r][0..16) (rows ATT_CHUNK apart) <- q[r] . key for ROWS rows of q (D apart) and 16 keys of kT from its column 0 */
+static inline __attribute__((always_inline)) void scores_tile8(const float *q, int64_t D, const float *kT, float *s,
+                                                               const int ROWS) {
+    float even[6][16], t45[6][16]; /* chain l - 1 (l odd); (4 + 5) */
+#pragma GCC unroll 1
+    for (int l = 0; l < 8; l++) {
+        __m256 c[6][2];
+#pragma GCC unroll 6
+        for (int r = 0; r < ROWS; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+        for (int64_t d = l; d < D; d += 8) {
+            const __m256 k0 = _mm256_loadu_ps(kT + d * ATT_CHUNK), k1 = _mm256_loadu_ps(kT + d * ATT_CHUNK + 8);
+#pragma GCC unroll 6
+            for (int r = 0; r < ROWS; r++) {
+                const __m256 qd = _mm256_broadcast_ss(q + r * D + d);
+                c[r][0] = _mm256_fmadd_ps(qd, k0, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(qd, k1, c[r][1]);
+            }
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < ROWS; r++) {
+            float *sr = s + r * ATT_CHUNK;
+            if (!(l & 1)) {
+                _mm256_storeu_ps(even[r], c[r][0]);
+                _mm256_storeu_ps(even[r] + 8, c[r][1]);
+                continue;
+            }
+            const __m256 t0 = _mm256_add_ps(_mm256_loadu_ps(even[r]), c[r][0]); /* ((l - 1) + l) */
+            const __m256 t1 = _mm256_add_ps(_mm256_loadu_ps(even[r] + 8), c[r][1]);
+            if (l == 1) {
+                _mm256_storeu_ps(sr, t0);
+                _mm256_storeu_ps(sr + 8, t1);
+            } else if (l == 3) {
+                _mm256_storeu_ps(sr, _mm256_add_ps(_mm256_loadu_ps(sr), t0));
+                _mm256_storeu_ps(sr + 8, _mm256_add_ps(_mm256_loadu_ps(sr + 8), t1));
+            } else if (l == 5) {
+                _mm256_storeu_ps(t45[r], t0);
+                _mm256_storeu_ps(t45[r] + 8, t1);
+            } else {
+                _mm256_storeu_ps(sr, _mm256_add_ps(_mm256_loadu_ps(sr), _mm256_add_ps(_mm256_loadu_ps(t45[r]), t0)));
+                _mm256_storeu_ps(sr + 8, _mm256_add_ps(_mm256_loadu_ps(sr + 8), _mm256_add_ps(_mm256_loadu_ps(t45[r] + 8), t1)));
+            }
+        }
+    }
+}
+
+/* rows [r0, R) x keys [0, width) (a multiple of 16) of the chunk's scores (s: row r at s + r * ATT_CHUNK) from kT */
+static void scores256(const float *qs, int64_t D, const float *kT, float *s, int64_t r0, int64_t R, int64_t width) {
+    for (int64_t r = r0; r < R; r += 6) {
+        const float *q = qs + r * D;
+        float *sr = s + r * ATT_CHUNK;
+        for (int64_t j = 0; j < width; j += 16) switch (R - r < 6 ? R - r : 6) {
+            case 1: scores_tile8(q, D, kT + j, sr + j, 1); break;
+            case 2: scores_tile8(q, D, kT + j, sr + j, 2); break;
+            case 3: scores_tile8(q, D, kT + j, sr + j, 3); break;
+            case 4: scores_tile8(q, D, kT + j, sr + j, 4); break;
+            case 5: scores_tile8(q, D, kT + j, sr + j, 5); break;
+            default: scores_tile8(q, D, kT + j, sr + j, 6); break;
+            }
+    }
+}
+
+/* o[r][d0 .. d0 + 16) += P V for ROWS rows (p and o rows ATT_CHUNK and D apart), V read in place: per output a chain
+ * of FMAs from zero over the chunk's positions in order, then + o: pv_rows' and tsterm_f32_tile's sums */
+static inline __attribute__((always_inline)) void pv_tile8(const float *p, const void *const *rows_v, int64_t n,
+                                                           float *o, int64_t D, int64_t d0, const int ROWS, int bf16) {
+    __m256 acc[6][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        const __m256 v0 = kv_load8(KV_AT(rows_v[j], d0, bf16), bf16), v1 = kv_load8(KV_AT(rows_v[j], d0 + 8, bf16), bf16);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 pj = _mm256_broadcast_ss(p + r * ATT_CHUNK + j);
+            acc[r][0] = _mm256_fmadd_ps(pj, v0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(pj, v1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < 2; v++) {
+            float *dst = o + r * D + d0 + 8 * v;
+            _mm256_storeu_ps(dst, _mm256_add_ps(acc[r][v], _mm256_loadu_ps(dst)));
+        }
+}
+
+/* o[r0..R) += P V over the chunk's n positions (V rows in place; D a multiple of 16) */
+static inline __attribute__((always_inline)) void pv256(const float *s, const void *const *rows_v, int64_t n,
+                                                        float *o_all, int64_t D, int64_t r0, int64_t R, int bf16) {
+    for (int64_t r = r0; r < R; r += 6) {
+        const float *p = s + r * ATT_CHUNK;
+        float *o = o_all + r * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 16) switch (R - r < 6 ? R - r : 6) {
+            case 1: pv_tile8(p, rows_v, n, o, D, d0, 1, bf16); break;
+            case 2: pv_tile8(p, rows_v, n, o, D, d0, 2, bf16); break;
+            case 3: pv_tile8(p, rows_v, n, o, D, d0, 3, bf16); break;
+            case 4: pv_tile8(p, rows_v, n, o, D, d0, 4, bf16); break;
+            case 5: pv_tile8(p, rows_v, n, o, D, d0, 5, bf16); break;
+            default: pv_tile8(p, rows_v, n, o, D, d0, 6, bf16); break;
+            }
+    }
+}
 #define WIDE 0
+#define TILED 1
+#define SCORES scores256
+#define PV pv256
+#else /* aarch64: dot8, V panels and gemm.c's tile */
+#define WIDE 0
+#define TILED 0
 #endif
 #if WIDE
 #define EXP_SUM exp_sum16
@@ -360,7 +479,7 @@ static inline __attribute__((always_inline)) void attend_split(const tsterm_kv *
         const int direct = R - r_first(c0, first_pos, G) <= MR; /* few rows (decode): P V reads V in place */
         for (int64_t j = 0; j < n; j++) /* this chunk's V rows, on their way while the scores are computed */
             prefetch_row(KV_AT(kv->v_cache, off[j], bf16), row_bytes, _MM_HINT_T0);
-        for (int64_t j = 0; j < width && !direct && !WIDE; j++) { /* V panels [16 of D] x [width][16] */
+        for (int64_t j = 0; j < width && !direct && !TILED; j++) { /* V panels [16 of D] x [width][16] */
             if (j < n) {
                 const void *v = KV_AT(kv->v_cache, off[j], bf16);
                 for (int64_t d = 0; d < D; d += NR) {
@@ -372,10 +491,10 @@ static inline __attribute__((always_inline)) void attend_split(const tsterm_kv *
             }
         }
         const int64_t r0 = r_first(c0, first_pos, G);
-#if WIDE
+#if TILED
         if (!direct) { /* K transposed into the V panels' place (P V reads V in place here) */
             k_transpose(kv, off, n, width, vp, bf16);
-            scores512(qs, D, vp, s, r0, R, width);
+            SCORES(qs, D, vp, s, r0, R, width);
         } else
 #endif
         for (int64_t j = 0; j < n; j += 8) { /* scores, 8 positions at a time, every row */
@@ -422,10 +541,10 @@ static inline __attribute__((always_inline)) void attend_split(const tsterm_kv *
             for (int64_t r = r0; r < R; r++) pv_rows(s + r * ATT_CHUNK, rows_v, n, D, o + r * D, bf16);
             continue;
         }
-#if WIDE
+#if TILED
         const void *rows_v[ATT_CHUNK];
         for (int64_t j = 0; j < n; j++) rows_v[j] = KV_AT(kv->v_cache, off[j], bf16);
-        pv512(s, rows_v, n, o, D, r0, R, bf16);
+        PV(s, rows_v, n, o, D, r0, R, bf16);
 #else
         for (int64_t r = r0; r < R; r += MR) { /* O += P V */
             const int64_t mr = R - r < MR ? R - r : MR;
