@@ -215,19 +215,30 @@ static void panel(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t k
  * block a chain of FMAs from zero over the block's inputs in order, then added to the earlier blocks' total, so
  * the two builds give the same bits (tests/kernels run both) and the invariance promise holds across them. */
 #define MR512 8
+#define PF_HINT _MM_HINT_T2 /* into L2: the next pair's 32 KB in L1 would push out this pair's packed panels */
+/* one input k of a tile: 2 ROWS FMAs */
+#define TILE512_STEP(ROWS)                                                                                         \
+    do {                                                                                                            \
+        const __m512 b0 = _mm512_load_ps(pa + k * NR), b1 = _mm512_load_ps(pb + k * NR);                            \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                                    \
+            const __m512 a = _mm512_set1_ps(x[r * ldx + k]);                                                        \
+            acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);                                                          \
+            acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);                                                          \
+        }                                                                                                           \
+    } while (0)
+/* a tile of y [ROWS][32] (= or += x [ROWS][kc] @ the two packed panels); its first npf (<= kc) input steps each
+ * prefetch one line of the next panel pair's weights, pf[k] */
 #define DEFINE_TILE512(ROWS)                                                                                       \
     static void tile512_##ROWS(int64_t kc, const float *x, int64_t ldx, const float *pa, const float *pb,         \
-                               float *y, int64_t ldy, int add) {                                                   \
+                               float *y, int64_t ldy, int add, const char *const *pf, int64_t npf) {              \
         __m512 acc[ROWS][2];                                                                                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();         \
-        for (int64_t k = 0; k < kc; k++) {                                                                          \
-            const __m512 b0 = _mm512_load_ps(pa + k * NR), b1 = _mm512_load_ps(pb + k * NR);                        \
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                                \
-                const __m512 a = _mm512_set1_ps(x[r * ldx + k]);                                                    \
-                acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);                                                      \
-                acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);                                                      \
-            }                                                                                                       \
+        int64_t k = 0;                                                                                              \
+        for (; k < npf; k++) {                                                                                      \
+            _mm_prefetch(pf[k], PF_HINT);                                                                           \
+            TILE512_STEP(ROWS);                                                                                     \
         }                                                                                                           \
+        for (; k < kc; k++) TILE512_STEP(ROWS);                                                                     \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                                                    \
             float *o = y + r * ldy;                                                                                 \
             if (add) {                                                                                              \
@@ -248,21 +259,52 @@ DEFINE_TILE512(6)
 DEFINE_TILE512(7)
 DEFINE_TILE512(8)
 
-typedef void (*tile512_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t, int);
+typedef void (*tile512_fn)(int64_t, const float *, int64_t, const float *, const float *, float *, int64_t, int,
+                           const char *const *, int64_t);
 static const tile512_fn TILES512[MR512] = {tile512_1, tile512_2, tile512_3, tile512_4,
                                            tile512_5, tile512_6, tile512_7, tile512_8};
 
-/* y[m0..m1, o..o+32) as `panel` computes it, two full panels of 16 at once */
+/* The bytes of W that rows o..o+31's inputs [k0, k0 + kc) take (32 runs `stride` apart, `bytes` long each): what
+ * panel_pair packs next, fetched while this pair's tiles run. Packing reads W 16 rows at a time, 1 KB a row, and
+ * the hardware prefetchers do not keep up with that: at 54 rows (an expert's share of a 216-token extend) packing,
+ * mostly waiting for W, took 40% of the call (170 GFLOP/s with it skipped, 104 with it, one core). Spread one line
+ * per input step over the tiles, the fetch overlaps the FMAs: 1.06-1.09x on the prefill shapes (BENCHMARKS.md). A
+ * prefetch changes no value the sums see, so the bits are the same. */
+typedef struct {
+    const char *base;
+    int64_t stride, bytes;
+} wspan;
+
+static wspan weight_span(const wsource *w, int64_t o, int64_t k0, int64_t kc) {
+    const int64_t in_f = w->in_f;
+    if (w->kind == TSTERM_F32)
+        return (wspan){(const char *)w->data + (o * in_f + k0) * 4, in_f * 4, kc * 4};
+    if (w->kind == TSTERM_Q8) return (wspan){(const char *)w->data + o * in_f + k0, in_f, kc};
+    return (wspan){(const char *)w->data + o * (in_f / 2) + k0 / 2, in_f / 2, kc / 2}; /* int4: 16 bytes a block */
+}
+
+/* y[m0..m1, o..o+32) as `panel` computes it, two full panels of 16 at once; `next` (bytes 0: none) is prefetched,
+ * its lines shared out evenly over the tiles */
 static void panel_pair(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t k0, int64_t kc, const wsource *w,
-                       int64_t o, float *y, int64_t out_f, float *packed, float *scratch) {
+                       int64_t o, float *y, int64_t out_f, float *packed, float *scratch, wspan next) {
     const float *w_rows[NR];
     weight_rows(w, o, NR, k0, kc, w_rows, scratch);
     tsterm_pack16(w_rows, NR, kc, packed);
     weight_rows(w, o + NR, NR, k0, kc, w_rows, scratch);
     tsterm_pack16(w_rows, NR, kc, packed + KC * NR);
-    for (int64_t m = m0; m < m1; m += MR512) {
+    const char *pf[2 * NR * (KC * sizeof(float) / 64)]; /* the lines of `next`, in order */
+    int64_t lines = 0;
+    for (int64_t row = 0; row < 2 * NR && next.bytes; row++)
+        for (int64_t at = 0; at < next.bytes; at += 64) pf[lines++] = next.base + row * next.stride + at;
+    const int64_t tiles = (m1 - m0 + MR512 - 1) / MR512;
+    int64_t line = 0;
+    for (int64_t m = m0, t = 1; m < m1; m += MR512, t++) {
+        const int64_t end = lines * t / tiles, npf = end - line < kc ? end - line : kc;
+        for (; line < end - npf; line++) _mm_prefetch(pf[line], PF_HINT); /* more than one a step: the rest now */
         const int64_t mr = m1 - m < MR512 ? m1 - m : MR512;
-        TILES512[mr - 1](kc, x + m * ldx + k0, ldx, packed, packed + KC * NR, y + m * out_f + o, out_f, k0 > 0);
+        TILES512[mr - 1](kc, x + m * ldx + k0, ldx, packed, packed + KC * NR, y + m * out_f + o, out_f, k0 > 0,
+                         pf + line, npf);
+        line = end;
     }
 }
 #define GEMM_UNIT (2 * NR)
@@ -286,15 +328,25 @@ static void gemm_share(const float *x, int64_t ldx, int64_t rows, const wsource 
          * core); the blocks still go in order for each output, so the sums and the bits are the same. */
         if ((m1 - m0) * in_f * (int64_t)sizeof(float) <= (1 << 20))
             for (; o0 + 2 * NR <= last; o0 += 2 * NR)
-                for (int64_t k0 = 0; k0 < in_f; k0 += KC)
-                    panel_pair(x, ldx, m0, m1, k0, in_f - k0 < KC ? in_f - k0 : KC, w, o0, y, out_f, packed, scratch);
+                for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
+                    const int64_t kn = k0 + KC < in_f ? k0 + KC : 0, on = kn ? o0 : o0 + 2 * NR; /* the next pair */
+                    const wspan next = on + 2 * NR <= last ? weight_span(w, on, kn, in_f - kn < KC ? in_f - kn : KC)
+                                                           : (wspan){NULL, 0, 0};
+                    panel_pair(x, ldx, m0, m1, k0, in_f - k0 < KC ? in_f - k0 : KC, w, o0, y, out_f, packed, scratch,
+                               next);
+                }
 #endif
         for (int64_t k0 = 0; k0 < in_f; k0 += KC) {
             const int64_t kc = in_f - k0 < KC ? in_f - k0 : KC;
             int64_t o = o0;
 #ifdef __AVX512F__
-            for (; o + 2 * NR <= last; o += 2 * NR)
-                panel_pair(x, ldx, m0, m1, k0, kc, w, o, y, out_f, packed, scratch);
+            for (; o + 2 * NR <= last; o += 2 * NR) {
+                const int64_t kn = k0 + KC; /* the next pair: this block's next, else the next block's first */
+                const wspan next = o + 4 * NR <= last ? weight_span(w, o + 2 * NR, k0, kc)
+                                   : kn < in_f        ? weight_span(w, o0, kn, in_f - kn < KC ? in_f - kn : KC)
+                                                      : (wspan){NULL, 0, 0};
+                panel_pair(x, ldx, m0, m1, k0, kc, w, o, y, out_f, packed, scratch, next);
+            }
 #endif
             for (; o < last; o += NR)
                 panel(x, ldx, m0, m1, k0, kc, w, o, last - o < NR ? last - o : NR, y, out_f, packed, scratch);
