@@ -264,6 +264,39 @@ typedef void (*tile512_fn)(int64_t, const float *, int64_t, const float *, const
 static const tile512_fn TILES512[MR512] = {tile512_1, tile512_2, tile512_3, tile512_4,
                                            tile512_5, tile512_6, tile512_7, tile512_8};
 
+/* tsterm_pack16 for 16 rows with 512-bit shuffles: a 16 x 16 transpose is 64 of them for 256 values, where the
+ * AVX2 build's two 8 x 8 ones take 96 for the same (the shuffle port is what packing waits on once W is in the
+ * cache: 15% of a 54-row call). The same values land in the same places, so the bits cannot change. */
+static void pack16_512(const float *const *rows, int64_t len, float *packed) {
+    int64_t k = 0;
+    for (; k + 16 <= len; k += 16) {
+        __m512 r[16], u[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i] + k);
+        for (int g = 0; g < 4; g++) { /* rows 4g..4g+3: u[4g + c] lane L = their column 4L + c */
+            const __m512 t0 = _mm512_unpacklo_ps(r[4 * g], r[4 * g + 1]), t1 = _mm512_unpackhi_ps(r[4 * g], r[4 * g + 1]);
+            const __m512 t2 = _mm512_unpacklo_ps(r[4 * g + 2], r[4 * g + 3]),
+                         t3 = _mm512_unpackhi_ps(r[4 * g + 2], r[4 * g + 3]);
+            u[4 * g] = _mm512_shuffle_ps(t0, t2, 0x44), u[4 * g + 1] = _mm512_shuffle_ps(t0, t2, 0xEE);
+            u[4 * g + 2] = _mm512_shuffle_ps(t1, t3, 0x44), u[4 * g + 3] = _mm512_shuffle_ps(t1, t3, 0xEE);
+        }
+        for (int c = 0; c < 4; c++) { /* column 4L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c] */
+            const __m512 s0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), s1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+            const __m512 s2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44),
+                         s3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+            float *o = packed + (k + c) * NR;
+            _mm512_store_ps(o + 0 * NR, _mm512_shuffle_f32x4(s0, s2, 0x88));
+            _mm512_store_ps(o + 4 * NR, _mm512_shuffle_f32x4(s0, s2, 0xDD));
+            _mm512_store_ps(o + 8 * NR, _mm512_shuffle_f32x4(s1, s3, 0x88));
+            _mm512_store_ps(o + 12 * NR, _mm512_shuffle_f32x4(s1, s3, 0xDD));
+        }
+    }
+    if (k < len) { /* the last inputs (len not a multiple of 16) */
+        const float *tail[NR];
+        for (int i = 0; i < NR; i++) tail[i] = rows[i] + k;
+        tsterm_pack16(tail, NR, len - k, packed + k * NR);
+    }
+}
+
 /* The bytes of W that rows o..o+31's inputs [k0, k0 + kc) take (32 runs `stride` apart, `bytes` long each): what
  * panel_pair packs next, fetched while this pair's tiles run. Packing reads W 16 rows at a time, 1 KB a row, and
  * the hardware prefetchers do not keep up with that: at 54 rows (an expert's share of a 216-token extend) packing,
@@ -289,9 +322,9 @@ static void panel_pair(const float *x, int64_t ldx, int64_t m0, int64_t m1, int6
                        int64_t o, float *y, int64_t out_f, float *packed, float *scratch, wspan next) {
     const float *w_rows[NR];
     weight_rows(w, o, NR, k0, kc, w_rows, scratch);
-    tsterm_pack16(w_rows, NR, kc, packed);
+    pack16_512(w_rows, kc, packed);
     weight_rows(w, o + NR, NR, k0, kc, w_rows, scratch);
-    tsterm_pack16(w_rows, NR, kc, packed + KC * NR);
+    pack16_512(w_rows, kc, packed + KC * NR);
     const char *pf[2 * NR * (KC * sizeof(float) / 64)]; /* the lines of `next`, in order */
     int64_t lines = 0;
     for (int64_t row = 0; row < 2 * NR && next.bytes; row++)
