@@ -208,9 +208,10 @@ static inline __m256i q4_codes(const uint8_t *c) {
 
 /* Software prefetch of the weight rows PREFETCH_BYTES ahead of the one being multiplied (codes and scales, into L1).
  * One thread's decode reads ~100 MB of weights a token straight from memory, and the hardware prefetchers alone
- * kept too few cache-line misses in flight: the whole default model's GEMVs ran at 7.2-7.4 GB/s of the ~12 GB/s one
- * core copies at, 9.7-10.1 GB/s with this (Sapphire Rapids, one thread; 2-4 KB ahead was slower than 1 KB). Loads
- * only: the arithmetic and its bits are unchanged. */
+ * kept too few cache-line misses in flight: the whole default model's GEMVs ran at 7.2-7.7 GB/s of the ~12 GB/s one
+ * core copies at, 10-11 GB/s with this (Sapphire Rapids, one thread; 1-2 KB ahead all within 2%, 512 bytes and 4 KB
+ * slower, and an added L2 prefetch 4-8 KB ahead lost the whole gain). Loads only: the arithmetic and its bits are
+ * unchanged. */
 #define PREFETCH_BYTES 1024
 
 /* whole rows of `row_bytes` that cover PREFETCH_BYTES */
