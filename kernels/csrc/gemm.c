@@ -351,8 +351,19 @@ static void gemm_share(const float *x, int64_t ldx, int64_t rows, const wsource 
     const int64_t in_f = w->in_f;
     int64_t first, last;
     tsterm_thread_share(out_f, GEMM_UNIT, &first, &last);
-    for (int64_t m0 = 0; m0 < rows; m0 += MC) {
-        const int64_t m1 = rows - m0 < MC ? rows : m0 + MC;
+    int64_t mc = MC;
+#ifdef __AVX512F__
+    /* Rows a pass: where MC rows of x overflow half of L2 (1 MB, the pair-at-a-time order below) but 128 or more fit,
+     * passes of equal size that fit, W packed once a pass: at 384 rows x 1024 inputs, two passes of 192 rows. A
+     * row's sums do not depend on the pass it falls in, so the bits are the same. */
+    const int64_t fit = ((1 << 20) / (in_f * (int64_t)sizeof(float))) / MR512 * MR512;
+    if (rows * in_f * (int64_t)sizeof(float) > (1 << 20) && fit >= 128) {
+        const int64_t passes = (rows + fit - 1) / fit;
+        mc = ((rows + passes - 1) / passes + MR512 - 1) / MR512 * MR512;
+    }
+#endif
+    for (int64_t m0 = 0; m0 < rows; m0 += mc) {
+        const int64_t m1 = rows - m0 < mc ? rows : m0 + mc;
         int64_t o0 = first;
 #ifdef __AVX512F__
         /* Where this pass's rows of x fit in half of L2 (1 MB), each pair of panels takes all its input blocks
