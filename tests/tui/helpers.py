@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 
-from textual.app import App
+from textual.app import App, ComposeResult
 from textual.command import CommandList, CommandPalette
 from textual.css.query import NoMatches
 
@@ -20,6 +20,17 @@ from tsterm.tui.widgets.prompt_input import PromptInput
 # Not how a wait ends, only how a hang is reported (with what it waited for): below pytest-timeout's per-test limit.
 HANG_S = 600.0
 _dispatched: weakref.WeakKeyDictionary[App, asyncio.Event] = weakref.WeakKeyDictionary()
+
+
+class Harness(App):
+    """An app that shows only the given widgets (a widget's own tests)."""
+
+    def __init__(self, *widgets):
+        super().__init__()
+        self.widgets = widgets
+
+    def compose(self) -> ComposeResult:
+        yield from self.widgets
 
 
 def message_hook(app: App):

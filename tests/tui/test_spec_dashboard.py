@@ -3,9 +3,7 @@ drafted and accepted tokens, acceptance rate, mean accepted length and acceptanc
 counted them; with speculation off the section is hidden. Waits are on the app's messages (stats polls, turn ends)."""
 from __future__ import annotations
 
-from textual.app import App, ComposeResult
-
-from tests.tui.helpers import chat_screen, engine_stats, say, text_of, turns_done, wait_until
+from tests.tui.helpers import Harness, chat_screen, engine_stats, say, text_of, turns_done, wait_until
 from tsterm.tui import TstermApp
 from tsterm.tui.widgets.dashboard import Dashboard
 
@@ -42,15 +40,6 @@ async def test_a_speculating_turn_shows_its_acceptance_on_the_dashboard(make_pro
         # (every verify drafts position 0; a later position counts the verifies that drafted that far)
         assert source["drafted_per_pos"][0] == verifies and source["drafted_per_pos"] == sorted(
             source["drafted_per_pos"], reverse=True)
-
-
-class Harness(App):
-    def __init__(self, dashboard: Dashboard):
-        super().__init__()
-        self.dashboard = dashboard
-
-    def compose(self) -> ComposeResult:
-        yield self.dashboard
 
 
 async def test_the_section_is_hidden_without_speculation_and_names_each_source():

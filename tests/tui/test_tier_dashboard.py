@@ -4,9 +4,7 @@ section shows each tier's hits, the bytes written and read, the store's size, lo
 Without a disk tier the section is hidden. Waits are on the app's messages (stats polls, turn ends)."""
 from __future__ import annotations
 
-from textual.app import App, ComposeResult
-
-from tests.tui.helpers import chat_screen, engine_stats, say, text_of, turns_done, wait_until
+from tests.tui.helpers import Harness, chat_screen, engine_stats, say, text_of, turns_done, wait_until
 from tsterm.tui import TstermApp
 from tsterm.tui.widgets.dashboard import Dashboard, human_bytes
 
@@ -47,15 +45,6 @@ async def test_a_restart_shows_the_disk_tiers_hits_and_traffic(make_profile, dat
     assert lines[2].startswith(f"  in {human_bytes(second['kv_disk_written_bytes'])}"
                                f"  out {human_bytes(second['kv_disk_read_bytes'])}  queued ")
     assert lines[4].startswith("loads   1  ") and lines[4].endswith(" ms each")
-
-
-class Harness(App):
-    def __init__(self, dashboard: Dashboard):
-        super().__init__()
-        self.dashboard = dashboard
-
-    def compose(self) -> ComposeResult:
-        yield self.dashboard
 
 
 async def test_the_section_is_hidden_without_a_tier_and_shows_each_tier_present():

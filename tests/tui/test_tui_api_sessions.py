@@ -13,7 +13,7 @@ import openai
 
 from tests.tui.helpers import chat_screen, engine_stats, say, text_of, wait_until
 from tsterm.tui import TstermApp
-from tsterm.tui.widgets.chat_log import MessageView, ReplyView
+from tsterm.tui.widgets.chat_log import MessageView
 from tsterm.tui.widgets.session_list import SessionList
 
 SIZE = (160, 45)  # wide: the dashboard is open

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from textual.content import Content
 
-from tests.tui.helpers import chat_screen, palette, say, text_of, turns_done, wait_until
+from tests.tui.helpers import chat_screen, palette, say, turns_done, wait_until
 from tsterm.tui import TstermApp
 from tsterm.tui.palette import ACTIONS, plain
 from tsterm.tui.screens.loading import LoadingScreen

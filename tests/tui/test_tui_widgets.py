@@ -4,25 +4,15 @@ from __future__ import annotations
 
 import re
 
-from textual.app import App, ComposeResult
 from textual.widgets import Collapsible, Markdown
 
-from tests.tui.helpers import wait_until
+from tests.tui.helpers import Harness, wait_until
 from tsterm.chat.session import Session, TurnStats
 from tsterm.tui.widgets.chat_log import ChatLog, ReplyView
 from tsterm.tui.widgets.dashboard import Dashboard
 from tsterm.tui.widgets.expert_heatmap import ExpertHeatmap
 from tsterm.tui.widgets.kv_bar import KVBar
 from tsterm.tui.widgets.prompt_input import PromptHistory, PromptInput
-
-
-class Harness(App):
-    def __init__(self, *widgets):
-        super().__init__()
-        self.widgets = widgets
-
-    def compose(self) -> ComposeResult:
-        yield from self.widgets
 
 
 async def test_reply_streams_a_thinking_block_into_a_collapsible():

@@ -2,19 +2,8 @@
 the blocks in use, cached and released; the KV pool's bytes count both pools. Without one, nothing of it shows."""
 from __future__ import annotations
 
-from textual.app import App, ComposeResult
-
-from tests.tui.helpers import text_of
+from tests.tui.helpers import Harness, text_of
 from tsterm.tui.widgets.dashboard import Dashboard, human_bytes
-
-
-class Harness(App):
-    def __init__(self, dashboard: Dashboard):
-        super().__init__()
-        self.dashboard = dashboard
-
-    def compose(self) -> ComposeResult:
-        yield self.dashboard
 
 
 async def test_the_window_pool_shows_beside_the_main_pool():
