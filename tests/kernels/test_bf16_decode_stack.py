@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tsterm_kernels import cpu_select, cpu_stack, torch_ops
+from tsterm_kernels import cpu_select, torch_ops
 
 from tsterm import LLM, SamplingParams
 from tsterm.model import decoder
 
 from tests.helpers.checkpoints import make_checkpoint
+from tests.model.test_decode_stack import stack_prompts_and_steps
 
 SIZES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16, num_hidden_layers=3)
 EXPERTS = dict(num_experts=8, num_experts_per_tok=2)
@@ -80,20 +81,7 @@ def _run(model_dir, prompts, monkeypatch):
 
 def test_the_bf16_stack_gives_the_layer_paths_bits(checkpoint, arithmetic, monkeypatch):
     name, path = checkpoint
-    gen = torch.Generator().manual_seed(5)
-    # three sequences decoding together (rows 1..3 as they finish prefill), one a prefix of another (shared blocks)
-    first = torch.randint(0, 300, (13,), generator=gen).tolist()
-    prompts = [first, first + torch.randint(0, 300, (6,), generator=gen).tolist(),
-               torch.randint(0, 300, (30,), generator=gen).tolist()]
-    steps = []
-    call = cpu_stack.DecodeStack.__call__
-
-    def counted(self, *args):
-        out = call(self, *args)
-        steps.append(out is not None)
-        return out
-
-    monkeypatch.setattr(cpu_stack.DecodeStack, "__call__", counted)
+    prompts, steps = stack_prompts_and_steps(monkeypatch)
     tokens, logits, load, stack = _run(path, prompts, monkeypatch)
     assert stack is not None and stack.dtype is torch.bfloat16
     assert sum(steps) >= 7, "the stack ran no decode step"

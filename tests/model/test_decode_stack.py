@@ -53,15 +53,14 @@ def _run(model_dir, prompts, **options):
             llm.engine.expert_load())
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_stack_computes_what_the_layers_compute(checkpoint, quantization, monkeypatch):
-    name, path = checkpoint
+def stack_prompts_and_steps(monkeypatch) -> tuple[list[list[int]], list[bool]]:
+    """Three prompts that decode together (rows 1..3 as they finish prefill), one a prefix of another (shared
+    blocks), and a list that records, per call of the decode stack, whether it ran the step (monkeypatched in)."""
     gen = torch.Generator().manual_seed(5)
-    # three sequences decoding together (rows 1..3 as they finish prefill), one a prefix of another (shared blocks)
     first = torch.randint(0, 300, (13,), generator=gen).tolist()
     prompts = [first, first + torch.randint(0, 300, (6,), generator=gen).tolist(),
                torch.randint(0, 300, (30,), generator=gen).tolist()]
-    steps = []
+    steps: list[bool] = []
     call = cpu_stack.DecodeStack.__call__
 
     def counted(self, *args):
@@ -70,6 +69,13 @@ def test_stack_computes_what_the_layers_compute(checkpoint, quantization, monkey
         return out
 
     monkeypatch.setattr(cpu_stack.DecodeStack, "__call__", counted)
+    return prompts, steps
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_stack_computes_what_the_layers_compute(checkpoint, quantization, monkeypatch):
+    name, path = checkpoint
+    prompts, steps = stack_prompts_and_steps(monkeypatch)
     tokens, logprobs, load = _run(path, prompts, quantization=quantization)
     assert sum(steps) >= 9, "the stack ran no decode step"
     monkeypatch.setattr(torch_ops, "decode_stack", lambda *args: None)
