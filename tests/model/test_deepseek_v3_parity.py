@@ -2,10 +2,10 @@
 odd shapes: Multi-head Latent Attention with q_lora_rank set and null, interleaved and plain RoPE layouts, DeepSeek's
 YaRN (mscale / mscale_all_dim: the rotation's magnitude and the softmax scale), attention biases, odd head counts,
 dense first layers, a shared expert, sigmoid group-limited routing with a randomised selection bias, and
-routed_scaling_factor. Greedy 32 tokens on three prompts (a 70-token prompt through the expanded form, the shorter ones
-and every decode through the absorbed one), the first step's log-probabilities, the last logits of one prefill, and
-multi-turn reuse of the latent blocks (a long first turn expanded, the later turns' suffixes absorbed over the reused
-blocks) equal to a fresh recompute."""
+routed_scaling_factor. Greedy 32 tokens on three prompts, the first step's log-probabilities and the last logits of one
+prefill, both with every chunk absorbed (the default) and with a 70-token prompt chunk through the expanded form
+(`deterministic: false`); and multi-turn reuse of the latent blocks (the later turns' suffixes over the reused blocks)
+equal to a fresh recompute."""
 from __future__ import annotations
 
 import random
@@ -63,12 +63,14 @@ def test_the_checkpoint_has_what_the_case_is_about(checkpoint):
     assert biases and all(b.abs().sum() > 0 for b in biases)
 
 
-def test_greedy_and_logits_match_transformers(checkpoint):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["absorbed", "expanded"])
+def test_greedy_and_logits_match_transformers(checkpoint, deterministic):
     model_dir, hf_model = checkpoint
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=128)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=128,
+              deterministic=deterministic)
     prompts = random_prompts(hf_model.config.vocab_size, (11, 5, 70))
     assert_greedy_matches(llm, hf_model, prompts, NEW_TOKENS)
-    assert_last_logits_close(llm, hf_model, prompts[2])  # the last position's logits of one (expanded) prefill
+    assert_last_logits_close(llm, hf_model, prompts[2])  # the last position's logits of one 70-token prefill
 
 
 def test_multi_turn_reuse_equals_a_fresh_recompute(checkpoint):
@@ -77,7 +79,7 @@ def test_multi_turn_reuse_equals_a_fresh_recompute(checkpoint):
     llm, fresh = LLM(str(model_dir), **options), LLM(str(model_dir), enable_prefix_caching=False, **options)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     rng = random.Random(0)
-    history = [rng.randrange(8, 380) for _ in range(70)]  # more than a chunk the absorbed form takes
+    history = [rng.randrange(8, 380) for _ in range(70)]
     previous_full = None
     for turn in range(4):
         out = llm.generate(history, greedy)[0]

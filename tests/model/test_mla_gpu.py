@@ -54,7 +54,7 @@ def test_a_deepseek_checkpoint_decodes_token_exact_on_the_device(tmp_path, cuda_
     llm = LLM(str(model_dir), dtype="float32", device="cuda", block_size=4, num_kv_blocks=128, kernels="triton",
               cuda_graphs=cuda_graphs)
     gen = torch.Generator().manual_seed(1)
-    for n in (11, 70):  # absorbed, and a prompt past the absorbed form's rows (expanded)
+    for n in (11, 70):  # both absorbed (deterministic): the 70-token prompt in one chunk of the MLA kernel
         prompt = torch.randint(0, hf_model.config.vocab_size, (n,), generator=gen).tolist()
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
         ids = list(prompt)
