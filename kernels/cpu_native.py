@@ -67,6 +67,11 @@ SIGNATURES = {
                                              _I64, _P, _I64]),
     "tsterm_decode_attention_bf16": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P,
                                             _P, _I64]),
+    # the bf16 two with attention.c's AMX arithmetic (bfloat16 products on AMX tiles; -2 from a build without AMX)
+    "tsterm_prefill_attention_amx": (_INT, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F32, _P,
+                                            _I64, _P, _I64]),
+    "tsterm_decode_attention_amx": (_INT, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _F32, _P,
+                                           _P, _I64]),
     "tsterm_mla_attention": (_INT, [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _P,
                                     _P, _I64, _I64, _F32, _P]),  # csrc/mla.c
     "tsterm_add_rms_norm": (None, [_P, _P, _P, _I64, _I64, _F32, _P]),

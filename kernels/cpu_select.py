@@ -5,7 +5,8 @@ attention; on other CPUs (AVX-512, AMX, ARM) the fastest path differs, so it is 
 class* is one kind of op at one set of weight / head sizes, independent of the row count: "gemm" (a float32
 linear, dims (out, in)), "experts" (a float32 stack of SwiGLU experts, dims (experts, 2 * inter, hidden, top_k)),
 "attention" (causal prefill attention, dims (query heads, KV heads, head size)), "bf16" (a bfloat16 linear: a model run
-with dtype bfloat16 on the CPU, dims (out, in); its routed experts' matrices are such linears too). The *candidates*:
+with dtype bfloat16 on the CPU, dims (out, in); its routed experts' matrices are such linears too), "bf16-attention"
+(the attention of a bfloat16 KV pool, prefill and decode alike, dims as "attention"'s). The *candidates*:
 
 - "c-avx512": the C kernels built with -march=native on a CPU with AVX-512F (csrc/gemm.c's 512-bit tile);
 - "c-avx2": the same sources built without AVX-512 (-mno-avx512f): what an AVX2-only CPU runs;
@@ -14,6 +15,9 @@ with dtype bfloat16 on the CPU, dims (out, in); its routed experts' matrices are
 - for "bf16" only: "c-amx", csrc/bf16.c on AMX tiles (where the CPU has AMX-BF16 and the OS grants the tile state),
   and "c-bf16", the same file's AVX512-BF16 code (vdpbf16ps) where the build has it, else its plain float32 code.
   The two round differently (each keeps its own bits for every row count); a class runs one of them.
+- for "bf16-attention" only: "c-amx", csrc/attention.c's AMX arithmetic (q and P rounded to bfloat16, both products
+  on AMX tiles, float32 sums), and "c-bf16", the pool widened to float32 as it is read and the float32 arithmetic of
+  the "attention" class's kernel (the same bits as on the pool converted to float32).
 
 Invariance (README "Same answer whatever the cache or the batch"): the C variants compute every output in the
 same order (the same bits, tests/kernels run each variant), so choosing between them keeps the promise. torch's
@@ -55,11 +59,12 @@ from tsterm_kernels import cpu_native
 from tsterm.cpu import amx_permitted, read_cpuinfo
 
 ENV = "TSTERM_CPU_KERNELS"
-KINDS = ("gemm", "experts", "attention", "bf16")
+KINDS = ("gemm", "experts", "attention", "bf16", "bf16-attention")
 CANDIDATES = ("c-avx512", "c-avx2", "c-neon", "torch", "c-amx", "c-bf16")
 # the candidates that keep the invariance promise (a row's bits whatever the rows beside it)
 INVARIANT = frozenset({"c-avx512", "c-avx2", "c-neon", "c-amx", "c-bf16"})
 BF16_CANDIDATES = ("c-amx", "c-bf16", "torch")  # a "bf16" class's; the float32 kinds' are the others
+BF16_ATTENTION_CANDIDATES = ("c-amx", "c-bf16")  # a "bf16-attention" class's
 BF16_ISA = {"c-amx": 2}  # candidate -> csrc/bf16.c's isa argument ("c-bf16": the build's best of 1 and 0)
 VARIANT_OF = {"c-avx512": "native", "c-avx2": "avx2", "c-neon": "native"}  # candidate -> cpu_native.VARIANTS build
 FORMAT = 1  # of the JSON file
@@ -139,7 +144,7 @@ class ShapeClass:
     dims: tuple[int, ...]
 
     def __post_init__(self):
-        want = {"gemm": 2, "experts": 4, "attention": 3, "bf16": 2}
+        want = {"gemm": 2, "experts": 4, "attention": 3, "bf16": 2, "bf16-attention": 3}
         if self.kind not in want:
             raise ValueError(f"shape class kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if len(self.dims) != want[self.kind] or not all(isinstance(d, int) and d > 0 for d in self.dims):
@@ -220,7 +225,10 @@ def parse_override(text: str | None) -> dict[str, str]:
 
 
 def kind_candidates(kind: str) -> tuple[str, ...]:
-    """The candidates that exist for a kind at all (BF16_CANDIDATES for "bf16", the float32 ones for the others)."""
+    """The candidates that exist for a kind at all (BF16_CANDIDATES for "bf16", BF16_ATTENTION_CANDIDATES for
+    "bf16-attention", the float32 ones for the others)."""
+    if kind == "bf16-attention":
+        return BF16_ATTENTION_CANDIDATES
     return BF16_CANDIDATES if kind == "bf16" else tuple(c for c in CANDIDATES if c not in BF16_CANDIDATES[:-1])
 
 
@@ -233,6 +241,12 @@ def bf16_available(cpu: CpuInfo, bits: int | None) -> tuple[str, ...]:
     if bits is not None and cpu.x86:
         have.append("c-bf16")
     return (*have, "torch")
+
+
+def bf16_attention_available(cpu: CpuInfo, bits: int | None) -> tuple[str, ...]:
+    """A "bf16-attention" class's candidates: "c-amx" where bf16.c's AMX code is built and granted (`bits` as for
+    bf16_available), and always "c-bf16" (the widened float32 path, whichever kernel the "attention" class runs)."""
+    return ("c-amx", "c-bf16") if bits is not None and cpu.amx and bits & 2 else ("c-bf16",)
 
 
 def _forced(kind: str, override: Mapping[str, str] | None) -> str | None:

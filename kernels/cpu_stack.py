@@ -126,10 +126,11 @@ class DecodeStack:
 
     @classmethod
     def build(cls, layers: list[StackLayer], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-              scale: float, bf16_isa: Bf16Isa | None = None) -> "DecodeStack | None":
+              scale: float, bf16_isa: Bf16Isa | None = None, attention_amx: bool = False) -> "DecodeStack | None":
         """The stack over these layers, or None where the C kernels are unavailable or a layer has a tensor they do
         not read (another dtype or device, a weight kind or shape they do not take). A model whose KV pools are
-        bfloat16 is a bfloat16 stack: bf16_isa gives each weight's arithmetic (None: the stack does not take it)."""
+        bfloat16 is a bfloat16 stack: bf16_isa gives each weight's arithmetic (None: the stack does not take it),
+        attention_amx its attention's (csrc/attention.c's AMX arithmetic, else the pools widened to float32)."""
         if not layers or num_heads > MAX_HEADS or head_dim % 16 or num_heads % num_kv_heads:
             return None
         bf16 = layers[0].k_cache.dtype is torch.bfloat16
@@ -187,7 +188,7 @@ class DecodeStack:
         if native is None:
             return None
         stack = _Stack(len(layers), hidden, num_heads, num_kv_heads, head_dim, layers[0].k_cache.shape[1], eps, scale,
-                       structs, int(bf16))
+                       structs, int(bf16) * (2 if attention_amx else 1))
         return cls(native, layers, stack, structs, kept)
 
     def __call__(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

@@ -61,11 +61,16 @@ def cpu_kernel_plan(shapes, override: str | None = None) -> dict[str, Choice]:
         candidates = ("torch",)
     text = os.environ.get(cpu_select.ENV, "") if override is None else override
     forced, shapes = cpu_select.parse_override(text), list(shapes)
-    plan = cpu_select.resolve([s for s in shapes if s.kind != "bf16"], cpu, candidates, _time_candidates, path, forced)
+    plan = cpu_select.resolve([s for s in shapes if not s.kind.startswith("bf16")], cpu, candidates,
+                              _time_candidates, path, forced)
     bf16 = [s for s in shapes if s.kind == "bf16"]  # bfloat16 linears: csrc/bf16.c's arithmetics or torch's
     if bf16:
         plan.update(cpu_select.resolve(bf16, cpu, cpu_select.bf16_available(cpu, _bf16_bits()), _time_candidates,
                                        path, forced))
+    attention = [s for s in shapes if s.kind == "bf16-attention"]  # a bfloat16 pool: AMX products or widened
+    if attention:
+        have = cpu_select.bf16_attention_available(cpu, _bf16_bits())
+        plan.update(cpu_select.resolve(attention, cpu, have, _time_candidates, path, forced))
     return {s.key: plan[s.key] for s in shapes}
 
 
@@ -102,6 +107,19 @@ def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str
         w = torch.randn(min(out_f, max(32, (1 << 22) // in_f)), in_f, generator=gen).to(torch.bfloat16)
         runs = {name: (lambda: F.linear(x.to(torch.bfloat16), w)) if name == "torch" else
                 functools.partial(_bf16_gemm, cpu_native.load(), _bf16_isa(name), x, w) for name in candidates}
+    elif shape.kind == "bf16-attention":
+        heads, kv_heads, head_dim = shape.dims
+        block, blocks = 16, -(-rows // 16)
+        q = torch.randn(rows, heads, head_dim, generator=gen)
+        k_cache, v_cache = (torch.randn(blocks, block, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+                            for _ in range(2))
+        table = torch.arange(blocks, dtype=torch.int32)
+        out = torch.empty_like(q)
+        native = cpu_native.load()
+        runs = {name: functools.partial(
+            native.prefill_attention_amx if name == "c-amx" else native.prefill_attention_bf16, q.data_ptr(),
+            q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), rows, rows, heads, kv_heads,
+            head_dim, block, head_dim ** -0.5, out.data_ptr(), out.stride(0), None, 0) for name in candidates}
     elif shape.kind == "gemm":
         out_f, in_f = shape.dims
         x = torch.randn(rows, in_f, generator=gen)
@@ -138,7 +156,7 @@ def _time_candidates(shape: ShapeClass, candidates: tuple[str, ...]) -> dict[str
             return lambda: native.prefill_attention(
                 q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), rows, rows, heads,
                 kv_heads, head_dim, block, scale, out.data_ptr(), out.stride(0))
-    if shape.kind != "bf16":
+    if shape.kind not in ("bf16", "bf16-attention"):
         runs = {name: runner(None if name == "torch" else cpu_native.load_variant(cpu_select.VARIANT_OF[name]))
                 for name in candidates}
     return cpu_select.measure(runs, _TIME_PER_CANDIDATE_S)  # one thread, its CPU clock: the neighbours do not decide
@@ -204,12 +222,14 @@ def decode_stack(layers: list[StackLayer], num_heads: int, num_kv_heads: int, he
     in a decode as in a prefill); the model then runs every step layer by layer through the ops here. A bfloat16
     model's linears run in the arithmetic of their "bf16" classes (csrc/bf16.c's; a class that chose torch's matmul
     keeps the model layer by layer)."""
-    stack = DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale, _bf16_stack_isa)
+    amx = bool(layers) and layers[0].k_cache.dtype is torch.bfloat16 and bf16_attention_amx(num_heads, num_kv_heads,
+                                                                                            head_dim)
+    stack = DecodeStack.build(layers, num_heads, num_kv_heads, head_dim, eps, scale, _bf16_stack_isa, amx)
     if stack is None:
         return None
     classes = [("attention", (num_heads, num_kv_heads, head_dim))]
     if stack.dtype is torch.bfloat16:  # (its weights' classes: checked by _bf16_stack_isa as it was built)
-        return None if _chosen(*classes[0]) is None else stack
+        return None if not amx and _chosen(*classes[0]) is None else stack
     for layer in layers:
         for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.router, layer.shared_gate):
             if isinstance(w, torch.Tensor) and w.dim() == 2:
@@ -503,7 +523,8 @@ def _native_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                             sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                             sinks: torch.Tensor | None = None, window: int | None = None,
+                             amx: bool = False) -> torch.Tensor:
     seq_lens = meta.seq_lens_device
     if seq_lens is None or not seq_lens.is_cpu:
         seq_lens = meta.seq_lens_device = torch.tensor(meta.seq_lens, dtype=torch.int32)  # once per step
@@ -512,7 +533,9 @@ def _native_decode_attention(native: "cpu_native.NativeKernels", q: torch.Tensor
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
             seq_lens.data_ptr(), len(meta.seq_lens), q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
             out.data_ptr())
-    if k_cache.dtype is torch.bfloat16:  # read in place, widened as it is read (csrc/decode.c)
+    if amx:  # a bfloat16 pool in attention.c's AMX arithmetic (the class "bf16-attention" chose it)
+        rc = native.decode_attention_amx(*args, None if sinks is None else sinks.data_ptr(), window or 0)
+    elif k_cache.dtype is torch.bfloat16:  # read in place, widened as it is read (csrc/decode.c)
         rc = native.decode_attention_bf16(*args, None if sinks is None else sinks.data_ptr(), window or 0)
     elif sinks is None and window is None:
         rc = native.decode_attention(*args)
@@ -838,32 +861,48 @@ def _bf16_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.to(x.dtype), residual
 
 
+def bf16_attention_amx(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the attention of a bfloat16 pool with these heads runs csrc/attention.c's AMX arithmetic (its
+    "bf16-attention" class chose "c-amx"), in a prefill, a decode and the decode stack alike; else the pool is widened
+    to float32 as it is read."""
+    if cpu_native.load() is None:
+        return False
+    dims = (num_heads, num_kv_heads, head_dim)
+    return _planned("bf16-attention", dims, os.environ.get(cpu_select.ENV, "")) == "c-amx"
+
+
 def _bf16_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """`paged_attention` over a bfloat16 pool on the CPU, rounded to bfloat16: the C kernels of the float32 path
-    (csrc/decode.c for one new token per sequence, csrc/prefill.c for more) read the pool in place, each K and V row
-    widened to float32 as it is loaded, with q's float32 values (the new tokens only are converted). A row's result is
-    the bits the float32 path gives on the pool converted to float32, which is what runs where those kernels do not
-    (`_bf16_attention_converted`: a head size or layout they do not take, or the attention class chose torch)."""
+    """`paged_attention` over a bfloat16 pool on the CPU, rounded to bfloat16, in the arithmetic its "bf16-attention"
+    class chose: AMX's (`bf16_attention_amx`: csrc/attention.c's bfloat16 products on AMX tiles, the same bits in a
+    decode and a prefill), or the C kernels of the float32 path (csrc/decode.c for one new token per sequence,
+    csrc/prefill.c for more) reading the pool in place, each K and V row widened to float32 as it is loaded, with q's
+    float32 values (the new tokens only are converted). A widened row's result is the bits the float32 path gives on
+    the pool converted to float32, which is what runs where those kernels do not (`_bf16_attention_converted`: a head
+    size or layout they do not take, or the attention class chose torch)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     tables = meta.block_tables
-    native = None
+    native, amx = None, False
     if (head_dim % 16 == 0 and num_heads % num_kv_heads == 0 and v_cache.dtype is torch.bfloat16
             and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.dtype is torch.int32 and tables.is_cpu
             and tables.is_contiguous() and (sinks is None or sinks.is_cpu)):
-        native = _chosen("attention", (num_heads, num_kv_heads, head_dim))  # the float32 path's build, or torch
+        amx = bf16_attention_amx(num_heads, num_kv_heads, head_dim)
+        # AMX's arithmetic runs in the native build; else the float32 path's build, or torch
+        native = cpu_native.load() if amx else _chosen("attention", (num_heads, num_kv_heads, head_dim))
     if native is None:
         return _bf16_attention_converted(q, k_cache, v_cache, meta, scale, sinks, window)
     sinks = _checked_sink_window(num_heads, sinks, window)
     qf = q.float()  # [T, Hq, D] contiguous: the step's new tokens
     if num_tokens == len(meta.seq_lens):  # one new token per sequence: one call over every sequence's blocks
-        return _native_decode_attention(native, qf, k_cache, v_cache, meta, scale, sinks, window).to(q.dtype)
+        return _native_decode_attention(native, qf, k_cache, v_cache, meta, scale, sinks, window,
+                                        amx).to(q.dtype)
     out = torch.empty_like(qf)
     sink_ptr = None if sinks is None else sinks.data_ptr()
+    prefill = native.prefill_attention_amx if amx else native.prefill_attention_bf16
     for i, seq_len in enumerate(meta.seq_lens):  # one call per sequence over its blocks (csrc/prefill.c)
         q_start, num_q = meta.query_start_loc[i], meta.query_start_loc[i + 1] - meta.query_start_loc[i]
-        status = native.prefill_attention_bf16(
+        status = prefill(
             qf[q_start].data_ptr(), qf.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables[i].data_ptr(), seq_len,
             num_q, num_heads, num_kv_heads, head_dim, k_cache.shape[1], scale, out[q_start].data_ptr(), out.stride(0),
             sink_ptr, window or 0)

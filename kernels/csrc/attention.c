@@ -26,7 +26,11 @@
  *
  * A bfloat16 pool (kv->kv_bf16) is read in place, each K and V row widened to float32 as it is loaded (exact: a
  * bfloat16 is a float32's high half), and then everything above runs on those float32 values in the same order: a
- * row's result is the bits the float32 kernel gives on the pool converted to float32, without converting it.
+ * row's result is the bits the float32 kernel gives on the pool converted to float32, without converting it. Where
+ * AMX is built and granted, a bfloat16 pool may run another arithmetic instead (kv_bf16 = TSTERM_ATT_AMX,
+ * attend_split_amx): the same splits, chunks, softmax and merges, the two products of a chunk on AMX tiles in
+ * bfloat16 (2.4x the widened path on the bench model's 2K-token prefill, one thread); its bits are its own, the
+ * same in every path.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -452,6 +456,220 @@ static inline __attribute__((always_inline)) void pv256(const float *s, const vo
 #define EXP_SUM tsterm_exp_sum
 #endif
 
+/* The online softmax of rows [r0, R) over a chunk's scores (row r at s + r * ATT_CHUNK, keys [0, n) from position
+ * c0), S -> P in place: each row's max over the keys it sees, its exponentials and their sum (EXP_SUM), its running
+ * m and l, and its output o rescaled where the max grew; P is 0 at the keys it does not see, up to `width`. */
+static inline __attribute__((always_inline)) void online_softmax(float *s, int64_t r0, int64_t R, int64_t G,
+                                                                 int64_t first_pos, int64_t c0, int64_t n,
+                                                                 int64_t width, int64_t W, int64_t D, float *m,
+                                                                 float *l, float *o) {
+    for (int64_t r = r0; r < R; r++) {
+        float *sr = s + r * ATT_CHUNK;
+        const int64_t visible = first_pos + r / G - c0 + 1 < n ? first_pos + r / G - c0 + 1 : n;
+        /* positions [c0 + lo, c0 + visible) are the row's: lo > 0 where its window starts inside the chunk */
+        const int64_t lo = tsterm_att_window_start(W, first_pos + r / G) > c0
+                               ? tsterm_att_window_start(W, first_pos + r / G) - c0 : 0;
+        if (lo >= visible) { /* wholly before the row's window (another row's keys): P = 0 adds nothing */
+            memset(sr, 0, sizeof(float) * (size_t)width);
+            continue;
+        }
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int64_t j = lo;
+        for (; j + 8 <= visible; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
+        float mc = hmax256(mx);
+        for (; j < visible; j++) mc = sr[j] > mc ? sr[j] : mc;
+        const float m_new = mc > m[r] ? mc : m[r];
+        const float alpha = expf(m[r] - m_new); /* 0 on the row's first chunk (m = -inf) */
+        const float lc = EXP_SUM(sr + lo, visible - lo, m_new);
+        for (j = 0; j < lo; j++) sr[j] = 0.0f;
+        for (j = visible; j < width; j++) sr[j] = 0.0f;
+        l[r] = l[r] * alpha + lc;
+        m[r] = m_new;
+        if (alpha != 1.0f) {
+            const __m256 av = _mm256_set1_ps(alpha);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + r * D + d)));
+        }
+    }
+}
+
+#if TSTERM_AMX
+/* The AMX arithmetic of a bfloat16 pool (kv_bf16 == TSTERM_ATT_AMX): attend_split's splits, chunks, online softmax
+ * and merge, with the two products of a chunk on AMX tiles in bfloat16 with float32 sums. The scores: the row's
+ * scaled q rounded to bfloat16 (tiles of 16 rows x 32 of D, the A operand) times the chunk's K (the B operand: 16
+ * pairs of D x 16 keys, gathered from the pool into that layout; zero past the chunk's keys and past D). P V: each
+ * row's P rounded to bfloat16 (16 rows x 32 keys) times V (16 pairs of keys x 16 of D, gathered likewise; zero past
+ * the chunk), from a zeroed tile over the chunk's keys in order, then added to the rescaled output.
+ *
+ * Why a row's result is the same bits in a prefill, an extend or a decode, alone or batched: an output of a tile
+ * product depends only on its own row of A and column of B, so which other rows share the tile changes nothing; the
+ * chunks are at the same fixed positions in every path; and the keys a path reads beyond a row's own (a longer
+ * chunk in a prefill) are P = 0 terms, exact zeros added to a sum (which AMX never holds as -0 or a denormal), so
+ * they change nothing either. Another machine's AMX or the widening path (kv_bf16 1) give other bits: a process
+ * runs one of them for a model (tsterm_kernels.cpu_select's "bf16-attention" class). */
+typedef uint32_t __attribute__((may_alias)) att_u32;
+
+/* kb [key tile][32 of D][16 pairs of D][16 keys][2]: the chunk's n keys (zero past n, up to width16, and past D),
+ * each 16 keys' pairs of D transposed in registers */
+static void amx_pack_k(const tsterm_kv *kv, const int64_t *off, int64_t n, int64_t width16, int64_t d32,
+                       uint16_t *kb) {
+    const int64_t D = kv->head_dim, tiles = d32 / 32;
+    const uint16_t *k_cache = (const uint16_t *)kv->k_cache;
+    for (int64_t k0 = 0; k0 < width16; k0 += 16)
+        for (int64_t dt = 0; dt < tiles; dt++) {
+            const __mmask16 words = D - dt * 32 >= 32 ? (__mmask16)0xffff : (__mmask16)0x00ff; /* D % 32 == 16 */
+            __m512 r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = k0 + j < n ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(words, k_cache + off[k0 + j] + dt * 32))
+                                  : _mm512_setzero_ps();
+            tsterm_transpose16(r);
+            uint16_t *dst = kb + (k0 / 16 * tiles + dt) * 512;
+            for (int w = 0; w < 16; w++) _mm512_storeu_ps((float *)(dst + w * 32), r[w]);
+        }
+}
+
+/* vb [key block of 32][16 of D][16 pairs of keys][16][2]: the chunk's n V rows interleaved by pairs (zero past n, up
+ * to width32) */
+static void amx_pack_v(const tsterm_kv *kv, const int64_t *off, int64_t n, int64_t width32, uint16_t *vb) {
+    const int64_t D = kv->head_dim, groups = D / 16;
+    const uint16_t *v_cache = (const uint16_t *)kv->v_cache;
+    const __m512i pairs = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    for (int64_t j = 0; j < width32; j += 2) {
+        uint16_t *dst = vb + j / 32 * groups * 512 + j % 32 / 2 * 32;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256i a = j < n ? _mm256_loadu_si256((const __m256i *)(v_cache + off[j] + g * 16))
+                                    : _mm256_setzero_si256();
+            const __m256i b = j + 1 < n ? _mm256_loadu_si256((const __m256i *)(v_cache + off[j + 1] + g * 16))
+                                        : _mm256_setzero_si256();
+            _mm512_storeu_si512(dst + g * 512, _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), pairs,
+                                                                          _mm512_castsi256_si512(b)));
+        }
+    }
+}
+
+/* 32 float32 (16 at lo, 16 at hi; hi NULL: zeros) rounded to bfloat16 (to nearest even), stored at dst */
+static inline void amx_round32(const float *lo, const float *hi, uint16_t *dst) {
+    const __m512 b = hi ? _mm512_loadu_ps(hi) : _mm512_setzero_ps();
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, _mm512_loadu_ps(lo)));
+}
+
+static void attend_split_amx(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G,
+                             int64_t first_pos, int64_t k0, int64_t k1, float *scratch, float *m, float *l,
+                             float *o) {
+    const int64_t D = kv->head_dim, W = kv->window, d32 = (D + 31) / 32 * 32, r16 = (R + 15) / 16 * 16;
+    const int64_t dtiles = d32 / 32, groups = D / 16;
+    uint16_t *kb = (uint16_t *)scratch, *vb = kb + ATT_CHUNK * d32, *qa = vb + ATT_CHUNK * d32;
+    uint16_t *pa = qa + r16 * d32;
+    float *ot = (float *)(pa + 16 * ATT_CHUNK), *s = ot + 16 * d32;
+    const int64_t rs = k0 > first_pos ? (k0 - first_pos) * G : 0;
+    for (int64_t r = rs; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        memset(o + r * D, 0, sizeof(float) * (size_t)D);
+    }
+    for (int64_t r = 0; r < r16; r++) /* q (scaled) rounded to bfloat16, in A tiles [16 rows][32 of D] */
+        for (int64_t dt = 0; dt < dtiles; dt++) {
+            uint16_t *dst = qa + (r / 16 * dtiles + dt) * 512 + r % 16 * 32;
+            if (r < R)
+                amx_round32(qs + r * D + dt * 32, dt * 32 + 16 < D ? qs + r * D + dt * 32 + 16 : NULL, dst);
+            else
+                memset(dst, 0, 64);
+        }
+    tsterm_amx_config(8); /* tmm0-3: C; tmm4: A (q or P); tmm5-7: B (K or V) */
+    const int64_t ws = tsterm_att_window_start(W, first_pos + rs / G);
+    const int64_t c_first = ws > k0 ? k0 + (ws - k0) / ATT_CHUNK * ATT_CHUNK : k0;
+    int64_t off[ATT_CHUNK];
+    for (int64_t c0 = c_first; c0 < k1; c0 += ATT_CHUNK) {
+        const int64_t n = slots(kv, h, c0, k1, ws, off), width16 = (n + 15) / 16 * 16, width32 = (n + 31) / 32 * 32;
+        const int64_t r0 = r_first(c0, first_pos, G);
+        amx_pack_k(kv, off, n, width16, d32, kb);
+        amx_pack_v(kv, off, n, width32, vb);
+        for (int64_t t = r0 / 16; t < r16 / 16; t++) /* scores: 16 rows x up to 4 key tiles at a time */
+            for (int64_t kt = 0; kt < width16 / 16; kt += 4) {
+                const int64_t nk = width16 / 16 - kt < 4 ? width16 / 16 - kt : 4;
+                const uint16_t *kt0 = kb + kt * dtiles * 512;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t dt = 0; dt < dtiles; dt++) {
+                    _tile_loadd(4, qa + (t * dtiles + dt) * 512, 64);
+                    _tile_loadd(5, kt0 + dt * 512, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (nk > 1) {
+                        _tile_loadd(6, kt0 + (dtiles + dt) * 512, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (nk > 2) {
+                        _tile_loadd(7, kt0 + (2 * dtiles + dt) * 512, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                    }
+                    if (nk > 3) {
+                        _tile_loadd(5, kt0 + (3 * dtiles + dt) * 512, 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                float *st = s + t * 16 * ATT_CHUNK + kt * 16;
+                _tile_stored(0, st, ATT_CHUNK * 4);
+                if (nk > 1) _tile_stored(1, st + 16, ATT_CHUNK * 4);
+                if (nk > 2) _tile_stored(2, st + 32, ATT_CHUNK * 4);
+                if (nk > 3) _tile_stored(3, st + 48, ATT_CHUNK * 4);
+            }
+        online_softmax(s, r0, R, G, first_pos, c0, n, width32, W, D, m, l, o);
+        for (int64_t t = r0 / 16; t < r16 / 16; t++) { /* O += P V, 16 rows x up to 4 groups of 16 outputs at a time */
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t r = t * 16 + i;
+                uint16_t *pr = pa + i * ATT_CHUNK;
+                if (r < r0 || r >= R) {
+                    memset(pr, 0, sizeof(uint16_t) * (size_t)width32);
+                    continue;
+                }
+                for (int64_t j = 0; j < width32; j += 32)
+                    amx_round32(s + r * ATT_CHUNK + j, s + r * ATT_CHUNK + j + 16, pr + j);
+            }
+            for (int64_t g = 0; g < groups; g += 4) {
+                const int64_t ng = groups - g < 4 ? groups - g : 4;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kblk = 0; kblk < width32 / 32; kblk++) {
+                    const uint16_t *vt = vb + (kblk * groups + g) * 512;
+                    _tile_loadd(4, pa + kblk * 32, ATT_CHUNK * 2);
+                    _tile_loadd(5, vt, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (ng > 1) {
+                        _tile_loadd(6, vt + 512, 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                    if (ng > 2) {
+                        _tile_loadd(7, vt + 1024, 64);
+                        _tile_dpbf16ps(2, 4, 7);
+                    }
+                    if (ng > 3) {
+                        _tile_loadd(5, vt + 1536, 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, ot + g * 16, d32 * 4);
+                if (ng > 1) _tile_stored(1, ot + g * 16 + 16, d32 * 4);
+                if (ng > 2) _tile_stored(2, ot + g * 16 + 32, d32 * 4);
+                if (ng > 3) _tile_stored(3, ot + g * 16 + 48, d32 * 4);
+            }
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t r = t * 16 + i;
+                if (r < r0 || r >= R) continue;
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(o + r * D + d, _mm512_add_ps(_mm512_loadu_ps(ot + i * d32 + d),
+                                                                  _mm512_loadu_ps(o + r * D + d)));
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* tsterm_attend_split for a float32 (bf16 = 0) or a bfloat16 (bf16 = 1) pool: a constant in each inlined copy */
 static inline __attribute__((always_inline)) void attend_split(const tsterm_kv *kv, int64_t h, const float *qs,
                                                                int64_t R, int64_t G, int64_t first_pos, int64_t k0,
@@ -505,34 +723,7 @@ static inline __attribute__((always_inline)) void attend_split(const tsterm_kv *
                 dot8x2(qs + r * D, qs + (r + 1) * D, k, D, s + r * ATT_CHUNK + j, s + (r + 1) * ATT_CHUNK + j, bf16);
             if (r < R) _mm256_storeu_ps(s + r * ATT_CHUNK + j, dot8(qs + r * D, k, D, bf16));
         }
-        for (int64_t r = r0; r < R; r++) { /* online softmax: S -> P in place */
-            float *sr = s + r * ATT_CHUNK;
-            const int64_t visible = first_pos + r / G - c0 + 1 < n ? first_pos + r / G - c0 + 1 : n;
-            /* positions [c0 + lo, c0 + visible) are the row's: lo > 0 where its window starts inside the chunk */
-            const int64_t lo = tsterm_att_window_start(W, first_pos + r / G) > c0
-                                   ? tsterm_att_window_start(W, first_pos + r / G) - c0 : 0;
-            if (lo >= visible) { /* wholly before the row's window (another row's keys): P = 0 adds nothing */
-                memset(sr, 0, sizeof(float) * (size_t)width);
-                continue;
-            }
-            __m256 mx = _mm256_set1_ps(-INFINITY);
-            int64_t j = lo;
-            for (; j + 8 <= visible; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
-            float mc = hmax256(mx);
-            for (; j < visible; j++) mc = sr[j] > mc ? sr[j] : mc;
-            const float m_new = mc > m[r] ? mc : m[r];
-            const float alpha = expf(m[r] - m_new); /* 0 on the row's first chunk (m = -inf) */
-            const float lc = EXP_SUM(sr + lo, visible - lo, m_new);
-            for (j = 0; j < lo; j++) sr[j] = 0.0f;
-            for (j = visible; j < width; j++) sr[j] = 0.0f;
-            l[r] = l[r] * alpha + lc;
-            m[r] = m_new;
-            if (alpha != 1.0f) {
-                const __m256 av = _mm256_set1_ps(alpha);
-                for (int64_t d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(o + r * D + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + r * D + d)));
-            }
-        }
+        online_softmax(s, r0, R, G, first_pos, c0, n, width, W, D, m, l, o);
         for (int64_t j = 0; j < ahead; j++) /* during P V */
             prefetch_row(KV_AT(kv->k_cache, next[j], bf16), row_bytes, _MM_HINT_T1);
         if (direct) {
@@ -558,6 +749,12 @@ static inline __attribute__((always_inline)) void attend_split(const tsterm_kv *
 
 void tsterm_attend_split(const tsterm_kv *kv, int64_t h, const float *qs, int64_t R, int64_t G, int64_t first_pos,
                          int64_t k0, int64_t k1, int64_t ahead_end, float *scratch, float *m, float *l, float *o) {
+#if TSTERM_AMX
+    if (kv->kv_bf16 == TSTERM_ATT_AMX) {
+        attend_split_amx(kv, h, qs, R, G, first_pos, k0, k1, scratch, m, l, o);
+        return;
+    }
+#endif
     if (kv->kv_bf16)
         attend_split(kv, h, qs, R, G, first_pos, k0, k1, ahead_end, scratch, m, l, o, 1);
     else

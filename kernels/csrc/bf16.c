@@ -46,7 +46,7 @@ static inline uint16_t x_at(const void *x, int64_t x_bf16, int64_t ldx, int64_t 
 
 static int64_t round_up(int64_t n, int64_t unit) { return (n + unit - 1) / unit * unit; }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if TSTERM_AMX
 #define HAVE_AMX 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -55,12 +55,6 @@ static int amx_granted(void) {
     /* asking again where it is granted is harmless; a refusal (old kernel, seccomp) means tile ops would fault */
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* A 16 x 32 bfloat16 block of w (rows n0.., inputs k0..): in place where whole, else copied into `pad` with zeros
  * outside w. Sets *stride to the bytes between its rows. */
@@ -79,52 +73,12 @@ static inline const uint16_t *amx_a_block(const uint16_t *w, int64_t n_f, int64_
 }
 
 /* y[m0 .. m0 + 16) x [n0 .. n0 + 16) from a C tile (rows: outputs, columns: rows of x), bounded by m_f, n_f: the
- * 16 x 16 block transposed in registers (at each of 4 levels, the off-diagonal halves of every 2b x 2b block
- * swapped), then each row of y written at once */
+ * 16 x 16 block transposed in registers (tsterm_transpose16), then each row of y written at once */
 static inline void amx_store(const float *c, float *y, int64_t ldy, int64_t m_f, int64_t n_f, int64_t m0, int64_t n0) {
     __m512 r[16];
     for (int i = 0; i < 16; i++)
         r[i] = _mm512_loadu_ps(c + 16 * i);
-    { /* b = 8: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
-        for (int i = 0; i < 16; i++)
-            if (!(i & 8)) {
-                const __m512 a = r[i], e = r[i + 8];
-                r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 8] = _mm512_permutex2var_ps(a, ihi, e);
-            }
-    }
-    { /* b = 4: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(27, 26, 25, 24, 11, 10, 9, 8, 19, 18, 17, 16, 3, 2, 1, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 23, 22, 21, 20, 7, 6, 5, 4);
-        for (int i = 0; i < 16; i++)
-            if (!(i & 4)) {
-                const __m512 a = r[i], e = r[i + 4];
-                r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 4] = _mm512_permutex2var_ps(a, ihi, e);
-            }
-    }
-    { /* b = 2: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(29, 28, 13, 12, 25, 24, 9, 8, 21, 20, 5, 4, 17, 16, 1, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 30, 15, 14, 27, 26, 11, 10, 23, 22, 7, 6, 19, 18, 3, 2);
-        for (int i = 0; i < 16; i++)
-            if (!(i & 2)) {
-                const __m512 a = r[i], e = r[i + 2];
-                r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 2] = _mm512_permutex2var_ps(a, ihi, e);
-            }
-    }
-    { /* b = 1: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(30, 14, 28, 12, 26, 10, 24, 8, 22, 6, 20, 4, 18, 2, 16, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 15, 29, 13, 27, 11, 25, 9, 23, 7, 21, 5, 19, 3, 17, 1);
-        for (int i = 0; i < 16; i++)
-            if (!(i & 1)) {
-                const __m512 a = r[i], e = r[i + 1];
-                r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 1] = _mm512_permutex2var_ps(a, ihi, e);
-            }
-    }
+    tsterm_transpose16(r);
     const __mmask16 keep = n0 + 16 <= n_f ? (__mmask16)0xffff : (__mmask16)((1u << (n_f - n0)) - 1u);
     for (int64_t j = 0; j < 16 && m0 + j < m_f; j++)
         _mm512_mask_storeu_ps(y + (m0 + j) * ldy + n0, keep, r[j]);
@@ -152,14 +106,7 @@ static void amx_pack_tile(const void *x, int64_t x_bf16, int64_t ldx, int64_t m_
 static void amx_rows(const uint32_t *xp, int64_t m_f, int64_t k_f, const uint16_t *w, int64_t first, int64_t last,
                      int64_t n_f, float *y, int64_t ldy) {
     const int64_t kp = round_up(k_f, 32), m_tiles = (m_f + 15) / 16;
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { /* tmm0-3: C (16 outputs x 16 rows, float32); tmm4-5: w; tmm6-7: x pairs */
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    tsterm_amx_config(8); /* tmm0-3: C (16 outputs x 16 rows, float32); tmm4-5: w; tmm6-7: x pairs */
     uint16_t pad0[16 * 32], pad1[16 * 32];
     float c[16 * 16];
     for (int64_t n0 = first; n0 < last; n0 += 32) { /* pairs of output tiles */

@@ -141,6 +141,17 @@ int tsterm_decode_attention_bf16(const float *q, int64_t q_stride, const uint16_
                             num_kv_heads, head_dim, block_size, scale, out, sinks, window, 1);
 }
 
+/* decode_attention over bfloat16 caches with attention.c's AMX arithmetic: the bits tsterm_prefill_attention_amx gives
+ * the same rows; -2 where this build has no AMX code */
+int tsterm_decode_attention_amx(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens,
+                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, float scale, float *out, const float *sinks, int64_t window) {
+    if (!TSTERM_AMX) return -2;
+    return decode_attention(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, num_seqs, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, out, sinks, window, TSTERM_ATT_AMX);
+}
+
 /* tsterm_decode_attention_sw without sinks or a window */
 int tsterm_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                             const int32_t *block_tables, int64_t max_blocks, const int32_t *seq_lens, int64_t num_seqs,

@@ -134,6 +134,17 @@ int tsterm_prefill_attention_bf16(const float *q, int64_t q_stride, const uint16
                              head_dim, block_size, scale, out, out_stride, sinks, window, 1);
 }
 
+/* prefill_attention over bfloat16 caches with attention.c's AMX arithmetic (bfloat16 products on AMX tiles): -2 where
+ * this build has no AMX code (the caller checks tsterm_bf16_isa() first: the OS must grant the tile state) */
+int tsterm_prefill_attention_amx(const float *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                                 const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+                                 int64_t out_stride, const float *sinks, int64_t window) {
+    if (!TSTERM_AMX) return -2;
+    return prefill_attention(q, q_stride, k_cache, v_cache, block_table, seq_len, num_q, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, out, out_stride, sinks, window, TSTERM_ATT_AMX);
+}
+
 /* tsterm_prefill_attention_sw without sinks or a window */
 int tsterm_prefill_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                              const int32_t *block_table, int64_t seq_len, int64_t num_q, int64_t num_heads,

@@ -67,7 +67,8 @@ typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, block_size;
     float eps, scale;
     const tsterm_layer *layers;
-    int64_t bf16; /* 1: a bfloat16 model (see above): hidden, residual and the KV pools bfloat16, weights TSTERM_BF16 */
+    int64_t bf16; /* 1: a bfloat16 model (see above): hidden, residual and the KV pools bfloat16, weights TSTERM_BF16;
+                   * 2: the same, its attention in attention.c's AMX arithmetic (TSTERM_ATT_AMX) */
 } tsterm_stack;
 
 /* x quantized as int8 blocks: codes [rows, I], dx and sx [rows, I/32] */
@@ -301,7 +302,7 @@ static void store_kv_bf16(const float *k, const float *v, int64_t row_len, uint1
 int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, void *hidden_io, void *residual_io, const float *cos,
                         const float *sin, const int64_t *slots, const int32_t *block_tables, int64_t max_blocks,
                         const int32_t *seq_lens) {
-    const int64_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bf16 = m->bf16;
+    const int64_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, bf16 = m->bf16 != 0;
     const int64_t qkv_f = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     if (Hq > MAX_HEADS) return -1;
     int64_t I = 1, E = 1, P = rows; /* the widest MLP, the most experts, the most (token, expert) pairs */
@@ -316,7 +317,7 @@ int tsterm_decode_stack(const tsterm_stack *m, int64_t rows, void *hidden_io, vo
     widest = widest > Hq * D ? widest : Hq * D;
     const int64_t nbw = widest / 32 + 1;
     tsterm_attention att = {NULL, qkv_f, NULL, NULL, block_tables, max_blocks, seq_lens, rows, Hq, Hkv, D,
-                            m->block_size, m->scale, tsterm_attention_splits(seq_lens, rows), NULL, NULL, 0, bf16};
+                            m->block_size, m->scale, tsterm_attention_splits(seq_lens, rows), NULL, NULL, 0, m->bf16};
     /* a bfloat16 stack: each thread's scratch for packing a matmul's x (the most any instruction set takes) */
     size_t pack = 0;
     for (int64_t isa = 0; bf16 && isa <= 2; isa++) {

@@ -253,8 +253,76 @@ typedef struct {
     const int32_t *table;           /* the sequence's block table */
     int64_t block_size, num_kv_heads, head_dim;
     int64_t window; /* a sliding window: a row at position p sees keys (p - window, p] only (0: every key <= p) */
-    int64_t kv_bf16; /* 1: the pools hold bfloat16, widened to float32 as they are read (exact); 0: float32 */
+    int64_t kv_bf16; /* 1: the pools hold bfloat16, widened to float32 as they are read (exact); 0: float32; 2:
+                      * bfloat16 pools and bfloat16 products on AMX tiles (TSTERM_ATT_AMX; built where TSTERM_AMX) */
 } tsterm_kv;
+
+#define TSTERM_ATT_AMX 2 /* tsterm_kv.kv_bf16: attention.c's AMX arithmetic */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#define TSTERM_AMX 1 /* AMX code is built (every CPU with AMX-BF16 has AVX512-BF16, which packs the tiles' inputs) */
+/* AMX's tile configuration (palette 1): tiles 0 .. tiles - 1 are 16 rows of 64 bytes, loaded into this thread */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tsterm_tile_config;
+
+static inline void tsterm_amx_config(int tiles) {
+    tsterm_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < tiles; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* r [16] (16 x 16 float32 or 32-bit words) transposed in registers: at each of 4 levels, the off-diagonal halves of
+ * every 2b x 2b block swapped */
+static inline void tsterm_transpose16(__m512 r[16]) {
+    { /* b = 8: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
+        const __m512i ilo = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i ihi = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+        for (int i = 0; i < 16; i++)
+            if (!(i & 8)) {
+                const __m512 a = r[i], e = r[i + 8];
+                r[i] = _mm512_permutex2var_ps(a, ilo, e);
+                r[i + 8] = _mm512_permutex2var_ps(a, ihi, e);
+            }
+    }
+    { /* b = 4: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
+        const __m512i ilo = _mm512_set_epi32(27, 26, 25, 24, 11, 10, 9, 8, 19, 18, 17, 16, 3, 2, 1, 0);
+        const __m512i ihi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 23, 22, 21, 20, 7, 6, 5, 4);
+        for (int i = 0; i < 16; i++)
+            if (!(i & 4)) {
+                const __m512 a = r[i], e = r[i + 4];
+                r[i] = _mm512_permutex2var_ps(a, ilo, e);
+                r[i + 4] = _mm512_permutex2var_ps(a, ihi, e);
+            }
+    }
+    { /* b = 2: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
+        const __m512i ilo = _mm512_set_epi32(29, 28, 13, 12, 25, 24, 9, 8, 21, 20, 5, 4, 17, 16, 1, 0);
+        const __m512i ihi = _mm512_set_epi32(31, 30, 15, 14, 27, 26, 11, 10, 23, 22, 7, 6, 19, 18, 3, 2);
+        for (int i = 0; i < 16; i++)
+            if (!(i & 2)) {
+                const __m512 a = r[i], e = r[i + 2];
+                r[i] = _mm512_permutex2var_ps(a, ilo, e);
+                r[i + 2] = _mm512_permutex2var_ps(a, ihi, e);
+            }
+    }
+    { /* b = 1: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
+        const __m512i ilo = _mm512_set_epi32(30, 14, 28, 12, 26, 10, 24, 8, 22, 6, 20, 4, 18, 2, 16, 0);
+        const __m512i ihi = _mm512_set_epi32(31, 15, 29, 13, 27, 11, 25, 9, 23, 7, 21, 5, 19, 3, 17, 1);
+        for (int i = 0; i < 16; i++)
+            if (!(i & 1)) {
+                const __m512 a = r[i], e = r[i + 1];
+                r[i] = _mm512_permutex2var_ps(a, ilo, e);
+                r[i + 1] = _mm512_permutex2var_ps(a, ihi, e);
+            }
+    }
+}
+#else
+#define TSTERM_AMX 0
+#endif
 
 /* 8 bfloat16 values -> their float32 values (exact: a bfloat16 is a float32's high 16 bits) */
 #if defined(__aarch64__)
@@ -294,9 +362,11 @@ static inline int64_t tsterm_att_window_start(int64_t window, int64_t p) {
     return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
-/* one thread's scratch for tsterm_attend_split over R rows: V panels, scores */
+/* one thread's scratch for tsterm_attend_split over R rows: V panels and scores; on AMX (kv_bf16 2) the chunk's K
+ * and V in tile layout, q and P in bfloat16, scores of whole 16-row tiles and a tile of outputs */
 static inline size_t tsterm_att_scratch_floats(int64_t rows, int64_t head_dim) {
-    return (size_t)(ATT_CHUNK * head_dim + rows * ATT_CHUNK + 32);
+    const int64_t d32 = (head_dim + 31) / 32 * 32, r16 = (rows + 15) / 16 * 16;
+    return (size_t)(ATT_CHUNK * d32 + r16 * ATT_CHUNK + r16 * d32 / 2 + 8 * ATT_CHUNK + 16 * d32 + 64);
 }
 
 /* R query rows of KV head h (row r at position first_pos + r / G, its q already scaled, qs [R][D]) over keys

@@ -32,6 +32,14 @@ def _case(name: str, seed: int = 0):
     return q, k_cache, v_cache, meta, sinks, dim ** -0.5
 
 
+@pytest.fixture
+def widened(cpu_isa, monkeypatch) -> str:
+    """cpu_isa's build, with the bfloat16 pools' attention class held to the widened arithmetic (on an AMX machine its
+    measurement would choose AMX's, tests/kernels/test_amx_attention.py)."""
+    monkeypatch.setenv(cpu_select.ENV, f"{cpu_isa},bf16-attention=c-bf16")
+    return cpu_isa
+
+
 def _never_converted(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the bfloat16 pool was converted to float32 (the path that copies the step's blocks)")
@@ -41,7 +49,7 @@ def _never_converted(monkeypatch):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("sink_window", [{}, {"window": 40}, {"sinks": True, "window": 129}, {"sinks": True}],
                          ids=["plain", "window", "sinks-window", "sinks"])
-def test_reading_the_pool_in_place_gives_the_converted_pools_bits(cpu_isa, monkeypatch, name, sink_window):
+def test_reading_the_pool_in_place_gives_the_converted_pools_bits(widened, monkeypatch, name, sink_window):
     q, k_cache, v_cache, meta, sinks, scale = _case(name)
     extra = dict(sink_window, sinks=sinks) if "sinks" in sink_window else dict(sink_window)
     want = torch_ops._bf16_attention_converted(q, k_cache, v_cache, meta, scale, extra.get("sinks"),

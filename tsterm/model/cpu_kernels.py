@@ -6,7 +6,7 @@ projections, a dense MLP's two matrices, the router, the shared expert's gate, t
 routed or shared experts, and each full-attention layer's heads. Quantized weights (int8 / int4 blocks) are not
 chosen for: their kernels are the int8-row ones, whatever the CPU. A model run in bfloat16 has "bf16" classes instead:
 each bfloat16 linear weight [O, I], an expert stack's two matrices among them (csrc/bf16.c's AMX or AVX512-BF16 code,
-or torch's bfloat16 matmul).
+or torch's bfloat16 matmul), and each full-attention layer's heads over its bfloat16 pool ("bf16-attention").
 """
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def shape_classes(model) -> list[ShapeClass]:
         cache = getattr(mixer, "k_cache", None)
         if _float32(cache) and hasattr(mixer, "num_heads"):
             classes.append(ShapeClass("attention", (mixer.num_heads, mixer.num_kv_heads, mixer.head_dim)))
+        elif (isinstance(cache, torch.Tensor) and cache.is_cpu and cache.dtype is torch.bfloat16
+              and hasattr(mixer, "num_heads")):  # a bfloat16 pool: AMX's arithmetic or the widened float32 one
+            classes.append(ShapeClass("bf16-attention", (mixer.num_heads, mixer.num_kv_heads, mixer.head_dim)))
         if mlp.router is None:  # a dense MLP: the one expert's two matrices through `linear`
             classes += [ShapeClass("gemm", tuple(w.shape)) for w in mlp.dense if _float32(w)]
         elif _float32(mlp.w13):
