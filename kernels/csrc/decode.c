@@ -62,9 +62,11 @@ static void split_task(const tsterm_attention *a, int64_t s, int64_t split, int6
     }
 }
 
-/* Every (sequence, KV head, split) task, inside the caller's parallel region, each thread an even contiguous share
- * (a head's splits in a row: each task prefetches the next one's first keys); ends at the loop's barrier. Which
- * thread takes which task changes nothing in the result: each partial is one split's own. */
+/* Every (sequence, split, KV head) task, inside the caller's parallel region, each thread an even contiguous share;
+ * ends at the loop's barrier. A split's KV heads run one after another on one thread: the pool holds a position's
+ * heads side by side ([block][position][head][D]), so the lines the hardware fetches around one head's rows are the
+ * next tasks' (1.3x on a 5K-token context, one thread, against a head's splits in a row). Which thread takes which
+ * task changes nothing in the result: each partial is one split's own. */
 void tsterm_attention_tasks(const tsterm_attention *a) {
     const size_t partials = (size_t)(a->num_seqs * a->max_splits * a->num_heads * (a->head_dim + 2));
     float *base = (float *)(((uintptr_t)(a->part + partials) + 31) & ~(uintptr_t)31); /* 32-byte aligned */
@@ -72,8 +74,8 @@ void tsterm_attention_tasks(const tsterm_attention *a) {
     const int64_t Hkv = a->num_kv_heads;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < a->num_seqs * Hkv * a->max_splits; t++) {
-        const int64_t s = t / (Hkv * a->max_splits), rel = t % a->max_splits, split = first_split(a, s) + rel;
-        if (split * ATT_SPLIT < a->seq_lens[s]) split_task(a, s, split, rel, t / a->max_splits % Hkv, w);
+        const int64_t s = t / (Hkv * a->max_splits), rel = t / Hkv % a->max_splits, split = first_split(a, s) + rel;
+        if (split * ATT_SPLIT < a->seq_lens[s]) split_task(a, s, split, rel, t % Hkv, w);
     }
 }
 
