@@ -17,7 +17,10 @@ bfloat16 and over the best float32 candidate.
   16 distinct weights, as the experts of a layer are, so the weights come from memory, not from the cache.
 - causal attention of the new tokens over a paged pool (in-order blocks of 16): torch's flash kernel, in the pieces
   `tsterm_kernels.torch_ops` ran it (an unmasked prefix and a causal part, merged by log-sum-exp), against
-  `tsterm_prefill_attention` of each build (the builds' outputs checked bit for bit equal).
+  `tsterm_prefill_attention` of each build (the builds' outputs checked bit for bit equal); and over a bfloat16
+  pool, torch's flash kernel in bfloat16 against the bfloat16 model's two C arithmetics (the "bf16-attention"
+  class's candidates): "C-bf16", the pool widened to float32 as it is read (`tsterm_prefill_attention_bf16`), and
+  "C-AMX", q and P rounded to bfloat16 and both products on AMX tiles (`tsterm_prefill_attention_amx`).
 """
 from __future__ import annotations
 
@@ -89,7 +92,8 @@ def main() -> None:
     print(f"{cpu.describe()}; torch {torch.__version__}")
     print(f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}; GFLOP/s "
           f"(torch bf16: {'AMX' if cpu.amx else 'no AMX'})")
-    bits = builds.get("C-AVX-512", builds.get("C-AVX2")).bf16_isa()
+    native = builds.get("C-AVX-512", builds.get("C-AVX2"))
+    bits = native.bf16_isa()
     bf16_isa = {"C-bf16": 1 if bits & 1 else 0, **({"C-AMX": 2} if bits & 2 and cpu.amx else {})}
     print(f"{'':<36} {' '.join(f'{name:>11}' for name in COLUMNS)} {'C/torch':>10} {'bf16 C/t':>10} "
           f"{'bf16/fp32':>10}")
@@ -119,7 +123,6 @@ def main() -> None:
                     native.bf16_gemm(x16.data_ptr(), 1, in_f, rows, in_f, w.data_ptr(), out_f, y.data_ptr(), out_f,
                                      isa)
             return run
-        native = builds.get("C-AVX-512", builds.get("C-AVX2"))
         fns = {"torch fp32": run_torch, **{name: run_c(b) for name, b in builds.items()}, "torch bf16": run_bf16,
                **{name: run_c_bf16(native, isa) for name, isa in bf16_isa.items()}}
         _row(label, 2.0 * rows * in_f * out_f * EXPERTS, _best(fns, args.rounds, 2))
@@ -140,8 +143,20 @@ def main() -> None:
             return lambda: native.prefill_attention(
                 q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), seq_len, num_q,
                 HEADS, KV_HEADS, HEAD_DIM, BLOCK, scale, out.data_ptr(), out.stride(0))
-        best = _best({"torch fp32": attend_torch, **{name: attend_c(name, b) for name, b in builds.items()}},
-                     args.rounds, 3)
+        q16, k16, v16 = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()  # a bfloat16 model's pools
+        out16, out_c16 = torch.empty_like(q16), torch.empty_like(q)
+
+        def attend_torch_bf16():
+            torch_ops._extend_attention(q16, k16, v16, [(0, blocks)], seq_len, scale, out16)
+
+        def attend_c_bf16(entry):
+            return lambda: entry(q.data_ptr(), q.stride(0), k16.data_ptr(), v16.data_ptr(), table.data_ptr(), seq_len,
+                                 num_q, HEADS, KV_HEADS, HEAD_DIM, BLOCK, scale, out_c16.data_ptr(), out_c16.stride(0),
+                                 None, 0)
+        bf16_attend = {"torch bf16": attend_torch_bf16, "C-bf16": attend_c_bf16(native.prefill_attention_bf16),
+                       **({"C-AMX": attend_c_bf16(native.prefill_attention_amx)} if "C-AMX" in bf16_isa else {})}
+        best = _best({"torch fp32": attend_torch, **{name: attend_c(name, b) for name, b in builds.items()},
+                      **bf16_attend}, args.rounds, 3)
         for name in builds:
             torch.testing.assert_close(outs[name], outs["torch fp32"], rtol=1e-4, atol=1e-4)
         if len(builds) > 1:  # the AVX-512 build's own tiles, the AVX2 build's bits (csrc/attention.c)

@@ -28,6 +28,7 @@
 #include "tsterm.h"
 
 #define TASK_ROWS 192 /* query rows per task, about: (positions per task) * group */
+#define AMX_TASK_ROWS 384 /* AMX (attention.c's tiles): a chunk's gathered K and V shared by twice the rows */
 
 typedef struct {
     const float *q;
@@ -84,7 +85,8 @@ static int prefill_attention(const float *q, int64_t q_stride, const void *k_cac
         num_q <= 0 || block_size <= 0 || window < 0)
         return -2;
     const int64_t G = num_heads / num_kv_heads;
-    const int64_t positions = TASK_ROWS / G > 0 ? TASK_ROWS / G : 1;
+    const int64_t task_rows = kv_bf16 == TSTERM_ATT_AMX ? AMX_TASK_ROWS : TASK_ROWS;
+    const int64_t positions = task_rows / G > 0 ? task_rows / G : 1;
     const int64_t blocks = (num_q + positions - 1) / positions, tasks = blocks * num_kv_heads;
     const prefill a = {q, q_stride, out_stride,
                        {k_cache, v_cache, block_table, block_size, num_kv_heads, head_dim, window, kv_bf16},
