@@ -26,6 +26,7 @@ from tsterm.model.arch import ARCHITECTURES, FULL_ATTENTION, LINEAR_ATTENTION, M
 from tsterm.model.cache import ModelCache
 from tsterm.model.clamped_swiglu import clamped_swiglu_experts
 from tsterm.model.gated_attention import GatedAttention
+from tsterm.model.huge_pages import move_to_huge_pages
 from tsterm.model.linear_attention import GatedDeltaNet
 from tsterm.model.mla import MLAttention
 from tsterm.model.parallel import ParallelContext, SingleRank
@@ -34,6 +35,7 @@ from tsterm_kernels import cpu_native
 from tsterm_kernels.cpu_stack import StackLayer
 from tsterm_kernels.dispatch import KernelOps
 from tsterm_kernels.metadata import AttentionMetadata
+from tsterm_kernels.quant import QuantizedWeight
 from tsterm_kernels.routing import Routing, routing_or_default
 from tsterm_kernels.torch_ops import expert_mlp, linear, sigmoid
 
@@ -224,7 +226,19 @@ class DecoderModel:
             mixer = mixers[layer_type.mixer](cfg, weights, p, cache.layer(i), self.ctx, ops, par, **window)
             self.layers.append((weights[p + "input_norm"], mixer, weights[p + "post_attn_norm"],
                                 SparseMoE(cfg, weights, p, self.ctx, ops, par)))
+        # on the CPU, before the stack takes the weights' addresses: the bytes of them moved into huge pages
+        self.huge_page_bytes = move_to_huge_pages(self._streamed_weights()) if device.type == "cpu" else 0
         self.stack = self._decode_stack()
+
+    def _streamed_weights(self) -> list[torch.Tensor]:
+        """The matrices a decode step reads whole (every layer's, the LM head), as tensors (a quantized one's codes and
+        scales): what `move_to_huge_pages` may move."""
+        matrices = [self.lm_head]
+        for _, mixer, _, mlp in self.layers:
+            matrices += [getattr(mixer, "qkv", None), getattr(mixer, "o_proj", None), mlp.w13, mlp.w2,
+                         mlp.shared_w13, mlp.shared_w2, *(mlp.dense or ())]
+        return [t for m in matrices if m is not None
+                for t in ((m.data, m.scale) if isinstance(m, QuantizedWeight) else (m,)) if isinstance(t, torch.Tensor)]
 
     def _decode_stack(self):
         """The kernels' one-call form of every layer for decode steps (`KernelOps.decode_stack`), where the model is
