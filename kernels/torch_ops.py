@@ -56,22 +56,31 @@ def cpu_kernel_plan(shapes, override: str | None = None) -> dict[str, Choice]:
     """Each shape class's kernel on this machine (`cpu_select.resolve`): read from the plan file, measured now for
     the classes it lacks (a few tens of milliseconds per candidate) and stored. override: TSTERM_CPU_KERNELS's
     form; default: the variable's value."""
-    cpu, candidates, path = _machine()
-    if cpu_native.load() is None:  # the C kernels off or unavailable: torch is the only candidate
-        candidates = ("torch",)
+    cpu, _, path = _machine()
     text = os.environ.get(cpu_select.ENV, "") if override is None else override
     forced, shapes = cpu_select.parse_override(text), list(shapes)
-    plan = cpu_select.resolve([s for s in shapes if not s.kind.startswith("bf16")], cpu, candidates,
-                              _time_candidates, path, forced)
-    bf16 = [s for s in shapes if s.kind == "bf16"]  # bfloat16 linears: csrc/bf16.c's arithmetics or torch's
-    if bf16:
-        plan.update(cpu_select.resolve(bf16, cpu, cpu_select.bf16_available(cpu, _bf16_bits()), _time_candidates,
-                                       path, forced))
-    attention = [s for s in shapes if s.kind == "bf16-attention"]  # a bfloat16 pool: AMX products or widened
-    if attention:
-        have = cpu_select.bf16_attention_available(cpu, _bf16_bits())
-        plan.update(cpu_select.resolve(attention, cpu, have, _time_candidates, path, forced))
+    plan = {}
+    for kind in dict.fromkeys(s.kind for s in shapes):  # each kind among its own candidates
+        plan.update(cpu_select.resolve([s for s in shapes if s.kind == kind], cpu, cpu_candidates(kind),
+                                       _time_candidates, path, forced))
     return {s.key: plan[s.key] for s in shapes}
+
+
+def cpu_candidates(kind: str) -> tuple[str, ...]:
+    """The candidates this machine has for a kind of shape class, as `cpu_kernel_plan` chooses among them: the C
+    builds and torch for the float32 kinds (torch alone without the C kernels), csrc/bf16.c's arithmetics for "bf16",
+    AMX's or the widened one for "bf16-attention"."""
+    cpu, candidates, _ = _machine()
+    if kind == "bf16":
+        return cpu_select.bf16_available(cpu, _bf16_bits())
+    if kind == "bf16-attention":
+        return cpu_select.bf16_attention_available(cpu, _bf16_bits())
+    return ("torch",) if cpu_native.load() is None else candidates
+
+
+def cpu_plan_path() -> Path:
+    """The file this machine's choices are kept in (next to the C builds; named by what the choices depend on)."""
+    return _machine()[2]
 
 
 def cpu_machine() -> cpu_select.CpuInfo:

@@ -77,3 +77,23 @@ def test_a_stored_bf16_choice_is_kept_and_remeasured_when_amx_appears(tmp_path):
     granted = cpu_select.resolve([QKV], SPR, cpu_select.bf16_available(SPR, 3),
                                  _timer({"c-amx": 0.2, "c-bf16": 1.0, "torch": 0.5}), path)
     assert granted[QKV.key].candidate == "c-amx"
+
+
+def test_a_bfloat16_pools_attention_is_amx_only_where_granted_and_chosen_by_time():
+    """"bf16-attention": AMX's arithmetic where the CPU has AMX-BF16, the OS grants it and the build has the code;
+    the widened float32 one everywhere (with the C kernels or without: then the float32 class runs torch's)."""
+    assert cpu_select.bf16_attention_available(SPR, 3) == ("c-amx", "c-bf16")
+    assert cpu_select.bf16_attention_available(SPR_REFUSED, 3) == ("c-bf16",)
+    assert cpu_select.bf16_attention_available(SPR, 1) == ("c-bf16",)
+    for cpu in (ZEN4, AVX2, ARM):
+        assert cpu_select.bf16_attention_available(cpu, 1) == ("c-bf16",)
+    assert cpu_select.bf16_attention_available(SPR, None) == ("c-bf16",)
+    heads = ShapeClass("bf16-attention", (16, 4, 64))
+    fast_amx = cpu_select.choose(heads, ("c-amx", "c-bf16"), _timer({"c-amx": 1.0, "c-bf16": 2.4}))
+    slow_amx = cpu_select.choose(heads, ("c-amx", "c-bf16"), _timer({"c-amx": 3.0, "c-bf16": 2.4}))
+    assert (fast_amx.candidate, slow_amx.candidate) == ("c-amx", "c-bf16")
+    forced = cpu_select.choose(heads, ("c-amx", "c-bf16"), _timer({}), cpu_select.parse_override(
+        "c-avx2,bf16-attention=c-bf16"))
+    assert (forced.candidate, forced.how) == ("c-bf16", "forced")
+    with pytest.raises(ValueError, match="bf16-attention"):
+        cpu_select.parse_override("bf16-attention=torch")

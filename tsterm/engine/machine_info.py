@@ -92,12 +92,10 @@ def kernels_report(shapes, measure: bool) -> dict[str, Any]:
     """Each shape class's kernel: the one stored in the choices file (or forced by TSTERM_CPU_KERNELS), with each
     candidate's seconds; with `measure`, the classes the file lacks are measured now and stored, as an engine's start
     does (`torch_ops.cpu_kernel_plan`)."""
-    from tsterm_kernels import cpu_native, cpu_select, torch_ops
+    from tsterm_kernels import cpu_select, torch_ops
 
-    cpu, candidates, path = torch_ops._machine()  # (the plan file the engine reads and writes)
-    if cpu_native.load() is None:
-        candidates = ("torch",)
-    bf16 = cpu_select.bf16_available(cpu, torch_ops._bf16_bits())
+    path = torch_ops.cpu_plan_path()  # (the plan file the engine reads and writes)
+    candidates, bf16 = torch_ops.cpu_candidates("gemm"), torch_ops.cpu_candidates("bf16")
     forced = cpu_select.parse_override(os.environ.get(cpu_select.ENV, ""))
     plan = torch_ops.cpu_kernel_plan(shapes) if measure else None
     stored = cpu_select.read_plan(path)
@@ -108,13 +106,14 @@ def kernels_report(shapes, measure: bool) -> dict[str, Any]:
             kind_forced = forced.get(shape.kind) or (forced.get("*") if forced.get("*") in
                                                      cpu_select.kind_candidates(shape.kind) else None)
             choice = (cpu_select.Choice(shape, kind_forced, "forced") if kind_forced is not None
-                      else _current(stored.get(shape.key), bf16 if shape.kind == "bf16" else candidates))
+                      else _current(stored.get(shape.key), torch_ops.cpu_candidates(shape.kind)))
         classes.append({"class": shape.key, "kind": shape.kind, "rows_timed": shape.rows,
                         "candidate": None if choice is None else choice.candidate,
                         "how": "not measured" if choice is None else choice.how,
                         "seconds": {} if choice is None else dict(choice.seconds)})
     return {"plan_file": str(path), "stored": path.is_file(), "candidates": list(candidates),
-            "bf16_candidates": list(bf16), "classes": classes}
+            "bf16_candidates": list(bf16),
+            "bf16_attention_candidates": list(torch_ops.cpu_candidates("bf16-attention")), "classes": classes}
 
 
 def _current(choice, candidates: tuple[str, ...]):
@@ -174,8 +173,9 @@ def format_info(report: dict[str, Any]) -> str:
     if kernels is not None:
         lines.append(f"choices   {kernels['plan_file']}" + ("" if kernels["stored"] else " (not written yet)"))
         lines.append(f"candidates float32: {', '.join(kernels['candidates'])}; bfloat16: "
-                     f"{', '.join(kernels['bf16_candidates'])} (torch is chosen only where no C kernel is built or "
-                     "TSTERM_CPU_KERNELS forces it: it does not keep a row's bits whatever the batch)")
+                     f"{', '.join(kernels['bf16_candidates'])}; bfloat16 attention: "
+                     f"{', '.join(kernels['bf16_attention_candidates'])} (torch is chosen only where no C kernel is "
+                     "built or TSTERM_CPU_KERNELS forces it: it does not keep a row's bits whatever the batch)")
         rows = [(c["class"], c["candidate"] or "-", c["how"],
                  ", ".join(f"{name} {_ms(t)}" for name, t in sorted(c["seconds"].items(), key=lambda x: x[1])))
                 for c in kernels["classes"]]
