@@ -115,6 +115,19 @@ def make_hybrid_checkpoint(path: Path, model_type: str, overrides: dict | None =
     return path, model
 
 
+def perturb_biases_and_norms(path: Path, seed: int = 7, std: float = 0.1) -> None:
+    """transformers initialises biases, norm weights and a shared expert's gate to 0 / 1: add noise to them in the
+    checkpoint's files, so that a kernel that skipped one would show."""
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({name: t + torch.randn(t.shape, generator=gen) * std
+                   if name.endswith((".bias", "norm.weight", "shared_expert_gate.weight")) else t
+                   for name, t in tensors.items()}, file)
+
+
 def add_mtp_head(path: Path, seed: int = 0, std: float = 0.2) -> dict[str, torch.Tensor]:
     """Attach a random multi-token-prediction head to a checkpoint made above (as Qwen3-Next / Qwen3.5 ship one):
     `mtp.safetensors` with `mtp.fc` [H, 2H], the three norms (`pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `norm`)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from tsterm_kernels import cpu_select, torch_ops
 
 from tsterm import LLM, SamplingParams
 from tsterm.model import decoder
 
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint, perturb_biases_and_norms
 from tests.model.test_decode_stack import stack_prompts_and_steps
 
 SIZES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16, num_hidden_layers=3)
@@ -42,7 +41,9 @@ def _arithmetics() -> list[str]:
 
 @pytest.fixture(params=_arithmetics())
 def arithmetic(request, monkeypatch) -> str:
-    monkeypatch.setenv(cpu_select.ENV, "bf16=c-amx" if request.param == "amx" else "bf16=c-bf16")
+    # AMX's linears with AMX's attention (where granted), the other two with the pool widened for attention: both
+    # attention arithmetics inside the stack
+    monkeypatch.setenv(cpu_select.ENV, "bf16=c-amx" if request.param == "amx" else "bf16=c-bf16,bf16-attention=c-bf16")
     if request.param == "plain":  # c-bf16's isa argument: the plain C code instead of AVX512-BF16
         monkeypatch.setattr(torch_ops, "_bf16_isa", lambda candidate: 0)
     return request.param
@@ -52,12 +53,7 @@ def arithmetic(request, monkeypatch) -> str:
 def checkpoint(request, tmp_path_factory):
     model_type, overrides = CASES[request.param]
     path, _ = make_checkpoint(tmp_path_factory.mktemp(request.param) / "float", model_type, dict(SIZES, **overrides))
-    gen = torch.Generator().manual_seed(7)
-    for file in path.glob("*.safetensors"):  # transformers initialises biases and norms to 0 / 1: make them count
-        tensors = load_file(file)
-        save_file({name: t + torch.randn(t.shape, generator=gen) * 0.1
-                   if name.endswith((".bias", "norm.weight", "shared_expert_gate.weight")) else t
-                   for name, t in tensors.items()}, file)
+    perturb_biases_and_norms(path)
     return request.param, path
 
 

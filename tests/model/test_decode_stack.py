@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from tsterm_kernels import cpu_stack, torch_ops
 
 from tsterm import LLM, SamplingParams
 
-from tests.helpers.checkpoints import make_checkpoint
+from tests.helpers.checkpoints import make_checkpoint, perturb_biases_and_norms
 
 SIZES = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, head_dim=16, num_hidden_layers=3)
 EXPERTS = dict(num_experts=8, num_experts_per_tok=2)
@@ -36,11 +35,7 @@ CASES = {  # id -> (model_type, config overrides)
 def checkpoint(request, tmp_path_factory):
     model_type, overrides = CASES[request.param]
     path, _ = make_checkpoint(tmp_path_factory.mktemp(request.param) / "float", model_type, dict(SIZES, **overrides))
-    gen = torch.Generator().manual_seed(7)
-    for file in path.glob("*.safetensors"):  # transformers initialises biases and norms to 0 / 1: make them count
-        tensors = load_file(file)
-        save_file({name: t + torch.randn(t.shape, generator=gen) * 0.1 if name.endswith((".bias", "norm.weight", "shared_expert_gate.weight"))
-                   else t for name, t in tensors.items()}, file)
+    perturb_biases_and_norms(path)
     return request.param, path
 
 
