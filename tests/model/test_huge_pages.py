@@ -64,6 +64,22 @@ def test_owned_storages_move_with_their_values_and_views():
     assert move_to_huge_pages([]) == 0
 
 
+@needs_thp
+def test_borrowed_storages_move_only_when_passed_as_mapped_and_whole():
+    memory, file = bytearray(range(256)) * 64, bytearray(range(256)) * 64
+    whole = torch.frombuffer(memory, dtype=torch.int8)  # borrowed, all of its storage
+    # borrowed: 4 KB of a 16 KB storage (as a tensor of a whole-file storage would be)
+    part = torch.empty(0, dtype=torch.int8).set_(torch.frombuffer(file, dtype=torch.int8).untyped_storage(), 4096,
+                                                 (4096,), (1,))
+    want_whole, want_part, at = whole.clone(), part.clone(), part.data_ptr()
+    assert move_to_huge_pages([whole]) == 0 and whole.data_ptr() == torch.frombuffer(memory, dtype=torch.int8).data_ptr()
+    assert move_to_huge_pages([], mapped=[whole, part]) == len(memory)  # whole moves; part's storage is more than it
+    assert torch.equal(whole, want_whole) and _mapping(whole.data_ptr()).get("THPeligible") == "1"
+    assert part.data_ptr() == at and torch.equal(part, want_part)
+    memory[0] = 99
+    assert whole[0] == 0  # a copy now: the buffer is no longer its memory
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     sizes = dict(hidden_size=64, intermediate_size=96, head_dim=16, num_hidden_layers=2)
@@ -83,7 +99,7 @@ def test_a_quantized_model_decodes_the_same_from_huge_pages(checkpoint, monkeypa
     qkv = model.layers[0][1].qkv  # fused at load: torch's memory, so it moved
     assert model.huge_page_bytes > 0 and _mapping(qkv.data.data_ptr()).get("THPeligible") == "1"
     assert model.stack is not None  # (the decode stack read the moved weights)
-    monkeypatch.setattr(decoder, "move_to_huge_pages", lambda tensors: 0)
+    monkeypatch.setattr(decoder, "move_to_huge_pages", lambda tensors, mapped=(): 0)
     unmoved, want_tokens, want_logprobs = _decode(checkpoint)
     assert unmoved.huge_page_bytes == 0 and _mapping(unmoved.layers[0][1].qkv.data.data_ptr()).get("THPeligible") != "1"
     assert tokens == want_tokens and logprobs == want_logprobs

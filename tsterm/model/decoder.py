@@ -227,18 +227,23 @@ class DecoderModel:
             self.layers.append((weights[p + "input_norm"], mixer, weights[p + "post_attn_norm"],
                                 SparseMoE(cfg, weights, p, self.ctx, ops, par)))
         # on the CPU, before the stack takes the weights' addresses: the bytes of them moved into huge pages
-        self.huge_page_bytes = move_to_huge_pages(self._streamed_weights()) if device.type == "cpu" else 0
+        self.huge_page_bytes = move_to_huge_pages(*self._streamed_weights()) if device.type == "cpu" else 0
         self.stack = self._decode_stack()
 
-    def _streamed_weights(self) -> list[torch.Tensor]:
-        """The matrices a decode step reads whole (every layer's, the LM head), as tensors (a quantized one's codes and
-        scales): what `move_to_huge_pages` may move."""
+    def _streamed_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The matrices a decode step reads whole (every layer's, the LM head): the tensors that move where torch owns
+        them, and the int8 / int4 codes and scales, which `move_to_huge_pages` moves even where they view the file."""
         matrices = [self.lm_head]
         for _, mixer, _, mlp in self.layers:
             matrices += [getattr(mixer, "qkv", None), getattr(mixer, "o_proj", None), mlp.w13, mlp.w2,
                          mlp.shared_w13, mlp.shared_w2, *(mlp.dense or ())]
-        return [t for m in matrices if m is not None
-                for t in ((m.data, m.scale) if isinstance(m, QuantizedWeight) else (m,)) if isinstance(t, torch.Tensor)]
+        owned = [m for m in matrices if isinstance(m, torch.Tensor)]
+        mapped = []
+        for m in matrices:
+            if isinstance(m, QuantizedWeight):
+                tensors = [t for t in (m.data, m.scale) if isinstance(t, torch.Tensor)]
+                (mapped if m.kind in ("int8", "int4") else owned).extend(tensors)
+        return owned, mapped
 
     def _decode_stack(self):
         """The kernels' one-call form of every layer for decode steps (`KernelOps.decode_stack`), where the model is
