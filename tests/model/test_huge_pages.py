@@ -56,7 +56,8 @@ def test_owned_storages_move_with_their_values_and_views():
         smaps = _mapping(t.data_ptr())
         assert smaps.get("THPeligible") == "1", (name, smaps)  # the arena is advised for huge pages
     assert strided.stride() == (1, 30) and strided.shape == (30, 40)
-    assert row.data_ptr() == a.data_ptr() + 1000 * 4 and row.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    assert row.data_ptr() == a.data_ptr() + 1000 * 4
+    assert row.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     a[1, 7] = 42.0
     assert row[7] == 42.0  # still a view of a
     assert borrowed.data_ptr() == old["borrowed"] and torch.equal(borrowed, before["borrowed"])
@@ -72,7 +73,8 @@ def test_borrowed_storages_move_only_when_passed_as_mapped_and_whole():
     part = torch.empty(0, dtype=torch.int8).set_(torch.frombuffer(file, dtype=torch.int8).untyped_storage(), 4096,
                                                  (4096,), (1,))
     want_whole, want_part, at = whole.clone(), part.clone(), part.data_ptr()
-    assert move_to_huge_pages([whole]) == 0 and whole.data_ptr() == torch.frombuffer(memory, dtype=torch.int8).data_ptr()
+    assert move_to_huge_pages([whole]) == 0  # borrowed and not passed as mapped: stays
+    assert whole.data_ptr() == torch.frombuffer(memory, dtype=torch.int8).data_ptr()
     assert move_to_huge_pages([], mapped=[whole, part]) == len(memory)  # whole moves; part's storage is more than it
     assert torch.equal(whole, want_whole) and _mapping(whole.data_ptr()).get("THPeligible") == "1"
     assert part.data_ptr() == at and torch.equal(part, want_part)
@@ -103,3 +105,11 @@ def test_a_quantized_model_decodes_the_same_from_huge_pages(checkpoint, monkeypa
     unmoved, want_tokens, want_logprobs = _decode(checkpoint)
     assert unmoved.huge_page_bytes == 0 and _mapping(unmoved.layers[0][1].qkv.data.data_ptr()).get("THPeligible") != "1"
     assert tokens == want_tokens and logprobs == want_logprobs
+
+
+@needs_thp
+def test_inference_tensors_move_too():
+    with torch.inference_mode():  # (a loader may make its copies in inference mode)
+        t = torch.arange(3000, dtype=torch.float32) * 0.5
+    want, at = t.clone(), t.data_ptr()
+    assert move_to_huge_pages([t]) == 12032 and t.data_ptr() != at and torch.equal(t, want) and t.is_inference()

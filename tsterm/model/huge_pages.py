@@ -74,14 +74,16 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor | None], mapped: Iterable[
     if arena is None:
         return 0
     offset = 0
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.no_grad():
         for nbytes, group in moving:
             old = torch.empty(0, dtype=torch.uint8).set_(group[0].untyped_storage())  # the storage's bytes
             arena[offset:offset + nbytes].copy_(old)
             del old
-            for t in group:  # in bytes, arena.storage_offset() + offset: a multiple of ALIGN, so of the item size
-                t.set_(arena.untyped_storage(), (arena.storage_offset() + offset) // t.element_size() + t.storage_offset(),
-                       t.size(), t.stride())
+            start = arena.storage_offset() + offset  # in bytes: a multiple of ALIGN, so of any item size
+            for t in group:
+                with torch.inference_mode(t.is_inference()):  # (an inference tensor changes only inside one)
+                    t.set_(arena.untyped_storage(), start // t.element_size() + t.storage_offset(), t.size(),
+                           t.stride())
             offset += -(-nbytes // ALIGN) * ALIGN
     _trim()
     return offset
