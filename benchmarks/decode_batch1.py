@@ -64,6 +64,7 @@ def main() -> None:
     from tsterm.bench.measure import copy_bandwidth, stored_decode_bytes
 
     if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine's thread governor's ceiling (it reads this)
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     hf_dir = None  # transformers' copy, when tsterm's is not one it loads

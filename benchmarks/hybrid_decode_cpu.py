@@ -13,6 +13,7 @@ bound) and `small` (4 value heads of 128 x 128, 256 KB: the state traffic shows)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per sequence (default 32)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the engine's thread governor's ceiling (it reads this)
     torch.set_num_threads(args.threads)
     checkpoint = Path(args.checkpoint)
     if not (checkpoint / "config.json").is_file():
