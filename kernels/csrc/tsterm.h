@@ -276,47 +276,24 @@ static inline void tsterm_amx_config(int tiles) {
     _tile_loadconfig(&cfg);
 }
 
-/* r [16] (16 x 16 float32 or 32-bit words) transposed in registers: at each of 4 levels, the off-diagonal halves of
- * every 2b x 2b block swapped */
+/* r [16] (16 x 16 float32 or 32-bit words) transposed in registers: at each of 4 levels b (8, 4, 2, 1), every pair
+ * of rows i, i + b (bit b of i clear) swaps the off-diagonal halves of their 2b x 2b blocks: row i keeps its lanes
+ * without bit b and takes row i + b's lanes l - b in the others; row i + b takes row i's lanes l + b in the lanes
+ * without bit b and keeps its own in the others (the index vectors are constants once unrolled) */
 static inline void tsterm_transpose16(__m512 r[16]) {
-    { /* b = 8: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
+#pragma GCC unroll 4
+    for (int b = 8; b >= 1; b >>= 1) {
+        int32_t lo[16], hi[16];
+        for (int l = 0; l < 16; l++) {
+            lo[l] = (l & b) ? 16 + l - b : l;
+            hi[l] = (l & b) ? 16 + l : l + b;
+        }
+        const __m512i ilo = _mm512_loadu_si512(lo), ihi = _mm512_loadu_si512(hi);
         for (int i = 0; i < 16; i++)
-            if (!(i & 8)) {
-                const __m512 a = r[i], e = r[i + 8];
+            if (!(i & b)) {
+                const __m512 a = r[i], e = r[i + b];
                 r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 8] = _mm512_permutex2var_ps(a, ihi, e);
-            }
-    }
-    { /* b = 4: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(27, 26, 25, 24, 11, 10, 9, 8, 19, 18, 17, 16, 3, 2, 1, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 23, 22, 21, 20, 7, 6, 5, 4);
-        for (int i = 0; i < 16; i++)
-            if (!(i & 4)) {
-                const __m512 a = r[i], e = r[i + 4];
-                r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 4] = _mm512_permutex2var_ps(a, ihi, e);
-            }
-    }
-    { /* b = 2: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(29, 28, 13, 12, 25, 24, 9, 8, 21, 20, 5, 4, 17, 16, 1, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 30, 15, 14, 27, 26, 11, 10, 23, 22, 7, 6, 19, 18, 3, 2);
-        for (int i = 0; i < 16; i++)
-            if (!(i & 2)) {
-                const __m512 a = r[i], e = r[i + 2];
-                r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 2] = _mm512_permutex2var_ps(a, ihi, e);
-            }
-    }
-    { /* b = 1: row i keeps its lanes without bit b and takes row i + b's others; row i + b the rest */
-        const __m512i ilo = _mm512_set_epi32(30, 14, 28, 12, 26, 10, 24, 8, 22, 6, 20, 4, 18, 2, 16, 0);
-        const __m512i ihi = _mm512_set_epi32(31, 15, 29, 13, 27, 11, 25, 9, 23, 7, 21, 5, 19, 3, 17, 1);
-        for (int i = 0; i < 16; i++)
-            if (!(i & 1)) {
-                const __m512 a = r[i], e = r[i + 1];
-                r[i] = _mm512_permutex2var_ps(a, ilo, e);
-                r[i + 1] = _mm512_permutex2var_ps(a, ihi, e);
+                r[i + b] = _mm512_permutex2var_ps(a, ihi, e);
             }
     }
 }
