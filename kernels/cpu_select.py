@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from tsterm_kernels import cpu_native
 
-from tsterm.cpu import amx_permitted, read_cpuinfo
+from tsterm.cpu import amx_granted, read_cpuinfo
 
 ENV = "TSTERM_CPU_KERNELS"
 KINDS = ("gemm", "experts", "attention", "bf16", "bf16-attention")
@@ -83,8 +83,7 @@ class CpuInfo:
     def detect(cls) -> CpuInfo:
         model, flags = read_cpuinfo()
         limit = cpu_native.isa_limit()
-        amx = "amx_tile" in flags and limit == "native" and amx_permitted()
-        return cls(platform.machine(), model, flags, amx).restricted(limit)
+        return cls(platform.machine(), model, flags, amx_granted(flags, limit)).restricted(limit)
 
     def restricted(self, limit: str) -> CpuInfo:
         """This CPU as TSTERM_CPU_ISA=`limit` presents it: "avx2" drops every AVX-512, AVX-VNNI and AMX flag (what

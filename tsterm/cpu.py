@@ -40,6 +40,12 @@ def amx_permitted() -> bool:
         return False
 
 
+def amx_granted(flags: frozenset[str], isa_limit: str) -> bool:
+    """Whether this process may run AMX code: the CPU reports AMX, TSTERM_CPU_ISA leaves it in, and the OS grants the
+    tile state (asked only then). The dtype choice (CpuFeatures) and the kernel choice (cpu_select.CpuInfo) ask this."""
+    return "amx_tile" in flags and isa_limit == "native" and amx_permitted()
+
+
 def read_cpuinfo() -> tuple[str, frozenset[str]]:
     """/proc/cpuinfo's first model name and flags (x86 "flags", ARM "Features"); platform's name and no flags where it
     cannot be read."""
@@ -71,8 +77,7 @@ class CpuFeatures:
     def detect(cls) -> CpuFeatures:
         model, flags = read_cpuinfo()
         limit = os.environ.get(ISA_ENV, "").strip().lower() or "native"
-        granted = "amx_tile" in flags and limit == "native" and amx_permitted()
-        return cls(platform.machine(), model, flags, granted, limit)
+        return cls(platform.machine(), model, flags, amx_granted(flags, limit), limit)
 
     @property
     def x86(self) -> bool:

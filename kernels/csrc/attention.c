@@ -157,23 +157,9 @@ static inline __attribute__((always_inline)) void k_transpose(const tsterm_kv *k
         for (int64_t d = 0; d < D; d += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++) r[i] = kv_load8(KV_AT(k[i], d, bf16), bf16);
-            const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-            const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-            const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-            const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
-            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
-            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
-            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+            tsterm_transpose8(r);
             float *dst = kT + d * ATT_CHUNK + j; /* row d + i: the 8 keys' element d + i */
-            _mm256_storeu_ps(dst, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_storeu_ps(dst + ATT_CHUNK, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_storeu_ps(dst + 2 * ATT_CHUNK, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_storeu_ps(dst + 3 * ATT_CHUNK, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_storeu_ps(dst + 4 * ATT_CHUNK, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_storeu_ps(dst + 5 * ATT_CHUNK, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_storeu_ps(dst + 6 * ATT_CHUNK, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_storeu_ps(dst + 7 * ATT_CHUNK, _mm256_permute2f128_ps(u3, u7, 0x31));
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ATT_CHUNK, r[i]);
         }
     }
 }
@@ -298,12 +284,12 @@ static inline __attribute__((always_inline)) void pv512(const float *s, const vo
 static inline __m512 exp2_512(__m512 t) {
     t = _mm512_max_ps(t, _mm512_set1_ps(-125.0f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.32764783e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.67554189e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55071309e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240221202f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693146944f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.00000012f));
+    __m512 p = _mm512_set1_ps(TSTERM_EXP2_C5);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(TSTERM_EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(TSTERM_EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(TSTERM_EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(TSTERM_EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(TSTERM_EXP2_C0));
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
 }
 

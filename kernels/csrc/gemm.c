@@ -121,27 +121,10 @@ void tsterm_pack16(const float *const *rows, int64_t n, int64_t len, float *pack
         for (; k + 8 <= len; k += 8) {
             for (int h = 0; h < 2; h++) { /* rows 8h..8h+7: an 8 x 8 transpose */
                 const float *const *s = rows + 8 * h;
-                const __m256 r0 = _mm256_loadu_ps(s[0] + k), r1 = _mm256_loadu_ps(s[1] + k),
-                             r2 = _mm256_loadu_ps(s[2] + k), r3 = _mm256_loadu_ps(s[3] + k),
-                             r4 = _mm256_loadu_ps(s[4] + k), r5 = _mm256_loadu_ps(s[5] + k),
-                             r6 = _mm256_loadu_ps(s[6] + k), r7 = _mm256_loadu_ps(s[7] + k);
-                const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
-                             t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
-                             t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
-                             t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-                const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE),
-                             s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE),
-                             s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE),
-                             s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-                float *o = packed + k * NR + h * 8;
-                _mm256_store_ps(o + 0 * NR, _mm256_permute2f128_ps(s0, s4, 0x20));
-                _mm256_store_ps(o + 1 * NR, _mm256_permute2f128_ps(s1, s5, 0x20));
-                _mm256_store_ps(o + 2 * NR, _mm256_permute2f128_ps(s2, s6, 0x20));
-                _mm256_store_ps(o + 3 * NR, _mm256_permute2f128_ps(s3, s7, 0x20));
-                _mm256_store_ps(o + 4 * NR, _mm256_permute2f128_ps(s0, s4, 0x31));
-                _mm256_store_ps(o + 5 * NR, _mm256_permute2f128_ps(s1, s5, 0x31));
-                _mm256_store_ps(o + 6 * NR, _mm256_permute2f128_ps(s2, s6, 0x31));
-                _mm256_store_ps(o + 7 * NR, _mm256_permute2f128_ps(s3, s7, 0x31));
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(s[i] + k);
+                tsterm_transpose8(r);
+                for (int i = 0; i < 8; i++) _mm256_store_ps(packed + (k + i) * NR + h * 8, r[i]);
             }
         }
     }
@@ -485,6 +468,8 @@ static inline float32x4_t column4(const float *const r[4], int64_t k) {
         }                                                                                                           \
     }
 #else
+/* tsterm_transpose8 of columns k..k+7 of 8 rows, written out with the loads inside the unpacks: loading into an array
+ * and calling tsterm_transpose8 made the AVX-512 build's expert GEMMs 7-10% slower (prefill_kernels.py, one thread) */
 static inline void transpose8(const float *const r[8], int64_t k, __m256 t[8]) {
     const __m256 t0 = _mm256_unpacklo_ps(_mm256_loadu_ps(r[0] + k), _mm256_loadu_ps(r[1] + k));
     const __m256 t1 = _mm256_unpackhi_ps(_mm256_loadu_ps(r[0] + k), _mm256_loadu_ps(r[1] + k));

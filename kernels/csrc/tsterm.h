@@ -10,6 +10,15 @@
 #define TSTERM_INTERNAL __attribute__((visibility("hidden")))
 #define MAX_HEADS 64 /* query heads (of one rank) the decode attention takes */
 
+/* 2^f on [-1/2, 1/2]: the degree-5 minimax polynomial every width of exp2 evaluates (exp2_256 below, its NEON twin,
+ * attention.c's exp2_512), highest coefficient first; one set, so that the widths keep giving the same bits */
+#define TSTERM_EXP2_C5 1.32764783e-3f
+#define TSTERM_EXP2_C4 9.67554189e-3f
+#define TSTERM_EXP2_C3 5.55071309e-2f
+#define TSTERM_EXP2_C2 0.240221202f
+#define TSTERM_EXP2_C1 0.693146944f
+#define TSTERM_EXP2_C0 1.00000012f
+
 /* One block of 32 weights as float32, in quant.py's layouts: int8 codes times the block's fp16 d (GGUF Q8_0), or
  * int4 (byte i: input i in the low nibble, input i + 16 in the high one) as code * d + m (GGUF Q4_1; d, m fp16). */
 #if defined(__aarch64__)
@@ -103,12 +112,12 @@ static inline __m256 exp256(__m256 x) { return tsterm_m256(tsterm_exp4(x.lo), ts
 static inline float32x4_t tsterm_exp2_4(float32x4_t t) {
     t = tsterm_max_x86(t, vdupq_n_f32(-125.0f));
     const float32x4_t n = vrndnq_f32(t), f = vsubq_f32(t, n);
-    float32x4_t p = vdupq_n_f32(1.32764783e-3f);
-    p = vfmaq_f32(vdupq_n_f32(9.67554189e-3f), p, f);
-    p = vfmaq_f32(vdupq_n_f32(5.55071309e-2f), p, f);
-    p = vfmaq_f32(vdupq_n_f32(0.240221202f), p, f);
-    p = vfmaq_f32(vdupq_n_f32(0.693146944f), p, f);
-    p = vfmaq_f32(vdupq_n_f32(1.00000012f), p, f);
+    float32x4_t p = vdupq_n_f32(TSTERM_EXP2_C5);
+    p = vfmaq_f32(vdupq_n_f32(TSTERM_EXP2_C4), p, f);
+    p = vfmaq_f32(vdupq_n_f32(TSTERM_EXP2_C3), p, f);
+    p = vfmaq_f32(vdupq_n_f32(TSTERM_EXP2_C2), p, f);
+    p = vfmaq_f32(vdupq_n_f32(TSTERM_EXP2_C1), p, f);
+    p = vfmaq_f32(vdupq_n_f32(TSTERM_EXP2_C0), p, f);
     return vreinterpretq_f32_s32(vaddq_s32(vreinterpretq_s32_f32(p), vshlq_n_s32(vcvtnq_s32_f32(n), 23)));
 }
 static inline __m256 exp2_256(__m256 t) { return tsterm_m256(tsterm_exp2_4(t.lo), tsterm_exp2_4(t.hi)); }
@@ -172,12 +181,12 @@ static inline __m256 exp256(__m256 x) {
 static inline __m256 exp2_256(__m256 t) {
     t = _mm256_max_ps(t, _mm256_set1_ps(-125.0f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.32764783e-3f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.67554189e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55071309e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.240221202f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.693146944f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.00000012f));
+    __m256 p = _mm256_set1_ps(TSTERM_EXP2_C5);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(TSTERM_EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(TSTERM_EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(TSTERM_EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(TSTERM_EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(TSTERM_EXP2_C0));
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
 }
 
@@ -258,6 +267,25 @@ typedef struct {
 } tsterm_kv;
 
 #define TSTERM_ATT_AMX 2 /* tsterm_kv.kv_bf16: attention.c's AMX arithmetic */
+
+#if !defined(__aarch64__)
+/* r [8] (8 x 8 float32) transposed in registers: pairs of rows interleaved, pairs of those shuffled, 128-bit halves
+ * swapped (gemm.c's weight packing and attention.c's transposed K) */
+static inline __attribute__((always_inline)) void tsterm_transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #define TSTERM_AMX 1 /* AMX code is built (every CPU with AMX-BF16 has AVX512-BF16, which packs the tiles' inputs) */
